@@ -1,0 +1,72 @@
+// Messages on the session socket (SOCK_SEQPACKET, one message per packet, host byte order: both
+// ends are on the same node). The socket is open for the whole session; closing it ends the
+// session. Protocol: docs/sessions.md.
+#pragma once
+
+#include <cstdint>
+
+namespace tierd {
+
+inline constexpr uint32_t kSessionMagic = 0x54495244;  // "TIRD"
+inline constexpr uint16_t kSessionProtocolVersion = 1;
+inline constexpr int kSessionTokenBytes = 32;
+inline constexpr int kMaxSegmentsPerHello = 64;
+
+enum class SessionMessageType : uint16_t {
+  kHello = 1,       // client → daemon: open a session
+  kHelloReply = 2,  // daemon → client: credential, page fd, segment fds
+  kMapSegment = 3,  // client → daemon: send me this segment's fd
+  kMapSegmentReply = 4,
+};
+
+struct SessionMessageHeader {
+  uint32_t magic;
+  uint16_t version;
+  SessionMessageType type;
+};
+
+struct HelloRequest {
+  SessionMessageHeader header;
+  char client_name[64];  // for logs; NUL-terminated
+};
+
+struct SegmentDescriptor {
+  uint32_t segment;
+  uint32_t reserved;
+  uint64_t generation;
+  uint64_t size_bytes;
+};
+
+// On success carries fds in SCM_RIGHTS: the completion page first, then one per segment listed.
+struct HelloReply {
+  SessionMessageHeader header;
+  int32_t status_code;  // absl::StatusCode; 0 is OK
+  uint32_t uid;
+  uint64_t session_id;
+  char token_hex[2 * kSessionTokenBytes + 1];
+  char message[255];
+  uint32_t segment_count;
+  uint32_t reserved;
+  SegmentDescriptor segments[kMaxSegmentsPerHello];
+};
+
+struct MapSegmentRequest {
+  SessionMessageHeader header;
+  uint32_t segment;
+  uint32_t reserved;
+};
+
+// On success carries the segment's fd in SCM_RIGHTS.
+struct MapSegmentReply {
+  SessionMessageHeader header;
+  int32_t status_code;
+  uint32_t reserved;
+  SegmentDescriptor segment;
+  char message[256];
+};
+
+inline SessionMessageHeader MakeHeader(SessionMessageType type) {
+  return SessionMessageHeader{kSessionMagic, kSessionProtocolVersion, type};
+}
+
+}  // namespace tierd

@@ -1,0 +1,73 @@
+// A chunk's metadata and the rules of its state machine (docs/architecture.md, "Chunk states").
+// The functions here only check and apply transitions; the caller holds the chunk table's lock.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/tier.h"
+
+namespace tierd {
+
+using ChunkId = uint64_t;
+using SessionId = uint64_t;
+
+enum class ChunkState : uint8_t {
+  kReady = 1,   // no transfer in flight
+  kMoving = 2,  // a transfer to `moving_to` is in flight
+};
+
+enum class Access : uint8_t { kRead = 1, kWrite = 2 };
+
+// A set of tiers as a bit mask indexed by TierKind.
+class TierSet {
+ public:
+  bool contains(TierKind t) const { return bits_ & Bit(t); }
+  void insert(TierKind t) { bits_ |= Bit(t); }
+  void erase(TierKind t) { bits_ &= ~Bit(t); }
+  bool empty() const { return bits_ == 0; }
+  uint8_t bits() const { return bits_; }
+
+ private:
+  static uint8_t Bit(TierKind t) { return static_cast<uint8_t>(1u << static_cast<int>(t)); }
+  uint8_t bits_ = 0;
+};
+
+struct ChunkMeta {
+  ChunkId id = 0;
+  uint64_t size = 0;
+  SessionId owner = 0;  // the session that allocated or opened it; 0 for a detached persistent one
+  uint32_t tenant = 0;  // uid of the owner
+  uint32_t pins = 0;    // Acquire count over all sessions
+  ChunkState state = ChunkState::kReady;
+  TierKind home = TierKind::kHost;
+  TierKind moving_to = TierKind::kHost;
+  TierSet resident;  // tiers holding a valid copy
+  TierSet dirty;     // tiers whose copy is newer than the home tier's
+  bool persistent = false;
+  std::array<Placement, kTierKinds> placement{};  // valid where resident (or reserved)
+  std::string name;
+  std::vector<std::string> tags;
+};
+
+// The budget the issue sets: the table is built for millions of chunks.
+static_assert(sizeof(ChunkMeta) <= 256, "ChunkMeta must stay within 256 bytes per chunk");
+
+// Acquire(tier, access): the chunk must be resident there and not being moved.
+absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier);
+// REQUIRES: CheckPin(chunk, tier) is OK. A write makes that copy the newest.
+void Pin(ChunkMeta& chunk, TierKind tier, Access access);
+// Release: REQUIRES pins > 0.
+void Unpin(ChunkMeta& chunk);
+// Free: only a ready chunk nobody has acquired.
+absl::Status CheckFreeable(const ChunkMeta& chunk);
+// Starts a transfer into `to`; the chunk must be ready and have a valid copy to read from.
+absl::Status BeginMove(ChunkMeta& chunk, TierKind to);
+// Finishes the transfer BeginMove started: on success `to` holds a valid, clean-with-respect-to-
+// its-source copy; on failure the chunk is as it was before.
+void FinishMove(ChunkMeta& chunk, bool ok);
+
+}  // namespace tierd

@@ -1,0 +1,153 @@
+#include "daemon/config.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/sizes.h"
+#include "toml++/toml.h"
+
+namespace tierd {
+
+DaemonConfig DefaultConfig() {
+  DaemonConfig config;
+  const char* runtime_dir = std::getenv("RUNTIME_DIRECTORY");  // set by systemd's RuntimeDirectory=
+  config.socket_dir = runtime_dir != nullptr && *runtime_dir != '\0' ? runtime_dir : "var/run";
+  return config;
+}
+
+absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text) {
+  if (text == "auto") return HugePagePolicy::kAuto;
+  if (text == "never") return HugePagePolicy::kNever;
+  if (text == "require") return HugePagePolicy::kRequire;
+  return absl::InvalidArgumentError(
+      absl::StrCat("huge_pages must be 'auto', 'never' or 'require', not '", text, "'"));
+}
+
+absl::string_view HugePagePolicyName(HugePagePolicy policy) {
+  switch (policy) {
+    case HugePagePolicy::kAuto:
+      return "auto";
+    case HugePagePolicy::kNever:
+      return "never";
+    case HugePagePolicy::kRequire:
+      return "require";
+  }
+  return "?";
+}
+
+absl::Status ValidateLogLevel(absl::string_view level) {
+  static constexpr absl::string_view kLevels[] = {"trace", "debug",    "info", "warn",
+                                                  "error", "critical", "off"};
+  for (absl::string_view l : kLevels) {
+    if (level == l) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "log_level must be one of ", absl::StrJoin(kLevels, ", "), ", not '", level, "'"));
+}
+
+namespace {
+
+std::string Where(absl::string_view source, const toml::node& node) {
+  const toml::source_region& region = node.source();
+  return absl::StrCat(source, ":", region.begin.line);
+}
+
+absl::Status KeyError(absl::string_view source, const toml::node& node, absl::string_view key,
+                      absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(Where(source, node), ": ", key, ": ", what));
+}
+
+absl::StatusOr<std::string> GetString(absl::string_view source, const toml::node& node,
+                                      absl::string_view key) {
+  if (const auto* s = node.as_string()) return std::string(s->get());
+  return KeyError(source, node, key, "must be a string");
+}
+
+// Sizes may be written as integers (bytes) or strings with a unit ("64MiB").
+absl::StatusOr<uint64_t> GetSize(absl::string_view source, const toml::node& node,
+                                 absl::string_view key) {
+  if (const auto* i = node.as_integer()) {
+    if (i->get() < 0) return KeyError(source, node, key, "must not be negative");
+    return static_cast<uint64_t>(i->get());
+  }
+  if (const auto* s = node.as_string()) {
+    absl::StatusOr<uint64_t> size = ParseSize(s->get());
+    if (!size.ok()) return KeyError(source, node, key, size.status().message());
+    return size;
+  }
+  return KeyError(source, node, key, "must be a size: bytes, or a string such as \"64MiB\"");
+}
+
+}  // namespace
+
+absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
+                       DaemonConfig* config) {
+  toml::table root;
+  try {
+    root = toml::parse(std::string_view(toml_text.data(), toml_text.size()),
+                       std::string_view(source.data(), source.size()));
+  } catch (const toml::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ":", e.source().begin.line, ":",
+                                                   e.source().begin.column, ": ",
+                                                   std::string(e.description())));
+  }
+  for (auto&& [section_key, section_node] : root) {
+    const std::string section(section_key.str());
+    const toml::table* table = section_node.as_table();
+    if (table == nullptr || (section != "daemon" && section != "host")) {
+      return KeyError(source, section_node, section, "unknown section (known: [daemon], [host])");
+    }
+    for (auto&& [key_name, node] : *table) {
+      const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
+      if (key == "daemon.socket_dir") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        if (v->empty()) return KeyError(source, node, key, "must not be empty");
+        config->socket_dir = *v;
+      } else if (key == "daemon.socket_group") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        config->socket_group = *v;
+      } else if (key == "daemon.log_level") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        if (absl::Status s = ValidateLogLevel(*v); !s.ok()) {
+          return KeyError(source, node, key, s.message());
+        }
+        config->log_level = *v;
+      } else if (key == "host.capacity") {
+        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
+        if (!v.ok()) return v.status();
+        config->host.capacity = *v;
+      } else if (key == "host.segment_size") {
+        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
+        if (!v.ok()) return v.status();
+        config->host.segment_size = *v;
+      } else if (key == "host.huge_pages") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        absl::StatusOr<HugePagePolicy> policy = ParseHugePagePolicy(*v);
+        if (!policy.ok()) return KeyError(source, node, key, policy.status().message());
+        config->host.huge_pages = *policy;
+      } else {
+        return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return ApplyToml(text.str(), path, config);
+}
+
+}  // namespace tierd

@@ -1,0 +1,34 @@
+// The daemon's configuration: built-in defaults, then a TOML file, then command-line flags. Every
+// key is documented in docs/configuration.md and deploy/tierd.toml.
+#pragma once
+
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "daemon/host_segment_pool.h"
+
+namespace tierd {
+
+struct DaemonConfig {
+  // [daemon]
+  std::string socket_dir;    // holds tierd.sock (gRPC) and tierd.session.sock
+  std::string socket_group;  // group that may connect (sockets are 0660); empty: the daemon's
+  std::string log_level = "info";
+  // [host]
+  HostPoolOptions host{.capacity = 1ull << 30, .segment_size = 256ull << 20};
+};
+
+// The defaults: sockets in $RUNTIME_DIRECTORY when systemd provides one, else in ./var/run.
+DaemonConfig DefaultConfig();
+
+// Applies the keys of a TOML document on top of `config`. Unknown keys, wrong types and bad values
+// are errors that name the key and its line in `source`.
+absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source, DaemonConfig* config);
+absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config);
+
+absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text);
+absl::string_view HugePagePolicyName(HugePagePolicy policy);
+absl::Status ValidateLogLevel(absl::string_view level);
+
+}  // namespace tierd

@@ -1,0 +1,307 @@
+#include "daemon/rpc_server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/fmt_absl.h"
+#include "common/version.h"
+#include "grpcpp/grpcpp.h"
+#include "spdlog/spdlog.h"
+#include "tierd/v1/tierd.grpc.pb.h"
+
+namespace tierd {
+namespace {
+
+namespace pb = ::tierd::v1;
+
+constexpr char kSessionMetadata[] = "tierd-session";
+constexpr int kMaxMessageBytes = 256 << 20;  // a 1M-chunk batch is ~10 MiB
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::StatusOr<TierKind> FromProto(pb::Tier tier, bool allow_unspecified = true) {
+  switch (tier) {
+    case pb::TIER_UNSPECIFIED:
+      if (allow_unspecified) return TierKind::kHost;
+      break;
+    case pb::TIER_HOST:
+      return TierKind::kHost;
+    case pb::TIER_NVME:
+      return TierKind::kNvme;
+    case pb::TIER_DEVICE:
+      return TierKind::kDevice;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown tier ", static_cast<int>(tier)));
+}
+
+pb::Tier ToProto(TierKind tier) { return static_cast<pb::Tier>(static_cast<int>(tier)); }
+
+void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
+  out->set_chunk_id(c.id);
+  out->set_size_bytes(c.size);
+  out->set_name(c.name);
+  out->set_persistent(c.persistent);
+  for (const std::string& tag : c.tags) out->add_tags(tag);
+  out->set_home_tier(ToProto(c.home));
+  for (int t = 1; t < kTierKinds; ++t) {
+    if (c.resident.contains(static_cast<TierKind>(t)))
+      out->add_resident_tiers(static_cast<pb::Tier>(t));
+    if (c.dirty.contains(static_cast<TierKind>(t))) out->add_dirty_tiers(static_cast<pb::Tier>(t));
+  }
+  out->set_state(c.state == ChunkState::kMoving ? pb::CHUNK_STATE_MOVING : pb::CHUNK_STATE_READY);
+  out->set_pins(c.pins);
+  out->set_owner_session(c.owner);
+}
+
+void ToProto(CompletionToken token, pb::Completion* out) {
+  out->set_slot(token.slot);
+  out->set_sequence(token.sequence);
+}
+
+template <typename Ids>
+std::span<const ChunkId> Span(const Ids& ids) {
+  return {ids.data(), static_cast<size_t>(ids.size())};
+}
+
+class TierdService final : public pb::Tierd::Service {
+ public:
+  explicit TierdService(RpcServerDeps deps) : deps_(std::move(deps)), started_(absl::Now()) {}
+
+  grpc::Status Allocate(grpc::ServerContext* ctx, const pb::AllocateRequest* req,
+                        pb::AllocateResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    std::vector<ChunkRequest> requests;
+    requests.reserve(req->chunks_size());
+    for (int i = 0; i < req->chunks_size(); ++i) {
+      const pb::ChunkSpec& spec = req->chunks(i);
+      absl::StatusOr<TierKind> home = FromProto(spec.home_tier());
+      if (!home.ok()) {
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("Allocate, chunk #", i, ": ", home.status().message())));
+      }
+      requests.push_back(ChunkRequest{spec.size_bytes(),
+                                      *home,
+                                      spec.name(),
+                                      spec.persistent(),
+                                      {spec.tags().begin(), spec.tags().end()},
+                                      spec.open_existing()});
+    }
+    absl::StatusOr<std::vector<ChunkId>> ids = deps_.chunks->Allocate(**session, requests);
+    if (!ids.ok()) return ToGrpc(ids.status());
+    resp->mutable_chunk_ids()->Add(ids->begin(), ids->end());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Free(grpc::ServerContext* ctx, const pb::FreeRequest* req,
+                    pb::FreeResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->Free(**session, Span(req->chunk_ids())));
+  }
+
+  grpc::Status Prefetch(grpc::ServerContext* ctx, const pb::PrefetchRequest* req,
+                        pb::PrefetchResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<CompletionToken> token =
+        deps_.chunks->Prefetch(**session, Span(req->chunk_ids()), *tier, req->priority());
+    if (!token.ok()) return ToGrpc(token.status());
+    ToProto(*token, resp->mutable_completion());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Evict(grpc::ServerContext* ctx, const pb::EvictRequest* req,
+                     pb::EvictResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<CompletionToken> token =
+        deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier);
+    if (!token.ok()) return ToGrpc(token.status());
+    ToProto(*token, resp->mutable_completion());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Acquire(grpc::ServerContext* ctx, const pb::AcquireRequest* req,
+                       pb::AcquireResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier());
+    if (!tier.ok()) return ToGrpc(tier.status());
+    Access access;
+    switch (req->mode()) {
+      case pb::ACCESS_MODE_READ:
+        access = Access::kRead;
+        break;
+      case pb::ACCESS_MODE_WRITE:
+        access = Access::kWrite;
+        break;
+      default:
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("Acquire: access mode ", static_cast<int>(req->mode()),
+                         " is not ACCESS_MODE_READ or ACCESS_MODE_WRITE")));
+    }
+    absl::StatusOr<AcquireResult> result =
+        deps_.chunks->Acquire(**session, Span(req->chunk_ids()), *tier, access);
+    if (!result.ok()) return ToGrpc(result.status());
+    resp->mutable_locations()->Reserve(req->chunk_ids_size());
+    for (int i = 0; i < req->chunk_ids_size(); ++i) {
+      const Placement& p = result->locations[i];
+      pb::ChunkLocation* loc = resp->add_locations();
+      loc->set_chunk_id(req->chunk_ids(i));
+      loc->set_tier(ToProto(p.tier));
+      loc->set_size_bytes(p.size);
+      loc->set_segment(p.segment);
+      loc->set_segment_generation(p.generation);
+      loc->set_offset(p.offset);
+    }
+    ToProto(result->ready, resp->mutable_ready());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Release(grpc::ServerContext* ctx, const pb::ReleaseRequest* req,
+                       pb::ReleaseResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->Release(**session, Span(req->chunk_ids())));
+  }
+
+  grpc::Status Stat(grpc::ServerContext* ctx, const pb::StatRequest* req,
+                    pb::StatResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<std::vector<ChunkMeta>> chunks =
+        deps_.chunks->Stat(**session, Span(req->chunk_ids()));
+    if (!chunks.ok()) return ToGrpc(chunks.status());
+    for (const ChunkMeta& c : *chunks) ToProto(c, resp->add_chunks());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListChunks(grpc::ServerContext* ctx, const pb::ListChunksRequest* req,
+                          pb::ListChunksResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    if (req->page_size() > kMaxPageSize) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("ListChunks: page_size ", req->page_size(), " exceeds ", kMaxPageSize)));
+    }
+    ChunkPage page = deps_.chunks->List(**session, req->page_token(), req->page_size());
+    for (const ChunkMeta& c : page.chunks) ToProto(c, resp->add_chunks());
+    resp->set_next_page_token(page.next_page_token);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetNodeInfo(grpc::ServerContext* ctx, const pb::GetNodeInfoRequest*,
+                           pb::GetNodeInfoResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    resp->set_hostname(host);
+    pb::BuildInfo* build = resp->mutable_build();
+    build->set_version(TIERD_VERSION);
+    build->set_build_type(TIERD_BUILD_TYPE);
+#ifdef TIERD_HAVE_CUDA
+    build->set_cuda(true);
+#endif
+    build->set_cuda_version(deps_.devices.cuda_version);
+    build->set_sanitizer(TIERD_SANITIZER);
+    build->set_compiler(TIERD_COMPILER);
+    for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+      pb::TierInfo* info = resp->add_tiers();
+      info->set_tier(ToProto(kind));
+      Tier* tier = deps_.chunks->tier(kind);
+      info->set_configured(tier != nullptr);
+      if (tier == nullptr) continue;
+      TierUsage usage = tier->Usage();
+      info->set_capacity_bytes(usage.capacity_bytes);
+      info->set_used_bytes(usage.used_bytes);
+      info->set_free_bytes(usage.capacity_bytes - usage.used_bytes);
+      info->set_largest_free_bytes(usage.largest_free_bytes);
+      info->set_detail(tier->Describe());
+    }
+    for (const GpuDevice& d : deps_.devices.devices) {
+      pb::DeviceInfo* dev = resp->add_devices();
+      dev->set_uuid(d.uuid);
+      dev->set_name(d.name);
+      dev->set_memory_bytes(d.memory_bytes);
+    }
+    resp->set_device_status(deps_.devices.status);
+    resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
+    resp->set_chunks(deps_.chunks->chunk_count());
+    resp->set_uptime_seconds(absl::ToInt64Seconds(absl::Now() - started_));
+    return grpc::Status::OK;
+  }
+
+ private:
+  absl::StatusOr<std::shared_ptr<Session>> Authenticate(grpc::ServerContext* ctx) const {
+    const auto& metadata = ctx->client_metadata();
+    auto it = metadata.find(kSessionMetadata);
+    if (it == metadata.end()) {
+      return absl::PermissionDeniedError(
+          "no session credential: send '<id>:<token>' from the session socket in the "
+          "'tierd-session' metadata");
+    }
+    return deps_.sessions->Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  }
+
+  RpcServerDeps deps_;
+  absl::Time started_;
+};
+
+}  // namespace
+
+struct RpcServer::Impl {
+  std::unique_ptr<TierdService> service;
+  std::unique_ptr<grpc::Server> server;
+};
+
+absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path, unsigned mode,
+                                                            RpcServerDeps deps) {
+  auto impl = std::make_unique<Impl>();
+  impl->service = std::make_unique<TierdService>(std::move(deps));
+  ::unlink(path.c_str());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
+  builder.RegisterService(impl->service.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // gRPC creates the socket with the process umask; narrow it so the socket is never wider than
+  // `mode`, even for the instant before the chmod below.
+  mode_t old_umask = ::umask(0777 & ~mode);
+  impl->server = builder.BuildAndStart();
+  ::umask(old_umask);
+  if (impl->server == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on unix:", path, " (is the directory writable?)"));
+  }
+  if (::chmod(path.c_str(), mode) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("chmod('", path, "')"));
+  }
+  return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
+}
+
+RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RpcServer::~RpcServer() { Shutdown(absl::Seconds(5)); }
+
+void RpcServer::Shutdown(absl::Duration grace) {
+  if (impl_->server == nullptr) return;
+  impl_->server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  impl_->server->Wait();
+  impl_->server.reset();
+}
+
+}  // namespace tierd

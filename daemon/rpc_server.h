@@ -1,0 +1,37 @@
+// The gRPC server on the daemon's Unix socket. The generated API code stays inside rpc_server.cc.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/chunk_service.h"
+#include "daemon/device_probe.h"
+#include "daemon/host_segment_pool.h"
+#include "daemon/session.h"
+
+namespace tierd {
+
+struct RpcServerDeps {
+  SessionRegistry* sessions = nullptr;
+  ChunkService* chunks = nullptr;
+  DeviceProbe devices;
+};
+
+class RpcServer {
+ public:
+  // Serves the API on unix:`path`, creating the socket with mode `mode`.
+  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const std::string& path, unsigned mode,
+                                                          RpcServerDeps deps);
+  ~RpcServer();
+  // Refuses new calls, lets calls in flight finish (up to `grace`), and stops.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  struct Impl;
+  explicit RpcServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierd

@@ -1,0 +1,105 @@
+#include "daemon/session.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace tierd {
+
+std::string Session::TokenHex() const {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(token.data()), token.size()));
+}
+
+std::string Session::Describe() const {
+  return absl::StrCat("session ", id, " (uid ", peer.uid, ", pid ", peer.pid,
+                      client_name.empty() ? "" : ", ", client_name, ")");
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredentials& peer,
+                                                               absl::string_view client_name) {
+  auto session = std::make_shared<Session>();
+  session->peer = peer;
+  session->client_name = std::string(client_name);
+  session->opened = absl::Now();
+  size_t filled = 0;
+  while (filled < session->token.size()) {
+    ssize_t n = getrandom(session->token.data() + filled, session->token.size() - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::ErrnoToStatus(errno, "getrandom for a session token");
+    filled += static_cast<size_t>(n);
+  }
+  absl::MutexLock lock(&mu_);
+  session->id = next_id_++;
+  absl::StatusOr<std::unique_ptr<CompletionRing>> ring = CompletionRing::Create(session->id);
+  if (!ring.ok()) return ring.status();
+  session->completions = std::move(*ring);
+  sessions_[session->id] = session;
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Authenticate(
+    absl::string_view credential) const {
+  auto denied = [] {
+    return absl::PermissionDeniedError(
+        "missing or invalid session credential: open a session on the session socket and send "
+        "'<id>:<token>' in the 'tierd-session' metadata");
+  };
+  size_t colon = credential.find(':');
+  SessionId id = 0;
+  if (colon == absl::string_view::npos || !absl::SimpleAtoi(credential.substr(0, colon), &id)) {
+    return denied();
+  }
+  absl::string_view hex = credential.substr(colon + 1);
+  if (hex.size() != 2 * kSessionTokenBytes ||
+      !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
+    return denied();
+  }
+  std::string presented = absl::HexStringToBytes(hex);
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("session ", id, " is not open (it ended, or never existed)"));
+    }
+    session = it->second;
+  }
+  uint8_t diff = 0;
+  for (size_t i = 0; i < session->token.size(); ++i) {
+    diff |= static_cast<uint8_t>(presented[i]) ^ session->token[i];
+  }
+  if (diff != 0) return denied();
+  return session;
+}
+
+std::shared_ptr<Session> SessionRegistry::Close(SessionId id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return nullptr;
+  std::shared_ptr<Session> session = std::move(it->second);
+  sessions_.erase(it);
+  return session;
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::All() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  out.reserve(sessions_.size());
+  for (const auto& [id, session] : sessions_) out.push_back(session);
+  return out;
+}
+
+size_t SessionRegistry::size() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
+}  // namespace tierd

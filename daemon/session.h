@@ -1,0 +1,66 @@
+// Sessions: one per client connection on the session socket. A session is identified to gRPC calls
+// by its id and an unguessable token; it lives until its session socket closes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+#include "absl/strings/string_view.h"
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/session_protocol.h"
+#include "daemon/chunk.h"
+#include "daemon/completion_ring.h"
+
+namespace tierd {
+
+struct PeerCredentials {
+  uint32_t uid = 0;
+  uint32_t gid = 0;
+  pid_t pid = 0;
+};
+
+struct Session {
+  SessionId id = 0;
+  PeerCredentials peer;
+  std::string client_name;
+  std::array<uint8_t, kSessionTokenBytes> token{};
+  std::unique_ptr<CompletionRing> completions;
+  absl::Time opened;
+  // Set (under the chunk service's lock) when the session ends; requests that raced with the end
+  // see it and change nothing.
+  mutable std::atomic<bool> ended{false};
+
+  std::string TokenHex() const;
+  // "session 7 (uid 1000, pid 4242, trainer)" for messages.
+  std::string Describe() const;
+};
+
+class SessionRegistry {
+ public:
+  absl::StatusOr<std::shared_ptr<Session>> Open(const PeerCredentials& peer,
+                                                absl::string_view client_name);
+  // Parses "<id>:<token hex>" and returns the live session it names. PERMISSION_DENIED otherwise,
+  // in constant time with respect to the token's contents.
+  absl::StatusOr<std::shared_ptr<Session>> Authenticate(absl::string_view credential) const;
+  // Removes the session; returns it (null if unknown) so the caller can reclaim its resources.
+  std::shared_ptr<Session> Close(SessionId id);
+  std::vector<std::shared_ptr<Session>> All() const;
+  size_t size() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  SessionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<SessionId, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tierd
