@@ -29,7 +29,7 @@ void FutexWakeAll(std::atomic<uint32_t>* word) {
 
 namespace {
 
-absl::Status CheckToken(CompletionToken token) {
+absl::Status CheckToken(SlotToken token) {
   if (token.slot >= kCompletionSlots || token.sequence == 0 || token.sequence > kMaxSlotSequence) {
     return absl::InvalidArgumentError(absl::StrCat("completion token (slot ", token.slot,
                                                    ", sequence ", token.sequence,
@@ -38,7 +38,7 @@ absl::Status CheckToken(CompletionToken token) {
   return absl::OkStatus();
 }
 
-absl::Status Stale(CompletionToken token, uint32_t word) {
+absl::Status Stale(SlotToken token, uint32_t word) {
   return absl::FailedPreconditionError(
       absl::StrCat("completion token (slot ", token.slot, ", sequence ", token.sequence,
                    ") is no longer current: the slot holds sequence ", SlotSequence(word),
@@ -47,14 +47,14 @@ absl::Status Stale(CompletionToken token, uint32_t word) {
 
 }  // namespace
 
-absl::StatusOr<SlotState> PollCompletion(const CompletionPage& page, CompletionToken token) {
+absl::StatusOr<SlotState> PollCompletion(const CompletionPage& page, SlotToken token) {
   if (absl::Status s = CheckToken(token); !s.ok()) return s;
   uint32_t word = page.slots[token.slot].word.load(std::memory_order_acquire);
   if (SlotSequence(word) != token.sequence) return Stale(token, word);
   return SlotStateOf(word);
 }
 
-absl::Status WaitCompletion(CompletionPage& page, CompletionToken token, absl::Duration timeout) {
+absl::Status WaitCompletion(CompletionPage& page, SlotToken token, absl::Duration timeout) {
   if (absl::Status s = CheckToken(token); !s.ok()) return s;
   CompletionSlot& slot = page.slots[token.slot];
   const absl::Time deadline =

@@ -60,7 +60,7 @@ inline constexpr size_t kCompletionPageBytes = sizeof(CompletionPage);
 static_assert(kCompletionPageBytes % 4096 == 0);
 
 // A request's handle on its slot.
-struct CompletionToken {
+struct SlotToken {
   uint32_t slot = 0;
   uint32_t sequence = 0;
 };
@@ -73,11 +73,11 @@ void FutexWakeAll(std::atomic<uint32_t>* word);
 
 // Client side: the state of a token without a system call. kPending while in flight; an error if
 // the token does not name the slot's current request.
-absl::StatusOr<SlotState> PollCompletion(const CompletionPage& page, CompletionToken token);
+absl::StatusOr<SlotState> PollCompletion(const CompletionPage& page, SlotToken token);
 
 // Client side: waits until the token's request completes or the deadline passes; returns the
 // request's status and acknowledges the slot so the daemon may reuse it. No system call when the
 // request has already completed.
-absl::Status WaitCompletion(CompletionPage& page, CompletionToken token, absl::Duration timeout);
+absl::Status WaitCompletion(CompletionPage& page, SlotToken token, absl::Duration timeout);
 
 }  // namespace tierd

@@ -30,7 +30,7 @@ absl::StatusOr<sockaddr_un> MakeAddress(const std::string& path) {
 absl::StatusOr<UniqueFd> ListenSeqpacket(const std::string& path, unsigned mode) {
   absl::StatusOr<sockaddr_un> addr = MakeAddress(path);
   if (!addr.ok()) return addr.status();
-  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  UniqueFd fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd) return Errno(errno, "socket(AF_UNIX, SOCK_SEQPACKET)");
 
   // A socket file that nobody accepts on is a leftover of a daemon that died; one that accepts

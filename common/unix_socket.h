@@ -12,7 +12,8 @@
 namespace tierd {
 
 // Binds a SOCK_SEQPACKET listener at `path` with the given file mode. A stale socket file left by
-// a dead daemon is replaced; a live one is an error (another daemon serves it).
+// a dead daemon is replaced; a live one is an error (another daemon serves it). The listener is
+// non-blocking, for an event loop.
 absl::StatusOr<UniqueFd> ListenSeqpacket(const std::string& path, unsigned mode);
 
 absl::StatusOr<UniqueFd> ConnectSeqpacket(const std::string& path);

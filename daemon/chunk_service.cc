@@ -253,7 +253,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   }
   // Every copy is resident, so the batch is ready now. (Acquire of a chunk still in transit will
   // post a pending token that the transfer completes.)
-  absl::StatusOr<CompletionToken> token = session.completions->PostCompleted(absl::OkStatus());
+  absl::StatusOr<SlotToken> token = session.completions->PostCompleted(absl::OkStatus());
   if (!token.ok()) return token.status();
 
   AcquireResult result;
@@ -289,7 +289,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   return absl::OkStatus();
 }
 
-absl::StatusOr<CompletionToken> ChunkService::Prefetch(const Session& session,
+absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
                                                        std::span<const ChunkId> ids, TierKind tier,
                                                        int /*priority*/) {
   if (absl::Status s = CheckBatch(ids.size(), "Prefetch"); !s.ok()) return s;
@@ -313,7 +313,7 @@ absl::StatusOr<CompletionToken> ChunkService::Prefetch(const Session& session,
   return session.completions->PostCompleted(absl::OkStatus());
 }
 
-absl::StatusOr<CompletionToken> ChunkService::Evict(const Session& session,
+absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session,
                                                     std::span<const ChunkId> ids, TierKind tier) {
   if (absl::Status s = CheckBatch(ids.size(), "Evict"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Evict"); !s.ok()) return s;

@@ -37,7 +37,7 @@ struct ChunkRequest {
 
 struct AcquireResult {
   std::vector<Placement> locations;  // in request order
-  CompletionToken ready;
+  SlotToken ready;
 };
 
 struct ChunkPage {
@@ -68,9 +68,9 @@ class ChunkService {
   absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
                                         TierKind tier, Access access);
   absl::Status Release(const Session& session, std::span<const ChunkId> ids);
-  absl::StatusOr<CompletionToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
+  absl::StatusOr<SlotToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
                                            TierKind tier, int priority);
-  absl::StatusOr<CompletionToken> Evict(const Session& session, std::span<const ChunkId> ids,
+  absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
                                         TierKind tier);
   absl::StatusOr<std::vector<ChunkMeta>> Stat(const Session& session, std::span<const ChunkId> ids);
   // The session's chunks and its tenant's persistent chunks with id >= page_token, by id.

@@ -34,7 +34,7 @@ CompletionRing::CompletionRing(UniqueFd fd, CompletionPage* page)
 
 CompletionRing::~CompletionRing() { munmap(page_, kCompletionPageBytes); }
 
-absl::StatusOr<CompletionToken> CompletionRing::Post() {
+absl::StatusOr<SlotToken> CompletionRing::Post() {
   absl::MutexLock lock(&mu_);
   for (uint32_t probe = 0; probe < kCompletionSlots; ++probe) {
     const uint32_t slot = (next_ + probe) % kCompletionSlots;
@@ -48,7 +48,7 @@ absl::StatusOr<CompletionToken> CompletionRing::Post() {
     page_->slots[slot].word.store(SlotWord(next_seq, SlotState::kPending),
                                   std::memory_order_release);
     next_ = (slot + 1) % kCompletionSlots;
-    return CompletionToken{slot, next_seq};
+    return SlotToken{slot, next_seq};
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "all ", kCompletionSlots,
@@ -56,7 +56,7 @@ absl::StatusOr<CompletionToken> CompletionRing::Post() {
       "completion tokens before issuing more asynchronous requests"));
 }
 
-void CompletionRing::Complete(CompletionToken token, const absl::Status& status) {
+void CompletionRing::Complete(SlotToken token, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   assert(token.slot < kCompletionSlots && pending_[token.slot] &&
          sequence_[token.slot] == token.sequence);
@@ -69,8 +69,8 @@ void CompletionRing::Complete(CompletionToken token, const absl::Status& status)
   FutexWakeAll(&slot.word);
 }
 
-absl::StatusOr<CompletionToken> CompletionRing::PostCompleted(const absl::Status& status) {
-  absl::StatusOr<CompletionToken> token = Post();
+absl::StatusOr<SlotToken> CompletionRing::PostCompleted(const absl::Status& status) {
+  absl::StatusOr<SlotToken> token = Post();
   if (!token.ok()) return token;
   // Nobody can be waiting on a token that has not been handed out yet: no wake-up needed.
   absl::MutexLock lock(&mu_);

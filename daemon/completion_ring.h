@@ -28,11 +28,11 @@ class CompletionRing {
 
   // Takes a free slot and marks it pending. RESOURCE_EXHAUSTED when every slot is pending or not
   // yet acknowledged by the client.
-  absl::StatusOr<CompletionToken> Post();
+  absl::StatusOr<SlotToken> Post();
   // Completes a pending slot and wakes its waiters.
-  void Complete(CompletionToken token, const absl::Status& status);
+  void Complete(SlotToken token, const absl::Status& status);
   // Post and Complete at once: for requests that are done when they are answered.
-  absl::StatusOr<CompletionToken> PostCompleted(const absl::Status& status);
+  absl::StatusOr<SlotToken> PostCompleted(const absl::Status& status);
 
   size_t pending() const;
 

@@ -61,7 +61,7 @@ void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_owner_session(c.owner);
 }
 
-void ToProto(CompletionToken token, pb::Completion* out) {
+void ToProto(SlotToken token, pb::Completion* out) {
   out->set_slot(token.slot);
   out->set_sequence(token.sequence);
 }
@@ -114,7 +114,7 @@ class TierdService final : public pb::Tierd::Service {
     if (!session.ok()) return ToGrpc(session.status());
     absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
     if (!tier.ok()) return ToGrpc(tier.status());
-    absl::StatusOr<CompletionToken> token =
+    absl::StatusOr<SlotToken> token =
         deps_.chunks->Prefetch(**session, Span(req->chunk_ids()), *tier, req->priority());
     if (!token.ok()) return ToGrpc(token.status());
     ToProto(*token, resp->mutable_completion());
@@ -127,7 +127,7 @@ class TierdService final : public pb::Tierd::Service {
     if (!session.ok()) return ToGrpc(session.status());
     absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
     if (!tier.ok()) return ToGrpc(tier.status());
-    absl::StatusOr<CompletionToken> token =
+    absl::StatusOr<SlotToken> token =
         deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier);
     if (!token.ok()) return ToGrpc(token.status());
     ToProto(*token, resp->mutable_completion());

@@ -1,0 +1,552 @@
+#include "tierd/client.hpp"
+
+#include <sys/mman.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/completion_page.h"
+#include "common/session_protocol.h"
+#include "common/unique_fd.h"
+#include "common/unix_socket.h"
+#include "grpcpp/grpcpp.h"
+#include "tierd/v1/tierd.grpc.pb.h"
+
+namespace tierd {
+namespace {
+
+namespace pb = ::tierd::v1;
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view rpc) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(rpc, ": ", s.error_message()));
+}
+
+// A read-write shared mapping of a whole fd.
+class Mapping {
+ public:
+  Mapping() = default;
+  Mapping(void* base, size_t size) : base_(base), size_(size) {}
+  Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), size_(o.size_) {}
+  Mapping& operator=(Mapping&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      base_ = std::exchange(o.base_, nullptr);
+      size_ = o.size_;
+    }
+    return *this;
+  }
+  ~Mapping() { Reset(); }
+  void* base() const { return base_; }
+
+  static absl::StatusOr<Mapping> Map(int fd, size_t size, absl::string_view what) {
+    void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) return absl::ErrnoToStatus(errno, absl::StrCat("mmap of ", what));
+    return Mapping(base, size);
+  }
+
+ private:
+  void Reset() {
+    if (base_ != nullptr) munmap(base_, size_);
+    base_ = nullptr;
+  }
+  void* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+struct MappedSegment {
+  uint64_t generation = 0;
+  Mapping mapping;
+};
+
+template <size_t N>
+void CopyString(char (&dst)[N], absl::string_view src) {
+  size_t n = std::min(src.size(), N - 1);
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
+
+Tier FromProto(pb::Tier t) { return static_cast<Tier>(static_cast<int>(t)); }
+pb::Tier ToProto(Tier t) { return static_cast<pb::Tier>(static_cast<int>(t)); }
+
+ChunkInfo FromProto(const pb::ChunkInfo& c) {
+  ChunkInfo info;
+  info.id = c.chunk_id();
+  info.size = c.size_bytes();
+  info.name = c.name();
+  info.persistent = c.persistent();
+  info.tags.assign(c.tags().begin(), c.tags().end());
+  info.home = FromProto(c.home_tier());
+  for (int t : c.resident_tiers()) info.resident.push_back(static_cast<Tier>(t));
+  for (int t : c.dirty_tiers()) info.dirty.push_back(static_cast<Tier>(t));
+  info.moving = c.state() == pb::CHUNK_STATE_MOVING;
+  info.pins = c.pins();
+  info.owner_session = c.owner_session();
+  return info;
+}
+
+template <typename Repeated>
+void AddIds(Repeated* out, std::span<const ChunkId> ids) {
+  out->Reserve(static_cast<int>(ids.size()));
+  for (ChunkId id : ids) out->AddAlreadyReserved(id);
+}
+
+}  // namespace
+
+struct Client::Impl {
+  ClientOptions options;
+  UniqueFd session_socket;
+  uint64_t session_id = 0;
+  uint32_t uid = 0;
+  std::string credential;  // "<id>:<token>"
+  Mapping completion_mapping;
+  CompletionPage* page = nullptr;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::Tierd::Stub> stub;
+
+  absl::Mutex socket_mu;  // one request/reply on the session socket at a time
+  absl::Mutex segments_mu;
+  absl::flat_hash_map<uint32_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
+
+  void Prepare(grpc::ClientContext* ctx) const {
+    ctx->AddMetadata("tierd-session", credential);
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+  }
+
+  absl::Status AddSegment(const SegmentDescriptor& d, UniqueFd fd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
+    absl::StatusOr<Mapping> m =
+        Mapping::Map(fd.get(), d.size_bytes, absl::StrCat("host segment ", d.segment));
+    if (!m.ok()) return m.status();
+    segments[d.segment] = MappedSegment{d.generation, std::move(*m)};
+    return absl::OkStatus();
+  }
+
+  // The address of `offset` in a host segment, mapping (or remapping) the segment as needed.
+  absl::StatusOr<char*> SegmentAddress(uint32_t segment, uint64_t generation, uint64_t offset) {
+    absl::MutexLock lock(&segments_mu);
+    auto it = segments.find(segment);
+    if (it == segments.end() || it->second.generation != generation) {
+      MapSegmentRequest request{};
+      request.header = MakeHeader(SessionMessageType::kMapSegment);
+      request.segment = segment;
+      MapSegmentReply reply{};
+      std::vector<UniqueFd> fds;
+      {
+        absl::MutexLock socket_lock(&socket_mu);
+        if (absl::Status s = SendWithFds(session_socket.get(), &request, sizeof(request), {});
+            !s.ok()) {
+          return s;
+        }
+        absl::StatusOr<size_t> n =
+            ReceiveWithFds(session_socket.get(), &reply, sizeof(reply), &fds);
+        if (!n.ok()) return n.status();
+        if (*n != sizeof(reply) || reply.header.magic != kSessionMagic ||
+            reply.header.type != SessionMessageType::kMapSegmentReply) {
+          return absl::UnavailableError("the daemon closed the session socket or sent garbage");
+        }
+      }
+      if (reply.status_code != 0) {
+        return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
+                            absl::StrCat("mapping host segment ", segment, ": ", reply.message));
+      }
+      if (fds.size() != 1) return absl::InternalError("segment reply without an fd");
+      if (absl::Status s = AddSegment(reply.segment, std::move(fds[0])); !s.ok()) return s;
+      it = segments.find(segment);
+      if (it->second.generation != generation) {
+        return absl::AbortedError(
+            absl::StrCat("host segment ", segment, " changed while it was being mapped; retry"));
+      }
+    }
+    return static_cast<char*>(it->second.mapping.base()) + offset;
+  }
+};
+
+const TierStatus* NodeInfo::tier(Tier t) const {
+  for (const TierStatus& s : tiers) {
+    if (s.tier == t) return &s;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  if (impl->options.socket_dir.empty()) {
+    const char* env = std::getenv("TIERD_SOCKET_DIR");
+    impl->options.socket_dir = env != nullptr && *env != '\0' ? env : "/run/tierd";
+  }
+  const std::string session_path = impl->options.socket_dir + "/tierd.session.sock";
+  absl::StatusOr<UniqueFd> sock = ConnectSeqpacket(session_path);
+  if (!sock.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot reach tierd at ", session_path, ": ",
+                                               sock.status().message(),
+                                               " (is the daemon running? see TIERD_SOCKET_DIR)"));
+  }
+  impl->session_socket = std::move(*sock);
+
+  HelloRequest hello{};
+  hello.header = MakeHeader(SessionMessageType::kHello);
+  CopyString(hello.client_name, options.client_name);
+  if (absl::Status s = SendWithFds(impl->session_socket.get(), &hello, sizeof(hello), {});
+      !s.ok()) {
+    return s;
+  }
+  HelloReply reply{};
+  std::vector<UniqueFd> fds;
+  absl::StatusOr<size_t> n =
+      ReceiveWithFds(impl->session_socket.get(), &reply, sizeof(reply), &fds);
+  if (!n.ok()) return n.status();
+  if (*n != sizeof(reply) || reply.header.magic != kSessionMagic ||
+      reply.header.version != kSessionProtocolVersion ||
+      reply.header.type != SessionMessageType::kHelloReply) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon at ", session_path, " speaks another session protocol (reply of ",
+                     *n, " bytes); upgrade the client library or the daemon so that they match"));
+  }
+  if (reply.status_code != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
+                        absl::StrCat("opening a session: ", reply.message));
+  }
+  if (fds.size() != 1 + reply.segment_count) {
+    return absl::InternalError("session reply carries the wrong number of fds");
+  }
+  impl->session_id = reply.session_id;
+  impl->uid = reply.uid;
+  impl->credential = absl::StrCat(reply.session_id, ":", reply.token_hex);
+
+  absl::StatusOr<Mapping> page =
+      Mapping::Map(fds[0].get(), kCompletionPageBytes, "completion page");
+  if (!page.ok()) return page.status();
+  impl->completion_mapping = std::move(*page);
+  impl->page = static_cast<CompletionPage*>(impl->completion_mapping.base());
+  if (impl->page->header.magic != kCompletionPageMagic ||
+      impl->page->header.version != kCompletionPageVersion) {
+    return absl::FailedPreconditionError("the daemon's completion page has another format");
+  }
+  {
+    absl::MutexLock lock(&impl->segments_mu);
+    for (uint32_t i = 0; i < reply.segment_count; ++i) {
+      if (absl::Status s = impl->AddSegment(reply.segments[i], std::move(fds[1 + i])); !s.ok()) {
+        return s;
+      }
+    }
+  }
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  impl->channel =
+      grpc::CreateCustomChannel(absl::StrCat("unix:", impl->options.socket_dir, "/tierd.sock"),
+                                grpc::InsecureChannelCredentials(), args);
+  impl->stub = pb::Tierd::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;  // closing the session socket ends the session
+
+uint64_t Client::session_id() const { return impl_->session_id; }
+uint32_t Client::uid() const { return impl_->uid; }
+
+absl::StatusOr<std::vector<ChunkId>> Client::AllocateIds(std::span<const ChunkSpec> specs) {
+  pb::AllocateRequest req;
+  req.mutable_chunks()->Reserve(static_cast<int>(specs.size()));
+  for (const ChunkSpec& spec : specs) {
+    pb::ChunkSpec* s = req.add_chunks();
+    s->set_size_bytes(spec.size);
+    s->set_home_tier(ToProto(spec.home));
+    s->set_name(spec.name);
+    s->set_persistent(spec.persistent);
+    for (const std::string& tag : spec.tags) s->add_tags(tag);
+    s->set_open_existing(spec.open_existing);
+  }
+  pb::AllocateResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->Allocate(&ctx, req, &resp), "Allocate"); !s.ok()) {
+    return s;
+  }
+  return std::vector<ChunkId>(resp.chunk_ids().begin(), resp.chunk_ids().end());
+}
+
+absl::Status Client::Free(std::span<const ChunkId> ids) {
+  pb::FreeRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  pb::FreeResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  return FromGrpc(impl_->stub->Free(&ctx, req, &resp), "Free");
+}
+
+absl::StatusOr<Acquired> Client::AcquireIds(std::span<const ChunkId> ids, Tier tier,
+                                            AccessMode mode) {
+  pb::AcquireRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  req.set_tier(ToProto(tier));
+  req.set_mode(static_cast<pb::AccessMode>(static_cast<int>(mode)));
+  pb::AcquireResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->Acquire(&ctx, req, &resp), "Acquire"); !s.ok()) {
+    return s;
+  }
+  Acquired out;
+  out.ready = CompletionToken{resp.ready().slot(), resp.ready().sequence()};
+  out.chunks.reserve(resp.locations_size());
+  for (const pb::ChunkLocation& loc : resp.locations()) {
+    AcquiredChunk chunk{loc.chunk_id(), FromProto(loc.tier()), nullptr, loc.size_bytes()};
+    if (chunk.tier == Tier::kHost) {
+      absl::StatusOr<char*> addr =
+          impl_->SegmentAddress(loc.segment(), loc.segment_generation(), loc.offset());
+      if (!addr.ok()) {
+        // Do not leave the pins behind when the chunks cannot be handed over.
+        (void)Release(ids);
+        Abandon(out.ready);
+        return addr.status();
+      }
+      chunk.data = *addr;
+    }
+    out.chunks.push_back(chunk);
+  }
+  return out;
+}
+
+absl::Status Client::Release(std::span<const ChunkId> ids) {
+  pb::ReleaseRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  pb::ReleaseResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  return FromGrpc(impl_->stub->Release(&ctx, req, &resp), "Release");
+}
+
+absl::StatusOr<CompletionToken> Client::PrefetchIds(std::span<const ChunkId> ids, Tier tier,
+                                                    int priority) {
+  pb::PrefetchRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  req.set_tier(ToProto(tier));
+  req.set_priority(priority);
+  pb::PrefetchResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->Prefetch(&ctx, req, &resp), "Prefetch"); !s.ok()) {
+    return s;
+  }
+  return CompletionToken{resp.completion().slot(), resp.completion().sequence()};
+}
+
+absl::StatusOr<CompletionToken> Client::EvictIds(std::span<const ChunkId> ids, Tier tier) {
+  pb::EvictRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  req.set_tier(ToProto(tier));
+  pb::EvictResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->Evict(&ctx, req, &resp), "Evict"); !s.ok()) {
+    return s;
+  }
+  return CompletionToken{resp.completion().slot(), resp.completion().sequence()};
+}
+
+absl::StatusOr<std::vector<ChunkInfo>> Client::Stat(std::span<const ChunkId> ids) {
+  pb::StatRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  pb::StatResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->Stat(&ctx, req, &resp), "Stat"); !s.ok()) return s;
+  std::vector<ChunkInfo> out;
+  out.reserve(resp.chunks_size());
+  for (const pb::ChunkInfo& c : resp.chunks()) out.push_back(FromProto(c));
+  return out;
+}
+
+absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks() {
+  std::vector<ChunkInfo> out;
+  uint64_t token = 0;
+  do {
+    pb::ListChunksRequest req;
+    req.set_page_token(token);
+    req.set_page_size(10000);
+    pb::ListChunksResponse resp;
+    grpc::ClientContext ctx;
+    impl_->Prepare(&ctx);
+    if (absl::Status s = FromGrpc(impl_->stub->ListChunks(&ctx, req, &resp), "ListChunks");
+        !s.ok()) {
+      return s;
+    }
+    for (const pb::ChunkInfo& c : resp.chunks()) out.push_back(FromProto(c));
+    token = resp.next_page_token();
+  } while (token != 0);
+  return out;
+}
+
+absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
+  pb::GetNodeInfoRequest req;
+  pb::GetNodeInfoResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (absl::Status s = FromGrpc(impl_->stub->GetNodeInfo(&ctx, req, &resp), "GetNodeInfo");
+      !s.ok()) {
+    return s;
+  }
+  NodeInfo info;
+  info.hostname = resp.hostname();
+  info.version = resp.build().version();
+  info.cuda = resp.build().cuda();
+  for (const pb::TierInfo& t : resp.tiers()) {
+    info.tiers.push_back(TierStatus{FromProto(t.tier()), t.configured(), t.capacity_bytes(),
+                                    t.used_bytes(), t.free_bytes(), t.largest_free_bytes(),
+                                    t.detail()});
+  }
+  for (const pb::DeviceInfo& d : resp.devices()) {
+    info.devices.push_back(absl::StrCat(d.uuid(), " ", d.name(), " (", d.memory_bytes(), " B)"));
+  }
+  info.device_status = resp.device_status();
+  info.sessions = resp.sessions();
+  info.chunks = resp.chunks();
+  return info;
+}
+
+absl::StatusOr<ChunkSet> Client::Allocate(std::span<const ChunkSpec> specs) {
+  absl::StatusOr<std::vector<ChunkId>> ids = AllocateIds(specs);
+  if (!ids.ok()) return ids.status();
+  return ChunkSet(this, std::move(*ids));
+}
+
+absl::StatusOr<Acquisition> Client::Acquire(std::span<const ChunkId> ids, Tier tier,
+                                            AccessMode mode) {
+  absl::StatusOr<Acquired> acquired = AcquireIds(ids, tier, mode);
+  if (!acquired.ok()) return acquired.status();
+  return Acquisition(this, std::move(*acquired));
+}
+
+absl::StatusOr<Completion> Client::Prefetch(std::span<const ChunkId> ids, Tier tier, int priority) {
+  absl::StatusOr<CompletionToken> token = PrefetchIds(ids, tier, priority);
+  if (!token.ok()) return token.status();
+  return Completion(this, *token);
+}
+
+absl::StatusOr<Completion> Client::Evict(std::span<const ChunkId> ids, Tier tier) {
+  absl::StatusOr<CompletionToken> token = EvictIds(ids, tier);
+  if (!token.ok()) return token.status();
+  return Completion(this, *token);
+}
+
+absl::Status Client::Poll(CompletionToken token) const {
+  absl::StatusOr<SlotState> state =
+      PollCompletion(*impl_->page, SlotToken{token.slot, token.sequence});
+  if (!state.ok()) return state.status();
+  switch (*state) {
+    case SlotState::kOk:
+      return absl::OkStatus();
+    case SlotState::kFailed:
+      return absl::Status(
+          static_cast<absl::StatusCode>(impl_->page->slots[token.slot].code.load()),
+          absl::StrCat("request in completion slot ", token.slot, " failed in the daemon"));
+    default:
+      return absl::UnavailableError("pending");
+  }
+}
+
+absl::Status Client::Wait(CompletionToken token, absl::Duration timeout) {
+  return WaitCompletion(*impl_->page, SlotToken{token.slot, token.sequence}, timeout);
+}
+
+void Client::Abandon(CompletionToken token) {
+  if (token.slot >= kCompletionSlots) return;
+  impl_->page->slots[token.slot].acked.store(token.sequence, std::memory_order_release);
+}
+
+// --- Completion ---
+
+Completion::Completion(Completion&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)),
+      token_(other.token_),
+      waited_(other.waited_) {}
+
+Completion& Completion::operator=(Completion&& other) noexcept {
+  if (this != &other) {
+    if (client_ != nullptr && !waited_) client_->Abandon(token_);
+    client_ = std::exchange(other.client_, nullptr);
+    token_ = other.token_;
+    waited_ = other.waited_;
+  }
+  return *this;
+}
+
+Completion::~Completion() {
+  if (client_ != nullptr && !waited_) client_->Abandon(token_);
+}
+
+bool Completion::Ready() const {
+  if (client_ == nullptr) return false;
+  if (waited_) return true;
+  return !absl::IsUnavailable(client_->Poll(token_));
+}
+
+absl::Status Completion::Wait(absl::Duration timeout) {
+  if (client_ == nullptr) return absl::FailedPreconditionError("empty Completion");
+  if (waited_) return absl::FailedPreconditionError("Completion already waited on");
+  absl::Status s = client_->Wait(token_, timeout);
+  if (!absl::IsDeadlineExceeded(s)) waited_ = true;
+  return s;
+}
+
+// --- Acquisition ---
+
+Acquisition::Acquisition(Client* client, Acquired acquired)
+    : client_(client), chunks_(std::move(acquired.chunks)), ready_(client, acquired.ready) {}
+
+Acquisition::Acquisition(Acquisition&& other) noexcept
+    : client_(std::exchange(other.client_, nullptr)),
+      chunks_(std::exchange(other.chunks_, {})),
+      ready_(std::move(other.ready_)) {}
+
+Acquisition& Acquisition::operator=(Acquisition&& other) noexcept {
+  if (this != &other) {
+    (void)Release();
+    client_ = std::exchange(other.client_, nullptr);
+    chunks_ = std::exchange(other.chunks_, {});
+    ready_ = std::move(other.ready_);
+  }
+  return *this;
+}
+
+Acquisition::~Acquisition() { (void)Release(); }
+
+absl::Status Acquisition::Release() {
+  if (client_ == nullptr || chunks_.empty()) return absl::OkStatus();
+  std::vector<ChunkId> ids;
+  ids.reserve(chunks_.size());
+  for (const AcquiredChunk& c : chunks_) ids.push_back(c.id);
+  chunks_.clear();
+  return std::exchange(client_, nullptr)->Release(ids);
+}
+
+// --- ChunkSet ---
+
+ChunkSet& ChunkSet::operator=(ChunkSet&& other) noexcept {
+  if (this != &other) {
+    (void)Free();
+    client_ = std::exchange(other.client_, nullptr);
+    ids_ = std::exchange(other.ids_, {});
+  }
+  return *this;
+}
+
+ChunkSet::~ChunkSet() { (void)Free(); }
+
+absl::Status ChunkSet::Free() {
+  if (client_ == nullptr || ids_.empty()) return absl::OkStatus();
+  std::vector<ChunkId> ids = std::exchange(ids_, {});
+  return std::exchange(client_, nullptr)->Free(ids);
+}
+
+}  // namespace tierd

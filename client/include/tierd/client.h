@@ -1,0 +1,114 @@
+/* The tierd client library, C ABI.
+ *
+ * Opaque handles, plain C types, no exceptions: usable from C, and from Python through ctypes
+ * without compiling anything against Python or PyTorch. Every function returns a tierd_status;
+ * on failure tierd_last_error() gives the message (per thread, valid until the thread's next
+ * call). Status values are the gRPC status codes. */
+#ifndef TIERD_CLIENT_H_
+#define TIERD_CLIENT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TIERD_C_ABI_VERSION 1
+
+typedef struct tierd_client tierd_client;
+typedef uint64_t tierd_chunk_id;
+
+typedef enum tierd_status {
+  TIERD_OK = 0,
+  TIERD_CANCELLED = 1,
+  TIERD_UNKNOWN = 2,
+  TIERD_INVALID_ARGUMENT = 3,
+  TIERD_DEADLINE_EXCEEDED = 4,
+  TIERD_NOT_FOUND = 5,
+  TIERD_ALREADY_EXISTS = 6,
+  TIERD_PERMISSION_DENIED = 7,
+  TIERD_RESOURCE_EXHAUSTED = 8,
+  TIERD_FAILED_PRECONDITION = 9,
+  TIERD_ABORTED = 10,
+  TIERD_OUT_OF_RANGE = 11,
+  TIERD_UNIMPLEMENTED = 12,
+  TIERD_INTERNAL = 13,
+  TIERD_UNAVAILABLE = 14,
+  TIERD_DATA_LOSS = 15,
+  TIERD_UNAUTHENTICATED = 16,
+  TIERD_PENDING = 100 /* tierd_poll: the request has not completed yet */
+} tierd_status;
+
+typedef enum tierd_tier {
+  TIERD_TIER_HOST = 1,
+  TIERD_TIER_NVME = 2,
+  TIERD_TIER_DEVICE = 3
+} tierd_tier;
+
+typedef enum tierd_access { TIERD_ACCESS_READ = 1, TIERD_ACCESS_WRITE = 2 } tierd_access;
+
+typedef struct tierd_completion {
+  uint32_t slot;
+  uint32_t sequence;
+} tierd_completion;
+
+typedef struct tierd_tier_usage {
+  int32_t configured;
+  uint64_t capacity_bytes;
+  uint64_t used_bytes;
+  uint64_t free_bytes;
+  uint64_t largest_free_bytes;
+} tierd_tier_usage;
+
+/* The ABI version this library implements (TIERD_C_ABI_VERSION when built). */
+int tierd_abi_version(void);
+
+/* The message of the calling thread's last failed call ("" if none). */
+const char* tierd_last_error(void);
+
+/* Opens a session. socket_dir may be NULL ($TIERD_SOCKET_DIR, else /run/tierd); client_name may
+ * be NULL. */
+tierd_status tierd_connect(const char* socket_dir, const char* client_name, tierd_client** out);
+/* Ends the session: the daemon releases its pins and frees its scratch chunks. NULL is a no-op. */
+void tierd_close(tierd_client* client);
+uint64_t tierd_session_id(const tierd_client* client);
+
+/* Allocates n scratch chunks of sizes[i] bytes in home_tier; ids go to out_ids[0..n). */
+tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* sizes, int home_tier,
+                            tierd_chunk_id* out_ids);
+/* Allocates one named chunk; persistent chunks outlive the session; with open_existing an
+ * existing persistent chunk of that name is opened instead. */
+tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64_t size,
+                                  int home_tier, int persistent, int open_existing,
+                                  tierd_chunk_id* out_id);
+tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* ids);
+
+/* Pins n chunks in tier. out_ptrs[i] receives the host address of chunk i (NULL for other tiers),
+ * out_sizes[i] (may be NULL) its usable size; out_ready the token to wait on before use. */
+tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
+                           int access, void** out_ptrs, uint64_t* out_sizes,
+                           tierd_completion* out_ready);
+tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id* ids);
+
+tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
+                            int priority, tierd_completion* out);
+tierd_status tierd_evict(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
+                         tierd_completion* out);
+
+/* TIERD_OK when the request completed successfully, TIERD_PENDING while in flight, otherwise the
+ * request's error. Reads shared memory only. */
+tierd_status tierd_poll(tierd_client* client, tierd_completion completion);
+/* Waits up to timeout_ns (negative: forever), then acknowledges the token. */
+tierd_status tierd_wait(tierd_client* client, tierd_completion completion, int64_t timeout_ns);
+
+/* Usage of one tier. */
+tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);
+/* Number of chunks this session can see. */
+tierd_status tierd_chunk_count(tierd_client* client, uint64_t* out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TIERD_CLIENT_H_ */

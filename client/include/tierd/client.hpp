@@ -1,0 +1,216 @@
+// The tierd client library (C++ API). A Client holds one session with the node's tierd daemon:
+// the session socket (its life is the session's), the gRPC channel, the completion page and the
+// host segments it has mapped. Chunks are named by 64-bit ids; every operation takes a batch.
+//
+// Thread safety: a Client may be used from many threads at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tierd {
+
+using ChunkId = uint64_t;
+
+enum class Tier : int { kHost = 1, kNvme = 2, kDevice = 3 };
+enum class AccessMode : int { kRead = 1, kWrite = 2 };
+
+struct ClientOptions {
+  // Directory holding tierd.sock and tierd.session.sock. Empty: $TIERD_SOCKET_DIR, else /run/tierd.
+  std::string socket_dir;
+  // Shown in the daemon's logs.
+  std::string client_name;
+  // Deadline of each RPC.
+  absl::Duration rpc_timeout = absl::Seconds(60);
+};
+
+struct ChunkSpec {
+  uint64_t size = 0;
+  Tier home = Tier::kHost;
+  std::string name;         // optional; required when persistent
+  bool persistent = false;  // outlives the session; belongs to the user (uid)
+  std::vector<std::string> tags;
+  bool open_existing = false;  // open the user's persistent chunk of this name if it exists
+};
+
+struct ChunkInfo {
+  ChunkId id = 0;
+  uint64_t size = 0;
+  std::string name;
+  bool persistent = false;
+  std::vector<std::string> tags;
+  Tier home = Tier::kHost;
+  std::vector<Tier> resident;
+  std::vector<Tier> dirty;
+  bool moving = false;
+  uint32_t pins = 0;
+  uint64_t owner_session = 0;
+};
+
+struct TierStatus {
+  Tier tier = Tier::kHost;
+  bool configured = false;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint64_t free_bytes = 0;
+  uint64_t largest_free_bytes = 0;
+  std::string detail;
+};
+
+struct NodeInfo {
+  std::string hostname;
+  std::string version;
+  bool cuda = false;
+  std::vector<TierStatus> tiers;
+  std::vector<std::string> devices;  // "GPU-uuid name (bytes)"
+  std::string device_status;
+  uint32_t sessions = 0;
+  uint64_t chunks = 0;
+
+  const TierStatus* tier(Tier t) const;
+};
+
+// An asynchronous request's handle. Ready() and a Wait() on a completed request read shared
+// memory only (no system call); a Wait() on a pending one sleeps on a futex.
+struct CompletionToken {
+  uint32_t slot = 0;
+  uint32_t sequence = 0;
+};
+
+// A chunk pinned by Acquire: where its bytes are, in this process's address space.
+struct AcquiredChunk {
+  ChunkId id = 0;
+  Tier tier = Tier::kHost;
+  void* data = nullptr;  // host tier: the chunk's bytes in the shared segment
+  uint64_t size = 0;     // bytes usable (the requested size rounded up to 4 KiB)
+};
+
+struct Acquired {
+  std::vector<AcquiredChunk> chunks;  // in request order
+  CompletionToken ready;              // the chunks may be used once this completes
+};
+
+class Client;
+
+// Move-only; completes or abandons its token on destruction.
+class Completion {
+ public:
+  Completion() = default;
+  Completion(Client* client, CompletionToken token) : client_(client), token_(token) {}
+  Completion(Completion&& other) noexcept;
+  Completion& operator=(Completion&& other) noexcept;
+  ~Completion();
+
+  bool Ready() const;
+  absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration());
+  CompletionToken token() const { return token_; }
+
+ private:
+  Client* client_ = nullptr;
+  CompletionToken token_;
+  bool waited_ = false;
+};
+
+// Chunks pinned by Acquire; released (one batched RPC) on destruction.
+class Acquisition {
+ public:
+  Acquisition() = default;
+  Acquisition(Client* client, Acquired acquired);
+  Acquisition(Acquisition&& other) noexcept;
+  Acquisition& operator=(Acquisition&& other) noexcept;
+  ~Acquisition();
+
+  std::span<const AcquiredChunk> chunks() const { return chunks_; }
+  const AcquiredChunk& operator[](size_t i) const { return chunks_[i]; }
+  size_t size() const { return chunks_.size(); }
+  bool Ready() const { return ready_.Ready(); }
+  absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) {
+    return ready_.Wait(timeout);
+  }
+  // Releases now and reports the outcome (the destructor can only log it).
+  absl::Status Release();
+
+ private:
+  Client* client_ = nullptr;
+  std::vector<AcquiredChunk> chunks_;
+  Completion ready_;
+};
+
+// Chunks owned by this handle; freed (one batched RPC) on destruction unless detached.
+class ChunkSet {
+ public:
+  ChunkSet() = default;
+  ChunkSet(Client* client, std::vector<ChunkId> ids) : client_(client), ids_(std::move(ids)) {}
+  ChunkSet(ChunkSet&& other) noexcept
+      : client_(std::exchange(other.client_, nullptr)), ids_(std::exchange(other.ids_, {})) {}
+  ChunkSet& operator=(ChunkSet&& other) noexcept;
+  ~ChunkSet();
+
+  std::span<const ChunkId> ids() const { return ids_; }
+  ChunkId operator[](size_t i) const { return ids_[i]; }
+  size_t size() const { return ids_.size(); }
+  // Frees now and reports the outcome.
+  absl::Status Free();
+  // Gives up ownership: the chunks stay until freed by id (or the session ends, for scratch ones).
+  std::vector<ChunkId> Detach() { return std::exchange(ids_, {}); }
+
+ private:
+  Client* client_ = nullptr;
+  std::vector<ChunkId> ids_;
+};
+
+class Client {
+ public:
+  // Opens a session with the daemon. UNAVAILABLE (naming the socket) when no daemon listens.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options = {});
+  // Ends the session: the daemon releases this session's pins and frees its scratch chunks.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  uint64_t session_id() const;
+  uint32_t uid() const;
+
+  // --- batch operations on ids ---
+  absl::StatusOr<std::vector<ChunkId>> AllocateIds(std::span<const ChunkSpec> specs);
+  absl::Status Free(std::span<const ChunkId> ids);
+  absl::StatusOr<Acquired> AcquireIds(std::span<const ChunkId> ids, Tier tier, AccessMode mode);
+  absl::Status Release(std::span<const ChunkId> ids);
+  absl::StatusOr<CompletionToken> PrefetchIds(std::span<const ChunkId> ids, Tier tier,
+                                              int priority = 0);
+  absl::StatusOr<CompletionToken> EvictIds(std::span<const ChunkId> ids, Tier tier);
+  absl::StatusOr<std::vector<ChunkInfo>> Stat(std::span<const ChunkId> ids);
+  // Every chunk this session can see (its own and its user's persistent ones), by id.
+  absl::StatusOr<std::vector<ChunkInfo>> ListChunks();
+  absl::StatusOr<NodeInfo> GetNodeInfo();
+
+  // --- RAII forms ---
+  absl::StatusOr<ChunkSet> Allocate(std::span<const ChunkSpec> specs);
+  absl::StatusOr<Acquisition> Acquire(std::span<const ChunkId> ids, Tier tier, AccessMode mode);
+  absl::StatusOr<Completion> Prefetch(std::span<const ChunkId> ids, Tier tier, int priority = 0);
+  absl::StatusOr<Completion> Evict(std::span<const ChunkId> ids, Tier tier);
+
+  // --- completions (no system call once complete) ---
+  // OK when completed successfully, UNAVAILABLE while pending, or the request's error.
+  absl::Status Poll(CompletionToken token) const;
+  // Waits, then acknowledges the token (it cannot be waited on again).
+  absl::Status Wait(CompletionToken token, absl::Duration timeout = absl::InfiniteDuration());
+  // Acknowledges a token without waiting: the daemon may reuse its slot once it completes.
+  void Abandon(CompletionToken token);
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierd
