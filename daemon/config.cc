@@ -132,6 +132,10 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
         absl::StatusOr<HugePagePolicy> policy = ParseHugePagePolicy(*v);
         if (!policy.ok()) return KeyError(source, node, key, policy.status().message());
         config->host.huge_pages = *policy;
+      } else if (key == "host.lock_memory") {
+        const auto* b = node.as_boolean();
+        if (b == nullptr) return KeyError(source, node, key, "must be true or false");
+        config->host.lock_memory = b->get();
       } else {
         return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
       }

@@ -45,6 +45,10 @@ ABSL_FLAG(std::string, huge_pages, "",
           "2 MiB huge pages for the host tier: auto, never or require [host.huge_pages; default "
           "auto]");
 
+ABSL_FLAG(std::string, lock_memory, "",
+          "true or false: mlock the host tier; false only for development without memlock "
+          "rights [host.lock_memory; default true]");
+
 namespace tierd {
 namespace {
 
@@ -81,6 +85,13 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
     if (!v.ok())
       return absl::InvalidArgumentError(absl::StrCat("--huge_pages: ", v.status().message()));
     config.host.huge_pages = *v;
+  }
+  if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
+    if (v != "true" && v != "false") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lock_memory must be true or false, not '", v, "'"));
+    }
+    config.host.lock_memory = v == "true";
   }
   return config;
 }

@@ -1,0 +1,119 @@
+// The completion page protocol: the daemon's ring against the client's wait/poll.
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "common/completion_page.h"
+#include "daemon/completion_ring.h"
+#include "gtest/gtest.h"
+
+namespace tierd {
+namespace {
+
+// The client's view: a second mapping of the ring's memfd, as a client process has.
+struct ClientView {
+  explicit ClientView(int fd) {
+    void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    page = static_cast<CompletionPage*>(p);
+  }
+  ~ClientView() { munmap(page, kCompletionPageBytes); }
+  CompletionPage* page;
+};
+
+TEST(CompletionTest, PageHeaderIdentifiesTheSession) {
+  auto ring = CompletionRing::Create(42);
+  ASSERT_TRUE(ring.ok());
+  ClientView view((*ring)->fd());
+  EXPECT_EQ(view.page->header.magic, kCompletionPageMagic);
+  EXPECT_EQ(view.page->header.slot_count, kCompletionSlots);
+  EXPECT_EQ(view.page->header.session_id, 42u);
+}
+
+TEST(CompletionTest, CompletedRequestIsReadyAndWaitReturnsItsStatus) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  SlotToken ok = *ring->PostCompleted(absl::OkStatus());
+  SlotToken failed = *ring->PostCompleted(absl::DataLossError("bad checksum"));
+  EXPECT_EQ(*PollCompletion(*view.page, ok), SlotState::kOk);
+  EXPECT_TRUE(WaitCompletion(*view.page, ok, absl::ZeroDuration()).ok());
+  absl::Status s = WaitCompletion(*view.page, failed, absl::ZeroDuration());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+}
+
+TEST(CompletionTest, PendingRequestTimesOutThenCompletesFromAnotherThread) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  SlotToken token = *ring->Post();
+  EXPECT_EQ(*PollCompletion(*view.page, token), SlotState::kPending);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(
+      WaitCompletion(*view.page, token, absl::Milliseconds(10))));
+  std::thread completer([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    ring->Complete(token, absl::OkStatus());
+  });
+  EXPECT_TRUE(WaitCompletion(*view.page, token, absl::Seconds(10)).ok());
+  completer.join();
+}
+
+TEST(CompletionTest, WaiterInAnotherProcessIsWokenThroughTheSharedPage) {
+  auto ring = *CompletionRing::Create(1);
+  SlotToken token = *ring->Post();
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ClientView view(ring->fd());
+    absl::Status s = WaitCompletion(*view.page, token, absl::Seconds(20));
+    _exit(s.ok() ? 0 : 1);
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // let the child block in the futex
+  ring->Complete(token, absl::OkStatus());
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+TEST(CompletionTest, SlotsAreReusedOnlyAfterTheClientAcknowledges) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  std::vector<SlotToken> tokens;
+  for (uint32_t i = 0; i < kCompletionSlots; ++i) tokens.push_back(*ring->PostCompleted(absl::OkStatus()));
+  absl::Status full = ring->Post().status();
+  EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
+  // Acknowledging one token (by waiting on it) frees exactly its slot.
+  ASSERT_TRUE(WaitCompletion(*view.page, tokens[5], absl::ZeroDuration()).ok());
+  auto next = ring->Post();
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->slot, tokens[5].slot);
+  EXPECT_EQ(next->sequence, tokens[5].sequence + 1);
+  // The old token is now stale, and says so instead of reporting the new request.
+  EXPECT_TRUE(absl::IsFailedPrecondition(PollCompletion(*view.page, tokens[5]).status()));
+}
+
+TEST(CompletionTest, ClientScribblingOnTheWordCannotMakeAPendingSlotReusable) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  SlotToken token = *ring->Post();
+  view.page->slots[token.slot].word.store(SlotWord(token.sequence, SlotState::kOk));
+  view.page->slots[token.slot].acked.store(token.sequence);
+  // The daemon's own record says pending: the slot is not handed out again.
+  for (uint32_t i = 0; i + 1 < kCompletionSlots; ++i) {
+    auto t = ring->Post();
+    ASSERT_TRUE(t.ok());
+    ASSERT_NE(t->slot, token.slot);
+  }
+  EXPECT_EQ(ring->pending(), kCompletionSlots);
+}
+
+TEST(CompletionTest, InvalidTokensAreRejected) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      PollCompletion(*view.page, SlotToken{kCompletionSlots, 1}).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(PollCompletion(*view.page, SlotToken{0, 0}).status()));
+}
+
+}  // namespace
+}  // namespace tierd
