@@ -44,6 +44,8 @@ struct BadCase {
   const char* expect_in_message;
 };
 
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
 class ConfigErrorTest : public testing::TestWithParam<BadCase> {};
 
 TEST_P(ConfigErrorTest, FailsWithFileLineAndKey) {

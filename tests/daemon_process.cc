@@ -1,0 +1,144 @@
+#include "tests/daemon_process.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/unix_socket.h"
+
+extern char** environ;
+
+namespace tierd::testing {
+namespace {
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = -1;
+  int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return err == 0 ? pid : -1;
+}
+
+int ExitCode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return -1;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+std::string ExecutableDir() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+}
+
+absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const DaemonOptions& options) {
+  char tmpl[] = "/tmp/tierd-test-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return absl::ErrnoToStatus(errno, "mkdtemp");
+  chmod(tmpl, 0711);
+  auto daemon = std::unique_ptr<DaemonProcess>(new DaemonProcess());
+  daemon->dir_ = tmpl;
+  std::vector<std::string> argv = {options.binary, absl::StrCat("--socket_dir=", tmpl),
+                                   "--log_level=debug"};
+  if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
+  argv.insert(argv.end(), options.args.begin(), options.args.end());
+  daemon->pid_ = Spawn(argv, daemon->dir_ + "/daemon.log");
+  if (daemon->pid_ < 0) return absl::InternalError("cannot spawn " + options.binary);
+
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    int status = 0;
+    if (waitpid(daemon->pid_, &status, WNOHANG) == daemon->pid_) {
+      daemon->pid_ = -1;
+      return absl::FailedPreconditionError(
+          absl::StrCat("tierd exited during start-up (status ", ExitCode(status), "): ",
+                       daemon->Log()));
+    }
+    if (ConnectSeqpacket(daemon->dir_ + "/tierd.session.sock").ok() &&
+        std::filesystem::exists(daemon->dir_ + "/tierd.sock")) {
+      return daemon;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError("tierd did not start within 30 s: " + daemon->Log());
+}
+
+int DaemonProcess::Stop() {
+  if (pid_ < 0) return -1;
+  kill(pid_, SIGTERM);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return ExitCode(status);
+}
+
+std::string DaemonProcess::Log() const { return ReadFile(dir_ + "/daemon.log"); }
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+}
+
+int RunProcess(const std::vector<std::string>& argv, std::string* output) {
+  char tmpl[] = "/tmp/tierd-run-XXXXXX";
+  int fd = mkstemp(tmpl);
+  if (fd < 0) return -1;
+  close(fd);
+  pid_t pid = Spawn(argv, tmpl);
+  int status = 0;
+  if (pid > 0) waitpid(pid, &status, 0);
+  if (output != nullptr) *output = ReadFile(tmpl);
+  unlink(tmpl);
+  return pid > 0 ? ExitCode(status) : -1;
+}
+
+bool StartProcess(const std::vector<std::string>& argv, pid_t* pid, int* stdout_fd) {
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) return false;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, pipe_fds[1], 1);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int err = posix_spawn(pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(pipe_fds[1]);
+  if (err != 0) {
+    close(pipe_fds[0]);
+    return false;
+  }
+  *stdout_fd = pipe_fds[0];
+  return true;
+}
+
+}  // namespace tierd::testing

@@ -1,0 +1,49 @@
+// Starts a real tierd process on a private socket directory, for integration tests and
+// benchmarks, and stops it with SIGTERM.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tierd::testing {
+
+struct DaemonOptions {
+  std::string binary;             // path of tierd
+  std::vector<std::string> args;  // extra flags
+  std::string socket_group;       // --socket_group, when set
+};
+
+class DaemonProcess {
+ public:
+  // Makes a temporary directory (mode 0711, so other users can reach the sockets), starts the
+  // daemon on it and waits until both sockets accept connections.
+  static absl::StatusOr<std::unique_ptr<DaemonProcess>> Start(const DaemonOptions& options);
+  ~DaemonProcess();
+
+  const std::string& socket_dir() const { return dir_; }
+  pid_t pid() const { return pid_; }
+  // Sends SIGTERM and waits; returns the exit status (or 128+signal).
+  int Stop();
+  // What the daemon wrote to stdout and stderr so far.
+  std::string Log() const;
+
+ private:
+  std::string dir_;
+  pid_t pid_ = -1;
+};
+
+// Runs `argv` to completion; returns its exit status and, in `output`, its stdout and stderr.
+int RunProcess(const std::vector<std::string>& argv, std::string* output);
+
+// Starts `argv` with its stdout on a pipe; the caller reads `*stdout_fd`, and kills and reaps
+// `*pid`. Returns false if it cannot start.
+bool StartProcess(const std::vector<std::string>& argv, pid_t* pid, int* stdout_fd);
+
+// The directory of the running executable (tests find the daemon beside their build tree).
+std::string ExecutableDir();
+
+}  // namespace tierd::testing

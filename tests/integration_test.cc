@@ -1,0 +1,336 @@
+// Integration tests: a real tierd process on a temporary socket directory, real client processes.
+#include <pwd.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tests/daemon_process.h"
+#include "tierd/client.hpp"
+
+namespace tierd {
+namespace {
+
+using testing::DaemonOptions;
+using testing::DaemonProcess;
+
+constexpr uint64_t kSegment = 16 << 20;
+constexpr uint64_t kCapacity = 4 * kSegment;  // 64 MiB: 4 segments
+
+std::string BuildDir() {  // tests/ in the build tree; the daemon is in ../daemon
+  return testing::ExecutableDir();
+}
+std::string DaemonBinary() { return BuildDir() + "/../daemon/tierd"; }
+std::string HelperBinary() { return BuildDir() + "/tierd-test-client"; }
+
+// Pinning 64 MiB needs root or a memlock limit that large; without either, test unpinned.
+std::vector<std::string> PoolFlags() {
+  std::vector<std::string> flags = {"--host_capacity=64MiB", "--host_segment_size=16MiB"};
+  rlimit limit{};
+  getrlimit(RLIMIT_MEMLOCK, &limit);
+  const bool pinnable =
+      geteuid() == 0 || limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= kCapacity;
+  if (!pinnable) flags.push_back("--lock_memory=false");
+  return flags;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DaemonOptions options{.binary = DaemonBinary(), .args = PoolFlags()};
+    if (geteuid() == 0) options.socket_group = "nogroup";  // lets the 'nobody' tenant connect
+    auto daemon = DaemonProcess::Start(options);
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+  }
+
+  void TearDown() override {
+    if (daemon_ == nullptr) return;
+    const std::string dir = daemon_->socket_dir();
+    int status = daemon_->Stop();
+    EXPECT_EQ(status, 0) << "tierd did not shut down cleanly:\n" << daemon_->Log();
+    EXPECT_FALSE(std::filesystem::exists(dir + "/tierd.sock"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/tierd.session.sock"));
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& name = "test") {
+    auto client = Client::Connect({.socket_dir = daemon_->socket_dir(), .client_name = name});
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  uint64_t HostUsed(Client& c) {
+    auto info = c.GetNodeInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->tier(Tier::kHost)->used_bytes : ~0ull;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
+  auto c = Connect();
+  auto info = c->GetNodeInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const TierStatus* host = info->tier(Tier::kHost);
+  ASSERT_NE(host, nullptr);
+  EXPECT_TRUE(host->configured);
+  EXPECT_EQ(host->capacity_bytes, kCapacity);
+  EXPECT_EQ(host->used_bytes, 0u);
+  EXPECT_EQ(host->largest_free_bytes, kSegment);
+  EXPECT_NE(host->detail.find("4 memfd segments of 16 MiB"), std::string::npos) << host->detail;
+  EXPECT_FALSE(info->tier(Tier::kNvme)->configured);
+  EXPECT_FALSE(info->version.empty());
+  EXPECT_EQ(info->sessions, 1u);
+}
+
+TEST_F(DaemonTest, TwoClientProcessesWriteAndReadBackTheirOwnData) {
+  // Two processes hammer their own chunks concurrently while this process keeps its own data.
+  auto mine = Connect();
+  auto set = mine->Allocate(std::vector<ChunkSpec>(4, ChunkSpec{.size = 1 << 20}));
+  ASSERT_TRUE(set.ok()) << set.status();
+  {
+    auto w = mine->Acquire(set->ids(), Tier::kHost, AccessMode::kWrite);
+    ASSERT_TRUE(w.ok());
+    for (const auto& c : w->chunks()) std::memset(c.data, 0x3C, c.size);
+  }
+  std::string out1, out2;
+  std::thread t1([&] {
+    EXPECT_EQ(testing::RunProcess({HelperBinary(), daemon_->socket_dir(), "write-verify", "8",
+                                   "524288", "1"},
+                                  &out1),
+              0)
+        << out1;
+  });
+  std::thread t2([&] {
+    EXPECT_EQ(testing::RunProcess({HelperBinary(), daemon_->socket_dir(), "write-verify", "8",
+                                   "524288", "2"},
+                                  &out2),
+              0)
+        << out2;
+  });
+  t1.join();
+  t2.join();
+  auto r = mine->Acquire(set->ids(), Tier::kHost, AccessMode::kRead);
+  ASSERT_TRUE(r.ok());
+  for (const auto& c : r->chunks()) {
+    const auto* bytes = static_cast<const unsigned char*>(c.data);
+    for (size_t i = 0; i < c.size; ++i) ASSERT_EQ(bytes[i], 0x3C) << "chunk " << c.id;
+  }
+}
+
+TEST_F(DaemonTest, AnotherSessionCannotAcquireFreeOrStatMyChunks) {
+  auto a = Connect("a");
+  auto b = Connect("b");
+  auto ids = a->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}});
+  ASSERT_TRUE(ids.ok());
+  absl::Status acquire = b->AcquireIds(*ids, Tier::kHost, AccessMode::kRead).status();
+  EXPECT_TRUE(absl::IsPermissionDenied(acquire)) << acquire;
+  EXPECT_NE(acquire.message().find(absl::StrCat("chunk ", (*ids)[0])), std::string::npos);
+  EXPECT_TRUE(absl::IsPermissionDenied(b->Free(*ids)));
+  EXPECT_TRUE(absl::IsPermissionDenied(b->Stat(*ids).status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(b->Release(*ids)));
+  EXPECT_TRUE(b->ListChunks()->empty());
+  EXPECT_TRUE(a->Stat(*ids).ok());  // still there
+}
+
+TEST_F(DaemonTest, AnotherUserGetsNeitherChunksNorSegmentFds) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a client as the 'nobody' user";
+  if (getpwnam("nobody") == nullptr) GTEST_SKIP() << "no 'nobody' user on this machine";
+  auto a = Connect();
+  auto ids = a->AllocateIds(std::vector<ChunkSpec>{{.size = 1 << 20}});
+  ASSERT_TRUE(ids.ok());
+  auto acquired = a->Acquire(*ids, Tier::kHost, AccessMode::kWrite);  // root's segment is in use
+  ASSERT_TRUE(acquired.ok());
+  std::string out;
+  int status = testing::RunProcess({HelperBinary(), "--as_user=nobody", daemon_->socket_dir(),
+                                    "probe-foreign", absl::StrCat((*ids)[0]), "4"},
+                                   &out);
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("hello_status 0 fds 1 segments 0"), std::string::npos) << out;  // page only
+  for (int seg = 0; seg < 4; ++seg) {
+    EXPECT_NE(out.find(absl::StrCat("map_segment ", seg, " PERMISSION_DENIED fds 0")),
+              std::string::npos)
+        << out;
+  }
+  EXPECT_NE(out.find("acquire PERMISSION_DENIED"), std::string::npos) << out;
+  EXPECT_NE(out.find("stat PERMISSION_DENIED"), std::string::npos) << out;
+  EXPECT_NE(out.find("free PERMISSION_DENIED"), std::string::npos) << out;
+  EXPECT_NE(out.find("listed 0"), std::string::npos) << out;
+}
+
+TEST_F(DaemonTest, KilledClientsChunksAndPinsAreReclaimed) {
+  auto observer = Connect("observer");
+  const uint64_t before = HostUsed(*observer);
+  pid_t pid;
+  int out_fd;
+  ASSERT_TRUE(testing::StartProcess(
+      {HelperBinary(), daemon_->socket_dir(), "hold", "16", "1048576"}, &pid, &out_fd));
+  char buf[4096] = {};
+  ssize_t n = read(out_fd, buf, sizeof(buf) - 1);
+  close(out_fd);
+  ASSERT_GT(n, 0);
+  std::vector<std::string> words = absl::StrSplit(absl::StripTrailingAsciiWhitespace(buf), ' ');
+  ASSERT_EQ(words.size(), 17u) << buf;
+  ASSERT_EQ(words[0], "ready");
+  EXPECT_EQ(HostUsed(*observer), before + 16 * (1 << 20));
+
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+
+  // The kernel closes the dead client's session socket; the daemon reclaims at once.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (HostUsed(*observer) != before && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(HostUsed(*observer), before);
+  auto info = observer->GetNodeInfo();
+  EXPECT_EQ(info->chunks, 0u);
+  EXPECT_EQ(info->sessions, 1u);
+  ChunkId id = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(words[1], &id));
+  std::vector<ChunkId> ids = {id};
+  EXPECT_TRUE(absl::IsNotFound(observer->Stat(ids).status()));
+}
+
+TEST_F(DaemonTest, TierFullIsResourceExhaustedAndTheDaemonKeepsServing) {
+  auto c = Connect();
+  auto fill = c->AllocateIds(std::vector<ChunkSpec>(4, ChunkSpec{.size = kSegment}));
+  ASSERT_TRUE(fill.ok()) << fill.status();
+  const uint64_t used = HostUsed(*c);
+  absl::Status full = c->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}}).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
+  EXPECT_NE(full.message().find("host tier full"), std::string::npos) << full;
+  EXPECT_NE(full.message().find("64 MiB of 64 MiB in use"), std::string::npos) << full;
+  EXPECT_EQ(HostUsed(*c), used);
+  // Free one chunk: the daemon serves the next allocation.
+  ASSERT_TRUE(c->Free(std::span<const ChunkId>(fill->data(), 1)).ok());
+  EXPECT_TRUE(c->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}}).ok());
+}
+
+TEST_F(DaemonTest, MalformedRequestsAreInvalidAndChangeNothing) {
+  auto c = Connect();
+  auto keep = c->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}});
+  ASSERT_TRUE(keep.ok());
+  const uint64_t used = HostUsed(*c);
+  auto invalid = [&](std::vector<ChunkSpec> specs, const char* why) {
+    absl::Status s = c->AllocateIds(specs).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << why << ": " << s;
+  };
+  invalid({{.size = 0}}, "zero size");
+  invalid({{.size = 4096}, {.size = 1ull << 62}}, "absurd size");
+  invalid({{.size = 4096, .home = static_cast<Tier>(7)}}, "unknown tier");
+  invalid({{.size = 4096, .name = "../etc/passwd"}}, "bad name");
+  invalid({{.size = 4096, .persistent = true}}, "persistent without a name");
+  invalid({}, "empty batch");
+  std::vector<ChunkId> dup = {(*keep)[0], (*keep)[0]};
+  EXPECT_TRUE(absl::IsInvalidArgument(c->Free(dup)));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      c->AcquireIds(*keep, Tier::kHost, static_cast<AccessMode>(9)).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(c->PrefetchIds(*keep, static_cast<Tier>(0)).status()));
+  EXPECT_EQ(HostUsed(*c), used);
+  auto listed = c->ListChunks();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].pins, 0u);
+}
+
+TEST_F(DaemonTest, PersistentChunkKeepsItsDataAcrossSessions) {
+  const std::vector<ChunkSpec> spec = {
+      {.size = 1 << 20, .name = "job42/opt/m/layer17", .persistent = true, .open_existing = true}};
+  ChunkId id;
+  {
+    auto a = Connect("first");
+    auto ids = a->AllocateIds(spec);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    id = (*ids)[0];
+    auto w = a->Acquire(*ids, Tier::kHost, AccessMode::kWrite);
+    ASSERT_TRUE(w.ok());
+    std::memset((*w)[0].data, 0x77, 1 << 20);
+  }  // session ends
+  auto b = Connect("second");
+  auto ids = b->AllocateIds(spec);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ((*ids)[0], id);
+  auto r = b->Acquire(*ids, Tier::kHost, AccessMode::kRead);
+  ASSERT_TRUE(r.ok());
+  const auto* bytes = static_cast<const unsigned char*>((*r)[0].data);
+  EXPECT_EQ(bytes[0], 0x77);
+  EXPECT_EQ(bytes[(1 << 20) - 1], 0x77);
+}
+
+TEST_F(DaemonTest, CompletionsAreReadyWithoutAnRpcAndWaitAcknowledges) {
+  auto c = Connect();
+  auto ids = c->AllocateIds(std::vector<ChunkSpec>(3, ChunkSpec{.size = 4096}));
+  ASSERT_TRUE(ids.ok());
+  auto prefetch = c->Prefetch(*ids, Tier::kHost);
+  ASSERT_TRUE(prefetch.ok()) << prefetch.status();
+  EXPECT_TRUE(prefetch->Ready());
+  EXPECT_TRUE(prefetch->Wait(absl::ZeroDuration()).ok());
+  auto evict = c->EvictIds(*ids, Tier::kHost);
+  ASSERT_TRUE(evict.ok());
+  EXPECT_TRUE(c->Poll(*evict).ok());
+  EXPECT_TRUE(c->Wait(*evict).ok());
+  // Asking for a tier this node does not have fails with the reason, before any token is issued.
+  absl::Status nvme = c->PrefetchIds(*ids, Tier::kNvme).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(nvme)) << nvme;
+  EXPECT_NE(nvme.message().find("nvme tier is not configured"), std::string::npos);
+}
+
+TEST_F(DaemonTest, FreeWhileAcquiredIsFailedPrecondition) {
+  auto c = Connect();
+  auto set = c->Allocate(std::vector<ChunkSpec>{{.size = 4096}});
+  ASSERT_TRUE(set.ok());
+  auto held = c->Acquire(set->ids(), Tier::kHost, AccessMode::kRead);
+  ASSERT_TRUE(held.ok());
+  absl::Status s = c->Free(set->ids());
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("release it first"), std::string::npos);
+  ASSERT_TRUE(held->Release().ok());
+  EXPECT_TRUE(set->Free().ok());
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameSocketsRefusesToStart) {
+  std::string out;
+  int status = testing::RunProcess(
+      {DaemonBinary(), "--socket_dir=" + daemon_->socket_dir(), "--host_capacity=16MiB",
+       "--host_segment_size=16MiB", "--lock_memory=false"},
+      &out);
+  EXPECT_EQ(status, 1) << out;
+  EXPECT_NE(out.find("another tierd is already serving"), std::string::npos) << out;
+  EXPECT_TRUE(Connect() != nullptr);  // the first one is unharmed
+}
+
+TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
+  std::string out;
+  EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--host_capacity=lots"}, &out), 2);
+  EXPECT_NE(out.find("--host_capacity"), std::string::npos) << out;
+  EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--config=/nonexistent.toml"}, &out), 2);
+  EXPECT_NE(out.find("cannot read config file"), std::string::npos) << out;
+  EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--socket_dir=/tmp", "--host_capacity=24MiB",
+                                 "--host_segment_size=16MiB", "--lock_memory=false"},
+                                &out),
+            1);
+  EXPECT_NE(out.find("must be a non-zero multiple of host.segment_size"), std::string::npos)
+      << out;
+}
+
+TEST(ClientTest, ConnectWithoutADaemonSaysWhere) {
+  auto c = Client::Connect({.socket_dir = "/nonexistent-tierd"});
+  EXPECT_TRUE(absl::IsUnavailable(c.status())) << c.status();
+  EXPECT_NE(c.status().message().find("/nonexistent-tierd/tierd.session.sock"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tierd
