@@ -19,8 +19,8 @@ class ApiTest : public ::testing::Test {
          .args = {"--host_capacity=16MiB", "--host_segment_size=16MiB", "--lock_memory=false"}});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::move(*daemon);
-    stub_ = v1::Tierd::NewStub(grpc::CreateChannel(
-        "unix:" + daemon_->socket_dir() + "/tierd.sock", grpc::InsecureChannelCredentials()));
+    stub_ = v1::Tierd::NewStub(grpc::CreateChannel("unix:" + daemon_->socket_dir() + "/tierd.sock",
+                                                   grpc::InsecureChannelCredentials()));
   }
   void TearDown() override {
     if (daemon_) {
@@ -61,8 +61,8 @@ TEST_F(ApiTest, CallsWithoutAValidSessionCredentialArePermissionDenied) {
   const std::string good = OpenSession();
   const std::string wrong_token =
       good.substr(0, good.find(':') + 1) + std::string(2 * kSessionTokenBytes, 'a');
-  for (const std::string& credential : {std::string(), std::string("garbage"),
-                                        std::string("1:00"), wrong_token}) {
+  for (const std::string& credential :
+       {std::string(), std::string("garbage"), std::string("1:00"), wrong_token}) {
     v1::AllocateResponse resp;
     grpc::Status s = Allocate(credential, req, &resp);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << "'" << credential << "'";

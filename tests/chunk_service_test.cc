@@ -13,8 +13,10 @@ constexpr uint64_t kSeg = 4 << 20;
 class ChunkServiceTest : public testing::Test {
  protected:
   void SetUp() override {
-    HostPoolOptions o{.capacity = 4 * kSeg, .segment_size = kSeg,
-                      .huge_pages = HugePagePolicy::kNever, .lock_memory = false};
+    HostPoolOptions o{.capacity = 4 * kSeg,
+                      .segment_size = kSeg,
+                      .huge_pages = HugePagePolicy::kNever,
+                      .lock_memory = false};
     pool_ = std::move(*HostSegmentPool::Create(o));
     std::array<Tier*, kTierKinds> tiers{};
     tiers[static_cast<int>(TierKind::kHost)] = pool_.get();
@@ -57,8 +59,8 @@ TEST_F(ChunkServiceTest, OtherSessionOfTheSameUserCannotTouchScratchChunks) {
   EXPECT_TRUE(absl::IsPermissionDenied(service_->Free(*alice2_, ids)));
   EXPECT_TRUE(absl::IsPermissionDenied(service_->Stat(*alice2_, ids).status()));
   EXPECT_TRUE(absl::IsPermissionDenied(service_->Release(*alice2_, ids)));
-  EXPECT_TRUE(absl::IsPermissionDenied(
-      service_->Prefetch(*alice2_, ids, TierKind::kHost, 0).status()));
+  EXPECT_TRUE(
+      absl::IsPermissionDenied(service_->Prefetch(*alice2_, ids, TierKind::kHost, 0).status()));
   EXPECT_EQ(service_->chunk_count(), 1u);
 }
 
@@ -83,8 +85,7 @@ TEST_F(ChunkServiceTest, BatchWithOneBadEntryChangesNothing) {
   EXPECT_EQ(service_->chunk_count(), 2u);
   std::vector<ChunkId> duplicate = {ids[0], ids[0]};
   EXPECT_TRUE(absl::IsInvalidArgument(service_->Free(*alice_, duplicate)));
-  EXPECT_TRUE(
-      absl::IsInvalidArgument(service_->Free(*alice_, std::vector<ChunkId>{})));
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->Free(*alice_, std::vector<ChunkId>{})));
   EXPECT_EQ(service_->chunk_count(), 2u);
 }
 
@@ -109,8 +110,8 @@ TEST_F(ChunkServiceTest, AbsurdSizeAndUnconfiguredTierAreRejected) {
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_NE(s.message().find("nvme tier is not configured"), std::string::npos) << s;
   auto ids = Alloc(*alice_, {4096});
-  EXPECT_TRUE(absl::IsFailedPrecondition(
-      service_->Prefetch(*alice_, ids, TierKind::kDevice, 0).status()));
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(service_->Prefetch(*alice_, ids, TierKind::kDevice, 0).status()));
 }
 
 TEST_F(ChunkServiceTest, FreeWhileAcquiredFailsUntilReleased) {
@@ -168,8 +169,8 @@ TEST_F(ChunkServiceTest, SessionEndReleasesPinsAndFreesScratchChunks) {
   EXPECT_EQ(Used(), 4096u);
   auto stat = service_->Stat(*alice2_, kept);
   ASSERT_TRUE(stat.ok());
-  EXPECT_EQ((*stat)[0].pins, 0u);       // the dead session's pin is gone
-  EXPECT_EQ((*stat)[0].owner, 0u);      // detached
+  EXPECT_EQ((*stat)[0].pins, 0u);   // the dead session's pin is gone
+  EXPECT_EQ((*stat)[0].owner, 0u);  // detached
   // Requests that raced with the end change nothing.
   std::vector<ChunkRequest> late = {{.size = 4096}};
   EXPECT_TRUE(absl::IsUnavailable(service_->Allocate(*alice_, late).status()));
@@ -202,7 +203,8 @@ TEST_F(ChunkServiceTest, EvictToTheHomeTierCompletesAndUpwardEvictIsInvalid) {
 }
 
 TEST_F(ChunkServiceTest, ManyChunksFitTheMetadataBudget) {
-  // 100k chunks of one page each in 16 MiB would not fit; use 4 KiB chunks in one user's 4 segments.
+  // 100k chunks of one page each in 16 MiB would not fit; use 4 KiB chunks in one user's 4
+  // segments.
   std::vector<ChunkRequest> r(4000, ChunkRequest{.size = 4096});
   auto ids = service_->Allocate(*alice_, r);
   ASSERT_TRUE(ids.ok()) << ids.status();

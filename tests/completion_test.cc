@@ -48,8 +48,7 @@ TEST(CompletionTest, PendingRequestTimesOutThenCompletesFromAnotherThread) {
   ClientView view(ring->fd());
   SlotToken token = *ring->Post();
   EXPECT_EQ(*PollCompletion(*view.page, token), SlotState::kPending);
-  EXPECT_TRUE(absl::IsDeadlineExceeded(
-      WaitCompletion(*view.page, token, absl::Milliseconds(10))));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(WaitCompletion(*view.page, token, absl::Milliseconds(10))));
   std::thread completer([&] {
     absl::SleepFor(absl::Milliseconds(50));
     ring->Complete(token, absl::OkStatus());
@@ -79,7 +78,8 @@ TEST(CompletionTest, SlotsAreReusedOnlyAfterTheClientAcknowledges) {
   auto ring = *CompletionRing::Create(1);
   ClientView view(ring->fd());
   std::vector<SlotToken> tokens;
-  for (uint32_t i = 0; i < kCompletionSlots; ++i) tokens.push_back(*ring->PostCompleted(absl::OkStatus()));
+  for (uint32_t i = 0; i < kCompletionSlots; ++i)
+    tokens.push_back(*ring->PostCompleted(absl::OkStatus()));
   absl::Status full = ring->Post().status();
   EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
   // Acknowledging one token (by waiting on it) frees exactly its slot.
@@ -110,8 +110,8 @@ TEST(CompletionTest, ClientScribblingOnTheWordCannotMakeAPendingSlotReusable) {
 TEST(CompletionTest, InvalidTokensAreRejected) {
   auto ring = *CompletionRing::Create(1);
   ClientView view(ring->fd());
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      PollCompletion(*view.page, SlotToken{kCompletionSlots, 1}).status()));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(PollCompletion(*view.page, SlotToken{kCompletionSlots, 1}).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(PollCompletion(*view.page, SlotToken{0, 0}).status()));
 }
 

@@ -58,16 +58,17 @@ TEST_P(ConfigErrorTest, FailsWithFileLineAndKey) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, ConfigErrorTest,
-    testing::Values(BadCase{"MisspelledKey", "[host]\ncapcity = 1\n", "host.capcity: unknown key"},
-                    BadCase{"UnknownSection", "[hots]\ncapacity = 1\n", "unknown section"},
-                    BadCase{"SizeWithoutNumber", "[host]\ncapacity = \"lots\"\n", "host.capacity"},
-                    BadCase{"NegativeSize", "[host]\ncapacity = -5\n", "must not be negative"},
-                    BadCase{"UnknownHugePagePolicy", "[host]\nhuge_pages = \"sometimes\"\n", "host.huge_pages"},
-                    BadCase{"BooleanAsString", "[host]\nlock_memory = \"yes\"\n", "true or false"},
-                    BadCase{"UnknownLogLevel", "[daemon]\nlog_level = \"loud\"\n", "daemon.log_level"},
-                    BadCase{"NumberForAString", "[daemon]\nsocket_dir = 5\n", "must be a string"},
-                    BadCase{"MissingValue", "[daemon]\nsocket_dir = \n", "bad.toml:2"},
-                    BadCase{"UnclosedSection", "[daemon\n", "bad.toml:1"}),
+    testing::Values(
+        BadCase{"MisspelledKey", "[host]\ncapcity = 1\n", "host.capcity: unknown key"},
+        BadCase{"UnknownSection", "[hots]\ncapacity = 1\n", "unknown section"},
+        BadCase{"SizeWithoutNumber", "[host]\ncapacity = \"lots\"\n", "host.capacity"},
+        BadCase{"NegativeSize", "[host]\ncapacity = -5\n", "must not be negative"},
+        BadCase{"UnknownHugePagePolicy", "[host]\nhuge_pages = \"sometimes\"\n", "host.huge_pages"},
+        BadCase{"BooleanAsString", "[host]\nlock_memory = \"yes\"\n", "true or false"},
+        BadCase{"UnknownLogLevel", "[daemon]\nlog_level = \"loud\"\n", "daemon.log_level"},
+        BadCase{"NumberForAString", "[daemon]\nsocket_dir = 5\n", "must be a string"},
+        BadCase{"MissingValue", "[daemon]\nsocket_dir = \n", "bad.toml:2"},
+        BadCase{"UnclosedSection", "[daemon\n", "bad.toml:1"}),
     [](const testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
 TEST(ConfigTest, MissingFileIsNotFound) {

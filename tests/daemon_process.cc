@@ -75,9 +75,8 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
     int status = 0;
     if (waitpid(daemon->pid_, &status, WNOHANG) == daemon->pid_) {
       daemon->pid_ = -1;
-      return absl::FailedPreconditionError(
-          absl::StrCat("tierd exited during start-up (status ", ExitCode(status), "): ",
-                       daemon->Log()));
+      return absl::FailedPreconditionError(absl::StrCat("tierd exited during start-up (status ",
+                                                        ExitCode(status), "): ", daemon->Log()));
     }
     if (ConnectSeqpacket(daemon->dir_ + "/tierd.session.sock").ok() &&
         std::filesystem::exists(daemon->dir_ + "/tierd.sock")) {

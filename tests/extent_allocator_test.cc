@@ -133,8 +133,8 @@ TEST(ExtentAllocatorTest, ChunkMixFragmentationStaysLow) {
     }
   }
   // With a quarter of the space free, the largest hole holds a 256 MiB chunk.
-  EXPECT_GE(a.largest_free(), 256 * kMiB) << "free " << a.free_bytes() << " in "
-                                          << a.free_extent_count() << " extents";
+  EXPECT_GE(a.largest_free(), 256 * kMiB)
+      << "free " << a.free_bytes() << " in " << a.free_extent_count() << " extents";
 }
 
 }  // namespace

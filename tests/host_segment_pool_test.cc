@@ -35,7 +35,9 @@ TEST(HostSegmentPoolTest, RejectsSegmentsThatAreNotWholeHugePages) {
 }
 
 TEST(HostSegmentPoolTest, RequiredHugePagesFailWhenNoneAreReservedOrSucceed) {
-  HostPoolOptions o{.capacity = kSeg, .segment_size = kSeg, .huge_pages = HugePagePolicy::kRequire,
+  HostPoolOptions o{.capacity = kSeg,
+                    .segment_size = kSeg,
+                    .huge_pages = HugePagePolicy::kRequire,
                     .lock_memory = false};
   auto pool = HostSegmentPool::Create(o);
   // Either the machine has huge pages reserved (and the pool says so) or creation fails loudly;

@@ -106,17 +106,17 @@ TEST_F(DaemonTest, TwoClientProcessesWriteAndReadBackTheirOwnData) {
   }
   std::string out1, out2;
   std::thread t1([&] {
-    EXPECT_EQ(testing::RunProcess({HelperBinary(), daemon_->socket_dir(), "write-verify", "8",
-                                   "524288", "1"},
-                                  &out1),
-              0)
+    EXPECT_EQ(
+        testing::RunProcess(
+            {HelperBinary(), daemon_->socket_dir(), "write-verify", "8", "524288", "1"}, &out1),
+        0)
         << out1;
   });
   std::thread t2([&] {
-    EXPECT_EQ(testing::RunProcess({HelperBinary(), daemon_->socket_dir(), "write-verify", "8",
-                                   "524288", "2"},
-                                  &out2),
-              0)
+    EXPECT_EQ(
+        testing::RunProcess(
+            {HelperBinary(), daemon_->socket_dir(), "write-verify", "8", "524288", "2"}, &out2),
+        0)
         << out2;
   });
   t1.join();
@@ -321,15 +321,13 @@ TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
                                  "--host_segment_size=16MiB", "--lock_memory=false"},
                                 &out),
             1);
-  EXPECT_NE(out.find("must be a non-zero multiple of host.segment_size"), std::string::npos)
-      << out;
+  EXPECT_NE(out.find("must be a non-zero multiple of host.segment_size"), std::string::npos) << out;
 }
 
 TEST(ClientTest, ConnectWithoutADaemonSaysWhere) {
   auto c = Client::Connect({.socket_dir = "/nonexistent-tierd"});
   EXPECT_TRUE(absl::IsUnavailable(c.status())) << c.status();
-  EXPECT_NE(c.status().message().find("/nonexistent-tierd/tierd.session.sock"),
-            std::string::npos);
+  EXPECT_NE(c.status().message().find("/nonexistent-tierd/tierd.session.sock"), std::string::npos);
 }
 
 }  // namespace
