@@ -1,0 +1,160 @@
+"""The C ABI from Python through ctypes, against a real daemon: nothing is compiled against Python.
+
+Run by CTest with TIERD_BIN (the daemon) and TIERD_CLIENT_LIB (libtierd_client.so.N) set.
+"""
+import ctypes
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+TIER_HOST, TIER_NVME = 1, 2
+ACCESS_READ, ACCESS_WRITE = 1, 2
+OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 0, 3, 5, 8, 9
+
+
+class Completion(ctypes.Structure):
+    _fields_ = [("slot", ctypes.c_uint32), ("sequence", ctypes.c_uint32)]
+
+
+class TierUsage(ctypes.Structure):
+    _fields_ = [("configured", ctypes.c_int32), ("capacity_bytes", ctypes.c_uint64),
+                ("used_bytes", ctypes.c_uint64), ("free_bytes", ctypes.c_uint64),
+                ("largest_free_bytes", ctypes.c_uint64)]
+
+
+def load_library():
+    lib = ctypes.CDLL(os.environ["TIERD_CLIENT_LIB"])
+    p = ctypes.c_void_p
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    lib.tierd_last_error.restype = ctypes.c_char_p
+    lib.tierd_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(p)]
+    lib.tierd_close.argtypes = [p]
+    lib.tierd_session_id.argtypes = [p]
+    lib.tierd_session_id.restype = ctypes.c_uint64
+    lib.tierd_allocate.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, u64p]
+    lib.tierd_allocate_named.argtypes = [p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
+                                         ctypes.c_int, ctypes.c_int, u64p]
+    lib.tierd_free.argtypes = [p, ctypes.c_size_t, u64p]
+    lib.tierd_acquire.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
+                                  ctypes.POINTER(p), u64p, ctypes.POINTER(Completion)]
+    lib.tierd_release.argtypes = [p, ctypes.c_size_t, u64p]
+    lib.tierd_prefetch.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
+                                   ctypes.POINTER(Completion)]
+    lib.tierd_poll.argtypes = [p, Completion]
+    lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
+    lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
+    lib.tierd_chunk_count.argtypes = [p, u64p]
+    return lib
+
+
+def ids_array(values):
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as socket_dir:
+        log = open(os.path.join(socket_dir, "daemon.log"), "w")
+        proc = subprocess.Popen(
+            [os.environ["TIERD_BIN"], f"--socket_dir={socket_dir}", "--host_capacity=32MiB",
+             "--host_segment_size=16MiB", "--lock_memory=false"], stdout=log, stderr=log)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(socket_dir, "tierd.sock")):
+            assert proc.poll() is None, open(log.name).read()
+            assert time.monotonic() < deadline, "tierd did not start"
+            time.sleep(0.02)
+        yield socket_dir
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, open(log.name).read()
+
+
+@pytest.fixture
+def lib():
+    return load_library()
+
+
+@pytest.fixture
+def client(lib, daemon):
+    handle = ctypes.c_void_p()
+    assert lib.tierd_connect(daemon.encode(), b"pytest", ctypes.byref(handle)) == OK, \
+        lib.tierd_last_error()
+    yield handle
+    lib.tierd_close(handle)
+
+
+def test_abi_version(lib):
+    assert lib.tierd_abi_version() == 1
+
+
+def test_write_through_mapping_and_read_back(lib, client):
+    sizes = (ctypes.c_uint64 * 3)(4096, 1 << 20, 12345)
+    ids = (ctypes.c_uint64 * 3)()
+    assert lib.tierd_allocate(client, 3, sizes, TIER_HOST, ids) == OK, lib.tierd_last_error()
+    ptrs = (ctypes.c_void_p * 3)()
+    lens = (ctypes.c_uint64 * 3)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, 3, ids, TIER_HOST, ACCESS_WRITE, ptrs, lens,
+                             ctypes.byref(ready)) == OK
+    assert lib.tierd_poll(client, ready) == OK
+    assert lib.tierd_wait(client, ready, 0) == OK
+    for i in range(3):
+        assert lens[i] >= sizes[i]
+        ctypes.memset(ptrs[i], 0x41 + i, sizes[i])
+    assert lib.tierd_release(client, 3, ids) == OK
+
+    assert lib.tierd_acquire(client, 3, ids, TIER_HOST, ACCESS_READ, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    for i in range(3):
+        data = ctypes.string_at(ptrs[i], sizes[i])
+        assert data == bytes([0x41 + i]) * sizes[i]
+    assert lib.tierd_release(client, 3, ids) == OK
+    assert lib.tierd_free(client, 3, ids) == OK
+
+
+def test_errors_have_codes_and_messages(lib, client):
+    sizes = (ctypes.c_uint64 * 1)(0)
+    ids = (ctypes.c_uint64 * 1)()
+    assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == INVALID_ARGUMENT
+    assert b"size 0" in lib.tierd_last_error()
+    assert lib.tierd_free(client, 1, ids_array([987654])) == NOT_FOUND
+    assert b"chunk 987654" in lib.tierd_last_error()
+    assert lib.tierd_allocate(None, 1, sizes, TIER_HOST, ids) == INVALID_ARGUMENT
+    c = Completion()
+    assert lib.tierd_prefetch(client, 1, ids_array([1]), TIER_NVME, 0, ctypes.byref(c)) in (
+        NOT_FOUND, FAILED_PRECONDITION)
+
+
+def test_tier_full_then_usage_unchanged(lib, client):
+    before = TierUsage()
+    assert lib.tierd_tier_usage_get(client, TIER_HOST, ctypes.byref(before)) == OK
+    assert before.configured == 1 and before.capacity_bytes == 32 << 20
+    sizes = (ctypes.c_uint64 * 3)(16 << 20, 16 << 20, 16 << 20)
+    ids = (ctypes.c_uint64 * 3)()
+    assert lib.tierd_allocate(client, 3, sizes, TIER_HOST, ids) == RESOURCE_EXHAUSTED
+    assert b"host tier full" in lib.tierd_last_error()
+    after = TierUsage()
+    assert lib.tierd_tier_usage_get(client, TIER_HOST, ctypes.byref(after)) == OK
+    assert after.used_bytes == before.used_bytes
+
+
+def test_persistent_named_chunk_reopens_in_a_new_session(lib, daemon):
+    first = ctypes.c_void_p()
+    assert lib.tierd_connect(daemon.encode(), b"first", ctypes.byref(first)) == OK
+    cid = ctypes.c_uint64()
+    assert lib.tierd_allocate_named(first, b"pyjob/opt/v/0", 8192, TIER_HOST, 1, 0,
+                                    ctypes.byref(cid)) == OK, lib.tierd_last_error()
+    lib.tierd_close(first)
+    second = ctypes.c_void_p()
+    assert lib.tierd_connect(daemon.encode(), b"second", ctypes.byref(second)) == OK
+    again = ctypes.c_uint64()
+    assert lib.tierd_allocate_named(second, b"pyjob/opt/v/0", 8192, TIER_HOST, 1, 1,
+                                    ctypes.byref(again)) == OK, lib.tierd_last_error()
+    assert again.value == cid.value
+    count = ctypes.c_uint64()
+    assert lib.tierd_chunk_count(second, ctypes.byref(count)) == OK and count.value >= 1
+    assert lib.tierd_free(second, 1, ids_array([again.value])) == OK
+    lib.tierd_close(second)
