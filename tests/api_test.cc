@@ -23,6 +23,9 @@ class ApiTest : public ::testing::Test {
                                                    grpc::InsecureChannelCredentials()));
   }
   void TearDown() override {
+    // Drop our channel first: the daemon's shutdown waits (up to its 5 s grace) for clients that
+    // keep an idle connection open without polling it.
+    stub_.reset();
     if (daemon_) {
       EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
     }
