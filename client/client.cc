@@ -113,9 +113,15 @@ struct Client::Impl {
   absl::Mutex segments_mu;
   absl::flat_hash_map<uint32_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
 
-  void Prepare(grpc::ClientContext* ctx) const {
-    ctx->AddMetadata("tierd-session", credential);
-    ctx->set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+  // One unary call with the session credential and the deadline.
+  template <typename Request, typename Response>
+  absl::Status Call(grpc::Status (pb::Tierd::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                            Response*),
+                    const Request& request, Response* response, absl::string_view name) const {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("tierd-session", credential);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
+    return FromGrpc((stub.get()->*method)(&ctx, request, response), name);
   }
 
   absl::Status AddSegment(const SegmentDescriptor& d, UniqueFd fd)
@@ -267,9 +273,7 @@ absl::StatusOr<std::vector<ChunkId>> Client::AllocateIds(std::span<const ChunkSp
     s->set_open_existing(spec.open_existing);
   }
   pb::AllocateResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->Allocate(&ctx, req, &resp), "Allocate"); !s.ok()) {
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Allocate, req, &resp, "Allocate"); !s.ok()) {
     return s;
   }
   return std::vector<ChunkId>(resp.chunk_ids().begin(), resp.chunk_ids().end());
@@ -279,9 +283,7 @@ absl::Status Client::Free(std::span<const ChunkId> ids) {
   pb::FreeRequest req;
   AddIds(req.mutable_chunk_ids(), ids);
   pb::FreeResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  return FromGrpc(impl_->stub->Free(&ctx, req, &resp), "Free");
+  return impl_->Call(&pb::Tierd::Stub::Free, req, &resp, "Free");
 }
 
 absl::StatusOr<Acquired> Client::AcquireIds(std::span<const ChunkId> ids, Tier tier,
@@ -291,9 +293,7 @@ absl::StatusOr<Acquired> Client::AcquireIds(std::span<const ChunkId> ids, Tier t
   req.set_tier(ToProto(tier));
   req.set_mode(static_cast<pb::AccessMode>(static_cast<int>(mode)));
   pb::AcquireResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->Acquire(&ctx, req, &resp), "Acquire"); !s.ok()) {
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Acquire, req, &resp, "Acquire"); !s.ok()) {
     return s;
   }
   Acquired out;
@@ -321,9 +321,7 @@ absl::Status Client::Release(std::span<const ChunkId> ids) {
   pb::ReleaseRequest req;
   AddIds(req.mutable_chunk_ids(), ids);
   pb::ReleaseResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  return FromGrpc(impl_->stub->Release(&ctx, req, &resp), "Release");
+  return impl_->Call(&pb::Tierd::Stub::Release, req, &resp, "Release");
 }
 
 absl::StatusOr<CompletionToken> Client::PrefetchIds(std::span<const ChunkId> ids, Tier tier,
@@ -333,9 +331,7 @@ absl::StatusOr<CompletionToken> Client::PrefetchIds(std::span<const ChunkId> ids
   req.set_tier(ToProto(tier));
   req.set_priority(priority);
   pb::PrefetchResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->Prefetch(&ctx, req, &resp), "Prefetch"); !s.ok()) {
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Prefetch, req, &resp, "Prefetch"); !s.ok()) {
     return s;
   }
   return CompletionToken{resp.completion().slot(), resp.completion().sequence()};
@@ -346,9 +342,7 @@ absl::StatusOr<CompletionToken> Client::EvictIds(std::span<const ChunkId> ids, T
   AddIds(req.mutable_chunk_ids(), ids);
   req.set_tier(ToProto(tier));
   pb::EvictResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->Evict(&ctx, req, &resp), "Evict"); !s.ok()) {
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Evict, req, &resp, "Evict"); !s.ok()) {
     return s;
   }
   return CompletionToken{resp.completion().slot(), resp.completion().sequence()};
@@ -358,9 +352,7 @@ absl::StatusOr<std::vector<ChunkInfo>> Client::Stat(std::span<const ChunkId> ids
   pb::StatRequest req;
   AddIds(req.mutable_chunk_ids(), ids);
   pb::StatResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->Stat(&ctx, req, &resp), "Stat"); !s.ok()) return s;
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Stat, req, &resp, "Stat"); !s.ok()) return s;
   std::vector<ChunkInfo> out;
   out.reserve(resp.chunks_size());
   for (const pb::ChunkInfo& c : resp.chunks()) out.push_back(FromProto(c));
@@ -375,9 +367,7 @@ absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks() {
     req.set_page_token(token);
     req.set_page_size(10000);
     pb::ListChunksResponse resp;
-    grpc::ClientContext ctx;
-    impl_->Prepare(&ctx);
-    if (absl::Status s = FromGrpc(impl_->stub->ListChunks(&ctx, req, &resp), "ListChunks");
+    if (absl::Status s = impl_->Call(&pb::Tierd::Stub::ListChunks, req, &resp, "ListChunks");
         !s.ok()) {
       return s;
     }
@@ -390,9 +380,7 @@ absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks() {
 absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
   pb::GetNodeInfoRequest req;
   pb::GetNodeInfoResponse resp;
-  grpc::ClientContext ctx;
-  impl_->Prepare(&ctx);
-  if (absl::Status s = FromGrpc(impl_->stub->GetNodeInfo(&ctx, req, &resp), "GetNodeInfo");
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::GetNodeInfo, req, &resp, "GetNodeInfo");
       !s.ok()) {
     return s;
   }

@@ -290,8 +290,8 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
 }
 
 absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
-                                                       std::span<const ChunkId> ids, TierKind tier,
-                                                       int /*priority*/) {
+                                                 std::span<const ChunkId> ids, TierKind tier,
+                                                 int /*priority*/) {
   if (absl::Status s = CheckBatch(ids.size(), "Prefetch"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Prefetch"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
@@ -313,8 +313,8 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   return session.completions->PostCompleted(absl::OkStatus());
 }
 
-absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session,
-                                                    std::span<const ChunkId> ids, TierKind tier) {
+absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<const ChunkId> ids,
+                                              TierKind tier) {
   if (absl::Status s = CheckBatch(ids.size(), "Evict"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Evict"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);

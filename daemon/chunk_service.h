@@ -69,9 +69,9 @@ class ChunkService {
                                         TierKind tier, Access access);
   absl::Status Release(const Session& session, std::span<const ChunkId> ids);
   absl::StatusOr<SlotToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
-                                           TierKind tier, int priority);
+                                     TierKind tier, int priority);
   absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
-                                        TierKind tier);
+                                  TierKind tier);
   absl::StatusOr<std::vector<ChunkMeta>> Stat(const Session& session, std::span<const ChunkId> ids);
   // The session's chunks and its tenant's persistent chunks with id >= page_token, by id.
   ChunkPage List(const Session& session, ChunkId page_token, uint32_t page_size) const;

@@ -127,8 +127,7 @@ class TierdService final : public pb::Tierd::Service {
     if (!session.ok()) return ToGrpc(session.status());
     absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
     if (!tier.ok()) return ToGrpc(tier.status());
-    absl::StatusOr<SlotToken> token =
-        deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier);
+    absl::StatusOr<SlotToken> token = deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier);
     if (!token.ok()) return ToGrpc(token.status());
     ToProto(*token, resp->mutable_completion());
     return grpc::Status::OK;
