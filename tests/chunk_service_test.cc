@@ -1,6 +1,7 @@
 // The chunk service's rules: ownership, whole-batch validation, names, and session end.
 #include "daemon/chunk_service.h"
 
+#include "daemon/extent_allocator.h"
 #include "daemon/host_segment_pool.h"
 
 #include "gtest/gtest.h"
@@ -211,6 +212,55 @@ TEST_F(ChunkServiceTest, ManyChunksFitTheMetadataBudget) {
   EXPECT_EQ(service_->chunk_count(), 4000u);
   EXPECT_TRUE(service_->Free(*alice_, *ids).ok());
   EXPECT_EQ(Used(), 0u);
+}
+
+// A tier that only hands out address space: the chunk table at a million chunks without the 4 GiB
+// of memory a million host-tier pages would pin.
+class AddressSpaceTier final : public Tier {
+ public:
+  TierKind kind() const override { return TierKind::kHost; }
+  uint64_t max_reservation() const override { return 1ull << 30; }
+  absl::StatusOr<Placement> Reserve(uint32_t, uint64_t size) override {
+    auto offset = space_.Allocate(size);
+    if (!offset) return absl::ResourceExhaustedError("address space full");
+    return Placement{TierKind::kHost, 0, 1, *offset, space_.RoundUp(size)};
+  }
+  void Unreserve(const Placement& p) override { space_.Free(p.offset, p.size); }
+  TierUsage Usage() const override { return {space_.capacity(), space_.used_bytes(), 0}; }
+  std::string Describe() const override { return "address space"; }
+
+ private:
+  ExtentAllocator space_{1ull << 40, 4096};
+};
+
+TEST(ChunkTableScaleTest, HoldsAMillionChunks) {
+  AddressSpaceTier tier;
+  std::array<Tier*, kTierKinds> tiers{};
+  tiers[static_cast<int>(TierKind::kHost)] = &tier;
+  ChunkService service(tiers);
+  SessionRegistry sessions;
+  auto session = *sessions.Open({1000, 1000, 1}, "scale");
+  constexpr size_t kBatch = 100'000;
+  std::vector<ChunkRequest> r(kBatch, ChunkRequest{.size = 4096});
+  std::vector<ChunkId> all;
+  for (int i = 0; i < 10; ++i) {
+    auto ids = service.Allocate(*session, r);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    all.insert(all.end(), ids->begin(), ids->end());
+  }
+  EXPECT_EQ(service.chunk_count(), 1'000'000u);
+  auto acquired = service.Acquire(*session, std::span<const ChunkId>(all).subspan(500'000, kBatch),
+                                  TierKind::kHost, Access::kWrite);
+  ASSERT_TRUE(acquired.ok()) << acquired.status();
+  ChunkPage last = service.List(*session, all[999'990], 100);
+  EXPECT_EQ(last.chunks.size(), 10u);
+  EXPECT_TRUE(
+      service.Release(*session, std::span<const ChunkId>(all).subspan(500'000, kBatch)).ok());
+  for (size_t i = 0; i < all.size(); i += kBatch) {
+    ASSERT_TRUE(service.Free(*session, std::span<const ChunkId>(all).subspan(i, kBatch)).ok());
+  }
+  EXPECT_EQ(service.chunk_count(), 0u);
+  EXPECT_EQ(tier.Usage().used_bytes, 0u);
 }
 
 }  // namespace
