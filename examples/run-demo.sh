@@ -18,7 +18,7 @@ stop_daemon() {
 }
 trap stop_daemon EXIT
 
-for _ in $(seq 100); do
+for _ in $(seq 600); do  # pinning a large pool takes a while on a slow machine
   [[ -S $socket_dir/tierd.session.sock && -S $socket_dir/tierd.sock ]] && break
   if ! kill -0 "$daemon" 2>/dev/null; then
     echo "demo: tierd exited during start-up; its log ($log):" >&2
