@@ -194,7 +194,8 @@ int Run() {
   broker->reset();  // ends every session
   unlink(rpc_path.c_str());
   unlink(session_path.c_str());
-  spdlog::info("tierd stopped; {} persistent chunks were held in memory only", chunks.chunk_count());
+  spdlog::info("tierd stopped; {} persistent chunks were held in memory only",
+               chunks.chunk_count());
   return 0;
 }
 
