@@ -3,6 +3,8 @@
 // host segments it has mapped. Chunks are named by 64-bit ids; every operation takes a batch.
 //
 // Thread safety: a Client may be used from many threads at once.
+// Lifetime: Completion, Acquisition and ChunkSet hold a pointer to their Client and must be
+// destroyed (or released) before it.
 #pragma once
 
 #include <cstdint>
