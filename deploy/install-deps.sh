@@ -10,6 +10,7 @@ packages=(
   libxxhash-dev libsystemd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-pytest
+  fio
 )
 
 missing=()
