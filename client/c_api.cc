@@ -162,13 +162,13 @@ tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id
 }
 
 tierd_status tierd_evict(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
-                         tierd_completion* out) {
+                         int keep_source, tierd_completion* out) {
   if (client == nullptr || (n > 0 && ids == nullptr) || out == nullptr) {
     return Invalid("tierd_evict: NULL argument");
   }
   return Guard([&] {
     absl::StatusOr<tierd::CompletionToken> token =
-        client->client->EvictIds(Ids(n, ids), static_cast<tierd::Tier>(tier));
+        client->client->EvictIds(Ids(n, ids), static_cast<tierd::Tier>(tier), keep_source != 0);
     if (!token.ok()) return Fail(token.status());
     *out = Token(*token);
     return TIERD_OK;

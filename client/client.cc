@@ -337,10 +337,12 @@ absl::StatusOr<CompletionToken> Client::PrefetchIds(std::span<const ChunkId> ids
   return CompletionToken{resp.completion().slot(), resp.completion().sequence()};
 }
 
-absl::StatusOr<CompletionToken> Client::EvictIds(std::span<const ChunkId> ids, Tier tier) {
+absl::StatusOr<CompletionToken> Client::EvictIds(std::span<const ChunkId> ids, Tier tier,
+                                                 bool keep_source) {
   pb::EvictRequest req;
   AddIds(req.mutable_chunk_ids(), ids);
   req.set_tier(ToProto(tier));
+  req.set_keep_source(keep_source);
   pb::EvictResponse resp;
   if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Evict, req, &resp, "Evict"); !s.ok()) {
     return s;
@@ -389,9 +391,13 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
   info.version = resp.build().version();
   info.cuda = resp.build().cuda();
   for (const pb::TierInfo& t : resp.tiers()) {
-    info.tiers.push_back(TierStatus{FromProto(t.tier()), t.configured(), t.capacity_bytes(),
-                                    t.used_bytes(), t.free_bytes(), t.largest_free_bytes(),
-                                    t.detail()});
+    TierStatus status{
+        FromProto(t.tier()), t.configured(),         t.capacity_bytes(), t.used_bytes(),
+        t.free_bytes(),      t.largest_free_bytes(), t.detail(),         {}};
+    for (const pb::RegionInfo& r : t.regions()) {
+      status.regions.push_back({r.path(), r.capacity_bytes(), r.used_bytes(), r.block_size()});
+    }
+    info.tiers.push_back(std::move(status));
   }
   for (const pb::DeviceInfo& d : resp.devices()) {
     info.devices.push_back(absl::StrCat(d.uuid(), " ", d.name(), " (", d.memory_bytes(), " B)"));
@@ -421,8 +427,9 @@ absl::StatusOr<Completion> Client::Prefetch(std::span<const ChunkId> ids, Tier t
   return Completion(this, *token);
 }
 
-absl::StatusOr<Completion> Client::Evict(std::span<const ChunkId> ids, Tier tier) {
-  absl::StatusOr<CompletionToken> token = EvictIds(ids, tier);
+absl::StatusOr<Completion> Client::Evict(std::span<const ChunkId> ids, Tier tier,
+                                         bool keep_source) {
+  absl::StatusOr<CompletionToken> token = EvictIds(ids, tier, keep_source);
   if (!token.ok()) return token.status();
   return Completion(this, *token);
 }

@@ -23,7 +23,12 @@ absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier) {
 void Pin(ChunkMeta& chunk, TierKind tier, Access access) {
   assert(CheckPin(chunk, tier).ok());
   chunk.pins += 1;
-  if (access == Access::kWrite && tier != chunk.home) chunk.dirty.insert(tier);
+  if (access == Access::kWrite) {
+    chunk.resident = TierSet();
+    chunk.resident.insert(tier);
+    chunk.dirty = TierSet();
+    if (tier != chunk.home) chunk.dirty.insert(tier);
+  }
 }
 
 void Unpin(ChunkMeta& chunk) {
@@ -59,7 +64,10 @@ absl::Status BeginMove(ChunkMeta& chunk, TierKind to) {
 void FinishMove(ChunkMeta& chunk, bool ok) {
   assert(chunk.state == ChunkState::kMoving);
   chunk.state = ChunkState::kReady;
-  if (ok) chunk.resident.insert(chunk.moving_to);
+  if (ok) {
+    chunk.resident.insert(chunk.moving_to);
+    if (chunk.moving_to == chunk.home) chunk.dirty = TierSet();
+  }
 }
 
 }  // namespace tierd

@@ -45,9 +45,14 @@ struct ChunkMeta {
   ChunkState state = ChunkState::kReady;
   TierKind home = TierKind::kHost;
   TierKind moving_to = TierKind::kHost;
-  TierSet resident;  // tiers holding a valid copy
-  TierSet dirty;     // tiers whose copy is newer than the home tier's
+  TierSet allocated;  // tiers where space is reserved (placement valid)
+  TierSet resident;   // tiers holding a valid copy (a subset of allocated)
+  TierSet dirty;      // tiers whose copy is newer than the home tier's
   bool persistent = false;
+  bool written = false;   // the NVMe space has held data (else reading it yields zeros)
+  bool doomed = false;    // freed while moving: destroyed when the move settles
+  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
   std::array<Placement, kTierKinds> placement{};  // valid where resident (or reserved)
   std::string name;
   std::vector<std::string> tags;
@@ -58,7 +63,8 @@ static_assert(sizeof(ChunkMeta) <= 256, "ChunkMeta must stay within 256 bytes pe
 
 // Acquire(tier, access): the chunk must be resident there and not being moved.
 absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier);
-// REQUIRES: CheckPin(chunk, tier) is OK. A write makes that copy the newest.
+// REQUIRES: CheckPin(chunk, tier) is OK. A write makes that copy the only valid one (the others
+// become stale the moment the client may write).
 void Pin(ChunkMeta& chunk, TierKind tier, Access access);
 // Release: REQUIRES pins > 0.
 void Unpin(ChunkMeta& chunk);

@@ -8,23 +8,13 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/fmt_absl.h"
 #include "common/sizes.h"
+#include "daemon/nvme_tier.h"
+#include "spdlog/spdlog.h"
 
 namespace tierd {
 namespace {
-
-// Tiers from fastest to slowest: a chunk evicted to a tier loses its copies in faster ones.
-int Rank(TierKind tier) {
-  switch (tier) {
-    case TierKind::kDevice:
-      return 2;
-    case TierKind::kHost:
-      return 1;
-    case TierKind::kNvme:
-      return 0;
-  }
-  return -1;
-}
 
 absl::Status Ended(const Session& session) {
   return absl::UnavailableError(absl::StrCat(session.Describe(), " has ended"));
@@ -62,8 +52,214 @@ absl::Status ValidateChunkName(absl::string_view name) {
   return absl::OkStatus();
 }
 
-ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers) : tiers_(tiers) {
+// A batch of asynchronous moves sharing one completion token. Holds the session so that its
+// completion page outlives the moves.
+struct ChunkService::Batch {
+  std::shared_ptr<const Session> session;
+  SlotToken token;
+  absl::Mutex mu;
+  size_t remaining ABSL_GUARDED_BY(mu) = 1;  // the issuer's own reference, dropped last
+  absl::Status status ABSL_GUARDED_BY(mu);
+
+  void Add() {
+    absl::MutexLock lock(&mu);
+    ++remaining;
+  }
+  void Done(const absl::Status& s) {
+    absl::Status result;
+    {
+      absl::MutexLock lock(&mu);
+      if (status.ok() && !s.ok()) status = s;
+      if (--remaining > 0) return;
+      result = status;
+    }
+    session->completions->Complete(token, result);
+  }
+};
+
+ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme)
+    : tiers_(tiers), nvme_(nvme) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
+}
+
+size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
+  absl::MutexLock lock(&mu_);
+  size_t recovered = 0;
+  for (const IndexEntry& e : entries) {
+    Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
+    if (nvme_ == nullptr || !nvme_->Claim(p)) {
+      spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
+                    e.name, e.tenant);
+      continue;
+    }
+    const ChunkId id = next_id_++;
+    ChunkMeta& chunk = chunks_[id];
+    chunk.id = id;
+    chunk.size = e.chunk_size;
+    chunk.tenant = e.tenant;
+    chunk.home = TierKind::kNvme;
+    chunk.allocated.insert(TierKind::kNvme);
+    chunk.resident.insert(TierKind::kNvme);
+    chunk.placement[static_cast<int>(TierKind::kNvme)] = p;
+    chunk.persistent = true;
+    chunk.written = true;
+    chunk.checksum = e.checksum;
+    chunk.name = e.name;
+    names_[NameKey(e.tenant, e.name)] = id;
+    persistent_[e.tenant].insert(id);
+    ++recovered;
+  }
+  return recovered;
+}
+
+absl::StatusOr<std::shared_ptr<ChunkService::Batch>> ChunkService::NewBatch(
+    const Session& session) {
+  absl::StatusOr<SlotToken> token = session.completions->Post();
+  if (!token.ok()) return token.status();
+  auto batch = std::make_shared<Batch>();
+  batch->session = session.shared_from_this();
+  batch->token = *token;
+  return batch;
+}
+
+void ChunkService::DropCopy(ChunkMeta& chunk, TierKind tier) {
+  const int t = static_cast<int>(tier);
+  if (chunk.allocated.contains(tier)) tiers_[t]->Unreserve(chunk.placement[t]);
+  chunk.allocated.erase(tier);
+  chunk.resident.erase(tier);
+  chunk.dirty.erase(tier);
+}
+
+absl::StatusOr<Placement> ChunkService::ReserveHost(uint32_t tenant, uint64_t size) {
+  Tier* host = tier(TierKind::kHost);
+  for (;;) {
+    absl::StatusOr<Placement> p = host->Reserve(tenant, size);
+    if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
+    // Full: drop the least recently used host copy that NVMe also holds (a clean copy costs
+    // nothing to drop). A linear scan; the planner replaces this policy.
+    ChunkMeta* victim = nullptr;
+    for (auto& [id, c] : chunks_) {
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed ||
+          !c.resident.contains(TierKind::kHost) || !c.resident.contains(TierKind::kNvme)) {
+        continue;
+      }
+      if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
+    }
+    if (victim == nullptr) return p;
+    DropCopy(*victim, TierKind::kHost);
+  }
+}
+
+void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+  constexpr int kHost = static_cast<int>(TierKind::kHost);
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
+  if (!chunk.allocated.contains(TierKind::kHost)) {
+    absl::StatusOr<Placement> p = ReserveHost(chunk.tenant, chunk.size);
+    if (!p.ok()) {
+      batch->Add();
+      batch->Done(absl::Status(p.status().code(),
+                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
+      return;
+    }
+    chunk.placement[kHost] = *p;
+    chunk.allocated.insert(TierKind::kHost);
+  }
+  absl::Status begin = BeginMove(chunk, TierKind::kHost);
+  assert(begin.ok());
+  (void)begin;
+  batch->Add();
+  const ChunkId id = chunk.id;
+  auto done = [this, id, batch](absl::Status s) {
+    SettleRead(id, s);
+    batch->Done(s);
+  };
+  if (!chunk.written) {
+    nvme_->ZeroFill(chunk.placement[kHost], chunk.size, std::move(done));
+  } else {
+    nvme_->Read(id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum,
+                std::move(done));
+  }
+}
+
+void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(id);
+  assert(it != chunks_.end());
+  ChunkMeta& chunk = it->second;
+  FinishMove(chunk, status.ok());
+  if (!status.ok()) {
+    DropCopy(chunk, TierKind::kHost);
+    if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
+  }
+  chunk.last_use = ++use_clock_;
+  if (chunk.doomed) Destroy(chunk);
+}
+
+void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                              bool keep_source) {
+  constexpr int kHost = static_cast<int>(TierKind::kHost);
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
+  if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
+    if (!keep_source && chunk.resident.contains(TierKind::kHost)) {
+      DropCopy(chunk, TierKind::kHost);
+    }
+    return;
+  }
+  if (!chunk.allocated.contains(TierKind::kNvme)) {
+    absl::StatusOr<Placement> p = nvme_->Reserve(chunk.tenant, chunk.size);
+    if (!p.ok()) {
+      batch->Add();
+      batch->Done(absl::Status(p.status().code(),
+                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
+      return;
+    }
+    chunk.placement[kNvme] = *p;
+    chunk.allocated.insert(TierKind::kNvme);
+  }
+  absl::Status begin = BeginMove(chunk, TierKind::kNvme);
+  assert(begin.ok());
+  (void)begin;
+  batch->Add();
+  const ChunkId id = chunk.id;
+  const Placement nvme = chunk.placement[kNvme];
+  std::optional<IndexEntry> entry;
+  if (chunk.persistent)
+    entry = IndexEntry{chunk.tenant, chunk.name, chunk.size, nvme.offset, nvme.size, 0};
+  nvme_->Write(id, chunk.placement[kHost], nvme, chunk.size,
+               [this, id, batch, keep_source, entry](absl::StatusOr<uint64_t> checksum) {
+                 if (!checksum.ok() || !entry) {
+                   SettleWrite(id, checksum, keep_source);
+                   batch->Done(checksum.status());
+                   return;
+                 }
+                 // A persistent chunk is durable once the index says where it is.
+                 IndexEntry e = *entry;
+                 e.checksum = *checksum;
+                 nvme_->Persist(e, [this, id, batch, keep_source, checksum](absl::Status s) {
+                   if (s.ok()) {
+                     SettleWrite(id, checksum, keep_source);
+                   } else {
+                     SettleWrite(id, s, keep_source);
+                   }
+                   batch->Done(s);
+                 });
+               });
+}
+
+void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,
+                               bool keep_source) {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(id);
+  assert(it != chunks_.end());
+  ChunkMeta& chunk = it->second;
+  FinishMove(chunk, checksum.ok());
+  if (checksum.ok()) {
+    chunk.written = true;
+    chunk.checksum = *checksum;
+    chunk.dirty = TierSet();
+    if (!keep_source && chunk.pins == 0) DropCopy(chunk, TierKind::kHost);
+  }
+  if (chunk.doomed) Destroy(chunk);
 }
 
 std::string ChunkService::NameKey(uint32_t tenant, absl::string_view name) {
@@ -193,6 +389,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     chunk.owner = session.id;
     chunk.tenant = tenant;
     chunk.home = r.home;
+    chunk.allocated.insert(r.home);
     chunk.resident.insert(r.home);
     chunk.persistent = r.persistent;
     chunk.placement[static_cast<int>(r.home)] = placements[i];
@@ -211,10 +408,12 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
 
 void ChunkService::Destroy(ChunkMeta& chunk) {
   for (int t = 1; t < kTierKinds; ++t) {
-    if (chunk.resident.contains(static_cast<TierKind>(t))) {
+    if (chunk.allocated.contains(static_cast<TierKind>(t))) {
       tiers_[t]->Unreserve(chunk.placement[t]);
     }
   }
+  if (chunk.persistent && chunk.written && nvme_ != nullptr)
+    nvme_->Forget(chunk.tenant, chunk.name);
   if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
   if (chunk.persistent) {
     auto it = persistent_.find(chunk.tenant);
@@ -262,6 +461,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   SessionState& state = sessions_[session.id];
   for (ChunkMeta* chunk : *chunks) {
     Pin(*chunk, tier, access);
+    chunk->last_use = ++use_clock_;
     state.pins[chunk->id] += 1;
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
   }
@@ -292,6 +492,8 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
 absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
                                                  std::span<const ChunkId> ids, TierKind tier,
                                                  int /*priority*/) {
+  // Prefetch into NVMe is a flush: write there, keep the host copy.
+  if (tier == TierKind::kNvme) return Evict(session, ids, tier, /*keep_source=*/true);
   if (absl::Status s = CheckBatch(ids.size(), "Prefetch"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Prefetch"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
@@ -299,22 +501,32 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
-    if (chunk->state == ChunkState::kMoving && chunk->moving_to != tier) {
+    if (chunk->state == ChunkState::kMoving) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
     }
-    if (!chunk->resident.contains(tier)) {
-      // Only reachable once a second tier is configured, which needs a data path to it.
-      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id,
-                                                        ": this daemon has no data path into the ",
-                                                        TierName(tier), " tier"));
+    if (chunk->resident.contains(tier)) continue;
+    if (tier != TierKind::kHost || !chunk->resident.contains(TierKind::kNvme) || nvme_ == nullptr) {
+      return chunk->resident.empty()
+                 ? absl::DataLossError(
+                       absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"))
+                 : absl::FailedPreconditionError(
+                       absl::StrCat("chunk ", chunk->id, ": this daemon has no data path into the ",
+                                    TierName(tier), " tier"));
     }
   }
-  return session.completions->PostCompleted(absl::OkStatus());
+  absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
+  if (!batch.ok()) return batch.status();
+  for (ChunkMeta* chunk : *chunks) {
+    if (!chunk->resident.contains(tier)) StartRead(*chunk, *batch);
+  }
+  const SlotToken token = (*batch)->token;
+  (*batch)->Done(absl::OkStatus());  // the issuer's reference
+  return token;
 }
 
 absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<const ChunkId> ids,
-                                              TierKind tier) {
+                                              TierKind tier, bool keep_source) {
   if (absl::Status s = CheckBatch(ids.size(), "Evict"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Evict"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
@@ -326,27 +538,34 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
     }
-    if (Rank(tier) > Rank(chunk->home)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", chunk->id, " lives in the ", TierName(chunk->home),
-          " tier; it cannot be evicted up to the ", TierName(tier), " tier (use Prefetch)"));
-    }
-    for (int t = 1; t < kTierKinds; ++t) {
-      const auto above = static_cast<TierKind>(t);
-      if (Rank(above) > Rank(tier) && chunk->resident.contains(above) && chunk->pins > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "chunk ", chunk->id, " is acquired; release it before evicting it from the ",
-            TierName(above), " tier"));
+    if (tier == TierKind::kHost) {
+      if (!chunk->resident.contains(TierKind::kHost)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk ", chunk->id, " has no host copy to evict to; use Prefetch to bring it up"));
       }
+      continue;
     }
-    if (!chunk->resident.contains(tier)) {
-      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id,
-                                                        ": this daemon has no data path into the ",
-                                                        TierName(tier), " tier"));
+    // To NVMe: the host copy is written (and dropped); it must not change meanwhile.
+    if (chunk->pins > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id, " is acquired (",
+                                                        chunk->pins,
+                                                        " pins); release it before "
+                                                        "evicting it to NVMe"));
+    }
+    if (!chunk->resident.contains(TierKind::kNvme) && !chunk->resident.contains(TierKind::kHost)) {
+      return absl::DataLossError(
+          absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"));
     }
   }
-  // With the host tier alone every chunk already lives in its lowest tier: nothing moves.
-  return session.completions->PostCompleted(absl::OkStatus());
+  absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
+  if (!batch.ok()) return batch.status();
+  // With the host tier as the lowest configured one every chunk is already there.
+  if (tier == TierKind::kNvme) {
+    for (ChunkMeta* chunk : *chunks) StartWrite(*chunk, *batch, keep_source);
+  }
+  const SlotToken token = (*batch)->token;
+  (*batch)->Done(absl::OkStatus());
+  return token;
 }
 
 absl::StatusOr<std::vector<ChunkMeta>> ChunkService::Stat(const Session& session,
@@ -406,9 +625,12 @@ size_t ChunkService::CloseSession(const Session& session) {
   for (ChunkId id : state.owned) {
     ChunkMeta& chunk = chunks_.at(id);
     assert(chunk.pins == 0);  // only its owner can pin a scratch chunk
-    assert(chunk.state == ChunkState::kReady);
-    Destroy(chunk);
     ++freed;
+    if (chunk.state == ChunkState::kMoving) {
+      chunk.doomed = true;  // destroyed when its transfer settles
+      continue;
+    }
+    Destroy(chunk);
   }
   if (auto p = persistent_.find(session.peer.uid); p != persistent_.end()) {
     for (ChunkId id : p->second) {

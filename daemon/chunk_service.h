@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/completion_page.h"
 #include "daemon/chunk.h"
+#include "daemon/nvme_index.h"
 #include "daemon/session.h"
 #include "daemon/tier.h"
 
@@ -58,10 +59,17 @@ inline constexpr uint32_t kMaxPageSize = 100'000;
 // empty nor "." nor "..".
 absl::Status ValidateChunkName(absl::string_view name);
 
+class NvmeTier;
+
 class ChunkService {
  public:
   // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
-  explicit ChunkService(std::array<Tier*, kTierKinds> tiers);
+  // `nvme` is the NVMe tier's data path (also tiers[kNvme]), or null.
+  explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr);
+
+  // Re-creates the persistent chunks found in the NVMe index at start-up (detached, resident on
+  // NVMe). Returns how many were recovered.
+  size_t Recover(const std::vector<IndexEntry>& entries);
 
   absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
                                                 std::span<const ChunkRequest> requests);
@@ -72,7 +80,7 @@ class ChunkService {
   absl::StatusOr<SlotToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
                                      TierKind tier, int priority);
   absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
-                                  TierKind tier);
+                                  TierKind tier, bool keep_source = false);
   absl::StatusOr<std::vector<ChunkMeta>> Stat(const Session& session, std::span<const ChunkId> ids);
   // The session's chunks and its tenant's persistent chunks with id >= page_token, by id.
   ChunkPage List(const Session& session, ChunkId page_token, uint32_t page_size) const;
@@ -97,10 +105,30 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckTier(TierKind tier, absl::string_view what) const;
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Asynchronous moves. A Batch completes its token when its last chunk settles.
+  struct Batch;
+  // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
+  // copy unless keep_source.
+  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the chunk's NVMe copy into (newly reserved) host memory.
+  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source);
+  void SettleRead(ChunkId id, const absl::Status& status);
+  // Host space for a chunk, evicting clean host copies (least recently used first) when full.
+  absl::StatusOr<Placement> ReserveHost(uint32_t tenant, uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);
 
   const std::array<Tier*, kTierKinds> tiers_;
+  NvmeTier* const nvme_;
   mutable absl::Mutex mu_;
+  uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkId next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Node-based: a ChunkMeta never moves, and a million of them cost their own size plus a pointer
   // slot each rather than a half-empty array of 240-byte slots.

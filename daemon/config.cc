@@ -6,16 +6,43 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/sizes.h"
 #include "toml++/toml.h"
 
 namespace tierd {
 
+RegionSpec DefaultRegion(const std::string& state_dir) {
+  return RegionSpec{state_dir + "/nvme0.region", 2ull << 30};
+}
+
 DaemonConfig DefaultConfig() {
   DaemonConfig config;
   const char* runtime_dir = std::getenv("RUNTIME_DIRECTORY");  // set by systemd's RuntimeDirectory=
   config.socket_dir = runtime_dir != nullptr && *runtime_dir != '\0' ? runtime_dir : "var/run";
+  const char* state_dir = std::getenv("STATE_DIRECTORY");  // set by systemd's StateDirectory=
+  config.state_dir = state_dir != nullptr && *state_dir != '\0' ? state_dir : "var/lib";
+  config.nvme.regions = {DefaultRegion(config.state_dir)};
   return config;
+}
+
+absl::StatusOr<std::vector<RegionSpec>> ParseRegionList(absl::string_view text) {
+  std::vector<RegionSpec> regions;
+  if (text == "none") return regions;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const size_t colon = item.rfind(':');
+    if (colon == absl::string_view::npos || colon == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("NVMe region '", item,
+                       "' is not PATH:SIZE (e.g. /mnt/nvme0/tierd.region:800GiB, or "
+                       "/dev/nvme1n1:0 for a whole device)"));
+    }
+    absl::StatusOr<uint64_t> size = ParseSize(item.substr(colon + 1));
+    if (!size.ok()) return size.status();
+    regions.push_back({std::string(item.substr(0, colon)), *size});
+  }
+  if (regions.empty()) return absl::InvalidArgumentError("empty NVMe region list");
+  return regions;
 }
 
 absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text) {
@@ -107,6 +134,61 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
         if (!v.ok()) return v.status();
         if (v->empty()) return KeyError(source, node, key, "must not be empty");
         config->socket_dir = *v;
+      } else if (key == "daemon.state_dir") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        if (v->empty()) return KeyError(source, node, key, "must not be empty");
+        // The default region follows the state directory unless regions are given.
+        const bool default_region =
+            config->nvme.regions.size() == 1 &&
+            config->nvme.regions[0].path == DefaultRegion(config->state_dir).path;
+        config->state_dir = *v;
+        if (default_region) config->nvme.regions = {DefaultRegion(config->state_dir)};
+      } else if (key == "nvme.regions") {
+        const toml::array* list = node.as_array();
+        if (list == nullptr) {
+          return KeyError(source, node, key,
+                          "must be an array of tables: [{ path = \"...\", size = \"800GiB\" }]");
+        }
+        std::vector<RegionSpec> regions;
+        for (const toml::node& item : *list) {
+          const toml::table* t = item.as_table();
+          if (t == nullptr || !t->contains("path")) {
+            return KeyError(source, item, key, "each region needs a path (and a size)");
+          }
+          for (auto&& [k, v] : *t) {
+            if (k.str() != "path" && k.str() != "size") {
+              return KeyError(source, v, key,
+                              absl::StrCat("unknown region key '", std::string(k.str()), "'"));
+            }
+          }
+          absl::StatusOr<std::string> path = GetString(source, *t->get("path"), key + ".path");
+          if (!path.ok()) return path.status();
+          uint64_t size = 0;
+          if (const toml::node* sz = t->get("size")) {
+            absl::StatusOr<uint64_t> v = GetSize(source, *sz, key + ".size");
+            if (!v.ok()) return v.status();
+            size = *v;
+          }
+          regions.push_back({*path, size});
+        }
+        config->nvme.regions = std::move(regions);
+      } else if (key == "nvme.stripe_unit" || key == "nvme.io_size" || key == "nvme.index_size") {
+        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
+        if (!v.ok()) return v.status();
+        (key == "nvme.stripe_unit" ? config->nvme.stripe_unit
+         : key == "nvme.io_size"   ? config->nvme.io_size
+                                   : config->nvme.index_size) = *v;
+      } else if (key == "nvme.queue_depth") {
+        const auto* i = node.as_integer();
+        if (i == nullptr || i->get() < 1 || i->get() > 4096) {
+          return KeyError(source, node, key, "must be an integer from 1 to 4096");
+        }
+        config->nvme.queue_depth = static_cast<uint32_t>(i->get());
+      } else if (key == "nvme.sqpoll") {
+        const auto* b = node.as_boolean();
+        if (b == nullptr) return KeyError(source, node, key, "must be true or false");
+        config->nvme.sqpoll = b->get();
       } else if (key == "daemon.socket_group") {
         absl::StatusOr<std::string> v = GetString(source, node, key);
         if (!v.ok()) return v.status();

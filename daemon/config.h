@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/host_segment_pool.h"
+#include "daemon/nvme_tier.h"
 
 namespace tierd {
 
@@ -15,11 +16,22 @@ struct DaemonConfig {
   std::string socket_dir;    // holds tierd.sock (gRPC) and tierd.session.sock
   std::string socket_group;  // group that may connect (sockets are 0660); empty: the daemon's
   std::string log_level = "info";
+  std::string state_dir;  // instance id and the default NVMe region
   // [host]
   HostPoolOptions host{.capacity = 1ull << 30, .segment_size = 256ull << 20};
+  // [nvme]; `regions` empty means no NVMe tier.
+  NvmeOptions nvme;
 };
 
-// The defaults: sockets in $RUNTIME_DIRECTORY when systemd provides one, else in ./var/run.
+// The default NVMe region: a 2 GiB file in the state directory, for a working tier out of the box.
+// Production nodes name their drives in nvme.regions.
+RegionSpec DefaultRegion(const std::string& state_dir);
+
+// Parses "PATH:SIZE[,PATH:SIZE...]" (the --nvme_regions flag); "none" for no NVMe tier.
+absl::StatusOr<std::vector<RegionSpec>> ParseRegionList(absl::string_view text);
+
+// The defaults: sockets in $RUNTIME_DIRECTORY and state in $STATE_DIRECTORY when systemd provides
+// them, else ./var/run and ./var/lib; one NVMe region in the state directory.
 DaemonConfig DefaultConfig();
 
 // Applies the keys of a TOML document on top of `config`. Unknown keys, wrong types and bad values

@@ -25,6 +25,37 @@ std::optional<uint64_t> ExtentAllocator::Allocate(uint64_t size) {
   return offset;
 }
 
+std::optional<uint64_t> ExtentAllocator::AllocateAligned(uint64_t size, uint64_t align) {
+  assert(align % alignment_ == 0);
+  if (align <= alignment_) return Allocate(size);
+  const uint64_t need = RoundUp(size);
+  const uint64_t padded = need + align - alignment_;
+  std::optional<uint64_t> off = Allocate(padded);
+  if (!off) return std::nullopt;
+  const uint64_t start = (*off + align - 1) / align * align;
+  if (start > *off) Free(*off, start - *off);
+  const uint64_t end = *off + padded;
+  if (end > start + need) Free(start + need, end - (start + need));
+  return start;
+}
+
+bool ExtentAllocator::AllocateAt(uint64_t offset, uint64_t size) {
+  const uint64_t need = RoundUp(size);
+  if (offset % alignment_ != 0 || offset + need > capacity_) return false;
+  auto it = by_offset_.upper_bound(offset);
+  if (it == by_offset_.begin()) return false;
+  --it;
+  const auto [free_off, free_size] = *it;
+  if (free_off + free_size < offset + need) return false;
+  Erase(it);
+  if (offset > free_off) Insert(free_off, offset - free_off);
+  if (free_off + free_size > offset + need) {
+    Insert(offset + need, free_off + free_size - offset - need);
+  }
+  free_bytes_ -= need;
+  return true;
+}
+
 void ExtentAllocator::Free(uint64_t offset, uint64_t size) {
   uint64_t begin = offset;
   uint64_t end = offset + RoundUp(size);

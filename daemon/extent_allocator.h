@@ -23,6 +23,13 @@ class ExtentAllocator {
   // enough. REQUIRES: size > 0.
   std::optional<uint64_t> Allocate(uint64_t size);
 
+  // Like Allocate, with the extent's offset a multiple of `align` (a multiple of alignment()).
+  std::optional<uint64_t> AllocateAligned(uint64_t size, uint64_t align);
+
+  // Marks exactly [offset, offset+RoundUp(size)) as allocated, if all of it is free (recovery of
+  // extents recorded on disk). Returns false, changing nothing, otherwise.
+  bool AllocateAt(uint64_t offset, uint64_t size);
+
   // Returns an extent to the free space. REQUIRES: (offset, size) is exactly what Allocate gave.
   void Free(uint64_t offset, uint64_t size);
 

@@ -164,7 +164,16 @@ absl::Status HostSegmentPool::MapFresh(Segment& segment, uint32_t index) {
   segment.base = base;
   segment.generation += 1;
   segment.allocator = std::make_unique<ExtentAllocator>(size, kHostAlignment);
+  if (observer_) observer_(index, base, size);
   return absl::OkStatus();
+}
+
+void HostSegmentPool::SetRemapObserver(RemapObserver observer) {
+  absl::MutexLock lock(&mu_);
+  observer_ = std::move(observer);
+  for (uint32_t i = 0; i < segments_.size(); ++i) {
+    if (observer_) observer_(i, segments_[i].base, options_.segment_size);
+  }
 }
 
 void HostSegmentPool::Unmap(Segment& segment) {

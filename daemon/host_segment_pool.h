@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +62,11 @@ class HostSegmentPool final : public Tier {
   // The daemon's own mapping of a placement (for the I/O engines of later tiers).
   void* Address(const Placement& placement) const;
 
+  // Calls `observer` now for every segment, and again whenever a segment gets new pages (a
+  // recycle for another tenant), so that an I/O engine can keep them registered.
+  using RemapObserver = std::function<void(uint32_t segment, void* base, size_t size)>;
+  void SetRemapObserver(RemapObserver observer);
+
   bool huge_pages() const { return huge_pages_; }
   uint32_t segment_count() const { return static_cast<uint32_t>(segments_.size()); }
 
@@ -86,6 +92,7 @@ class HostSegmentPool final : public Tier {
   mutable absl::Mutex mu_;
   std::vector<Segment> segments_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  RemapObserver observer_ ABSL_GUARDED_BY(mu_);
 };
 
 // Checks that `bytes` can be locked and are available; the error names the limit to raise.

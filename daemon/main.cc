@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -22,6 +23,7 @@
 #include "daemon/config.h"
 #include "daemon/device_probe.h"
 #include "daemon/host_segment_pool.h"
+#include "daemon/nvme_tier.h"
 #include "daemon/rpc_server.h"
 #include "daemon/session.h"
 #include "daemon/session_broker.h"
@@ -45,6 +47,21 @@ ABSL_FLAG(std::string, huge_pages, "",
           "2 MiB huge pages for the host tier: auto, never or require [host.huge_pages; default "
           "auto]");
 
+ABSL_FLAG(std::string, state_dir, "",
+          "directory for the instance id and the default NVMe region [daemon.state_dir; default "
+          "$STATE_DIRECTORY under systemd, else var/lib]");
+ABSL_FLAG(
+    std::string, nvme_regions, "",
+    "NVMe regions as PATH:SIZE[,PATH:SIZE...] (files are created and preallocated; SIZE 0 "
+    "for a whole block device), or 'none' [nvme.regions; default STATE_DIR/nvme0.region:2GiB]");
+ABSL_FLAG(std::string, nvme_stripe_unit, "",
+          "bytes per region before striping moves to the next [nvme.stripe_unit; default 1MiB]");
+ABSL_FLAG(std::string, nvme_io_size, "",
+          "largest single I/O, at most the stripe unit [nvme.io_size; default 1MiB]");
+ABSL_FLAG(int32_t, nvme_queue_depth, 0, "I/Os in flight [nvme.queue_depth; default 32]");
+ABSL_FLAG(bool, nvme_sqpoll, false, "kernel-side submission polling [nvme.sqpoll]");
+ABSL_FLAG(bool, nvme_reformat, false,
+          "format the NVMe regions even if they hold data (discards their persistent chunks)");
 ABSL_FLAG(std::string, lock_memory, "",
           "true or false: mlock the host tier; false only for development without memlock "
           "rights [host.lock_memory; default true]");
@@ -86,6 +103,37 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
       return absl::InvalidArgumentError(absl::StrCat("--huge_pages: ", v.status().message()));
     config.host.huge_pages = *v;
   }
+  if (std::string v = absl::GetFlag(FLAGS_state_dir); !v.empty()) {
+    const bool default_region = config.nvme.regions.size() == 1 &&
+                                config.nvme.regions[0].path == DefaultRegion(config.state_dir).path;
+    config.state_dir = v;
+    if (default_region) config.nvme.regions = {DefaultRegion(v)};
+  }
+  if (std::string v = absl::GetFlag(FLAGS_nvme_regions); !v.empty()) {
+    absl::StatusOr<std::vector<RegionSpec>> regions = ParseRegionList(v);
+    if (!regions.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--nvme_regions: ", regions.status().message()));
+    }
+    config.nvme.regions = *regions;
+  }
+  for (auto [flag, value, target] :
+       {std::tuple{"--nvme_stripe_unit", absl::GetFlag(FLAGS_nvme_stripe_unit),
+                   &config.nvme.stripe_unit},
+        std::tuple{"--nvme_io_size", absl::GetFlag(FLAGS_nvme_io_size), &config.nvme.io_size}}) {
+    if (value.empty()) continue;
+    absl::StatusOr<uint64_t> v = ParseSize(value);
+    if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", v.status().message()));
+    *target = *v;
+  }
+  if (int32_t depth = absl::GetFlag(FLAGS_nvme_queue_depth); depth != 0) {
+    if (depth < 1 || depth > 4096) {
+      return absl::InvalidArgumentError("--nvme_queue_depth must be 1 to 4096");
+    }
+    config.nvme.queue_depth = static_cast<uint32_t>(depth);
+  }
+  if (absl::GetFlag(FLAGS_nvme_sqpoll)) config.nvme.sqpoll = true;
+  config.nvme.reformat = absl::GetFlag(FLAGS_nvme_reformat);
   if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
     if (v != "true" && v != "false") {
       return absl::InvalidArgumentError(
@@ -140,6 +188,23 @@ int Run() {
     spdlog::critical("host tier: {}", host.status().message());
     return 1;
   }
+  std::unique_ptr<NvmeTier> nvme;
+  if (!config->nvme.regions.empty()) {
+    absl::StatusOr<InstanceId> instance = LoadOrCreateInstanceId(config->state_dir);
+    if (!instance.ok()) {
+      spdlog::critical("state_dir: {}", instance.status().message());
+      return 1;
+    }
+    absl::StatusOr<std::unique_ptr<NvmeTier>> opened =
+        NvmeTier::Open(config->nvme, *instance, host->get());
+    if (!opened.ok()) {
+      spdlog::critical("NVMe tier: {}", opened.status().message());
+      return 1;
+    }
+    nvme = std::move(*opened);
+  } else {
+    spdlog::info("NVMe tier: none configured (nvme.regions is empty)");
+  }
   DeviceProbe devices = ProbeDevices();
   if (devices.devices.empty()) {
     spdlog::info("device tier: none ({}); serving the host tier only", devices.status);
@@ -152,7 +217,12 @@ int Run() {
 
   std::array<Tier*, kTierKinds> tiers{};
   tiers[static_cast<int>(TierKind::kHost)] = host->get();
-  ChunkService chunks(tiers);
+  tiers[static_cast<int>(TierKind::kNvme)] = nvme.get();
+  ChunkService chunks(tiers, nvme.get());
+  if (nvme != nullptr) {
+    const size_t recovered = chunks.Recover(nvme->RecoveredEntries());
+    spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
+  }
   SessionRegistry sessions;
 
   constexpr unsigned kSocketMode = 0660;
@@ -162,8 +232,8 @@ int Run() {
     spdlog::critical("session socket: {}", broker.status().message());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<RpcServer>> rpc =
-      RpcServer::Start(rpc_path, kSocketMode, RpcServerDeps{&sessions, &chunks, devices});
+  absl::StatusOr<std::unique_ptr<RpcServer>> rpc = RpcServer::Start(
+      rpc_path, kSocketMode, RpcServerDeps{&sessions, &chunks, devices, nvme.get()});
   if (!rpc.ok()) {
     spdlog::critical("gRPC socket: {}", rpc.status().message());
     return 1;
@@ -191,11 +261,11 @@ int Run() {
   spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
   (*rpc)->Shutdown(absl::Seconds(5));
-  broker->reset();  // ends every session
+  broker->reset();                     // ends every session
+  if (nvme != nullptr) nvme->Drain();  // transfers in flight settle before the chunk table goes
   unlink(rpc_path.c_str());
   unlink(session_path.c_str());
-  spdlog::info("tierd stopped; {} persistent chunks were held in memory only",
-               chunks.chunk_count());
+  spdlog::info("tierd stopped");
   return 0;
 }
 

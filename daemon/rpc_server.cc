@@ -230,6 +230,16 @@ class TierdService final : public pb::Tierd::Service {
       info->set_free_bytes(usage.capacity_bytes - usage.used_bytes);
       info->set_largest_free_bytes(usage.largest_free_bytes);
       info->set_detail(tier->Describe());
+      if (kind == TierKind::kNvme && deps_.nvme != nullptr) {
+        for (const RegionStatus& r : deps_.nvme->Regions()) {
+          pb::RegionInfo* region = info->add_regions();
+          region->set_path(r.path);
+          region->set_capacity_bytes(r.capacity_bytes);
+          region->set_used_bytes(r.used_bytes);
+          region->set_free_bytes(r.capacity_bytes - r.used_bytes);
+          region->set_block_size(r.block_size);
+        }
+      }
     }
     for (const GpuDevice& d : deps_.devices.devices) {
       pb::DeviceInfo* dev = resp->add_devices();

@@ -9,6 +9,7 @@
 #include "daemon/chunk_service.h"
 #include "daemon/device_probe.h"
 #include "daemon/host_segment_pool.h"
+#include "daemon/nvme_tier.h"
 #include "daemon/session.h"
 
 namespace tierd {
@@ -17,6 +18,7 @@ struct RpcServerDeps {
   SessionRegistry* sessions = nullptr;
   ChunkService* chunks = nullptr;
   DeviceProbe devices;
+  NvmeTier* nvme = nullptr;  // for per-region usage; null without an NVMe tier
 };
 
 class RpcServer {

@@ -29,7 +29,7 @@ struct PeerCredentials {
   pid_t pid = 0;
 };
 
-struct Session {
+struct Session : std::enable_shared_from_this<Session> {
   SessionId id = 0;
   PeerCredentials peer;
   std::string client_name;

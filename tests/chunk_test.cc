@@ -92,3 +92,26 @@ TEST(ChunkStateTest, ChunkWithNoValidCopyCannotMove) {
 
 }  // namespace
 }  // namespace tierd
+
+namespace tierd {
+namespace {
+
+TEST(ChunkStateTest, WriteMakesTheAcquiredCopyTheOnlyValidOne) {
+  ChunkMeta c;
+  c.id = 9;
+  c.home = TierKind::kNvme;
+  c.resident.insert(TierKind::kNvme);
+  c.resident.insert(TierKind::kHost);
+  Pin(c, TierKind::kHost, Access::kWrite);
+  EXPECT_TRUE(c.resident.contains(TierKind::kHost));
+  EXPECT_FALSE(c.resident.contains(TierKind::kNvme));  // stale from now on
+  Unpin(c);
+  // Writing it home makes it clean again.
+  ASSERT_TRUE(BeginMove(c, TierKind::kNvme).ok());
+  FinishMove(c, true);
+  EXPECT_TRUE(c.dirty.empty());
+  EXPECT_TRUE(c.resident.contains(TierKind::kNvme));
+}
+
+}  // namespace
+}  // namespace tierd

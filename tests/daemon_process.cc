@@ -63,7 +63,10 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
   chmod(tmpl, 0711);
   auto daemon = std::unique_ptr<DaemonProcess>(new DaemonProcess());
   daemon->dir_ = tmpl;
+  // State and a small NVMe region inside the directory, so that every daemon is independent.
   std::vector<std::string> argv = {options.binary, absl::StrCat("--socket_dir=", tmpl),
+                                   absl::StrCat("--state_dir=", tmpl, "/state"),
+                                   absl::StrCat("--nvme_regions=", tmpl, "/nvme0.region:256MiB"),
                                    "--log_level=debug"};
   if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
   argv.insert(argv.end(), options.args.begin(), options.args.end());

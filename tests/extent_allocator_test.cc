@@ -139,3 +139,28 @@ TEST(ExtentAllocatorTest, ChunkMixFragmentationStaysLow) {
 
 }  // namespace
 }  // namespace tierd
+
+namespace tierd {
+namespace {
+
+TEST(ExtentAllocatorTest, AlignedAllocationsStartOnTheBoundaryAndWasteNothing) {
+  ExtentAllocator a(64 * kAlign, kAlign);
+  auto small = a.Allocate(kAlign);  // pushes the next free byte off the 16-page boundary
+  auto big = a.AllocateAligned(16 * kAlign, 16 * kAlign);
+  ASSERT_TRUE(small && big);
+  EXPECT_EQ(*big % (16 * kAlign), 0u);
+  EXPECT_EQ(a.used_bytes(), 17 * kAlign);  // the padding went back to the free space
+}
+
+TEST(ExtentAllocatorTest, AllocateAtClaimsExactlyTheRecordedExtent) {
+  ExtentAllocator a(64 * kAlign, kAlign);
+  EXPECT_TRUE(a.AllocateAt(8 * kAlign, 4 * kAlign));
+  EXPECT_FALSE(a.AllocateAt(10 * kAlign, kAlign));      // overlaps
+  EXPECT_FALSE(a.AllocateAt(63 * kAlign, 2 * kAlign));  // past the end
+  EXPECT_EQ(a.used_bytes(), 4 * kAlign);
+  a.Free(8 * kAlign, 4 * kAlign);
+  EXPECT_EQ(a.free_extent_count(), 1u);
+}
+
+}  // namespace
+}  // namespace tierd

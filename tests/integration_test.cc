@@ -89,7 +89,14 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   EXPECT_EQ(host->used_bytes, 0u);
   EXPECT_EQ(host->largest_free_bytes, kSegment);
   EXPECT_NE(host->detail.find("4 memfd segments of 16 MiB"), std::string::npos) << host->detail;
-  EXPECT_FALSE(info->tier(Tier::kNvme)->configured);
+  const TierStatus* nvme = info->tier(Tier::kNvme);
+  EXPECT_TRUE(nvme->configured);
+  ASSERT_EQ(nvme->regions.size(), 1u);
+  EXPECT_EQ(nvme->regions[0].path, daemon_->socket_dir() + "/nvme0.region");
+  // 256 MiB less the 1 MiB header and the 64 MiB index, in whole stripe units.
+  EXPECT_EQ(nvme->capacity_bytes, 191u << 20);
+  EXPECT_EQ(nvme->regions[0].used_bytes, 0u);
+  EXPECT_FALSE(info->tier(Tier::kDevice)->configured);
   EXPECT_FALSE(info->version.empty());
   EXPECT_EQ(info->sessions, 1u);
 }
@@ -282,9 +289,9 @@ TEST_F(DaemonTest, CompletionsAreReadyWithoutAnRpcAndWaitAcknowledges) {
   EXPECT_TRUE(c->Poll(*evict).ok());
   EXPECT_TRUE(c->Wait(*evict).ok());
   // Asking for a tier this node does not have fails with the reason, before any token is issued.
-  absl::Status nvme = c->PrefetchIds(*ids, Tier::kNvme).status();
-  EXPECT_TRUE(absl::IsFailedPrecondition(nvme)) << nvme;
-  EXPECT_NE(nvme.message().find("nvme tier is not configured"), std::string::npos);
+  absl::Status device = c->PrefetchIds(*ids, Tier::kDevice).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(device)) << device;
+  EXPECT_NE(device.message().find("device tier is not configured"), std::string::npos);
 }
 
 TEST_F(DaemonTest, FreeWhileAcquiredIsFailedPrecondition) {

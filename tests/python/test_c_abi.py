@@ -44,6 +44,8 @@ def load_library():
     lib.tierd_release.argtypes = [p, ctypes.c_size_t, u64p]
     lib.tierd_prefetch.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
                                    ctypes.POINTER(Completion)]
+    lib.tierd_evict.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
+                                ctypes.POINTER(Completion)]
     lib.tierd_poll.argtypes = [p, Completion]
     lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
     lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
@@ -61,7 +63,9 @@ def daemon():
         log = open(os.path.join(socket_dir, "daemon.log"), "w")
         proc = subprocess.Popen(
             [os.environ["TIERD_BIN"], f"--socket_dir={socket_dir}", "--host_capacity=32MiB",
-             "--host_segment_size=16MiB", "--lock_memory=false"], stdout=log, stderr=log)
+             "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={socket_dir}/state",
+             f"--nvme_regions={socket_dir}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB"],
+            stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(socket_dir, "tierd.sock")):
             assert proc.poll() is None, open(log.name).read()
@@ -158,3 +162,31 @@ def test_persistent_named_chunk_reopens_in_a_new_session(lib, daemon):
     assert lib.tierd_chunk_count(second, ctypes.byref(count)) == OK and count.value >= 1
     assert lib.tierd_free(second, 1, ids_array([again.value])) == OK
     lib.tierd_close(second)
+
+
+def test_evict_to_nvme_and_prefetch_back(lib, client):
+    sizes = (ctypes.c_uint64 * 2)(3 << 20, 12345)
+    ids = (ctypes.c_uint64 * 2)()
+    assert lib.tierd_allocate(client, 2, sizes, TIER_HOST, ids) == OK
+    ptrs = (ctypes.c_void_p * 2)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, 2, ids, TIER_HOST, ACCESS_WRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    for i in range(2):
+        ctypes.memset(ptrs[i], 0x61 + i, sizes[i])
+    assert lib.tierd_release(client, 2, ids) == OK
+    done = Completion()
+    assert lib.tierd_evict(client, 2, ids, TIER_NVME, 0, ctypes.byref(done)) == OK, \
+        lib.tierd_last_error()
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+    # The host copies are gone: acquiring there needs a prefetch first.
+    assert lib.tierd_acquire(client, 2, ids, TIER_HOST, ACCESS_READ, ptrs, None,
+                             ctypes.byref(ready)) == FAILED_PRECONDITION
+    assert lib.tierd_prefetch(client, 2, ids, TIER_HOST, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+    assert lib.tierd_acquire(client, 2, ids, TIER_HOST, ACCESS_READ, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    for i in range(2):
+        assert ctypes.string_at(ptrs[i], sizes[i]) == bytes([0x61 + i]) * sizes[i]
+    assert lib.tierd_release(client, 2, ids) == OK
+    assert lib.tierd_free(client, 2, ids) == OK

@@ -93,8 +93,9 @@ tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id*
 
 tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                             int priority, tierd_completion* out);
+/* Moves chunks down to tier (durably), dropping the copies above it unless keep_source. */
 tierd_status tierd_evict(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
-                         tierd_completion* out);
+                         int keep_source, tierd_completion* out);
 
 /* TIERD_OK when the request completed successfully, TIERD_PENDING while in flight, otherwise the
  * request's error. Reads shared memory only. */

@@ -57,6 +57,13 @@ struct ChunkInfo {
   uint64_t owner_session = 0;
 };
 
+struct RegionStatus {
+  std::string path;
+  uint64_t capacity_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint32_t block_size = 0;
+};
+
 struct TierStatus {
   Tier tier = Tier::kHost;
   bool configured = false;
@@ -65,6 +72,7 @@ struct TierStatus {
   uint64_t free_bytes = 0;
   uint64_t largest_free_bytes = 0;
   std::string detail;
+  std::vector<RegionStatus> regions;  // NVMe tier
 };
 
 struct NodeInfo {
@@ -188,7 +196,10 @@ class Client {
   absl::Status Release(std::span<const ChunkId> ids);
   absl::StatusOr<CompletionToken> PrefetchIds(std::span<const ChunkId> ids, Tier tier,
                                               int priority = 0);
-  absl::StatusOr<CompletionToken> EvictIds(std::span<const ChunkId> ids, Tier tier);
+  // Moves chunks down to `tier` (writing them there durably if needed) and drops the copies above
+  // it, unless keep_source.
+  absl::StatusOr<CompletionToken> EvictIds(std::span<const ChunkId> ids, Tier tier,
+                                           bool keep_source = false);
   absl::StatusOr<std::vector<ChunkInfo>> Stat(std::span<const ChunkId> ids);
   // Every chunk this session can see (its own and its user's persistent ones), by id.
   absl::StatusOr<std::vector<ChunkInfo>> ListChunks();
@@ -198,7 +209,8 @@ class Client {
   absl::StatusOr<ChunkSet> Allocate(std::span<const ChunkSpec> specs);
   absl::StatusOr<Acquisition> Acquire(std::span<const ChunkId> ids, Tier tier, AccessMode mode);
   absl::StatusOr<Completion> Prefetch(std::span<const ChunkId> ids, Tier tier, int priority = 0);
-  absl::StatusOr<Completion> Evict(std::span<const ChunkId> ids, Tier tier);
+  absl::StatusOr<Completion> Evict(std::span<const ChunkId> ids, Tier tier,
+                                   bool keep_source = false);
 
   // --- completions (no system call once complete) ---
   // OK when completed successfully, UNAVAILABLE while pending, or the request's error.

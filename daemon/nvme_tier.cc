@@ -1,0 +1,415 @@
+#include "daemon/nvme_tier.h"
+
+#include <sys/random.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/fmt_absl.h"
+#include "common/sizes.h"
+#include "spdlog/spdlog.h"
+
+namespace tierd {
+namespace {
+
+absl::Status Annotate(uint64_t chunk_id, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat("chunk ", chunk_id, ": ", s.message()));
+}
+
+}  // namespace
+
+std::string InstanceIdHex(const InstanceId& id) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(id.data()), id.size()));
+}
+
+absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir) {
+  const std::string path = state_dir + "/instance_id";
+  InstanceId id{};
+  std::ifstream in(path);
+  if (in) {
+    std::string hex;
+    in >> hex;
+    if (hex.size() != 32 ||
+        !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
+      return absl::DataLossError(absl::StrCat("'", path, "' does not hold a tierd instance id"));
+    }
+    std::string bytes = absl::HexStringToBytes(hex);
+    std::copy(bytes.begin(), bytes.end(), id.begin());
+    return id;
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(state_dir, ec);
+  if (getrandom(id.data(), id.size(), 0) != static_cast<ssize_t>(id.size())) {
+    return absl::ErrnoToStatus(errno, "getrandom for the instance id");
+  }
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << InstanceIdHex(id) << "\n";
+    if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write '", tmp, "'"));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("rename to '", path, "'"));
+  }
+  spdlog::info("new tierd instance {} (recorded in {})", InstanceIdHex(id), path);
+  return id;
+}
+
+absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& options,
+                                                         const InstanceId& instance,
+                                                         HostSegmentPool* host) {
+  if (options.regions.empty()) return absl::InvalidArgumentError("no NVMe regions configured");
+  const uint64_t unit = options.stripe_unit;
+  if (unit < 4096 || (unit & (unit - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nvme.stripe_unit (", unit, " bytes) must be a power of two of at least 4 KiB"));
+  }
+  if (options.io_size < 4096 || options.io_size > unit || options.io_size % 4096 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "nvme.io_size (", FormatSize(options.io_size),
+        ") must be a multiple of 4 KiB and at most nvme.stripe_unit (", FormatSize(unit), ")"));
+  }
+  if (options.queue_depth == 0 || options.queue_depth > 4096) {
+    return absl::InvalidArgumentError("nvme.queue_depth must be 1 to 4096");
+  }
+  auto tier = std::unique_ptr<NvmeTier>(new NvmeTier());
+  tier->host_ = host;
+  tier->stripe_unit_ = unit;
+  for (const RegionSpec& spec : options.regions) {
+    absl::StatusOr<std::unique_ptr<NvmeRegion>> region = NvmeRegion::Open(spec);
+    if (!region.ok()) return region.status();
+    tier->block_ = std::max(tier->block_, (*region)->block_size());
+    tier->regions_.push_back(std::move(*region));
+  }
+  if (tier->block_ > 4096) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NVMe regions need ", tier->block_,
+        "-byte direct I/O; the host tier allocates in 4 KiB units, so at most 4096 is supported"));
+  }
+  tier->block_ = std::max<uint32_t>(tier->block_, 512);
+  const uint32_t n = static_cast<uint32_t>(tier->regions_.size());
+  const uint64_t index_bytes = AlignUp(std::max<uint64_t>(options.index_size, 64 << 10), 1 << 20);
+
+  std::vector<std::optional<Superblock>> sbs;
+  size_t formatted = 0;
+  for (const auto& region : tier->regions_) {
+    absl::StatusOr<std::optional<Superblock>> sb = region->ReadSuperblock();
+    if (!sb.ok() && !options.reformat) return sb.status();
+    sbs.push_back(sb.ok() ? *sb : std::nullopt);
+    formatted += sbs.back().has_value();
+  }
+
+  bool fresh = false;
+  if (formatted == 0 || options.reformat) {
+    const uint64_t data_offset = kRegionHeaderBytes + index_bytes;
+    uint64_t per_region = UINT64_MAX;
+    for (const auto& region : tier->regions_) {
+      if (region->bytes() <= data_offset + unit) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("NVMe region '", region->path(), "' (", FormatSize(region->bytes()),
+                         ") is too small for its header, index and one stripe unit"));
+      }
+      per_region = std::min(per_region, (region->bytes() - data_offset) / unit * unit);
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+      Superblock sb{};
+      sb.version = kRegionFormatVersion;
+      sb.block_size = tier->block_;
+      std::copy(instance.begin(), instance.end(), sb.instance_id);
+      sb.region_index = i;
+      sb.region_count = n;
+      sb.region_bytes = tier->regions_[i]->bytes();
+      sb.stripe_unit = unit;
+      sb.index_offset = kRegionHeaderBytes;
+      sb.index_bytes = index_bytes;
+      sb.data_offset = data_offset;
+      sb.data_bytes = per_region;
+      sb.formatted_unix_seconds = static_cast<uint64_t>(time(nullptr));
+      if (absl::Status s = tier->regions_[i]->WriteSuperblock(sb); !s.ok()) return s;
+      sbs[i] = sb;
+    }
+    fresh = true;
+    spdlog::info("NVMe: formatted {} region(s) for instance {}", n, InstanceIdHex(instance));
+  } else if (formatted < n) {
+    std::vector<std::string> blank;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!sbs[i]) blank.push_back(tier->regions_[i]->path());
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NVMe regions ", absl::StrJoin(blank, ", "),
+        " are blank but the others belong to a formatted region set; a set cannot gain regions. "
+        "Restore the original regions, or start over with --nvme_reformat (this discards the "
+        "persistent chunks stored there)"));
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    const Superblock& sb = *sbs[i];
+    const std::string& path = tier->regions_[i]->path();
+    if (sb.version != kRegionFormatVersion) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "NVMe region '", path, "' has on-disk format version ", sb.version, "; this tierd reads ",
+          kRegionFormatVersion, ". Use a matching tierd, or --nvme_reformat to start over"));
+    }
+    if (!std::equal(instance.begin(), instance.end(), sb.instance_id)) {
+      InstanceId other;
+      std::copy(sb.instance_id, sb.instance_id + 16, other.begin());
+      return absl::FailedPreconditionError(absl::StrCat(
+          "NVMe region '", path, "' belongs to another tierd instance (", InstanceIdHex(other),
+          "); this daemon is instance ", InstanceIdHex(instance),
+          ". Point nvme.regions at this daemon's regions, or pass --nvme_reformat to take the "
+          "region over (this discards its data)"));
+    }
+    if (sb.region_count != n || sb.region_index != i) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("NVMe region '", path, "' is region ", sb.region_index, " of a set of ",
+                       sb.region_count, " but is configured as region ", i, " of ", n,
+                       "; list the regions in their original order"));
+    }
+    if (sb.stripe_unit != unit) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("NVMe region '", path, "' was formatted with a stripe unit of ",
+                       FormatSize(sb.stripe_unit), ", not ", FormatSize(unit),
+                       "; set nvme.stripe_unit back, or --nvme_reformat"));
+    }
+  }
+  tier->data_offset_ = sbs[0]->data_offset;
+  tier->region_data_bytes_ = sbs[0]->data_bytes;
+  tier->capacity_ = tier->region_data_bytes_ * n;
+  tier->alignment_ = 4096;
+  {
+    absl::MutexLock lock(&tier->mu_);
+    tier->space_ = std::make_unique<ExtentAllocator>(tier->capacity_, tier->alignment_);
+    tier->region_used_.assign(n, 0);
+  }
+
+  absl::StatusOr<std::unique_ptr<NvmeIndex>> index =
+      NvmeIndex::Open(tier->regions_[0].get(), sbs[0]->index_offset, sbs[0]->index_bytes, fresh);
+  if (!index.ok()) return index.status();
+  tier->index_ = std::move(*index);
+  for (const auto& [key, entry] : tier->index_->entries()) tier->recovered_.push_back(entry);
+
+  std::vector<int> fds;
+  std::vector<std::string> names;
+  for (const auto& region : tier->regions_) {
+    fds.push_back(region->fd());
+    names.push_back(region->path());
+  }
+  const uint32_t segments = host->segment_count();
+  absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeUringBackend(
+      fds, UringOptions{options.queue_depth, std::max<uint32_t>(segments, 1), options.sqpoll});
+  if (!backend.ok()) return backend.status();
+  std::unique_ptr<IoBackend> b = std::move(*backend);
+  if (options.wrap_backend) b = options.wrap_backend(std::move(b));
+  tier->engine_ = std::make_unique<IoEngine>(std::move(b), IoEngineOptions{options.io_size, names});
+  tier->worker_ = std::make_unique<WorkQueue>();
+  {
+    absl::MutexLock lock(&tier->mu_);
+    tier->registered_.assign(segments, false);
+  }
+  NvmeTier* raw = tier.get();
+  host->SetRemapObserver([raw](uint32_t segment, void* base, size_t size) {
+    absl::Status s = raw->engine_->backend()->RegisterBuffer(static_cast<int>(segment), base, size);
+    if (!s.ok()) {
+      spdlog::warn(
+          "NVMe: host segment {} not registered with io_uring ({}); its I/O pins pages "
+          "per request",
+          segment, s.message());
+    }
+    absl::MutexLock lock(&raw->mu_);
+    if (segment < raw->registered_.size()) raw->registered_[segment] = s.ok();
+  });
+  spdlog::info("NVMe tier: {}", tier->Describe());
+  return tier;
+}
+
+NvmeTier::~NvmeTier() {
+  if (host_ != nullptr && engine_ != nullptr) host_->SetRemapObserver(nullptr);
+  if (engine_ != nullptr) Drain();
+}
+
+int32_t NvmeTier::BufferIndex(uint32_t segment) const {
+  absl::MutexLock lock(&mu_);
+  return segment < registered_.size() && registered_[segment] ? static_cast<int32_t>(segment) : -1;
+}
+
+std::vector<IoSpan> NvmeTier::Spans(IoKind kind, uint64_t offset, uint64_t length, char* buffer,
+                                    int32_t buffer_index) const {
+  const uint64_t n = regions_.size();
+  std::vector<IoSpan> spans;
+  uint64_t done = 0;
+  while (done < length) {
+    const uint64_t logical = offset + done;
+    const uint64_t unit = logical / stripe_unit_;
+    const uint64_t within = logical % stripe_unit_;
+    const uint64_t piece = std::min(stripe_unit_ - within, length - done);
+    spans.push_back(IoSpan{kind, static_cast<uint32_t>(unit % n),
+                           data_offset_ + (unit / n) * stripe_unit_ + within, buffer + done, piece,
+                           buffer_index});
+    done += piece;
+  }
+  return spans;
+}
+
+std::vector<IoSpan> NvmeTier::SyncSpans(uint64_t offset, uint64_t length) const {
+  std::vector<bool> touched(regions_.size(), false);
+  for (const IoSpan& s : Spans(IoKind::kSync, offset, length, nullptr, -1)) touched[s.file] = true;
+  std::vector<IoSpan> spans;
+  for (uint32_t r = 0; r < touched.size(); ++r) {
+    if (touched[r]) spans.push_back(IoSpan{IoKind::kSync, r});
+  }
+  return spans;
+}
+
+void NvmeTier::AddRegionUse(uint64_t offset, uint64_t length, int64_t sign) {
+  for (const IoSpan& s : Spans(IoKind::kRead, offset, length, nullptr, -1)) {
+    region_used_[s.file] += sign * static_cast<int64_t>(s.length);
+  }
+}
+
+absl::StatusOr<Placement> NvmeTier::Reserve(uint32_t /*tenant*/, uint64_t size) {
+  if (size == 0 || size > capacity_) {
+    return absl::InvalidArgumentError(absl::StrCat("the NVMe tier cannot hold a chunk of ", size,
+                                                   " bytes (capacity ", FormatSize(capacity_),
+                                                   ")"));
+  }
+  absl::MutexLock lock(&mu_);
+  // Chunks of a stripe unit or more start on a unit boundary: each sub-I/O then covers a whole
+  // unit and the chunk spreads evenly over the regions.
+  const uint64_t align = size >= stripe_unit_ ? stripe_unit_ : alignment_;
+  std::optional<uint64_t> offset = space_->AllocateAligned(size, align);
+  if (!offset) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "NVMe tier full: no room for ", FormatSize(size), ": ", FormatSize(space_->used_bytes()),
+        " of ", FormatSize(capacity_), " in use, largest free extent ",
+        FormatSize(space_->largest_free()), "; free chunks or add regions (nvme.regions)"));
+  }
+  const uint64_t reserved = space_->RoundUp(size);
+  AddRegionUse(*offset, reserved, +1);
+  return Placement{TierKind::kNvme, 0, 0, *offset, reserved};
+}
+
+void NvmeTier::Unreserve(const Placement& placement) {
+  absl::MutexLock lock(&mu_);
+  space_->Free(placement.offset, placement.size);
+  AddRegionUse(placement.offset, placement.size, -1);
+}
+
+bool NvmeTier::Claim(const Placement& placement) {
+  absl::MutexLock lock(&mu_);
+  if (!space_->AllocateAt(placement.offset, placement.size)) return false;
+  AddRegionUse(placement.offset, placement.size, +1);
+  return true;
+}
+
+std::vector<IndexEntry> NvmeTier::RecoveredEntries() const { return recovered_; }
+
+TierUsage NvmeTier::Usage() const {
+  absl::MutexLock lock(&mu_);
+  return TierUsage{capacity_, space_->used_bytes(), space_->largest_free()};
+}
+
+std::string NvmeTier::Describe() const {
+  std::vector<std::string> paths;
+  for (const auto& r : regions_) paths.push_back(r->path());
+  return absl::StrCat(regions_.size(), " region(s) striped by ", FormatSize(stripe_unit_), " (",
+                      FormatSize(capacity_), "): ", absl::StrJoin(paths, ", "), "; ", block_,
+                      "-byte blocks, io_size ", FormatSize(engine_ ? io_size() : 0),
+                      ", queue depth ", engine_ ? queue_depth() : 0);
+}
+
+std::vector<RegionStatus> NvmeTier::Regions() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<RegionStatus> out;
+  for (size_t i = 0; i < regions_.size(); ++i) {
+    out.push_back(
+        {regions_[i]->path(), region_data_bytes_, region_used_[i], regions_[i]->block_size()});
+  }
+  return out;
+}
+
+void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
+                     std::function<void(absl::StatusOr<uint64_t>)> done) {
+  char* src = static_cast<char*>(host_->Address(host));
+  const int32_t index = BufferIndex(host.segment);
+  const uint64_t length = AlignUp(size, block_);
+  worker_->Post([this, chunk_id, src, index, nvme, size, length, done = std::move(done)]() {
+    const uint64_t checksum = XXH3_64bits(src, size);
+    engine_->Run(Spans(IoKind::kWrite, nvme.offset, length, src, index),
+                 [this, chunk_id, nvme, length, checksum, done](absl::Status s) {
+                   auto finish = [this, chunk_id, checksum, done](absl::Status status) {
+                     worker_->Post([chunk_id, checksum, status, done]() {
+                       if (status.ok()) {
+                         done(checksum);
+                       } else {
+                         done(Annotate(chunk_id, status));
+                       }
+                     });
+                   };
+                   if (!s.ok()) return finish(s);
+                   // Durable before anyone may drop the host copy or record it in the index.
+                   engine_->Run(SyncSpans(nvme.offset, length), finish);
+                 });
+  });
+}
+
+void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
+                    uint64_t checksum, StatusCallback done) {
+  char* dst = static_cast<char*>(host_->Address(host));
+  const int32_t index = BufferIndex(host.segment);
+  const uint64_t length = AlignUp(size, block_);
+  engine_->Run(Spans(IoKind::kRead, nvme.offset, length, dst, index),
+               [this, chunk_id, dst, size, checksum, done = std::move(done)](absl::Status s) {
+                 worker_->Post([chunk_id, dst, size, checksum, s, done]() {
+                   if (!s.ok()) return done(Annotate(chunk_id, s));
+                   const uint64_t actual = XXH3_64bits(dst, size);
+                   if (actual != checksum) {
+                     return done(absl::DataLossError(absl::StrCat(
+                         "chunk ", chunk_id, ": the NVMe copy fails its checksum (expected ",
+                         absl::Hex(checksum), ", read ", absl::Hex(actual),
+                         "); the data on the drive is damaged and was not handed out")));
+                   }
+                   done(absl::OkStatus());
+                 });
+               });
+}
+
+void NvmeTier::ZeroFill(const Placement& host, uint64_t size, StatusCallback done) {
+  char* dst = static_cast<char*>(host_->Address(host));
+  worker_->Post([dst, size, done = std::move(done)]() {
+    std::memset(dst, 0, size);
+    done(absl::OkStatus());
+  });
+}
+
+void NvmeTier::Persist(IndexEntry entry, StatusCallback done) {
+  worker_->Post(
+      [this, entry = std::move(entry), done = std::move(done)]() { done(index_->Put(entry)); });
+}
+
+void NvmeTier::Forget(uint32_t tenant, std::string name) {
+  worker_->Post([this, tenant, name = std::move(name)]() {
+    if (absl::Status s = index_->Remove(tenant, name); !s.ok()) {
+      spdlog::error("NVMe index: could not remove '{}' of uid {}: {}", name, tenant, s.message());
+    }
+  });
+}
+
+void NvmeTier::Drain() {
+  // Work moves between the worker and the engine; drain both until neither has anything left.
+  for (int i = 0; i < 4; ++i) {
+    worker_->Drain();
+    engine_->Drain();
+  }
+  worker_->Drain();
+}
+
+}  // namespace tierd

@@ -1,0 +1,129 @@
+// The NVMe tier: one or more regions striped into one volume (RAID-0 with a configurable stripe
+// unit), an extent allocator over the volume, the io_uring engine that moves chunks between the
+// host tier's pinned segments and the regions without a bounce buffer, XXH3 checksums on every
+// chunk, and the index of persistent chunks.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/extent_allocator.h"
+#include "daemon/host_segment_pool.h"
+#include "daemon/io_engine.h"
+#include "daemon/nvme_index.h"
+#include "daemon/nvme_region.h"
+#include "daemon/tier.h"
+#include "daemon/work_queue.h"
+
+namespace tierd {
+
+struct NvmeOptions {
+  std::vector<RegionSpec> regions;
+  uint64_t stripe_unit = 1 << 20;
+  uint64_t io_size = 1 << 20;  // at most stripe_unit
+  uint32_t queue_depth = 32;
+  bool sqpoll = false;
+  uint64_t index_size = 64 << 20;
+  bool reformat = false;  // format the regions even if they hold another set's data
+  // Tests: wraps the io_uring backend (fault injection). Null in production.
+  std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_backend;
+};
+
+struct RegionStatus {
+  std::string path;
+  uint64_t capacity_bytes = 0;  // data area
+  uint64_t used_bytes = 0;
+  uint32_t block_size = 0;
+};
+
+using InstanceId = std::array<uint8_t, 16>;
+
+class NvmeTier final : public Tier {
+ public:
+  // Opens the regions; formats them when all are blank (or `reformat`); refuses regions of
+  // another instance, another set, another format or another stripe unit, saying which and why.
+  static absl::StatusOr<std::unique_ptr<NvmeTier>> Open(const NvmeOptions& options,
+                                                        const InstanceId& instance,
+                                                        HostSegmentPool* host);
+  // Waits for every transfer in flight.
+  ~NvmeTier() override;
+
+  TierKind kind() const override { return TierKind::kNvme; }
+  uint64_t max_reservation() const override { return capacity_; }
+  absl::StatusOr<Placement> Reserve(uint32_t tenant, uint64_t size) override;
+  void Unreserve(const Placement& placement) override;
+  TierUsage Usage() const override;
+  std::string Describe() const override;
+
+  // Claims the space of a recovered persistent chunk. False if it overlaps another.
+  bool Claim(const Placement& placement);
+  // Persistent chunks found in the index at start-up.
+  std::vector<IndexEntry> RecoveredEntries() const;
+
+  using StatusCallback = std::function<void(absl::Status)>;
+  // Writes `size` bytes of the host copy at `host` to `nvme`, then makes them durable; calls back
+  // (not on the caller's thread) with the chunk's checksum.
+  void Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
+             std::function<void(absl::StatusOr<uint64_t>)> done);
+  // Reads `size` bytes from `nvme` into the host copy at `host` and verifies `checksum`;
+  // DATA_LOSS, naming the chunk, on a mismatch.
+  void Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
+            uint64_t checksum, StatusCallback done);
+  // Fills a host copy with zeros (a chunk whose NVMe space was never written reads as zeros).
+  void ZeroFill(const Placement& host, uint64_t size, StatusCallback done);
+  // Records a persistent chunk in the index (durably) / removes it.
+  void Persist(IndexEntry entry, StatusCallback done);
+  void Forget(uint32_t tenant, std::string name);
+  // Waits until every request made so far has called back.
+  void Drain();
+
+  std::vector<RegionStatus> Regions() const;
+  uint64_t stripe_unit() const { return stripe_unit_; }
+  uint64_t io_size() const { return engine_->io_size(); }
+  uint32_t queue_depth() const { return engine_->queue_depth(); }
+  uint32_t block_size() const { return block_; }
+  IoEngineStats stats() const { return engine_->stats(); }
+  IoBackend* backend() const { return engine_->backend(); }
+
+ private:
+  NvmeTier() = default;
+  // The spans that move the logical range [offset, offset+length) to or from `buffer`.
+  std::vector<IoSpan> Spans(IoKind kind, uint64_t offset, uint64_t length, char* buffer,
+                            int32_t buffer_index) const;
+  std::vector<IoSpan> SyncSpans(uint64_t offset, uint64_t length) const;
+  void AddRegionUse(uint64_t offset, uint64_t length, int64_t sign)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int32_t BufferIndex(uint32_t segment) const;
+
+  std::vector<std::unique_ptr<NvmeRegion>> regions_;
+  uint64_t stripe_unit_ = 0;
+  uint64_t data_offset_ = 0;
+  uint64_t region_data_bytes_ = 0;
+  uint64_t capacity_ = 0;
+  uint32_t block_ = 4096;
+  uint64_t alignment_ = 4096;
+  HostSegmentPool* host_ = nullptr;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<ExtentAllocator> space_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> region_used_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> registered_ ABSL_GUARDED_BY(mu_);  // host segment registered as a buffer
+
+  std::unique_ptr<NvmeIndex> index_;  // worker thread only (and Open)
+  std::vector<IndexEntry> recovered_;
+  std::unique_ptr<IoEngine> engine_;
+  std::unique_ptr<WorkQueue> worker_;  // checksums, index commits, callbacks
+};
+
+// The node's tierd instance id, kept in `state_dir`/instance_id (created on first start).
+absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir);
+std::string InstanceIdHex(const InstanceId& id);
+
+}  // namespace tierd
