@@ -352,10 +352,10 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
           " chunk named '", r.name, "' (chunk ", found.id, ")",
           found.persistent ? "; set open_existing to open it" : "")));
     }
-    if (found.size != r.size || found.home != r.home) {
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          "persistent chunk '", r.name, "' (chunk ", found.id, ") has size ", found.size,
-          " in the ", TierName(found.home), " tier, not ", r.size, " in ", TierName(r.home))));
+    if (found.size != r.size) {
+      return fail(absl::FailedPreconditionError(absl::StrCat("persistent chunk '", r.name,
+                                                             "' (chunk ", found.id, ") has size ",
+                                                             found.size, ", not ", r.size)));
     }
     result[i] = found.id;
   }

@@ -29,14 +29,20 @@ std::optional<uint64_t> ExtentAllocator::AllocateAligned(uint64_t size, uint64_t
   assert(align % alignment_ == 0);
   if (align <= alignment_) return Allocate(size);
   const uint64_t need = RoundUp(size);
-  const uint64_t padded = need + align - alignment_;
-  std::optional<uint64_t> off = Allocate(padded);
-  if (!off) return std::nullopt;
-  const uint64_t start = (*off + align - 1) / align * align;
-  if (start > *off) Free(*off, start - *off);
-  const uint64_t end = *off + padded;
-  if (end > start + need) Free(start + need, end - (start + need));
-  return start;
+  // The smallest free extent that holds an aligned run of `need` bytes. Extents at least
+  // need + align - alignment always do, so the scan ends there at the latest.
+  for (auto it = by_size_.lower_bound({need, 0}); it != by_size_.end(); ++it) {
+    const auto [extent_size, offset] = *it;
+    const uint64_t start = (offset + align - 1) / align * align;
+    if (start + need > offset + extent_size) continue;
+    Erase(by_offset_.find(offset));
+    if (start > offset) Insert(offset, start - offset);
+    if (offset + extent_size > start + need)
+      Insert(start + need, offset + extent_size - start - need);
+    free_bytes_ -= need;
+    return start;
+  }
+  return std::nullopt;
 }
 
 bool ExtentAllocator::AllocateAt(uint64_t offset, uint64_t size) {

@@ -1,0 +1,239 @@
+// The NVMe region format and the index log: formatting, refusal of foreign or mismatched regions,
+// replay, torn records, compaction.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "daemon/nvme_index.h"
+#include "daemon/nvme_region.h"
+#include "daemon/nvme_tier.h"
+#include "gtest/gtest.h"
+
+namespace tierd {
+namespace {
+
+class NvmeFormatTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-format-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    HostPoolOptions o{.capacity = 4 << 20,
+                      .segment_size = 4 << 20,
+                      .huge_pages = HugePagePolicy::kNever,
+                      .lock_memory = false};
+    host_ = std::move(*HostSegmentPool::Create(o));
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  NvmeOptions Options(int regions, uint64_t unit = 1 << 20) {
+    NvmeOptions o;
+    for (int i = 0; i < regions; ++i) {
+      o.regions.push_back({dir_ + "/r" + std::to_string(i), 80 << 20});
+    }
+    o.stripe_unit = unit;
+    o.io_size = unit;
+    o.index_size = 4 << 20;
+    return o;
+  }
+  absl::StatusOr<std::unique_ptr<NvmeTier>> Open(const NvmeOptions& o, uint8_t instance = 1) {
+    InstanceId id{};
+    id[0] = instance;
+    return NvmeTier::Open(o, id, host_.get());
+  }
+
+  std::string dir_;
+  std::unique_ptr<HostSegmentPool> host_;
+};
+
+TEST_F(NvmeFormatTest, BlankRegionsAreFormattedAndReopen) {
+  {
+    auto tier = Open(Options(2));
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    // Two regions of 80 MiB, less 1 MiB header and 4 MiB index each.
+    EXPECT_EQ((*tier)->Usage().capacity_bytes, 2u * (75 << 20));
+    EXPECT_EQ((*tier)->Regions().size(), 2u);
+  }
+  auto again = Open(Options(2));
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto region = NvmeRegion::Open({dir_ + "/r1", 0});
+  ASSERT_TRUE(region.ok());
+  auto sb = (*region)->ReadSuperblock();
+  ASSERT_TRUE(sb.ok() && sb->has_value());
+  EXPECT_EQ((*sb)->region_index, 1u);
+  EXPECT_EQ((*sb)->region_count, 2u);
+  EXPECT_EQ((*sb)->stripe_unit, 1u << 20);
+  EXPECT_EQ((*region)->block_size() % 512, 0u);
+}
+
+TEST_F(NvmeFormatTest, AnotherInstancesRegionsAreRefused) {
+  ASSERT_TRUE(Open(Options(1), 1).ok());
+  auto other = Open(Options(1), 2);
+  ASSERT_FALSE(other.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(other.status()));
+  EXPECT_NE(other.status().message().find("belongs to another tierd instance"), std::string::npos)
+      << other.status();
+  NvmeOptions take_over = Options(1);
+  take_over.reformat = true;
+  EXPECT_TRUE(Open(take_over, 2).ok());
+}
+
+TEST_F(NvmeFormatTest, ChangedStripeUnitOrRegionOrderIsRefused) {
+  ASSERT_TRUE(Open(Options(2)).ok());
+  auto unit = Open(Options(2, 2 << 20));
+  EXPECT_NE(unit.status().message().find("stripe unit"), std::string::npos) << unit.status();
+  NvmeOptions swapped = Options(2);
+  std::swap(swapped.regions[0], swapped.regions[1]);
+  auto order = Open(swapped);
+  EXPECT_NE(order.status().message().find("original order"), std::string::npos) << order.status();
+}
+
+TEST_F(NvmeFormatTest, ABlankRegionBesideFormattedOnesIsRefused) {
+  ASSERT_TRUE(Open(Options(1)).ok());
+  auto grown = Open(Options(2));
+  EXPECT_TRUE(absl::IsFailedPrecondition(grown.status()));
+  EXPECT_NE(grown.status().message().find("cannot gain regions"), std::string::npos);
+}
+
+TEST_F(NvmeFormatTest, OlderFormatVersionIsRefused) {
+  ASSERT_TRUE(Open(Options(1)).ok());
+  auto region = *NvmeRegion::Open({dir_ + "/r0", 0});
+  Superblock sb = **region->ReadSuperblock();
+  sb.version = 0;
+  ASSERT_TRUE(region->WriteSuperblock(sb).ok());
+  auto old = Open(Options(1));
+  EXPECT_NE(old.status().message().find("format version 0"), std::string::npos) << old.status();
+}
+
+TEST_F(NvmeFormatTest, DamagedSuperblockIsDataLoss) {
+  ASSERT_TRUE(Open(Options(1)).ok());
+  int fd = open((dir_ + "/r0").c_str(), O_RDWR);
+  ASSERT_EQ(pwrite(fd, "X", 1, 20), 1);  // inside the instance id
+  close(fd);
+  auto damaged = Open(Options(1));
+  EXPECT_TRUE(absl::IsDataLoss(damaged.status())) << damaged.status();
+}
+
+TEST_F(NvmeFormatTest, StripedChunksSpreadOverAllRegions) {
+  auto tier = *Open(Options(4));
+  auto p = tier->Reserve(0, 8 << 20);  // 8 units over 4 regions
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->offset % (1 << 20), 0u);
+  for (const RegionStatus& r : tier->Regions()) EXPECT_EQ(r.used_bytes, 2u << 20) << r.path;
+  tier->Unreserve(*p);
+  for (const RegionStatus& r : tier->Regions()) EXPECT_EQ(r.used_bytes, 0u);
+}
+
+TEST_F(NvmeFormatTest, FullTierIsResourceExhaustedWithTheNumbers) {
+  auto tier = *Open(Options(1));
+  ASSERT_TRUE(tier->Reserve(0, 75 << 20).ok());
+  absl::Status s = tier->Reserve(0, 4096).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("75 MiB of 75 MiB in use"), std::string::npos) << s;
+}
+
+class NvmeIndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-index-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    region_ = std::move(*NvmeRegion::Open({dir_ + "/r", 8 << 20}));
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  // 64 KiB of index: two halves of 32 KiB = 8 blocks of 4 KiB, or 64 of 512 B.
+  absl::StatusOr<std::unique_ptr<NvmeIndex>> Open(bool fresh) {
+    return NvmeIndex::Open(region_.get(), 1 << 20, 64 << 10, fresh);
+  }
+  static IndexEntry Entry(const std::string& name, uint64_t offset) {
+    return IndexEntry{1000, name, 4096, offset, 4096, 0xABCD + offset};
+  }
+
+  std::string dir_;
+  std::unique_ptr<NvmeRegion> region_;
+};
+
+TEST_F(NvmeIndexTest, PutsAndRemovesReplayAfterReopen) {
+  {
+    auto index = *Open(true);
+    ASSERT_TRUE(index->Put(Entry("a", 0)).ok());
+    ASSERT_TRUE(index->Put(Entry("b", 4096)).ok());
+    ASSERT_TRUE(index->Put(Entry("a", 8192)).ok());  // replaced
+    ASSERT_TRUE(index->Remove(1000, "b").ok());
+  }
+  auto index = *Open(false);
+  ASSERT_EQ(index->entries().size(), 1u);
+  const IndexEntry& a = index->entries().at(NvmeIndex::Key(1000, "a"));
+  EXPECT_EQ(a.offset, 8192u);
+  EXPECT_EQ(a.checksum, 0xABCDu + 8192);
+  EXPECT_EQ(index->skipped_records(), 0u);
+}
+
+TEST_F(NvmeIndexTest, TornRecordIsSkippedNotTrusted) {
+  {
+    auto index = *Open(true);
+    ASSERT_TRUE(index->Put(Entry("a", 0)).ok());
+    ASSERT_TRUE(index->Put(Entry("b", 4096)).ok());
+    ASSERT_TRUE(index->Put(Entry("c", 8192)).ok());
+  }
+  // Damage the second record (block 2 of half 0): a torn write.
+  const uint64_t block = region_->block_size();
+  int fd = open((dir_ + "/r").c_str(), O_RDWR);
+  ASSERT_EQ(pwrite(fd, "garbage", 7, (1 << 20) + 2 * block + 40), 7);
+  close(fd);
+  auto index = *Open(false);
+  EXPECT_EQ(index->skipped_records(), 1u);
+  EXPECT_TRUE(index->entries().contains(NvmeIndex::Key(1000, "a")));
+  EXPECT_FALSE(index->entries().contains(NvmeIndex::Key(1000, "b")));
+  EXPECT_TRUE(index->entries().contains(NvmeIndex::Key(1000, "c")));
+}
+
+TEST_F(NvmeIndexTest, FullHalfIsCompactedIntoTheOtherAndSurvivesReopen) {
+  uint64_t generation;
+  {
+    auto index = *Open(true);
+    const size_t records = index->capacity_records();
+    // Rewrite the same two names many times: live data stays small, the log keeps growing.
+    for (size_t i = 0; i < 3 * records; ++i) {
+      ASSERT_TRUE(index->Put(Entry(i % 2 ? "x" : "y", (i % 2) * 4096)).ok()) << i;
+    }
+    generation = index->generation();
+    EXPECT_GT(generation, 1u);
+  }
+  auto index = *Open(false);
+  EXPECT_EQ(index->generation(), generation);
+  EXPECT_EQ(index->entries().size(), 2u);
+}
+
+TEST_F(NvmeIndexTest, MoreLiveEntriesThanAHalfHoldsIsResourceExhausted) {
+  auto index = *Open(true);
+  absl::Status s;
+  for (size_t i = 0; i < 2 * index->capacity_records() && s.ok(); ++i) {
+    s = index->Put(Entry("n" + std::to_string(i), i * 4096));
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("nvme.index_size"), std::string::npos);
+}
+
+TEST_F(NvmeIndexTest, ALaterRecordOverAnEarlierOnesSpaceDropsTheStaleEntry) {
+  {
+    auto index = *Open(true);
+    ASSERT_TRUE(index->Put(Entry("old", 0)).ok());
+    ASSERT_TRUE(index->Put(Entry("new", 0)).ok());  // "old"'s space was freed and reused
+  }
+  auto index = *Open(false);
+  EXPECT_EQ(index->entries().size(), 1u);
+  EXPECT_TRUE(index->entries().contains(NvmeIndex::Key(1000, "new")));
+}
+
+TEST_F(NvmeIndexTest, MissingHeaderIsDataLoss) {
+  std::vector<char> zeros(64 << 10, 0);
+  int fd = open((dir_ + "/r").c_str(), O_RDWR);
+  ASSERT_EQ(pwrite(fd, zeros.data(), zeros.size(), 1 << 20), static_cast<ssize_t>(zeros.size()));
+  close(fd);
+  EXPECT_TRUE(absl::IsDataLoss(Open(false).status()));
+}
+
+}  // namespace
+}  // namespace tierd

@@ -1,0 +1,370 @@
+// Chunks moving between the host tier and a real NVMe tier (io_uring on O_DIRECT files), through
+// the chunk service, with faults injected at the I/O engine's seam.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "daemon/chunk_service.h"
+#include "daemon/host_segment_pool.h"
+#include "daemon/nvme_tier.h"
+#include "gtest/gtest.h"
+
+namespace tierd {
+namespace {
+
+constexpr uint64_t kSeg = 16 << 20;
+
+class NvmeServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-nvme-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    HostPoolOptions o{.capacity = 4 * kSeg,
+                      .segment_size = kSeg,
+                      .huge_pages = HugePagePolicy::kNever,
+                      .lock_memory = false};
+    host_ = std::move(*HostSegmentPool::Create(o));
+    OpenTier();
+    session_ = *sessions_.Open({1000, 1000, 1}, "test");
+    MapPage(*session_);
+  }
+  void TearDown() override {
+    service_.reset();
+    nvme_.reset();
+    for (auto& [id, page] : pages_) munmap(page, kCompletionPageBytes);
+    std::filesystem::remove_all(dir_);
+  }
+
+  void OpenTier() {
+    NvmeOptions o;
+    o.regions = {{dir_ + "/r0", 96 << 20}, {dir_ + "/r1", 96 << 20}};
+    o.stripe_unit = 256 << 10;
+    o.io_size = 128 << 10;
+    o.queue_depth = 16;
+    o.index_size = 1 << 20;
+    o.wrap_backend = [this](std::unique_ptr<IoBackend> inner) {
+      auto f = std::make_unique<FaultInjectingBackend>(std::move(inner));
+      faults_ = f.get();
+      return f;
+    };
+    InstanceId id{};
+    id[0] = 7;
+    auto tier = NvmeTier::Open(o, id, host_.get());
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    nvme_ = std::move(*tier);
+    std::array<Tier*, kTierKinds> tiers{};
+    tiers[static_cast<int>(TierKind::kHost)] = host_.get();
+    tiers[static_cast<int>(TierKind::kNvme)] = nvme_.get();
+    service_ = std::make_unique<ChunkService>(tiers, nvme_.get());
+  }
+
+  void MapPage(const Session& s) {
+    void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                   s.completions->fd(), 0);
+    ASSERT_NE(p, MAP_FAILED);
+    pages_[s.id] = static_cast<CompletionPage*>(p);
+  }
+  absl::Status Wait(const Session& s, absl::StatusOr<SlotToken> token) {
+    if (!token.ok()) return token.status();
+    return WaitCompletion(*pages_.at(s.id), *token, absl::Seconds(30));
+  }
+
+  std::vector<ChunkId> Alloc(const Session& s, std::vector<uint64_t> sizes,
+                             TierKind home = TierKind::kHost) {
+    std::vector<ChunkRequest> r;
+    for (uint64_t size : sizes) r.push_back({.size = size, .home = home});
+    auto ids = service_->Allocate(s, r);
+    EXPECT_TRUE(ids.ok()) << ids.status();
+    return *ids;
+  }
+  // Writes a pattern into the chunks' host copies (acquire for write, fill, release).
+  void Write(const Session& s, const std::vector<ChunkId>& ids, uint64_t seed) {
+    auto a = service_->Acquire(s, ids, TierKind::kHost, Access::kWrite);
+    ASSERT_TRUE(a.ok()) << a.status();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto* w = static_cast<uint64_t*>(host_->Address(a->locations[i]));
+      for (size_t j = 0; j < a->locations[i].size / 8; ++j) w[j] = Word(seed, ids[i], j);
+    }
+    ASSERT_TRUE(service_->Release(s, ids).ok());
+  }
+  // True if the host copies hold the pattern.
+  bool Check(const Session& s, const std::vector<ChunkId>& ids, uint64_t seed,
+             const std::vector<uint64_t>& sizes) {
+    auto a = service_->Acquire(s, ids, TierKind::kHost, Access::kRead);
+    if (!a.ok()) {
+      ADD_FAILURE() << a.status();
+      return false;
+    }
+    bool ok = true;
+    for (size_t i = 0; i < ids.size() && ok; ++i) {
+      const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[i]));
+      for (size_t j = 0; j < sizes[i] / 8 && ok; ++j) ok = w[j] == Word(seed, ids[i], j);
+    }
+    EXPECT_TRUE(service_->Release(s, ids).ok());
+    return ok;
+  }
+  static uint64_t Word(uint64_t seed, ChunkId id, size_t j) {
+    return (seed * 0x9E3779B97F4A7C15ull) ^ (id << 32) ^ j;
+  }
+
+  std::string dir_;
+  std::unique_ptr<HostSegmentPool> host_;
+  std::unique_ptr<NvmeTier> nvme_;
+  FaultInjectingBackend* faults_ = nullptr;
+  std::unique_ptr<ChunkService> service_;
+  SessionRegistry sessions_;
+  std::shared_ptr<Session> session_;
+  std::map<SessionId, CompletionPage*> pages_;
+};
+
+TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
+  const std::vector<uint64_t> sizes = {4096, 1 << 20, 3 << 20, 12345};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 1);
+  const uint64_t host_used = host_->Usage().used_bytes;
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  EXPECT_GT(nvme_->Usage().used_bytes, 0u);
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[1].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(stat[1].resident.contains(TierKind::kNvme));
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead).status()));
+
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  EXPECT_EQ(host_->Usage().used_bytes, host_used);
+  EXPECT_TRUE(Check(*session_, ids, 1, sizes));
+  // Writes went through registered buffers, split into 128 KiB I/Os, then synced.
+  EXPECT_GE(faults_->seen(IoKind::kWrite), (4u << 20) / (128 << 10));
+  EXPECT_GE(faults_->seen(IoKind::kSync), 2u);
+}
+
+TEST_F(NvmeServiceTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
+  auto ids = Alloc(*session_, {1 << 20});
+  Write(*session_, ids, 2);
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kNvme, 0)).ok());
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kNvme));
+  const uint64_t writes = faults_->seen(IoKind::kWrite);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  EXPECT_EQ(faults_->seen(IoKind::kWrite), writes);  // the NVMe copy was already current
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+}
+
+TEST_F(NvmeServiceTest, NvmeHomeChunkReadsAsZerosUntilWritten) {
+  auto ids = Alloc(*session_, {256 << 10}, TierKind::kNvme);
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  EXPECT_EQ(faults_->seen(IoKind::kRead), 0u);  // nothing to read: it was never written
+  auto a = *service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead);
+  const auto* bytes = static_cast<const unsigned char*>(host_->Address(a.locations[0]));
+  for (size_t i = 0; i < (256 << 10); i += 997) ASSERT_EQ(bytes[i], 0);
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+}
+
+TEST_F(NvmeServiceTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy) {
+  auto ids = Alloc(*session_, {1 << 20});
+  Write(*session_, ids, 3);
+  faults_->FailNext(IoKind::kWrite, EIO);
+  absl::Status s = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
+  EXPECT_FALSE(s.ok());
+  // The completion page carries the code; the daemon logged the message with the chunk.
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_EQ(stat[0].state, ChunkState::kReady);
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kNvme));  // the failed copy is not valid
+  EXPECT_TRUE(Check(*session_, ids, 3, {1 << 20}));
+  // The next attempt succeeds: the daemon keeps serving.
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  EXPECT_TRUE(Check(*session_, ids, 3, {1 << 20}));
+}
+
+TEST_F(NvmeServiceTest, NoSpaceOnTheDriveIsResourceExhausted) {
+  auto ids = Alloc(*session_, {1 << 20});
+  Write(*session_, ids, 4);
+  faults_->FailNext(IoKind::kWrite, ENOSPC);
+  absl::Status s = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+}
+
+TEST_F(NvmeServiceTest, ShortTransfersAreInvisibleToTheClient) {
+  const std::vector<uint64_t> sizes = {2 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 5);
+  faults_->ShortenNext(IoKind::kWrite, 7);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  faults_->ShortenNext(IoKind::kRead, 7);
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  EXPECT_TRUE(Check(*session_, ids, 5, sizes));
+  EXPECT_EQ(nvme_->stats().short_transfers, 14u);
+}
+
+TEST_F(NvmeServiceTest, SlowDriveStillCompletesEveryRequest) {
+  auto ids = Alloc(*session_, {512 << 10, 512 << 10});
+  Write(*session_, ids, 6);
+  faults_->SetDelay(absl::Milliseconds(5));
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_TRUE(Check(*session_, ids, 6, {512 << 10, 512 << 10}));
+}
+
+TEST_F(NvmeServiceTest, DamagedDataOnTheDriveIsDataLossNeverHandedOut) {
+  auto ids = Alloc(*session_, {256 << 10});
+  Write(*session_, ids, 7);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  // Flip one byte of the chunk on the drive: a 256 KiB chunk is one stripe unit in one region.
+  bool flipped = false;
+  for (const char* name : {"/r0", "/r1"}) {
+    int fd = open((dir_ + name).c_str(), O_RDWR);
+    std::vector<char> buf(1 << 20);
+    for (off_t off = 2 << 20; !flipped && pread(fd, buf.data(), buf.size(), off) > 0;
+         off += buf.size()) {
+      uint64_t first = Word(7, ids[0], 0);
+      for (size_t i = 0; i + 8 <= buf.size(); i += 4096) {
+        if (std::memcmp(buf.data() + i, &first, 8) == 0) {
+          char c = buf[i + 100] ^ 0x01;
+          ASSERT_EQ(pwrite(fd, &c, 1, off + i + 100), 1);
+          flipped = true;
+          break;
+        }
+      }
+    }
+    close(fd);
+    if (flipped) break;
+  }
+  ASSERT_TRUE(flipped);
+  absl::Status s = Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0));
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_TRUE(stat[0].resident.empty());  // no copy is trusted
+  EXPECT_TRUE(absl::IsDataLoss(service_->Prefetch(*session_, ids, TierKind::kHost, 0).status()));
+}
+
+TEST_F(NvmeServiceTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanCopies) {
+  // Eight 8 MiB chunks (64 MiB of data) through a 64 MiB host tier, many times over.
+  std::vector<uint64_t> sizes(8, 8 << 20);
+  auto ids = Alloc(*session_, sizes, TierKind::kNvme);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<ChunkId> one = {ids[i]};
+    ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, one, TierKind::kHost, 0)).ok());
+    Write(*session_, one, 100 + i);
+    ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, one, TierKind::kNvme, 0)).ok());
+  }
+  // All of it is clean now; a new 16 MiB chunk must push out old copies to fit.
+  auto extra = Alloc(*session_, {16 << 20}, TierKind::kNvme);
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, extra, TierKind::kHost, 0)).ok());
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));  // least recently used went first
+  EXPECT_TRUE(stat[7].resident.contains(TierKind::kHost));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<ChunkId> one = {ids[i]};
+    ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, one, TierKind::kHost, 0)).ok());
+    EXPECT_TRUE(Check(*session_, one, 100 + i, {8 << 20})) << i;
+  }
+}
+
+TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
+  std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/opt/m/0", .persistent = true},
+                                 {.size = 300000, .name = "job/opt/v/0", .persistent = true},
+                                 {.size = 4096, .name = "job/never-written", .persistent = true}};
+  auto ids = *service_->Allocate(*session_, r);
+  std::vector<ChunkId> written = {ids[0], ids[1]};
+  Write(*session_, written, 8);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, written, TierKind::kNvme)).ok());
+  // The daemon goes away and comes back.
+  service_.reset();
+  nvme_.reset();
+  OpenTier();
+  EXPECT_EQ(service_->Recover(nvme_->RecoveredEntries()), 2u);
+  auto s2 = *sessions_.Open({1000, 1000, 2}, "after-restart");
+  MapPage(*s2);
+  std::vector<ChunkRequest> open = {
+      {.size = 1 << 20, .name = "job/opt/m/0", .persistent = true, .open_existing = true},
+      {.size = 300000, .name = "job/opt/v/0", .persistent = true, .open_existing = true}};
+  auto reopened = service_->Allocate(*s2, open);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  ASSERT_TRUE(Wait(*s2, service_->Prefetch(*s2, *reopened, TierKind::kHost, 0)).ok());
+  // Same bytes, even though the chunk ids are new.
+  auto a = *service_->Acquire(*s2, *reopened, TierKind::kHost, Access::kRead);
+  const auto* w = static_cast<const uint64_t*>(host_->Address(a.locations[1]));
+  for (size_t j = 0; j < 300000 / 8; ++j) ASSERT_EQ(w[j], Word(8, ids[1], j)) << j;
+  // Another user sees none of it.
+  auto other = *sessions_.Open({2000, 2000, 3}, "other");
+  EXPECT_TRUE(service_->List(*other, 0, 100).chunks.empty());
+}
+
+TEST_F(NvmeServiceTest, ConcurrentRandomMovesFromSeveralSessionsMatchAModel) {
+  constexpr int kSessions = 3;
+  constexpr int kOps = 150;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  std::vector<std::shared_ptr<Session>> sessions;
+  for (int s = 0; s < kSessions; ++s) {
+    sessions.push_back(*sessions_.Open({1000u + s, 1000, 10 + s}, "random"));
+    MapPage(*sessions.back());
+  }
+  for (int s = 0; s < kSessions; ++s) {
+    threads.emplace_back([&, s] {
+      const Session& session = *sessions[s];
+      std::mt19937_64 rng(s);
+      struct Model {
+        ChunkId id;
+        uint64_t size;
+        uint64_t seed;
+      };
+      std::vector<Model> live;
+      for (int op = 0; op < kOps; ++op) {
+        const int choice = live.empty() ? 0 : static_cast<int>(rng() % 5);
+        if (choice == 0 && live.size() < 6) {  // allocate and write
+          uint64_t size = 4096 * (1 + rng() % 256);
+          auto ids = service_->Allocate(session, std::vector<ChunkRequest>{{.size = size}});
+          if (!ids.ok()) continue;  // the host tier can be full: fine
+          uint64_t seed = rng();
+          Write(session, *ids, seed);
+          live.push_back({(*ids)[0], size, seed});
+          continue;
+        }
+        if (live.empty()) continue;
+        Model& m = live[rng() % live.size()];
+        std::vector<ChunkId> one = {m.id};
+        if (choice == 1) {
+          absl::Status st = Wait(session, service_->Evict(session, one, TierKind::kNvme));
+          if (!st.ok()) ++failures;
+        } else if (choice == 2) {
+          absl::Status st = Wait(session, service_->Prefetch(session, one, TierKind::kHost, 0));
+          if (absl::IsResourceExhausted(st)) continue;
+          if (!st.ok() || !Check(session, one, m.seed, {m.size})) ++failures;
+        } else if (choice == 3) {  // overwrite
+          if (!Wait(session, service_->Prefetch(session, one, TierKind::kHost, 0)).ok()) continue;
+          m.seed = rng();
+          Write(session, one, m.seed);
+        } else {  // free
+          if (!service_->Free(session, one).ok()) ++failures;
+          m = live.back();
+          live.pop_back();
+        }
+      }
+      for (const Model& m : live) {
+        std::vector<ChunkId> one = {m.id};
+        if (!Wait(session, service_->Prefetch(session, one, TierKind::kHost, 0)).ok() ||
+            !Check(session, one, m.seed, {m.size})) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
+}  // namespace tierd
