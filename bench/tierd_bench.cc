@@ -2,6 +2,8 @@
 // them. Every mode prints a table, or with --json one JSON object per line per measurement.
 //
 //   tierd-bench control [--json] [--socket_dir=DIR] [--chunks=10000] [--samples=2000]
+//   tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] [--queue_depth=32]
+//                    [--tune]
 //
 // Without --socket_dir it starts its own tierd (from the build tree) on a temporary directory.
 #include <sys/syscall.h>
@@ -10,10 +12,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "common/sizes.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -29,6 +33,11 @@ struct Options {
   uint64_t chunks = 10000;
   uint64_t samples = 2000;
   uint64_t chunk_size = 4096;
+  std::string dir = "var/bench";   // nvme: where the regions and fio's file go
+  uint64_t total = 512ull << 20;    // nvme: bytes moved per measurement
+  bool tune = false;                // nvme: sweep I/O size x queue depth
+  uint64_t io_size = 1 << 20;
+  uint32_t queue_depth = 32;
 };
 
 struct Result {
@@ -74,6 +83,178 @@ double TimeMs(F&& f) {
 [[noreturn]] void Die(const absl::Status& s, const char* what) {
   std::fprintf(stderr, "tierd-bench: %s: %s\n", what, s.ToString().c_str());
   std::exit(1);
+}
+
+// --- nvme -----------------------------------------------------------------------------------
+
+std::unique_ptr<tierd::testing::DaemonProcess> StartDaemon(const std::vector<std::string>& args) {
+  auto d = tierd::testing::DaemonProcess::Start(
+      {.binary = tierd::testing::ExecutableDir() + "/../daemon/tierd", .args = args});
+  if (!d.ok()) Die(d.status(), "starting tierd");
+  return std::move(*d);
+}
+
+std::unique_ptr<tierd::Client> ConnectTo(const std::string& dir) {
+  auto client = tierd::Client::Connect({.socket_dir = dir, .client_name = "tierd-bench"});
+  if (!client.ok()) Die(client.status(), "connect");
+  return std::move(*client);
+}
+
+struct Throughput {
+  double evict_gbps = 0;
+  double prefetch_gbps = 0;
+};
+
+// Moves `total` bytes in chunks of `chunk` down to NVMe and back, 3 rounds; the best round counts
+// (the first pays for allocating extents on a fresh file).
+Throughput MoveThroughNvme(tierd::Client& c, uint64_t chunk, uint64_t total) {
+  const size_t n = std::max<uint64_t>(1, total / chunk);
+  std::vector<tierd::ChunkSpec> specs(n, tierd::ChunkSpec{.size = chunk});
+  auto ids = c.AllocateIds(specs);
+  if (!ids.ok()) Die(ids.status(), "Allocate");
+  {
+    auto w = c.AcquireIds(*ids, tierd::Tier::kHost, tierd::AccessMode::kWrite);
+    if (!w.ok()) Die(w.status(), "Acquire");
+    for (const auto& a : w->chunks) std::memset(a.data, 0x5A, a.size);
+    c.Abandon(w->ready);
+    if (absl::Status s = c.Release(*ids); !s.ok()) Die(s, "Release");
+  }
+  Throughput best;
+  const double bytes = static_cast<double>(n * chunk);
+  for (int round = 0; round < 3; ++round) {
+    // Acquiring for write makes the host copies the only valid ones, so each evict writes them.
+    auto w = c.AcquireIds(*ids, tierd::Tier::kHost, tierd::AccessMode::kWrite);
+    if (!w.ok()) Die(w.status(), "Acquire");
+    c.Abandon(w->ready);
+    if (absl::Status s = c.Release(*ids); !s.ok()) Die(s, "Release");
+    absl::Status st;
+    double evict_ms = TimeMs([&] {
+      auto t = c.EvictIds(*ids, tierd::Tier::kNvme);
+      st = t.ok() ? c.Wait(*t) : t.status();
+    });
+    if (!st.ok()) Die(st, "Evict");
+    double prefetch_ms = TimeMs([&] {
+      auto t = c.PrefetchIds(*ids, tierd::Tier::kHost);
+      st = t.ok() ? c.Wait(*t) : t.status();
+    });
+    if (!st.ok()) Die(st, "Prefetch");
+    best.evict_gbps = std::max(best.evict_gbps, bytes / evict_ms / 1e6);
+    best.prefetch_gbps = std::max(best.prefetch_gbps, bytes / prefetch_ms / 1e6);
+  }
+  if (absl::Status s = c.Free(*ids); !s.ok()) Die(s, "Free");
+  return best;
+}
+
+double FioOnce(const Options& o, const char* rw);
+
+// fio on the same file system, same I/O size and depth, O_DIRECT, io_uring with registered buffers
+// and files as tierd uses them; bytes per second.
+// Best of three runs over the same file, as for tierd (the first run over a fresh file pays for
+// converting its preallocated extents).
+double Fio(const Options& o, const char* rw) {
+  double best = 0;
+  for (int i = 0; i < 3; ++i) best = std::max(best, FioOnce(o, rw));
+  return best;
+}
+
+double FioOnce(const Options& o, const char* rw) {
+  const std::string file = o.dir + "/fio.dat";
+  std::string out;
+  int rc = tierd::testing::RunProcess(
+      {"/usr/bin/fio", "--name=bench", "--filename=" + file, absl::StrCat("--size=", o.total),
+       absl::StrCat("--bs=", o.io_size), absl::StrCat("--iodepth=", o.queue_depth),
+       "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1", "--direct=1",
+       absl::StrCat("--rw=", rw), "--end_fsync=1",
+       "--output-format=json"},
+      &out);
+  if (rc != 0) Die(absl::InternalError(out), "fio (is the fio package installed?)");
+  const std::string section =
+      std::string("\"") + (std::string(rw) == "write" ? "write" : "read") + "\" : {";
+  size_t at = out.find(section);
+  if (at == std::string::npos) Die(absl::InternalError(out), "parsing fio's output");
+  at = out.find("\"bw_bytes\"", at);
+  if (at == std::string::npos) Die(absl::InternalError(out), "parsing fio's output");
+  at = out.find(':', at);
+  return std::strtod(out.c_str() + at + 1, nullptr);
+}
+
+std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint32_t depth) {
+  const uint64_t stripe = std::max<uint64_t>(io_size, 1 << 20);
+  return {absl::StrCat("--host_capacity=", (o.total >> 20) + 256, "MiB"),
+          absl::StrCat("--nvme_regions=", o.dir, "/region0:", (o.total >> 20) * 2 + 512, "MiB"),
+          absl::StrCat("--nvme_io_size=", io_size), absl::StrCat("--nvme_stripe_unit=", stripe),
+          absl::StrCat("--nvme_queue_depth=", depth), "--nvme_reformat", "--log_level=warn"};
+}
+
+int Nvme(const Options& o) {
+  Reporter out(o);
+  std::error_code ec;
+  std::filesystem::create_directories(o.dir, ec);
+  if (o.tune) {
+    struct Point {
+      uint64_t io_size;
+      uint32_t depth;
+      double gbps;
+    };
+    std::vector<Point> points;
+    for (uint64_t io : {128ull << 10, 256ull << 10, 512ull << 10, 1ull << 20}) {
+      for (uint32_t depth : {4u, 8u, 16u, 32u, 64u}) {
+        auto daemon = StartDaemon(NvmeDaemonArgs(o, io, depth));
+        auto c = ConnectTo(daemon->socket_dir());
+        Throughput t = MoveThroughNvme(*c, 16 << 20, o.total);
+        c.reset();
+        daemon->Stop();
+        const double both = std::min(t.evict_gbps, t.prefetch_gbps);
+        points.push_back({io, depth, both});
+        out.Add({"gbps", both, "GB/s",
+                 absl::StrFormat(",\"op\":\"tune\",\"io_bytes\":%d,\"queue_depth\":%d", io, depth),
+                 absl::StrFormat("io_size %s, queue depth %d (slower of evict and prefetch)",
+                                 tierd::FormatSize(io), depth)});
+      }
+    }
+    // The smallest depth and I/O size within 3 % of the best: as fast, with less in flight.
+    double best = 0;
+    for (const Point& p : points) best = std::max(best, p.gbps);
+    const Point* pick = nullptr;
+    for (const Point& p : points) {
+      if (p.gbps >= 0.97 * best && (pick == nullptr || p.depth * p.io_size < pick->depth * pick->io_size)) {
+        pick = &p;
+      }
+    }
+    std::printf("\n# best settings for %s (%.2f GB/s); add to the tierd config:\n[nvme]\n"
+                "io_size = \"%s\"\nqueue_depth = %u\n",
+                o.dir.c_str(), pick->gbps, tierd::FormatSize(pick->io_size).c_str(), pick->depth);
+    return 0;
+  }
+
+  auto daemon = StartDaemon(NvmeDaemonArgs(o, o.io_size, o.queue_depth));
+  auto c = ConnectTo(daemon->socket_dir());
+  if (!o.json) {
+    std::printf("tierd-bench nvme: %s moved per case, io_size %s, queue depth %u, in %s\n",
+                tierd::FormatSize(o.total).c_str(), tierd::FormatSize(o.io_size).c_str(),
+                o.queue_depth, o.dir.c_str());
+  }
+  const std::string io = absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size,
+                                         o.queue_depth);
+  // fio runs beside each case, so that drift in the device (a virtual disk's host cache, thermal
+  // throttling) affects both sides of each ratio alike.
+  for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {
+    const double fio_write = Fio(o, "write") / 1e9;
+    const double fio_read = Fio(o, "read") / 1e9;
+    Throughput t = MoveThroughNvme(*c, chunk, o.total);
+    const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
+    out.Add({"gbps", fio_write, "GB/s", ",\"op\":\"fio_write\"" + params, "fio, same file system"});
+    out.Add({"gbps", t.evict_gbps, "GB/s", ",\"op\":\"evict\"" + params,
+             absl::StrFormat("chunk %s: %.2f x fio write", tierd::FormatSize(chunk),
+                             t.evict_gbps / fio_write)});
+    out.Add({"gbps", fio_read, "GB/s", ",\"op\":\"fio_read\"" + params, "fio, same file system"});
+    out.Add({"gbps", t.prefetch_gbps, "GB/s", ",\"op\":\"prefetch\"" + params,
+             absl::StrFormat("chunk %s: %.2f x fio read", tierd::FormatSize(chunk),
+                             t.prefetch_gbps / fio_read)});
+  }
+  c.reset();
+  std::filesystem::remove(o.dir + "/fio.dat", ec);
+  return daemon->Stop() == 0 ? 0 : 1;
 }
 
 int Control(const Options& o, tierd::Client& c) {
@@ -179,13 +360,27 @@ bool Parse(int argc, char** argv, Options* o) {
       o->json = true;
     } else if (a.substr(0, 13) == "--socket_dir=") {
       o->socket_dir = std::string(a.substr(13));
+    } else if (a.substr(0, 6) == "--dir=") {
+      o->dir = std::string(a.substr(6));
+    } else if (a == "--tune") {
+      o->tune = true;
+    } else if (a.substr(0, 8) == "--total=") {
+      auto v = tierd::ParseSize(std::string(a.substr(8)));
+      if (!v.ok()) return false;
+      o->total = *v;
+    } else if (a.substr(0, 10) == "--io_size=") {
+      auto v = tierd::ParseSize(std::string(a.substr(10)));
+      if (!v.ok()) return false;
+      o->io_size = *v;
+    } else if (a.substr(0, 14) == "--queue_depth=") {
+      if (!absl::SimpleAtoi(std::string(a.substr(14)), &o->queue_depth)) return false;
     } else if (!value("--chunks=", &o->chunks) && !value("--samples=", &o->samples) &&
                !value("--chunk_size=", &o->chunk_size)) {
       std::fprintf(stderr, "tierd-bench: unknown or malformed option '%s'\n", argv[i]);
       return false;
     }
   }
-  return o->mode == "control" && o->chunks > 0 && o->samples > 0;
+  return (o->mode == "control" || o->mode == "nvme") && o->chunks > 0 && o->samples > 0;
 }
 
 }  // namespace
@@ -195,9 +390,12 @@ int main(int argc, char** argv) {
   if (!Parse(argc, argv, &o)) {
     std::fprintf(stderr,
                  "usage: tierd-bench control [--json] [--socket_dir=DIR] [--chunks=N] "
-                 "[--samples=N] [--chunk_size=BYTES]\n");
+                 "[--samples=N] [--chunk_size=BYTES]\n"
+                 "       tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] "
+                 "[--queue_depth=32] [--tune]\n");
     return 2;
   }
+  if (o.mode == "nvme") return Nvme(o);
   std::unique_ptr<tierd::testing::DaemonProcess> daemon;
   if (o.socket_dir.empty()) {
     // A pool large enough for the batch, pinned as in production.
