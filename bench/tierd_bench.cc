@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "common/sizes.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "common/sizes.h"
 #include "tests/daemon_process.h"
 #include "tierd/client.hpp"
 
@@ -33,9 +33,9 @@ struct Options {
   uint64_t chunks = 10000;
   uint64_t samples = 2000;
   uint64_t chunk_size = 4096;
-  std::string dir = "var/bench";   // nvme: where the regions and fio's file go
-  uint64_t total = 512ull << 20;    // nvme: bytes moved per measurement
-  bool tune = false;                // nvme: sweep I/O size x queue depth
+  std::string dir = "var/bench";  // nvme: where the regions and fio's file go
+  uint64_t total = 512ull << 20;  // nvme: bytes moved per measurement
+  bool tune = false;              // nvme: sweep I/O size x queue depth
   uint64_t io_size = 1 << 20;
   uint32_t queue_depth = 32;
 };
@@ -164,8 +164,7 @@ double FioOnce(const Options& o, const char* rw) {
       {"/usr/bin/fio", "--name=bench", "--filename=" + file, absl::StrCat("--size=", o.total),
        absl::StrCat("--bs=", o.io_size), absl::StrCat("--iodepth=", o.queue_depth),
        "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1", "--direct=1",
-       absl::StrCat("--rw=", rw), "--end_fsync=1",
-       "--output-format=json"},
+       absl::StrCat("--rw=", rw), "--end_fsync=1", "--output-format=json"},
       &out);
   if (rc != 0) Die(absl::InternalError(out), "fio (is the fio package installed?)");
   const std::string section =
@@ -180,10 +179,13 @@ double FioOnce(const Options& o, const char* rw) {
 
 std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint32_t depth) {
   const uint64_t stripe = std::max<uint64_t>(io_size, 1 << 20);
-  return {absl::StrCat("--host_capacity=", (o.total >> 20) + 256, "MiB"),
+  return {absl::StrCat("--host_capacity=", tierd::AlignUp((o.total >> 20) + 256, 256), "MiB"),
           absl::StrCat("--nvme_regions=", o.dir, "/region0:", (o.total >> 20) * 2 + 512, "MiB"),
-          absl::StrCat("--nvme_io_size=", io_size), absl::StrCat("--nvme_stripe_unit=", stripe),
-          absl::StrCat("--nvme_queue_depth=", depth), "--nvme_reformat", "--log_level=warn"};
+          absl::StrCat("--nvme_io_size=", io_size),
+          absl::StrCat("--nvme_stripe_unit=", stripe),
+          absl::StrCat("--nvme_queue_depth=", depth),
+          "--nvme_reformat",
+          "--log_level=warn"};
 }
 
 int Nvme(const Options& o) {
@@ -217,13 +219,15 @@ int Nvme(const Options& o) {
     for (const Point& p : points) best = std::max(best, p.gbps);
     const Point* pick = nullptr;
     for (const Point& p : points) {
-      if (p.gbps >= 0.97 * best && (pick == nullptr || p.depth * p.io_size < pick->depth * pick->io_size)) {
+      if (p.gbps >= 0.97 * best &&
+          (pick == nullptr || p.depth * p.io_size < pick->depth * pick->io_size)) {
         pick = &p;
       }
     }
-    std::printf("\n# best settings for %s (%.2f GB/s); add to the tierd config:\n[nvme]\n"
-                "io_size = \"%s\"\nqueue_depth = %u\n",
-                o.dir.c_str(), pick->gbps, tierd::FormatSize(pick->io_size).c_str(), pick->depth);
+    std::printf(
+        "\n# best settings for %s (%.2f GB/s); add to the tierd config:\n[nvme]\n"
+        "io_size = \"%s\"\nqueue_depth = %u\n",
+        o.dir.c_str(), pick->gbps, tierd::FormatSize(pick->io_size).c_str(), pick->depth);
     return 0;
   }
 
@@ -234,8 +238,8 @@ int Nvme(const Options& o) {
                 tierd::FormatSize(o.total).c_str(), tierd::FormatSize(o.io_size).c_str(),
                 o.queue_depth, o.dir.c_str());
   }
-  const std::string io = absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size,
-                                         o.queue_depth);
+  const std::string io =
+      absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size, o.queue_depth);
   // fio runs beside each case, so that drift in the device (a virtual disk's host cache, thermal
   // throttling) affects both sides of each ratio alike.
   for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {

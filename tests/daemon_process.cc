@@ -70,24 +70,41 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
                                    "--log_level=debug"};
   if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
   argv.insert(argv.end(), options.args.begin(), options.args.end());
-  daemon->pid_ = Spawn(argv, daemon->dir_ + "/daemon.log");
-  if (daemon->pid_ < 0) return absl::InternalError("cannot spawn " + options.binary);
+  daemon->argv_ = std::move(argv);
+  if (absl::Status s = daemon->Launch(); !s.ok()) return s;
+  return daemon;
+}
 
+absl::Status DaemonProcess::Launch() {
+  pid_ = Spawn(argv_, dir_ + "/daemon.log");
+  if (pid_ < 0) return absl::InternalError("cannot spawn " + argv_[0]);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline) {
     int status = 0;
-    if (waitpid(daemon->pid_, &status, WNOHANG) == daemon->pid_) {
-      daemon->pid_ = -1;
-      return absl::FailedPreconditionError(absl::StrCat("tierd exited during start-up (status ",
-                                                        ExitCode(status), "): ", daemon->Log()));
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return absl::FailedPreconditionError(
+          absl::StrCat("tierd exited during start-up (status ", ExitCode(status), "): ", Log()));
     }
-    if (ConnectSeqpacket(daemon->dir_ + "/tierd.session.sock").ok() &&
-        std::filesystem::exists(daemon->dir_ + "/tierd.sock")) {
-      return daemon;
+    if (ConnectSeqpacket(dir_ + "/tierd.session.sock").ok() &&
+        std::filesystem::exists(dir_ + "/tierd.sock")) {
+      return absl::OkStatus();
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError("tierd did not start within 30 s: " + daemon->Log());
+  return absl::DeadlineExceededError("tierd did not start within 30 s: " + Log());
+}
+
+void DaemonProcess::Kill() {
+  if (pid_ < 0) return;
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+absl::Status DaemonProcess::Restart() {
+  Kill();
+  return Launch();
 }
 
 int DaemonProcess::Stop() {

@@ -28,11 +28,18 @@ class DaemonProcess {
   pid_t pid() const { return pid_; }
   // Sends SIGTERM and waits; returns the exit status (or 128+signal).
   int Stop();
+  // SIGKILL: the daemon dies without any cleanup, as in a crash.
+  void Kill();
+  // Starts the daemon again on the same directory with the same flags.
+  absl::Status Restart();
   // What the daemon wrote to stdout and stderr so far.
   std::string Log() const;
 
  private:
+  absl::Status Launch();
+
   std::string dir_;
+  std::vector<std::string> argv_;
   pid_t pid_ = -1;
 };
 
