@@ -259,16 +259,6 @@ std::vector<IoSpan> NvmeTier::Spans(IoKind kind, uint64_t offset, uint64_t lengt
   return spans;
 }
 
-std::vector<IoSpan> NvmeTier::SyncSpans(uint64_t offset, uint64_t length) const {
-  std::vector<bool> touched(regions_.size(), false);
-  for (const IoSpan& s : Spans(IoKind::kSync, offset, length, nullptr, -1)) touched[s.file] = true;
-  std::vector<IoSpan> spans;
-  for (uint32_t r = 0; r < touched.size(); ++r) {
-    if (touched[r]) spans.push_back(IoSpan{IoKind::kSync, r});
-  }
-  return spans;
-}
-
 void NvmeTier::AddRegionUse(uint64_t offset, uint64_t length, int64_t sign) {
   for (const IoSpan& s : Spans(IoKind::kRead, offset, length, nullptr, -1)) {
     region_used_[s.file] += sign * static_cast<int64_t>(s.length);
@@ -336,15 +326,30 @@ std::vector<RegionStatus> NvmeTier::Regions() const {
   return out;
 }
 
+void NvmeTier::Begin() {
+  absl::MutexLock lock(&ops_mu_);
+  ++ops_in_flight_;
+}
+
+void NvmeTier::End() {
+  absl::MutexLock lock(&ops_mu_);
+  --ops_in_flight_;
+}
+
 void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                     std::function<void(absl::StatusOr<uint64_t>)> done) {
+                     std::function<void(absl::StatusOr<uint64_t>)> user_done) {
+  Begin();
+  auto done = [this, user_done = std::move(user_done)](absl::StatusOr<uint64_t> r) {
+    user_done(std::move(r));
+    End();
+  };
   char* src = static_cast<char*>(host_->Address(host));
   const int32_t index = BufferIndex(host.segment);
   const uint64_t length = AlignUp(size, block_);
   worker_->Post([this, chunk_id, src, index, nvme, size, length, done = std::move(done)]() {
     const uint64_t checksum = XXH3_64bits(src, size);
     engine_->Run(Spans(IoKind::kWrite, nvme.offset, length, src, index),
-                 [this, chunk_id, nvme, length, checksum, done](absl::Status s) {
+                 [this, chunk_id, checksum, done](absl::Status s) {
                    auto finish = [this, chunk_id, checksum, done](absl::Status status) {
                      worker_->Post([chunk_id, checksum, status, done]() {
                        if (status.ok()) {
@@ -356,13 +361,38 @@ void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& 
                    };
                    if (!s.ok()) return finish(s);
                    // Durable before anyone may drop the host copy or record it in the index.
-                   engine_->Run(SyncSpans(nvme.offset, length), finish);
+                   SyncAfterWrite(finish);
                  });
   });
 }
 
+void NvmeTier::SyncAfterWrite(StatusCallback done) {
+  absl::MutexLock lock(&sync_mu_);
+  waiting_for_sync_.push_back(std::move(done));
+  if (!sync_in_flight_) StartSync();
+}
+
+void NvmeTier::StartSync() {
+  sync_in_flight_ = true;
+  auto batch = std::make_shared<std::vector<StatusCallback>>(std::move(waiting_for_sync_));
+  waiting_for_sync_.clear();
+  std::vector<IoSpan> spans;
+  for (uint32_t r = 0; r < regions_.size(); ++r) spans.push_back(IoSpan{IoKind::kSync, r});
+  engine_->Run(std::move(spans), [this, batch](absl::Status s) {
+    for (StatusCallback& cb : *batch) cb(s);
+    absl::MutexLock lock(&sync_mu_);
+    sync_in_flight_ = false;
+    if (!waiting_for_sync_.empty()) StartSync();
+  });
+}
+
 void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                    uint64_t checksum, StatusCallback done) {
+                    uint64_t checksum, StatusCallback user_done) {
+  Begin();
+  auto done = [this, user_done = std::move(user_done)](absl::Status s) {
+    user_done(std::move(s));
+    End();
+  };
   char* dst = static_cast<char*>(host_->Address(host));
   const int32_t index = BufferIndex(host.segment);
   const uint64_t length = AlignUp(size, block_);
@@ -384,9 +414,11 @@ void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& n
 
 void NvmeTier::ZeroFill(const Placement& host, uint64_t size, StatusCallback done) {
   char* dst = static_cast<char*>(host_->Address(host));
-  worker_->Post([dst, size, done = std::move(done)]() {
+  Begin();
+  worker_->Post([this, dst, size, done = std::move(done)]() {
     std::memset(dst, 0, size);
     done(absl::OkStatus());
+    End();
   });
 }
 
@@ -396,20 +428,19 @@ void NvmeTier::Persist(IndexEntry entry, StatusCallback done) {
 }
 
 void NvmeTier::Forget(uint32_t tenant, std::string name) {
+  Begin();
   worker_->Post([this, tenant, name = std::move(name)]() {
     if (absl::Status s = index_->Remove(tenant, name); !s.ok()) {
       spdlog::error("NVMe index: could not remove '{}' of uid {}: {}", name, tenant, s.message());
     }
+    End();
   });
 }
 
 void NvmeTier::Drain() {
-  // Work moves between the worker and the engine; drain both until neither has anything left.
-  for (int i = 0; i < 4; ++i) {
-    worker_->Drain();
-    engine_->Drain();
-  }
-  worker_->Drain();
+  absl::MutexLock lock(&ops_mu_);
+  ops_mu_.Await(absl::Condition(
+      +[](int64_t* n) { return *n == 0; }, &ops_in_flight_));
 }
 
 }  // namespace tierd

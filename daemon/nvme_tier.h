@@ -97,10 +97,16 @@ class NvmeTier final : public Tier {
   // The spans that move the logical range [offset, offset+length) to or from `buffer`.
   std::vector<IoSpan> Spans(IoKind kind, uint64_t offset, uint64_t length, char* buffer,
                             int32_t buffer_index) const;
-  std::vector<IoSpan> SyncSpans(uint64_t offset, uint64_t length) const;
   void AddRegionUse(uint64_t offset, uint64_t length, int64_t sign)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int32_t BufferIndex(uint32_t segment) const;
+  // Group commit: calls `done` after an fdatasync of every region that started after this call.
+  // Writes that finish while a sync runs share the next one.
+  void SyncAfterWrite(StatusCallback done);
+  // Requests in flight, for Drain.
+  void Begin();
+  void End();
+  void StartSync() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sync_mu_);
 
   std::vector<std::unique_ptr<NvmeRegion>> regions_;
   uint64_t stripe_unit_ = 0;
@@ -115,6 +121,12 @@ class NvmeTier final : public Tier {
   std::unique_ptr<ExtentAllocator> space_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> region_used_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> registered_ ABSL_GUARDED_BY(mu_);  // host segment registered as a buffer
+
+  absl::Mutex ops_mu_;
+  int64_t ops_in_flight_ ABSL_GUARDED_BY(ops_mu_) = 0;
+  absl::Mutex sync_mu_;
+  bool sync_in_flight_ ABSL_GUARDED_BY(sync_mu_) = false;
+  std::vector<StatusCallback> waiting_for_sync_ ABSL_GUARDED_BY(sync_mu_);
 
   std::unique_ptr<NvmeIndex> index_;  // worker thread only (and Open)
   std::vector<IndexEntry> recovered_;

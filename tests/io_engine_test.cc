@@ -142,5 +142,33 @@ TEST_F(IoEngineTest, ManyConcurrentJobsAllCallBackOnce) {
   EXPECT_EQ(done.load(), 64);
 }
 
+TEST(IoEngineSqpollTest, SubmissionPollingMovesTheSameBytes) {
+  char path[] = "/var/tmp/tierd-sqpoll-XXXXXX";
+  int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  fd = open(path, O_RDWR | O_DIRECT);
+  ASSERT_EQ(fallocate(fd, 0, 0, 1 << 20), 0);
+  char* buf = nullptr;
+  ASSERT_EQ(posix_memalign(reinterpret_cast<void**>(&buf), 4096, 1 << 20), 0);
+  for (int i = 0; i < (1 << 20); ++i) buf[i] = static_cast<char>(i * 13);
+  {
+    auto uring = MakeUringBackend(std::vector<int>{fd}, {.queue_depth = 8, .sqpoll = true});
+    ASSERT_TRUE(uring.ok()) << uring.status();
+    IoEngine engine(std::move(*uring), {.io_size = 64 << 10});
+    std::promise<absl::Status> w;
+    engine.Run({{IoKind::kWrite, 0, 0, buf, 1 << 20, -1}}, [&](absl::Status s) { w.set_value(s); });
+    ASSERT_TRUE(w.get_future().get().ok());
+    std::memset(buf, 0, 1 << 20);
+    std::promise<absl::Status> r;
+    engine.Run({{IoKind::kRead, 0, 0, buf, 1 << 20, -1}}, [&](absl::Status s) { r.set_value(s); });
+    ASSERT_TRUE(r.get_future().get().ok());
+  }
+  for (int i = 0; i < (1 << 20); ++i) ASSERT_EQ(buf[i], static_cast<char>(i * 13)) << i;
+  free(buf);
+  close(fd);
+  unlink(path);
+}
+
 }  // namespace
 }  // namespace tierd

@@ -195,6 +195,22 @@ TEST_F(NvmeServiceTest, NoSpaceOnTheDriveIsResourceExhausted) {
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
 }
 
+TEST_F(NvmeServiceTest, FullNvmeTierIsResourceExhaustedAndTheRestStillMoves) {
+  // Two 96 MiB regions hold 2 x 94 MiB = 188 MiB of data; fill it with NVMe-home chunks.
+  std::vector<ChunkRequest> big(47, ChunkRequest{.size = 4 << 20, .home = TierKind::kNvme});
+  ASSERT_TRUE(service_->Allocate(*session_, big).ok());
+  std::vector<ChunkRequest> more = {{.size = 4 << 20, .home = TierKind::kNvme}};
+  absl::Status full = service_->Allocate(*session_, more).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
+  EXPECT_NE(full.message().find("NVMe tier full"), std::string::npos) << full;
+  // A host chunk that cannot get NVMe space fails its eviction; the host copy stays.
+  auto ids = Alloc(*session_, {1 << 20});
+  Write(*session_, ids, 9);
+  absl::Status s = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_TRUE(Check(*session_, ids, 9, {1 << 20}));
+}
+
 TEST_F(NvmeServiceTest, ShortTransfersAreInvisibleToTheClient) {
   const std::vector<uint64_t> sizes = {2 << 20};
   auto ids = Alloc(*session_, sizes);
