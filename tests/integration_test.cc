@@ -319,6 +319,23 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketsRefusesToStart) {
   EXPECT_TRUE(Connect() != nullptr);  // the first one is unharmed
 }
 
+TEST_F(DaemonTest, ClientProcessesMovingChunksThroughNvmeAtRandomKeepTheirData) {
+  std::vector<std::thread> clients;
+  std::vector<std::string> outputs(3);
+  std::vector<int> status(3, -1);
+  for (int i = 0; i < 3; ++i) {
+    clients.emplace_back([&, i] {
+      status[i] = testing::RunProcess(
+          {HelperBinary(), daemon_->socket_dir(), "nvme-random", absl::StrCat(i + 1), "200"},
+          &outputs[i]);
+    });
+  }
+  for (auto& t : clients) t.join();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(status[i], 0) << outputs[i];
+  auto c = Connect();
+  EXPECT_EQ(c->GetNodeInfo()->tier(Tier::kNvme)->used_bytes, 0u);  // all reclaimed
+}
+
 // Persistent chunks written to NVMe survive a daemon killed mid-way: each reads back intact or is
 // reported lost (DATA_LOSS), never wrong; those whose eviction completed before the kill are
 // intact.

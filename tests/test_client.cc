@@ -4,6 +4,7 @@
 //   tierd-test-client SOCKET_DIR write-verify CHUNKS SIZE SEED
 //   tierd-test-client SOCKET_DIR hold CHUNKS SIZE            (prints "ready ID..." then sleeps)
 //   tierd-test-client SOCKET_DIR probe-foreign CHUNK_ID SEGMENTS   (run as another user)
+//   tierd-test-client SOCKET_DIR nvme-random SEED OPS
 //
 // --as_user=NAME (first argument) drops to that user before connecting; it needs root.
 #include <grp.h>
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -80,6 +82,76 @@ int WriteVerify(const std::string& dir, uint64_t chunks, uint64_t size, uint64_t
     }
   }
   std::printf("verified %llu chunks\n", static_cast<unsigned long long>(chunks));
+  return 0;
+}
+
+// Random allocate / write / evict to NVMe / prefetch / verify / free on this client's own chunks,
+// checked against a model of what each chunk must hold.
+int NvmeRandom(const std::string& dir, uint64_t seed, uint64_t ops) {
+  auto client = ConnectOrDie(dir);
+  std::mt19937_64 rng(seed);
+  struct Model {
+    tierd::ChunkId id;
+    uint64_t size;
+    uint64_t seed;
+    bool on_host;
+  };
+  std::vector<Model> live;
+  auto fill = [&](Model& m) -> bool {
+    std::vector<tierd::ChunkId> one = {m.id};
+    auto w = client->Acquire(one, tierd::Tier::kHost, tierd::AccessMode::kWrite);
+    if (!w.ok()) return false;
+    auto* words = static_cast<uint64_t*>((*w)[0].data);
+    for (size_t i = 0; i < m.size / 8; ++i) words[i] = Word(m.seed, 0, i);
+    return true;
+  };
+  auto verify = [&](const Model& m) -> bool {
+    std::vector<tierd::ChunkId> one = {m.id};
+    auto r = client->Acquire(one, tierd::Tier::kHost, tierd::AccessMode::kRead);
+    if (!r.ok()) return false;
+    const auto* words = static_cast<const uint64_t*>((*r)[0].data);
+    for (size_t i = 0; i < m.size / 8; ++i) {
+      if (words[i] != Word(m.seed, 0, i)) return false;
+    }
+    return true;
+  };
+  for (uint64_t op = 0; op < ops; ++op) {
+    const int choice = live.empty() ? 0 : static_cast<int>(rng() % 4);
+    if (choice == 0 && live.size() < 8) {
+      const uint64_t size = 4096 * (1 + rng() % 512);
+      auto ids = client->AllocateIds(std::vector<tierd::ChunkSpec>{{.size = size}});
+      if (!ids.ok()) continue;  // host tier full for now
+      Model m{(*ids)[0], size, rng(), true};
+      if (!fill(m)) return std::printf("fill failed\n"), 1;
+      live.push_back(m);
+      continue;
+    }
+    if (live.empty()) continue;
+    Model& m = live[rng() % live.size()];
+    std::vector<tierd::ChunkId> one = {m.id};
+    if (choice == 1 && m.on_host) {
+      auto t = client->EvictIds(one, tierd::Tier::kNvme);
+      if (!t.ok() || !client->Wait(*t).ok()) return std::printf("evict failed\n"), 1;
+      m.on_host = false;
+    } else if (choice == 2) {
+      auto t = client->PrefetchIds(one, tierd::Tier::kHost);
+      if (!t.ok()) return std::printf("prefetch: %s\n", t.status().ToString().c_str()), 1;
+      absl::Status s = client->Wait(*t);
+      if (absl::IsResourceExhausted(s)) continue;  // others hold the host tier
+      if (!s.ok()) return std::printf("prefetch wait: %s\n", s.ToString().c_str()), 1;
+      m.on_host = true;
+      if (!verify(m)) return std::printf("MISMATCH in chunk %llu\n", (unsigned long long)m.id), 1;
+      if (rng() % 2 == 0) {  // overwrite
+        m.seed = rng();
+        if (!fill(m)) return 1;
+      }
+    } else if (choice == 3) {
+      if (!client->Free(one).ok()) return std::printf("free failed\n"), 1;
+      m = live.back();
+      live.pop_back();
+    }
+  }
+  std::printf("ok %zu live\n", live.size());
   return 0;
 }
 
@@ -164,6 +236,7 @@ int main(int argc, char** argv) {
   const int n = argc - first - 2;
   if (command == "write-verify" && n == 3) return WriteVerify(dir, Arg(a, 0), Arg(a, 1), Arg(a, 2));
   if (command == "hold" && n == 2) return Hold(dir, Arg(a, 0), Arg(a, 1));
+  if (command == "nvme-random" && n == 2) return NvmeRandom(dir, Arg(a, 0), Arg(a, 1));
   if (command == "probe-foreign" && n == 2) {
     return ProbeForeign(dir, Arg(a, 0), static_cast<uint32_t>(Arg(a, 1)));
   }
