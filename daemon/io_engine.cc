@@ -12,7 +12,10 @@ struct IoEngine::Job {
   size_t next_span = 0;      // first span not fully issued
   uint64_t next_offset = 0;  // bytes of spans[next_span] already issued
   size_t in_flight = 0;
+  bool queued = true;  // still in the issue queue
   absl::Status status;  // first error
+
+  bool issued() const { return next_span >= spans.size(); }
 };
 
 IoEngine::IoEngine(std::unique_ptr<IoBackend> backend, IoEngineOptions options)
@@ -70,80 +73,69 @@ std::string IoEngine::Describe(const IoRequest& r) const {
 }
 
 void IoEngine::Loop() {
-  std::deque<std::unique_ptr<Job>> active;  // jobs with sub-I/Os left to issue or in flight
-  std::deque<SubIo*> retry;                 // continuations of short transfers
+  // Jobs with sub-I/Os left to issue, oldest first. A job is owned by the engine from Run until
+  // its callback has run; it lives here while queued, and in its sub-I/Os' tags while in flight.
+  std::deque<Job*> to_issue;
+  std::deque<SubIo*> retry;  // continuations of short transfers
   size_t in_flight = 0;
   const uint32_t depth = backend_->queue_depth();
   std::vector<IoCompletion> completions(depth);
   std::vector<IoRequest> batch;
-  std::vector<std::unique_ptr<SubIo>> owned;
 
   for (;;) {
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
       while (!incoming_.empty()) {
-        active.push_back(std::move(incoming_.front()));
+        to_issue.push_back(incoming_.front().release());
         incoming_.pop_front();
       }
       stopping = stopping_;
     }
-    if (stopping && active.empty() && in_flight == 0) return;
+    if (stopping && to_issue.empty() && in_flight == 0 && retry.empty()) return;
 
-    // Fill the queue: continuations first, then new sub-I/Os in job order.
+    // Fill the queue: continuations first, then new sub-I/Os in job order. Each step is O(1), so
+    // a batch of thousands of chunks costs no more per sub-I/O than a batch of one.
     batch.clear();
     while (in_flight + batch.size() < depth && !retry.empty()) {
       batch.push_back(retry.front()->request);
       retry.pop_front();
     }
-    for (auto& job : active) {
-      while (in_flight + batch.size() < depth && job->next_span < job->spans.size() &&
-             job->status.ok()) {
-        const IoSpan& span = job->spans[job->next_span];
-        const uint64_t left = span.length - job->next_offset;
-        const uint64_t n = span.kind == IoKind::kSync ? 0 : std::min(left, options_.io_size);
-        auto sub = std::make_unique<SubIo>();
-        sub->job = job.get();
-        sub->request = IoRequest{reinterpret_cast<uint64_t>(sub.get()),
-                                 span.kind,
-                                 span.file,
-                                 span.offset + job->next_offset,
-                                 span.buffer + job->next_offset,
-                                 static_cast<uint32_t>(n),
-                                 span.buffer_index};
-        job->next_offset += n;
-        if (job->next_offset >= span.length) {
-          ++job->next_span;
-          job->next_offset = 0;
-        }
-        ++job->in_flight;
-        batch.push_back(sub->request);
-        sub.release();  // owned by its tag until completion
+    while (in_flight + batch.size() < depth && !to_issue.empty()) {
+      Job* job = to_issue.front();
+      if (job->issued() || !job->status.ok()) {
+        to_issue.pop_front();
+        job->queued = false;
+        if (job->in_flight == 0) Finish(job);
+        continue;
       }
-      if (in_flight + batch.size() >= depth) break;
+      const IoSpan& span = job->spans[job->next_span];
+      const uint64_t left = span.length - job->next_offset;
+      const uint64_t n = span.kind == IoKind::kSync ? 0 : std::min(left, options_.io_size);
+      auto* sub = new SubIo{job,
+                            IoRequest{0, span.kind, span.file, span.offset + job->next_offset,
+                                      span.buffer + job->next_offset, static_cast<uint32_t>(n),
+                                      span.buffer_index}};
+      sub->request.tag = reinterpret_cast<uint64_t>(sub);
+      job->next_offset += n;
+      if (job->next_offset >= span.length) {
+        ++job->next_span;
+        job->next_offset = 0;
+      }
+      ++job->in_flight;
+      batch.push_back(sub->request);
     }
     if (!batch.empty()) {
+      in_flight += batch.size();
       absl::Status s = backend_->Submit(batch);
       if (!s.ok()) {
         // The ring refused the batch: fail each request as an I/O error would.
+        in_flight -= batch.size();
         for (const IoRequest& r : batch) Complete(reinterpret_cast<SubIo*>(r.tag), -EIO);
-        batch.clear();
-      }
-      in_flight += batch.size();
-    }
-    // Jobs with nothing left to issue and nothing in flight are done (e.g. an empty job).
-    for (auto it = active.begin(); it != active.end();) {
-      Job* job = it->get();
-      const bool issued = job->next_span >= job->spans.size() || !job->status.ok();
-      if (issued && job->in_flight == 0) {
-        FinishIfDone(job);
-        it = active.erase(it);
-      } else {
-        ++it;
       }
     }
     if (in_flight == 0 && retry.empty()) {
-      // Idle: wait for new jobs.
+      if (!to_issue.empty()) continue;  // finished jobs left at the front
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(
                                +[](IoEngine* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -159,11 +151,7 @@ void IoEngine::Loop() {
       auto* sub = reinterpret_cast<SubIo*>(completions[i].tag);
       const int32_t result = completions[i].result;
       const IoRequest& r = sub->request;
-      if (result >= 0 && r.kind != IoKind::kSync && static_cast<uint32_t>(result) < r.length) {
-        if (result == 0) {
-          Complete(sub, -ENODATA);  // end of file: nothing more will come
-          continue;
-        }
+      if (result > 0 && r.kind != IoKind::kSync && static_cast<uint32_t>(result) < r.length) {
         // Short transfer: continue from where it stopped.
         {
           absl::MutexLock lock(&mu_);
@@ -176,7 +164,8 @@ void IoEngine::Loop() {
         retry.push_back(sub);
         continue;
       }
-      Complete(sub, result);
+      // Nothing moved where bytes were expected: the end of the file, nothing more will come.
+      Complete(sub, result == 0 && r.kind != IoKind::kSync && r.length > 0 ? -ENODATA : result);
     }
   }
 }
@@ -185,22 +174,23 @@ void IoEngine::Complete(SubIo* sub, int32_t result) {
   std::unique_ptr<SubIo> owned(sub);
   Job* job = sub->job;
   --job->in_flight;
-  absl::MutexLock lock(&mu_);
-  if (result < 0) {
-    ++stats_.errors;
-    if (job->status.ok()) {
-      job->status = absl::ErrnoToStatus(-result, Describe(sub->request));
+  {
+    absl::MutexLock lock(&mu_);
+    if (result < 0) {
+      ++stats_.errors;
+      if (job->status.ok()) job->status = absl::ErrnoToStatus(-result, Describe(sub->request));
+    } else if (sub->request.kind == IoKind::kRead) {
+      stats_.bytes_read += result;
+    } else if (sub->request.kind == IoKind::kWrite) {
+      stats_.bytes_written += result;
     }
-    return;
   }
-  if (sub->request.kind == IoKind::kRead) stats_.bytes_read += result;
-  if (sub->request.kind == IoKind::kWrite) stats_.bytes_written += result;
+  if (!job->queued && job->in_flight == 0) Finish(job);
 }
 
-void IoEngine::FinishIfDone(Job* job) {
-  Callback done = std::move(job->done);
-  absl::Status status = job->status;
-  if (done) done(std::move(status));
+void IoEngine::Finish(Job* job) {
+  std::unique_ptr<Job> owned(job);
+  if (job->done) job->done(job->status);
   absl::MutexLock lock(&mu_);
   ++finished_;
 }

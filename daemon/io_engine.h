@@ -70,7 +70,7 @@ class IoEngine {
 
   void Loop();
   void Complete(SubIo* sub, int32_t result);
-  void FinishIfDone(Job* job);
+  void Finish(Job* job);
   std::string Describe(const IoRequest& r) const;
 
   std::unique_ptr<IoBackend> backend_;
