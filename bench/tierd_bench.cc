@@ -105,58 +105,66 @@ struct Throughput {
   double prefetch_gbps = 0;
 };
 
-// Moves `total` bytes in chunks of `chunk` down to NVMe and back, 3 rounds; the best round counts
-// (the first pays for allocating extents on a fresh file).
-Throughput MoveThroughNvme(tierd::Client& c, uint64_t chunk, uint64_t total) {
-  const size_t n = std::max<uint64_t>(1, total / chunk);
-  std::vector<tierd::ChunkSpec> specs(n, tierd::ChunkSpec{.size = chunk});
-  auto ids = c.AllocateIds(specs);
-  if (!ids.ok()) Die(ids.status(), "Allocate");
-  {
-    auto w = c.AcquireIds(*ids, tierd::Tier::kHost, tierd::AccessMode::kWrite);
+// `total` bytes in chunks of `chunk`, allocated once; each Round evicts them all to NVMe (after a
+// write acquisition, so each evict writes) and prefetches them back.
+class NvmeCase {
+ public:
+  NvmeCase(tierd::Client& c, uint64_t chunk, uint64_t total) : c_(c), chunk_(chunk) {
+    const size_t n = std::max<uint64_t>(1, total / chunk);
+    std::vector<tierd::ChunkSpec> specs(n, tierd::ChunkSpec{.size = chunk});
+    auto ids = c.AllocateIds(specs);
+    if (!ids.ok()) Die(ids.status(), "Allocate");
+    ids_ = std::move(*ids);
+    auto w = c.AcquireIds(ids_, tierd::Tier::kHost, tierd::AccessMode::kWrite);
     if (!w.ok()) Die(w.status(), "Acquire");
     for (const auto& a : w->chunks) std::memset(a.data, 0x5A, a.size);
     c.Abandon(w->ready);
-    if (absl::Status s = c.Release(*ids); !s.ok()) Die(s, "Release");
+    if (absl::Status s = c.Release(ids_); !s.ok()) Die(s, "Release");
   }
-  Throughput best;
-  const double bytes = static_cast<double>(n * chunk);
-  for (int round = 0; round < 3; ++round) {
-    // Acquiring for write makes the host copies the only valid ones, so each evict writes them.
-    auto w = c.AcquireIds(*ids, tierd::Tier::kHost, tierd::AccessMode::kWrite);
+  ~NvmeCase() { (void)c_.Free(ids_); }
+
+  Throughput Round() {
+    // Acquiring for write makes the host copies the only valid ones, so the evict writes them.
+    auto w = c_.AcquireIds(ids_, tierd::Tier::kHost, tierd::AccessMode::kWrite);
     if (!w.ok()) Die(w.status(), "Acquire");
-    c.Abandon(w->ready);
-    if (absl::Status s = c.Release(*ids); !s.ok()) Die(s, "Release");
+    c_.Abandon(w->ready);
+    if (absl::Status s = c_.Release(ids_); !s.ok()) Die(s, "Release");
     absl::Status st;
-    double evict_ms = TimeMs([&] {
-      auto t = c.EvictIds(*ids, tierd::Tier::kNvme);
-      st = t.ok() ? c.Wait(*t) : t.status();
+    const double evict_ms = TimeMs([&] {
+      auto t = c_.EvictIds(ids_, tierd::Tier::kNvme);
+      st = t.ok() ? c_.Wait(*t) : t.status();
     });
     if (!st.ok()) Die(st, "Evict");
-    double prefetch_ms = TimeMs([&] {
-      auto t = c.PrefetchIds(*ids, tierd::Tier::kHost);
-      st = t.ok() ? c.Wait(*t) : t.status();
+    const double prefetch_ms = TimeMs([&] {
+      auto t = c_.PrefetchIds(ids_, tierd::Tier::kHost);
+      st = t.ok() ? c_.Wait(*t) : t.status();
     });
     if (!st.ok()) Die(st, "Prefetch");
-    best.evict_gbps = std::max(best.evict_gbps, bytes / evict_ms / 1e6);
-    best.prefetch_gbps = std::max(best.prefetch_gbps, bytes / prefetch_ms / 1e6);
+    const double bytes = static_cast<double>(ids_.size() * chunk_);
+    return {bytes / evict_ms / 1e6, bytes / prefetch_ms / 1e6};
   }
-  if (absl::Status s = c.Free(*ids); !s.ok()) Die(s, "Free");
+
+ private:
+  tierd::Client& c_;
+  uint64_t chunk_;
+  std::vector<tierd::ChunkId> ids_;
+};
+
+Throughput MoveThroughNvme(tierd::Client& c, uint64_t chunk, uint64_t total) {
+  NvmeCase run(c, chunk, total);
+  Throughput best;
+  for (int round = 0; round < 3; ++round) {
+    Throughput t = run.Round();
+    best.evict_gbps = std::max(best.evict_gbps, t.evict_gbps);
+    best.prefetch_gbps = std::max(best.prefetch_gbps, t.prefetch_gbps);
+  }
   return best;
 }
 
 double FioOnce(const Options& o, const char* rw);
 
 // fio on the same file system, same I/O size and depth, O_DIRECT, io_uring with registered buffers
-// and files as tierd uses them; bytes per second.
-// Best of three runs over the same file, as for tierd (the first run over a fresh file pays for
-// converting its preallocated extents).
-double Fio(const Options& o, const char* rw) {
-  double best = 0;
-  for (int i = 0; i < 3; ++i) best = std::max(best, FioOnce(o, rw));
-  return best;
-}
-
+// and files as tierd uses them; bytes per second of one run.
 double FioOnce(const Options& o, const char* rw) {
   const std::string file = o.dir + "/fio.dat";
   std::string out;
@@ -240,21 +248,37 @@ int Nvme(const Options& o) {
   }
   const std::string io =
       absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size, o.queue_depth);
-  // fio runs beside each case, so that drift in the device (a virtual disk's host cache, thermal
-  // throttling) affects both sides of each ratio alike.
+  // fio and tierd take turns, five rounds each per chunk size, and the medians are compared: a
+  // virtual or shared disk drifts by tens of percent from one run to the next, and taking turns
+  // exposes both sides to the same drift.
+  constexpr int kRounds = 5;
   for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {
-    const double fio_write = Fio(o, "write") / 1e9;
-    const double fio_read = Fio(o, "read") / 1e9;
-    Throughput t = MoveThroughNvme(*c, chunk, o.total);
+    NvmeCase run(*c, chunk, o.total);
+    (void)run.Round();  // warm-up: the first write of fresh extents
+    std::vector<double> fio_w, fio_r, evict, prefetch;
+    for (int i = 0; i < kRounds; ++i) {
+      fio_w.push_back(FioOnce(o, "write") / 1e9);
+      fio_r.push_back(FioOnce(o, "read") / 1e9);
+      Throughput t = run.Round();
+      evict.push_back(t.evict_gbps);
+      prefetch.push_back(t.prefetch_gbps);
+    }
+    const double fw = Median(fio_w), fr = Median(fio_r), ev = Median(evict), pf = Median(prefetch);
     const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
-    out.Add({"gbps", fio_write, "GB/s", ",\"op\":\"fio_write\"" + params, "fio, same file system"});
-    out.Add({"gbps", t.evict_gbps, "GB/s", ",\"op\":\"evict\"" + params,
-             absl::StrFormat("chunk %s: %.2f x fio write", tierd::FormatSize(chunk),
-                             t.evict_gbps / fio_write)});
-    out.Add({"gbps", fio_read, "GB/s", ",\"op\":\"fio_read\"" + params, "fio, same file system"});
-    out.Add({"gbps", t.prefetch_gbps, "GB/s", ",\"op\":\"prefetch\"" + params,
-             absl::StrFormat("chunk %s: %.2f x fio read", tierd::FormatSize(chunk),
-                             t.prefetch_gbps / fio_read)});
+    auto spread = [](const std::vector<double>& v) {
+      return absl::StrFormat("%.2f-%.2f", *std::min_element(v.begin(), v.end()),
+                             *std::max_element(v.begin(), v.end()));
+    };
+    out.Add({"gbps", fw, "GB/s", ",\"op\":\"fio_write\"" + params,
+             "fio write, median of 5 (range " + spread(fio_w) + ")"});
+    out.Add({"gbps", ev, "GB/s", ",\"op\":\"evict\"" + params,
+             absl::StrFormat("evict %s chunks: %.2f x fio (range %s)", tierd::FormatSize(chunk),
+                             ev / fw, spread(evict))});
+    out.Add({"gbps", fr, "GB/s", ",\"op\":\"fio_read\"" + params,
+             "fio read, median of 5 (range " + spread(fio_r) + ")"});
+    out.Add({"gbps", pf, "GB/s", ",\"op\":\"prefetch\"" + params,
+             absl::StrFormat("prefetch %s chunks: %.2f x fio (range %s)", tierd::FormatSize(chunk),
+                             pf / fr, spread(prefetch))});
   }
   c.reset();
   std::filesystem::remove(o.dir + "/fio.dat", ec);
