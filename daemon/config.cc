@@ -124,8 +124,9 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
-    if (table == nullptr || (section != "daemon" && section != "host")) {
-      return KeyError(source, section_node, section, "unknown section (known: [daemon], [host])");
+    if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme")) {
+      return KeyError(source, section_node, section,
+                      "unknown section (known: [daemon], [host], [nvme])");
     }
     for (auto&& [key_name, node] : *table) {
       const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));

@@ -71,6 +71,62 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"UnclosedSection", "[daemon\n", "bad.toml:1"}),
     [](const testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
+TEST(ConfigTest, NvmeKeysAndTheStateDirectory) {
+  DaemonConfig c = DefaultConfig();
+  ASSERT_TRUE(ApplyToml(R"(
+[daemon]
+state_dir = "/var/lib/tierd"
+[nvme]
+regions = [ { path = "/mnt/nvme0/tierd.region", size = "800GiB" }, { path = "/dev/nvme1n1" } ]
+stripe_unit = "2MiB"
+io_size = "512KiB"
+queue_depth = 64
+sqpoll = true
+index_size = "128MiB"
+)",
+                        "nvme.toml", &c)
+                  .ok());
+  EXPECT_EQ(c.state_dir, "/var/lib/tierd");
+  ASSERT_EQ(c.nvme.regions.size(), 2u);
+  EXPECT_EQ(c.nvme.regions[0].size, 800ull << 30);
+  EXPECT_EQ(c.nvme.regions[1].path, "/dev/nvme1n1");
+  EXPECT_EQ(c.nvme.regions[1].size, 0u);  // the whole device
+  EXPECT_EQ(c.nvme.stripe_unit, 2u << 20);
+  EXPECT_EQ(c.nvme.io_size, 512u << 10);
+  EXPECT_EQ(c.nvme.queue_depth, 64u);
+  EXPECT_TRUE(c.nvme.sqpoll);
+  EXPECT_EQ(c.nvme.index_size, 128u << 20);
+}
+
+TEST(ConfigTest, DefaultRegionFollowsTheStateDirectory) {
+  DaemonConfig c = DefaultConfig();
+  ASSERT_TRUE(ApplyToml("[daemon]\nstate_dir = \"/srv/tierd\"\n", "s.toml", &c).ok());
+  ASSERT_EQ(c.nvme.regions.size(), 1u);
+  EXPECT_EQ(c.nvme.regions[0].path, "/srv/tierd/nvme0.region");
+  ASSERT_TRUE(ApplyToml("[nvme]\nregions = []\n", "s.toml", &c).ok());
+  EXPECT_TRUE(c.nvme.regions.empty());
+}
+
+TEST(ConfigTest, RegionListFlagParsesAndRejectsGarbage) {
+  auto two = ParseRegionList("/a:1GiB,/b:0");
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ((*two)[0].size, 1ull << 30);
+  EXPECT_TRUE(ParseRegionList("none")->empty());
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseRegionList("/a").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseRegionList("/a:lots").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseRegionList(",").status()));
+}
+
+// The example every operator starts from must load as it ships.
+TEST(ConfigTest, ShippedExampleConfigLoads) {
+  DaemonConfig c = DefaultConfig();
+  absl::Status s = ApplyTomlFile(TIERD_SOURCE_DIR "/deploy/tierd.toml", &c);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.host.capacity, 1ull << 30);
+  EXPECT_EQ(c.nvme.stripe_unit, 1u << 20);
+  EXPECT_EQ(c.nvme.queue_depth, 32u);
+}
+
 TEST(ConfigTest, MissingFileIsNotFound) {
   DaemonConfig c = DefaultConfig();
   absl::Status s = ApplyTomlFile("/nonexistent/tierd.toml", &c);

@@ -312,7 +312,7 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketsRefusesToStart) {
   std::string out;
   int status = testing::RunProcess(
       {DaemonBinary(), "--socket_dir=" + daemon_->socket_dir(), "--host_capacity=16MiB",
-       "--host_segment_size=16MiB", "--lock_memory=false"},
+       "--host_segment_size=16MiB", "--lock_memory=false", "--nvme_regions=none"},
       &out);
   EXPECT_EQ(status, 1) << out;
   EXPECT_NE(out.find("another tierd is already serving"), std::string::npos) << out;
@@ -411,9 +411,10 @@ TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   EXPECT_NE(out.find("--host_capacity"), std::string::npos) << out;
   EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--config=/nonexistent.toml"}, &out), 2);
   EXPECT_NE(out.find("cannot read config file"), std::string::npos) << out;
-  EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--socket_dir=/tmp", "--host_capacity=24MiB",
-                                 "--host_segment_size=16MiB", "--lock_memory=false"},
-                                &out),
+  EXPECT_EQ(testing::RunProcess(
+                {DaemonBinary(), "--socket_dir=/tmp", "--host_capacity=24MiB",
+                 "--host_segment_size=16MiB", "--lock_memory=false", "--nvme_regions=none"},
+                &out),
             1);
   EXPECT_NE(out.find("must be a non-zero multiple of host.segment_size"), std::string::npos) << out;
 }
