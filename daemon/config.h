@@ -6,7 +6,7 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
 
 namespace tierd {

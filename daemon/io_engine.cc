@@ -12,7 +12,7 @@ struct IoEngine::Job {
   size_t next_span = 0;      // first span not fully issued
   uint64_t next_offset = 0;  // bytes of spans[next_span] already issued
   size_t in_flight = 0;
-  bool queued = true;  // still in the issue queue
+  bool queued = true;   // still in the issue queue
   absl::Status status;  // first error
 
   bool issued() const { return next_span >= spans.size(); }
@@ -112,10 +112,9 @@ void IoEngine::Loop() {
       const IoSpan& span = job->spans[job->next_span];
       const uint64_t left = span.length - job->next_offset;
       const uint64_t n = span.kind == IoKind::kSync ? 0 : std::min(left, options_.io_size);
-      auto* sub = new SubIo{job,
-                            IoRequest{0, span.kind, span.file, span.offset + job->next_offset,
-                                      span.buffer + job->next_offset, static_cast<uint32_t>(n),
-                                      span.buffer_index}};
+      auto* sub = new SubIo{job, IoRequest{0, span.kind, span.file, span.offset + job->next_offset,
+                                           span.buffer + job->next_offset, static_cast<uint32_t>(n),
+                                           span.buffer_index}};
       sub->request.tag = reinterpret_cast<uint64_t>(sub);
       job->next_offset += n;
       if (job->next_offset >= span.length) {

@@ -22,7 +22,7 @@
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
 #include "daemon/device_probe.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/rpc_server.h"
 #include "daemon/session.h"
@@ -183,7 +183,7 @@ int Run() {
   const std::string rpc_path = config->socket_dir + "/tierd.sock";
   const std::string session_path = config->socket_dir + "/tierd.session.sock";
 
-  absl::StatusOr<std::unique_ptr<HostSegmentPool>> host = HostSegmentPool::Create(config->host);
+  absl::StatusOr<std::unique_ptr<SegmentPool>> host = CreateHostPool(config->host);
   if (!host.ok()) {
     spdlog::critical("host tier: {}", host.status().message());
     return 1;

@@ -67,7 +67,7 @@ absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir) 
 
 absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& options,
                                                          const InstanceId& instance,
-                                                         HostSegmentPool* host) {
+                                                         SegmentPool* host) {
   if (options.regions.empty()) return absl::InvalidArgumentError("no NVMe regions configured");
   const uint64_t unit = options.stripe_unit;
   if (unit < 4096 || (unit & (unit - 1)) != 0) {

@@ -15,10 +15,11 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/extent_allocator.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 #include "daemon/io_engine.h"
 #include "daemon/nvme_index.h"
 #include "daemon/nvme_region.h"
+#include "daemon/segment_pool.h"
 #include "daemon/tier.h"
 #include "daemon/work_queue.h"
 
@@ -51,7 +52,7 @@ class NvmeTier final : public Tier {
   // another instance, another set, another format or another stripe unit, saying which and why.
   static absl::StatusOr<std::unique_ptr<NvmeTier>> Open(const NvmeOptions& options,
                                                         const InstanceId& instance,
-                                                        HostSegmentPool* host);
+                                                        SegmentPool* host);
   // Waits for every transfer in flight.
   ~NvmeTier() override;
 
@@ -115,7 +116,7 @@ class NvmeTier final : public Tier {
   uint64_t capacity_ = 0;
   uint32_t block_ = 4096;
   uint64_t alignment_ = 4096;
-  HostSegmentPool* host_ = nullptr;
+  SegmentPool* host_ = nullptr;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<ExtentAllocator> space_ ABSL_GUARDED_BY(mu_);

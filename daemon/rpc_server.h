@@ -8,8 +8,8 @@
 #include "absl/status/statusor.h"
 #include "daemon/chunk_service.h"
 #include "daemon/device_probe.h"
-#include "daemon/host_segment_pool.h"
 #include "daemon/nvme_tier.h"
+#include "daemon/segment_pool.h"
 #include "daemon/session.h"
 
 namespace tierd {

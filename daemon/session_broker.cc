@@ -34,7 +34,7 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(const std::s
                                                                     unsigned mode,
                                                                     SessionRegistry* sessions,
                                                                     ChunkService* chunks,
-                                                                    HostSegmentPool* host) {
+                                                                    SegmentPool* host) {
   absl::StatusOr<UniqueFd> listener = ListenSeqpacket(path, mode);
   if (!listener.ok()) return listener.status();
   UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(const std::s
 }
 
 SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
-                             SessionRegistry* sessions, ChunkService* chunks, HostSegmentPool* host)
+                             SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host)
     : listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),

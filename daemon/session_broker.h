@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
 #include "daemon/chunk_service.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/segment_pool.h"
 #include "daemon/session.h"
 
 namespace tierd {
@@ -24,7 +24,7 @@ class SessionBroker {
                                                               unsigned mode,
                                                               SessionRegistry* sessions,
                                                               ChunkService* chunks,
-                                                              HostSegmentPool* host);
+                                                              SegmentPool* host);
   // Stops accepting, ends every session and joins the thread.
   ~SessionBroker();
 
@@ -36,7 +36,7 @@ class SessionBroker {
   };
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,
-                ChunkService* chunks, HostSegmentPool* host);
+                ChunkService* chunks, SegmentPool* host);
   void Run();
   void Accept();
   // Returns false when the connection must be closed.
@@ -50,7 +50,7 @@ class SessionBroker {
   UniqueFd wake_;  // eventfd: written to stop the loop
   SessionRegistry* const sessions_;
   ChunkService* const chunks_;
-  HostSegmentPool* const host_;
+  SegmentPool* const host_;
   absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;  // loop thread only
   std::thread thread_;
 };

@@ -2,7 +2,7 @@
 #include "daemon/chunk_service.h"
 
 #include "daemon/extent_allocator.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 
 #include "gtest/gtest.h"
 
@@ -18,7 +18,7 @@ class ChunkServiceTest : public testing::Test {
                       .segment_size = kSeg,
                       .huge_pages = HugePagePolicy::kNever,
                       .lock_memory = false};
-    pool_ = std::move(*HostSegmentPool::Create(o));
+    pool_ = std::move(*CreateHostPool(o));
     std::array<Tier*, kTierKinds> tiers{};
     tiers[static_cast<int>(TierKind::kHost)] = pool_.get();
     service_ = std::make_unique<ChunkService>(tiers);
@@ -37,7 +37,7 @@ class ChunkServiceTest : public testing::Test {
 
   uint64_t Used() const { return pool_->Usage().used_bytes; }
 
-  std::unique_ptr<HostSegmentPool> pool_;
+  std::unique_ptr<SegmentPool> pool_;
   std::unique_ptr<ChunkService> service_;
   SessionRegistry sessions_;
   std::shared_ptr<Session> alice_, alice2_, bob_;

@@ -89,7 +89,8 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   EXPECT_EQ(host->capacity_bytes, kCapacity);
   EXPECT_EQ(host->used_bytes, 0u);
   EXPECT_EQ(host->largest_free_bytes, kSegment);
-  EXPECT_NE(host->detail.find("4 memfd segments of 16 MiB"), std::string::npos) << host->detail;
+  EXPECT_NE(host->detail.find("4 segments of 16 MiB (64 MiB), memfd"), std::string::npos)
+      << host->detail;
   const TierStatus* nvme = info->tier(Tier::kNvme);
   EXPECT_TRUE(nvme->configured);
   ASSERT_EQ(nvme->regions.size(), 1u);

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 
+#include "daemon/host_memory.h"
 #include "daemon/nvme_index.h"
 #include "daemon/nvme_region.h"
 #include "daemon/nvme_tier.h"
@@ -23,7 +24,7 @@ class NvmeFormatTest : public ::testing::Test {
                       .segment_size = 4 << 20,
                       .huge_pages = HugePagePolicy::kNever,
                       .lock_memory = false};
-    host_ = std::move(*HostSegmentPool::Create(o));
+    host_ = std::move(*CreateHostPool(o));
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
@@ -44,7 +45,7 @@ class NvmeFormatTest : public ::testing::Test {
   }
 
   std::string dir_;
-  std::unique_ptr<HostSegmentPool> host_;
+  std::unique_ptr<SegmentPool> host_;
 };
 
 TEST_F(NvmeFormatTest, BlankRegionsAreFormattedAndReopen) {

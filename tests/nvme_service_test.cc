@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "daemon/chunk_service.h"
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
 #include "gtest/gtest.h"
 
@@ -29,7 +29,7 @@ class NvmeServiceTest : public ::testing::Test {
                       .segment_size = kSeg,
                       .huge_pages = HugePagePolicy::kNever,
                       .lock_memory = false};
-    host_ = std::move(*HostSegmentPool::Create(o));
+    host_ = std::move(*CreateHostPool(o));
     OpenTier();
     session_ = *sessions_.Open({1000, 1000, 1}, "test");
     MapPage(*session_);
@@ -114,7 +114,7 @@ class NvmeServiceTest : public ::testing::Test {
   }
 
   std::string dir_;
-  std::unique_ptr<HostSegmentPool> host_;
+  std::unique_ptr<SegmentPool> host_;
   std::unique_ptr<NvmeTier> nvme_;
   FaultInjectingBackend* faults_ = nullptr;
   std::unique_ptr<ChunkService> service_;

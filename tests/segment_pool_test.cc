@@ -1,4 +1,4 @@
-#include "daemon/host_segment_pool.h"
+#include "daemon/host_memory.h"
 
 #include <sys/mman.h>
 
@@ -11,45 +11,45 @@ namespace {
 
 constexpr uint64_t kSeg = 4 << 20;
 
-std::unique_ptr<HostSegmentPool> MakePool(uint64_t segments) {
+std::unique_ptr<SegmentPool> MakePool(uint64_t segments) {
   HostPoolOptions o;
   o.capacity = segments * kSeg;
   o.segment_size = kSeg;
   o.huge_pages = HugePagePolicy::kNever;
   o.lock_memory = false;  // unit tests run without memlock rights too
-  auto pool = HostSegmentPool::Create(o);
+  auto pool = CreateHostPool(o);
   EXPECT_TRUE(pool.ok()) << pool.status();
   return std::move(*pool);
 }
 
-TEST(HostSegmentPoolTest, RejectsCapacityNotAMultipleOfTheSegmentSize) {
+TEST(SegmentPoolTest, RejectsCapacityNotAMultipleOfTheSegmentSize) {
   HostPoolOptions o{.capacity = 5 << 20, .segment_size = 4 << 20, .lock_memory = false};
-  absl::Status s = HostSegmentPool::Create(o).status();
+  absl::Status s = CreateHostPool(o).status();
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_NE(s.message().find("host.capacity"), std::string::npos);
 }
 
-TEST(HostSegmentPoolTest, RejectsSegmentsThatAreNotWholeHugePages) {
+TEST(SegmentPoolTest, RejectsSegmentsThatAreNotWholeHugePages) {
   HostPoolOptions o{.capacity = 3 << 20, .segment_size = 3 << 20, .lock_memory = false};
-  EXPECT_TRUE(absl::IsInvalidArgument(HostSegmentPool::Create(o).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(CreateHostPool(o).status()));
 }
 
-TEST(HostSegmentPoolTest, RequiredHugePagesFailWhenNoneAreReservedOrSucceed) {
+TEST(SegmentPoolTest, RequiredHugePagesFailWhenNoneAreReservedOrSucceed) {
   HostPoolOptions o{.capacity = kSeg,
                     .segment_size = kSeg,
                     .huge_pages = HugePagePolicy::kRequire,
                     .lock_memory = false};
-  auto pool = HostSegmentPool::Create(o);
+  auto pool = CreateHostPool(o);
   // Either the machine has huge pages reserved (and the pool says so) or creation fails loudly;
   // never a silent fallback.
   if (pool.ok()) {
-    EXPECT_TRUE((*pool)->huge_pages());
+    EXPECT_TRUE(static_cast<MemfdBacking*>((*pool)->backing())->huge_pages());
   } else {
     EXPECT_NE(pool.status().message().find("huge pages"), std::string::npos) << pool.status();
   }
 }
 
-TEST(HostSegmentPoolTest, PinnableCheckNamesTheLimitToRaise) {
+TEST(SegmentPoolTest, PinnableCheckNamesTheLimitToRaise) {
   absl::Status s = CheckPinnable(1ull << 60);  // more than any machine has
   ASSERT_FALSE(s.ok());
   EXPECT_TRUE(s.message().find("RLIMIT_MEMLOCK") != std::string::npos ||
@@ -57,7 +57,7 @@ TEST(HostSegmentPoolTest, PinnableCheckNamesTheLimitToRaise) {
       << s;
 }
 
-TEST(HostSegmentPoolTest, TenantGetsFdsOnlyForItsOwnSegments) {
+TEST(SegmentPoolTest, TenantGetsFdsOnlyForItsOwnSegments) {
   auto pool = MakePool(2);
   auto a = pool->Reserve(1000, 4096);
   auto b = pool->Reserve(2000, 4096);
@@ -70,7 +70,7 @@ TEST(HostSegmentPoolTest, TenantGetsFdsOnlyForItsOwnSegments) {
   EXPECT_EQ(pool->SegmentsOf(1000)[0].segment, a->segment);
 }
 
-TEST(HostSegmentPoolTest, SegmentPassesToAnotherTenantOnlyAsFreshZeroedMemory) {
+TEST(SegmentPoolTest, SegmentPassesToAnotherTenantOnlyAsFreshZeroedMemory) {
   auto pool = MakePool(1);
   auto a = pool->Reserve(1000, kSeg);
   ASSERT_TRUE(a.ok());
@@ -95,7 +95,7 @@ TEST(HostSegmentPoolTest, SegmentPassesToAnotherTenantOnlyAsFreshZeroedMemory) {
   munmap(view, kSeg);
 }
 
-TEST(HostSegmentPoolTest, SameTenantReusesItsSegmentWithoutRecycling) {
+TEST(SegmentPoolTest, SameTenantReusesItsSegmentWithoutRecycling) {
   auto pool = MakePool(1);
   auto a = pool->Reserve(1000, 4096);
   pool->Unreserve(*a);
@@ -103,7 +103,7 @@ TEST(HostSegmentPoolTest, SameTenantReusesItsSegmentWithoutRecycling) {
   EXPECT_EQ(again->generation, a->generation);
 }
 
-TEST(HostSegmentPoolTest, FullPoolSaysHowFullAndWhatToDo) {
+TEST(SegmentPoolTest, FullPoolSaysHowFullAndWhatToDo) {
   auto pool = MakePool(2);
   ASSERT_TRUE(pool->Reserve(1000, kSeg).ok());
   ASSERT_TRUE(pool->Reserve(1000, kSeg).ok());
@@ -114,13 +114,13 @@ TEST(HostSegmentPoolTest, FullPoolSaysHowFullAndWhatToDo) {
   EXPECT_EQ(pool->Usage().used_bytes, 2 * kSeg);
 }
 
-TEST(HostSegmentPoolTest, ChunkLargerThanASegmentIsInvalid) {
+TEST(SegmentPoolTest, ChunkLargerThanASegmentIsInvalid) {
   auto pool = MakePool(2);
   EXPECT_TRUE(absl::IsInvalidArgument(pool->Reserve(1000, kSeg + 1).status()));
   EXPECT_TRUE(absl::IsInvalidArgument(pool->Reserve(1000, 0).status()));
 }
 
-TEST(HostSegmentPoolTest, UsageTracksReservations) {
+TEST(SegmentPoolTest, UsageTracksReservations) {
   auto pool = MakePool(2);
   auto a = pool->Reserve(1000, 5000);  // rounds up to 8 KiB
   TierUsage u = pool->Usage();
