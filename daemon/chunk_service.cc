@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
+#include "daemon/device.h"
 #include "daemon/nvme_tier.h"
 #include "spdlog/spdlog.h"
 
@@ -77,8 +78,8 @@ struct ChunkService::Batch {
   }
 };
 
-ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme)
-    : tiers_(tiers), nvme_(nvme) {
+ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, Device* device)
+    : tiers_(tiers), nvme_(nvme), device_(device) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
@@ -130,31 +131,222 @@ void ChunkService::DropCopy(ChunkMeta& chunk, TierKind tier) {
   chunk.dirty.erase(tier);
 }
 
-absl::StatusOr<Placement> ChunkService::ReserveHost(uint32_t tenant, uint64_t size) {
-  Tier* host = tier(TierKind::kHost);
+namespace {
+
+// Tiers from fastest to slowest.
+int Rank(TierKind tier) {
+  switch (tier) {
+    case TierKind::kDevice:
+      return 2;
+    case TierKind::kHost:
+      return 1;
+    case TierKind::kNvme:
+      return 0;
+  }
+  return -1;
+}
+
+// A copy in `tier` is clean when a lower tier holds a valid copy too.
+bool CleanIn(const ChunkMeta& c, TierKind tier) {
+  if (!c.resident.contains(tier)) return false;
+  for (TierKind lower : {TierKind::kHost, TierKind::kNvme}) {
+    if (Rank(lower) < Rank(tier) && c.resident.contains(lower)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
+  Tier* t = this->tier(tier);
   for (;;) {
-    absl::StatusOr<Placement> p = host->Reserve(tenant, size);
+    absl::StatusOr<Placement> p = t->Reserve(tenant, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
-    // Full: drop the least recently used host copy that NVMe also holds (a clean copy costs
-    // nothing to drop). A linear scan; the planner replaces this policy.
+    // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
+    // costs nothing to drop). A linear scan; the planner replaces this policy.
     ChunkMeta* victim = nullptr;
     for (auto& [id, c] : chunks_) {
-      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed ||
-          !c.resident.contains(TierKind::kHost) || !c.resident.contains(TierKind::kNvme)) {
-        continue;
-      }
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c, tier)) continue;
       if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
     }
     if (victim == nullptr) return p;
-    DropCopy(*victim, TierKind::kHost);
+    DropCopy(*victim, tier);
   }
+}
+
+void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
+  for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
+    if (Rank(above) > Rank(tier) && chunk.allocated.contains(above)) DropCopy(chunk, above);
+  }
+}
+
+void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+  constexpr int kHost = static_cast<int>(TierKind::kHost);
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
+  constexpr int kDev = static_cast<int>(TierKind::kDevice);
+  auto fail = [&](const absl::Status& s) {
+    batch->Add();
+    batch->Done(absl::Status(s.code(), absl::StrCat("chunk ", chunk.id, ": ", s.message())));
+  };
+  const bool from_host = chunk.resident.contains(TierKind::kHost);
+  if (!from_host && !chunk.allocated.contains(TierKind::kHost)) {
+    // Staging in host memory: the chunk's host copy, filled on the way.
+    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
+    if (!p.ok()) return fail(p.status());
+    chunk.placement[kHost] = *p;
+    chunk.allocated.insert(TierKind::kHost);
+  }
+  if (!chunk.allocated.contains(TierKind::kDevice)) {
+    absl::StatusOr<Placement> p = ReserveIn(TierKind::kDevice, chunk.tenant, chunk.size);
+    if (!p.ok()) return fail(p.status());
+    chunk.placement[kDev] = *p;
+    chunk.allocated.insert(TierKind::kDevice);
+  }
+  absl::Status begin = BeginMove(chunk, TierKind::kDevice);
+  assert(begin.ok());
+  (void)begin;
+  batch->Add();
+  const ChunkId id = chunk.id;
+  char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
+  char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
+  if (from_host) {
+    device_->CopyToDevice(dev, host, chunk.size, [this, id, batch](absl::Status s) {
+      SettleToDevice(id, s, /*host_filled=*/false);
+      batch->Done(s);
+    });
+    return;
+  }
+  if (!chunk.written) {  // never written: zeros on both
+    nvme_->ZeroFill(chunk.placement[kHost], chunk.size,
+                    [this, id, batch, dev, host, size = chunk.size](absl::Status s) {
+                      if (!s.ok()) {
+                        SettleToDevice(id, s, /*host_filled=*/true);
+                        batch->Done(s);
+                        return;
+                      }
+                      device_->CopyToDevice(dev, host, size, [this, id, batch](absl::Status s2) {
+                        SettleToDevice(id, s2, /*host_filled=*/true);
+                        batch->Done(s2);
+                      });
+                    });
+    return;
+  }
+  // NVMe -> host -> GPU, pipelined: each piece goes to the GPU as soon as it has been read.
+  struct Pipeline {
+    absl::Mutex mu;
+    size_t copies_pending = 0;
+    bool reads_done = false;
+    absl::Status status;
+  };
+  auto pipe = std::make_shared<Pipeline>();
+  auto finish_if_done = [this, id, batch, pipe]() {
+    absl::Status status;
+    {
+      absl::MutexLock lock(&pipe->mu);
+      if (!pipe->reads_done || pipe->copies_pending > 0) return;
+      status = pipe->status;
+    }
+    SettleToDevice(id, status, /*host_filled=*/true);
+    batch->Done(status);
+  };
+  constexpr uint64_t kPiece = 4 << 20;
+  nvme_->ReadPieces(
+      id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum, kPiece,
+      [this, pipe, dev, host, finish_if_done, size = chunk.size](uint64_t off, uint64_t len) {
+        len = std::min(len, size - std::min(size, off));  // the last piece ends at the chunk's end
+        if (len == 0) return;
+        {
+          absl::MutexLock lock(&pipe->mu);
+          ++pipe->copies_pending;
+        }
+        device_->CopyToDevice(dev + off, host + off, len, [pipe, finish_if_done](absl::Status s) {
+          {
+            absl::MutexLock lock(&pipe->mu);
+            --pipe->copies_pending;
+            if (pipe->status.ok() && !s.ok()) pipe->status = s;
+          }
+          finish_if_done();
+        });
+      },
+      [pipe, finish_if_done](absl::Status s) {
+        {
+          absl::MutexLock lock(&pipe->mu);
+          pipe->reads_done = true;
+          if (pipe->status.ok() && !s.ok()) pipe->status = s;
+        }
+        finish_if_done();
+      });
+}
+
+void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(id);
+  assert(it != chunks_.end());
+  ChunkMeta& chunk = it->second;
+  FinishMove(chunk, status.ok());
+  if (status.ok()) {
+    if (host_filled) chunk.resident.insert(TierKind::kHost);
+  } else {
+    DropCopy(chunk, TierKind::kDevice);
+    if (host_filled) DropCopy(chunk, TierKind::kHost);
+    if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
+  }
+  chunk.last_use = ++use_clock_;
+  if (chunk.doomed) Destroy(chunk);
+}
+
+void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                               bool then_nvme, bool keep_source) {
+  constexpr int kHost = static_cast<int>(TierKind::kHost);
+  constexpr int kDev = static_cast<int>(TierKind::kDevice);
+  if (!chunk.allocated.contains(TierKind::kHost)) {
+    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
+    if (!p.ok()) {
+      batch->Add();
+      batch->Done(absl::Status(p.status().code(),
+                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
+      return;
+    }
+    chunk.placement[kHost] = *p;
+    chunk.allocated.insert(TierKind::kHost);
+  }
+  absl::Status begin = BeginMove(chunk, TierKind::kHost);
+  assert(begin.ok());
+  (void)begin;
+  batch->Add();
+  const ChunkId id = chunk.id;
+  device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
+                      tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
+                      [this, id, batch, then_nvme, keep_source](absl::Status s) {
+                        SettleToHost(id, s, then_nvme, keep_source, batch);
+                        batch->Done(s);
+                      });
+}
+
+void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
+                                bool keep_source, const std::shared_ptr<Batch>& batch) {
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(id);
+  assert(it != chunks_.end());
+  ChunkMeta& chunk = it->second;
+  FinishMove(chunk, status.ok());
+  if (!status.ok()) {
+    DropCopy(chunk, TierKind::kHost);
+  } else if (chunk.doomed) {
+    // Destroyed below.
+  } else if (then_nvme) {
+    StartWrite(chunk, batch, keep_source);  // drops host and device copies once durable
+  } else if (!keep_source && chunk.pins == 0) {
+    DropCopy(chunk, TierKind::kDevice);
+  }
+  if (chunk.doomed) Destroy(chunk);
 }
 
 void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!chunk.allocated.contains(TierKind::kHost)) {
-    absl::StatusOr<Placement> p = ReserveHost(chunk.tenant, chunk.size);
+    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
     if (!p.ok()) {
       batch->Add();
       batch->Done(absl::Status(p.status().code(),
@@ -200,9 +392,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
-    if (!keep_source && chunk.resident.contains(TierKind::kHost)) {
-      DropCopy(chunk, TierKind::kHost);
-    }
+    if (!keep_source) DropAbove(chunk, TierKind::kNvme);
     return;
   }
   if (!chunk.allocated.contains(TierKind::kNvme)) {
@@ -257,7 +447,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     chunk.written = true;
     chunk.checksum = *checksum;
     chunk.dirty = TierSet();
-    if (!keep_source && chunk.pins == 0) DropCopy(chunk, TierKind::kHost);
+    if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
   if (chunk.doomed) Destroy(chunk);
 }
@@ -506,19 +696,34 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
           absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
     }
     if (chunk->resident.contains(tier)) continue;
-    if (tier != TierKind::kHost || !chunk->resident.contains(TierKind::kNvme) || nvme_ == nullptr) {
-      return chunk->resident.empty()
-                 ? absl::DataLossError(
-                       absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"))
-                 : absl::FailedPreconditionError(
-                       absl::StrCat("chunk ", chunk->id, ": this daemon has no data path into the ",
-                                    TierName(tier), " tier"));
+    if (chunk->resident.empty()) {
+      return absl::DataLossError(
+          absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"));
+    }
+    const bool from_device =
+        !chunk->resident.contains(TierKind::kHost) && chunk->resident.contains(TierKind::kDevice);
+    if (from_device && chunk->pins > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "chunk ", chunk->id, " is acquired on the device; release it before copying it out"));
+    }
+    if (!from_device && !chunk->resident.contains(TierKind::kHost) && nvme_ == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id,
+                                                        ": this daemon has no data path into the ",
+                                                        TierName(tier), " tier"));
     }
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
   for (ChunkMeta* chunk : *chunks) {
-    if (!chunk->resident.contains(tier)) StartRead(*chunk, *batch);
+    if (chunk->resident.contains(tier)) continue;
+    if (tier == TierKind::kDevice) {
+      StartToDevice(*chunk, *batch);
+    } else if (chunk->resident.contains(TierKind::kDevice) &&
+               !chunk->resident.contains(TierKind::kNvme)) {
+      StartToHost(*chunk, *batch, /*then_nvme=*/false, /*keep_source=*/true);
+    } else {
+      StartRead(*chunk, *batch);
+    }
   }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());  // the issuer's reference
@@ -533,35 +738,56 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
   if (session.ended) return Ended(session);
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
+  if (tier == TierKind::kDevice) {
+    return absl::InvalidArgumentError(
+        "Evict: the device tier is the top tier; nothing can be evicted into it (use Prefetch)");
+  }
   for (const ChunkMeta* chunk : *chunks) {
     if (chunk->state == ChunkState::kMoving) {
       return absl::FailedPreconditionError(
           absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
     }
-    if (tier == TierKind::kHost) {
+    if (tier == TierKind::kHost && !chunk->resident.contains(TierKind::kDevice)) {
       if (!chunk->resident.contains(TierKind::kHost)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "chunk ", chunk->id, " has no host copy to evict to; use Prefetch to bring it up"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("chunk ", chunk->id,
+                         " has no copy above the host tier to evict; use Prefetch to "
+                         "bring it up"));
       }
-      continue;
+      continue;  // nothing above the host copy: nothing to do
     }
-    // To NVMe: the host copy is written (and dropped); it must not change meanwhile.
+    // Copies that are read or dropped must not change meanwhile.
     if (chunk->pins > 0) {
       return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id, " is acquired (",
                                                         chunk->pins,
                                                         " pins); release it before "
-                                                        "evicting it to NVMe"));
+                                                        "evicting it to the ",
+                                                        TierName(tier), " tier"));
     }
-    if (!chunk->resident.contains(TierKind::kNvme) && !chunk->resident.contains(TierKind::kHost)) {
+    if (chunk->resident.empty()) {
       return absl::DataLossError(
           absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"));
     }
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
-  // With the host tier as the lowest configured one every chunk is already there.
-  if (tier == TierKind::kNvme) {
-    for (ChunkMeta* chunk : *chunks) StartWrite(*chunk, *batch, keep_source);
+  for (ChunkMeta* chunk : *chunks) {
+    const bool device_only_above =
+        chunk->resident.contains(TierKind::kDevice) && !chunk->resident.contains(TierKind::kHost);
+    if (tier == TierKind::kHost) {
+      if (!chunk->resident.contains(TierKind::kDevice)) continue;
+      if (device_only_above) {
+        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source);
+      } else if (!keep_source) {
+        DropCopy(*chunk, TierKind::kDevice);  // the host copy is current
+      }
+      continue;
+    }
+    if (device_only_above && !chunk->resident.contains(TierKind::kNvme)) {
+      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source);
+    } else {
+      StartWrite(*chunk, *batch, keep_source);
+    }
   }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());

@@ -60,12 +60,15 @@ inline constexpr uint32_t kMaxPageSize = 100'000;
 absl::Status ValidateChunkName(absl::string_view name);
 
 class NvmeTier;
+class Device;
 
 class ChunkService {
  public:
   // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
   // `nvme` is the NVMe tier's data path (also tiers[kNvme]), or null.
-  explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr);
+  // `device` is the GPU (or emulated one) behind tiers[kDevice], or null.
+  explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr,
+                        Device* device = nullptr);
 
   // Re-creates the persistent chunks found in the NVMe index at start-up (detached, resident on
   // NVMe). Returns how many were recovered.
@@ -117,9 +120,23 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source);
   void SettleRead(ChunkId id, const absl::Status& status);
-  // Host space for a chunk, evicting clean host copies (least recently used first) when full.
-  absl::StatusOr<Placement> ReserveHost(uint32_t tenant, uint64_t size)
+  // Space in `tier` for a chunk, dropping clean copies there (valid in a lower tier too, least
+  // recently used first) when the tier is full.
+  absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
+  // pieces, each piece going to the GPU as soon as it is read.
+  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
+  // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
+  // the device copy unless keep_source.
+  void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
+                   bool keep_source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
+                    const std::shared_ptr<Batch>& batch);
+  // Drops the copies above `tier` (device above host above NVMe).
+  void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -127,6 +144,7 @@ class ChunkService {
 
   const std::array<Tier*, kTierKinds> tiers_;
   NvmeTier* const nvme_;
+  Device* const device_;
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkId next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -216,7 +216,7 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
     tier->registered_.assign(segments, false);
   }
   NvmeTier* raw = tier.get();
-  host->SetRemapObserver([raw](uint32_t segment, void* base, size_t size) {
+  tier->observer_ = host->AddRemapObserver([raw](uint32_t segment, void* base, size_t size) {
     absl::Status s = raw->engine_->backend()->RegisterBuffer(static_cast<int>(segment), base, size);
     if (!s.ok()) {
       spdlog::warn(
@@ -232,7 +232,7 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
 }
 
 NvmeTier::~NvmeTier() {
-  if (host_ != nullptr && engine_ != nullptr) host_->SetRemapObserver(nullptr);
+  if (host_ != nullptr && observer_ != 0) host_->RemoveRemapObserver(observer_);
   if (engine_ != nullptr) Drain();
 }
 
@@ -410,6 +410,49 @@ void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& n
                    done(absl::OkStatus());
                  });
                });
+}
+
+void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme,
+                          uint64_t size, uint64_t checksum, uint64_t piece,
+                          std::function<void(uint64_t, uint64_t)> on_piece, StatusCallback done) {
+  Begin();
+  char* dst = static_cast<char*>(host_->Address(host));
+  const int32_t index = BufferIndex(host.segment);
+  const uint64_t length = AlignUp(size, block_);
+  piece = std::max<uint64_t>(AlignUp(piece, block_), block_);
+  struct State {
+    absl::Mutex mu;
+    size_t remaining;
+    absl::Status status;
+  };
+  auto state = std::make_shared<State>();
+  state->remaining = (length + piece - 1) / piece;
+  for (uint64_t off = 0; off < length; off += piece) {
+    const uint64_t n = std::min(piece, length - off);
+    engine_->Run(
+        Spans(IoKind::kRead, nvme.offset + off, n, dst + off, index),
+        [this, state, off, n, on_piece, chunk_id, dst, size, checksum, done](absl::Status s) {
+          if (s.ok()) on_piece(off, n);
+          {
+            absl::MutexLock lock(&state->mu);
+            if (state->status.ok() && !s.ok()) state->status = s;
+            if (--state->remaining > 0) return;
+          }
+          worker_->Post([this, state, chunk_id, dst, size, checksum, done]() {
+            absl::Status status = state->status;
+            if (!status.ok()) {
+              status = Annotate(chunk_id, status);
+            } else if (const uint64_t actual = XXH3_64bits(dst, size); actual != checksum) {
+              status = absl::DataLossError(
+                  absl::StrCat("chunk ", chunk_id, ": the NVMe copy fails its checksum (expected ",
+                               absl::Hex(checksum), ", read ", absl::Hex(actual),
+                               "); the data on the drive is damaged and was not handed out"));
+            }
+            done(status);
+            End();
+          });
+        });
+  }
 }
 
 void NvmeTier::ZeroFill(const Placement& host, uint64_t size, StatusCallback done) {

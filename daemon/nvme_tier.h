@@ -77,6 +77,14 @@ class NvmeTier final : public Tier {
   // DATA_LOSS, naming the chunk, on a mismatch.
   void Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
             uint64_t checksum, StatusCallback done);
+  // Read, in pieces of `piece` bytes issued as separate jobs: `on_piece(offset, length)` runs as
+  // each piece lands (on the engine thread; it must not block), so that the next stage (a copy to
+  // the GPU) can start while later pieces are still read. `done` follows the whole chunk's
+  // checksum.
+  void ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
+                  uint64_t checksum, uint64_t piece,
+                  std::function<void(uint64_t offset, uint64_t length)> on_piece,
+                  StatusCallback done);
   // Fills a host copy with zeros (a chunk whose NVMe space was never written reads as zeros).
   void ZeroFill(const Placement& host, uint64_t size, StatusCallback done);
   // Records a persistent chunk in the index (durably) / removes it.
@@ -117,6 +125,7 @@ class NvmeTier final : public Tier {
   uint32_t block_ = 4096;
   uint64_t alignment_ = 4096;
   SegmentPool* host_ = nullptr;
+  int observer_ = 0;  // our remap observer on the host pool
 
   mutable absl::Mutex mu_;
   std::unique_ptr<ExtentAllocator> space_ ABSL_GUARDED_BY(mu_);

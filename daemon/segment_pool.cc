@@ -86,16 +86,22 @@ absl::Status SegmentPool::MapFresh(Segment& segment, uint32_t index) {
   segment.memory = std::move(*memory);
   segment.generation += 1;
   segment.allocator = std::make_unique<ExtentAllocator>(segment_size_, kSegmentAlignment);
-  if (observer_) observer_(index, segment.memory.base, segment_size_);
+  for (const auto& [id, observer] : observers_) observer(index, segment.memory.base, segment_size_);
   return absl::OkStatus();
 }
 
-void SegmentPool::SetRemapObserver(RemapObserver observer) {
+int SegmentPool::AddRemapObserver(RemapObserver observer) {
   absl::MutexLock lock(&mu_);
-  observer_ = std::move(observer);
   for (uint32_t i = 0; i < segments_.size(); ++i) {
-    if (observer_) observer_(i, segments_[i].memory.base, segment_size_);
+    observer(i, segments_[i].memory.base, segment_size_);
   }
+  observers_.emplace_back(next_observer_, std::move(observer));
+  return next_observer_++;
+}
+
+void SegmentPool::RemoveRemapObserver(int id) {
+  absl::MutexLock lock(&mu_);
+  std::erase_if(observers_, [id](const auto& o) { return o.first == id; });
 }
 
 absl::StatusOr<Placement> SegmentPool::Reserve(uint32_t tenant, uint64_t size) {

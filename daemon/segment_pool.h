@@ -74,12 +74,14 @@ class SegmentPool final : public Tier {
   // The segments that currently belong to `tenant`.
   std::vector<SegmentInfo> SegmentsOf(uint32_t tenant) const;
   // The daemon's own address of a placement (host pointer, or device pointer).
-  void* Address(const Placement& placement) const;
+  void* Address(const Placement& placement) const override;
 
   // Calls `observer` now for every segment, and again whenever a segment gets new memory (a
-  // recycle for another tenant), so that an I/O engine can keep them registered.
+  // recycle for another tenant), so that I/O engines and GPUs can keep them registered. Returns an
+  // id for RemoveRemapObserver.
   using RemapObserver = std::function<void(uint32_t segment, void* base, size_t size)>;
-  void SetRemapObserver(RemapObserver observer);
+  int AddRemapObserver(RemapObserver observer);
+  void RemoveRemapObserver(int id);
 
   uint32_t segment_count() const { return static_cast<uint32_t>(segments_.size()); }
   uint64_t segment_size() const { return segment_size_; }
@@ -109,7 +111,8 @@ class SegmentPool final : public Tier {
   mutable absl::Mutex mu_;
   std::vector<Segment> segments_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  RemapObserver observer_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int, RemapObserver>> observers_ ABSL_GUARDED_BY(mu_);
+  int next_observer_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace tierd

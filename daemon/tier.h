@@ -44,6 +44,12 @@ class Tier {
   // REQUIRES: `placement` came from Reserve and was not released.
   virtual void Unreserve(const Placement& placement) = 0;
   virtual TierUsage Usage() const = 0;
+  // The daemon's address of a placement in a memory tier (a host or device pointer); null for
+  // tiers that are not memory (NVMe).
+  virtual void* Address(const Placement& placement) const {
+    (void)placement;
+    return nullptr;
+  }
   // One line for logs and GetNodeInfo.
   virtual std::string Describe() const = 0;
 };

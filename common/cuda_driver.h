@@ -1,0 +1,43 @@
+// The CUDA driver API, loaded at run time with dlopen("libcuda.so.1"), so that the daemon and the
+// client library start (and serve the host and NVMe tiers) on machines without a GPU driver.
+// Only compiled when the CUDA toolkit's headers are present (TIERD_HAVE_CUDA).
+#pragma once
+
+#ifdef TIERD_HAVE_CUDA
+#include <cuda.h>
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace tierd {
+
+struct CudaDriver {
+#define TIERD_CUDA_FN(name) decltype(&::name) name = nullptr;
+#define TIERD_CUDA_FUNCTIONS(X)                                                                   \
+  X(cuInit)                                                                                       \
+  X(cuGetErrorString) X(cuDeviceGetCount) X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetUuid)    \
+      X(cuDeviceTotalMem) X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain)                     \
+          X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuMemGetAllocationGranularity)        \
+              X(cuMemCreate) X(cuMemRelease) X(cuMemExportToShareableHandle)                      \
+                  X(cuMemImportFromShareableHandle) X(cuMemAddressReserve) X(cuMemAddressFree)    \
+                      X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuMemsetD8) X(cuStreamCreate) \
+                          X(cuStreamDestroy) X(cuStreamWaitEvent) X(cuMemcpyHtoDAsync)            \
+                              X(cuMemcpyDtoHAsync) X(cuEventCreate) X(cuEventRecord)              \
+                                  X(cuEventSynchronize) X(cuEventDestroy) X(cuMemHostRegister)    \
+                                      X(cuMemHostUnregister) X(cuIpcGetEventHandle)               \
+                                          X(cuIpcOpenEventHandle)
+  TIERD_CUDA_FUNCTIONS(TIERD_CUDA_FN)
+#undef TIERD_CUDA_FN
+
+  // The process-wide driver, loaded and initialized once. UNAVAILABLE (with the reason) when there
+  // is no driver or no usable GPU.
+  static absl::StatusOr<const CudaDriver*> Get();
+
+  // "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
+  absl::Status Check(CUresult result, const char* what) const;
+};
+
+}  // namespace tierd
+
+#endif  // TIERD_HAVE_CUDA
