@@ -8,8 +8,10 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "common/completion_page.h"
+#include "common/cuda_driver.h"
 #include "common/session_protocol.h"
 #include "common/unique_fd.h"
 #include "common/unix_socket.h"
@@ -59,10 +61,109 @@ class Mapping {
   size_t size_ = 0;
 };
 
+#ifdef TIERD_HAVE_CUDA
+// A device pool segment imported on this process's GPU: the daemon's VMM allocation, received as
+// a POSIX fd, mapped into this process's device address space on the GPU with the given UUID
+// (whatever its ordinal here under CUDA_VISIBLE_DEVICES).
+class DeviceImport {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceImport>> Import(int fd, uint64_t size,
+                                                              absl::string_view uuid) {
+    absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
+    if (!driver.ok()) return driver.status();
+    const CudaDriver* d = *driver;
+    int count = 0;
+    if (auto s = d->Check(d->cuDeviceGetCount(&count), "cuDeviceGetCount"); !s.ok()) return s;
+    for (int i = 0; i < count; ++i) {
+      CUdevice dev;
+      CUuuid id{};
+      if (d->cuDeviceGet(&dev, i) != CUDA_SUCCESS || d->cuDeviceGetUuid(&id, dev) != CUDA_SUCCESS) {
+        continue;
+      }
+      const auto* b = reinterpret_cast<const unsigned char*>(id.bytes);
+      const std::string name = absl::StrFormat(
+          "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+          b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+      if (name != uuid) continue;
+      auto imp = std::unique_ptr<DeviceImport>(new DeviceImport(d, dev, size));
+      if (auto s =
+              d->Check(d->cuDevicePrimaryCtxRetain(&imp->ctx_, dev), "cuDevicePrimaryCtxRetain");
+          !s.ok()) {
+        return s;
+      }
+      d->cuCtxSetCurrent(imp->ctx_);
+      if (auto s = d->Check(d->cuMemImportFromShareableHandle(
+                                &imp->handle_, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                            "cuMemImportFromShareableHandle");
+          !s.ok()) {
+        return s;
+      }
+      if (auto s =
+              d->Check(d->cuMemAddressReserve(&imp->ptr_, size, 0, 0, 0), "cuMemAddressReserve");
+          !s.ok()) {
+        return s;
+      }
+      if (auto s = d->Check(d->cuMemMap(imp->ptr_, size, 0, imp->handle_, 0), "cuMemMap");
+          !s.ok()) {
+        return s;
+      }
+      imp->mapped_ = true;
+      CUmemAccessDesc access{};
+      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access.location.id = dev;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      if (auto s = d->Check(d->cuMemSetAccess(imp->ptr_, size, &access, 1), "cuMemSetAccess");
+          !s.ok()) {
+        return s;
+      }
+      return imp;
+    }
+    return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not visible to this process (",
+                                            count, " GPUs visible; check CUDA_VISIBLE_DEVICES)"));
+  }
+  ~DeviceImport() {
+    if (ctx_ != nullptr) d_->cuCtxSetCurrent(ctx_);
+    if (mapped_) d_->cuMemUnmap(ptr_, size_);
+    if (ptr_ != 0) d_->cuMemAddressFree(ptr_, size_);
+    if (handle_ != 0) d_->cuMemRelease(handle_);
+    if (ctx_ != nullptr) d_->cuDevicePrimaryCtxRelease(dev_);
+  }
+  char* base() const { return reinterpret_cast<char*>(ptr_); }
+
+ private:
+  DeviceImport(const CudaDriver* d, CUdevice dev, uint64_t size) : d_(d), dev_(dev), size_(size) {}
+  const CudaDriver* d_;
+  CUdevice dev_;
+  uint64_t size_;
+  CUcontext ctx_ = nullptr;
+  CUmemGenericAllocationHandle handle_ = 0;
+  CUdeviceptr ptr_ = 0;
+  bool mapped_ = false;
+};
+#else
+class DeviceImport {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceImport>> Import(int, uint64_t, absl::string_view) {
+    return absl::FailedPreconditionError(
+        "this client library was built without CUDA and cannot import GPU memory");
+  }
+  char* base() const { return nullptr; }
+};
+#endif
+
+// A segment this process has mapped: host memory (host tier, emulated device) or GPU memory.
 struct MappedSegment {
   uint64_t generation = 0;
   Mapping mapping;
+  std::unique_ptr<DeviceImport> device;
+  bool host_accessible = true;
+  char* base() const { return device ? device->base() : static_cast<char*>(mapping.base()); }
 };
+
+uint64_t SegmentKey(Tier tier, uint32_t segment) {
+  return (static_cast<uint64_t>(tier) << 32) | segment;
+}
 
 template <size_t N>
 void CopyString(char (&dst)[N], absl::string_view src) {
@@ -111,7 +212,7 @@ struct Client::Impl {
 
   absl::Mutex socket_mu;  // one request/reply on the session socket at a time
   absl::Mutex segments_mu;
-  absl::flat_hash_map<uint32_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
+  absl::flat_hash_map<uint64_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
 
   // One unary call with the session credential and the deadline.
   template <typename Request, typename Response>
@@ -124,23 +225,40 @@ struct Client::Impl {
     return FromGrpc((stub.get()->*method)(&ctx, request, response), name);
   }
 
-  absl::Status AddSegment(const SegmentDescriptor& d, UniqueFd fd)
+  // Maps a segment received from the daemon: host memory is mmapped; GPU memory is imported on the
+  // GPU named by `device_uuid`, unless `emulated` (host memory standing in for a GPU's).
+  absl::Status AddSegment(Tier tier, const SegmentDescriptor& d, UniqueFd fd, bool emulated,
+                          absl::string_view device_uuid)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
-    absl::StatusOr<Mapping> m =
-        Mapping::Map(fd.get(), d.size_bytes, absl::StrCat("host segment ", d.segment));
-    if (!m.ok()) return m.status();
-    segments[d.segment] = MappedSegment{d.generation, std::move(*m)};
+    MappedSegment mapped;
+    mapped.generation = d.generation;
+    if (tier == Tier::kDevice && !emulated) {
+      absl::StatusOr<std::unique_ptr<DeviceImport>> imp =
+          DeviceImport::Import(fd.get(), d.size_bytes, device_uuid);
+      if (!imp.ok()) return imp.status();
+      mapped.device = std::move(*imp);
+      mapped.host_accessible = false;
+    } else {
+      absl::StatusOr<Mapping> m = Mapping::Map(
+          fd.get(), d.size_bytes,
+          absl::StrCat(tier == Tier::kHost ? "host" : "device", " segment ", d.segment));
+      if (!m.ok()) return m.status();
+      mapped.mapping = std::move(*m);
+    }
+    segments[SegmentKey(tier, d.segment)] = std::move(mapped);
     return absl::OkStatus();
   }
 
-  // The address of `offset` in a host segment, mapping (or remapping) the segment as needed.
-  absl::StatusOr<char*> SegmentAddress(uint32_t segment, uint64_t generation, uint64_t offset) {
+  // The address of `offset` in a segment of `tier`, mapping (or remapping) the segment as needed.
+  absl::StatusOr<std::pair<char*, bool>> SegmentAddress(Tier tier, uint32_t segment,
+                                                        uint64_t generation, uint64_t offset) {
     absl::MutexLock lock(&segments_mu);
-    auto it = segments.find(segment);
+    auto it = segments.find(SegmentKey(tier, segment));
     if (it == segments.end() || it->second.generation != generation) {
       MapSegmentRequest request{};
       request.header = MakeHeader(SessionMessageType::kMapSegment);
       request.segment = segment;
+      request.tier = static_cast<uint32_t>(tier);
       MapSegmentReply reply{};
       std::vector<UniqueFd> fds;
       {
@@ -159,17 +277,23 @@ struct Client::Impl {
       }
       if (reply.status_code != 0) {
         return absl::Status(static_cast<absl::StatusCode>(reply.status_code),
-                            absl::StrCat("mapping host segment ", segment, ": ", reply.message));
+                            absl::StrCat("mapping segment ", segment, ": ", reply.message));
       }
       if (fds.size() != 1) return absl::InternalError("segment reply without an fd");
-      if (absl::Status s = AddSegment(reply.segment, std::move(fds[0])); !s.ok()) return s;
-      it = segments.find(segment);
+      const std::string uuid(reply.device_uuid,
+                             strnlen(reply.device_uuid, sizeof(reply.device_uuid)));
+      if (absl::Status s =
+              AddSegment(tier, reply.segment, std::move(fds[0]), reply.emulated != 0, uuid);
+          !s.ok()) {
+        return s;
+      }
+      it = segments.find(SegmentKey(tier, segment));
       if (it->second.generation != generation) {
         return absl::AbortedError(
-            absl::StrCat("host segment ", segment, " changed while it was being mapped; retry"));
+            absl::StrCat("segment ", segment, " changed while it was being mapped; retry"));
       }
     }
-    return static_cast<char*>(it->second.mapping.base()) + offset;
+    return std::pair<char*, bool>(it->second.base() + offset, it->second.host_accessible);
   }
 };
 
@@ -238,7 +362,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   {
     absl::MutexLock lock(&impl->segments_mu);
     for (uint32_t i = 0; i < reply.segment_count; ++i) {
-      if (absl::Status s = impl->AddSegment(reply.segments[i], std::move(fds[1 + i])); !s.ok()) {
+      if (absl::Status s =
+              impl->AddSegment(Tier::kHost, reply.segments[i], std::move(fds[1 + i]), false, "");
+          !s.ok()) {
         return s;
       }
     }
@@ -301,16 +427,17 @@ absl::StatusOr<Acquired> Client::AcquireIds(std::span<const ChunkId> ids, Tier t
   out.chunks.reserve(resp.locations_size());
   for (const pb::ChunkLocation& loc : resp.locations()) {
     AcquiredChunk chunk{loc.chunk_id(), FromProto(loc.tier()), nullptr, loc.size_bytes()};
-    if (chunk.tier == Tier::kHost) {
-      absl::StatusOr<char*> addr =
-          impl_->SegmentAddress(loc.segment(), loc.segment_generation(), loc.offset());
+    if (chunk.tier == Tier::kHost || chunk.tier == Tier::kDevice) {
+      absl::StatusOr<std::pair<char*, bool>> addr =
+          impl_->SegmentAddress(chunk.tier, loc.segment(), loc.segment_generation(), loc.offset());
       if (!addr.ok()) {
         // Do not leave the pins behind when the chunks cannot be handed over.
         (void)Release(ids);
         Abandon(out.ready);
         return addr.status();
       }
-      chunk.data = *addr;
+      chunk.data = addr->first;
+      chunk.host_accessible = addr->second;
     }
     out.chunks.push_back(chunk);
   }

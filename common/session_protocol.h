@@ -53,15 +53,18 @@ struct HelloReply {
 struct MapSegmentRequest {
   SessionMessageHeader header;
   uint32_t segment;
-  uint32_t reserved;
+  uint32_t tier;  // 1 host, 3 device (values of tierd.v1.Tier)
 };
 
-// On success carries the segment's fd in SCM_RIGHTS.
+// On success carries the segment's fd in SCM_RIGHTS: a memfd (host tier, emulated device) or a
+// CUDA VMM allocation's POSIX fd (device tier), which the client imports on the GPU with this UUID.
 struct MapSegmentReply {
   SessionMessageHeader header;
   int32_t status_code;
-  uint32_t reserved;
+  uint32_t tier;
   SegmentDescriptor segment;
+  uint32_t emulated;  // device tier: the memory is host memory standing in for a GPU's
+  char device_uuid[48];
   char message[256];
 };
 

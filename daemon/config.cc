@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,14 @@ absl::string_view HugePagePolicyName(HugePagePolicy policy) {
   return "?";
 }
 
+absl::Status ValidateDeviceBackend(absl::string_view backend) {
+  if (backend == "auto" || backend == "cuda" || backend == "emulated" || backend == "none") {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device backend must be auto, cuda, emulated or none, not '", backend, "'"));
+}
+
 absl::Status ValidateLogLevel(absl::string_view level) {
   static constexpr absl::string_view kLevels[] = {"trace", "debug",    "info", "warn",
                                                   "error", "critical", "off"};
@@ -124,9 +133,10 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
-    if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme")) {
+    if (table == nullptr ||
+        (section != "daemon" && section != "host" && section != "nvme" && section != "device")) {
       return KeyError(source, section_node, section,
-                      "unknown section (known: [daemon], [host], [nvme])");
+                      "unknown section (known: [daemon], [host], [nvme], [device])");
     }
     for (auto&& [key_name, node] : *table) {
       const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
@@ -190,6 +200,27 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
         const auto* b = node.as_boolean();
         if (b == nullptr) return KeyError(source, node, key, "must be true or false");
         config->nvme.sqpoll = b->get();
+      } else if (key == "device.backend") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        if (absl::Status st = ValidateDeviceBackend(*v); !st.ok()) {
+          return KeyError(source, node, key, st.message());
+        }
+        config->device.backend = *v;
+      } else if (key == "device.capacity" || key == "device.segment_size") {
+        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
+        if (!v.ok()) return v.status();
+        (key == "device.capacity" ? config->device.capacity : config->device.segment_size) = *v;
+      } else if (key == "device.emulated_gbps") {
+        std::optional<double> v = node.value<double>();
+        if (!v || *v <= 0) return KeyError(source, node, key, "must be a positive number");
+        config->device.emulated_gbps = *v;
+      } else if (key == "device.emulated_latency_us") {
+        const auto* i = node.as_integer();
+        if (i == nullptr || i->get() < 0) {
+          return KeyError(source, node, key, "must be a non-negative integer");
+        }
+        config->device.emulated_latency_us = i->get();
       } else if (key == "daemon.socket_group") {
         absl::StatusOr<std::string> v = GetString(source, node, key);
         if (!v.ok()) return v.status();

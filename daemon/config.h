@@ -21,6 +21,14 @@ struct DaemonConfig {
   HostPoolOptions host{.capacity = 1ull << 30, .segment_size = 256ull << 20};
   // [nvme]; `regions` empty means no NVMe tier.
   NvmeOptions nvme;
+  // [device]
+  struct Device {
+    std::string backend = "auto";  // auto (a GPU when present), cuda, emulated, none
+    uint64_t capacity = 8ull << 30;
+    uint64_t segment_size = 256ull << 20;
+    double emulated_gbps = 24.0;
+    int64_t emulated_latency_us = 10;
+  } device;
 };
 
 // The default NVMe region: a 2 GiB file in the state directory, for a working tier out of the box.
@@ -42,5 +50,6 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config);
 absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text);
 absl::string_view HugePagePolicyName(HugePagePolicy policy);
 absl::Status ValidateLogLevel(absl::string_view level);
+absl::Status ValidateDeviceBackend(absl::string_view backend);
 
 }  // namespace tierd

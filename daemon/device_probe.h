@@ -1,5 +1,5 @@
-// The GPUs this node has, as the CUDA runtime reports them. Devices are named by UUID: ordinals
-// differ between processes with different CUDA_VISIBLE_DEVICES.
+// What GetNodeInfo says about the node's GPUs: the device the daemon serves (real or emulated), or
+// why there is none.
 #pragma once
 
 #include <cstdint>
@@ -9,9 +9,10 @@
 namespace tierd {
 
 struct GpuDevice {
-  std::string uuid;  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+  std::string uuid;  // "GPU-xxxxxxxx-…"; devices are named by UUID, never by ordinal
   std::string name;
   uint64_t memory_bytes = 0;
+  bool emulated = false;
 };
 
 struct DeviceProbe {
@@ -19,7 +20,5 @@ struct DeviceProbe {
   std::string status;  // why the list is empty, when it is
   std::string cuda_version;
 };
-
-DeviceProbe ProbeDevices();
 
 }  // namespace tierd

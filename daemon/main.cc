@@ -21,6 +21,7 @@
 #include "common/version.h"
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
+#include "daemon/device.h"
 #include "daemon/device_probe.h"
 #include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
@@ -62,6 +63,16 @@ ABSL_FLAG(int32_t, nvme_queue_depth, 0, "I/Os in flight [nvme.queue_depth; defau
 ABSL_FLAG(bool, nvme_sqpoll, false, "kernel-side submission polling [nvme.sqpoll]");
 ABSL_FLAG(bool, nvme_reformat, false,
           "format the NVMe regions even if they hold data (discards their persistent chunks)");
+ABSL_FLAG(std::string, device, "",
+          "device tier backend: auto (a GPU when present), cuda, emulated (host memory standing in "
+          "for a GPU, for tests and demos) or none [device.backend; default auto]");
+ABSL_FLAG(std::string, device_capacity, "", "device pool per GPU [device.capacity; default 8GiB]");
+ABSL_FLAG(std::string, device_segment_size, "",
+          "size of each device pool allocation, also the largest device chunk "
+          "[device.segment_size; default 256MiB]");
+ABSL_FLAG(
+    double, emulated_gbps, 0,
+    "emulated device: copy bandwidth per direction in GB/s [device.emulated_gbps; default 24]");
 ABSL_FLAG(std::string, lock_memory, "",
           "true or false: mlock the host tier; false only for development without memlock "
           "rights [host.lock_memory; default true]");
@@ -134,6 +145,26 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
   }
   if (absl::GetFlag(FLAGS_nvme_sqpoll)) config.nvme.sqpoll = true;
   config.nvme.reformat = absl::GetFlag(FLAGS_nvme_reformat);
+  if (std::string v = absl::GetFlag(FLAGS_device); !v.empty()) {
+    if (absl::Status s = ValidateDeviceBackend(v); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--device: ", s.message()));
+    }
+    config.device.backend = v;
+  }
+  for (auto [flag, value, target] :
+       {std::tuple{"--device_capacity", absl::GetFlag(FLAGS_device_capacity),
+                   &config.device.capacity},
+        std::tuple{"--device_segment_size", absl::GetFlag(FLAGS_device_segment_size),
+                   &config.device.segment_size}}) {
+    if (value.empty()) continue;
+    absl::StatusOr<uint64_t> v = ParseSize(value);
+    if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", v.status().message()));
+    *target = *v;
+  }
+  if (double gbps = absl::GetFlag(FLAGS_emulated_gbps); gbps != 0) {
+    if (gbps < 0) return absl::InvalidArgumentError("--emulated_gbps must be positive");
+    config.device.emulated_gbps = gbps;
+  }
   if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
     if (v != "true" && v != "false") {
       return absl::InvalidArgumentError(
@@ -205,20 +236,65 @@ int Run() {
   } else {
     spdlog::info("NVMe tier: none configured (nvme.regions is empty)");
   }
-  DeviceProbe devices = ProbeDevices();
-  if (devices.devices.empty()) {
-    spdlog::info("device tier: none ({}); serving the host tier only", devices.status);
-  } else {
-    for (const GpuDevice& d : devices.devices) {
-      spdlog::info("GPU {} {} ({}); the device tier is not enabled in this version", d.uuid, d.name,
-                   FormatSize(d.memory_bytes));
+  // The device tier: the first GPU (by the CUDA driver, loaded at run time), or an emulated one
+  // when configured, or none.
+  DeviceProbe devices;
+  std::unique_ptr<Device> device;
+  const std::string& backend = config->device.backend;
+  if (backend == "emulated") {
+    device = MakeEmulatedDevice({config->device.capacity, config->device.emulated_gbps,
+                                 absl::Microseconds(config->device.emulated_latency_us)});
+    spdlog::warn("device tier: EMULATED ({}): host memory stands in for GPU memory",
+                 device->description().name);
+  } else if (backend == "auto" || backend == "cuda") {
+    std::vector<std::unique_ptr<Device>> gpus = OpenCudaDevices(&devices.status);
+    if (!gpus.empty()) {
+      device = std::move(gpus[0]);
+      for (size_t i = 1; i < gpus.size(); ++i) {
+        spdlog::warn("GPU {} ({}) is not served: this version serves one GPU per daemon",
+                     gpus[i]->description().uuid, gpus[i]->description().name);
+      }
+    } else if (backend == "cuda") {
+      spdlog::critical("device tier: device.backend is cuda but {}", devices.status);
+      return 1;
     }
+  } else {
+    devices.status = "device tier disabled (device.backend = none)";
+  }
+  std::unique_ptr<SegmentPool> device_pool;
+  int device_observer = 0;
+  if (device != nullptr) {
+    const DeviceDescription& d = device->description();
+    devices.devices.push_back({d.uuid, d.name, d.memory_bytes, d.emulated});
+    absl::StatusOr<std::unique_ptr<SegmentPool>> pool =
+        SegmentPool::Create(TierKind::kDevice, "device", config->device.capacity,
+                            config->device.segment_size, device->MakeBacking());
+    if (!pool.ok()) {
+      spdlog::critical("device tier on {}: {}", d.uuid, pool.status().message());
+      return 1;
+    }
+    device_pool = std::move(*pool);
+    // The GPU copies straight from and into the host tier's pinned segments.
+    Device* dev = device.get();
+    device_observer = (*host)->AddRemapObserver([dev](uint32_t segment, void* base, size_t size) {
+      if (absl::Status s = dev->RegisterHost(base, size); !s.ok()) {
+        spdlog::warn(
+            "host segment {} not registered with the GPU ({}); copies stage through "
+            "the driver",
+            segment, s.message());
+      }
+    });
+    spdlog::info("device tier: {} {}: {}", d.uuid, d.name, device_pool->Describe());
+  } else {
+    spdlog::info("device tier: none ({}); serving the host{} tier{}", devices.status,
+                 nvme != nullptr ? " and NVMe" : "", nvme != nullptr ? "s" : "");
   }
 
   std::array<Tier*, kTierKinds> tiers{};
   tiers[static_cast<int>(TierKind::kHost)] = host->get();
   tiers[static_cast<int>(TierKind::kNvme)] = nvme.get();
-  ChunkService chunks(tiers, nvme.get());
+  tiers[static_cast<int>(TierKind::kDevice)] = device_pool.get();
+  ChunkService chunks(tiers, nvme.get(), device.get());
   if (nvme != nullptr) {
     const size_t recovered = chunks.Recover(nvme->RecoveredEntries());
     spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
@@ -226,8 +302,8 @@ int Run() {
   SessionRegistry sessions;
 
   constexpr unsigned kSocketMode = 0660;
-  absl::StatusOr<std::unique_ptr<SessionBroker>> broker =
-      SessionBroker::Start(session_path, kSocketMode, &sessions, &chunks, host->get());
+  absl::StatusOr<std::unique_ptr<SessionBroker>> broker = SessionBroker::Start(
+      session_path, kSocketMode, &sessions, &chunks, host->get(), device_pool.get(), devices);
   if (!broker.ok()) {
     spdlog::critical("session socket: {}", broker.status().message());
     return 1;
@@ -263,6 +339,10 @@ int Run() {
   (*rpc)->Shutdown(absl::Seconds(5));
   broker->reset();                     // ends every session
   if (nvme != nullptr) nvme->Drain();  // transfers in flight settle before the chunk table goes
+  if (device != nullptr) {
+    device->Drain();
+    (*host)->RemoveRemapObserver(device_observer);
+  }
   unlink(rpc_path.c_str());
   unlink(session_path.c_str());
   spdlog::info("tierd stopped");

@@ -8,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
 #include "common/version.h"
+#ifdef TIERD_HAVE_CUDA
+#include <cuda.h>
+#endif
 #include "grpcpp/grpcpp.h"
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
@@ -215,7 +218,9 @@ class TierdService final : public pb::Tierd::Service {
 #ifdef TIERD_HAVE_CUDA
     build->set_cuda(true);
 #endif
-    build->set_cuda_version(deps_.devices.cuda_version);
+#ifdef TIERD_HAVE_CUDA
+    build->set_cuda_version(absl::StrCat(CUDA_VERSION / 1000, ".", (CUDA_VERSION % 1000) / 10));
+#endif
     build->set_sanitizer(TIERD_SANITIZER);
     build->set_compiler(TIERD_COMPILER);
     for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
@@ -246,6 +251,7 @@ class TierdService final : public pb::Tierd::Service {
       dev->set_uuid(d.uuid);
       dev->set_name(d.name);
       dev->set_memory_bytes(d.memory_bytes);
+      dev->set_emulated(d.emulated);
     }
     resp->set_device_status(deps_.devices.status);
     resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));

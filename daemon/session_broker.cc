@@ -30,11 +30,9 @@ bool ValidHeader(const SessionMessageHeader& h, SessionMessageType type) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(const std::string& path,
-                                                                    unsigned mode,
-                                                                    SessionRegistry* sessions,
-                                                                    ChunkService* chunks,
-                                                                    SegmentPool* host) {
+absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
+    const std::string& path, unsigned mode, SessionRegistry* sessions, ChunkService* chunks,
+    SegmentPool* host, SegmentPool* device, DeviceProbe devices) {
   absl::StatusOr<UniqueFd> listener = ListenSeqpacket(path, mode);
   if (!listener.ok()) return listener.status();
   UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
@@ -50,19 +48,23 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(const std::s
     }
   }
   std::unique_ptr<SessionBroker> broker(new SessionBroker(std::move(*listener), std::move(epoll),
-                                                          std::move(wake), sessions, chunks, host));
+                                                          std::move(wake), sessions, chunks, host,
+                                                          device, std::move(devices)));
   broker->thread_ = std::thread([b = broker.get()] { b->Run(); });
   return broker;
 }
 
 SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
-                             SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host)
+                             SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
+                             SegmentPool* device, DeviceProbe devices)
     : listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
       sessions_(sessions),
       chunks_(chunks),
-      host_(host) {}
+      host_(host),
+      device_(device),
+      devices_(std::move(devices)) {}
 
 SessionBroker::~SessionBroker() {
   uint64_t one = 1;
@@ -197,8 +199,21 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
     CopyString(reply.message, "open a session (hello) before mapping segments");
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
+  reply.tier = request.tier;
+  SegmentPool* pool = request.tier == static_cast<uint32_t>(TierKind::kDevice) ? device_
+                      : request.tier == static_cast<uint32_t>(TierKind::kHost) ? host_
+                                                                               : nullptr;
+  if (pool == nullptr) {
+    reply.status_code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
+    CopyString(reply.message, absl::StrCat("tier ", request.tier, " has no segments to map"));
+    return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
+  }
+  if (pool == device_ && !devices_.devices.empty()) {
+    reply.emulated = devices_.devices[0].emulated ? 1 : 0;
+    CopyString(reply.device_uuid, devices_.devices[0].uuid);
+  }
   SegmentInfo info;
-  absl::StatusOr<UniqueFd> fd = host_->SegmentFd(request.segment, conn.peer.uid, &info);
+  absl::StatusOr<UniqueFd> fd = pool->SegmentFd(request.segment, conn.peer.uid, &info);
   if (!fd.ok()) {
     reply.status_code = static_cast<int32_t>(fd.status().code());
     CopyString(reply.message, fd.status().message());

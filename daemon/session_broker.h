@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
 #include "daemon/chunk_service.h"
+#include "daemon/device_probe.h"
 #include "daemon/segment_pool.h"
 #include "daemon/session.h"
 
@@ -20,11 +21,10 @@ namespace tierd {
 class SessionBroker {
  public:
   // Listens on `path` (mode `mode`) and serves it on a thread of its own.
-  static absl::StatusOr<std::unique_ptr<SessionBroker>> Start(const std::string& path,
-                                                              unsigned mode,
-                                                              SessionRegistry* sessions,
-                                                              ChunkService* chunks,
-                                                              SegmentPool* host);
+  // `device` is the device tier's pool (null without one) and `devices` names its GPU.
+  static absl::StatusOr<std::unique_ptr<SessionBroker>> Start(
+      const std::string& path, unsigned mode, SessionRegistry* sessions, ChunkService* chunks,
+      SegmentPool* host, SegmentPool* device = nullptr, DeviceProbe devices = {});
   // Stops accepting, ends every session and joins the thread.
   ~SessionBroker();
 
@@ -36,7 +36,7 @@ class SessionBroker {
   };
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,
-                ChunkService* chunks, SegmentPool* host);
+                ChunkService* chunks, SegmentPool* host, SegmentPool* device, DeviceProbe devices);
   void Run();
   void Accept();
   // Returns false when the connection must be closed.
@@ -51,6 +51,8 @@ class SessionBroker {
   SessionRegistry* const sessions_;
   ChunkService* const chunks_;
   SegmentPool* const host_;
+  SegmentPool* const device_;
+  const DeviceProbe devices_;
   absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;  // loop thread only
   std::thread thread_;
 };

@@ -190,6 +190,7 @@ int ProbeForeign(const std::string& dir, tierd::ChunkId id, uint32_t segments) {
     tierd::MapSegmentRequest req{};
     req.header = tierd::MakeHeader(tierd::SessionMessageType::kMapSegment);
     req.segment = seg;
+    req.tier = 1;  // host
     tierd::MapSegmentReply map{};
     std::vector<tierd::UniqueFd> seg_fds;
     if (!tierd::SendWithFds(sock->get(), &req, sizeof(req), {}).ok() ||

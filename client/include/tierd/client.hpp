@@ -99,8 +99,11 @@ struct CompletionToken {
 struct AcquiredChunk {
   ChunkId id = 0;
   Tier tier = Tier::kHost;
-  void* data = nullptr;  // host tier: the chunk's bytes in the shared segment
-  uint64_t size = 0;     // bytes usable (the requested size rounded up to 4 KiB)
+  // Host tier: the chunk's bytes in the shared segment. Device tier: a device pointer on the
+  // daemon's GPU (imported into this process), or with an emulated device, host memory.
+  void* data = nullptr;
+  uint64_t size = 0;            // bytes usable (the requested size rounded up to 4 KiB)
+  bool host_accessible = true;  // false for real GPU memory
 };
 
 struct Acquired {
