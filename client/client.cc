@@ -569,9 +569,8 @@ absl::Status Client::Poll(CompletionToken token) const {
     case SlotState::kOk:
       return absl::OkStatus();
     case SlotState::kFailed:
-      return absl::Status(
-          static_cast<absl::StatusCode>(impl_->page->slots[token.slot].code.load()),
-          absl::StrCat("request in completion slot ", token.slot, " failed in the daemon"));
+      return absl::Status(static_cast<absl::StatusCode>(impl_->page->slots[token.slot].code.load()),
+                          FindError(*impl_->page, SlotToken{token.slot, token.sequence}));
     default:
       return absl::UnavailableError("pending");
   }

@@ -5,7 +5,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -25,6 +27,33 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration ti
 
 void FutexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+void RecordError(CompletionPage& page, uint32_t index, SlotToken token, absl::string_view message) {
+  ErrorRecord& r = page.errors[index % kErrorRecords];
+  r.sequence.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  const size_t n = std::min(message.size(), sizeof(r.message) - 1);
+  std::memcpy(r.message, message.data(), n);
+  r.message[n] = '\0';
+  r.slot.store(token.slot, std::memory_order_relaxed);
+  r.sequence.store(token.sequence, std::memory_order_release);
+}
+
+std::string FindError(const CompletionPage& page, SlotToken token) {
+  for (const ErrorRecord& r : page.errors) {
+    if (r.sequence.load(std::memory_order_acquire) != token.sequence ||
+        r.slot.load(std::memory_order_relaxed) != token.slot) {
+      continue;
+    }
+    char copy[sizeof(r.message)];
+    std::memcpy(copy, r.message, sizeof(copy));
+    copy[sizeof(copy) - 1] = '\0';
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (r.sequence.load(std::memory_order_relaxed) != token.sequence) break;  // overwritten
+    return copy;
+  }
+  return "";
 }
 
 namespace {
@@ -67,8 +96,13 @@ absl::Status WaitCompletion(CompletionPage& page, SlotToken token, absl::Duratio
       absl::Status result = absl::OkStatus();
       if (state == SlotState::kFailed) {
         auto code = static_cast<absl::StatusCode>(slot.code.load(std::memory_order_relaxed));
-        result = absl::Status(
-            code, absl::StrCat("request in completion slot ", token.slot, " failed in the daemon"));
+        std::string message = FindError(page, token);
+        if (message.empty()) {
+          message = absl::StrCat("request in completion slot ", token.slot,
+                                 " failed in the daemon (its message was overwritten by later "
+                                 "failures; see the daemon's log)");
+        }
+        result = absl::Status(code, message);
       }
       slot.acked.store(token.sequence, std::memory_order_release);
       return result;

@@ -7,9 +7,11 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace tierd {
@@ -52,9 +54,21 @@ struct alignas(4096) CompletionPageHeader {
   std::atomic<uint64_t> cursor;
 };
 
+// The message of a failed request, kept in a small ring beside the slots: the daemon writes the
+// record (sequence 0 while it writes), the client finds it by slot and sequence. A record can be
+// overwritten by a later failure before it is read; the code in the slot is never lost.
+inline constexpr uint32_t kErrorRecords = 64;
+struct alignas(64) ErrorRecord {
+  std::atomic<uint32_t> slot;
+  std::atomic<uint32_t> sequence;  // 0 while being written
+  char message[504];
+};
+static_assert(sizeof(ErrorRecord) == 512);
+
 struct CompletionPage {
   CompletionPageHeader header;
   CompletionSlot slots[kCompletionSlots];
+  ErrorRecord errors[kErrorRecords];
 };
 inline constexpr size_t kCompletionPageBytes = sizeof(CompletionPage);
 static_assert(kCompletionPageBytes % 4096 == 0);
@@ -70,6 +84,11 @@ struct SlotToken {
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout);
 // Wakes every waiter on a shared-memory futex word.
 void FutexWakeAll(std::atomic<uint32_t>* word);
+
+// Daemon side: records the message of a failed request (record `index` mod kErrorRecords).
+void RecordError(CompletionPage& page, uint32_t index, SlotToken token, absl::string_view message);
+// Client side: the message of a failed request, if its record is still there.
+std::string FindError(const CompletionPage& page, SlotToken token);
 
 // Client side: the state of a token without a system call. kPending while in flight; an error if
 // the token does not name the slot's current request.

@@ -61,6 +61,7 @@ void CompletionRing::Complete(SlotToken token, const absl::Status& status) {
   assert(token.slot < kCompletionSlots && pending_[token.slot] &&
          sequence_[token.slot] == token.sequence);
   CompletionSlot& slot = page_->slots[token.slot];
+  if (!status.ok()) RecordError(*page_, errors_++, token, status.message());
   slot.code.store(static_cast<int32_t>(status.code()), std::memory_order_relaxed);
   slot.word.store(SlotWord(token.sequence, status.ok() ? SlotState::kOk : SlotState::kFailed),
                   std::memory_order_release);
@@ -75,6 +76,7 @@ absl::StatusOr<SlotToken> CompletionRing::PostCompleted(const absl::Status& stat
   // Nobody can be waiting on a token that has not been handed out yet: no wake-up needed.
   absl::MutexLock lock(&mu_);
   CompletionSlot& slot = page_->slots[token->slot];
+  if (!status.ok()) RecordError(*page_, errors_++, *token, status.message());
   slot.code.store(static_cast<int32_t>(status.code()), std::memory_order_relaxed);
   slot.word.store(SlotWord(token->sequence, status.ok() ? SlotState::kOk : SlotState::kFailed),
                   std::memory_order_release);

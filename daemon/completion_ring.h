@@ -46,6 +46,7 @@ class CompletionRing {
   std::vector<uint32_t> sequence_ ABSL_GUARDED_BY(mu_);  // 0: never used
   std::vector<bool> pending_ ABSL_GUARDED_BY(mu_);
   size_t pending_count_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t errors_ ABSL_GUARDED_BY(mu_) = 0;  // error records written
 };
 
 }  // namespace tierd

@@ -43,6 +43,23 @@ TEST(CompletionTest, CompletedRequestIsReadyAndWaitReturnsItsStatus) {
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
 }
 
+TEST(CompletionTest, FailureMessagesTravelWithTheCodeUntilOverwritten) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  SlotToken first = *ring->PostCompleted(absl::DataLossError("chunk 7: checksum mismatch"));
+  absl::Status s = WaitCompletion(*view.page, first, absl::ZeroDuration());
+  EXPECT_TRUE(absl::IsDataLoss(s));
+  EXPECT_EQ(s.message(), "chunk 7: checksum mismatch");
+  // A failure whose record was overwritten by kErrorRecords later ones keeps its code.
+  SlotToken old = *ring->PostCompleted(absl::InternalError("old"));
+  for (uint32_t i = 0; i < kErrorRecords; ++i) {
+    (void)ring->PostCompleted(absl::UnavailableError("newer"));
+  }
+  s = WaitCompletion(*view.page, old, absl::ZeroDuration());
+  EXPECT_TRUE(absl::IsInternal(s));
+  EXPECT_NE(s.message().find("overwritten"), std::string::npos) << s;
+}
+
 TEST(CompletionTest, PendingRequestTimesOutThenCompletesFromAnotherThread) {
   auto ring = *CompletionRing::Create(1);
   ClientView view(ring->fd());

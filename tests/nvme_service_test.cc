@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/chunk_service.h"
 #include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
@@ -175,7 +176,9 @@ TEST_F(NvmeServiceTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy
   faults_->FailNext(IoKind::kWrite, EIO);
   absl::Status s = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
   EXPECT_FALSE(s.ok());
-  // The completion page carries the code; the daemon logged the message with the chunk.
+  // The completion page carries the code and the message, naming the chunk and the cause.
+  EXPECT_NE(s.message().find(absl::StrCat("chunk ", ids[0])), std::string::npos) << s;
+  EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s;
   auto stat = *service_->Stat(*session_, ids);
   EXPECT_EQ(stat[0].state, ChunkState::kReady);
   EXPECT_TRUE(stat[0].resident.contains(TierKind::kHost));

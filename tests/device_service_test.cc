@@ -1,0 +1,257 @@
+// The device tier on the emulated backend, with the host tier and a real NVMe tier: three-tier
+// round trips with data checks, NVMe -> host -> GPU pipelining, dirty write-back, a full device.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "daemon/chunk_service.h"
+#include "daemon/device.h"
+#include "daemon/host_memory.h"
+#include "daemon/nvme_tier.h"
+#include "gtest/gtest.h"
+
+namespace tierd {
+namespace {
+
+constexpr uint64_t kSeg = 16 << 20;
+
+// Records when copies to the device are issued, then forwards to the emulated device.
+class RecordingDevice final : public Device {
+ public:
+  explicit RecordingDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+  const DeviceDescription& description() const override { return inner_->description(); }
+  std::unique_ptr<SegmentBacking> MakeBacking() override { return inner_->MakeBacking(); }
+  absl::Status RegisterHost(void* base, size_t size) override {
+    return inner_->RegisterHost(base, size);
+  }
+  void CopyToDevice(void* dst, const void* src, uint64_t bytes, Callback done) override {
+    if (on_copy_to_device) on_copy_to_device();
+    ++to_device;
+    inner_->CopyToDevice(dst, src, bytes, std::move(done));
+  }
+  void CopyToHost(void* dst, const void* src, uint64_t bytes, Callback done) override {
+    ++to_host;
+    inner_->CopyToHost(dst, src, bytes, std::move(done));
+  }
+  void Drain() override { inner_->Drain(); }
+
+  std::atomic<int> to_device{0};
+  std::atomic<int> to_host{0};
+  std::function<void()> on_copy_to_device;
+
+ private:
+  std::unique_ptr<Device> inner_;
+};
+
+class DeviceServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-device-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    host_ = std::move(*CreateHostPool({.capacity = 4 * kSeg,
+                                       .segment_size = kSeg,
+                                       .huge_pages = HugePagePolicy::kNever,
+                                       .lock_memory = false}));
+    NvmeOptions o;
+    o.regions = {{dir_ + "/r0", 128 << 20}};
+    o.stripe_unit = 1 << 20;
+    o.io_size = 128 << 10;
+    o.queue_depth = 8;
+    o.index_size = 1 << 20;
+    o.wrap_backend = [this](std::unique_ptr<IoBackend> inner) {
+      auto f = std::make_unique<FaultInjectingBackend>(std::move(inner));
+      faults_ = f.get();
+      return f;
+    };
+    nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
+    device_ = new RecordingDevice(MakeEmulatedDevice(
+        {.memory_bytes = 2 * kSeg, .gbps = 8.0, .latency = absl::Microseconds(20)}));
+    owned_device_.reset(device_);
+    device_pool_ = std::move(
+        *SegmentPool::Create(TierKind::kDevice, "device", 2 * kSeg, kSeg, device_->MakeBacking()));
+    std::array<Tier*, kTierKinds> tiers{};
+    tiers[static_cast<int>(TierKind::kHost)] = host_.get();
+    tiers[static_cast<int>(TierKind::kNvme)] = nvme_.get();
+    tiers[static_cast<int>(TierKind::kDevice)] = device_pool_.get();
+    service_ = std::make_unique<ChunkService>(tiers, nvme_.get(), device_);
+    session_ = *sessions_.Open({1000, 1000, 1}, "gpu-rank");
+    void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                   session_->completions->fd(), 0);
+    page_ = static_cast<CompletionPage*>(p);
+  }
+  void TearDown() override {
+    service_.reset();
+    nvme_.reset();
+    device_->Drain();
+    device_pool_.reset();
+    owned_device_.reset();
+    munmap(page_, kCompletionPageBytes);
+    std::filesystem::remove_all(dir_);
+  }
+
+  absl::Status Wait(absl::StatusOr<SlotToken> token) {
+    if (!token.ok()) return token.status();
+    return WaitCompletion(*page_, *token, absl::Seconds(30));
+  }
+  std::vector<ChunkId> Alloc(std::vector<uint64_t> sizes, TierKind home = TierKind::kHost) {
+    std::vector<ChunkRequest> r;
+    for (uint64_t size : sizes) r.push_back({.size = size, .home = home});
+    return *service_->Allocate(*session_, r);
+  }
+  // Fills (acquire for write) or checks (acquire for read) the chunks' copies in `tier`. The
+  // emulated device's memory is host memory, so the test can look at it directly.
+  void Fill(const std::vector<ChunkId>& ids, TierKind tier, uint8_t value) {
+    auto a = service_->Acquire(*session_, ids, tier, Access::kWrite);
+    ASSERT_TRUE(a.ok()) << a.status();
+    for (const Placement& p : a->locations) {
+      std::memset(service_->tier(tier)->Address(p), value, p.size);
+    }
+    ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  }
+  bool Holds(const std::vector<ChunkId>& ids, TierKind tier, uint8_t value, uint64_t size) {
+    auto a = service_->Acquire(*session_, ids, tier, Access::kRead);
+    if (!a.ok()) {
+      ADD_FAILURE() << a.status();
+      return false;
+    }
+    bool ok = true;
+    for (const Placement& p : a->locations) {
+      const auto* b = static_cast<const unsigned char*>(service_->tier(tier)->Address(p));
+      for (uint64_t i = 0; i < size && ok; ++i) ok = b[i] == value;
+    }
+    EXPECT_TRUE(service_->Release(*session_, ids).ok());
+    return ok;
+  }
+
+  std::string dir_;
+  std::unique_ptr<SegmentPool> host_;
+  std::unique_ptr<NvmeTier> nvme_;
+  FaultInjectingBackend* faults_ = nullptr;
+  RecordingDevice* device_ = nullptr;
+  std::unique_ptr<Device> owned_device_;
+  std::unique_ptr<SegmentPool> device_pool_;
+  std::unique_ptr<ChunkService> service_;
+  SessionRegistry sessions_;
+  std::shared_ptr<Session> session_;
+  CompletionPage* page_ = nullptr;
+};
+
+TEST_F(DeviceServiceTest, HostToDeviceAndBackCarriesTheGpusWrites) {
+  auto ids = Alloc({1 << 20, 3 << 20});
+  Fill(ids, TierKind::kHost, 0x11);
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  EXPECT_TRUE(Holds(ids, TierKind::kDevice, 0x11, 1 << 20));
+  Fill(ids, TierKind::kDevice, 0x22);  // the GPU writes: the host copy is stale now
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(stat[0].dirty.contains(TierKind::kDevice));
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kHost)).ok());
+  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);  // device copies dropped once written back
+  EXPECT_TRUE(Holds(ids, TierKind::kHost, 0x22, 3 << 20));
+  EXPECT_GE(device_->to_host.load(), 2);
+}
+
+TEST_F(DeviceServiceTest, DirtyDeviceCopyIsWrittenBackThroughTheHostToNvme) {
+  auto ids = Alloc({2 << 20}, TierKind::kNvme);
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  Fill(ids, TierKind::kDevice, 0x5A);
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kNvme));
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kDevice));
+  EXPECT_TRUE(stat[0].dirty.empty());
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
+  EXPECT_TRUE(Holds(ids, TierKind::kHost, 0x5A, 2 << 20));
+}
+
+TEST_F(DeviceServiceTest, NvmeToDevicePrefetchPipelinesThroughHostMemory) {
+  constexpr uint64_t kSize = 12 << 20;  // three 4 MiB pieces
+  auto ids = Alloc({kSize});
+  Fill(ids, TierKind::kHost, 0x77);
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  // A slow drive: each read completes 10 ms after it is issued, 8 in flight.
+  faults_->SetDelay(absl::Milliseconds(10));
+  const uint64_t reads_before = faults_->seen(IoKind::kRead);
+  uint64_t reads_at_first_copy = 0;
+  device_->on_copy_to_device = [&] {
+    if (reads_at_first_copy == 0) reads_at_first_copy = faults_->seen(IoKind::kRead) - reads_before;
+  };
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  device_->on_copy_to_device = nullptr;
+  // 96 reads of 128 KiB; the first piece went to the GPU while later reads had not been issued.
+  EXPECT_EQ(faults_->seen(IoKind::kRead) - reads_before, kSize / (128 << 10));
+  EXPECT_GT(reads_at_first_copy, 0u);
+  EXPECT_LT(reads_at_first_copy, kSize / (128 << 10));
+  EXPECT_EQ(device_->to_device.load(), 3);
+  EXPECT_TRUE(Holds(ids, TierKind::kDevice, 0x77, kSize));
+  EXPECT_TRUE(service_->Stat(*session_, ids)->at(0).resident.contains(TierKind::kHost));
+}
+
+TEST_F(DeviceServiceTest, DamagedNvmeDataNeverReachesTheDevice) {
+  auto ids = Alloc({1 << 20});
+  Fill(ids, TierKind::kHost, 0x33);
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  // Corrupt the region's whole data area: whatever the chunk's offset, its bytes change.
+  {
+    int fd = open((dir_ + "/r0").c_str(), O_RDWR);
+    std::vector<char> junk(1 << 20, 0x44);
+    for (off_t off = 2 << 20; off < (128 << 20); off += junk.size()) {
+      ASSERT_EQ(pwrite(fd, junk.data(), junk.size(), off), static_cast<ssize_t>(junk.size()));
+    }
+    close(fd);
+  }
+  absl::Status s = Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0));
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kDevice));
+  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
+}
+
+TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesButNeverDirtyOnes) {
+  auto clean = Alloc({kSeg, kSeg});
+  Fill(clean, TierKind::kHost, 1);
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, clean, TierKind::kDevice, 0)).ok());
+  auto more = Alloc({kSeg});
+  Fill(more, TierKind::kHost, 2);
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, more, TierKind::kDevice, 0)).ok());
+  EXPECT_FALSE(service_->Stat(*session_, clean)->at(0).resident.contains(TierKind::kDevice));
+  // Make every device copy dirty: now nothing may be dropped and the next prefetch fails.
+  std::vector<ChunkId> on_device = {clean[1], more[0]};
+  Fill(on_device, TierKind::kDevice, 3);
+  std::vector<ChunkId> first = {clean[0]};
+  absl::Status s = Wait(service_->Prefetch(*session_, first, TierKind::kDevice, 0));
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("device tier full"), std::string::npos) << s;
+  EXPECT_TRUE(Holds(on_device, TierKind::kDevice, 3, kSeg));
+}
+
+TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {
+  auto ids = Alloc({1 << 20, 1 << 20});
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  ASSERT_TRUE(service_->Acquire(*session_, ids, TierKind::kDevice, Access::kWrite).ok());
+  EXPECT_GT(device_pool_->Usage().used_bytes, 0u);
+  EXPECT_EQ(service_->CloseSession(*session_), 2u);
+  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+}
+
+TEST_F(DeviceServiceTest, EvictIntoTheDeviceIsInvalidAndPinnedDeviceCopiesStay) {
+  auto ids = Alloc({1 << 20});
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->Evict(*session_, ids, TierKind::kDevice).status()));
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  ASSERT_TRUE(service_->Acquire(*session_, ids, TierKind::kDevice, Access::kWrite).ok());
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(service_->Evict(*session_, ids, TierKind::kHost).status()));
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+}
+
+}  // namespace
+}  // namespace tierd
