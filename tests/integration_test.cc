@@ -406,6 +406,83 @@ TEST_F(DaemonTest, PersistentChunksSurviveSigkillIntactOrReportedLost) {
   RecordProperty("lost", lost);
 }
 
+// A daemon with an emulated device: the device tier works end to end through the client library.
+class EmulatedDeviceTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    std::vector<std::string> args = PoolFlags();
+    args.insert(args.end(), {"--device=emulated", "--device_capacity=64MiB",
+                             "--device_segment_size=16MiB", "--emulated_gbps=8"});
+    auto daemon = DaemonProcess::Start({.binary = DaemonBinary(), .args = args});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+  }
+};
+
+TEST_F(EmulatedDeviceTest, NodeInfoLabelsTheDeviceAsEmulated) {
+  auto c = Connect();
+  auto info = c->GetNodeInfo();
+  ASSERT_TRUE(info.ok());
+  ASSERT_EQ(info->devices.size(), 1u);
+  EXPECT_NE(info->devices[0].find("emulated"), std::string::npos) << info->devices[0];
+  const TierStatus* device = info->tier(Tier::kDevice);
+  EXPECT_TRUE(device->configured);
+  EXPECT_EQ(device->capacity_bytes, 64u << 20);
+}
+
+TEST_F(EmulatedDeviceTest, ChunksTravelHostDeviceNvmeAndBackWithTheirData) {
+  auto c = Connect();
+  auto set = c->Allocate(std::vector<ChunkSpec>(3, ChunkSpec{.size = 2 << 20}));
+  ASSERT_TRUE(set.ok());
+  auto to_device = c->Prefetch(set->ids(), Tier::kDevice);
+  ASSERT_TRUE(to_device.ok() && to_device->Wait().ok());
+  {
+    auto d = c->Acquire(set->ids(), Tier::kDevice, AccessMode::kWrite);
+    ASSERT_TRUE(d.ok()) << d.status();
+    for (size_t i = 0; i < d->size(); ++i) {
+      ASSERT_TRUE((*d)[i].host_accessible);  // emulated: the "GPU memory" is host memory
+      std::memset((*d)[i].data, 0x40 + static_cast<int>(i), 2 << 20);
+    }
+  }
+  auto down = c->Evict(set->ids(), Tier::kNvme);  // device -> host -> NVMe, all copies dropped
+  ASSERT_TRUE(down.ok());
+  absl::Status s = down->Wait();
+  ASSERT_TRUE(s.ok()) << s;
+  auto info = c->GetNodeInfo();
+  EXPECT_EQ(info->tier(Tier::kDevice)->used_bytes, 0u);
+  EXPECT_EQ(info->tier(Tier::kHost)->used_bytes, 0u);
+  auto up = c->Prefetch(set->ids(), Tier::kDevice);  // NVMe -> host -> device, pipelined
+  ASSERT_TRUE(up.ok() && up->Wait().ok());
+  auto r = c->Acquire(set->ids(), Tier::kDevice, AccessMode::kRead);
+  ASSERT_TRUE(r.ok());
+  for (size_t i = 0; i < r->size(); ++i) {
+    const auto* b = static_cast<const unsigned char*>((*r)[i].data);
+    for (size_t j = 0; j < (2 << 20); j += 4093) ASSERT_EQ(b[j], 0x40 + i) << i;
+  }
+}
+
+TEST_F(EmulatedDeviceTest, KilledClientsDeviceChunksAreReclaimed) {
+  auto observer = Connect("observer");
+  pid_t pid;
+  int out_fd;
+  ASSERT_TRUE(testing::StartProcess(
+      {HelperBinary(), daemon_->socket_dir(), "hold-device", "4", "1048576"}, &pid, &out_fd));
+  char buf[256] = {};
+  ASSERT_GT(read(out_fd, buf, sizeof(buf) - 1), 0);
+  close(out_fd);
+  ASSERT_EQ(std::string(buf).rfind("ready", 0), 0u) << buf;
+  EXPECT_EQ(observer->GetNodeInfo()->tier(Tier::kDevice)->used_bytes, 4u << 20);
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  uint64_t used = 1;
+  while (used != 0 && absl::Now() < deadline) {
+    used = observer->GetNodeInfo()->tier(Tier::kDevice)->used_bytes;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(used, 0u);
+}
+
 TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   std::string out;
   EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--host_capacity=lots"}, &out), 2);

@@ -155,6 +155,21 @@ int NvmeRandom(const std::string& dir, uint64_t seed, uint64_t ops) {
   return 0;
 }
 
+// Like Hold, with the chunks brought to the device tier and acquired there.
+int HoldDevice(const std::string& dir, uint64_t chunks, uint64_t size) {
+  auto client = ConnectOrDie(dir);
+  std::vector<tierd::ChunkSpec> specs(chunks, tierd::ChunkSpec{.size = size});
+  auto ids = client->AllocateIds(specs);
+  if (!ids.ok()) return 1;
+  auto t = client->PrefetchIds(*ids, tierd::Tier::kDevice);
+  if (!t.ok() || !client->Wait(*t).ok()) return 1;
+  auto acquired = client->AcquireIds(*ids, tierd::Tier::kDevice, tierd::AccessMode::kWrite);
+  if (!acquired.ok()) return 1;
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (;;) pause();
+}
+
 int Hold(const std::string& dir, uint64_t chunks, uint64_t size) {
   auto client = ConnectOrDie(dir);
   std::vector<tierd::ChunkSpec> specs(chunks, tierd::ChunkSpec{.size = size});
@@ -237,6 +252,7 @@ int main(int argc, char** argv) {
   const int n = argc - first - 2;
   if (command == "write-verify" && n == 3) return WriteVerify(dir, Arg(a, 0), Arg(a, 1), Arg(a, 2));
   if (command == "hold" && n == 2) return Hold(dir, Arg(a, 0), Arg(a, 1));
+  if (command == "hold-device" && n == 2) return HoldDevice(dir, Arg(a, 0), Arg(a, 1));
   if (command == "nvme-random" && n == 2) return NvmeRandom(dir, Arg(a, 0), Arg(a, 1));
   if (command == "probe-foreign" && n == 2) {
     return ProbeForeign(dir, Arg(a, 0), static_cast<uint32_t>(Arg(a, 1)));
