@@ -4,6 +4,7 @@
 //   tierd-bench control [--json] [--socket_dir=DIR] [--chunks=10000] [--samples=2000]
 //   tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] [--queue_depth=32]
 //                    [--tune]
+//   tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] [--dir=DIR]
 //
 // Without --socket_dir it starts its own tierd (from the build tree) on a temporary directory.
 #include <sys/syscall.h>
@@ -17,6 +18,9 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#ifdef TIERD_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -38,6 +42,7 @@ struct Options {
   bool tune = false;              // nvme: sweep I/O size x queue depth
   uint64_t io_size = 1 << 20;
   uint32_t queue_depth = 32;
+  std::string device = "emulated";  // pcie: cuda or emulated
 };
 
 struct Result {
@@ -285,6 +290,174 @@ int Nvme(const Options& o) {
   return daemon->Stop() == 0 ? 0 : 1;
 }
 
+// --- pcie -----------------------------------------------------------------------------------
+
+// Acquiring for write on `tier` makes those copies the only valid ones (so the next move copies).
+void Dirty(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd::Tier tier) {
+  auto w = c.AcquireIds(ids, tier, tierd::AccessMode::kWrite);
+  if (!w.ok()) Die(w.status(), "Acquire");
+  c.Abandon(w->ready);
+  if (absl::Status s = c.Release(ids); !s.ok()) Die(s, "Release");
+}
+
+double Move(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd::Tier tier, bool evict) {
+  absl::Status st;
+  double ms = TimeMs([&] {
+    auto t = evict ? c.EvictIds(ids, tier) : c.PrefetchIds(ids, tier);
+    st = t.ok() ? c.Wait(*t) : t.status();
+  });
+  if (!st.ok()) Die(st, evict ? "Evict" : "Prefetch");
+  return ms;
+}
+
+#ifdef TIERD_HAVE_CUDA
+// The reference: plain cudaMemcpyAsync between cudaHostAlloc memory and cudaMalloc memory, chunk by
+// chunk on one stream per direction, in the same program run.
+struct Reference {
+  double h2d = 0, d2h = 0, bidir = 0;
+};
+Reference MeasureReference(uint64_t total, uint64_t chunk) {
+  Reference r;
+  void *host = nullptr, *dev = nullptr, *host2 = nullptr, *dev2 = nullptr;
+  cudaStream_t up, down;
+  if (cudaHostAlloc(&host, total, cudaHostAllocDefault) != cudaSuccess ||
+      cudaHostAlloc(&host2, total, cudaHostAllocDefault) != cudaSuccess ||
+      cudaMalloc(&dev, total) != cudaSuccess || cudaMalloc(&dev2, total) != cudaSuccess ||
+      cudaStreamCreate(&up) != cudaSuccess || cudaStreamCreate(&down) != cudaSuccess) {
+    Die(absl::InternalError("cudaHostAlloc/cudaMalloc failed"), "reference");
+  }
+  auto run = [&](bool h2d, bool d2h) {
+    double best = 0;
+    for (int round = 0; round < 3; ++round) {
+      double ms = TimeMs([&] {
+        for (uint64_t off = 0; off < total; off += chunk) {
+          if (h2d) {
+            cudaMemcpyAsync(static_cast<char*>(dev) + off, static_cast<char*>(host) + off, chunk,
+                            cudaMemcpyHostToDevice, up);
+          }
+          if (d2h) {
+            cudaMemcpyAsync(static_cast<char*>(host2) + off, static_cast<char*>(dev2) + off, chunk,
+                            cudaMemcpyDeviceToHost, down);
+          }
+        }
+        cudaStreamSynchronize(up);
+        cudaStreamSynchronize(down);
+      });
+      best = std::max(best, static_cast<double>(total) * (h2d + d2h) / ms / 1e6);
+    }
+    return best;
+  };
+  r.h2d = run(true, false);
+  r.d2h = run(false, true);
+  r.bidir = run(true, true);
+  cudaFreeHost(host);
+  cudaFreeHost(host2);
+  cudaFree(dev);
+  cudaFree(dev2);
+  cudaStreamDestroy(up);
+  cudaStreamDestroy(down);
+  return r;
+}
+#endif
+
+int Pcie(const Options& o) {
+  Reporter out(o);
+  const uint64_t chunk = 16 << 20;
+  const uint64_t total = std::max<uint64_t>(o.total, 2 * chunk);
+  const size_t n = total / chunk;
+  auto daemon = StartDaemon(
+      {absl::StrCat("--device=", o.device),
+       absl::StrCat("--device_capacity=", tierd::AlignUp(2 * (total >> 20), 256), "MiB"),
+       absl::StrCat("--host_capacity=", tierd::AlignUp(2 * (total >> 20) + 256, 256), "MiB"),
+       absl::StrCat("--nvme_regions=", o.dir, "/pcie-region:", 2 * (total >> 20) + 256, "MiB"),
+       "--nvme_reformat", "--log_level=warn"});
+  auto c = ConnectTo(daemon->socket_dir());
+  auto info = c->GetNodeInfo();
+  if (!info.ok() || info->devices.empty()) {
+    Die(absl::FailedPreconditionError(info.ok() ? info->device_status : "no node info"),
+        "device tier");
+  }
+  const std::string& device = info->devices[0];
+  const std::string backend = o.device;
+  if (!o.json) {
+    std::printf("tierd-bench pcie: %s in %s chunks, device %s\n", tierd::FormatSize(total).c_str(),
+                tierd::FormatSize(chunk).c_str(), device.c_str());
+  }
+  std::vector<tierd::ChunkSpec> specs(n, tierd::ChunkSpec{.size = chunk});
+  auto a = c->AllocateIds(specs);
+  auto b = c->AllocateIds(specs);
+  if (!a.ok() || !b.ok()) Die(a.ok() ? b.status() : a.status(), "Allocate");
+  const double bytes = static_cast<double>(total);
+  double h2d = 0, d2h = 0, bidir = 0;
+  for (int round = 0; round < 3; ++round) {
+    Dirty(*c, *a, tierd::Tier::kHost);
+    h2d = std::max(h2d, bytes / Move(*c, *a, tierd::Tier::kDevice, false) / 1e6);
+    Dirty(*c, *a, tierd::Tier::kDevice);
+    d2h = std::max(d2h, bytes / Move(*c, *a, tierd::Tier::kHost, true) / 1e6);
+    // Both directions at once: A goes up while B comes down.
+    Move(*c, *b, tierd::Tier::kDevice, false);
+    Dirty(*c, *a, tierd::Tier::kHost);
+    Dirty(*c, *b, tierd::Tier::kDevice);
+    absl::Status st;
+    double ms = TimeMs([&] {
+      auto up = c->PrefetchIds(*a, tierd::Tier::kDevice);
+      auto down = c->EvictIds(*b, tierd::Tier::kHost);
+      st = up.ok() ? c->Wait(*up) : up.status();
+      absl::Status st2 = down.ok() ? c->Wait(*down) : down.status();
+      if (st.ok()) st = st2;
+    });
+    if (!st.ok()) Die(st, "bidirectional");
+    bidir = std::max(bidir, 2 * bytes / ms / 1e6);
+  }
+  const std::string params =
+      absl::StrFormat(",\"backend\":\"%s\",\"chunk_bytes\":%d", backend, chunk);
+#ifdef TIERD_HAVE_CUDA
+  if (backend == "cuda") {
+    Reference ref = MeasureReference(total, chunk);
+    out.Add({"gbps", ref.h2d, "GB/s", ",\"op\":\"ref_h2d\"" + params,
+             "cudaMemcpyAsync from cudaHostAlloc memory"});
+    out.Add({"gbps", ref.d2h, "GB/s", ",\"op\":\"ref_d2h\"" + params, "the same, device to host"});
+    out.Add({"gbps", ref.bidir, "GB/s", ",\"op\":\"ref_bidir\"" + params, "both at once"});
+    out.Add({"gbps", h2d, "GB/s", ",\"op\":\"h2d\"" + params,
+             absl::StrFormat("h2d: %.2f x reference", h2d / ref.h2d)});
+    out.Add({"gbps", d2h, "GB/s", ",\"op\":\"d2h\"" + params,
+             absl::StrFormat("d2h: %.2f x reference", d2h / ref.d2h)});
+    out.Add({"gbps", bidir, "GB/s", ",\"op\":\"bidir\"" + params,
+             absl::StrFormat("bidir: %.2f x reference", bidir / ref.bidir)});
+  }
+#endif
+  if (backend != "cuda") {
+    const std::string note = " (emulated device: copies are memcpy paced to --emulated_gbps)";
+    out.Add({"gbps", h2d, "GB/s", ",\"op\":\"h2d\"" + params,
+             "h2d: host pool -> device chunks" + note});
+    out.Add({"gbps", d2h, "GB/s", ",\"op\":\"d2h\"" + params,
+             "d2h: device chunks -> host pool" + note});
+    out.Add(
+        {"gbps", bidir, "GB/s", ",\"op\":\"bidir\"" + params, "bidir: both at once, total" + note});
+  }
+  // NVMe -> GPU: one pipelined prefetch, beside its two parts done one after the other.
+  Move(*c, *a, tierd::Tier::kNvme, true);  // A only on NVMe now
+  double pipelined = 0, nvme_to_host = 0, host_to_device = 0;
+  for (int round = 0; round < 3; ++round) {
+    pipelined = std::max(pipelined, bytes / Move(*c, *a, tierd::Tier::kDevice, false) / 1e6);
+    Move(*c, *a, tierd::Tier::kNvme, true);
+    const double t1 = Move(*c, *a, tierd::Tier::kHost, false);
+    const double t2 = Move(*c, *a, tierd::Tier::kDevice, false);
+    nvme_to_host = std::max(nvme_to_host, bytes / t1 / 1e6);
+    host_to_device = std::max(host_to_device, bytes / t2 / 1e6);
+    Move(*c, *a, tierd::Tier::kNvme, true);
+  }
+  const double serial = 1.0 / (1.0 / nvme_to_host + 1.0 / host_to_device);
+  out.Add({"gbps", pipelined, "GB/s", ",\"op\":\"nvme_to_device\"" + params,
+           absl::StrFormat("NVMe->device pipelined; as two steps one after the other: %.2f GB/s "
+                           "(NVMe->host %.2f, host->device %.2f)",
+                           serial, nvme_to_host, host_to_device)});
+  out.Add({"gbps", serial, "GB/s", ",\"op\":\"nvme_to_device_serial\"" + params,
+           "NVMe->device as two steps (sum of the parts)"});
+  c.reset();
+  return daemon->Stop() == 0 ? 0 : 1;
+}
+
 int Control(const Options& o, tierd::Client& c) {
   Reporter out(o);
   const std::string batch_params =
@@ -390,6 +563,9 @@ bool Parse(int argc, char** argv, Options* o) {
       o->socket_dir = std::string(a.substr(13));
     } else if (a.substr(0, 6) == "--dir=") {
       o->dir = std::string(a.substr(6));
+    } else if (a.substr(0, 9) == "--device=") {
+      o->device = std::string(a.substr(9));
+      if (o->device != "cuda" && o->device != "emulated") return false;
     } else if (a == "--tune") {
       o->tune = true;
     } else if (a.substr(0, 8) == "--total=") {
@@ -408,7 +584,8 @@ bool Parse(int argc, char** argv, Options* o) {
       return false;
     }
   }
-  return (o->mode == "control" || o->mode == "nvme") && o->chunks > 0 && o->samples > 0;
+  return (o->mode == "control" || o->mode == "nvme" || o->mode == "pcie") && o->chunks > 0 &&
+         o->samples > 0;
 }
 
 }  // namespace
@@ -420,10 +597,17 @@ int main(int argc, char** argv) {
                  "usage: tierd-bench control [--json] [--socket_dir=DIR] [--chunks=N] "
                  "[--samples=N] [--chunk_size=BYTES]\n"
                  "       tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] "
-                 "[--queue_depth=32] [--tune]\n");
+                 "[--queue_depth=32] [--tune]\n"
+                 "       tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] "
+                 "[--dir=DIR]\n");
     return 2;
   }
   if (o.mode == "nvme") return Nvme(o);
+  if (o.mode == "pcie") {
+    std::error_code ec;
+    std::filesystem::create_directories(o.dir, ec);
+    return Pcie(o);
+  }
   std::unique_ptr<tierd::testing::DaemonProcess> daemon;
   if (o.socket_dir.empty()) {
     // A pool large enough for the batch, pinned as in production.
