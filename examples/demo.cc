@@ -100,6 +100,32 @@ int main(int argc, char** argv) {
   std::printf("prefetched back to the host tier in %s (checksums verified)\n",
               absl::FormatDuration(prefetch_time).c_str());
 
+  // Up to the GPU and back, when the node has a device tier.
+  const tierd::TierStatus* device_tier = node->tier(tierd::Tier::kDevice);
+  bool device_checked = false;
+  if (device_tier != nullptr && device_tier->configured) {
+    absl::StatusOr<tierd::Completion> up = c.Prefetch(chunks->ids(), tierd::Tier::kDevice);
+    if (!up.ok()) return Fail(up.status(), "Prefetch to the device");
+    if (absl::Status s = up->Wait(); !s.ok()) return Fail(s, "wait for device prefetch");
+    absl::StatusOr<tierd::Acquisition> d =
+        c.Acquire(chunks->ids(), tierd::Tier::kDevice, tierd::AccessMode::kRead);
+    if (!d.ok()) return Fail(d.status(), "Acquire on the device");
+    size_t device_bad = 0;
+    if (d->chunks().front().host_accessible) {  // an emulated device: its memory is readable here
+      for (const tierd::AcquiredChunk& chunk : d->chunks()) {
+        const auto* words = static_cast<const uint64_t*>(chunk.data);
+        for (size_t i = 0; i < chunk.size / 8; ++i) device_bad += words[i] != Word(chunk.id, i);
+      }
+      device_checked = true;
+    }
+    if (absl::Status s = d->Release(); !s.ok()) return Fail(s, "Release on the device");
+    std::printf("copied to the device tier (%s)%s\n", node->devices.front().c_str(),
+                device_checked
+                    ? absl::StrFormat(" and verified there: %zu bad words", device_bad).c_str()
+                    : "");
+    if (device_bad != 0) return 1;
+  }
+
   size_t bad = 0;
   {
     absl::StatusOr<tierd::Acquisition> r =

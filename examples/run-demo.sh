@@ -8,7 +8,13 @@ mkdir -p var/log
 log=var/log/tierd.log
 socket_dir=var/run
 
-"$build/daemon/tierd" >"$log" 2>&1 &
+# Built-in defaults, except that a machine without a GPU gets the emulated device (host memory
+# standing in for GPU memory, labelled as such) so that the demo shows all three tiers.
+flags=()
+if [[ ! -e /dev/nvidia0 ]]; then
+  flags=(--device=emulated --device_capacity=512MiB)
+fi
+"$build/daemon/tierd" "${flags[@]}" >"$log" 2>&1 &
 daemon=$!
 stop_daemon() {
   if kill -0 "$daemon" 2>/dev/null; then

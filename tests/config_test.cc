@@ -107,6 +107,29 @@ TEST(ConfigTest, DefaultRegionFollowsTheStateDirectory) {
   EXPECT_TRUE(c.nvme.regions.empty());
 }
 
+TEST(ConfigTest, DeviceKeys) {
+  DaemonConfig c = DefaultConfig();
+  EXPECT_EQ(c.device.backend, "auto");
+  ASSERT_TRUE(ApplyToml(R"(
+[device]
+backend = "emulated"
+capacity = "2GiB"
+segment_size = "64MiB"
+emulated_gbps = 12.5
+emulated_latency_us = 3
+)",
+                        "d.toml", &c)
+                  .ok());
+  EXPECT_EQ(c.device.backend, "emulated");
+  EXPECT_EQ(c.device.capacity, 2ull << 30);
+  EXPECT_EQ(c.device.segment_size, 64u << 20);
+  EXPECT_DOUBLE_EQ(c.device.emulated_gbps, 12.5);
+  EXPECT_EQ(c.device.emulated_latency_us, 3);
+  absl::Status bad = ApplyToml("[device]\nbackend = \"tpu\"\n", "d.toml", &c);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad));
+  EXPECT_NE(bad.message().find("auto, cuda, emulated or none"), std::string::npos) << bad;
+}
+
 TEST(ConfigTest, RegionListFlagParsesAndRejectsGarbage) {
   auto two = ParseRegionList("/a:1GiB,/b:0");
   ASSERT_TRUE(two.ok());
