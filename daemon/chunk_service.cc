@@ -236,6 +236,7 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
     absl::Mutex mu;
     size_t copies_pending = 0;
     bool reads_done = false;
+    bool settled = false;  // the last copy and the end of the reads can race to settle
     absl::Status status;
   };
   auto pipe = std::make_shared<Pipeline>();
@@ -243,7 +244,8 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
     absl::Status status;
     {
       absl::MutexLock lock(&pipe->mu);
-      if (!pipe->reads_done || pipe->copies_pending > 0) return;
+      if (!pipe->reads_done || pipe->copies_pending > 0 || pipe->settled) return;
+      pipe->settled = true;
       status = pipe->status;
     }
     SettleToDevice(id, status, /*host_filled=*/true);
