@@ -338,11 +338,13 @@ int Run() {
   sd_notify(0, "STOPPING=1");
   (*rpc)->Shutdown(absl::Seconds(5));
   broker->reset();                     // ends every session
-  if (nvme != nullptr) nvme->Drain();  // transfers in flight settle before the chunk table goes
-  if (device != nullptr) {
-    device->Drain();
-    (*host)->RemoveRemapObserver(device_observer);
+  // Transfers in flight settle before the chunk table goes. A move can hand over between the two
+  // (NVMe -> GPU pipelining, GPU -> host -> NVMe write-back), so drain both twice.
+  for (int round = 0; round < 2; ++round) {
+    if (device != nullptr) device->Drain();
+    if (nvme != nullptr) nvme->Drain();
   }
+  if (device != nullptr) (*host)->RemoveRemapObserver(device_observer);
   unlink(rpc_path.c_str());
   unlink(session_path.c_str());
   spdlog::info("tierd stopped");
