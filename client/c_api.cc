@@ -1,9 +1,12 @@
 // The C ABI over tierd::Client. No exception crosses it: every entry point catches.
+#include <algorithm>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "tierd/client.h"
 #include "tierd/client.hpp"
 
@@ -187,6 +190,27 @@ tierd_status tierd_wait(tierd_client* client, tierd_completion completion, int64
   absl::Duration timeout =
       timeout_ns < 0 ? absl::InfiniteDuration() : absl::Nanoseconds(timeout_ns);
   return Done(client->client->Wait(Token(completion), timeout));
+}
+
+tierd_status tierd_device_info(tierd_client* client, char* uuid, size_t uuid_len, int* emulated,
+                               uint64_t* memory_bytes) {
+  if (client == nullptr || uuid == nullptr || uuid_len == 0) {
+    return Invalid("tierd_device_info: NULL client or uuid buffer");
+  }
+  return Guard([&] {
+    absl::StatusOr<tierd::NodeInfo> info = client->client->GetNodeInfo();
+    if (!info.ok()) return Fail(info.status());
+    if (info->device_uuid.empty()) {
+      return Fail(
+          absl::NotFoundError(absl::StrCat("this node has no device tier: ", info->device_status)));
+    }
+    const size_t n = std::min(uuid_len - 1, info->device_uuid.size());
+    std::memcpy(uuid, info->device_uuid.data(), n);
+    uuid[n] = '\0';
+    if (emulated != nullptr) *emulated = info->device_emulated ? 1 : 0;
+    if (memory_bytes != nullptr) *memory_bytes = info->device_memory_bytes;
+    return TIERD_OK;
+  });
 }
 
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {

@@ -529,6 +529,11 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
   for (const pb::DeviceInfo& d : resp.devices()) {
     info.devices.push_back(absl::StrCat(d.uuid(), " ", d.name(), " (", d.memory_bytes(), " B)"));
   }
+  if (resp.devices_size() > 0) {
+    info.device_uuid = resp.devices(0).uuid();
+    info.device_emulated = resp.devices(0).emulated();
+    info.device_memory_bytes = resp.devices(0).memory_bytes();
+  }
   info.device_status = resp.device_status();
   info.sessions = resp.sessions();
   info.chunks = resp.chunks();

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-TIER_HOST, TIER_NVME = 1, 2
+TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
 ACCESS_READ, ACCESS_WRITE = 1, 2
 OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 0, 3, 5, 8, 9
 
@@ -50,6 +50,8 @@ def load_library():
     lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
     lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
     lib.tierd_chunk_count.argtypes = [p, u64p]
+    lib.tierd_device_info.argtypes = [p, ctypes.c_char_p, ctypes.c_size_t,
+                                      ctypes.POINTER(ctypes.c_int), u64p]
     return lib
 
 
@@ -64,7 +66,8 @@ def daemon():
         proc = subprocess.Popen(
             [os.environ["TIERD_BIN"], f"--socket_dir={socket_dir}", "--host_capacity=32MiB",
              "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={socket_dir}/state",
-             f"--nvme_regions={socket_dir}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB"],
+             f"--nvme_regions={socket_dir}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB",
+             "--device=emulated", "--device_capacity=32MiB", "--device_segment_size=16MiB"],
             stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(socket_dir, "tierd.sock")):
@@ -190,3 +193,32 @@ def test_evict_to_nvme_and_prefetch_back(lib, client):
         assert ctypes.string_at(ptrs[i], sizes[i]) == bytes([0x61 + i]) * sizes[i]
     assert lib.tierd_release(client, 2, ids) == OK
     assert lib.tierd_free(client, 2, ids) == OK
+
+
+def test_device_tier_pointers_from_python(lib, client):
+    uuid = ctypes.create_string_buffer(64)
+    emulated = ctypes.c_int()
+    memory = ctypes.c_uint64()
+    assert lib.tierd_device_info(client, uuid, 64, ctypes.byref(emulated), ctypes.byref(memory)) \
+        == OK, lib.tierd_last_error()
+    assert uuid.value.startswith(b"GPU-") and emulated.value == 1 and memory.value > 0
+    sizes = (ctypes.c_uint64 * 1)(1 << 20)
+    ids = (ctypes.c_uint64 * 1)()
+    assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == OK
+    done = Completion()
+    assert lib.tierd_prefetch(client, 1, ids, TIER_DEVICE, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+    ptrs = (ctypes.c_void_p * 1)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, 1, ids, TIER_DEVICE, ACCESS_WRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    # The emulated device's memory is host memory: Python can write the "GPU" copy directly.
+    ctypes.memset(ptrs[0], 0x7E, 1 << 20)
+    assert lib.tierd_release(client, 1, ids) == OK
+    assert lib.tierd_evict(client, 1, ids, TIER_HOST, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_READ, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    assert ctypes.string_at(ptrs[0], 1 << 20) == b"\x7e" * (1 << 20)
+    assert lib.tierd_release(client, 1, ids) == OK
+    assert lib.tierd_free(client, 1, ids) == OK

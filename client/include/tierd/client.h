@@ -103,6 +103,12 @@ tierd_status tierd_poll(tierd_client* client, tierd_completion completion);
 /* Waits up to timeout_ns (negative: forever), then acknowledges the token. */
 tierd_status tierd_wait(tierd_client* client, tierd_completion completion, int64_t timeout_ns);
 
+/* The daemon's GPU: its UUID (NUL-terminated, at most uuid_len bytes with the NUL), whether it is
+ * the emulated device (host memory standing in for GPU memory: pointers acquired on the device tier
+ * are then host pointers), and its memory. TIERD_NOT_FOUND when the node has no device tier. */
+tierd_status tierd_device_info(tierd_client* client, char* uuid, size_t uuid_len, int* emulated,
+                               uint64_t* memory_bytes);
+
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);
 /* Number of chunks this session can see. */

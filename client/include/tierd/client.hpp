@@ -82,6 +82,10 @@ struct NodeInfo {
   std::vector<TierStatus> tiers;
   std::vector<std::string> devices;  // "GPU-uuid name (bytes)"
   std::string device_status;
+  // The device the daemon serves, when it has a device tier.
+  std::string device_uuid;
+  bool device_emulated = false;
+  uint64_t device_memory_bytes = 0;
   uint32_t sessions = 0;
   uint64_t chunks = 0;
 
