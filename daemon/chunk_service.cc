@@ -180,32 +180,40 @@ void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
   }
 }
 
+bool ChunkService::EnsureSpace(ChunkMeta& chunk, TierKind tier,
+                               const std::shared_ptr<Batch>& batch) {
+  if (chunk.allocated.contains(tier)) return true;
+  absl::StatusOr<Placement> p = ReserveIn(tier, chunk.tenant, chunk.size);
+  if (!p.ok()) {
+    batch->Add();
+    batch->Done(absl::Status(p.status().code(),
+                             absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
+    return false;
+  }
+  chunk.placement[static_cast<int>(tier)] = *p;
+  chunk.allocated.insert(tier);
+  return true;
+}
+
+void ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
+                                  const std::shared_ptr<Batch>& batch) {
+  absl::Status begin = BeginMove(chunk, to);
+  assert(begin.ok());  // callers validated the batch: no chunk is moving
+  (void)begin;
+  batch->Add();
+}
+
 void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
-  auto fail = [&](const absl::Status& s) {
-    batch->Add();
-    batch->Done(absl::Status(s.code(), absl::StrCat("chunk ", chunk.id, ": ", s.message())));
-  };
   const bool from_host = chunk.resident.contains(TierKind::kHost);
-  if (!from_host && !chunk.allocated.contains(TierKind::kHost)) {
-    // Staging in host memory: the chunk's host copy, filled on the way.
-    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
-    if (!p.ok()) return fail(p.status());
-    chunk.placement[kHost] = *p;
-    chunk.allocated.insert(TierKind::kHost);
+  // Without a host copy, the chunk's host space stages it on the way from NVMe.
+  if (!EnsureSpace(chunk, TierKind::kHost, batch) ||
+      !EnsureSpace(chunk, TierKind::kDevice, batch)) {
+    return;
   }
-  if (!chunk.allocated.contains(TierKind::kDevice)) {
-    absl::StatusOr<Placement> p = ReserveIn(TierKind::kDevice, chunk.tenant, chunk.size);
-    if (!p.ok()) return fail(p.status());
-    chunk.placement[kDev] = *p;
-    chunk.allocated.insert(TierKind::kDevice);
-  }
-  absl::Status begin = BeginMove(chunk, TierKind::kDevice);
-  assert(begin.ok());
-  (void)begin;
-  batch->Add();
+  BeginBatchMove(chunk, TierKind::kDevice, batch);
   const ChunkId id = chunk.id;
   char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
   char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
@@ -301,21 +309,8 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
                                bool then_nvme, bool keep_source) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
-  if (!chunk.allocated.contains(TierKind::kHost)) {
-    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
-    if (!p.ok()) {
-      batch->Add();
-      batch->Done(absl::Status(p.status().code(),
-                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
-      return;
-    }
-    chunk.placement[kHost] = *p;
-    chunk.allocated.insert(TierKind::kHost);
-  }
-  absl::Status begin = BeginMove(chunk, TierKind::kHost);
-  assert(begin.ok());
-  (void)begin;
-  batch->Add();
+  if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
+  BeginBatchMove(chunk, TierKind::kHost, batch);
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
                       tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
@@ -347,21 +342,8 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
 void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
-  if (!chunk.allocated.contains(TierKind::kHost)) {
-    absl::StatusOr<Placement> p = ReserveIn(TierKind::kHost, chunk.tenant, chunk.size);
-    if (!p.ok()) {
-      batch->Add();
-      batch->Done(absl::Status(p.status().code(),
-                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
-      return;
-    }
-    chunk.placement[kHost] = *p;
-    chunk.allocated.insert(TierKind::kHost);
-  }
-  absl::Status begin = BeginMove(chunk, TierKind::kHost);
-  assert(begin.ok());
-  (void)begin;
-  batch->Add();
+  if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
+  BeginBatchMove(chunk, TierKind::kHost, batch);
   const ChunkId id = chunk.id;
   auto done = [this, id, batch](absl::Status s) {
     SettleRead(id, s);
@@ -397,21 +379,8 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
     if (!keep_source) DropAbove(chunk, TierKind::kNvme);
     return;
   }
-  if (!chunk.allocated.contains(TierKind::kNvme)) {
-    absl::StatusOr<Placement> p = nvme_->Reserve(chunk.tenant, chunk.size);
-    if (!p.ok()) {
-      batch->Add();
-      batch->Done(absl::Status(p.status().code(),
-                               absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
-      return;
-    }
-    chunk.placement[kNvme] = *p;
-    chunk.allocated.insert(TierKind::kNvme);
-  }
-  absl::Status begin = BeginMove(chunk, TierKind::kNvme);
-  assert(begin.ok());
-  (void)begin;
-  batch->Add();
+  if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
+  BeginBatchMove(chunk, TierKind::kNvme, batch);
   const ChunkId id = chunk.id;
   const Placement nvme = chunk.placement[kNvme];
   std::optional<IndexEntry> entry;

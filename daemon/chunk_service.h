@@ -138,6 +138,13 @@ class ChunkService {
   // Drops the copies above `tier` (device above host above NVMe).
   void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Space for the chunk in `tier` unless it has some; on failure the batch fails, naming the
+  // chunk, and false is returned.
+  bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the chunk moving to `to` as part of the batch.
+  void BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);

@@ -2,21 +2,15 @@
 // why there is none.
 #pragma once
 
-#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "daemon/device.h"
+
 namespace tierd {
 
-struct GpuDevice {
-  std::string uuid;  // "GPU-xxxxxxxx-…"; devices are named by UUID, never by ordinal
-  std::string name;
-  uint64_t memory_bytes = 0;
-  bool emulated = false;
-};
-
 struct DeviceProbe {
-  std::vector<GpuDevice> devices;
+  std::vector<DeviceDescription> devices;
   std::string status;  // why the list is empty, when it is
   std::string cuda_version;
 };

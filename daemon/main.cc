@@ -265,7 +265,7 @@ int Run() {
   int device_observer = 0;
   if (device != nullptr) {
     const DeviceDescription& d = device->description();
-    devices.devices.push_back({d.uuid, d.name, d.memory_bytes, d.emulated});
+    devices.devices.push_back(d);
     absl::StatusOr<std::unique_ptr<SegmentPool>> pool =
         SegmentPool::Create(TierKind::kDevice, "device", config->device.capacity,
                             config->device.segment_size, device->MakeBacking());
@@ -337,7 +337,7 @@ int Run() {
   spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
   (*rpc)->Shutdown(absl::Seconds(5));
-  broker->reset();                     // ends every session
+  broker->reset();  // ends every session
   // Transfers in flight settle before the chunk table goes. A move can hand over between the two
   // (NVMe -> GPU pipelining, GPU -> host -> NVMe write-back), so drain both twice.
   for (int round = 0; round < 2; ++round) {

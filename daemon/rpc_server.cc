@@ -246,7 +246,7 @@ class TierdService final : public pb::Tierd::Service {
         }
       }
     }
-    for (const GpuDevice& d : deps_.devices.devices) {
+    for (const DeviceDescription& d : deps_.devices.devices) {
       pb::DeviceInfo* dev = resp->add_devices();
       dev->set_uuid(d.uuid);
       dev->set_name(d.name);
