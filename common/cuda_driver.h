@@ -14,20 +14,44 @@ namespace tierd {
 
 struct CudaDriver {
 #define TIERD_CUDA_FN(name) decltype(&::name) name = nullptr;
-#define TIERD_CUDA_FUNCTIONS(X)                                                                    \
-  X(cuInit)                                                                                        \
-  X(cuGetErrorString)                                                                              \
-  X(cuDeviceGetCount)                                                                              \
-  X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetUuid) X(cuDeviceTotalMem) X(cuDeviceGetAttribute) \
-      X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent)                  \
-          X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease)                          \
-              X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                    \
-                  X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap)             \
-                      X(cuMemSetAccess) X(cuMemsetD8) X(cuStreamCreate) X(cuStreamDestroy)         \
-                          X(cuStreamWaitEvent) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync)           \
-                              X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)              \
-                                  X(cuEventDestroy) X(cuMemHostRegister) X(cuMemHostUnregister)    \
-                                      X(cuIpcGetEventHandle) X(cuIpcOpenEventHandle)
+  // clang-format off
+#define TIERD_CUDA_FUNCTIONS(X) \
+  X(cuInit) \
+  X(cuGetErrorString) \
+  X(cuDeviceGetCount) \
+  X(cuDeviceGet) \
+  X(cuDeviceGetName) \
+  X(cuDeviceGetUuid) \
+  X(cuDeviceTotalMem) \
+  X(cuDeviceGetAttribute) \
+  X(cuDevicePrimaryCtxRetain) \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxSetCurrent) \
+  X(cuMemGetAllocationGranularity) \
+  X(cuMemCreate) \
+  X(cuMemRelease) \
+  X(cuMemExportToShareableHandle) \
+  X(cuMemImportFromShareableHandle) \
+  X(cuMemAddressReserve) \
+  X(cuMemAddressFree) \
+  X(cuMemMap) \
+  X(cuMemUnmap) \
+  X(cuMemSetAccess) \
+  X(cuMemsetD8) \
+  X(cuStreamCreate) \
+  X(cuStreamDestroy) \
+  X(cuStreamWaitEvent) \
+  X(cuMemcpyHtoDAsync) \
+  X(cuMemcpyDtoHAsync) \
+  X(cuEventCreate) \
+  X(cuEventRecord) \
+  X(cuEventSynchronize) \
+  X(cuEventDestroy) \
+  X(cuMemHostRegister) \
+  X(cuMemHostUnregister) \
+  X(cuIpcGetEventHandle) \
+  X(cuIpcOpenEventHandle)
+  // clang-format on
   TIERD_CUDA_FUNCTIONS(TIERD_CUDA_FN)
 #undef TIERD_CUDA_FN
 
