@@ -83,6 +83,25 @@ ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, 
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
+ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
+                                const Placement& home, const std::string& name, bool persistent) {
+  const ChunkId id = next_id_++;
+  ChunkMeta& chunk = chunks_[id];
+  chunk.id = id;
+  chunk.size = size;
+  chunk.owner = owner;
+  chunk.tenant = tenant;
+  chunk.home = home.tier;
+  chunk.allocated.insert(home.tier);
+  chunk.resident.insert(home.tier);
+  chunk.placement[static_cast<int>(home.tier)] = home;
+  chunk.persistent = persistent;
+  chunk.name = name;
+  if (!name.empty()) names_[NameKey(tenant, name)] = id;
+  if (persistent) persistent_[tenant].insert(id);
+  return chunk;
+}
+
 size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
   absl::MutexLock lock(&mu_);
   size_t recovered = 0;
@@ -93,21 +112,9 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
                     e.name, e.tenant);
       continue;
     }
-    const ChunkId id = next_id_++;
-    ChunkMeta& chunk = chunks_[id];
-    chunk.id = id;
-    chunk.size = e.chunk_size;
-    chunk.tenant = e.tenant;
-    chunk.home = TierKind::kNvme;
-    chunk.allocated.insert(TierKind::kNvme);
-    chunk.resident.insert(TierKind::kNvme);
-    chunk.placement[static_cast<int>(TierKind::kNvme)] = p;
-    chunk.persistent = true;
+    ChunkMeta& chunk = Insert(e.tenant, /*owner=*/0, e.chunk_size, p, e.name, /*persistent=*/true);
     chunk.written = true;
     chunk.checksum = e.checksum;
-    chunk.name = e.name;
-    names_[NameKey(e.tenant, e.name)] = id;
-    persistent_[e.tenant].insert(id);
     ++recovered;
   }
   return recovered;
@@ -543,26 +550,10 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
       chunks_.at(result[i]).owner = session.id;
       continue;
     }
-    const ChunkId id = next_id_++;
-    ChunkMeta& chunk = chunks_[id];
-    chunk.id = id;
-    chunk.size = r.size;
-    chunk.owner = session.id;
-    chunk.tenant = tenant;
-    chunk.home = r.home;
-    chunk.allocated.insert(r.home);
-    chunk.resident.insert(r.home);
-    chunk.persistent = r.persistent;
-    chunk.placement[static_cast<int>(r.home)] = placements[i];
-    chunk.name = r.name;
+    ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
-    if (!r.name.empty()) names_[NameKey(tenant, r.name)] = id;
-    if (r.persistent) {
-      persistent_[tenant].insert(id);
-    } else {
-      state.owned.insert(id);
-    }
-    result[i] = id;
+    if (!r.persistent) state.owned.insert(chunk.id);
+    result[i] = chunk.id;
   }
   return result;
 }

@@ -108,6 +108,10 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckTier(TierKind tier, absl::string_view what) const;
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Creates a chunk resident in its home tier at `home` and indexes its name; the caller records
+  // a scratch chunk in its session's state.
+  ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
+                    const std::string& name, bool persistent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Asynchronous moves. A Batch completes its token when its last chunk settles.
   struct Batch;
