@@ -1,15 +1,15 @@
 // The CUDA backend: device pool segments are VMM allocations (cuMemCreate) exportable as POSIX
 // fds, mapped into the daemon's address space for its own copies; copies run on one stream per
 // direction; a completion thread per stream waits on an event after each copy and calls back.
+#include <unistd.h>
+
 #include <cstring>
-#include <deque>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "common/cuda_driver.h"
 #include "daemon/device.h"
+#include "daemon/work_queue.h"
 
 namespace tierd {
 
@@ -105,20 +105,15 @@ class VmmBacking final : public SegmentBacking {
   CUdevice dev_;
 };
 
-// One stream and the thread that reports its copies' completion in order.
+// One stream, and a queue whose thread reports its copies' completion in order.
 class CudaStream {
  public:
   CudaStream(const CudaDriver* d, CUcontext ctx) : d_(d), ctx_(ctx) {
     d_->cuCtxSetCurrent(ctx_);
     d_->cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING);
-    thread_ = std::thread([this] { Loop(); });
   }
   ~CudaStream() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    thread_.join();
+    queue_.Drain();
     d_->cuStreamDestroy(stream_);
   }
 
@@ -131,61 +126,25 @@ class CudaStream {
       issued = d_->Check(d_->cuEventCreate(&event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     }
     if (issued.ok()) issued = d_->Check(d_->cuEventRecord(event, stream_), "cuEventRecord");
-    absl::MutexLock lock(&mu_);
-    queue_.push_back({event, issued, std::move(done)});
-    ++submitted_;
+    queue_.Post([this, event, issued, done = std::move(done)] {
+      absl::Status status = issued;
+      if (event != nullptr) {
+        d_->cuCtxSetCurrent(ctx_);
+        absl::Status s = d_->Check(d_->cuEventSynchronize(event), "copy on the GPU");
+        if (status.ok()) status = s;
+        d_->cuEventDestroy(event);
+      }
+      done(status);
+    });
   }
 
-  void Drain() {
-    absl::MutexLock lock(&mu_);
-    std::pair<CudaStream*, uint64_t> arg(this, submitted_);
-    mu_.Await(absl::Condition(
-        +[](std::pair<CudaStream*, uint64_t>* a)
-             ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->first->finished_ >= a->second; },
-        &arg));
-  }
+  void Drain() { queue_.Drain(); }
 
  private:
-  struct Pending {
-    CUevent event;
-    absl::Status status;
-    Device::Callback done;
-  };
-
-  void Loop() {
-    d_->cuCtxSetCurrent(ctx_);
-    for (;;) {
-      Pending p;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](CudaStream* s)
-                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return !s->queue_.empty() || s->stopping_; },
-            this));
-        if (queue_.empty()) return;
-        p = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (p.event != nullptr) {
-        absl::Status s = d_->Check(d_->cuEventSynchronize(p.event), "copy on the GPU");
-        if (p.status.ok()) p.status = s;
-        d_->cuEventDestroy(p.event);
-      }
-      p.done(p.status);
-      absl::MutexLock lock(&mu_);
-      ++finished_;
-    }
-  }
-
   const CudaDriver* d_;
   CUcontext ctx_;
   CUstream stream_ = nullptr;
-  absl::Mutex mu_;
-  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  WorkQueue queue_;
 };
 
 class CudaDevice final : public Device {

@@ -1,88 +1,41 @@
 // The emulated device: memfd segments stand in for device memory (clients map them as they would
 // import GPU memory), and each direction's copies run in order on a thread of its own, paced to the
 // configured bandwidth and latency so that pipelining and overlap behave as on a real link.
+#include <algorithm>
 #include <cstring>
-#include <deque>
-#include <thread>
 
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "daemon/device.h"
 #include "daemon/host_memory.h"
+#include "daemon/work_queue.h"
 
 namespace tierd {
 namespace {
 
-// One direction of the link: copies run in submission order, each taking latency + bytes/rate.
+// One direction of the link: copies run in submission order on the queue's thread, each taking
+// latency + bytes / rate.
 class EmulatedStream {
  public:
-  EmulatedStream(double gbps, absl::Duration latency)
-      : bytes_per_ns_(gbps), latency_(latency), thread_([this] { Loop(); }) {}
-  ~EmulatedStream() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    thread_.join();
-  }
+  EmulatedStream(double gbps, absl::Duration latency) : bytes_per_ns_(gbps), latency_(latency) {}
 
   void Copy(void* dst, const void* src, uint64_t bytes, Device::Callback done) {
-    absl::MutexLock lock(&mu_);
-    queue_.push_back({dst, src, bytes, std::move(done)});
-    ++submitted_;
+    queue_.Post([this, dst, src, bytes, done = std::move(done)] {
+      const absl::Time start = std::max(absl::Now(), link_free_);
+      const absl::Time end =
+          start + latency_ + absl::Nanoseconds(static_cast<int64_t>(bytes / bytes_per_ns_));
+      std::memcpy(dst, src, bytes);
+      absl::SleepFor(end - absl::Now());
+      link_free_ = end;
+      done(absl::OkStatus());
+    });
   }
-
-  void Drain() {
-    absl::MutexLock lock(&mu_);
-    std::pair<EmulatedStream*, uint64_t> arg(this, submitted_);
-    mu_.Await(absl::Condition(
-        +[](std::pair<EmulatedStream*, uint64_t>* a)
-             ABSL_NO_THREAD_SAFETY_ANALYSIS { return a->first->finished_ >= a->second; },
-        &arg));
-  }
+  void Drain() { queue_.Drain(); }
 
  private:
-  struct Op {
-    void* dst;
-    const void* src;
-    uint64_t bytes;
-    Device::Callback done;
-  };
-
-  void Loop() {
-    absl::Time link_free = absl::Now();  // when the link finishes what it has
-    for (;;) {
-      Op op;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](EmulatedStream* s)
-                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return !s->queue_.empty() || s->stopping_; },
-            this));
-        if (queue_.empty()) return;
-        op = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const absl::Time start = std::max(absl::Now(), link_free);
-      const absl::Time end =
-          start + latency_ + absl::Nanoseconds(static_cast<int64_t>(op.bytes / bytes_per_ns_));
-      std::memcpy(op.dst, op.src, op.bytes);
-      absl::SleepFor(end - absl::Now());
-      link_free = end;
-      op.done(absl::OkStatus());
-      absl::MutexLock lock(&mu_);
-      ++finished_;
-    }
-  }
-
   const double bytes_per_ns_;  // GB/s == bytes/ns
   const absl::Duration latency_;
-  absl::Mutex mu_;
-  std::deque<Op> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  absl::Time link_free_ = absl::InfinitePast();  // queue thread only
+  WorkQueue queue_;  // last: its thread stops before the members it uses go
 };
 
 class EmulatedDevice final : public Device {
