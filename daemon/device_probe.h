@@ -12,7 +12,6 @@ namespace tierd {
 struct DeviceProbe {
   std::vector<DeviceDescription> devices;
   std::string status;  // why the list is empty, when it is
-  std::string cuda_version;
 };
 
 }  // namespace tierd

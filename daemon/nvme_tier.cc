@@ -387,29 +387,9 @@ void NvmeTier::StartSync() {
 }
 
 void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                    uint64_t checksum, StatusCallback user_done) {
-  Begin();
-  auto done = [this, user_done = std::move(user_done)](absl::Status s) {
-    user_done(std::move(s));
-    End();
-  };
-  char* dst = static_cast<char*>(host_->Address(host));
-  const int32_t index = BufferIndex(host.segment);
-  const uint64_t length = AlignUp(size, block_);
-  engine_->Run(Spans(IoKind::kRead, nvme.offset, length, dst, index),
-               [this, chunk_id, dst, size, checksum, done = std::move(done)](absl::Status s) {
-                 worker_->Post([chunk_id, dst, size, checksum, s, done]() {
-                   if (!s.ok()) return done(Annotate(chunk_id, s));
-                   const uint64_t actual = XXH3_64bits(dst, size);
-                   if (actual != checksum) {
-                     return done(absl::DataLossError(absl::StrCat(
-                         "chunk ", chunk_id, ": the NVMe copy fails its checksum (expected ",
-                         absl::Hex(checksum), ", read ", absl::Hex(actual),
-                         "); the data on the drive is damaged and was not handed out")));
-                   }
-                   done(absl::OkStatus());
-                 });
-               });
+                    uint64_t checksum, StatusCallback done) {
+  // One piece: the whole chunk as one job.
+  ReadPieces(chunk_id, host, nvme, size, checksum, AlignUp(size, block_), nullptr, std::move(done));
 }
 
 void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme,
@@ -432,7 +412,7 @@ void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placem
     engine_->Run(
         Spans(IoKind::kRead, nvme.offset + off, n, dst + off, index),
         [this, state, off, n, on_piece, chunk_id, dst, size, checksum, done](absl::Status s) {
-          if (s.ok()) on_piece(off, n);
+          if (s.ok() && on_piece) on_piece(off, n);
           {
             absl::MutexLock lock(&state->mu);
             if (state->status.ok() && !s.ok()) state->status = s;

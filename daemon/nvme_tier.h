@@ -78,9 +78,9 @@ class NvmeTier final : public Tier {
   void Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
             uint64_t checksum, StatusCallback done);
   // Read, in pieces of `piece` bytes issued as separate jobs: `on_piece(offset, length)` runs as
-  // each piece lands (on the engine thread; it must not block), so that the next stage (a copy to
-  // the GPU) can start while later pieces are still read. `done` follows the whole chunk's
-  // checksum.
+  // each piece lands (on the engine thread; it must not block; may be null), so that the next stage
+  // (a copy to the GPU) can start while later pieces are still read. `done` follows the whole
+  // chunk's checksum.
   void ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
                   uint64_t checksum, uint64_t piece,
                   std::function<void(uint64_t offset, uint64_t length)> on_piece,
