@@ -187,6 +187,13 @@ void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
   }
 }
 
+ChunkMeta& ChunkService::Moving(ChunkId id) {
+  // A moving chunk cannot be freed (Free refuses, a session end defers it), so it is there.
+  auto it = chunks_.find(id);
+  assert(it != chunks_.end() && it->second.state == ChunkState::kMoving);
+  return it->second;
+}
+
 bool ChunkService::EnsureSpace(ChunkMeta& chunk, TierKind tier,
                                const std::shared_ptr<Batch>& batch) {
   if (chunk.allocated.contains(tier)) return true;
@@ -297,9 +304,7 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
 
 void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
   absl::MutexLock lock(&mu_);
-  auto it = chunks_.find(id);
-  assert(it != chunks_.end());
-  ChunkMeta& chunk = it->second;
+  ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
@@ -330,9 +335,7 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
 void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
                                 bool keep_source, const std::shared_ptr<Batch>& batch) {
   absl::MutexLock lock(&mu_);
-  auto it = chunks_.find(id);
-  assert(it != chunks_.end());
-  ChunkMeta& chunk = it->second;
+  ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
@@ -366,9 +369,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
 
 void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
-  auto it = chunks_.find(id);
-  assert(it != chunks_.end());
-  ChunkMeta& chunk = it->second;
+  ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
@@ -417,9 +418,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,
                                bool keep_source) {
   absl::MutexLock lock(&mu_);
-  auto it = chunks_.find(id);
-  assert(it != chunks_.end());
-  ChunkMeta& chunk = it->second;
+  ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, checksum.ok());
   if (checksum.ok()) {
     chunk.written = true;

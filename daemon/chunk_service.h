@@ -146,6 +146,8 @@ class ChunkService {
   // chunk, and false is returned.
   bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunk a settling move belongs to.
+  ChunkMeta& Moving(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the chunk moving to `to` as part of the batch.
   void BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
