@@ -4,18 +4,22 @@
 #include <grp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/unique_fd.h"
 #include "common/unix_socket.h"
 
 extern char** environ;
@@ -49,6 +53,17 @@ std::string ReadFile(const std::string& path) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
+}
+
+// True once a listener accepts on the socket: the gRPC socket's file exists from bind(), a moment
+// before listen(), and a client connecting in between is refused.
+bool AcceptsStreamConnections(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  return fd && connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
 }
 
 }  // namespace
@@ -87,7 +102,7 @@ absl::Status DaemonProcess::Launch() {
           absl::StrCat("tierd exited during start-up (status ", ExitCode(status), "): ", Log()));
     }
     if (ConnectSeqpacket(dir_ + "/tierd.session.sock").ok() &&
-        std::filesystem::exists(dir_ + "/tierd.sock")) {
+        AcceptsStreamConnections(dir_ + "/tierd.sock")) {
       return absl::OkStatus();
     }
     absl::SleepFor(absl::Milliseconds(20));
