@@ -213,6 +213,23 @@ tierd_status tierd_device_info(tierd_client* client, char* uuid, size_t uuid_len
   });
 }
 
+tierd_status tierd_cuda_device(tierd_client* client, int* ordinal) {
+  if (client == nullptr || ordinal == nullptr) return Invalid("tierd_cuda_device: NULL argument");
+  return Guard([&] {
+    absl::StatusOr<int> device = client->client->CudaDevice();
+    if (!device.ok()) return Fail(device.status());
+    *ordinal = *device;
+    return TIERD_OK;
+  });
+}
+
+tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion, uint64_t stream) {
+  if (client == nullptr) return Invalid("tierd_stream_wait: NULL client");
+  return Guard([&] {
+    return Done(client->client->StreamWait(Token(completion), static_cast<uintptr_t>(stream)));
+  });
+}
+
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {
   if (client == nullptr || out == nullptr) return Invalid("tierd_tier_usage_get: NULL argument");
   return Guard([&] {

@@ -1,15 +1,20 @@
 #include "tierd/client.hpp"
 
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "client/cuda_session.h"
 #include "common/completion_page.h"
 #include "common/cuda_driver.h"
 #include "common/session_protocol.h"
@@ -45,6 +50,7 @@ class Mapping {
   }
   ~Mapping() { Reset(); }
   void* base() const { return base_; }
+  size_t size() const { return size_; }
 
   static absl::StatusOr<Mapping> Map(int fd, size_t size, absl::string_view what) {
     void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -61,102 +67,14 @@ class Mapping {
   size_t size_ = 0;
 };
 
-#ifdef TIERD_HAVE_CUDA
-// A device pool segment imported on this process's GPU: the daemon's VMM allocation, received as
-// a POSIX fd, mapped into this process's device address space on the GPU with the given UUID
-// (whatever its ordinal here under CUDA_VISIBLE_DEVICES).
-class DeviceImport {
- public:
-  static absl::StatusOr<std::unique_ptr<DeviceImport>> Import(int fd, uint64_t size,
-                                                              absl::string_view uuid) {
-    absl::StatusOr<const CudaDriver*> driver = CudaDriver::Get();
-    if (!driver.ok()) return driver.status();
-    const CudaDriver* d = *driver;
-    int count = 0;
-    if (auto s = d->Check(d->cuDeviceGetCount(&count), "cuDeviceGetCount"); !s.ok()) return s;
-    for (int i = 0; i < count; ++i) {
-      CUdevice dev;
-      CUuuid id{};
-      if (d->cuDeviceGet(&dev, i) != CUDA_SUCCESS || d->cuDeviceGetUuid(&id, dev) != CUDA_SUCCESS) {
-        continue;
-      }
-      const auto* b = reinterpret_cast<const unsigned char*>(id.bytes);
-      const std::string name = absl::StrFormat(
-          "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
-          b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
-      if (name != uuid) continue;
-      auto imp = std::unique_ptr<DeviceImport>(new DeviceImport(d, dev, size));
-      if (auto s =
-              d->Check(d->cuDevicePrimaryCtxRetain(&imp->ctx_, dev), "cuDevicePrimaryCtxRetain");
-          !s.ok()) {
-        return s;
-      }
-      d->cuCtxSetCurrent(imp->ctx_);
-      if (auto s = d->Check(d->cuMemImportFromShareableHandle(
-                                &imp->handle_, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                            "cuMemImportFromShareableHandle");
-          !s.ok()) {
-        return s;
-      }
-      if (auto s =
-              d->Check(d->cuMemAddressReserve(&imp->ptr_, size, 0, 0, 0), "cuMemAddressReserve");
-          !s.ok()) {
-        return s;
-      }
-      if (auto s = d->Check(d->cuMemMap(imp->ptr_, size, 0, imp->handle_, 0), "cuMemMap");
-          !s.ok()) {
-        return s;
-      }
-      imp->mapped_ = true;
-      CUmemAccessDesc access{};
-      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      access.location.id = dev;
-      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      if (auto s = d->Check(d->cuMemSetAccess(imp->ptr_, size, &access, 1), "cuMemSetAccess");
-          !s.ok()) {
-        return s;
-      }
-      return imp;
-    }
-    return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not visible to this process (",
-                                            count, " GPUs visible; check CUDA_VISIBLE_DEVICES)"));
-  }
-  ~DeviceImport() {
-    if (ctx_ != nullptr) d_->cuCtxSetCurrent(ctx_);
-    if (mapped_) d_->cuMemUnmap(ptr_, size_);
-    if (ptr_ != 0) d_->cuMemAddressFree(ptr_, size_);
-    if (handle_ != 0) d_->cuMemRelease(handle_);
-    if (ctx_ != nullptr) d_->cuDevicePrimaryCtxRelease(dev_);
-  }
-  char* base() const { return reinterpret_cast<char*>(ptr_); }
-
- private:
-  DeviceImport(const CudaDriver* d, CUdevice dev, uint64_t size) : d_(d), dev_(dev), size_(size) {}
-  const CudaDriver* d_;
-  CUdevice dev_;
-  uint64_t size_;
-  CUcontext ctx_ = nullptr;
-  CUmemGenericAllocationHandle handle_ = 0;
-  CUdeviceptr ptr_ = 0;
-  bool mapped_ = false;
-};
-#else
-class DeviceImport {
- public:
-  static absl::StatusOr<std::unique_ptr<DeviceImport>> Import(int, uint64_t, absl::string_view) {
-    return absl::FailedPreconditionError(
-        "this client library was built without CUDA and cannot import GPU memory");
-  }
-  char* base() const { return nullptr; }
-};
-#endif
-
-// A segment this process has mapped: host memory (host tier, emulated device) or GPU memory.
+// A segment this process has mapped: host memory (host tier, emulated device), registered with
+// CUDA once this process uses the GPU, or GPU memory. Members are destroyed in reverse order: the
+// registration goes before the mapping it covers.
 struct MappedSegment {
   uint64_t generation = 0;
   Mapping mapping;
-  std::unique_ptr<DeviceImport> device;
+  client_internal::HostRegistration registration;
+  std::unique_ptr<client_internal::DeviceMapping> device;
   bool host_accessible = true;
   char* base() const { return device ? device->base() : static_cast<char*>(mapping.base()); }
 };
@@ -200,6 +118,8 @@ void AddIds(Repeated* out, std::span<const ChunkId> ids) {
 }  // namespace
 
 struct Client::Impl {
+  ~Impl() { StopWatcher(); }
+
   ClientOptions options;
   UniqueFd session_socket;
   uint64_t session_id = 0;
@@ -210,9 +130,107 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::Tierd::Stub> stub;
 
+  // Watches the session socket: when the daemon goes away, fails this session's pending requests
+  // so that no host wait and no GPU stream wait on them blocks forever.
+  std::thread watcher;
+  UniqueFd watcher_stop;  // eventfd
+  std::atomic<bool> daemon_gone{false};
+
   absl::Mutex socket_mu;  // one request/reply on the session socket at a time
   absl::Mutex segments_mu;
+  // Declared before `segments`: destroyed after the registrations and mappings that use it.
+  std::unique_ptr<client_internal::CudaSession> cuda ABSL_GUARDED_BY(segments_mu);
+  client_internal::HostRegistration page_registration ABSL_GUARDED_BY(segments_mu);
   absl::flat_hash_map<uint64_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
+
+  absl::Status StartWatcher() {
+    int fd = eventfd(0, EFD_CLOEXEC);
+    if (fd < 0) return absl::ErrnoToStatus(errno, "eventfd");
+    watcher_stop = UniqueFd(fd);
+    watcher = std::thread([this] { Watch(); });
+    return absl::OkStatus();
+  }
+
+  void StopWatcher() {
+    if (!watcher.joinable()) return;
+    const uint64_t one = 1;
+    (void)!write(watcher_stop.get(), &one, sizeof(one));
+    watcher.join();
+  }
+
+  void Watch() {
+    pollfd fds[2] = {{session_socket.get(), 0, 0}, {watcher_stop.get(), POLLIN, 0}};
+    for (;;) {
+      if (poll(fds, 2, -1) < 0) {
+        if (errno == EINTR) continue;
+        return;
+      }
+      if (fds[1].revents != 0) return;
+      if ((fds[0].revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
+        FailPendingRequests();
+        return;
+      }
+    }
+  }
+
+  // The daemon closed the session: completes every pending slot as failed (UNAVAILABLE) and wakes
+  // its waiters. A GPU stream waiting on the slot's word is released too; its work runs on data
+  // that never arrived, and the request's status says so.
+  void FailPendingRequests() {
+    daemon_gone.store(true, std::memory_order_release);
+    uint32_t failed = 0;
+    for (uint32_t i = 0; i < kCompletionSlots; ++i) {
+      CompletionSlot& slot = page->slots[i];
+      uint32_t word = slot.word.load(std::memory_order_acquire);
+      if (SlotStateOf(word) != SlotState::kPending) continue;
+      const SlotToken token{i, SlotSequence(word)};
+      slot.code.store(static_cast<int32_t>(absl::StatusCode::kUnavailable),
+                      std::memory_order_relaxed);
+      RecordError(*page, failed++, token,
+                  "the tierd daemon went away before this request completed (the session socket "
+                  "closed); reconnect once it is back");
+      if (slot.word.compare_exchange_strong(word, SlotWord(token.sequence, SlotState::kFailed),
+                                            std::memory_order_release)) {
+        FutexWakeAll(&slot.word);
+      }
+    }
+  }
+
+  // Opens the daemon's GPU (by UUID) in this process, registers the completion page for stream
+  // waits and, unless the options say not to, the host segments mapped so far (later ones are
+  // registered as they are mapped).
+  absl::Status OpenCudaLocked(absl::string_view uuid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
+    if (cuda != nullptr) return absl::OkStatus();
+    absl::StatusOr<std::unique_ptr<client_internal::CudaSession>> opened =
+        client_internal::CudaSession::Open(uuid);
+    if (!opened.ok()) return opened.status();
+    absl::StatusOr<client_internal::HostRegistration> page_reg =
+        (*opened)->RegisterHost(page, kCompletionPageBytes);
+    if (!page_reg.ok()) return page_reg.status();
+    if (options.cuda_register_host) {
+      for (auto& [key, segment] : segments) {
+        if (segment.device != nullptr || segment.registration.registered()) continue;
+        if (absl::Status s = RegisterSegment(**opened, key, segment); !s.ok()) return s;
+      }
+    }
+    cuda = std::move(*opened);
+    page_registration = std::move(*page_reg);
+    return absl::OkStatus();
+  }
+
+  static absl::Status RegisterSegment(const client_internal::CudaSession& session, uint64_t key,
+                                      MappedSegment& segment) {
+    absl::StatusOr<client_internal::HostRegistration> reg =
+        session.RegisterHost(segment.mapping.base(), segment.mapping.size());
+    if (!reg.ok()) {
+      return absl::Status(reg.status().code(),
+                          absl::StrCat("registering host segment ", key & 0xffffffffu,
+                                       " with CUDA: ", reg.status().message(),
+                                       " (ClientOptions::cuda_register_host = false skips this)"));
+    }
+    segment.registration = std::move(*reg);
+    return absl::OkStatus();
+  }
 
   // One unary call with the session credential and the deadline.
   template <typename Request, typename Response>
@@ -232,11 +250,13 @@ struct Client::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
     MappedSegment mapped;
     mapped.generation = d.generation;
+    const uint64_t key = SegmentKey(tier, d.segment);
     if (tier == Tier::kDevice && !emulated) {
-      absl::StatusOr<std::unique_ptr<DeviceImport>> imp =
-          DeviceImport::Import(fd.get(), d.size_bytes, device_uuid);
-      if (!imp.ok()) return imp.status();
-      mapped.device = std::move(*imp);
+      if (absl::Status s = OpenCudaLocked(device_uuid); !s.ok()) return s;
+      absl::StatusOr<std::unique_ptr<client_internal::DeviceMapping>> imported =
+          cuda->Import(fd.get(), d.size_bytes);
+      if (!imported.ok()) return imported.status();
+      mapped.device = std::move(*imported);
       mapped.host_accessible = false;
     } else {
       absl::StatusOr<Mapping> m = Mapping::Map(
@@ -244,8 +264,13 @@ struct Client::Impl {
           absl::StrCat(tier == Tier::kHost ? "host" : "device", " segment ", d.segment));
       if (!m.ok()) return m.status();
       mapped.mapping = std::move(*m);
+      if (tier == Tier::kHost && cuda != nullptr && options.cuda_register_host) {
+        if (absl::Status s = RegisterSegment(*cuda, key, mapped); !s.ok()) return s;
+      }
     }
-    segments[SegmentKey(tier, d.segment)] = std::move(mapped);
+    // The old mapping (another generation) goes first, its registration before its memory.
+    segments.erase(key);
+    segments.emplace(key, std::move(mapped));
     return absl::OkStatus();
   }
 
@@ -377,6 +402,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
       grpc::CreateCustomChannel(absl::StrCat("unix:", impl->options.socket_dir, "/tierd.sock"),
                                 grpc::InsecureChannelCredentials(), args);
   impl->stub = pb::Tierd::NewStub(impl->channel);
+  if (absl::Status s = impl->StartWatcher(); !s.ok()) return s;
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -585,6 +611,41 @@ absl::Status Client::Wait(CompletionToken token, absl::Duration timeout) {
   return WaitCompletion(*impl_->page, SlotToken{token.slot, token.sequence}, timeout);
 }
 
+absl::StatusOr<int> Client::CudaDevice() {
+  {
+    absl::MutexLock lock(&impl_->segments_mu);
+    if (impl_->cuda != nullptr) return impl_->cuda->ordinal();
+  }
+  absl::StatusOr<NodeInfo> info = GetNodeInfo();
+  if (!info.ok()) return info.status();
+  if (info->device_uuid.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("the daemon serves no device tier: ", info->device_status));
+  }
+  if (info->device_emulated) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the daemon's device ", info->device_uuid,
+                     " is emulated (host memory standing in for a GPU): there is no CUDA device "
+                     "to use; device-tier pointers are host pointers and waits are host waits"));
+  }
+  absl::MutexLock lock(&impl_->segments_mu);
+  if (absl::Status s = impl_->OpenCudaLocked(info->device_uuid); !s.ok()) return s;
+  return impl_->cuda->ordinal();
+}
+
+absl::Status Client::StreamWait(CompletionToken token, uintptr_t stream) {
+  // A token that is not current would pass the wait at once; say so instead.
+  absl::StatusOr<SlotState> state =
+      PollCompletion(*impl_->page, SlotToken{token.slot, token.sequence});
+  if (!state.ok()) return state.status();
+  absl::StatusOr<int> device = CudaDevice();
+  if (!device.ok()) return device.status();
+  absl::MutexLock lock(&impl_->segments_mu);
+  return impl_->cuda->WaitValue(stream, impl_->page_registration,
+                                &impl_->page->slots[token.slot].word,
+                                SlotDoneValue(token.sequence));
+}
+
 void Client::Abandon(CompletionToken token) {
   if (token.slot >= kCompletionSlots) return;
   impl_->page->slots[token.slot].acked.store(token.sequence, std::memory_order_release);
@@ -623,6 +684,12 @@ absl::Status Completion::Wait(absl::Duration timeout) {
   absl::Status s = client_->Wait(token_, timeout);
   if (!absl::IsDeadlineExceeded(s)) waited_ = true;
   return s;
+}
+
+absl::Status Completion::StreamWait(uintptr_t stream) {
+  if (client_ == nullptr) return absl::FailedPreconditionError("empty Completion");
+  if (waited_) return absl::OkStatus();  // completed: nothing to wait for
+  return client_->StreamWait(token_, stream);
 }
 
 // --- Acquisition ---

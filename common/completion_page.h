@@ -35,6 +35,17 @@ inline constexpr uint32_t SlotSequence(uint32_t word) { return word >> 2; }
 inline constexpr SlotState SlotStateOf(uint32_t word) { return static_cast<SlotState>(word & 3); }
 inline constexpr uint32_t kMaxSlotSequence = (1u << 30) - 1;
 
+// The value a slot's word reaches, in cyclic order, once request `sequence` has completed (ok or
+// failed): (int32_t)(word - SlotDoneValue(sequence)) >= 0 from its completion on, including after
+// the slot moves on to later requests (and after the sequence wraps). False while it is pending.
+// GPU streams wait on this (cuStreamWaitValue32 with CU_STREAM_WAIT_VALUE_GEQ).
+inline constexpr uint32_t SlotDoneValue(uint32_t sequence) {
+  return SlotWord(sequence, SlotState::kOk);
+}
+inline constexpr bool SlotReached(uint32_t word, uint32_t value) {
+  return static_cast<int32_t>(word - value) >= 0;
+}
+
 struct alignas(16) CompletionSlot {
   std::atomic<uint32_t> word;   // written by the daemon
   std::atomic<int32_t> code;    // written by the daemon before a kFailed word

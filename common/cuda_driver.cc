@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace tierd {
 namespace {
@@ -48,6 +49,13 @@ absl::Status CudaDriver::Check(CUresult result, const char* what) const {
                                                        : absl::StatusCode::kInternal;
   return absl::Status(code, absl::StrCat(what, " failed: CUDA error ", static_cast<int>(result),
                                          " (", text != nullptr ? text : "unknown", ")"));
+}
+
+std::string CudaDriver::UuidString(const CUuuid& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                         b[12], b[13], b[14], b[15]);
 }
 
 }  // namespace tierd

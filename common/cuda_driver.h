@@ -27,6 +27,8 @@ struct CudaDriver {
   X(cuDevicePrimaryCtxRetain) \
   X(cuDevicePrimaryCtxRelease) \
   X(cuCtxSetCurrent) \
+  X(cuCtxPushCurrent) \
+  X(cuCtxPopCurrent) \
   X(cuMemGetAllocationGranularity) \
   X(cuMemCreate) \
   X(cuMemRelease) \
@@ -49,6 +51,8 @@ struct CudaDriver {
   X(cuEventDestroy) \
   X(cuMemHostRegister) \
   X(cuMemHostUnregister) \
+  X(cuMemHostGetDevicePointer) \
+  X(cuStreamWaitValue32) \
   X(cuIpcGetEventHandle) \
   X(cuIpcOpenEventHandle)
   // clang-format on
@@ -61,6 +65,9 @@ struct CudaDriver {
 
   // "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
   absl::Status Check(CUresult result, const char* what) const;
+
+  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi -L prints it.
+  static std::string UuidString(const CUuuid& uuid);
 };
 
 }  // namespace tierd

@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "common/cuda_driver.h"
 #include "daemon/device.h"
 #include "daemon/work_queue.h"
@@ -15,13 +14,6 @@ namespace tierd {
 
 #ifdef TIERD_HAVE_CUDA
 namespace {
-
-std::string UuidString(const CUuuid& uuid) {
-  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
-  return absl::StrFormat("GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
-                         b[12], b[13], b[14], b[15]);
-}
 
 // GPU memory for the device pool: one VMM allocation per segment, exported as a POSIX fd (which
 // the client imports with cuMemImportFromShareableHandle; no ptrace rights or same-user
@@ -231,14 +223,14 @@ std::vector<std::unique_ptr<Device>> OpenCudaDevices(std::string* status) {
     d->cuDeviceGetAttribute(&vmm_fd,
                             CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
     if (!vmm_fd) {
-      *status = absl::StrCat(UuidString(uuid), " cannot export memory as fds; skipped");
+      *status = absl::StrCat(CudaDriver::UuidString(uuid), " cannot export memory as fds; skipped");
       continue;
     }
     if (!d->Check(d->cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain").ok()) {
       continue;
     }
     devices.push_back(std::make_unique<CudaDevice>(
-        d, dev, ctx, DeviceDescription{UuidString(uuid), name, memory, false}));
+        d, dev, ctx, DeviceDescription{CudaDriver::UuidString(uuid), name, memory, false}));
   }
   if (devices.empty() && status->empty()) *status = "no GPU found";
   return devices;

@@ -124,6 +124,42 @@ TEST(CompletionTest, ClientScribblingOnTheWordCannotMakeAPendingSlotReusable) {
   EXPECT_EQ(ring->pending(), kCompletionSlots);
 }
 
+// The value GPU streams wait on (cyclic >=) is reached exactly when the request completes, success
+// or failure, and stays reached when the slot moves on to later requests.
+TEST(CompletionTest, DoneValueIsReachedOnCompletionAndStaysReachedAfterReuse) {
+  auto ring = *CompletionRing::Create(1);
+  ClientView view(ring->fd());
+  SlotToken token = *ring->Post();
+  std::atomic<uint32_t>& word = view.page->slots[token.slot].word;
+  EXPECT_FALSE(SlotReached(word.load(), SlotDoneValue(token.sequence)));
+  ring->Complete(token, absl::OkStatus());
+  EXPECT_TRUE(SlotReached(word.load(), SlotDoneValue(token.sequence)));
+  // Acknowledged, the slot is reused; the next request's pending word still passes the old wait.
+  view.page->slots[token.slot].acked.store(token.sequence);
+  SlotToken next{};
+  for (;;) {
+    next = *ring->Post();
+    if (next.slot == token.slot) break;
+    ring->Complete(next, absl::OkStatus());
+    view.page->slots[next.slot].acked.store(next.sequence);
+  }
+  EXPECT_GT(next.sequence, token.sequence);
+  EXPECT_TRUE(SlotReached(word.load(), SlotDoneValue(token.sequence)));
+  EXPECT_FALSE(SlotReached(word.load(), SlotDoneValue(next.sequence)));
+  ring->Complete(next, absl::InternalError("failed"));
+  EXPECT_TRUE(SlotReached(word.load(), SlotDoneValue(next.sequence)));
+}
+
+TEST(CompletionTest, DoneValueComparesAcrossTheSequenceWrap) {
+  const uint32_t last = kMaxSlotSequence;
+  EXPECT_FALSE(SlotReached(SlotWord(last, SlotState::kPending), SlotDoneValue(last)));
+  EXPECT_TRUE(SlotReached(SlotWord(last, SlotState::kOk), SlotDoneValue(last)));
+  EXPECT_TRUE(SlotReached(SlotWord(last, SlotState::kFailed), SlotDoneValue(last)));
+  // After the wrap, sequence 1 comes after kMaxSlotSequence.
+  EXPECT_TRUE(SlotReached(SlotWord(1, SlotState::kPending), SlotDoneValue(last)));
+  EXPECT_FALSE(SlotReached(SlotWord(last, SlotState::kOk), SlotDoneValue(1)));
+}
+
 TEST(CompletionTest, InvalidTokensAreRejected) {
   auto ring = *CompletionRing::Create(1);
   ClientView view(ring->fd());

@@ -483,6 +483,63 @@ TEST_F(EmulatedDeviceTest, KilledClientsDeviceChunksAreReclaimed) {
   EXPECT_EQ(used, 0u);
 }
 
+TEST_F(EmulatedDeviceTest, TheEmulatedDeviceHasNoCudaDeviceOrStreams) {
+  auto c = Connect();
+  auto set = c->Allocate(std::vector<ChunkSpec>(1, ChunkSpec{.size = 1 << 20}));
+  ASSERT_TRUE(set.ok()) << set.status();
+  auto device = c->CudaDevice();
+  EXPECT_TRUE(absl::IsFailedPrecondition(device.status())) << device.status();
+  EXPECT_NE(device.status().message().find("emulated"), std::string::npos) << device.status();
+  auto up = c->Prefetch(set->ids(), Tier::kDevice);
+  ASSERT_TRUE(up.ok());
+  absl::Status s = up->StreamWait(0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_TRUE(up->Wait().ok());  // the request itself is unaffected
+}
+
+TEST_F(DaemonTest, WithoutADeviceTierThereIsNoCudaDevice) {
+  auto c = Connect();
+  auto device = c->CudaDevice();
+  EXPECT_TRUE(absl::IsNotFound(device.status())) << device.status();
+}
+
+// A slow emulated device keeps a prefetch in flight long enough to kill the daemon under it.
+class SlowDeviceTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    std::vector<std::string> args = PoolFlags();
+    args.insert(args.end(), {"--device=emulated", "--device_capacity=64MiB",
+                             "--device_segment_size=16MiB", "--emulated_gbps=0.002"});
+    auto daemon = DaemonProcess::Start({.binary = DaemonBinary(), .args = args});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+  }
+};
+
+TEST_F(SlowDeviceTest, PendingRequestsFailUnavailableWhenTheDaemonDies) {
+  auto c = Connect();
+  auto set = c->Allocate(std::vector<ChunkSpec>(2, ChunkSpec{.size = 16 << 20}));
+  ASSERT_TRUE(set.ok());
+  auto up = c->Prefetch(set->ids(), Tier::kDevice);  // 32 MiB at 2 MB/s: about 16 s
+  ASSERT_TRUE(up.ok());
+  EXPECT_FALSE(up->Ready());
+  // A waiter with no deadline, blocked in the futex when the daemon dies.
+  absl::Status waited;
+  absl::Time returned;
+  std::thread waiter([&] {
+    waited = up->Wait();
+    returned = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time killed = absl::Now();
+  daemon_->Kill();
+  waiter.join();
+  EXPECT_TRUE(absl::IsUnavailable(waited)) << waited;
+  EXPECT_NE(waited.message().find("daemon went away"), std::string::npos) << waited;
+  EXPECT_LT(returned - killed, absl::Seconds(5));
+  daemon_.reset();  // nothing left to stop
+}
+
 TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   std::string out;
   EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--host_capacity=lots"}, &out), 2);

@@ -110,5 +110,80 @@ TEST_F(GpuTest, DataWrittenOnTheGpuSurvivesHostAndNvmeAndComesBack) {
   for (size_t i = 0; i < d->size(); ++i) EXPECT_EQ(Mismatches((*d)[i].data, kSize, 100 + i), 0u);
 }
 
+TEST_F(GpuTest, CudaDeviceIsTheDaemonsGpuByUuid) {
+  auto ordinal = client_->CudaDevice();
+  ASSERT_TRUE(ordinal.ok()) << ordinal.status();
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, *ordinal), cudaSuccess);
+  char uuid[64];
+  const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+  snprintf(uuid, sizeof(uuid),
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+           b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+           b[15]);
+  EXPECT_EQ(client_->GetNodeInfo()->device_uuid, uuid);
+}
+
+TEST_F(GpuTest, HostChunksAreRegisteredWithCudaOnceTheGpuIsInUse) {
+  auto set = client_->Allocate(std::vector<ChunkSpec>(1, ChunkSpec{.size = 4 << 20}));
+  ASSERT_TRUE(set.ok());
+  ASSERT_TRUE(client_->CudaDevice().ok());
+  auto h = client_->Acquire(set->ids(), Tier::kHost, AccessMode::kWrite);
+  ASSERT_TRUE(h.ok());
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, (*h)[0].data), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeHost);  // page-locked: DMA, not a staged copy
+  // A copy from it to the GPU runs as DMA and carries the bytes.
+  std::memset((*h)[0].data, 0x5A, 4 << 20);
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, 4 << 20), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(dev, (*h)[0].data, 4 << 20, cudaMemcpyHostToDevice, stream_),
+            cudaSuccess);
+  unsigned char back = 0;
+  ASSERT_EQ(
+      cudaMemcpyAsync(&back, static_cast<char*>(dev) + 12345, 1, cudaMemcpyDeviceToHost, stream_),
+      cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  EXPECT_EQ(back, 0x5A);
+  cudaFree(dev);
+}
+
+// The stream waits for the prefetch in the GPU, not on the host: the kernel is enqueued while the
+// chunks are still being read from NVMe and still sees every byte.
+TEST_F(GpuTest, KernelsEnqueuedAfterAStreamWaitSeeThePrefetchedData) {
+  constexpr uint64_t kSize = 128 << 20;
+  auto set = client_->Allocate(std::vector<ChunkSpec>(2, ChunkSpec{.size = kSize}));
+  ASSERT_TRUE(set.ok());
+  auto up = client_->Prefetch(set->ids(), Tier::kDevice);
+  ASSERT_TRUE(up.ok() && up->Wait().ok());
+  {
+    auto d = client_->Acquire(set->ids(), Tier::kDevice, AccessMode::kWrite);
+    ASSERT_TRUE(d.ok());
+    for (size_t i = 0; i < d->size(); ++i) {
+      ASSERT_EQ(kernels::FillPattern((*d)[i].data, kSize, 7 + i, stream_), cudaSuccess);
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  }
+  auto down = client_->Evict(set->ids(), Tier::kNvme);
+  ASSERT_TRUE(down.ok() && down->Wait().ok());
+  auto back = client_->Prefetch(set->ids(), Tier::kDevice);
+  ASSERT_TRUE(back.ok());
+  auto d = client_->Acquire(set->ids(), Tier::kDevice, AccessMode::kRead);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(d->StreamWait(reinterpret_cast<uintptr_t>(stream_)).ok());
+  const bool pending_when_enqueued = !d->Ready();
+  cudaMemsetAsync(mismatches_, 0, sizeof(unsigned long long), stream_);
+  for (size_t i = 0; i < d->size(); ++i) {
+    ASSERT_EQ(kernels::CountMismatches((*d)[i].data, kSize, 7 + i, mismatches_, stream_),
+              cudaSuccess);
+  }
+  unsigned long long n = ~0ull;
+  cudaMemcpyAsync(&n, mismatches_, sizeof(n), cudaMemcpyDeviceToHost, stream_);
+  ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+  EXPECT_EQ(n, 0u);
+  EXPECT_TRUE(d->Wait().ok());
+  RecordProperty("pending_when_enqueued", pending_when_enqueued ? 1 : 0);
+}
+
 }  // namespace
 }  // namespace tierd

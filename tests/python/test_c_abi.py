@@ -52,6 +52,8 @@ def load_library():
     lib.tierd_chunk_count.argtypes = [p, u64p]
     lib.tierd_device_info.argtypes = [p, ctypes.c_char_p, ctypes.c_size_t,
                                       ctypes.POINTER(ctypes.c_int), u64p]
+    lib.tierd_cuda_device.argtypes = [p, ctypes.POINTER(ctypes.c_int)]
+    lib.tierd_stream_wait.argtypes = [p, Completion, ctypes.c_uint64]
     return lib
 
 
@@ -221,4 +223,19 @@ def test_device_tier_pointers_from_python(lib, client):
                              ctypes.byref(ready)) == OK
     assert ctypes.string_at(ptrs[0], 1 << 20) == b"\x7e" * (1 << 20)
     assert lib.tierd_release(client, 1, ids) == OK
+    assert lib.tierd_free(client, 1, ids) == OK
+
+
+def test_emulated_device_has_no_cuda_ordinal_or_stream_waits(lib, client):
+    ordinal = ctypes.c_int(-1)
+    assert lib.tierd_cuda_device(client, ctypes.byref(ordinal)) == FAILED_PRECONDITION
+    assert b"emulated" in lib.tierd_last_error()
+    assert ordinal.value == -1
+    sizes = (ctypes.c_uint64 * 1)(1 << 20)
+    ids = (ctypes.c_uint64 * 1)()
+    assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == OK
+    done = Completion()
+    assert lib.tierd_prefetch(client, 1, ids, TIER_DEVICE, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_stream_wait(client, done, 0) == FAILED_PRECONDITION
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
     assert lib.tierd_free(client, 1, ids) == OK

@@ -84,8 +84,10 @@ tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64
                                   tierd_chunk_id* out_id);
 tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 
-/* Pins n chunks in tier. out_ptrs[i] receives the host address of chunk i (NULL for other tiers),
- * out_sizes[i] (may be NULL) its usable size; out_ready the token to wait on before use. */
+/* Pins n chunks in tier. out_ptrs[i] receives chunk i's address in this process: a host address
+ * (host tier, emulated device) or a CUDA device pointer on the daemon's GPU (device tier; see
+ * tierd_cuda_device), NULL on NVMe; out_sizes[i] (may be NULL) its usable size; out_ready the
+ * token to wait on (or tierd_stream_wait on) before use. */
 tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                            int access, void** out_ptrs, uint64_t* out_sizes,
                            tierd_completion* out_ready);
@@ -108,6 +110,16 @@ tierd_status tierd_wait(tierd_client* client, tierd_completion completion, int64
  * are then host pointers), and its memory. TIERD_NOT_FOUND when the node has no device tier. */
 tierd_status tierd_device_info(tierd_client* client, char* uuid, size_t uuid_len, int* emulated,
                                uint64_t* memory_bytes);
+
+/* The daemon's GPU as this process sees it: *ordinal receives its CUDA ordinal here (for
+ * cudaSetDevice or torch.device("cuda", n)). Opens the GPU's primary context and, once, registers
+ * this client's host segments with CUDA. TIERD_FAILED_PRECONDITION with the emulated device,
+ * TIERD_NOT_FOUND without a device tier or when this process cannot see that GPU. */
+tierd_status tierd_cuda_device(tierd_client* client, int* ordinal);
+/* Enqueues on a CUDA stream (a cudaStream_t / CUstream as an integer, 0 for the legacy default
+ * stream) a wait for the request's completion; work enqueued after it runs once the request is
+ * done. Does not block. The wait also ends when the request fails: check tierd_poll/tierd_wait. */
+tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion, uint64_t stream);
 
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);

@@ -32,6 +32,11 @@ struct ClientOptions {
   std::string client_name;
   // Deadline of each RPC.
   absl::Duration rpc_timeout = absl::Seconds(60);
+  // Once this process uses the daemon's GPU through the client (device-tier chunks, StreamWait,
+  // CudaDevice), register the host segments it maps with CUDA (page-locked and mapped for the
+  // device, as cudaHostRegister does), so that its own copies between host-tier chunks and the GPU
+  // run at full PCIe speed. Registering takes time once per segment (milliseconds per GiB).
+  bool cuda_register_host = true;
 };
 
 struct ChunkSpec {
@@ -128,6 +133,9 @@ class Completion {
 
   bool Ready() const;
   absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration());
+  // Orders work on a CUDA stream after this request (Client::StreamWait); the token stays
+  // waitable on the host for its status.
+  absl::Status StreamWait(uintptr_t stream);
   CompletionToken token() const { return token_; }
 
  private:
@@ -152,6 +160,8 @@ class Acquisition {
   absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) {
     return ready_.Wait(timeout);
   }
+  // Work enqueued on `stream` after this call runs once the chunks are ready (no host wait).
+  absl::Status StreamWait(uintptr_t stream) { return ready_.StreamWait(stream); }
   // Releases now and reports the outcome (the destructor can only log it).
   absl::Status Release();
 
@@ -226,6 +236,21 @@ class Client {
   absl::Status Wait(CompletionToken token, absl::Duration timeout = absl::InfiniteDuration());
   // Acknowledges a token without waiting: the daemon may reuse its slot once it completes.
   void Abandon(CompletionToken token);
+  // If the daemon goes away (its session socket closes), every pending request of this session
+  // completes with UNAVAILABLE, so that no wait on it, host or GPU, blocks forever.
+
+  // --- the daemon's GPU in this process ---
+  // Opens the daemon's GPU through CUDA (found by UUID; its primary context, the one the CUDA
+  // runtime and PyTorch use) and returns its ordinal in this process, for cudaSetDevice or
+  // torch.device("cuda", n). FAILED_PRECONDITION with the emulated device (there is no GPU),
+  // NOT_FOUND without a device tier or when this process cannot see that GPU.
+  absl::StatusOr<int> CudaDevice();
+  // Enqueues on `stream` (a cudaStream_t / CUstream as an integer; 0 is the legacy default stream)
+  // a wait for the request's completion, without blocking this thread: kernels enqueued after it
+  // run once the daemon has finished the request (cuStreamWaitValue32 on the request's completion
+  // word, which this process maps). The wait ends on failure too (and when the daemon goes away):
+  // check the status on the host (Poll or Wait) before trusting what the kernels computed.
+  absl::Status StreamWait(CompletionToken token, uintptr_t stream);
 
   struct Impl;
 
