@@ -22,7 +22,14 @@ absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier) {
 
 void Pin(ChunkMeta& chunk, TierKind tier, Access access) {
   assert(CheckPin(chunk, tier).ok());
-  chunk.pins += 1;
+  Hold(chunk);
+  ApplyAccess(chunk, tier, access);
+}
+
+void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
+
+void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {
+  assert(CheckPin(chunk, tier).ok());
   if (access == Access::kWrite) {
     chunk.resident = TierSet();
     chunk.resident.insert(tier);

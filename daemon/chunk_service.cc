@@ -74,7 +74,11 @@ struct ChunkService::Batch {
       if (--remaining > 0) return;
       result = status;
     }
-    session->completions->Complete(token, result);
+    if (session != nullptr) session->completions->Complete(token, result);
+  }
+  absl::Status Status() {
+    absl::MutexLock lock(&mu);
+    return status;
   }
 };
 
@@ -184,6 +188,106 @@ absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant
 void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
   for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
     if (Rank(above) > Rank(tier) && chunk.allocated.contains(above)) DropCopy(chunk, above);
+  }
+}
+
+absl::Status ChunkService::CheckFetchable(const ChunkMeta& chunk, TierKind tier) const {
+  if (chunk.resident.empty()) {
+    return absl::DataLossError(absl::StrCat("chunk ", chunk.id, " has no valid copy in any tier"));
+  }
+  const bool from_device =
+      !chunk.resident.contains(TierKind::kHost) && chunk.resident.contains(TierKind::kDevice);
+  if (from_device && chunk.pins > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, " is acquired on the device; release it before copying it out"));
+  }
+  if (!from_device && !chunk.resident.contains(TierKind::kHost) && nvme_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, ": this daemon has no data path into the ", TierName(tier), " tier"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier) {
+  // The moves report to a batch; this one only catches a start that fails (no space). Whoever
+  // waits for the chunk is a Waiter, woken when the move settles.
+  auto start = std::make_shared<Batch>();
+  if (tier == TierKind::kDevice) {
+    StartToDevice(chunk, start);
+  } else if (chunk.resident.contains(TierKind::kDevice) &&
+             !chunk.resident.contains(TierKind::kNvme)) {
+    StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true);
+  } else {
+    StartRead(chunk, start);
+  }
+  absl::Status started = start->Status();
+  if (chunk.state != ChunkState::kMoving && started.ok()) {
+    started = absl::InternalError(absl::StrCat("chunk ", chunk.id, ": no move into the ",
+                                               TierName(tier), " tier could start"));
+  }
+  start->Done(absl::OkStatus());  // the issuer's reference
+  return started;
+}
+
+absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
+  if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
+  if (chunk.state == ChunkState::kMoving) {
+    if (chunk.moving_to == tier) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("chunk ", chunk.id, " is being moved to the ", TierName(chunk.moving_to),
+                     " tier; acquire it in the ", TierName(tier), " tier once that completes"));
+  }
+  return CheckFetchable(chunk, tier);
+}
+
+void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                           SessionId session, std::optional<Access> pin) {
+  if (chunk.state == ChunkState::kReady && chunk.resident.contains(tier)) {
+    if (pin) ApplyAccess(chunk, tier, *pin);
+    return;
+  }
+  batch->Add();
+  waiters_[chunk.id].push_back(Waiter{batch, session, tier, pin, absl::Now()});
+  if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
+  if (absl::Status s = StartFetch(chunk, tier); !s.ok()) {
+    // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
+    std::vector<Waiter>& w = waiters_[chunk.id];
+    w.pop_back();
+    if (w.empty()) waiters_.erase(chunk.id);
+    batch->Done(s);
+  }
+}
+
+void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
+  if (chunk.state != ChunkState::kReady) return;  // a chained move is still on its way
+  auto it = waiters_.find(chunk.id);
+  if (it == waiters_.end()) return;
+  std::vector<Waiter> waiting = std::move(it->second);
+  waiters_.erase(it);
+  const absl::Time now = absl::Now();
+  for (Waiter& w : waiting) {
+    if (chunk.resident.contains(w.tier)) {
+      if (w.pin) {
+        ApplyAccess(chunk, w.tier, *w.pin);
+        if (auto state = sessions_.find(w.session); state != sessions_.end()) {
+          state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
+        }
+      }
+      w.batch->Done(absl::OkStatus());
+    } else if (!moved.ok()) {
+      w.batch->Done(absl::Status(moved.code(),
+                                 absl::StrCat("chunk ", chunk.id, " could not be brought into the ",
+                                              TierName(w.tier), " tier: ", moved.message())));
+    } else if (absl::Status s = CheckFetchable(chunk, w.tier); !s.ok()) {
+      w.batch->Done(s);
+    } else {
+      // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
+      if (absl::Status f = StartFetch(chunk, w.tier); !f.ok()) {
+        w.batch->Done(f);
+      } else {
+        waiters_[chunk.id].push_back(std::move(w));
+      }
+    }
   }
 }
 
@@ -314,6 +418,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
   chunk.last_use = ++use_clock_;
+  WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
 }
 
@@ -346,6 +451,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   } else if (!keep_source && chunk.pins == 0) {
     DropCopy(chunk, TierKind::kDevice);
   }
+  WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
 }
 
@@ -376,6 +482,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
   chunk.last_use = ++use_clock_;
+  WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
 }
 
@@ -426,6 +533,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
+  WakeWaiters(chunk, checksum.status());
   if (chunk.doomed) Destroy(chunk);
 }
 
@@ -598,24 +706,39 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   if (session.ended) return Ended(session);
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
+  bool all_ready = true;
   for (const ChunkMeta* chunk : *chunks) {
-    if (absl::Status s = CheckPin(*chunk, tier); !s.ok()) return s;
+    if (CheckPin(*chunk, tier).ok()) continue;
+    all_ready = false;
+    if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
   }
-  // Every copy is resident, so the batch is ready now. (Acquire of a chunk still in transit will
-  // post a pending token that the transfer completes.)
-  absl::StatusOr<SlotToken> token = session.completions->PostCompleted(absl::OkStatus());
-  if (!token.ok()) return token.status();
+  std::shared_ptr<Batch> batch;
+  if (all_ready) {
+    absl::StatusOr<SlotToken> token = session.completions->PostCompleted(absl::OkStatus());
+    if (!token.ok()) return token.status();
+    batch = std::make_shared<Batch>();
+    batch->token = *token;
+  } else {
+    absl::StatusOr<std::shared_ptr<Batch>> b = NewBatch(session);
+    if (!b.ok()) return b.status();
+    batch = std::move(*b);
+  }
 
   AcquireResult result;
-  result.ready = *token;
+  result.ready = batch->token;
   result.locations.reserve(ids.size());
   SessionState& state = sessions_[session.id];
   for (ChunkMeta* chunk : *chunks) {
-    Pin(*chunk, tier, access);
+    Hold(*chunk);
     chunk->last_use = ++use_clock_;
     state.pins[chunk->id] += 1;
+    ++(CheckPin(*chunk, tier).ok() ? state.stats.ready : state.stats.waited);
+    BringIn(*chunk, tier, batch, session.id, access);
+    // Final even for a chunk still on its way: its space in `tier` is reserved when its move
+    // starts.
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
   }
+  batch->Done(absl::OkStatus());  // the issuer's reference
   return result;
 }
 
@@ -652,39 +775,14 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
-    if (chunk->state == ChunkState::kMoving) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
-    }
-    if (chunk->resident.contains(tier)) continue;
-    if (chunk->resident.empty()) {
-      return absl::DataLossError(
-          absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"));
-    }
-    const bool from_device =
-        !chunk->resident.contains(TierKind::kHost) && chunk->resident.contains(TierKind::kDevice);
-    if (from_device && chunk->pins > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "chunk ", chunk->id, " is acquired on the device; release it before copying it out"));
-    }
-    if (!from_device && !chunk->resident.contains(TierKind::kHost) && nvme_ == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id,
-                                                        ": this daemon has no data path into the ",
-                                                        TierName(tier), " tier"));
-    }
+    if (chunk->resident.contains(tier) || chunk->state == ChunkState::kMoving) continue;
+    if (absl::Status s = CheckFetchable(*chunk, tier); !s.ok()) return s;
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
   for (ChunkMeta* chunk : *chunks) {
-    if (chunk->resident.contains(tier)) continue;
-    if (tier == TierKind::kDevice) {
-      StartToDevice(*chunk, *batch);
-    } else if (chunk->resident.contains(TierKind::kDevice) &&
-               !chunk->resident.contains(TierKind::kNvme)) {
-      StartToHost(*chunk, *batch, /*then_nvme=*/false, /*keep_source=*/true);
-    } else {
-      StartRead(*chunk, *batch);
-    }
+    // A chunk on its way anywhere is waited for, then fetched if it did not land in `tier`.
+    BringIn(*chunk, tier, *batch, session.id, std::nullopt);
   }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());  // the issuer's reference
@@ -805,6 +903,10 @@ size_t ChunkService::CloseSession(const Session& session) {
   SessionState state = std::move(it->second);
   sessions_.erase(it);
   for (const auto& [id, count] : state.pins) {
+    if (auto w = waiters_.find(id); w != waiters_.end()) {
+      std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
+      if (w->second.empty()) waiters_.erase(w);
+    }
     ChunkMeta& chunk = chunks_.at(id);
     for (uint32_t i = 0; i < count; ++i) Unpin(chunk);
   }
@@ -826,6 +928,12 @@ size_t ChunkService::CloseSession(const Session& session) {
     }
   }
   return freed;
+}
+
+AcquireStats ChunkService::acquire_stats(const Session& session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session.id);
+  return it == sessions_.end() ? AcquireStats{} : it->second.stats;
 }
 
 size_t ChunkService::chunk_count() const {

@@ -20,6 +20,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/completion_page.h"
 #include "daemon/chunk.h"
 #include "daemon/nvme_index.h"
@@ -39,7 +40,15 @@ struct ChunkRequest {
 
 struct AcquireResult {
   std::vector<Placement> locations;  // in request order
-  SlotToken ready;
+  SlotToken ready;                   // completes when every chunk is there
+};
+
+// What a session's acquisitions cost it: how many found their chunks in place, how many waited,
+// and for how long, by the tier they waited for.
+struct AcquireStats {
+  uint64_t ready = 0;   // chunks resident when acquired
+  uint64_t waited = 0;  // chunks that had to be brought in (or were on their way)
+  std::array<absl::Duration, kTierKinds> stall{};
 };
 
 struct ChunkPage {
@@ -77,6 +86,8 @@ class ChunkService {
   absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
                                                 std::span<const ChunkRequest> requests);
   absl::Status Free(const Session& session, std::span<const ChunkId> ids);
+  // Pins the chunks in `tier`. Chunks not there yet are brought in (or, on their way, waited
+  // for): the locations are final at once, and `ready` completes when the last one has arrived.
   absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
                                         TierKind tier, Access access);
   absl::Status Release(const Session& session, std::span<const ChunkId> ids);
@@ -92,6 +103,7 @@ class ChunkService {
   // ones. Returns the number of chunks freed.
   size_t CloseSession(const Session& session);
 
+  AcquireStats acquire_stats(const Session& session) const;
   size_t chunk_count() const;
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
@@ -99,6 +111,7 @@ class ChunkService {
   struct SessionState {
     std::set<ChunkId> owned;                      // non-persistent and opened persistent
     absl::flat_hash_map<ChunkId, uint32_t> pins;  // chunk -> Acquire count
+    AcquireStats stats;
   };
 
   // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
@@ -115,6 +128,31 @@ class ChunkService {
 
   // Asynchronous moves. A Batch completes its token when its last chunk settles.
   struct Batch;
+  // A request waiting for its chunk to arrive in `tier` (or for a move in the way to settle). An
+  // Acquire's waiter holds its pin meanwhile and applies its access on arrival.
+  struct Waiter {
+    std::shared_ptr<Batch> batch;
+    SessionId session;
+    TierKind tier;
+    std::optional<Access> pin;
+    absl::Time since;
+  };
+  // Why the chunk cannot be brought into `tier` (no copy, pinned on the device, no data path).
+  absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why Acquire cannot pin the chunk in `tier` with a final location now: it is on its way to
+  // another tier where it has no copy, or it cannot be fetched.
+  absl::Status CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Has `batch` follow the chunk into `tier`: nothing when it is there and ready, a wait when it
+  // is moving, a fetch otherwise. With `pin`, applies the access once it is there.
+  void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+               SessionId session, std::optional<Access> pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space).
+  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
+  // for those whose tier it did not fill).
+  void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
   // copy unless keep_source.
   void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
@@ -167,6 +205,8 @@ class ChunkService {
   absl::flat_hash_map<std::string, ChunkId> names_ ABSL_GUARDED_BY(mu_);  // "uid/name" -> id
   absl::flat_hash_map<uint32_t, std::set<ChunkId>> persistent_ ABSL_GUARDED_BY(mu_);  // by tenant
   absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
+  // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
+  absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tierd

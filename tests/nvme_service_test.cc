@@ -102,6 +102,10 @@ class NvmeServiceTest : public ::testing::Test {
       ADD_FAILURE() << a.status();
       return false;
     }
+    if (absl::Status ready = Wait(s, a->ready); !ready.ok()) {
+      ADD_FAILURE() << ready;
+      return false;
+    }
     bool ok = true;
     for (size_t i = 0; i < ids.size() && ok; ++i) {
       const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[i]));
@@ -135,8 +139,6 @@ TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   auto stat = *service_->Stat(*session_, ids);
   EXPECT_FALSE(stat[1].resident.contains(TierKind::kHost));
   EXPECT_TRUE(stat[1].resident.contains(TierKind::kNvme));
-  EXPECT_TRUE(absl::IsFailedPrecondition(
-      service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead).status()));
 
   ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
   EXPECT_EQ(host_->Usage().used_bytes, host_used);
@@ -144,6 +146,105 @@ TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   // Writes went through registered buffers, split into 128 KiB I/Os, then synced.
   EXPECT_GE(faults_->seen(IoKind::kWrite), (4u << 20) / (128 << 10));
   EXPECT_GE(faults_->seen(IoKind::kSync), 2u);
+}
+
+TEST_F(NvmeServiceTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreThere) {
+  const std::vector<uint64_t> sizes = {1 << 20, 2 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 5);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  faults_->SetDelay(absl::Milliseconds(20));
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*PollCompletion(*pages_.at(session_->id), a->ready), SlotState::kPending);
+  ASSERT_TRUE(Wait(*session_, a->ready).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  // The locations handed out before the data arrived are where it arrived.
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[i]));
+    for (size_t j = 0; j < sizes[i] / 8; j += 511) ASSERT_EQ(w[j], Word(5, ids[i], j));
+  }
+  AcquireStats stats = service_->acquire_stats(*session_);
+  EXPECT_EQ(stats.waited, 2u);
+  EXPECT_GE(stats.stall[static_cast<int>(TierKind::kHost)], absl::Milliseconds(20));
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+}
+
+TEST_F(NvmeServiceTest, AcquireJoinsAPrefetchInFlightInsteadOfReadingTwice) {
+  const std::vector<uint64_t> sizes = {4 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 6);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  faults_->SetDelay(absl::Milliseconds(5));
+  const uint64_t reads = faults_->seen(IoKind::kRead);
+  auto prefetch = service_->Prefetch(*session_, ids, TierKind::kHost, 0);
+  ASSERT_TRUE(prefetch.ok());
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto again = service_->Prefetch(*session_, ids, TierKind::kHost, 0);  // also joins
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(Wait(*session_, *prefetch).ok());
+  EXPECT_TRUE(Wait(*session_, a->ready).ok());
+  EXPECT_TRUE(Wait(*session_, *again).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_EQ(faults_->seen(IoKind::kRead) - reads, (4u << 20) / (128 << 10));  // one read
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  EXPECT_TRUE(Check(*session_, ids, 6, sizes));
+}
+
+// A write-back in flight (the host copy kept) and an Acquire for write: the write waits until the
+// copy being written out is no longer read, then makes the host copy the only valid one.
+TEST_F(NvmeServiceTest, AcquireForWriteWaitsForAWriteBackOfTheSameCopy) {
+  const std::vector<uint64_t> sizes = {2 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 7);
+  faults_->SetDelay(absl::Milliseconds(5));
+  auto flush = service_->Prefetch(*session_, ids, TierKind::kNvme, 0);  // write back, keep host
+  ASSERT_TRUE(flush.ok());
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kWrite);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*PollCompletion(*pages_.at(session_->id), a->ready), SlotState::kPending);
+  ASSERT_TRUE(Wait(*session_, *flush).ok());
+  ASSERT_TRUE(Wait(*session_, a->ready).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kNvme));  // about to be overwritten
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+}
+
+TEST_F(NvmeServiceTest, AcquireThatCannotBeServedFailsItsTokenAndKeepsThePinUntilRelease) {
+  // The host tier is full of pinned chunks: a chunk on NVMe has nowhere to land.
+  auto away = Alloc(*session_, {1 << 20});
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
+  auto filler = Alloc(*session_, {kSeg, kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());
+  auto a = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::Status s = Wait(*session_, a->ready);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find(absl::StrCat("chunk ", away[0])), std::string::npos) << s;
+  EXPECT_TRUE(service_->Release(*session_, away).ok());
+  EXPECT_TRUE(service_->Release(*session_, filler).ok());
+  EXPECT_TRUE(service_->Free(*session_, filler).ok());
+  auto retry = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead);  // now it fits
+  ASSERT_TRUE(retry.ok());
+  EXPECT_TRUE(Wait(*session_, retry->ready).ok());
+  EXPECT_TRUE(service_->Release(*session_, away).ok());
+}
+
+TEST_F(NvmeServiceTest, SessionEndingWhileItsAcquireWaitsLeavesNothingBehind) {
+  auto other = *sessions_.Open({1000, 1000, 2}, "other");
+  MapPage(*other);
+  auto ids = Alloc(*other, {4 << 20});
+  ASSERT_TRUE(Wait(*other, service_->Evict(*other, ids, TierKind::kNvme)).ok());
+  faults_->SetDelay(absl::Milliseconds(5));
+  ASSERT_TRUE(service_->Acquire(*other, ids, TierKind::kHost, Access::kWrite).ok());
+  EXPECT_EQ(service_->CloseSession(*other), 1u);  // the chunk goes when its read settles
+  faults_->SetDelay(absl::ZeroDuration());
+  nvme_->Drain();
+  EXPECT_EQ(service_->chunk_count(), 0u);
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
 }
 
 TEST_F(NvmeServiceTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
