@@ -1,0 +1,278 @@
+#include "daemon/planner.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "absl/container/flat_hash_set.h"
+
+namespace tierd {
+namespace {
+
+constexpr int Index(TierKind t) { return static_cast<int>(t); }
+constexpr int Index(Path p) { return static_cast<int>(p); }
+
+// A copy in `tier` may be dropped without losing data: a lower tier holds a valid copy too.
+bool HasLowerCopy(const PlannerChunk& c, TierKind tier) {
+  if (tier == TierKind::kDevice) {
+    return c.resident.contains(TierKind::kHost) || c.resident.contains(TierKind::kNvme);
+  }
+  if (tier == TierKind::kHost) return c.resident.contains(TierKind::kNvme);
+  return false;
+}
+
+struct Demand {
+  ChunkId id;
+  TierKind tier;
+  absl::Time when;
+  SessionId session;
+};
+
+// The first time each chunk is needed in each tier, over one iteration ahead of each cursor. The
+// running step's chunks are needed now.
+absl::flat_hash_map<uint64_t, Demand> NeedTimes(const PlanInput& in) {
+  absl::flat_hash_map<uint64_t, Demand> first;
+  auto note = [&](const ScheduledAccess& a, absl::Time when, SessionId session) {
+    const uint64_t key = a.id * kTierKinds + Index(a.tier);
+    auto [it, inserted] = first.try_emplace(key, Demand{a.id, a.tier, when, session});
+    if (!inserted && when < it->second.when) it->second = Demand{a.id, a.tier, when, session};
+  };
+  for (const SessionPlan& s : in.sessions) {
+    const size_t n = s.steps == nullptr ? 0 : s.steps->size();
+    if (n == 0) continue;
+    auto duration = [&](size_t j) {
+      return s.step_time != nullptr && j < s.step_time->size() ? (*s.step_time)[j]
+                                                               : absl::ZeroDuration();
+    };
+    absl::Time t = in.now;
+    if (s.cursor > 0) {
+      const size_t running = (s.cursor - 1) % n;
+      for (const ScheduledAccess& a : (*s.steps)[running]) note(a, in.now, s.session);
+      t = std::max(in.now, s.step_started + duration(running));
+    }
+    for (size_t d = 0; d < n; ++d) {
+      const size_t j = (s.cursor + d) % n;
+      for (const ScheduledAccess& a : (*s.steps)[j]) note(a, t, s.session);
+      t += duration(j);
+    }
+  }
+  return first;
+}
+
+}  // namespace
+
+Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
+  if (tier == TierKind::kDevice) {
+    return chunk.resident.contains(TierKind::kHost) ? Path::kHostToDevice : Path::kNvmeToHost;
+  }
+  if (chunk.resident.contains(TierKind::kDevice) && !chunk.resident.contains(TierKind::kNvme)) {
+    return Path::kDeviceToHost;
+  }
+  return Path::kNvmeToHost;
+}
+
+std::vector<PlannedMove> Plan(const PlanInput& in) {
+  std::vector<PlannedMove> out;
+  const absl::flat_hash_map<uint64_t, Demand> needs = NeedTimes(in);
+
+  // Each chunk's next use in any tier; chunks without one are unscheduled.
+  absl::flat_hash_map<ChunkId, absl::Time> next_use;
+  for (const auto& [key, d] : needs) {
+    auto [it, inserted] = next_use.try_emplace(d.id, d.when);
+    if (!inserted) it->second = std::min(it->second, d.when);
+  }
+  auto next = [&](ChunkId id) {
+    auto it = next_use.find(id);
+    return it == next_use.end() ? absl::InfiniteFuture() : it->second;
+  };
+
+  std::vector<Demand> demands;
+  for (const auto& [key, d] : needs) {
+    auto it = in.chunks.find(d.id);
+    if (it == in.chunks.end()) continue;
+    const PlannerChunk& c = it->second;
+    if (c.resident.contains(d.tier) || c.moving) continue;  // there, or on its way somewhere
+    if (c.pinned) continue;            // in use: its Acquire brings it where it is needed
+    if (c.resident.empty()) continue;  // nothing to copy from
+    demands.push_back(d);
+  }
+  std::sort(demands.begin(), demands.end(), [](const Demand& a, const Demand& b) {
+    return a.when != b.when ? a.when < b.when : a.id < b.id;
+  });
+
+  // Victims per tier, in the order they go: unscheduled first (least recently used first), then
+  // the scheduled ones whose next use is furthest away.
+  const bool have_nvme = in.capacity[Index(TierKind::kNvme)] > 0;
+  std::array<std::vector<const PlannerChunk*>, kTierKinds> victims;
+  for (const auto& [id, c] : in.chunks) {
+    if (c.pinned || c.moving) continue;
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (c.resident.contains(t) && (HasLowerCopy(c, t) || t == TierKind::kDevice || have_nvme)) {
+        victims[Index(t)].push_back(&c);
+      }
+    }
+  }
+  for (auto& list : victims) {
+    std::sort(list.begin(), list.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
+      const absl::Time na = next(a->id), nb = next(b->id);
+      if (na != nb) return na > nb;  // InfiniteFuture (unscheduled) first
+      if (a->last_use != b->last_use) return a->last_use < b->last_use;
+      return a->id < b->id;
+    });
+  }
+  std::array<size_t, kTierKinds> victim_pos{};
+
+  // Bytes each session holds in each tier, for quotas.
+  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> held;
+  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> quota;
+  for (const SessionPlan& s : in.sessions) quota[s.session] = s.quota;
+  for (const auto& [id, c] : in.chunks) {
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (c.resident.contains(t) || (c.moving && c.moving_to == t))
+        held[c.owner][Index(t)] += c.size;
+    }
+  }
+
+  std::array<int64_t, kTierKinds> free{};
+  for (int t = 0; t < kTierKinds; ++t) free[t] = static_cast<int64_t>(in.free[t]);
+  std::array<bool, kTierKinds> blocked{};  // a demand did not fit: later ones wait (need order)
+  absl::flat_hash_set<ChunkId> written_back;
+  absl::flat_hash_set<uint64_t> dropped;  // id * kTierKinds + tier
+  std::vector<PlannedMove> write_backs;
+
+  struct Accepted {
+    Demand demand;
+    uint64_t size;
+    Path path;
+    std::vector<PlannedMove> drops;
+  };
+  std::vector<Accepted> accepted;
+
+  for (const Demand& d : demands) {
+    const PlannerChunk& c = in.chunks.at(d.id);
+    // A fetch to the device from NVMe stages through host memory: it needs room in both.
+    std::vector<TierKind> room = {d.tier};
+    if (d.tier == TierKind::kDevice && !c.resident.contains(TierKind::kHost)) {
+      room.push_back(TierKind::kHost);
+    }
+    bool fits = true;
+    for (TierKind t : room) fits = fits && !blocked[Index(t)];
+    const auto q = quota.find(d.session);
+    for (TierKind t : room) {
+      if (q != quota.end() && q->second[Index(t)] != 0 &&
+          held[d.session][Index(t)] + c.size > q->second[Index(t)]) {
+        fits = false;  // over its quota: this session waits for its own copies to go
+      }
+    }
+    if (!fits) continue;
+    std::vector<PlannedMove> drops;
+    std::array<int64_t, kTierKinds> room_left = free;
+    std::array<size_t, kTierKinds> pos = victim_pos;
+    for (TierKind t : room) {
+      const int ti = Index(t);
+      std::vector<const PlannerChunk*>& list = victims[ti];
+      while (room_left[ti] < static_cast<int64_t>(c.size) && pos[ti] < list.size()) {
+        const PlannerChunk* v = list[pos[ti]];
+        if (next(v->id) <= d.when) break;  // needed no later than this one: keep it
+        ++pos[ti];
+        if (v->id == d.id || dropped.contains(v->id * kTierKinds + ti)) continue;
+        if (!HasLowerCopy(*v, t)) {
+          // Dirty: write it down first; its space comes free on a later round.
+          if (written_back.insert(v->id).second) {
+            write_backs.push_back({PlannedMove::Kind::kWriteBack, v->id, t});
+          }
+          continue;
+        }
+        drops.push_back({PlannedMove::Kind::kDrop, v->id, t});
+        room_left[ti] += static_cast<int64_t>(v->size);
+      }
+      if (room_left[ti] < static_cast<int64_t>(c.size)) fits = false;
+    }
+    if (!fits) {
+      for (TierKind t : room) blocked[Index(t)] = true;
+      continue;
+    }
+    for (TierKind t : room) {
+      room_left[Index(t)] -= static_cast<int64_t>(c.size);
+      held[d.session][Index(t)] += c.size;
+    }
+    for (const PlannedMove& m : drops) dropped.insert(m.id * kTierKinds + Index(m.tier));
+    free = room_left;
+    victim_pos = pos;
+    accepted.push_back({d, c.size, FetchPath(c, d.tier), std::move(drops)});
+  }
+
+  // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
+  auto seconds = [&](uint64_t bytes, Path p, TierKind tier, const PlannerChunk& c) {
+    double bw = in.bytes_per_second[Index(p)];
+    if (tier == TierKind::kDevice && p == Path::kNvmeToHost) {
+      bw = std::min(bw, in.bytes_per_second[Index(Path::kHostToDevice)]);
+    }
+    (void)c;
+    return bw > 0 ? absl::Seconds(in.safety * static_cast<double>(bytes) / bw)
+                  : absl::InfiniteDuration();
+  };
+  std::vector<bool> start_now(accepted.size(), false);
+  for (int p = 0; p < kPaths; ++p) {
+    std::vector<size_t> on_path;
+    for (size_t i = 0; i < accepted.size(); ++i) {
+      if (Index(accepted[i].path) == p) on_path.push_back(i);
+    }
+    // Bytes already in flight hold the path first.
+    const absl::Duration busy =
+        in.bytes_per_second[p] > 0
+            ? absl::Seconds(static_cast<double>(in.queued_bytes[p]) / in.bytes_per_second[p])
+            : absl::ZeroDuration();
+    absl::Time limit = absl::InfiniteFuture();
+    for (auto it = on_path.rbegin(); it != on_path.rend(); ++it) {
+      const Accepted& a = accepted[*it];
+      limit = std::min(limit, a.demand.when);
+      const absl::Duration takes =
+          seconds(a.size, a.path, a.demand.tier, in.chunks.at(a.demand.id));
+      const absl::Time latest_start =
+          takes == absl::InfiniteDuration() ? absl::InfinitePast() : limit - takes;
+      start_now[*it] = latest_start - busy <= in.now + in.lead;
+      limit = latest_start;
+    }
+  }
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    if (!start_now[i]) continue;
+    for (const PlannedMove& m : accepted[i].drops) out.push_back(m);
+    out.push_back({PlannedMove::Kind::kFetch, accepted[i].demand.id, accepted[i].demand.tier,
+                   accepted[i].demand.when, accepted[i].demand.session});
+  }
+  for (const PlannedMove& m : write_backs) out.push_back(m);
+
+  // Early write-back: dirty copies not needed for a while go down while the path is idle, so that
+  // dropping them later costs nothing. One per path per round.
+  std::array<bool, kPaths> path_used{};
+  for (const PlannedMove& m : write_backs) {
+    path_used[Index(m.tier == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme)] = true;
+  }
+  std::vector<const PlannerChunk*> dirty;
+  for (const auto& [id, c] : in.chunks) {
+    if (c.pinned || c.moving || written_back.contains(id)) continue;
+    if (c.dirty.empty()) continue;
+    dirty.push_back(&c);
+  }
+  std::sort(dirty.begin(), dirty.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
+    const absl::Time na = next(a->id), nb = next(b->id);
+    return na != nb ? na > nb : a->id < b->id;
+  });
+  for (const PlannerChunk* c : dirty) {
+    // The highest dirty copy goes one tier down.
+    const TierKind from =
+        c->dirty.contains(TierKind::kDevice) ? TierKind::kDevice : TierKind::kHost;
+    if (from == TierKind::kHost && !have_nvme) continue;
+    const Path p = from == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
+    if (path_used[Index(p)] || in.queued_bytes[Index(p)] > 0) continue;
+    const double bw = in.bytes_per_second[Index(p)];
+    const absl::Duration takes =
+        bw > 0 ? absl::Seconds(static_cast<double>(c->size) / bw) : absl::InfiniteDuration();
+    if (next(c->id) - in.now <= 2 * takes + in.lead) continue;  // needed soon: leave it
+    path_used[Index(p)] = true;
+    out.push_back({PlannedMove::Kind::kWriteBack, c->id, from});
+  }
+  return out;
+}
+
+}  // namespace tierd

@@ -1,0 +1,317 @@
+// The planner's decisions, given capacities, bandwidths and schedules (daemon/planner.h).
+#include "daemon/planner.h"
+
+#include <random>
+
+#include "gtest/gtest.h"
+
+namespace tierd {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+const absl::Time kNow = absl::FromUnixSeconds(1'000'000);
+
+using Kind = PlannedMove::Kind;
+
+// A node with a host tier of `host_chunks` 1 MiB chunks, NVMe, and a 1 GB/s path each way.
+class PlannerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    in_.now = kNow;
+    in_.capacity[static_cast<int>(TierKind::kNvme)] = 1024 * kMiB;
+    in_.bytes_per_second.fill(1e9);
+  }
+
+  void HostCapacity(uint64_t chunks) {
+    in_.capacity[static_cast<int>(TierKind::kHost)] = chunks * kMiB;
+    Refresh();
+  }
+
+  // A chunk of 1 MiB on NVMe (home), also resident where `resident` says.
+  PlannerChunk& Chunk(ChunkId id, std::initializer_list<TierKind> resident = {}) {
+    PlannerChunk c{.id = id, .size = kMiB, .owner = 1, .home = TierKind::kNvme};
+    c.resident.insert(TierKind::kNvme);
+    for (TierKind t : resident) c.resident.insert(t);
+    c.last_use = id;
+    PlannerChunk& stored = in_.chunks[id] = c;
+    Refresh();
+    return stored;
+  }
+
+  // Free space = capacity - what the chunks hold.
+  void Refresh() {
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      uint64_t used = 0;
+      for (const auto& [id, c] : in_.chunks) {
+        if (c.resident.contains(t) || (c.moving && c.moving_to == t)) used += c.size;
+      }
+      const uint64_t cap = in_.capacity[static_cast<int>(t)];
+      in_.free[static_cast<int>(t)] = cap > used ? cap - used : 0;
+    }
+  }
+
+  // Session 1 runs `steps`, one step per `step` of time; `cursor` steps have started, the last
+  // one just now.
+  void Schedule(std::vector<std::vector<ScheduledAccess>> steps, uint64_t cursor,
+                absl::Duration step = absl::Milliseconds(10)) {
+    steps_ = std::move(steps);
+    times_.assign(steps_.size(), step);
+    in_.sessions = {SessionPlan{.session = 1,
+                                .steps = &steps_,
+                                .cursor = cursor,
+                                .step_started = kNow,
+                                .step_time = &times_}};
+  }
+
+  static std::vector<ScheduledAccess> Read(std::initializer_list<ChunkId> ids,
+                                           TierKind tier = TierKind::kHost) {
+    std::vector<ScheduledAccess> out;
+    for (ChunkId id : ids) out.push_back({id, tier, Access::kRead});
+    return out;
+  }
+
+  static std::vector<PlannedMove> Only(const std::vector<PlannedMove>& moves, Kind kind) {
+    std::vector<PlannedMove> out;
+    for (const PlannedMove& m : moves) {
+      if (m.kind == kind) out.push_back(m);
+    }
+    return out;
+  }
+
+  PlanInput in_;
+  std::vector<std::vector<ScheduledAccess>> steps_;
+  std::vector<absl::Duration> times_;
+};
+
+TEST_F(PlannerTest, FetchesTheNextStepsChunksWhenTheyAreDue) {
+  HostCapacity(8);
+  Chunk(1);
+  Chunk(2);
+  Schedule({Read({1}), Read({2})}, /*cursor=*/0);
+  std::vector<PlannedMove> moves = Plan(in_);
+  ASSERT_EQ(moves.size(), 1u);  // step 0 is due now; step 1 in 10 ms, 1 MiB takes 1.25 ms
+  EXPECT_EQ(moves[0].kind, Kind::kFetch);
+  EXPECT_EQ(moves[0].id, 1u);
+  EXPECT_EQ(moves[0].tier, TierKind::kHost);
+  EXPECT_EQ(moves[0].deadline, kNow);
+}
+
+TEST_F(PlannerTest, StartsAsLateAsIsSafeAndNoLater) {
+  HostCapacity(8);
+  Chunk(1, {TierKind::kHost});
+  Chunk(2);
+  // Chunk 2 is needed when step 1 starts, 10 ms from now; its transfer takes 1.25 ms.
+  Schedule({Read({1}), Read({2})}, /*cursor=*/1, absl::Milliseconds(10));
+  EXPECT_TRUE(Plan(in_).empty()) << "too early: it would hold space for nothing";
+  // Its latest safe start is 10 - 1.25 = 8.75 ms; it starts once that is within the 2 ms lead.
+  in_.now = kNow + absl::Microseconds(6500);
+  EXPECT_TRUE(Plan(in_).empty());
+  in_.now = kNow + absl::Milliseconds(7);
+  std::vector<PlannedMove> moves = Plan(in_);
+  ASSERT_EQ(moves.size(), 1u);
+  EXPECT_EQ(moves[0].id, 2u);
+}
+
+TEST_F(PlannerTest, TransfersSharingAPathAreLaidOutBackwardsFromTheirDeadlines) {
+  HostCapacity(16);
+  for (ChunkId id = 1; id <= 9; ++id) Chunk(id);
+  // Eight chunks needed at the start of step 1, 10 ms away: 8 x 1.25 ms = 10 ms of transfers, so
+  // the first must start now although its own transfer is short.
+  Schedule({Read({9}), Read({1, 2, 3, 4, 5, 6, 7, 8})}, /*cursor=*/1);
+  in_.chunks[9].resident.insert(TierKind::kHost);
+  Refresh();
+  std::vector<PlannedMove> moves = Only(Plan(in_), Kind::kFetch);
+  // Backwards from 10 ms: chunk 8 starts at 8.75 ms, ..., chunk 2 at 1.25, chunk 1 at 0. Those due
+  // within the 2 ms lead start now.
+  ASSERT_EQ(moves.size(), 2u);
+  EXPECT_EQ(moves[0].id, 1u);
+  EXPECT_EQ(moves[1].id, 2u);
+}
+
+TEST_F(PlannerTest, EvictsTheCopyNeededFurthestInTheFutureFirstAndUnscheduledOnesBeforeThat) {
+  HostCapacity(3);
+  Chunk(1, {TierKind::kHost});  // next needed at step 3
+  Chunk(2, {TierKind::kHost});  // next needed at step 2
+  Chunk(3, {TierKind::kHost});  // not in the schedule
+  Chunk(4);                     // needed now
+  Chunk(5);                     // needed at step 1
+  Schedule({Read({4}), Read({5}), Read({2}), Read({1})}, /*cursor=*/0, absl::Microseconds(100));
+  std::vector<PlannedMove> moves = Plan(in_);
+  std::vector<PlannedMove> drops = Only(moves, Kind::kDrop);
+  ASSERT_EQ(drops.size(), 2u);
+  EXPECT_EQ(drops[0].id, 3u);  // unscheduled
+  EXPECT_EQ(drops[1].id, 1u);  // needed at step 3, after chunk 2
+  std::vector<PlannedMove> fetches = Only(moves, Kind::kFetch);
+  ASSERT_EQ(fetches.size(), 2u);
+  EXPECT_EQ(fetches[0].id, 4u);
+  EXPECT_EQ(fetches[1].id, 5u);
+}
+
+TEST_F(PlannerTest, NeverDisplacesACopyNeededSoonerThanTheIncomingOne) {
+  HostCapacity(1);
+  Chunk(1, {TierKind::kHost});  // needed at step 1
+  Chunk(2);                     // needed at step 2
+  Schedule({Read({1}), Read({1}), Read({2})}, /*cursor=*/1, absl::Microseconds(100));
+  EXPECT_TRUE(Only(Plan(in_), Kind::kDrop).empty());
+  EXPECT_TRUE(Only(Plan(in_), Kind::kFetch).empty());
+}
+
+TEST_F(PlannerTest, PinnedAndMovingCopiesAreNeverEvicted) {
+  HostCapacity(2);
+  Chunk(1, {TierKind::kHost}).pinned = true;
+  PlannerChunk& moving = Chunk(2, {TierKind::kHost});
+  moving.moving = true;
+  moving.moving_to = TierKind::kNvme;
+  Chunk(3);
+  Schedule({Read({3})}, /*cursor=*/0);
+  std::vector<PlannedMove> moves = Plan(in_);
+  EXPECT_TRUE(moves.empty()) << "nothing may make room for chunk 3";
+}
+
+TEST_F(PlannerTest, DirtyCopiesAreWrittenBackBeforeTheirSpaceIsReused) {
+  HostCapacity(1);
+  PlannerChunk& dirty = Chunk(1, {TierKind::kHost});
+  dirty.resident.erase(TierKind::kNvme);  // written on the host since: the NVMe copy is stale
+  dirty.dirty.insert(TierKind::kHost);
+  Chunk(2);
+  Schedule({Read({2})}, /*cursor=*/0);
+  std::vector<PlannedMove> moves = Plan(in_);
+  EXPECT_TRUE(Only(moves, Kind::kDrop).empty());
+  EXPECT_TRUE(Only(moves, Kind::kFetch).empty());
+  std::vector<PlannedMove> wb = Only(moves, Kind::kWriteBack);
+  ASSERT_EQ(wb.size(), 1u);
+  EXPECT_EQ(wb[0].id, 1u);
+  EXPECT_EQ(wb[0].tier, TierKind::kHost);
+  // Once written back (clean), its space goes to chunk 2.
+  in_.chunks[1].resident.insert(TierKind::kNvme);
+  in_.chunks[1].dirty = TierSet();
+  moves = Plan(in_);
+  ASSERT_EQ(Only(moves, Kind::kDrop).size(), 1u);
+  ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
+  EXPECT_EQ(Only(moves, Kind::kFetch)[0].id, 2u);
+}
+
+TEST_F(PlannerTest, DirtyCopiesNotNeededForAWhileAreWrittenBackEarlyWhenThePathIsIdle) {
+  HostCapacity(4);
+  PlannerChunk& grad = Chunk(1, {TierKind::kHost});
+  grad.resident.erase(TierKind::kNvme);
+  grad.dirty.insert(TierKind::kHost);
+  Chunk(2, {TierKind::kHost});
+  Schedule({Read({2}), Read({2}), Read({1})}, /*cursor=*/1, absl::Milliseconds(10));
+  std::vector<PlannedMove> wb = Only(Plan(in_), Kind::kWriteBack);
+  ASSERT_EQ(wb.size(), 1u);
+  EXPECT_EQ(wb[0].id, 1u);
+  in_.queued_bytes[static_cast<int>(Path::kHostToNvme)] = kMiB;  // the path is busy
+  EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
+}
+
+TEST_F(PlannerTest, AFetchToTheDeviceFromNvmeNeedsRoomInBothTiers) {
+  HostCapacity(1);
+  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  Chunk(1, {TierKind::kHost}).pinned = true;
+  Chunk(2);
+  Refresh();
+  Schedule({Read({2}, TierKind::kDevice)}, /*cursor=*/0);
+  EXPECT_TRUE(Plan(in_).empty()) << "no host room to stage chunk 2 in";
+  in_.chunks[1].pinned = false;
+  std::vector<PlannedMove> moves = Plan(in_);
+  ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
+  EXPECT_EQ(Only(moves, Kind::kFetch)[0].tier, TierKind::kDevice);
+  EXPECT_EQ(Only(moves, Kind::kDrop).size(), 1u);
+}
+
+TEST_F(PlannerTest, ASessionOverItsQuotaWaitsWhileAnotherIsServed) {
+  HostCapacity(8);
+  Chunk(1, {TierKind::kHost});
+  Chunk(2);
+  PlannerChunk& theirs = Chunk(3);
+  theirs.owner = 2;
+  std::vector<std::vector<ScheduledAccess>> mine = {Read({1, 2})};
+  std::vector<std::vector<ScheduledAccess>> other = {Read({3})};
+  std::vector<absl::Duration> t = {absl::Milliseconds(10)};
+  in_.sessions = {
+      SessionPlan{.session = 1, .steps = &mine, .cursor = 0, .step_started = kNow, .step_time = &t},
+      SessionPlan{
+          .session = 2, .steps = &other, .cursor = 0, .step_started = kNow, .step_time = &t}};
+  in_.sessions[0].quota[static_cast<int>(TierKind::kHost)] = kMiB;  // holds chunk 1 already
+  std::vector<PlannedMove> fetches = Only(Plan(in_), Kind::kFetch);
+  ASSERT_EQ(fetches.size(), 1u);
+  EXPECT_EQ(fetches[0].id, 3u);
+  EXPECT_EQ(fetches[0].session, 2u);
+}
+
+// Over random schedules and states: the planned fetches never overfill a tier (counting the drops
+// planned with them), never touch pinned or moving chunks, and never drop a dirty copy.
+TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 300; ++round) {
+    in_ = PlanInput{};
+    SetUp();
+    const uint64_t cap = 2 + rng() % 8;
+    in_.capacity[static_cast<int>(TierKind::kDevice)] = (rng() % 4) * kMiB;
+    const int chunks = 4 + static_cast<int>(rng() % 16);
+    for (ChunkId id = 1; id <= static_cast<ChunkId>(chunks); ++id) {
+      PlannerChunk c{.id = id, .size = kMiB * (1 + rng() % 2), .owner = 1, .home = TierKind::kNvme};
+      c.resident.insert(TierKind::kNvme);
+      c.last_use = rng() % 100;
+      in_.chunks[id] = c;
+    }
+    // Fill the host up to its capacity with some of them, some dirty, pinned or moving.
+    in_.capacity[static_cast<int>(TierKind::kHost)] = cap * kMiB;
+    uint64_t used = 0;
+    for (auto& [id, c] : in_.chunks) {
+      if (rng() % 2 == 0 || used + c.size > cap * kMiB) continue;
+      c.resident.insert(TierKind::kHost);
+      used += c.size;
+      if (rng() % 4 == 0) {
+        c.resident.erase(TierKind::kNvme);
+        c.dirty.insert(TierKind::kHost);
+      }
+      c.pinned = rng() % 5 == 0;
+      c.moving = !c.pinned && rng() % 7 == 0;
+      c.moving_to = TierKind::kNvme;
+    }
+    Refresh();
+    std::vector<std::vector<ScheduledAccess>> steps(1 + rng() % 6);
+    for (auto& step : steps) {
+      for (int k = 0; k < 3; ++k) {
+        step.push_back({1 + rng() % chunks, rng() % 4 == 0 ? TierKind::kDevice : TierKind::kHost,
+                        Access::kRead});
+      }
+    }
+    Schedule(steps, rng() % 10, absl::Microseconds(50 + rng() % 2000));
+    std::vector<PlannedMove> moves = Plan(in_);
+
+    std::array<int64_t, kTierKinds> free{};
+    for (int t = 0; t < kTierKinds; ++t) free[t] = static_cast<int64_t>(in_.free[t]);
+    for (const PlannedMove& m : moves) {
+      const PlannerChunk& c = in_.chunks.at(m.id);
+      EXPECT_FALSE(c.pinned) << "round " << round;
+      EXPECT_FALSE(c.moving) << "round " << round;
+      const int t = static_cast<int>(m.tier);
+      switch (m.kind) {
+        case Kind::kDrop:
+          EXPECT_TRUE(c.resident.contains(m.tier));
+          EXPECT_FALSE(c.dirty.contains(m.tier)) << "round " << round;
+          free[t] += static_cast<int64_t>(c.size);
+          break;
+        case Kind::kFetch:
+          free[t] -= static_cast<int64_t>(c.size);
+          if (m.tier == TierKind::kDevice && !c.resident.contains(TierKind::kHost)) {
+            free[static_cast<int>(TierKind::kHost)] -= static_cast<int64_t>(c.size);
+          }
+          break;
+        case Kind::kWriteBack:
+          EXPECT_FALSE(c.dirty.empty() && c.resident.contains(TierKind::kNvme))
+              << "round " << round << ": nothing to write back";
+          break;
+      }
+      for (int k = 0; k < kTierKinds; ++k) {
+        EXPECT_GE(free[k], 0) << "round " << round << ": tier " << k << " overfilled";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tierd
