@@ -611,6 +611,53 @@ absl::Status Client::Wait(CompletionToken token, absl::Duration timeout) {
   return WaitCompletion(*impl_->page, SlotToken{token.slot, token.sequence}, timeout);
 }
 
+absl::Status Client::SetSchedule(std::span<const ScheduleStep> steps,
+                                 const ScheduleOptions& options) {
+  pb::SetScheduleRequest req;
+  req.mutable_steps()->Reserve(static_cast<int>(steps.size()));
+  for (const ScheduleStep& step : steps) {
+    pb::ScheduleStep* out = req.add_steps();
+    out->mutable_accesses()->Reserve(static_cast<int>(step.size()));
+    for (const StepAccess& a : step) {
+      pb::StepAccess* access = out->add_accesses();
+      access->set_chunk_id(a.id);
+      access->set_tier(ToProto(a.tier));
+      access->set_mode(static_cast<pb::AccessMode>(static_cast<int>(a.mode)));
+    }
+  }
+  req.set_host_quota_bytes(options.host_quota_bytes);
+  req.set_device_quota_bytes(options.device_quota_bytes);
+  pb::SetScheduleResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::SetSchedule, req, &resp, "SetSchedule");
+}
+
+void Client::BeginStep(uint64_t k) {
+  impl_->page->header.cursor.store(k + 1, std::memory_order_release);
+}
+
+absl::StatusOr<SessionStats> Client::GetSessionStats() {
+  pb::GetSessionStatsRequest req;
+  pb::GetSessionStatsResponse resp;
+  if (absl::Status s =
+          impl_->Call(&pb::Tierd::Stub::GetSessionStats, req, &resp, "GetSessionStats");
+      !s.ok()) {
+    return s;
+  }
+  SessionStats stats;
+  stats.acquired_ready = resp.acquired_ready();
+  stats.acquired_waited = resp.acquired_waited();
+  for (const pb::TierStall& t : resp.stalls()) {
+    const absl::Duration d = absl::Seconds(t.stall_seconds());
+    if (t.tier() == pb::TIER_HOST) stats.host_stall = d;
+    if (t.tier() == pb::TIER_DEVICE) stats.device_stall = d;
+  }
+  stats.planner_fetches = resp.planner_fetches();
+  stats.planner_drops = resp.planner_drops();
+  stats.planner_write_backs = resp.planner_write_backs();
+  stats.cursor = resp.cursor();
+  return stats;
+}
+
 absl::StatusOr<int> Client::CudaDevice() {
   {
     absl::MutexLock lock(&impl_->segments_mu);

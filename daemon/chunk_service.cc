@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cmath>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -85,6 +86,54 @@ struct ChunkService::Batch {
 ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, Device* device)
     : tiers_(tiers), nvme_(nvme), device_(device) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
+  // First guesses (a datacenter NVMe drive, a PCIe 4.0 x16 link), replaced by what the first moves
+  // on each path measure.
+  paths_[static_cast<int>(Path::kNvmeToHost)].bytes_per_second = 2e9;
+  paths_[static_cast<int>(Path::kHostToNvme)].bytes_per_second = 1.5e9;
+  paths_[static_cast<int>(Path::kHostToDevice)].bytes_per_second = 20e9;
+  paths_[static_cast<int>(Path::kDeviceToHost)].bytes_per_second = 20e9;
+}
+
+void ChunkService::MoveStarted(Path path, const ChunkMeta& chunk) {
+  const absl::Time now = absl::Now();
+  PathMeter& m = paths_[static_cast<int>(path)];
+  if (m.in_flight++ == 0) {
+    m.window_start = now;
+    m.window_bytes = 0;
+  }
+  m.queued_bytes += chunk.size;
+  move_started_[chunk.id] = now;
+}
+
+void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
+  const uint64_t bytes = chunk.size;
+  PathMeter& m = paths_[static_cast<int>(path)];
+  m.queued_bytes -= std::min(m.queued_bytes, bytes);
+  m.window_bytes += bytes;
+  --m.in_flight;
+  const absl::Time now = absl::Now();
+  // How long one move took, per byte: latency and queueing included.
+  // Mean and mean deviation, as TCP estimates round trips: plans use mean + 4 deviations.
+  if (auto it = move_started_.find(chunk.id); it != move_started_.end() && bytes > 0) {
+    const double sample = absl::ToDoubleSeconds(now - it->second) / static_cast<double>(bytes);
+    if (m.move_seconds_per_byte == 0) {
+      m.move_seconds_per_byte = sample;
+      m.move_deviation_per_byte = sample / 2;
+    } else {
+      m.move_deviation_per_byte =
+          0.75 * m.move_deviation_per_byte + 0.25 * std::abs(sample - m.move_seconds_per_byte);
+      m.move_seconds_per_byte = 0.875 * m.move_seconds_per_byte + 0.125 * sample;
+    }
+  }
+  // A sample per busy period, or every 20 ms of a long one; short ones say more about latency.
+  const absl::Duration busy = now - m.window_start;
+  if ((m.in_flight == 0 && busy >= absl::Milliseconds(1)) || busy >= absl::Milliseconds(20)) {
+    const double sample = static_cast<double>(m.window_bytes) / absl::ToDoubleSeconds(busy);
+    m.bytes_per_second = m.measured ? 0.7 * m.bytes_per_second + 0.3 * sample : sample;
+    m.measured = true;
+    m.window_start = now;
+    m.window_bytes = 0;
+  }
 }
 
 ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
@@ -332,6 +381,8 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
     return;
   }
   BeginBatchMove(chunk, TierKind::kDevice, batch);
+  MoveStarted(Path::kHostToDevice, chunk);
+  if (!from_host) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
   char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
   char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
@@ -410,6 +461,8 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
+  MoveDone(Path::kHostToDevice, chunk);
+  if (host_filled) MoveDone(Path::kNvmeToHost, chunk);
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
   } else {
@@ -428,6 +481,7 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
   BeginBatchMove(chunk, TierKind::kHost, batch);
+  MoveStarted(Path::kDeviceToHost, chunk);
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
                       tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
@@ -442,6 +496,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
+  MoveDone(Path::kDeviceToHost, chunk);
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
   } else if (chunk.doomed) {
@@ -460,6 +515,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
   BeginBatchMove(chunk, TierKind::kHost, batch);
+  MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
   auto done = [this, id, batch](absl::Status s) {
     SettleRead(id, s);
@@ -477,6 +533,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
+  MoveDone(Path::kNvmeToHost, chunk);
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
@@ -496,6 +553,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   }
   if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
   BeginBatchMove(chunk, TierKind::kNvme, batch);
+  MoveStarted(Path::kHostToNvme, chunk);
   const ChunkId id = chunk.id;
   const Placement nvme = chunk.placement[kNvme];
   std::optional<IndexEntry> entry;
@@ -527,6 +585,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, checksum.ok());
+  MoveDone(Path::kHostToNvme, chunk);
   if (checksum.ok()) {
     chunk.written = true;
     chunk.checksum = *checksum;
@@ -681,6 +740,7 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   } else if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
     it->second.owned.erase(chunk.id);
   }
+  move_started_.erase(chunk.id);
   chunks_.erase(chunk.id);
 }
 
@@ -902,6 +962,7 @@ size_t ChunkService::CloseSession(const Session& session) {
   if (it == sessions_.end()) return 0;
   SessionState state = std::move(it->second);
   sessions_.erase(it);
+  if (!state.steps.empty()) --schedules_;
   for (const auto& [id, count] : state.pins) {
     if (auto w = waiters_.find(id); w != waiters_.end()) {
       std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
@@ -930,10 +991,181 @@ size_t ChunkService::CloseSession(const Session& session) {
   return freed;
 }
 
-AcquireStats ChunkService::acquire_stats(const Session& session) const {
+absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest request) {
+  size_t accesses = 0;
+  for (const auto& step : request.steps) accesses += step.size();
+  if (accesses > kMaxBatch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetSchedule: ", accesses, " accesses; at most ", kMaxBatch));
+  }
+  if (request.steps.empty() != (accesses == 0)) {
+    return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
+  }
+  for (const auto& step : request.steps) {
+    for (const ScheduledAccess& a : step) {
+      if (a.tier != TierKind::kHost && a.tier != TierKind::kDevice) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: chunk ", a.id, " is scheduled in the ", TierName(a.tier),
+                         " tier; steps acquire chunks in the host or device tier"));
+      }
+      if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  std::vector<ChunkId> ids;
+  {
+    absl::flat_hash_set<ChunkId> seen;
+    for (const auto& step : request.steps) {
+      for (const ScheduledAccess& a : step) {
+        if (seen.insert(a.id).second) ids.push_back(a.id);
+      }
+    }
+  }
+  if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids); !chunks.ok()) {
+    return chunks.status();
+  }
+  SessionState& state = sessions_[session.id];
+  const bool had = !state.steps.empty();
+  state.session = session.shared_from_this();
+  state.steps = std::move(request.steps);
+  state.quota = request.quota;
+  state.step_time.assign(state.steps.size(), absl::ZeroDuration());
+  state.step_mean.assign(state.steps.size(), absl::ZeroDuration());
+  state.step_deviation.assign(state.steps.size(), absl::ZeroDuration());
+  state.cursor = session.completions->cursor();
+  state.step_started = absl::Now();
+  schedules_ += (state.steps.empty() ? 0 : 1) - (had ? 1 : 0);
+  return absl::OkStatus();
+}
+
+bool ChunkService::has_schedules() const {
+  absl::MutexLock lock(&mu_);
+  return schedules_ > 0;
+}
+
+size_t ChunkService::PlanRound(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  if (schedules_ == 0) return 0;
+  PlanInput in;
+  in.now = now;
+  absl::flat_hash_set<ChunkId> named;
+  for (auto& [id, state] : sessions_) {
+    if (state.steps.empty()) continue;
+    // The cursor's pace gives the step times: the time since the last advance, spread over the
+    // steps it covered, into a moving average per step.
+    const uint64_t cursor = state.session->completions->cursor();
+    if (cursor != state.cursor) {
+      if (cursor > state.cursor && state.cursor > 0) {
+        const uint64_t passed = cursor - state.cursor;
+        const absl::Duration each = (now - state.step_started) / static_cast<double>(passed);
+        for (uint64_t k = state.cursor - 1; k < cursor - 1; ++k) {
+          const size_t j = k % state.steps.size();
+          absl::Duration& mean = state.step_mean[j];
+          absl::Duration& dev = state.step_deviation[j];
+          if (mean == absl::ZeroDuration()) {
+            mean = each;
+            dev = each / 4;
+          } else {
+            dev = 0.75 * dev + 0.25 * absl::AbsDuration(each - mean);
+            mean = 0.875 * mean + 0.125 * each;
+          }
+          // Planned as a short step: data early by a little is cheap, late is a stall.
+          state.step_time[j] = std::max(absl::ZeroDuration(), mean - 2 * dev);
+        }
+      }
+      state.cursor = cursor;
+      state.step_started = now;
+    }
+    state.stats.cursor = cursor;
+    SessionPlan plan{.session = id,
+                     .steps = &state.steps,
+                     .cursor = cursor,
+                     .step_started = state.step_started,
+                     .step_time = &state.step_time,
+                     .quota = state.quota};
+    in.sessions.push_back(plan);
+    for (const auto& step : state.steps) {
+      for (const ScheduledAccess& a : step) named.insert(a.id);
+    }
+  }
+  // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
+  for (auto& [id, c] : chunks_) {
+    const bool holds =
+        c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
+    if (!holds && !named.contains(id)) continue;
+    in.chunks[id] = PlannerChunk{.id = id,
+                                 .size = c.size,
+                                 .owner = c.owner,
+                                 .home = c.home,
+                                 .resident = c.resident,
+                                 .dirty = c.dirty,
+                                 .moving = c.state == ChunkState::kMoving || c.doomed,
+                                 .moving_to = c.moving_to,
+                                 .pinned = c.pins > 0,
+                                 .last_use = c.last_use};
+  }
+  for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+    if (tier(t) == nullptr) continue;
+    const TierUsage u = tier(t)->Usage();
+    in.capacity[static_cast<int>(t)] = u.capacity_bytes;
+    in.free[static_cast<int>(t)] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+  }
+  for (int p = 0; p < kPaths; ++p) {
+    in.bytes_per_second[p] = paths_[p].bytes_per_second;
+    in.queued_bytes[p] = paths_[p].queued_bytes;
+    in.move_seconds_per_byte[p] =
+        paths_[p].move_seconds_per_byte + 4 * paths_[p].move_deviation_per_byte;
+  }
+
+  size_t started = 0;
+  for (const PlannedMove& m : Plan(in)) {
+    auto it = chunks_.find(m.id);
+    if (it == chunks_.end()) continue;
+    ChunkMeta& c = it->second;
+    if (c.state != ChunkState::kReady || c.doomed) continue;
+    SessionStats* stats = nullptr;
+    if (auto owner = sessions_.find(c.owner); owner != sessions_.end())
+      stats = &owner->second.stats;
+    switch (m.kind) {
+      case PlannedMove::Kind::kDrop:
+        if (c.pins > 0 || !CleanIn(c, m.tier)) break;
+        DropCopy(c, m.tier);
+        if (stats != nullptr) ++stats->planner_drops;
+        break;
+      case PlannedMove::Kind::kFetch: {
+        if (c.resident.contains(m.tier) || c.pins > 0 || !CheckFetchable(c, m.tier).ok()) break;
+        if (!StartFetch(c, m.tier).ok()) break;  // no room after all: a later round retries
+        if (stats != nullptr) ++stats->planner_fetches;
+        ++started;
+        break;
+      }
+      case PlannedMove::Kind::kWriteBack: {
+        if (c.pins > 0) break;
+        auto batch = std::make_shared<Batch>();
+        if (m.tier == TierKind::kDevice) {
+          if (device_ == nullptr || !c.resident.contains(TierKind::kDevice)) break;
+          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
+        } else {
+          if (nvme_ == nullptr || !c.resident.contains(TierKind::kHost)) break;
+          StartWrite(c, batch, /*keep_source=*/true);
+        }
+        batch->Done(absl::OkStatus());
+        if (c.state == ChunkState::kMoving) {
+          if (stats != nullptr) ++stats->planner_write_backs;
+          ++started;
+        }
+        break;
+      }
+    }
+  }
+  return started;
+}
+
+SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session.id);
-  return it == sessions_.end() ? AcquireStats{} : it->second.stats;
+  return it == sessions_.end() ? SessionStats{} : it->second.stats;
 }
 
 size_t ChunkService::chunk_count() const {

@@ -24,6 +24,7 @@
 #include "common/completion_page.h"
 #include "daemon/chunk.h"
 #include "daemon/nvme_index.h"
+#include "daemon/planner.h"
 #include "daemon/session.h"
 #include "daemon/tier.h"
 
@@ -43,12 +44,23 @@ struct AcquireResult {
   SlotToken ready;                   // completes when every chunk is there
 };
 
-// What a session's acquisitions cost it: how many found their chunks in place, how many waited,
-// and for how long, by the tier they waited for.
-struct AcquireStats {
+// What a session's acquisitions cost it — how many found their chunks in place, how many waited,
+// and for how long, by the tier they waited for — and what the planner did for it.
+struct SessionStats {
   uint64_t ready = 0;   // chunks resident when acquired
   uint64_t waited = 0;  // chunks that had to be brought in (or were on their way)
   std::array<absl::Duration, kTierKinds> stall{};
+  uint64_t planner_fetches = 0;
+  uint64_t planner_drops = 0;
+  uint64_t planner_write_backs = 0;
+  uint64_t cursor = 0;  // steps started, as last seen
+};
+
+// A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
+// for it in each tier (0: no limit but the tier's).
+struct ScheduleRequest {
+  std::vector<std::vector<ScheduledAccess>> steps;
+  std::array<uint64_t, kTierKinds> quota{};
 };
 
 struct ChunkPage {
@@ -103,7 +115,15 @@ class ChunkService {
   // ones. Returns the number of chunks freed.
   size_t CloseSession(const Session& session);
 
-  AcquireStats acquire_stats(const Session& session) const;
+  SessionStats session_stats(const Session& session) const;
+
+  // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
+  // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
+  absl::Status SetSchedule(const Session& session, ScheduleRequest request);
+  // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
+  // (daemon/planner.h) and starts the moves. Returns how many it started.
+  size_t PlanRound(absl::Time now);
+  bool has_schedules() const;
   size_t chunk_count() const;
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
@@ -111,8 +131,31 @@ class ChunkService {
   struct SessionState {
     std::set<ChunkId> owned;                      // non-persistent and opened persistent
     absl::flat_hash_map<ChunkId, uint32_t> pins;  // chunk -> Acquire count
-    AcquireStats stats;
+    SessionStats stats;
+    // The schedule, when declared.
+    std::shared_ptr<const Session> session;
+    std::vector<std::vector<ScheduledAccess>> steps;
+    std::array<uint64_t, kTierKinds> quota{};
+    // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
+    // planner is told (on the short side).
+    std::vector<absl::Duration> step_mean, step_deviation, step_time;
+    uint64_t cursor = 0;
+    absl::Time step_started;
   };
+
+  // Bandwidth of each path, measured from the moves on it: bytes over the time the path was busy.
+  struct PathMeter {
+    int in_flight = 0;
+    uint64_t queued_bytes = 0;
+    absl::Time window_start;
+    uint64_t window_bytes = 0;
+    double bytes_per_second = 0;  // the estimate; an initial guess until moves are measured
+    bool measured = false;
+    double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
+    double move_deviation_per_byte = 0;
+  };
+  void MoveStarted(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MoveDone(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
   // chunks. The pointers stay valid while mu_ is held.
@@ -207,6 +250,9 @@ class ChunkService {
   absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
   absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
+  std::array<PathMeter, kPaths> paths_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
+  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tierd

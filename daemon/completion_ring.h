@@ -25,6 +25,8 @@ class CompletionRing {
 
   // The memfd the client maps (kCompletionPageBytes).
   int fd() const { return fd_.get(); }
+  // The schedule cursor the client writes: steps started so far. Only ever read as a hint.
+  uint64_t cursor() const { return page_->header.cursor.load(std::memory_order_acquire); }
 
   // Takes a free slot and marks it pending. RESOURCE_EXHAUSTED when every slot is pending or not
   // yet acknowledged by the client.

@@ -25,6 +25,7 @@
 #include "daemon/device_probe.h"
 #include "daemon/host_memory.h"
 #include "daemon/nvme_tier.h"
+#include "daemon/plan_loop.h"
 #include "daemon/rpc_server.h"
 #include "daemon/session.h"
 #include "daemon/session_broker.h"
@@ -300,6 +301,8 @@ int Run() {
     spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
   }
   SessionRegistry sessions;
+  // Stops before the chunk service and the tiers it plans for.
+  PlanLoop planner(&chunks, absl::Milliseconds(1));
 
   constexpr unsigned kSocketMode = 0660;
   absl::StatusOr<std::unique_ptr<SessionBroker>> broker = SessionBroker::Start(

@@ -202,14 +202,16 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   }
 
   // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
-  auto seconds = [&](uint64_t bytes, Path p, TierKind tier, const PlannerChunk& c) {
+  auto seconds = [&](uint64_t bytes, Path p, TierKind tier) {
     double bw = in.bytes_per_second[Index(p)];
+    double single = in.move_seconds_per_byte[Index(p)];
     if (tier == TierKind::kDevice && p == Path::kNvmeToHost) {
       bw = std::min(bw, in.bytes_per_second[Index(Path::kHostToDevice)]);
+      single = std::max(single, in.move_seconds_per_byte[Index(Path::kHostToDevice)]);
     }
-    (void)c;
-    return bw > 0 ? absl::Seconds(in.safety * static_cast<double>(bytes) / bw)
-                  : absl::InfiniteDuration();
+    if (bw <= 0) return absl::InfiniteDuration();
+    const double streamed = static_cast<double>(bytes) / bw;
+    return absl::Seconds(in.safety * std::max(streamed, single * static_cast<double>(bytes)));
   };
   std::vector<bool> start_now(accepted.size(), false);
   for (int p = 0; p < kPaths; ++p) {
@@ -226,8 +228,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     for (auto it = on_path.rbegin(); it != on_path.rend(); ++it) {
       const Accepted& a = accepted[*it];
       limit = std::min(limit, a.demand.when);
-      const absl::Duration takes =
-          seconds(a.size, a.path, a.demand.tier, in.chunks.at(a.demand.id));
+      const absl::Duration takes = seconds(a.size, a.path, a.demand.tier);
       const absl::Time latest_start =
           takes == absl::InfiniteDuration() ? absl::InfinitePast() : limit - takes;
       start_now[*it] = latest_start - busy <= in.now + in.lead;

@@ -72,6 +72,9 @@ struct PlanInput {
   std::array<uint64_t, kTierKinds> free{};
   std::array<double, kPaths> bytes_per_second{};  // measured
   std::array<uint64_t, kPaths> queued_bytes{};    // already in flight on each path
+  // How long one move has recently taken per byte on each path, latency and queueing included (0:
+  // unknown): a transfer is planned to take at least that long, however fast the path streams.
+  std::array<double, kPaths> move_seconds_per_byte{};
   // A demand starts once its latest safe start is this close; a little over one planning round.
   absl::Duration lead = absl::Milliseconds(2);
   // Transfer times are planned this much longer than measured.

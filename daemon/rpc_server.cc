@@ -130,7 +130,8 @@ class TierdService final : public pb::Tierd::Service {
     if (!session.ok()) return ToGrpc(session.status());
     absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
     if (!tier.ok()) return ToGrpc(tier.status());
-    absl::StatusOr<SlotToken> token = deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier);
+    absl::StatusOr<SlotToken> token =
+        deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier, req->keep_source());
     if (!token.ok()) return ToGrpc(token.status());
     ToProto(*token, resp->mutable_completion());
     return grpc::Status::OK;
@@ -170,6 +171,61 @@ class TierdService final : public pb::Tierd::Service {
       loc->set_offset(p.offset);
     }
     ToProto(result->ready, resp->mutable_ready());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SetSchedule(grpc::ServerContext* ctx, const pb::SetScheduleRequest* req,
+                           pb::SetScheduleResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    ScheduleRequest schedule;
+    schedule.steps.reserve(req->steps_size());
+    uint64_t accesses = 0;
+    for (const pb::ScheduleStep& step : req->steps()) {
+      std::vector<ScheduledAccess>& out = schedule.steps.emplace_back();
+      out.reserve(step.accesses_size());
+      for (const pb::StepAccess& a : step.accesses()) {
+        absl::StatusOr<TierKind> tier = FromProto(a.tier());
+        if (!tier.ok()) return ToGrpc(tier.status());
+        Access access = Access::kRead;
+        if (a.mode() == pb::ACCESS_MODE_WRITE) {
+          access = Access::kWrite;
+        } else if (a.mode() != pb::ACCESS_MODE_READ && a.mode() != pb::ACCESS_MODE_UNSPECIFIED) {
+          return ToGrpc(absl::InvalidArgumentError(
+              absl::StrCat("SetSchedule: access mode ", static_cast<int>(a.mode()), " of chunk ",
+                           a.chunk_id(), " is not ACCESS_MODE_READ or ACCESS_MODE_WRITE")));
+        }
+        out.push_back({a.chunk_id(), *tier, access});
+        ++accesses;
+      }
+    }
+    schedule.quota[static_cast<int>(TierKind::kHost)] = req->host_quota_bytes();
+    schedule.quota[static_cast<int>(TierKind::kDevice)] = req->device_quota_bytes();
+    const uint32_t steps = static_cast<uint32_t>(schedule.steps.size());
+    if (absl::Status s = deps_.chunks->SetSchedule(**session, std::move(schedule)); !s.ok()) {
+      return ToGrpc(s);
+    }
+    resp->set_steps(steps);
+    resp->set_accesses(accesses);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetSessionStats(grpc::ServerContext* ctx, const pb::GetSessionStatsRequest*,
+                               pb::GetSessionStatsResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    const SessionStats stats = deps_.chunks->session_stats(**session);
+    resp->set_acquired_ready(stats.ready);
+    resp->set_acquired_waited(stats.waited);
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      pb::TierStall* stall = resp->add_stalls();
+      stall->set_tier(ToProto(t));
+      stall->set_stall_seconds(absl::ToDoubleSeconds(stats.stall[static_cast<int>(t)]));
+    }
+    resp->set_planner_fetches(stats.planner_fetches);
+    resp->set_planner_drops(stats.planner_drops);
+    resp->set_planner_write_backs(stats.planner_write_backs);
+    resp->set_cursor(stats.cursor);
     return grpc::Status::OK;
   }
 

@@ -540,6 +540,95 @@ TEST_F(SlowDeviceTest, PendingRequestsFailUnavailableWhenTheDaemonDies) {
   daemon_.reset();  // nothing left to stop
 }
 
+// A working set half again the host tier, on NVMe, read one chunk per step.
+class ScheduleTest : public DaemonTest {
+ protected:
+  static constexpr int kChunks = 24;
+  static constexpr uint64_t kChunkBytes = 4 << 20;
+
+  void SetUp() override {
+    DaemonTest::SetUp();
+    client_ = Connect();
+    std::vector<ChunkSpec> specs(kChunks, ChunkSpec{.size = kChunkBytes, .home = Tier::kNvme});
+    auto ids = client_->AllocateIds(specs);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    ids_ = *ids;
+    for (int first = 0; first < kChunks; first += 8) {  // written through the host, 8 at a time
+      std::span<const ChunkId> group(ids_.data() + first, 8);
+      auto a = client_->Acquire(group, Tier::kHost, AccessMode::kWrite);
+      ASSERT_TRUE(a.ok() && a->Wait().ok());
+      for (size_t i = 0; i < group.size(); ++i) {
+        std::memset((*a)[i].data, static_cast<int>(first + i), kChunkBytes);
+      }
+      ASSERT_TRUE(a->Release().ok());
+      auto down = client_->Evict(group, Tier::kNvme);
+      ASSERT_TRUE(down.ok() && down->Wait().ok());
+    }
+  }
+  void TearDown() override {
+    client_.reset();
+    DaemonTest::TearDown();
+  }
+
+  // One iteration: step k reads chunk k on the host, checks it, "computes" for `compute`.
+  void Iteration(uint64_t iteration, absl::Duration compute) {
+    for (int k = 0; k < kChunks; ++k) {
+      client_->BeginStep(iteration * kChunks + k);
+      const ChunkId id = ids_[k];
+      auto a = client_->Acquire(std::span<const ChunkId>(&id, 1), Tier::kHost, AccessMode::kRead);
+      ASSERT_TRUE(a.ok()) << a.status();
+      ASSERT_TRUE(a->Wait().ok());
+      ASSERT_EQ(static_cast<const unsigned char*>((*a)[0].data)[kChunkBytes - 1], k);
+      absl::SleepFor(compute);
+    }
+  }
+
+  std::unique_ptr<Client> client_;
+  std::vector<ChunkId> ids_;
+};
+
+TEST_F(ScheduleTest, WithAScheduleAcquiresFindTheirChunksReady) {
+  std::vector<ScheduleStep> steps;
+  for (ChunkId id : ids_) steps.push_back({StepAccess{id, Tier::kHost, AccessMode::kRead}});
+  ASSERT_TRUE(client_->SetSchedule(steps).ok());
+  Iteration(0, absl::Milliseconds(25));  // the planner learns the pace
+  const SessionStats before = *client_->GetSessionStats();
+  Iteration(1, absl::Milliseconds(25));
+  Iteration(2, absl::Milliseconds(25));
+  const SessionStats after = *client_->GetSessionStats();
+  // 4 MiB reads take a few ms against 25 ms steps: every chunk is there when its step starts.
+  EXPECT_EQ(after.acquired_waited - before.acquired_waited, 0u)
+      << "stall " << absl::FormatDuration(after.host_stall - before.host_stall);
+  EXPECT_EQ(after.acquired_ready - before.acquired_ready, 2u * kChunks);
+  EXPECT_GT(after.planner_fetches, 2u * kChunks - 8);  // the host holds 16 of the 24
+  EXPECT_EQ(after.cursor, 3u * kChunks);
+}
+
+TEST_F(ScheduleTest, WithoutAScheduleEveryAcquireWaits) {
+  Iteration(0, absl::Milliseconds(2));
+  const SessionStats before = *client_->GetSessionStats();
+  Iteration(1, absl::Milliseconds(2));
+  const SessionStats after = *client_->GetSessionStats();
+  // Least recently used eviction against a cyclic scan larger than the tier: every access misses.
+  EXPECT_EQ(after.acquired_waited - before.acquired_waited, static_cast<uint64_t>(kChunks));
+  EXPECT_GT(after.host_stall, before.host_stall);
+  EXPECT_EQ(after.planner_fetches, 0u);
+}
+
+TEST_F(ScheduleTest, ASchedulesChunksMustBeTheSessionsOwnAndInAMemoryTier) {
+  auto other = Connect("other");
+  std::vector<ScheduleStep> theirs = {{StepAccess{ids_[0], Tier::kHost, AccessMode::kRead}}};
+  absl::Status s = other->SetSchedule(theirs);
+  EXPECT_TRUE(absl::IsPermissionDenied(s)) << s;
+  std::vector<ScheduleStep> nvme = {{StepAccess{ids_[0], Tier::kNvme, AccessMode::kRead}}};
+  s = client_->SetSchedule(nvme);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  std::vector<ScheduleStep> unknown = {{StepAccess{999999, Tier::kHost, AccessMode::kRead}}};
+  s = client_->SetSchedule(unknown);
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_TRUE(client_->SetSchedule({}).ok());  // clearing is always allowed
+}
+
 TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   std::string out;
   EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--host_capacity=lots"}, &out), 2);

@@ -164,7 +164,7 @@ TEST_F(NvmeServiceTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreT
     const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[i]));
     for (size_t j = 0; j < sizes[i] / 8; j += 511) ASSERT_EQ(w[j], Word(5, ids[i], j));
   }
-  AcquireStats stats = service_->acquire_stats(*session_);
+  SessionStats stats = service_->session_stats(*session_);
   EXPECT_EQ(stats.waited, 2u);
   EXPECT_GE(stats.stall[static_cast<int>(TierKind::kHost)], absl::Milliseconds(20));
   ASSERT_TRUE(service_->Release(*session_, ids).ok());

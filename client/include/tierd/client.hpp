@@ -97,6 +97,32 @@ struct NodeInfo {
   const TierStatus* tier(Tier t) const;
 };
 
+// One chunk a schedule step acquires, where and how.
+struct StepAccess {
+  ChunkId id = 0;
+  Tier tier = Tier::kHost;
+  AccessMode mode = AccessMode::kRead;
+};
+using ScheduleStep = std::vector<StepAccess>;
+
+struct ScheduleOptions {
+  // Bytes of each tier the planner may fill for this session (0: no limit but the tier's).
+  uint64_t host_quota_bytes = 0;
+  uint64_t device_quota_bytes = 0;
+};
+
+// What this session's acquisitions cost it, and what the planner did for it.
+struct SessionStats {
+  uint64_t acquired_ready = 0;   // chunks in place when acquired
+  uint64_t acquired_waited = 0;  // chunks that had to be brought in or waited for
+  absl::Duration host_stall;     // time acquisitions waited, by tier
+  absl::Duration device_stall;
+  uint64_t planner_fetches = 0;
+  uint64_t planner_drops = 0;
+  uint64_t planner_write_backs = 0;
+  uint64_t cursor = 0;  // steps started, as the daemon last saw
+};
+
 // An asynchronous request's handle. Ready() and a Wait() on a completed request read shared
 // memory only (no system call); a Wait() on a pending one sleeps on a futex.
 struct CompletionToken {
@@ -238,6 +264,18 @@ class Client {
   void Abandon(CompletionToken token);
   // If the daemon goes away (its session socket closes), every pending request of this session
   // completes with UNAVAILABLE, so that no wait on it, host or GPU, blocks forever.
+
+  // --- schedules (docs/schedules.md) ---
+  // Declares the steps of one training iteration, repeated: each names the chunks it acquires,
+  // where and how. Replaces the session's schedule; no steps clears it. Every chunk must be one
+  // this session may use.
+  absl::Status SetSchedule(std::span<const ScheduleStep> steps,
+                           const ScheduleOptions& options = {});
+  // Says that step `k` has started, counting across iterations (iteration * steps + index): one
+  // store into shared memory, no RPC. The daemon's planner brings each step's chunks in ahead of
+  // it, at the pace the steps keep.
+  void BeginStep(uint64_t k);
+  absl::StatusOr<SessionStats> GetSessionStats();
 
   // --- the daemon's GPU in this process ---
   // Opens the daemon's GPU through CUDA (found by UUID; its primary context, the one the CUDA
