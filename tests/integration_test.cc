@@ -409,10 +409,11 @@ TEST_F(DaemonTest, PersistentChunksSurviveSigkillIntactOrReportedLost) {
 // A daemon with an emulated device: the device tier works end to end through the client library.
 class EmulatedDeviceTest : public DaemonTest {
  protected:
+  virtual std::string Gbps() const { return "8"; }
   void SetUp() override {
     std::vector<std::string> args = PoolFlags();
     args.insert(args.end(), {"--device=emulated", "--device_capacity=64MiB",
-                             "--device_segment_size=16MiB", "--emulated_gbps=8"});
+                             "--device_segment_size=16MiB", "--emulated_gbps=" + Gbps()});
     auto daemon = DaemonProcess::Start({.binary = DaemonBinary(), .args = args});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::move(*daemon);
@@ -504,16 +505,9 @@ TEST_F(DaemonTest, WithoutADeviceTierThereIsNoCudaDevice) {
 }
 
 // A slow emulated device keeps a prefetch in flight long enough to kill the daemon under it.
-class SlowDeviceTest : public DaemonTest {
+class SlowDeviceTest : public EmulatedDeviceTest {
  protected:
-  void SetUp() override {
-    std::vector<std::string> args = PoolFlags();
-    args.insert(args.end(), {"--device=emulated", "--device_capacity=64MiB",
-                             "--device_segment_size=16MiB", "--emulated_gbps=0.002"});
-    auto daemon = DaemonProcess::Start({.binary = DaemonBinary(), .args = args});
-    ASSERT_TRUE(daemon.ok()) << daemon.status();
-    daemon_ = std::move(*daemon);
-  }
+  std::string Gbps() const override { return "0.002"; }
 };
 
 TEST_F(SlowDeviceTest, PendingRequestsFailUnavailableWhenTheDaemonDies) {
