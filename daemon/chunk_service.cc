@@ -112,8 +112,8 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   m.window_bytes += bytes;
   --m.in_flight;
   const absl::Time now = absl::Now();
-  // How long one move took, per byte: latency and queueing included.
-  // Mean and mean deviation, as TCP estimates round trips: plans use mean + 4 deviations.
+  // How long one move took, per byte, latency and queueing included: mean and mean deviation, as
+  // TCP estimates round trips (plans use mean + 4 deviations).
   if (auto it = move_started_.find(chunk.id); it != move_started_.end() && bytes > 0) {
     const double sample = absl::ToDoubleSeconds(now - it->second) / static_cast<double>(bytes);
     if (m.move_seconds_per_byte == 0) {
@@ -329,6 +329,9 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
                                               TierName(w.tier), " tier: ", moved.message())));
     } else if (absl::Status s = CheckFetchable(chunk, w.tier); !s.ok()) {
       w.batch->Done(s);
+    } else if (chunk.state == ChunkState::kMoving) {
+      // An earlier waiter's fetch has just started: wait for it too.
+      waiters_[chunk.id].push_back(std::move(w));
     } else {
       // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
       if (absl::Status f = StartFetch(chunk, w.tier); !f.ok()) {
@@ -382,7 +385,7 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
   }
   BeginBatchMove(chunk, TierKind::kDevice, batch);
   MoveStarted(Path::kHostToDevice, chunk);
-  if (!from_host) MoveStarted(Path::kNvmeToHost, chunk);
+  if (!from_host && chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
   char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
   char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
@@ -462,7 +465,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
   MoveDone(Path::kHostToDevice, chunk);
-  if (host_filled) MoveDone(Path::kNvmeToHost, chunk);
+  if (host_filled && chunk.written) MoveDone(Path::kNvmeToHost, chunk);
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
   } else {
@@ -515,7 +518,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
   BeginBatchMove(chunk, TierKind::kHost, batch);
-  MoveStarted(Path::kNvmeToHost, chunk);
+  if (chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
   auto done = [this, id, batch](absl::Status s) {
     SettleRead(id, s);
@@ -533,7 +536,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   FinishMove(chunk, status.ok());
-  MoveDone(Path::kNvmeToHost, chunk);
+  if (chunk.written) MoveDone(Path::kNvmeToHost, chunk);
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again

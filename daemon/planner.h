@@ -3,7 +3,7 @@
 // which copies to drop for them and which dirty copies to write back early. A pure function of
 // its input (no clock, no locks, no I/O), so its decisions are tested directly.
 //
-// Policy (docs/planner.md):
+// Policy (docs/schedules.md):
 //  * Need times come from the schedule and the measured step durations: the first future use of
 //    each chunk in each tier, over one iteration ahead.
 //  * Space goes to the demands in order of need (earliest first). A copy is displaced only by a

@@ -213,6 +213,25 @@ TEST_F(NvmeServiceTest, AcquireForWriteWaitsForAWriteBackOfTheSameCopy) {
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
+// Two requests wait on an eviction that drops the copy they want: the first fetches it again, the
+// second joins that fetch rather than starting another move of a moving chunk.
+TEST_F(NvmeServiceTest, RequestsWaitingOnAnEvictionShareOneFetchBackAfterIt) {
+  const std::vector<uint64_t> sizes = {2 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 8);
+  faults_->SetDelay(absl::Milliseconds(5));
+  auto evict = service_->Evict(*session_, ids, TierKind::kNvme);  // drops the host copy
+  ASSERT_TRUE(evict.ok());
+  auto first = service_->Prefetch(*session_, ids, TierKind::kHost, 0);
+  auto second = service_->Prefetch(*session_, ids, TierKind::kHost, 0);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_TRUE(Wait(*session_, *evict).ok());
+  EXPECT_TRUE(Wait(*session_, *first).ok());
+  EXPECT_TRUE(Wait(*session_, *second).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_TRUE(Check(*session_, ids, 8, sizes));
+}
+
 TEST_F(NvmeServiceTest, AcquireThatCannotBeServedFailsItsTokenAndKeepsThePinUntilRelease) {
   // The host tier is full of pinned chunks: a chunk on NVMe has nowhere to land.
   auto away = Alloc(*session_, {1 << 20});
