@@ -298,7 +298,9 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
   batch->Add();
   waiters_[chunk.id].push_back(Waiter{batch, session, tier, pin, absl::Now()});
   if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
-  if (absl::Status s = StartFetch(chunk, tier); !s.ok()) {
+  // An Acquire's space was reserved up front (its location is final); other requests may queue
+  // for room.
+  if (absl::Status s = pin ? StartFetch(chunk, tier) : FetchOrQueue(chunk, tier); !s.ok()) {
     // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
     std::vector<Waiter>& w = waiters_[chunk.id];
     w.pop_back();
@@ -334,13 +336,162 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       waiters_[chunk.id].push_back(std::move(w));
     } else {
       // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
-      if (absl::Status f = StartFetch(chunk, w.tier); !f.ok()) {
+      if (absl::Status f = FetchOrQueue(chunk, w.tier); !f.ok()) {
         w.batch->Done(f);
       } else {
         waiters_[chunk.id].push_back(std::move(w));
       }
     }
   }
+}
+
+absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier) {
+  absl::Status started = StartFetch(chunk, tier);
+  if (started.ok() || !absl::IsResourceExhausted(started)) return started;
+  if (!MakeRoomFor(chunk, tier)) return started;
+  for (const QueuedFetch& q : queued_fetches_) {
+    if (q.id == chunk.id && q.tier == tier) return absl::OkStatus();
+  }
+  queued_fetches_.push_back({chunk.id, tier});
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The tiers a fetch of the chunk into `tier` needs space in: a fetch into the device stages
+// through (or copies from) the chunk's host space.
+std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier) {
+  std::vector<TierKind> needs;
+  if (!chunk.allocated.contains(TierKind::kHost)) needs.push_back(TierKind::kHost);
+  if (tier == TierKind::kDevice && !chunk.allocated.contains(TierKind::kDevice)) {
+    needs.push_back(TierKind::kDevice);
+  }
+  return needs;
+}
+
+}  // namespace
+
+bool ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier) {
+  // Held meanwhile, so that room for one is never made by dropping another.
+  for (ChunkMeta* c : chunks) Hold(*c);
+  bool reserved = true;
+  for (ChunkMeta* c : chunks) {
+    if (c->resident.contains(tier) || c->state == ChunkState::kMoving) continue;
+    for (TierKind t : RoomNeeded(*c, tier)) {
+      absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, c->size);
+      if (p.ok()) {
+        c->placement[static_cast<int>(t)] = *p;
+        c->allocated.insert(t);
+      } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier)) {
+        reserved = false;
+        break;
+      }
+      // Otherwise no room is coming: the fetch fails and says so.
+    }
+    if (!reserved) break;
+  }
+  for (ChunkMeta* c : chunks) Unpin(*c);
+  return reserved;
+}
+
+bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier) {
+  const std::vector<TierKind> needs = RoomNeeded(chunk, tier);
+  bool coming = false;
+  bool tried = false;
+  for (TierKind t : needs) {
+    const TierUsage u = this->tier(t)->Usage();
+    const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+    if (free >= chunk.size && room_coming_[static_cast<int>(t)] == 0) continue;
+    tried = true;
+    coming |= MakeRoomIn(t, chunk.size);
+  }
+  if (!tried) {  // enough bytes free but not in one piece: free some more
+    for (TierKind t : needs) coming |= MakeRoomIn(t, chunk.size);
+  }
+  return coming;
+}
+
+bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
+  const int k = static_cast<int>(t);
+  const TierUsage u = tier(t)->Usage();
+  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+  if (room_coming_[k] > 0 && free + room_coming_[k] >= bytes) return true;
+  // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
+  const bool can_write_down = t == TierKind::kDevice ? device_ != nullptr
+                                                     : t == TierKind::kHost && nvme_ != nullptr;
+  if (!can_write_down) return room_coming_[k] > 0;
+  // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
+  // of dirty copies.
+  std::vector<ChunkMeta*> dirty;
+  for (auto& [id, c] : chunks_) {
+    if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !c.resident.contains(t) ||
+        CleanIn(c, t)) {
+      continue;
+    }
+    dirty.push_back(&c);
+  }
+  std::sort(dirty.begin(), dirty.end(),
+            [](const ChunkMeta* a, const ChunkMeta* b) { return a->last_use < b->last_use; });
+  bool started = false;  // at least one, in case the free bytes are there but not in one piece
+  for (ChunkMeta* c : dirty) {
+    if (started && free + room_coming_[k] >= bytes) break;
+    auto batch = std::make_shared<Batch>();
+    if (t == TierKind::kDevice) {
+      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
+    } else {
+      StartWrite(*c, batch, /*keep_source=*/false);
+    }
+    batch->Done(absl::OkStatus());
+    if (c->state != ChunkState::kMoving) continue;  // no room below it either
+    room_moves_[c->id] = t;
+    room_coming_[k] += c->size;
+    started = true;
+  }
+  return room_coming_[k] > 0;
+}
+
+void ChunkService::RoomMoveDone(ChunkId id) {
+  auto it = room_moves_.find(id);
+  if (it == room_moves_.end()) return;
+  uint64_t& coming = room_coming_[static_cast<int>(it->second)];
+  coming -= std::min(coming, chunks_.at(id).size);
+  room_moves_.erase(it);
+  room_freed_.SignalAll();
+}
+
+void ChunkService::RetryQueuedFetches() {
+  while (!queued_fetches_.empty()) {
+    const QueuedFetch q = queued_fetches_.front();
+    auto it = chunks_.find(q.id);
+    auto w = waiters_.find(q.id);
+    const bool waited_for =
+        w != waiters_.end() &&
+        std::any_of(w->second.begin(), w->second.end(),
+                    [&](const Waiter& x) { return x.tier == q.tier; });
+    // Gone, given up on, or on its way by another move (whose end wakes its waiters).
+    if (it == chunks_.end() || !waited_for || it->second.state != ChunkState::kReady ||
+        it->second.resident.contains(q.tier)) {
+      queued_fetches_.pop_front();
+      continue;
+    }
+    absl::Status s = StartFetch(it->second, q.tier);
+    if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
+    queued_fetches_.pop_front();
+    if (!s.ok()) FailWaiters(q.id, q.tier, s);
+  }
+}
+
+void ChunkService::FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) {
+  auto it = waiters_.find(id);
+  if (it == waiters_.end()) return;
+  std::vector<Waiter> failed;
+  std::erase_if(it->second, [&](Waiter& w) {
+    if (w.tier != tier) return false;
+    failed.push_back(std::move(w));
+    return true;
+  });
+  if (it->second.empty()) waiters_.erase(it);
+  for (Waiter& w : failed) w.batch->Done(status);
 }
 
 ChunkMeta& ChunkService::Moving(ChunkId id) {
@@ -509,8 +660,10 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   } else if (!keep_source && chunk.pins == 0) {
     DropCopy(chunk, TierKind::kDevice);
   }
+  RoomMoveDone(id);
   WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
+  RetryQueuedFetches();
 }
 
 void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
@@ -595,8 +748,10 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
+  RoomMoveDone(id);
   WakeWaiters(chunk, checksum.status());
   if (chunk.doomed) Destroy(chunk);
+  RetryQueuedFetches();
 }
 
 std::string ChunkService::NameKey(uint32_t tenant, absl::string_view name) {
@@ -757,6 +912,8 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
     if (absl::Status s = CheckFreeable(*chunk); !s.ok()) return s;
   }
   for (ChunkMeta* chunk : *chunks) Destroy(*chunk);
+  RetryQueuedFetches();
+  room_freed_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -766,14 +923,26 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   if (absl::Status s = CheckBatch(ids.size(), "Acquire"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Acquire"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  if (session.ended) return Ended(session);
-  absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
-  if (!chunks.ok()) return chunks.status();
-  bool all_ready = true;
-  for (const ChunkMeta* chunk : *chunks) {
-    if (CheckPin(*chunk, tier).ok()) continue;
-    all_ready = false;
-    if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
+  // When a tier the chunks must come into is full of copies that exist nowhere else, this waits
+  // (the lock released) while the oldest of them are written down, then validates again.
+  const absl::Time arrived = absl::Now();
+  const absl::Time give_up = arrived + absl::Minutes(1);
+  absl::StatusOr<std::vector<ChunkMeta*>> chunks;
+  bool all_ready;
+  bool waited_for_room = false;
+  for (;;) {
+    if (session.ended) return Ended(session);
+    chunks = Resolve(session, ids);
+    if (!chunks.ok()) return chunks.status();
+    all_ready = true;
+    for (const ChunkMeta* chunk : *chunks) {
+      if (CheckPin(*chunk, tier).ok()) continue;
+      all_ready = false;
+      if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
+    }
+    if (all_ready || ReserveForAcquire(*chunks, tier) || absl::Now() >= give_up) break;
+    room_freed_.WaitWithDeadline(&mu_, give_up);
+    waited_for_room = true;
   }
   std::shared_ptr<Batch> batch;
   if (all_ready) {
@@ -791,6 +960,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   result.ready = batch->token;
   result.locations.reserve(ids.size());
   SessionState& state = sessions_[session.id];
+  if (waited_for_room) state.stats.stall[static_cast<int>(tier)] += absl::Now() - arrived;
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
     chunk->last_use = ++use_clock_;
@@ -823,6 +993,9 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
     auto it = state.pins.find(chunk->id);
     if (--it->second == 0) state.pins.erase(it);
   }
+  // Released copies may be what waiting fetches need dropped.
+  RetryQueuedFetches();
+  room_freed_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -991,6 +1164,8 @@ size_t ChunkService::CloseSession(const Session& session) {
       if (chunk.owner == session.id) chunk.owner = 0;
     }
   }
+  RetryQueuedFetches();
+  room_freed_.SignalAll();
   return freed;
 }
 

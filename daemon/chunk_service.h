@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <set>
@@ -193,6 +194,26 @@ class ChunkService {
                SessionId session, std::optional<Access> pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space).
   absl::Status StartFetch(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StartFetch for a chunk that requests wait on: when the tiers it needs room in are full of
+  // copies that exist nowhere else (dirty), starts writing the least recently used of them down
+  // and queues the fetch until their room is free (OK). Fails only when no room is coming.
+  absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Write-backs that will free room for the chunk in the tiers the fetch needs space in; true when
+  // room is on its way (started now or earlier).
+  bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
+  // final. False when some tier is full of dirty copies and write-backs are making room: wait on
+  // room_freed_ and try again.
+  bool ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool MakeRoomIn(TierKind tier, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
+  // arrival order.
+  void RetryQueuedFetches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RoomMoveDone(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the requests waiting for the chunk in `tier`.
+  void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
   // for those whose tier it did not fill).
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -252,6 +273,16 @@ class ChunkService {
   absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
   std::array<PathMeter, kPaths> paths_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
+  // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
+  // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.
+  struct QueuedFetch {
+    ChunkId id;
+    TierKind tier;
+  };
+  std::deque<QueuedFetch> queued_fetches_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);
+  std::array<uint64_t, kTierKinds> room_coming_ ABSL_GUARDED_BY(mu_){};
+  absl::CondVar room_freed_;  // a room-making write-back settled, or pins or chunks went
   size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -215,7 +215,7 @@ TEST_F(DeviceServiceTest, DamagedNvmeDataNeverReachesTheDevice) {
   EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
 }
 
-TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesButNeverDirtyOnes) {
+TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst) {
   auto clean = Alloc({kSeg, kSeg});
   Fill(clean, TierKind::kHost, 1);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, clean, TierKind::kDevice, 0)).ok());
@@ -223,14 +223,28 @@ TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesButNeverDirtyOnes) {
   Fill(more, TierKind::kHost, 2);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, more, TierKind::kDevice, 0)).ok());
   EXPECT_FALSE(service_->Stat(*session_, clean)->at(0).resident.contains(TierKind::kDevice));
-  // Make every device copy dirty: now nothing may be dropped and the next prefetch fails.
+  // Every device copy dirty: the least recently used is copied to the host before its room is
+  // reused, and nothing the GPU wrote is lost.
   std::vector<ChunkId> on_device = {clean[1], more[0]};
   Fill(on_device, TierKind::kDevice, 3);
+  const int to_host = device_->to_host.load();
   std::vector<ChunkId> first = {clean[0]};
-  absl::Status s = Wait(service_->Prefetch(*session_, first, TierKind::kDevice, 0));
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, first, TierKind::kDevice, 0)).ok());
+  EXPECT_EQ(device_->to_host.load(), to_host + 1);
+  auto stat = *service_->Stat(*session_, on_device);
+  const size_t evicted = stat[0].resident.contains(TierKind::kDevice) ? 1 : 0;
+  EXPECT_FALSE(stat[evicted].resident.contains(TierKind::kDevice));
+  EXPECT_TRUE(stat[evicted].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(Holds(first, TierKind::kDevice, 1, kSeg));
+  // With the device's copies acquired, none may go: the next one has no room.
+  std::vector<ChunkId> held = {first[0], on_device[1 - evicted]};
+  ASSERT_TRUE(service_->Acquire(*session_, held, TierKind::kDevice, Access::kWrite).ok());
+  std::vector<ChunkId> other = {on_device[evicted]};
+  absl::Status s = Wait(service_->Prefetch(*session_, other, TierKind::kDevice, 0));
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   EXPECT_NE(s.message().find("device tier full"), std::string::npos) << s;
-  EXPECT_TRUE(Holds(on_device, TierKind::kDevice, 3, kSeg));
+  ASSERT_TRUE(service_->Release(*session_, held).ok());
+  EXPECT_TRUE(Holds(on_device, TierKind::kHost, 3, kSeg));
 }
 
 TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {

@@ -411,6 +411,37 @@ TEST_F(NvmeServiceTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanCopies
   }
 }
 
+// On-demand swapping: a working set larger than the host tier, written through it chunk by chunk.
+// The host fills with copies that exist nowhere else; each further acquire writes the least
+// recently used of them to NVMe and lands in its room.
+TEST_F(NvmeServiceTest, AcquiresThroughAHostTierFullOfWrittenChunksWriteTheOldestBack) {
+  std::vector<uint64_t> sizes(12, 8 << 20);  // 96 MiB through 64 MiB
+  auto ids = Alloc(*session_, sizes, TierKind::kNvme);
+  faults_->SetDelay(absl::Milliseconds(1));
+  const uint64_t writes = faults_->seen(IoKind::kWrite);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      std::vector<ChunkId> one = {ids[i]};
+      auto a = service_->Acquire(*session_, one, TierKind::kHost, Access::kWrite);
+      ASSERT_TRUE(a.ok()) << a.status();
+      ASSERT_TRUE(Wait(*session_, a->ready).ok()) << "pass " << pass << " chunk " << i;
+      auto* w = static_cast<uint64_t*>(host_->Address(a->locations[0]));
+      for (size_t j = 0; j < sizes[i] / 8; ++j) w[j] = Word(200 + pass, ids[i], j);
+      ASSERT_TRUE(service_->Release(*session_, one).ok());
+    }
+  }
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_GT(faults_->seen(IoKind::kWrite), writes);
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));  // the oldest went first
+  EXPECT_TRUE(stat[11].resident.contains(TierKind::kHost));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<ChunkId> one = {ids[i]};
+    EXPECT_TRUE(Check(*session_, one, 201, {8 << 20})) << i;
+  }
+  EXPECT_LE(host_->Usage().used_bytes, 4 * kSeg);
+}
+
 TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/opt/m/0", .persistent = true},
                                  {.size = 300000, .name = "job/opt/v/0", .persistent = true},
