@@ -118,6 +118,10 @@ class DeviceServiceTest : public ::testing::Test {
       ADD_FAILURE() << a.status();
       return false;
     }
+    if (absl::Status ready = Wait(a->ready); !ready.ok()) {
+      ADD_FAILURE() << ready;
+      return false;
+    }
     bool ok = true;
     for (const Placement& p : a->locations) {
       const auto* b = static_cast<const unsigned char*>(service_->tier(tier)->Address(p));
