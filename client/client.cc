@@ -329,6 +329,13 @@ const TierStatus* NodeInfo::tier(Tier t) const {
   return nullptr;
 }
 
+const PathStatus* NodeInfo::path(std::string_view name) const {
+  for (const PathStatus& p : paths) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -563,6 +570,10 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
   info.device_status = resp.device_status();
   info.sessions = resp.sessions();
   info.chunks = resp.chunks();
+  for (const pb::PathInfo& p : resp.paths()) {
+    info.paths.push_back(
+        {p.name(), p.bytes_total(), p.moves_total(), p.bytes_per_second(), p.measured()});
+  }
   return info;
 }
 

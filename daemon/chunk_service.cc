@@ -110,6 +110,8 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   PathMeter& m = paths_[static_cast<int>(path)];
   m.queued_bytes -= std::min(m.queued_bytes, bytes);
   m.window_bytes += bytes;
+  m.bytes_total += bytes;
+  ++m.moves_total;
   --m.in_flight;
   const absl::Time now = absl::Now();
   // How long one move took, per byte, latency and queueing included: mean and mean deviation, as
@@ -1344,6 +1346,19 @@ SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session.id);
   return it == sessions_.end() ? SessionStats{} : it->second.stats;
+}
+
+std::array<PathStatus, kPaths> ChunkService::path_status() const {
+  absl::MutexLock lock(&mu_);
+  std::array<PathStatus, kPaths> out;
+  for (int p = 0; p < kPaths; ++p) {
+    out[p] = PathStatus{.path = static_cast<Path>(p),
+                        .bytes = paths_[p].bytes_total,
+                        .moves = paths_[p].moves_total,
+                        .bytes_per_second = paths_[p].bytes_per_second,
+                        .measured = paths_[p].measured};
+  }
+  return out;
 }
 
 size_t ChunkService::chunk_count() const {

@@ -64,6 +64,15 @@ struct ScheduleRequest {
   std::array<uint64_t, kTierKinds> quota{};
 };
 
+// What has moved on one path since start-up, and the planner's estimate of its bandwidth.
+struct PathStatus {
+  Path path = Path::kNvmeToHost;
+  uint64_t bytes = 0;
+  uint64_t moves = 0;
+  double bytes_per_second = 0;
+  bool measured = false;
+};
+
 struct ChunkPage {
   std::vector<ChunkMeta> chunks;
   ChunkId next_page_token = 0;
@@ -117,6 +126,7 @@ class ChunkService {
   size_t CloseSession(const Session& session);
 
   SessionStats session_stats(const Session& session) const;
+  std::array<PathStatus, kPaths> path_status() const;
 
   // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
   // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
@@ -154,6 +164,8 @@ class ChunkService {
     bool measured = false;
     double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
     double move_deviation_per_byte = 0;
+    uint64_t bytes_total = 0;
+    uint64_t moves_total = 0;
   };
   void MoveStarted(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MoveDone(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

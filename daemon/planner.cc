@@ -60,6 +60,20 @@ absl::flat_hash_map<uint64_t, Demand> NeedTimes(const PlanInput& in) {
 
 }  // namespace
 
+const char* PathName(Path path) {
+  switch (path) {
+    case Path::kNvmeToHost:
+      return "nvme_to_host";
+    case Path::kHostToNvme:
+      return "host_to_nvme";
+    case Path::kHostToDevice:
+      return "host_to_device";
+    case Path::kDeviceToHost:
+      return "device_to_host";
+  }
+  return "unknown";
+}
+
 Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
   if (tier == TierKind::kDevice) {
     return chunk.resident.contains(TierKind::kHost) ? Path::kHostToDevice : Path::kNvmeToHost;

@@ -98,6 +98,9 @@ struct PlannedMove {
 // The moves to start now, in the order to start them.
 std::vector<PlannedMove> Plan(const PlanInput& input);
 
+// "nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host".
+const char* PathName(Path path);
+
 // The path a fetch of `chunk` into `tier` starts on (the one that limits it).
 Path FetchPath(const PlannerChunk& chunk, TierKind tier);
 

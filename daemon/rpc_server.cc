@@ -302,6 +302,14 @@ class TierdService final : public pb::Tierd::Service {
         }
       }
     }
+    for (const PathStatus& path : deps_.chunks->path_status()) {
+      pb::PathInfo* info = resp->add_paths();
+      info->set_name(PathName(path.path));
+      info->set_bytes_total(path.bytes);
+      info->set_moves_total(path.moves);
+      info->set_bytes_per_second(path.bytes_per_second);
+      info->set_measured(path.measured);
+    }
     for (const DeviceDescription& d : deps_.devices.devices) {
       pb::DeviceInfo* dev = resp->add_devices();
       dev->set_uuid(d.uuid);

@@ -11,6 +11,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -80,6 +81,15 @@ struct TierStatus {
   std::vector<RegionStatus> regions;  // NVMe tier
 };
 
+// A way chunk bytes move between tiers, since the daemon started.
+struct PathStatus {
+  std::string name;  // nvme_to_host, host_to_nvme, host_to_device, device_to_host
+  uint64_t bytes = 0;
+  uint64_t moves = 0;
+  double bytes_per_second = 0;  // the daemon's estimate (measured when `measured`)
+  bool measured = false;
+};
+
 struct NodeInfo {
   std::string hostname;
   std::string version;
@@ -93,8 +103,10 @@ struct NodeInfo {
   uint64_t device_memory_bytes = 0;
   uint32_t sessions = 0;
   uint64_t chunks = 0;
+  std::vector<PathStatus> paths;
 
   const TierStatus* tier(Tier t) const;
+  const PathStatus* path(std::string_view name) const;
 };
 
 // One chunk a schedule step acquires, where and how.
