@@ -230,6 +230,76 @@ tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion
   });
 }
 
+tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size_t* step_lengths,
+                                const tierd_chunk_id* ids, const int* tiers, const int* modes,
+                                uint64_t host_quota_bytes, uint64_t device_quota_bytes) {
+  if (client == nullptr || (n_steps > 0 && step_lengths == nullptr)) {
+    return Invalid("tierd_set_schedule: NULL client or step_lengths");
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < n_steps; ++i) total += step_lengths[i];
+  if (total > 0 && (ids == nullptr || tiers == nullptr || modes == nullptr)) {
+    return Invalid("tierd_set_schedule: NULL ids, tiers or modes");
+  }
+  return Guard([&] {
+    std::vector<tierd::ScheduleStep> steps(n_steps);
+    size_t next = 0;
+    for (size_t i = 0; i < n_steps; ++i) {
+      steps[i].reserve(step_lengths[i]);
+      for (size_t j = 0; j < step_lengths[i]; ++j, ++next) {
+        if (tiers[next] < TIERD_TIER_HOST || tiers[next] > TIERD_TIER_DEVICE) {
+          return Fail(absl::InvalidArgumentError(absl::StrCat(
+              "tierd_set_schedule: access ", next, " names tier ", tiers[next], ", not a tier")));
+        }
+        if (modes[next] != TIERD_ACCESS_READ && modes[next] != TIERD_ACCESS_WRITE) {
+          return Fail(absl::InvalidArgumentError(
+              absl::StrCat("tierd_set_schedule: access ", next, " has mode ", modes[next],
+                           ", not TIERD_ACCESS_READ or TIERD_ACCESS_WRITE")));
+        }
+        steps[i].push_back({ids[next], static_cast<tierd::Tier>(tiers[next]),
+                            static_cast<tierd::AccessMode>(modes[next])});
+      }
+    }
+    return Done(client->client->SetSchedule(
+        steps, {.host_quota_bytes = host_quota_bytes, .device_quota_bytes = device_quota_bytes}));
+  });
+}
+
+tierd_status tierd_trace_schedule(tierd_client* client, uint32_t steps_per_iteration,
+                                  uint64_t host_quota_bytes, uint64_t device_quota_bytes) {
+  if (client == nullptr) return Invalid("tierd_trace_schedule: NULL client");
+  return Guard([&] {
+    return Done(client->client->TraceSchedule(
+        steps_per_iteration,
+        {.host_quota_bytes = host_quota_bytes, .device_quota_bytes = device_quota_bytes}));
+  });
+}
+
+tierd_status tierd_begin_step(tierd_client* client, uint64_t k) {
+  if (client == nullptr) return Invalid("tierd_begin_step: NULL client");
+  client->client->BeginStep(k);
+  return TIERD_OK;
+}
+
+tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* out) {
+  if (client == nullptr || out == nullptr) return Invalid("tierd_session_stats_get: NULL argument");
+  return Guard([&] {
+    absl::StatusOr<tierd::SessionStats> s = client->client->GetSessionStats();
+    if (!s.ok()) return Fail(s.status());
+    *out = tierd_session_stats{s->acquired_ready,
+                               s->acquired_waited,
+                               static_cast<uint64_t>(absl::ToInt64Nanoseconds(s->host_stall)),
+                               static_cast<uint64_t>(absl::ToInt64Nanoseconds(s->device_stall)),
+                               s->planner_fetches,
+                               s->planner_drops,
+                               s->planner_write_backs,
+                               s->cursor,
+                               s->schedule_steps,
+                               s->tracing ? 1 : 0};
+    return TIERD_OK;
+  });
+}
+
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {
   if (client == nullptr || out == nullptr) return Invalid("tierd_tier_usage_get: NULL argument");
   return Guard([&] {

@@ -642,6 +642,18 @@ absl::Status Client::SetSchedule(std::span<const ScheduleStep> steps,
   return impl_->Call(&pb::Tierd::Stub::SetSchedule, req, &resp, "SetSchedule");
 }
 
+absl::Status Client::TraceSchedule(uint32_t steps_per_iteration, const ScheduleOptions& options) {
+  if (steps_per_iteration == 0) {
+    return absl::InvalidArgumentError("TraceSchedule: an iteration has at least one step");
+  }
+  pb::SetScheduleRequest req;
+  req.set_trace_steps(steps_per_iteration);
+  req.set_host_quota_bytes(options.host_quota_bytes);
+  req.set_device_quota_bytes(options.device_quota_bytes);
+  pb::SetScheduleResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::SetSchedule, req, &resp, "SetSchedule");
+}
+
 void Client::BeginStep(uint64_t k) {
   impl_->page->header.cursor.store(k + 1, std::memory_order_release);
 }
@@ -666,6 +678,8 @@ absl::StatusOr<SessionStats> Client::GetSessionStats() {
   stats.planner_drops = resp.planner_drops();
   stats.planner_write_backs = resp.planner_write_backs();
   stats.cursor = resp.cursor();
+  stats.schedule_steps = resp.schedule_steps();
+  stats.tracing = resp.tracing();
   return stats;
 }
 

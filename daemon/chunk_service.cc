@@ -419,8 +419,8 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
   const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
   if (room_coming_[k] > 0 && free + room_coming_[k] >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
-  const bool can_write_down = t == TierKind::kDevice ? device_ != nullptr
-                                                     : t == TierKind::kHost && nvme_ != nullptr;
+  const bool can_write_down =
+      t == TierKind::kDevice ? device_ != nullptr : t == TierKind::kHost && nvme_ != nullptr;
   if (!can_write_down) return room_coming_[k] > 0;
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
@@ -467,9 +467,8 @@ void ChunkService::RetryQueuedFetches() {
     auto it = chunks_.find(q.id);
     auto w = waiters_.find(q.id);
     const bool waited_for =
-        w != waiters_.end() &&
-        std::any_of(w->second.begin(), w->second.end(),
-                    [&](const Waiter& x) { return x.tier == q.tier; });
+        w != waiters_.end() && std::any_of(w->second.begin(), w->second.end(),
+                                           [&](const Waiter& x) { return x.tier == q.tier; });
     // Gone, given up on, or on its way by another move (whose end wakes its waiters).
     if (it == chunks_.end() || !waited_for || it->second.state != ChunkState::kReady ||
         it->second.resident.contains(q.tier)) {
@@ -969,11 +968,12 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     state.pins[chunk->id] += 1;
     ++(CheckPin(*chunk, tier).ok() ? state.stats.ready : state.stats.waited);
     BringIn(*chunk, tier, batch, session.id, access);
-    // Final even for a chunk still on its way: its space in `tier` is reserved when its move
-    // starts.
+    // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
+    // move it joined.
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
   }
   batch->Done(absl::OkStatus());  // the issuer's reference
+  if (state.trace.steps > 0) Trace(state, session, *chunks, tier, access);
   return result;
 }
 
@@ -1140,7 +1140,7 @@ size_t ChunkService::CloseSession(const Session& session) {
   if (it == sessions_.end()) return 0;
   SessionState state = std::move(it->second);
   sessions_.erase(it);
-  if (!state.steps.empty()) --schedules_;
+  if (state.planned()) --schedules_;
   for (const auto& [id, count] : state.pins) {
     if (auto w = waiters_.find(id); w != waiters_.end()) {
       std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
@@ -1181,6 +1181,14 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   if (request.steps.empty() != (accesses == 0)) {
     return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
   }
+  if (request.trace_steps > 0 && !request.steps.empty()) {
+    return absl::InvalidArgumentError(
+        "SetSchedule: either declare steps or ask for a trace (trace_steps), not both");
+  }
+  if (request.trace_steps > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("SetSchedule: a trace of ", request.trace_steps,
+                                                   " steps; at most ", kMaxBatch));
+  }
   for (const auto& step : request.steps) {
     for (const ScheduledAccess& a : step) {
       if (a.tier != TierKind::kHost && a.tier != TierKind::kDevice) {
@@ -1206,17 +1214,79 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
     return chunks.status();
   }
   SessionState& state = sessions_[session.id];
-  const bool had = !state.steps.empty();
+  const bool had = state.planned();
+  InstallSchedule(state, session, std::move(request.steps), request.quota);
+  state.trace = {};
+  if (request.trace_steps > 0) {
+    // From the next iteration boundary: the first step number that is a multiple of the length.
+    const uint64_t n = request.trace_steps;
+    state.trace.steps = request.trace_steps;
+    state.trace.start = (session.completions->cursor() + n - 1) / n * n;
+    state.trace.quota = request.quota;
+    state.trace.recorded.resize(n);
+  }
+  schedules_ += (state.planned() ? 1 : 0) - (had ? 1 : 0);
+  state.stats.tracing = state.trace.steps > 0;
+  return absl::OkStatus();
+}
+
+void ChunkService::InstallSchedule(SessionState& state, const Session& session,
+                                   std::vector<std::vector<ScheduledAccess>> steps,
+                                   const std::array<uint64_t, kTierKinds>& quota) {
   state.session = session.shared_from_this();
-  state.steps = std::move(request.steps);
-  state.quota = request.quota;
+  state.steps = std::move(steps);
+  state.quota = quota;
   state.step_time.assign(state.steps.size(), absl::ZeroDuration());
   state.step_mean.assign(state.steps.size(), absl::ZeroDuration());
   state.step_deviation.assign(state.steps.size(), absl::ZeroDuration());
   state.cursor = session.completions->cursor();
   state.step_started = absl::Now();
-  schedules_ += (state.steps.empty() ? 0 : 1) - (had ? 1 : 0);
-  return absl::OkStatus();
+  state.stats.schedule_steps = static_cast<uint32_t>(state.steps.size());
+}
+
+void ChunkService::Trace(SessionState& state, const Session& session,
+                         std::span<ChunkMeta* const> chunks, TierKind tier, Access access) {
+  SessionState::Trace& t = state.trace;
+  const uint64_t cursor = session.completions->cursor();
+  if (cursor > t.start + t.steps) {
+    FinishTrace(state, session);
+    return;
+  }
+  if (cursor <= t.start) return;  // the traced iteration has not begun
+  const uint64_t step = cursor - 1 - t.start;
+  for (ChunkMeta* c : chunks) {
+    const std::pair<uint64_t, ChunkId> key{step * kTierKinds + static_cast<int>(tier), c->id};
+    auto [it, inserted] = t.index.try_emplace(key, t.recorded[step].size());
+    if (inserted) {
+      if (t.accesses == kMaxBatch) {  // as large as a declared schedule may be
+        t.index.erase(it);
+        continue;
+      }
+      t.recorded[step].push_back({c->id, tier, access});
+      ++t.accesses;
+    } else if (access == Access::kWrite) {
+      t.recorded[step][it->second].access = Access::kWrite;  // read, then written: a write
+    }
+  }
+}
+
+void ChunkService::FinishTrace(SessionState& state, const Session& session) {
+  SessionState::Trace t = std::move(state.trace);
+  state.trace = {};
+  state.stats.tracing = false;
+  // Chunks freed since they were acquired are left out.
+  size_t kept = 0;
+  for (auto& step : t.recorded) {
+    std::erase_if(step, [&](const ScheduledAccess& a) { return !chunks_.contains(a.id); });
+    kept += step.size();
+  }
+  if (kept == 0) {
+    spdlog::info("{}: the traced iteration acquired nothing; no schedule", session.Describe());
+    --schedules_;
+    return;
+  }
+  spdlog::info("{}: traced schedule of {} steps, {} accesses", session.Describe(), t.steps, kept);
+  InstallSchedule(state, session, std::move(t.recorded), t.quota);
 }
 
 bool ChunkService::has_schedules() const {
@@ -1231,6 +1301,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
   in.now = now;
   absl::flat_hash_set<ChunkId> named;
   for (auto& [id, state] : sessions_) {
+    if (state.trace.steps > 0 &&
+        state.session->completions->cursor() > state.trace.start + state.trace.steps) {
+      FinishTrace(state, *state.session);
+    }
     if (state.steps.empty()) continue;
     // The cursor's pace gives the step times: the time since the last advance, spread over the
     // steps it covered, into a moving average per step.
@@ -1346,6 +1420,12 @@ SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session.id);
   return it == sessions_.end() ? SessionStats{} : it->second.stats;
+}
+
+std::vector<std::vector<ScheduledAccess>> ChunkService::schedule(const Session& session) const {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session.id);
+  return it == sessions_.end() ? std::vector<std::vector<ScheduledAccess>>{} : it->second.steps;
 }
 
 std::array<PathStatus, kPaths> ChunkService::path_status() const {

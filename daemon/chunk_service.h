@@ -54,7 +54,9 @@ struct SessionStats {
   uint64_t planner_fetches = 0;
   uint64_t planner_drops = 0;
   uint64_t planner_write_backs = 0;
-  uint64_t cursor = 0;  // steps started, as last seen
+  uint64_t cursor = 0;          // steps started, as last seen
+  uint32_t schedule_steps = 0;  // steps of the schedule in force (declared or traced)
+  bool tracing = false;         // a trace is waiting for or recording its iteration
 };
 
 // A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
@@ -62,6 +64,9 @@ struct SessionStats {
 struct ScheduleRequest {
   std::vector<std::vector<ScheduledAccess>> steps;
   std::array<uint64_t, kTierKinds> quota{};
+  // Trace mode (with no steps): record the session's acquisitions over the next iteration of this
+  // many steps, and use them as its schedule from the iteration after on.
+  uint32_t trace_steps = 0;
 };
 
 // What has moved on one path since start-up, and the planner's estimate of its bandwidth.
@@ -126,6 +131,8 @@ class ChunkService {
   size_t CloseSession(const Session& session);
 
   SessionStats session_stats(const Session& session) const;
+  // The session's schedule in force (declared or traced); empty when it has none.
+  std::vector<std::vector<ScheduledAccess>> schedule(const Session& session) const;
   std::array<PathStatus, kPaths> path_status() const;
 
   // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
@@ -152,7 +159,28 @@ class ChunkService {
     std::vector<absl::Duration> step_mean, step_deviation, step_time;
     uint64_t cursor = 0;
     absl::Time step_started;
+    // Trace mode: acquisitions made while start < cursor <= start + steps are recorded as step
+    // cursor - 1 - start; once the cursor passes the end, they become the schedule.
+    struct Trace {
+      uint32_t steps = 0;  // 0: not tracing
+      uint64_t start = 0;
+      std::array<uint64_t, kTierKinds> quota{};
+      std::vector<std::vector<ScheduledAccess>> recorded;
+      absl::flat_hash_map<std::pair<uint64_t, ChunkId>, size_t> index;  // (step, tier), chunk
+      size_t accesses = 0;
+    } trace;
+    bool planned() const { return !steps.empty() || trace.steps > 0; }
   };
+  // Makes `steps` the session's schedule, its step times unknown yet.
+  void InstallSchedule(SessionState& state, const Session& session,
+                       std::vector<std::vector<ScheduledAccess>> steps,
+                       const std::array<uint64_t, kTierKinds>& quota)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Trace mode: records an Acquire at the session's cursor, or installs the trace once the cursor
+  // has passed the traced iteration.
+  void Trace(SessionState& state, const Session& session, std::span<ChunkMeta* const> chunks,
+             TierKind tier, Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishTrace(SessionState& state, const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Bandwidth of each path, measured from the moves on it: bytes over the time the path was busy.
   struct PathMeter {
@@ -295,7 +323,7 @@ class ChunkService {
   absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);
   std::array<uint64_t, kTierKinds> room_coming_ ABSL_GUARDED_BY(mu_){};
   absl::CondVar room_freed_;  // a room-making write-back settled, or pins or chunks went
-  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with a schedule or a trace
 };
 
 }  // namespace tierd

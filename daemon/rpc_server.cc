@@ -201,6 +201,7 @@ class TierdService final : public pb::Tierd::Service {
     }
     schedule.quota[static_cast<int>(TierKind::kHost)] = req->host_quota_bytes();
     schedule.quota[static_cast<int>(TierKind::kDevice)] = req->device_quota_bytes();
+    schedule.trace_steps = req->trace_steps();
     const uint32_t steps = static_cast<uint32_t>(schedule.steps.size());
     if (absl::Status s = deps_.chunks->SetSchedule(**session, std::move(schedule)); !s.ok()) {
       return ToGrpc(s);
@@ -226,6 +227,8 @@ class TierdService final : public pb::Tierd::Service {
     resp->set_planner_drops(stats.planner_drops);
     resp->set_planner_write_backs(stats.planner_write_backs);
     resp->set_cursor(stats.cursor);
+    resp->set_schedule_steps(stats.schedule_steps);
+    resp->set_tracing(stats.tracing);
     return grpc::Status::OK;
   }
 

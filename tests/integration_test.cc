@@ -598,6 +598,22 @@ TEST_F(ScheduleTest, WithAScheduleAcquiresFindTheirChunksReady) {
   EXPECT_EQ(after.cursor, 3u * kChunks);
 }
 
+TEST_F(ScheduleTest, WithATraceTheIterationsAfterTheTracedOneFindTheirChunksReady) {
+  ASSERT_TRUE(client_->TraceSchedule(kChunks).ok());
+  EXPECT_TRUE(client_->GetSessionStats()->tracing);
+  Iteration(0, absl::Milliseconds(25));  // recorded: on demand
+  Iteration(1, absl::Milliseconds(25));  // the traced schedule in force; the pace is learnt
+  const SessionStats before = *client_->GetSessionStats();
+  EXPECT_FALSE(before.tracing);
+  EXPECT_EQ(before.schedule_steps, static_cast<uint32_t>(kChunks));
+  Iteration(2, absl::Milliseconds(25));
+  Iteration(3, absl::Milliseconds(25));
+  const SessionStats after = *client_->GetSessionStats();
+  EXPECT_EQ(after.acquired_waited - before.acquired_waited, 0u)
+      << "stall " << absl::FormatDuration(after.host_stall - before.host_stall);
+  EXPECT_GT(after.planner_fetches, before.planner_fetches);
+}
+
 TEST_F(ScheduleTest, WithoutAScheduleEveryAcquireWaits) {
   Iteration(0, absl::Milliseconds(2));
   const SessionStats before = *client_->GetSessionStats();

@@ -442,6 +442,60 @@ TEST_F(NvmeServiceTest, AcquiresThroughAHostTierFullOfWrittenChunksWriteTheOldes
   EXPECT_LE(host_->Usage().used_bytes, 4 * kSeg);
 }
 
+// Trace mode: the acquisitions of one iteration, grouped by the step the cursor announced, become
+// the schedule once the cursor passes the iteration's end.
+TEST_F(NvmeServiceTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInstallsThem) {
+  auto ids = Alloc(*session_, {1 << 20, 1 << 20, 1 << 20, 1 << 20});
+  auto scratch = Alloc(*session_, {1 << 20});
+  CompletionPage& page = *pages_.at(session_->id);
+  auto step = [&](uint64_t k) { page.header.cursor.store(k + 1); };
+  auto acquire = [&](std::vector<ChunkId> which, Access access) {
+    auto a = service_->Acquire(*session_, which, TierKind::kHost, access);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(Wait(*session_, a->ready).ok());
+    ASSERT_TRUE(service_->Release(*session_, which).ok());
+  };
+  step(1);  // mid-iteration: the trace starts at step 3, the next multiple of 3
+  ScheduleRequest trace;
+  trace.trace_steps = 3;
+  ASSERT_TRUE(service_->SetSchedule(*session_, trace).ok());
+  EXPECT_TRUE(service_->session_stats(*session_).tracing);
+  acquire({ids[3]}, Access::kRead);  // step 1: before the traced iteration
+  step(3);
+  acquire({ids[0], ids[1]}, Access::kRead);
+  acquire({ids[0]}, Access::kWrite);  // read, then written in the same step: a write
+  step(4);
+  acquire({scratch[0]}, Access::kRead);
+  step(5);
+  acquire({ids[2]}, Access::kWrite);
+  ASSERT_TRUE(service_->Free(*session_, scratch).ok());  // gone before the trace ends
+  EXPECT_TRUE(service_->schedule(*session_).empty());
+  step(6);  // the next iteration: the trace becomes the schedule
+  acquire({ids[3]}, Access::kRead);
+  const auto schedule = service_->schedule(*session_);
+  ASSERT_EQ(schedule.size(), 3u);
+  ASSERT_EQ(schedule[0].size(), 2u);
+  EXPECT_EQ(schedule[0][0].id, ids[0]);
+  EXPECT_EQ(schedule[0][0].access, Access::kWrite);
+  EXPECT_EQ(schedule[0][1].id, ids[1]);
+  EXPECT_EQ(schedule[0][1].access, Access::kRead);
+  EXPECT_TRUE(schedule[1].empty());  // its chunk was freed
+  ASSERT_EQ(schedule[2].size(), 1u);
+  EXPECT_EQ(schedule[2][0].id, ids[2]);
+  EXPECT_EQ(schedule[2][0].tier, TierKind::kHost);
+  const SessionStats stats = service_->session_stats(*session_);
+  EXPECT_FALSE(stats.tracing);
+  EXPECT_EQ(stats.schedule_steps, 3u);
+  EXPECT_TRUE(service_->has_schedules());
+  // Both at once is refused; clearing ends it all.
+  ScheduleRequest both;
+  both.trace_steps = 2;
+  both.steps = {{ScheduledAccess{ids[0], TierKind::kHost, Access::kRead}}};
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->SetSchedule(*session_, both)));
+  ASSERT_TRUE(service_->SetSchedule(*session_, {}).ok());
+  EXPECT_FALSE(service_->has_schedules());
+}
+
 TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/opt/m/0", .persistent = true},
                                  {.size = 300000, .name = "job/opt/v/0", .persistent = true},

@@ -26,6 +26,14 @@ class TierUsage(ctypes.Structure):
                 ("largest_free_bytes", ctypes.c_uint64)]
 
 
+class SessionStats(ctypes.Structure):
+    _fields_ = [("acquired_ready", ctypes.c_uint64), ("acquired_waited", ctypes.c_uint64),
+                ("host_stall_ns", ctypes.c_uint64), ("device_stall_ns", ctypes.c_uint64),
+                ("planner_fetches", ctypes.c_uint64), ("planner_drops", ctypes.c_uint64),
+                ("planner_write_backs", ctypes.c_uint64), ("cursor", ctypes.c_uint64),
+                ("schedule_steps", ctypes.c_uint32), ("tracing", ctypes.c_int32)]
+
+
 def load_library():
     lib = ctypes.CDLL(os.environ["TIERD_CLIENT_LIB"])
     p = ctypes.c_void_p
@@ -54,6 +62,12 @@ def load_library():
                                       ctypes.POINTER(ctypes.c_int), u64p]
     lib.tierd_cuda_device.argtypes = [p, ctypes.POINTER(ctypes.c_int)]
     lib.tierd_stream_wait.argtypes = [p, Completion, ctypes.c_uint64]
+    intp = ctypes.POINTER(ctypes.c_int)
+    lib.tierd_set_schedule.argtypes = [p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), u64p,
+                                       intp, intp, ctypes.c_uint64, ctypes.c_uint64]
+    lib.tierd_trace_schedule.argtypes = [p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64]
+    lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
+    lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     return lib
 
 
@@ -236,3 +250,57 @@ def test_emulated_device_has_no_cuda_ordinal_or_stream_waits(lib, client):
     assert lib.tierd_stream_wait(client, done, 0) == FAILED_PRECONDITION
     assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
     assert lib.tierd_free(client, 1, ids) == OK
+
+
+def session_stats(lib, client):
+    stats = SessionStats()
+    assert lib.tierd_session_stats_get(client, ctypes.byref(stats)) == OK, lib.tierd_last_error()
+    return stats
+
+
+def test_schedule_cursor_and_stats(lib, client):
+    n = 4
+    sizes = (ctypes.c_uint64 * n)(*([4 << 20] * n))
+    ids = (ctypes.c_uint64 * n)()
+    assert lib.tierd_allocate(client, n, sizes, TIER_NVME, ids) == OK, lib.tierd_last_error()
+    # Step i reads chunk i on the host; the last step also writes chunk 0.
+    lengths = (ctypes.c_size_t * n)(1, 1, 1, 2)
+    flat = (ctypes.c_uint64 * 5)(ids[0], ids[1], ids[2], ids[3], ids[0])
+    tiers = (ctypes.c_int * 5)(*([TIER_HOST] * 5))
+    modes = (ctypes.c_int * 5)(ACCESS_READ, ACCESS_READ, ACCESS_READ, ACCESS_READ, ACCESS_WRITE)
+    assert lib.tierd_set_schedule(client, n, lengths, flat, tiers, modes, 0, 0) == OK, \
+        lib.tierd_last_error()
+    stats = session_stats(lib, client)
+    assert stats.schedule_steps == n and stats.tracing == 0
+    ptr = (ctypes.c_void_p * 1)()
+    ready = Completion()
+    for k in range(2 * n):  # two iterations, through the cursor
+        assert lib.tierd_begin_step(client, k) == OK
+        one = ids_array([ids[k % n]])
+        assert lib.tierd_acquire(client, 1, one, TIER_HOST, ACCESS_READ, ptr, None,
+                                 ctypes.byref(ready)) == OK, lib.tierd_last_error()
+        assert lib.tierd_wait(client, ready, 10_000_000_000) == OK, lib.tierd_last_error()
+        assert lib.tierd_release(client, 1, one) == OK
+        time.sleep(0.01)
+    time.sleep(0.05)  # a few planning rounds: the daemon has read the cursor
+    stats = session_stats(lib, client)
+    assert stats.cursor == 2 * n
+    assert stats.acquired_ready + stats.acquired_waited == 2 * n
+    # A bad access is refused before anything is sent; the schedule in force stays.
+    bad_tiers = (ctypes.c_int * 5)(TIER_HOST, 7, TIER_HOST, TIER_HOST, TIER_HOST)
+    assert lib.tierd_set_schedule(client, n, lengths, flat, bad_tiers, modes, 0, 0) == \
+        INVALID_ARGUMENT
+    assert b"names tier 7" in lib.tierd_last_error()
+    nvme_tiers = (ctypes.c_int * 5)(*([TIER_NVME] * 5))
+    assert lib.tierd_set_schedule(client, n, lengths, flat, nvme_tiers, modes, 0, 0) == \
+        INVALID_ARGUMENT
+    assert session_stats(lib, client).schedule_steps == n
+    # Trace mode replaces it; zero steps clears everything.
+    assert lib.tierd_trace_schedule(client, n, 0, 0) == OK, lib.tierd_last_error()
+    stats = session_stats(lib, client)
+    assert stats.tracing == 1 and stats.schedule_steps == 0
+    assert lib.tierd_trace_schedule(client, 0, 0, 0) == INVALID_ARGUMENT
+    assert lib.tierd_set_schedule(client, 0, None, None, None, None, 0, 0) == OK
+    stats = session_stats(lib, client)
+    assert stats.tracing == 0 and stats.schedule_steps == 0
+    assert lib.tierd_free(client, n, ids) == OK

@@ -61,6 +61,20 @@ typedef struct tierd_tier_usage {
   uint64_t largest_free_bytes;
 } tierd_tier_usage;
 
+/* What a session's acquisitions cost it and what the planner did for it (tierd_session_stats). */
+typedef struct tierd_session_stats {
+  uint64_t acquired_ready;  /* chunks in place when acquired */
+  uint64_t acquired_waited; /* chunks that had to be brought in or waited for */
+  uint64_t host_stall_ns;   /* time acquisitions waited, by tier */
+  uint64_t device_stall_ns;
+  uint64_t planner_fetches;
+  uint64_t planner_drops;
+  uint64_t planner_write_backs;
+  uint64_t cursor;         /* steps started, as the daemon last saw */
+  uint32_t schedule_steps; /* steps of the schedule in force, declared or traced */
+  int32_t tracing;         /* 1 while a trace waits for or records its iteration */
+} tierd_session_stats;
+
 /* The ABI version this library implements (TIERD_C_ABI_VERSION when built). */
 int tierd_abi_version(void);
 
@@ -120,6 +134,22 @@ tierd_status tierd_cuda_device(tierd_client* client, int* ordinal);
  * stream) a wait for the request's completion; work enqueued after it runs once the request is
  * done. Does not block. The wait also ends when the request fails: check tierd_poll/tierd_wait. */
 tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion, uint64_t stream);
+
+/* Schedules (docs/schedules.md). Declares the steps of one iteration, repeated: step i acquires
+ * step_lengths[i] chunks, the next ones of ids[], each in tiers[] (host or device) for modes[]
+ * (TIERD_ACCESS_*); the three arrays hold the accesses of all steps in order. Replaces the
+ * session's schedule; n_steps == 0 clears it. Quotas: bytes of the host and device tiers the
+ * planner may fill for this session (0: no limit but the tier's). */
+tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size_t* step_lengths,
+                                const tierd_chunk_id* ids, const int* tiers, const int* modes,
+                                uint64_t host_quota_bytes, uint64_t device_quota_bytes);
+/* Trace mode: records this session's acquisitions over the next iteration of steps_per_iteration
+ * steps and uses them as the schedule from the iteration after on. */
+tierd_status tierd_trace_schedule(tierd_client* client, uint32_t steps_per_iteration,
+                                  uint64_t host_quota_bytes, uint64_t device_quota_bytes);
+/* Step k (counting across iterations) has started: a store into shared memory, no RPC. */
+tierd_status tierd_begin_step(tierd_client* client, uint64_t k);
+tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* out);
 
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);

@@ -132,7 +132,9 @@ struct SessionStats {
   uint64_t planner_fetches = 0;
   uint64_t planner_drops = 0;
   uint64_t planner_write_backs = 0;
-  uint64_t cursor = 0;  // steps started, as the daemon last saw
+  uint64_t cursor = 0;          // steps started, as the daemon last saw
+  uint32_t schedule_steps = 0;  // steps of the schedule in force, declared or traced
+  bool tracing = false;         // a trace is waiting for or recording its iteration
 };
 
 // An asynchronous request's handle. Ready() and a Wait() on a completed request read shared
@@ -283,6 +285,11 @@ class Client {
   // this session may use.
   absl::Status SetSchedule(std::span<const ScheduleStep> steps,
                            const ScheduleOptions& options = {});
+  // Trace mode, for a session that does not declare its steps: the daemon records this session's
+  // acquisitions over the next iteration of `steps_per_iteration` steps — from the next step
+  // number that is a multiple of it, each acquisition belonging to the step BeginStep last
+  // announced — and uses them as the schedule from the iteration after on. Replaces any schedule.
+  absl::Status TraceSchedule(uint32_t steps_per_iteration, const ScheduleOptions& options = {});
   // Says that step `k` has started, counting across iterations (iteration * steps + index): one
   // store into shared memory, no RPC. The daemon's planner brings each step's chunks in ahead of
   // it, at the pace the steps keep.
