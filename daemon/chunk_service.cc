@@ -223,7 +223,7 @@ absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant
   Tier* t = this->tier(tier);
   for (;;) {
     absl::StatusOr<Placement> p = t->Reserve(tenant, size);
-    if (p.ok() || !absl::IsResourceExhausted(p.status())) return p;
+    if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
     // costs nothing to drop). A linear scan; the planner replaces this policy.
     ChunkMeta* victim = nullptr;
@@ -282,12 +282,8 @@ absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier) {
 
 absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
   if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
-  if (chunk.state == ChunkState::kMoving) {
-    if (chunk.moving_to == tier) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat("chunk ", chunk.id, " is being moved to the ", TierName(chunk.moving_to),
-                     " tier; acquire it in the ", TierName(tier), " tier once that completes"));
-  }
+  if (chunk.state == ChunkState::kMoving && chunk.moving_to == tier) return absl::OkStatus();
+  // Not there (or on its way elsewhere: fetched once that move settles).
   return CheckFetchable(chunk, tier);
 }
 
@@ -373,24 +369,28 @@ std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier) {
 
 }  // namespace
 
-bool ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier) {
+absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks,
+                                                     TierKind tier) {
   // Held meanwhile, so that room for one is never made by dropping another.
   for (ChunkMeta* c : chunks) Hold(*c);
-  bool reserved = true;
+  absl::StatusOr<bool> reserved = true;
   for (ChunkMeta* c : chunks) {
-    if (c->resident.contains(tier) || c->state == ChunkState::kMoving) continue;
+    if (c->resident.contains(tier)) continue;
+    if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
     for (TierKind t : RoomNeeded(*c, tier)) {
       absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, c->size);
       if (p.ok()) {
         c->placement[static_cast<int>(t)] = *p;
         c->allocated.insert(t);
       } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier)) {
-        reserved = false;
-        break;
+        reserved = false;  // wait for the room being made
+      } else {
+        reserved = absl::Status(p.status().code(),
+                                absl::StrCat("chunk ", c->id, ": ", p.status().message()));
       }
-      // Otherwise no room is coming: the fetch fails and says so.
+      if (!p.ok()) break;
     }
-    if (!reserved) break;
+    if (!reserved.ok() || !*reserved) break;
   }
   for (ChunkMeta* c : chunks) Unpin(*c);
   return reserved;
@@ -421,7 +421,7 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const bool can_write_down =
       t == TierKind::kDevice ? device_ != nullptr : t == TierKind::kHost && nvme_ != nullptr;
-  if (!can_write_down) return room_coming_[k] > 0;
+  if (!can_write_down) return room_coming_[k] > 0 || moves_in_flight_ > 0;
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
   std::vector<ChunkMeta*> dirty;
@@ -449,7 +449,8 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
     room_coming_[k] += c->size;
     started = true;
   }
-  return room_coming_[k] > 0;
+  // Moves in flight end as copies that can be dropped or written down, or free what they leave.
+  return room_coming_[k] > 0 || moves_in_flight_ > 0;
 }
 
 void ChunkService::RoomMoveDone(ChunkId id) {
@@ -458,7 +459,6 @@ void ChunkService::RoomMoveDone(ChunkId id) {
   uint64_t& coming = room_coming_[static_cast<int>(it->second)];
   coming -= std::min(coming, chunks_.at(id).size);
   room_moves_.erase(it);
-  room_freed_.SignalAll();
 }
 
 void ChunkService::RetryQueuedFetches() {
@@ -517,8 +517,15 @@ bool ChunkService::EnsureSpace(ChunkMeta& chunk, TierKind tier,
   return true;
 }
 
+void ChunkService::Settled(ChunkMeta& chunk, bool ok) {
+  FinishMove(chunk, ok);
+  --moves_in_flight_;
+  room_freed_.SignalAll();
+}
+
 void ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
                                   const std::shared_ptr<Batch>& batch) {
+  ++moves_in_flight_;
   absl::Status begin = BeginMove(chunk, to);
   assert(begin.ok());  // callers validated the batch: no chunk is moving
   (void)begin;
@@ -615,7 +622,7 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
 void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
-  FinishMove(chunk, status.ok());
+  Settled(chunk, status.ok());
   MoveDone(Path::kHostToDevice, chunk);
   if (host_filled && chunk.written) MoveDone(Path::kNvmeToHost, chunk);
   if (status.ok()) {
@@ -628,6 +635,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
   chunk.last_use = ++use_clock_;
   WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
+  RetryQueuedFetches();
 }
 
 void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -650,7 +658,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
                                 bool keep_source, const std::shared_ptr<Batch>& batch) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
-  FinishMove(chunk, status.ok());
+  Settled(chunk, status.ok());
   MoveDone(Path::kDeviceToHost, chunk);
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
@@ -689,7 +697,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
 void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
-  FinishMove(chunk, status.ok());
+  Settled(chunk, status.ok());
   if (chunk.written) MoveDone(Path::kNvmeToHost, chunk);
   if (!status.ok()) {
     DropCopy(chunk, TierKind::kHost);
@@ -698,6 +706,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   chunk.last_use = ++use_clock_;
   WakeWaiters(chunk, status);
   if (chunk.doomed) Destroy(chunk);
+  RetryQueuedFetches();
 }
 
 void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -741,7 +750,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
                                bool keep_source) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
-  FinishMove(chunk, checksum.ok());
+  Settled(chunk, checksum.ok());
   MoveDone(Path::kHostToNvme, chunk);
   if (checksum.ok()) {
     chunk.written = true;
@@ -941,7 +950,15 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
       all_ready = false;
       if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
     }
-    if (all_ready || ReserveForAcquire(*chunks, tier) || absl::Now() >= give_up) break;
+    if (all_ready) break;
+    absl::StatusOr<bool> reserved = ReserveForAcquire(*chunks, tier);
+    if (!reserved.ok()) return reserved.status();
+    if (*reserved) break;
+    if (absl::Now() >= give_up) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("Acquire: no room in the ", TierName(tier),
+                       " tier came free within a minute; what is there is pinned or moving"));
+    }
     room_freed_.WaitWithDeadline(&mu_, give_up);
     waited_for_room = true;
   }
@@ -1364,6 +1381,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
     const TierUsage u = tier(t)->Usage();
     in.capacity[static_cast<int>(t)] = u.capacity_bytes;
     in.free[static_cast<int>(t)] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+    in.largest_free[static_cast<int>(t)] = u.largest_free_bytes;
   }
   for (int p = 0; p < kPaths; ++p) {
     in.bytes_per_second[p] = paths_[p].bytes_per_second;
@@ -1373,7 +1391,13 @@ size_t ChunkService::PlanRound(absl::Time now) {
   }
 
   size_t started = 0;
+  // A fetch that found no room because the free space is in pieces, and its tier: its spares are
+  // dropped one by one until it starts.
+  std::optional<std::pair<ChunkId, TierKind>> unplaced;
+  // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
+  planning_ = true;
   for (const PlannedMove& m : Plan(in)) {
+    if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();
     auto it = chunks_.find(m.id);
     if (it == chunks_.end()) continue;
     ChunkMeta& c = it->second;
@@ -1389,8 +1413,25 @@ size_t ChunkService::PlanRound(absl::Time now) {
         break;
       case PlannedMove::Kind::kFetch: {
         if (c.resident.contains(m.tier) || c.pins > 0 || !CheckFetchable(c, m.tier).ok()) break;
-        if (!StartFetch(c, m.tier).ok()) break;  // no room after all: a later round retries
+        if (absl::Status s = StartFetch(c, m.tier); !s.ok()) {
+          // No room in one piece: the spares that follow make some, or a later round retries.
+          if (absl::IsResourceExhausted(s)) unplaced.emplace(c.id, m.tier);
+          break;
+        }
         if (stats != nullptr) ++stats->planner_fetches;
+        ++started;
+        break;
+      }
+      case PlannedMove::Kind::kSpare: {
+        if (!unplaced || unplaced->second != m.tier || c.pins > 0 || !CleanIn(c, m.tier)) break;
+        DropCopy(c, m.tier);
+        if (stats != nullptr) ++stats->planner_drops;
+        ChunkMeta& fetch = chunks_.at(unplaced->first);
+        if (fetch.state != ChunkState::kReady || !StartFetch(fetch, m.tier).ok()) break;
+        unplaced.reset();
+        if (auto owner = sessions_.find(fetch.owner); owner != sessions_.end()) {
+          ++owner->second.stats.planner_fetches;
+        }
         ++started;
         break;
       }
@@ -1413,6 +1454,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
       }
     }
   }
+  planning_ = false;
   return started;
 }
 

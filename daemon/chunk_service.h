@@ -242,10 +242,12 @@ class ChunkService {
   // room is on its way (started now or earlier).
   bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
-  // final. False when some tier is full of dirty copies and write-backs are making room: wait on
-  // room_freed_ and try again.
-  bool ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier)
+  // final. False when room is being made (write-backs, or moves in flight that will leave copies
+  // to drop): wait on room_freed_ and try again. RESOURCE_EXHAUSTED when no room can come.
+  absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A move of the chunk ended (FinishMove), waking those waiting for room.
+  void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MakeRoomIn(TierKind tier, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
   // arrival order.
@@ -322,8 +324,10 @@ class ChunkService {
   std::deque<QueuedFetch> queued_fetches_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);
   std::array<uint64_t, kTierKinds> room_coming_ ABSL_GUARDED_BY(mu_){};
-  absl::CondVar room_freed_;  // a room-making write-back settled, or pins or chunks went
-  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with a schedule or a trace
+  absl::CondVar room_freed_;  // a move settled, or pins or chunks went
+  uint64_t moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool planning_ ABSL_GUARDED_BY(mu_) = false;  // executing the planner's moves
+  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
 };
 
 }  // namespace tierd

@@ -251,9 +251,25 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   }
   for (size_t i = 0; i < accepted.size(); ++i) {
     if (!start_now[i]) continue;
-    for (const PlannedMove& m : accepted[i].drops) out.push_back(m);
-    out.push_back({PlannedMove::Kind::kFetch, accepted[i].demand.id, accepted[i].demand.tier,
-                   accepted[i].demand.when, accepted[i].demand.session});
+    const Accepted& a = accepted[i];
+    for (const PlannedMove& m : a.drops) out.push_back(m);
+    out.push_back(
+        {PlannedMove::Kind::kFetch, a.demand.id, a.demand.tier, a.demand.when, a.demand.session});
+    // Free space in pieces: the next victims in line, needed later than this fetch, as spares.
+    const int ti = Index(a.demand.tier);
+    if (in.largest_free[ti] >= in.free[ti]) continue;
+    int spares = 0;
+    for (size_t pos = victim_pos[ti]; pos < victims[ti].size() && spares < 4; ++pos) {
+      const PlannerChunk* v = victims[ti][pos];
+      if (next(v->id) <= a.demand.when) break;
+      if (v->id == a.demand.id || !HasLowerCopy(*v, a.demand.tier) ||
+          dropped.contains(v->id * kTierKinds + ti)) {
+        continue;
+      }
+      out.push_back({PlannedMove::Kind::kSpare, v->id, a.demand.tier});
+      dropped.insert(v->id * kTierKinds + ti);
+      ++spares;
+    }
   }
   for (const PlannedMove& m : write_backs) out.push_back(m);
 
@@ -263,10 +279,22 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   for (const PlannedMove& m : write_backs) {
     path_used[Index(m.tier == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme)] = true;
   }
+  // The highest copy that exists nowhere below goes one tier down (a device copy already copied to
+  // the host is no longer the only one, even though NVMe's is still older).
+  auto only_copy = [&](const PlannerChunk& c) -> std::optional<TierKind> {
+    if (c.resident.contains(TierKind::kDevice) && !HasLowerCopy(c, TierKind::kDevice)) {
+      return TierKind::kDevice;
+    }
+    if (have_nvme && c.home != TierKind::kHost && c.resident.contains(TierKind::kHost) &&
+        !HasLowerCopy(c, TierKind::kHost)) {
+      return TierKind::kHost;
+    }
+    return std::nullopt;
+  };
   std::vector<const PlannerChunk*> dirty;
   for (const auto& [id, c] : in.chunks) {
     if (c.pinned || c.moving || written_back.contains(id)) continue;
-    if (c.dirty.empty()) continue;
+    if (!only_copy(c)) continue;
     dirty.push_back(&c);
   }
   std::sort(dirty.begin(), dirty.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
@@ -274,10 +302,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     return na != nb ? na > nb : a->id < b->id;
   });
   for (const PlannerChunk* c : dirty) {
-    // The highest dirty copy goes one tier down.
-    const TierKind from =
-        c->dirty.contains(TierKind::kDevice) ? TierKind::kDevice : TierKind::kHost;
-    if (from == TierKind::kHost && !have_nvme) continue;
+    const TierKind from = *only_copy(*c);
     const Path p = from == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
     if (path_used[Index(p)] || in.queued_bytes[Index(p)] > 0) continue;
     const double bw = in.bytes_per_second[Index(p)];

@@ -70,6 +70,9 @@ struct PlanInput {
   absl::flat_hash_map<ChunkId, PlannerChunk> chunks;
   std::array<uint64_t, kTierKinds> capacity{};
   std::array<uint64_t, kTierKinds> free{};
+  // The largest reservation each tier can take now. Below `free`, the free space is in pieces: a
+  // fetch that fits by the count may still find no room, so each fetch comes with spare victims.
+  std::array<uint64_t, kTierKinds> largest_free{UINT64_MAX, UINT64_MAX, UINT64_MAX};
   std::array<double, kPaths> bytes_per_second{};  // measured
   std::array<uint64_t, kPaths> queued_bytes{};    // already in flight on each path
   // How long one move has recently taken per byte on each path, latency and queueing included (0:
@@ -86,6 +89,7 @@ struct PlannedMove {
     kFetch,      // bring the chunk into `tier`
     kDrop,       // drop the (clean, unpinned) copy in `tier` to make room
     kWriteBack,  // write the dirty copy in `tier` one tier down, keeping it
+    kSpare,      // after a kFetch: drop this clean copy too if the fetch found no room in pieces
   };
   Kind kind = Kind::kFetch;
   ChunkId id = 0;

@@ -251,6 +251,28 @@ TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst)
   EXPECT_TRUE(Holds(on_device, TierKind::kHost, 3, kSeg));
 }
 
+// A chunk on its way into the host tier, acquired on the device: the Acquire waits for that move
+// and then follows the chunk up, rather than failing.
+TEST_F(DeviceServiceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) {
+  auto ids = Alloc({4 << 20});
+  Fill(ids, TierKind::kHost, 0x3C);
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  faults_->SetDelay(absl::Milliseconds(10));
+  auto up = service_->Prefetch(*session_, ids, TierKind::kHost, 0);
+  ASSERT_TRUE(up.ok());
+  ASSERT_EQ(service_->Stat(*session_, ids)->at(0).moving_to, TierKind::kHost);
+  auto a = service_->Acquire(*session_, ids, TierKind::kDevice, Access::kRead);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(Wait(a->ready).ok());
+  EXPECT_TRUE(Wait(*up).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  const auto* b = static_cast<const unsigned char*>(
+      service_->tier(TierKind::kDevice)->Address(a->locations[0]));
+  EXPECT_EQ(b[0], 0x3C);
+  EXPECT_EQ(b[(4 << 20) - 1], 0x3C);
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+}
+
 TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {
   auto ids = Alloc({1 << 20, 1 << 20});
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());

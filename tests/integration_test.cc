@@ -603,11 +603,12 @@ TEST_F(ScheduleTest, WithATraceTheIterationsAfterTheTracedOneFindTheirChunksRead
   EXPECT_TRUE(client_->GetSessionStats()->tracing);
   Iteration(0, absl::Milliseconds(25));  // recorded: on demand
   Iteration(1, absl::Milliseconds(25));  // the traced schedule in force; the pace is learnt
+  Iteration(2, absl::Milliseconds(25));
   const SessionStats before = *client_->GetSessionStats();
   EXPECT_FALSE(before.tracing);
   EXPECT_EQ(before.schedule_steps, static_cast<uint32_t>(kChunks));
-  Iteration(2, absl::Milliseconds(25));
   Iteration(3, absl::Milliseconds(25));
+  Iteration(4, absl::Milliseconds(25));
   const SessionStats after = *client_->GetSessionStats();
   EXPECT_EQ(after.acquired_waited - before.acquired_waited, 0u)
       << "stall " << absl::FormatDuration(after.host_stall - before.host_stall);
