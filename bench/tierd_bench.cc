@@ -5,6 +5,7 @@
 //   tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] [--queue_depth=32]
 //                    [--tune]
 //   tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] [--dir=DIR]
+//   tierd-bench replay [--json] [--policies=on_demand,hints,trace] ... (bench/replay.cc)
 //
 // Without --socket_dir it starts its own tierd (from the build tree) on a temporary directory.
 #include <sys/syscall.h>
@@ -24,11 +25,22 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/bench_util.h"
 #include "common/sizes.h"
 #include "tests/daemon_process.h"
 #include "tierd/client.hpp"
 
 namespace {
+
+using tierd::bench::ConnectTo;
+using tierd::bench::Die;
+using tierd::bench::Dirty;
+using tierd::bench::Median;
+using tierd::bench::Move;
+using tierd::bench::Percentile;
+using tierd::bench::Reporter;
+using tierd::bench::StartDaemon;
+using tierd::bench::TimeMs;
 
 struct Options {
   std::string mode;
@@ -45,65 +57,7 @@ struct Options {
   std::string device = "emulated";  // pcie: cuda or emulated
 };
 
-struct Result {
-  std::string metric;
-  double value;
-  std::string unit;
-  std::string params;      // extra JSON fields: ,"chunks":10000
-  std::string comparison;  // for the table
-};
-
-class Reporter {
- public:
-  explicit Reporter(const Options& o) : o_(o) {}
-  void Add(Result r) {
-    if (o_.json) {
-      std::printf("{\"mode\":\"%s\",\"metric\":\"%s\",\"value\":%.6g,\"unit\":\"%s\"%s}\n",
-                  o_.mode.c_str(), r.metric.c_str(), r.value, r.unit.c_str(), r.params.c_str());
-    } else {
-      std::printf("  %-28s %12.3f %-4s  %s\n", r.metric.c_str(), r.value, r.unit.c_str(),
-                  r.comparison.c_str());
-    }
-    std::fflush(stdout);
-  }
-
- private:
-  const Options& o_;
-};
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
-}
-
-double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
-
-template <typename F>
-double TimeMs(F&& f) {
-  absl::Time t0 = absl::Now();
-  f();
-  return absl::ToDoubleMilliseconds(absl::Now() - t0);
-}
-
-[[noreturn]] void Die(const absl::Status& s, const char* what) {
-  std::fprintf(stderr, "tierd-bench: %s: %s\n", what, s.ToString().c_str());
-  std::exit(1);
-}
-
 // --- nvme -----------------------------------------------------------------------------------
-
-std::unique_ptr<tierd::testing::DaemonProcess> StartDaemon(const std::vector<std::string>& args) {
-  auto d = tierd::testing::DaemonProcess::Start(
-      {.binary = tierd::testing::ExecutableDir() + "/../daemon/tierd", .args = args});
-  if (!d.ok()) Die(d.status(), "starting tierd");
-  return std::move(*d);
-}
-
-std::unique_ptr<tierd::Client> ConnectTo(const std::string& dir) {
-  auto client = tierd::Client::Connect({.socket_dir = dir, .client_name = "tierd-bench"});
-  if (!client.ok()) Die(client.status(), "connect");
-  return std::move(*client);
-}
 
 struct Throughput {
   double evict_gbps = 0;
@@ -202,7 +156,7 @@ std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint
 }
 
 int Nvme(const Options& o) {
-  Reporter out(o);
+  Reporter out(o.mode, o.json);
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
   if (o.tune) {
@@ -292,24 +246,6 @@ int Nvme(const Options& o) {
 
 // --- pcie -----------------------------------------------------------------------------------
 
-// Acquiring for write on `tier` makes those copies the only valid ones (so the next move copies).
-void Dirty(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd::Tier tier) {
-  auto w = c.AcquireIds(ids, tier, tierd::AccessMode::kWrite);
-  if (!w.ok()) Die(w.status(), "Acquire");
-  c.Abandon(w->ready);
-  if (absl::Status s = c.Release(ids); !s.ok()) Die(s, "Release");
-}
-
-double Move(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd::Tier tier, bool evict) {
-  absl::Status st;
-  double ms = TimeMs([&] {
-    auto t = evict ? c.EvictIds(ids, tier) : c.PrefetchIds(ids, tier);
-    st = t.ok() ? c.Wait(*t) : t.status();
-  });
-  if (!st.ok()) Die(st, evict ? "Evict" : "Prefetch");
-  return ms;
-}
-
 #ifdef TIERD_HAVE_CUDA
 // The reference: plain cudaMemcpyAsync between cudaHostAlloc memory and cudaMalloc memory, chunk by
 // chunk on one stream per direction, in the same program run.
@@ -361,7 +297,7 @@ Reference MeasureReference(uint64_t total, uint64_t chunk) {
 #endif
 
 int Pcie(const Options& o) {
-  Reporter out(o);
+  Reporter out(o.mode, o.json);
   const uint64_t chunk = 16 << 20;
   const uint64_t total = std::max<uint64_t>(o.total, 2 * chunk);
   const size_t n = total / chunk;
@@ -459,7 +395,7 @@ int Pcie(const Options& o) {
 }
 
 int Control(const Options& o, tierd::Client& c) {
-  Reporter out(o);
+  Reporter out(o.mode, o.json);
   const std::string batch_params =
       absl::StrFormat(",\"chunks\":%d,\"chunk_bytes\":%d", o.chunks, o.chunk_size);
   if (!o.json) {
@@ -591,6 +527,7 @@ bool Parse(int argc, char** argv, Options* o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::string_view(argv[1]) == "replay") return tierd::bench::Replay(argc, argv);
   Options o;
   if (!Parse(argc, argv, &o)) {
     std::fprintf(stderr,
@@ -599,7 +536,8 @@ int main(int argc, char** argv) {
                  "       tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] "
                  "[--queue_depth=32] [--tune]\n"
                  "       tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] "
-                 "[--dir=DIR]\n");
+                 "[--dir=DIR]\n"
+                 "       tierd-bench replay --help\n");
     return 2;
   }
   if (o.mode == "nvme") return Nvme(o);
