@@ -25,6 +25,7 @@ demo: build
 
 bench: build
 	$(BUILD)/bench/tierd-bench control
+	$(BUILD)/bench/tierd-bench replay
 
 clean:
 	rm -rf $(BUILD) var
