@@ -374,6 +374,7 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
   // Held meanwhile, so that room for one is never made by dropping another.
   for (ChunkMeta* c : chunks) Hold(*c);
   absl::StatusOr<bool> reserved = true;
+  std::vector<std::pair<ChunkMeta*, TierKind>> made;  // given back if the Acquire fails
   for (ChunkMeta* c : chunks) {
     if (c->resident.contains(tier)) continue;
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
@@ -382,6 +383,7 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
       if (p.ok()) {
         c->placement[static_cast<int>(t)] = *p;
         c->allocated.insert(t);
+        made.emplace_back(c, t);
       } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier)) {
         reserved = false;  // wait for the room being made
       } else {
@@ -391,6 +393,9 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
       if (!p.ok()) break;
     }
     if (!reserved.ok() || !*reserved) break;
+  }
+  if (!reserved.ok()) {
+    for (auto [c, t] : made) DropCopy(*c, t);  // space only: nothing had arrived there
   }
   for (ChunkMeta* c : chunks) Unpin(*c);
   return reserved;

@@ -253,6 +253,17 @@ TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   EXPECT_TRUE(service_->Release(*session_, away).ok());
 }
 
+TEST_F(NvmeServiceTest, AFailedAcquireGivesBackTheRoomItReservedForTheRestOfTheBatch) {
+  auto filler = Alloc(*session_, {kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());
+  auto batch = Alloc(*session_, {1 << 20, kSeg}, TierKind::kNvme);  // the small one fits
+  const uint64_t used = host_->Usage().used_bytes;
+  auto a = service_->Acquire(*session_, batch, TierKind::kHost, Access::kRead);
+  EXPECT_TRUE(absl::IsResourceExhausted(a.status())) << a.status();
+  EXPECT_EQ(host_->Usage().used_bytes, used);
+  EXPECT_TRUE(service_->Release(*session_, filler).ok());
+}
+
 // An Acquire that finds the tier full of copies still on their way in waits for them to land,
 // then makes room by dropping one, instead of failing.
 TEST_F(NvmeServiceTest, AcquireWaitsForMovesInFlightToLandAndMakesRoomFromThem) {
