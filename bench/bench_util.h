@@ -78,11 +78,16 @@ inline std::unique_ptr<tierd::Client> ConnectTo(const std::string& dir) {
   return std::move(*client);
 }
 
+inline void WaitOrDie(tierd::Client& c, tierd::CompletionToken t, const char* what) {
+  if (absl::Status s = c.Wait(t); !s.ok()) Die(s, what);
+}
+
 // Acquiring for write on `tier` makes those copies the only valid ones (so the next move copies).
+// Waits until they are there: a chunk still being brought in cannot be moved on.
 inline void Dirty(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd::Tier tier) {
   auto w = c.AcquireIds(ids, tier, tierd::AccessMode::kWrite);
   if (!w.ok()) Die(w.status(), "Acquire");
-  c.Abandon(w->ready);
+  WaitOrDie(c, w->ready, "Acquire");
   if (absl::Status s = c.Release(ids); !s.ok()) Die(s, "Release");
 }
 

@@ -197,10 +197,6 @@ std::vector<ScheduleStep> ToSchedule(const std::vector<Step>& steps) {
   return out;
 }
 
-void WaitOrDie(Client& c, CompletionToken t, const char* what) {
-  if (absl::Status s = c.Wait(t); !s.ok()) Die(s, what);
-}
-
 // Writes every chunk once through the host, in batches the host tier holds, and sends it all to
 // NVMe: the state each policy starts from.
 void Initialize(Client& c, const std::vector<Layer>& model, uint64_t host,
@@ -247,17 +243,12 @@ Bandwidth Probe(const ReplayOptions& o) {
     if (!ids.ok()) Die(ids.status(), "Allocate (probe)");
     return *ids;
   };
-  auto dirty = [&](const std::vector<ChunkId>& ids, Tier tier) {
-    auto a = c->AcquireIds(ids, tier, AccessMode::kWrite);
-    if (!a.ok()) Die(a.status(), "Acquire (probe)");
-    WaitOrDie(*c, a->ready, "Acquire (probe)");
-    if (absl::Status s = c->Release(ids); !s.ok()) Die(s, "Release (probe)");
-  };
+
   Bandwidth bw;
   const std::vector<ChunkId> host_set = alloc(o.host * 3 / 4);
   const double host_bytes = static_cast<double>(host_set.size() * o.chunk);
   for (int round = 0; round < 3; ++round) {
-    dirty(host_set, Tier::kHost);
+    Dirty(*c, host_set, Tier::kHost);
     bw.nvme_write =
         std::max(bw.nvme_write, host_bytes / Move(*c, host_set, Tier::kNvme, true) * 1e3);
     bw.nvme_read =
@@ -267,9 +258,9 @@ Bandwidth Probe(const ReplayOptions& o) {
   const std::vector<ChunkId> device_set = alloc(o.device_bytes * 3 / 4);
   const double device_bytes = static_cast<double>(device_set.size() * o.chunk);
   for (int round = 0; round < 3; ++round) {
-    dirty(device_set, Tier::kHost);
+    Dirty(*c, device_set, Tier::kHost);
     bw.h2d = std::max(bw.h2d, device_bytes / Move(*c, device_set, Tier::kDevice, false) * 1e3);
-    dirty(device_set, Tier::kDevice);
+    Dirty(*c, device_set, Tier::kDevice);
     bw.d2h = std::max(bw.d2h, device_bytes / Move(*c, device_set, Tier::kHost, true) * 1e3);
   }
   c.reset();
