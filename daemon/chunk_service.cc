@@ -1396,9 +1396,20 @@ size_t ChunkService::PlanRound(absl::Time now) {
   }
 
   size_t started = 0;
-  // A fetch that found no room because the free space is in pieces, and its tier: its spares are
-  // dropped one by one until it starts.
+  // A fetch that found no room because the free space is in pieces, and its target: its spares
+  // (for the tiers it found no room in) are dropped one by one until it starts.
   std::optional<std::pair<ChunkId, TierKind>> unplaced;
+  // Tiers a fetch found no room in: later fetches (needed later) do not take the pieces there, or
+  // they would be dropped again for the earlier one, round after round.
+  TierSet stuck;
+  TierSet stuck_before_unplaced;  // restored once the unplaced fetch starts
+  auto no_room = [&](const ChunkMeta& c, TierKind target) {
+    TierSet full;
+    for (TierKind t : RoomNeeded(c, target)) {
+      if (tier(t)->Usage().largest_free_bytes < c.size) full.insert(t);
+    }
+    return full;
+  };
   // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
   planning_ = true;
   for (const PlannedMove& m : Plan(in)) {
@@ -1418,9 +1429,19 @@ size_t ChunkService::PlanRound(absl::Time now) {
         break;
       case PlannedMove::Kind::kFetch: {
         if (c.resident.contains(m.tier) || c.pins > 0 || !CheckFetchable(c, m.tier).ok()) break;
+        bool waits = false;
+        for (TierKind t : RoomNeeded(c, m.tier)) waits = waits || stuck.contains(t);
+        if (waits) break;
         if (absl::Status s = StartFetch(c, m.tier); !s.ok()) {
           // No room in one piece: the spares that follow make some, or a later round retries.
-          if (absl::IsResourceExhausted(s)) unplaced.emplace(c.id, m.tier);
+          if (absl::IsResourceExhausted(s)) {
+            unplaced.emplace(c.id, m.tier);
+            stuck_before_unplaced = stuck;
+            const TierSet full = no_room(c, m.tier);
+            for (TierKind t : RoomNeeded(c, m.tier)) {
+              if (full.contains(t)) stuck.insert(t);
+            }
+          }
           break;
         }
         if (stats != nullptr) ++stats->planner_fetches;
@@ -1428,12 +1449,18 @@ size_t ChunkService::PlanRound(absl::Time now) {
         break;
       }
       case PlannedMove::Kind::kSpare: {
-        if (!unplaced || unplaced->second != m.tier || c.pins > 0 || !CleanIn(c, m.tier)) break;
+        if (!unplaced || c.pins > 0 || !CleanIn(c, m.tier)) break;
+        ChunkMeta& fetch = chunks_.at(unplaced->first);
+        // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
+        if (!no_room(fetch, unplaced->second).contains(m.tier)) break;
         DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
-        ChunkMeta& fetch = chunks_.at(unplaced->first);
-        if (fetch.state != ChunkState::kReady || !StartFetch(fetch, m.tier).ok()) break;
+        if (fetch.state != ChunkState::kReady || !no_room(fetch, unplaced->second).empty() ||
+            !StartFetch(fetch, unplaced->second).ok()) {
+          break;
+        }
         unplaced.reset();
+        stuck = stuck_before_unplaced;
         if (auto owner = sessions_.find(fetch.owner); owner != sessions_.end()) {
           ++owner->second.stats.planner_fetches;
         }

@@ -98,6 +98,20 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     auto it = next_use.find(id);
     return it == next_use.end() ? absl::InfiniteFuture() : it->second;
   };
+  // When a copy in `tier` is next needed: by an access there, or as the source of a fetch to the
+  // device (a host copy, while the device has none). A host copy staged for a device access is
+  // not needed again once the device holds the chunk.
+  auto need = [&](ChunkId id, TierKind tier) {
+    auto it = needs.find(id * kTierKinds + Index(tier));
+    return it == needs.end() ? absl::InfiniteFuture() : it->second.when;
+  };
+  auto next_in = [&](const PlannerChunk& c, TierKind tier) {
+    absl::Time when = need(c.id, tier);
+    if (tier == TierKind::kHost && !c.resident.contains(TierKind::kDevice)) {
+      when = std::min(when, need(c.id, TierKind::kDevice));
+    }
+    return when;
+  };
 
   std::vector<Demand> demands;
   for (const auto& [key, d] : needs) {
@@ -125,9 +139,10 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
       }
     }
   }
-  for (auto& list : victims) {
+  for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+    std::vector<const PlannerChunk*>& list = victims[Index(t)];
     std::sort(list.begin(), list.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
-      const absl::Time na = next(a->id), nb = next(b->id);
+      const absl::Time na = next_in(*a, t), nb = next_in(*b, t);
       if (na != nb) return na > nb;  // InfiniteFuture (unscheduled) first
       if (a->last_use != b->last_use) return a->last_use < b->last_use;
       return a->id < b->id;
@@ -157,6 +172,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     Demand demand;
     uint64_t size;
     Path path;
+    std::vector<TierKind> room;
     std::vector<PlannedMove> drops;
   };
   std::vector<Accepted> accepted;
@@ -186,7 +202,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
       std::vector<const PlannerChunk*>& list = victims[ti];
       while (room_left[ti] < static_cast<int64_t>(c.size) && pos[ti] < list.size()) {
         const PlannerChunk* v = list[pos[ti]];
-        if (next(v->id) <= d.when) break;  // needed no later than this one: keep it
+        if (next_in(*v, t) <= d.when) break;  // needed no later than this one: keep it
         ++pos[ti];
         if (v->id == d.id || dropped.contains(v->id * kTierKinds + ti)) continue;
         if (!HasLowerCopy(*v, t)) {
@@ -212,7 +228,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     for (const PlannedMove& m : drops) dropped.insert(m.id * kTierKinds + Index(m.tier));
     free = room_left;
     victim_pos = pos;
-    accepted.push_back({d, c.size, FetchPath(c, d.tier), std::move(drops)});
+    accepted.push_back({d, c.size, FetchPath(c, d.tier), room, std::move(drops)});
   }
 
   // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
@@ -255,20 +271,23 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     for (const PlannedMove& m : a.drops) out.push_back(m);
     out.push_back(
         {PlannedMove::Kind::kFetch, a.demand.id, a.demand.tier, a.demand.when, a.demand.session});
-    // Free space in pieces: the next victims in line, needed later than this fetch, as spares.
-    const int ti = Index(a.demand.tier);
-    if (in.largest_free[ti] >= in.free[ti]) continue;
-    int spares = 0;
-    for (size_t pos = victim_pos[ti]; pos < victims[ti].size() && spares < 4; ++pos) {
-      const PlannerChunk* v = victims[ti][pos];
-      if (next(v->id) <= a.demand.when) break;
-      if (v->id == a.demand.id || !HasLowerCopy(*v, a.demand.tier) ||
-          dropped.contains(v->id * kTierKinds + ti)) {
-        continue;
+    // Free space in pieces: the next victims in line, needed later than this fetch, as spares in
+    // each tier it needs room in (a fetch to the device from NVMe stages through the host).
+    for (TierKind t : a.room) {
+      const int ti = Index(t);
+      if (in.largest_free[ti] >= in.free[ti]) continue;
+      int spares = 0;
+      for (size_t pos = victim_pos[ti]; pos < victims[ti].size() && spares < 4; ++pos) {
+        const PlannerChunk* v = victims[ti][pos];
+        if (next_in(*v, t) <= a.demand.when) break;
+        if (v->id == a.demand.id || !HasLowerCopy(*v, t) ||
+            dropped.contains(v->id * kTierKinds + ti)) {
+          continue;
+        }
+        out.push_back({PlannedMove::Kind::kSpare, v->id, t});
+        dropped.insert(v->id * kTierKinds + ti);
+        ++spares;
       }
-      out.push_back({PlannedMove::Kind::kSpare, v->id, a.demand.tier});
-      dropped.insert(v->id * kTierKinds + ti);
-      ++spares;
     }
   }
   for (const PlannedMove& m : write_backs) out.push_back(m);

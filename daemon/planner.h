@@ -8,8 +8,11 @@
 //    each chunk in each tier, over one iteration ahead.
 //  * Space goes to the demands in order of need (earliest first). A copy is displaced only by a
 //    chunk needed sooner than its own next use (Belady's MIN with a known future); unscheduled
-//    copies go first, least recently used first. Pinned or moving copies are never displaced;
-//    dirty ones are written back first and dropped on a later round.
+//    copies go first, least recently used first. A copy's next use is in its own tier (a host
+//    copy also serves a device access while the device holds no copy). Pinned or moving copies
+//    are never displaced; dirty ones are written back first and dropped on a later round.
+//  * Free space in pieces: each fetch comes with spare victims in every tier it needs room in,
+//    dropped only if the fetch finds no room in one piece; later fetches wait for it.
 //  * Each demand is started as late as is safe: demands sharing a path are laid out backwards
 //    from their deadlines at the path's measured bandwidth (with a safety factor), and a demand
 //    starts once its latest start is within `lead` of now.

@@ -1,6 +1,7 @@
 // The planner's decisions, given capacities, bandwidths and schedules (daemon/planner.h).
 #include "daemon/planner.h"
 
+#include <algorithm>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -218,6 +219,66 @@ TEST_F(PlannerTest, AFetchToTheDeviceFromNvmeNeedsRoomInBothTiers) {
   ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
   EXPECT_EQ(Only(moves, Kind::kFetch)[0].tier, TierKind::kDevice);
   EXPECT_EQ(Only(moves, Kind::kDrop).size(), 1u);
+}
+
+TEST_F(PlannerTest, AHostCopyStagedForTheDeviceIsNotKeptOnceTheDeviceHoldsTheChunk) {
+  // Chunk 1 is used next in the device, which holds it: its host copy serves nothing. Chunk 2 is
+  // used next in the host, later than chunk 1 in the device. Room for chunk 3 comes from chunk 1.
+  HostCapacity(2);
+  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  Chunk(1, {TierKind::kHost, TierKind::kDevice});
+  Chunk(2, {TierKind::kHost});
+  Chunk(3);
+  Schedule({Read({3}), Read({1}, TierKind::kDevice), Read({2})}, /*cursor=*/0);
+  std::vector<PlannedMove> drops = Only(Plan(in_), Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0], (PlannedMove{Kind::kDrop, 1, TierKind::kHost}));
+  // Without the device copy the host copy is the source of the device's fetch: it stays.
+  in_.chunks[1].resident.erase(TierKind::kDevice);
+  Refresh();
+  drops = Only(Plan(in_), Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0], (PlannedMove{Kind::kDrop, 2, TierKind::kHost}));
+}
+
+TEST_F(PlannerTest, FreeSpaceInPiecesBringsSparesInEveryTierTheFetchNeedsRoomIn) {
+  // Room for the fetch by the count in both tiers, but not in one piece: a fetch to the device
+  // from NVMe stages through the host, so each tier gets spares, the copies needed latest, and
+  // never one needed before the fetch or one that exists nowhere else.
+  HostCapacity(4);
+  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  Chunk(1, {TierKind::kHost, TierKind::kDevice});  // needed after chunk 5
+  Chunk(2, {TierKind::kHost});                     // needed in the host before chunk 5
+  Chunk(6, {TierKind::kDevice});                   // needed in the device before chunk 5
+  PlannerChunk& only_copy = Chunk(3, {TierKind::kHost, TierKind::kDevice});
+  only_copy.resident.erase(TierKind::kHost);
+  only_copy.resident.erase(TierKind::kNvme);
+  only_copy.dirty.insert(TierKind::kDevice);
+  Chunk(4, {TierKind::kHost});  // unscheduled
+  Chunk(5);
+  in_.largest_free = {0, kMiB / 2, 0, kMiB / 2};
+  std::vector<ScheduledAccess> first = Read({2});
+  first.push_back({6, TierKind::kDevice, Access::kRead});
+  Schedule({first, Read({5}, TierKind::kDevice), Read({1, 3}, TierKind::kDevice)},
+           /*cursor=*/0, absl::Milliseconds(1));
+  std::vector<PlannedMove> moves = Plan(in_);
+  ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
+  EXPECT_EQ(Only(moves, Kind::kFetch)[0].id, 5u);
+  std::vector<PlannedMove> spares = Only(moves, Kind::kSpare);
+  auto spare = [&](ChunkId id, TierKind tier) {
+    return std::find(spares.begin(), spares.end(), PlannedMove{Kind::kSpare, id, tier}) !=
+           spares.end();
+  };
+  EXPECT_TRUE(spare(4, TierKind::kHost)) << "unscheduled: first in the host";
+  EXPECT_TRUE(spare(1, TierKind::kHost));
+  EXPECT_TRUE(spare(1, TierKind::kDevice));
+  EXPECT_FALSE(spare(2, TierKind::kHost)) << "needed before the fetch";
+  EXPECT_FALSE(spare(6, TierKind::kDevice)) << "needed before the fetch";
+  EXPECT_FALSE(spare(3, TierKind::kDevice)) << "the only copy";
+  // Spares follow their fetch.
+  const auto fetch = std::find_if(moves.begin(), moves.end(),
+                                  [](const PlannedMove& m) { return m.kind == Kind::kFetch; });
+  for (auto it = moves.begin(); it != fetch; ++it) EXPECT_NE(it->kind, Kind::kSpare);
 }
 
 TEST_F(PlannerTest, ASessionOverItsQuotaWaitsWhileAnotherIsServed) {
