@@ -11,10 +11,13 @@
 // Everything lives on NVMe at the start, the host tier holds less than the working set and the
 // device tier less than the parameters, so every tier and path is in the loop:
 //
-//   forward l    params[l] on the device (read), acts[l] on the device (written)
-//   backward l   params[l], acts[l] on the device (read), grads[l] on the device (written)
-//   optimizer l  grads[l] on the host (read); master[l], m[l], v[l], params[l] on the host
-//   (written)
+//   forward l    params[l] on the device (read), acts[l] on the device (overwritten)
+//   backward l   params[l], acts[l] on the device (read), grads[l] on the device (overwritten)
+//   optimizer l  grads[l] on the host (read); master[l], m[l], v[l] on the host (written);
+//                params[l] on the host (overwritten: the new weights in low precision)
+//
+// An overwrite (AccessMode::kOverwrite) writes every byte before reading any, so the daemon
+// fetches nothing for it; a write reads the old contents first.
 //
 // Each iteration reports its time, the time acquisitions waited (stall), the bytes moved on each
 // path (from the daemon's counters) and the lower bound max(compute, busiest path's bytes over
@@ -170,17 +173,18 @@ std::vector<Step> MakeSteps(const std::vector<Layer>& model, const ReplayOptions
   std::vector<Step> steps;
   for (const Layer& l : model) {
     steps.push_back({{{Ids({&l.params}), Tier::kDevice, AccessMode::kRead},
-                      {Ids({&l.acts}), Tier::kDevice, AccessMode::kWrite}},
+                      {Ids({&l.acts}), Tier::kDevice, AccessMode::kOverwrite}},
                      o.forward});
   }
   for (auto l = model.rbegin(); l != model.rend(); ++l) {
     steps.push_back({{{Ids({&l->params, &l->acts}), Tier::kDevice, AccessMode::kRead},
-                      {Ids({&l->grads}), Tier::kDevice, AccessMode::kWrite}},
+                      {Ids({&l->grads}), Tier::kDevice, AccessMode::kOverwrite}},
                      o.backward});
   }
   for (const Layer& l : model) {
     steps.push_back({{{Ids({&l.grads}), Tier::kHost, AccessMode::kRead},
-                      {Ids({&l.master, &l.m, &l.v, &l.params}), Tier::kHost, AccessMode::kWrite}},
+                      {Ids({&l.master, &l.m, &l.v}), Tier::kHost, AccessMode::kWrite},
+                      {Ids({&l.params}), Tier::kHost, AccessMode::kOverwrite}},
                      o.optimizer});
   }
   return steps;
@@ -335,20 +339,20 @@ class Runner {
   }
 
  private:
-  // Reads check the chunk's last stamp; writes leave a new one.
+  // Reads and writes check the chunk's last stamp; writes and overwrites leave a new one.
   void Stamp(const Group& g, const Acquired& a, uint64_t value) {
     if (g.tier == Tier::kDevice && !device_visible_) return;
     for (size_t i = 0; i < g.ids.size(); ++i) {
       uint64_t& expected = stamps_[g.ids[i]];
       uint64_t found;
       std::memcpy(&found, a.chunks[i].data, sizeof(found));
-      if (found != expected) {
+      if (g.mode != AccessMode::kOverwrite && found != expected) {
         Die(absl::DataLossError(absl::StrFormat(
                 "chunk %d holds stamp %#x, last written %#x: a stale copy was handed out", g.ids[i],
                 found, expected)),
             "replay");
       }
-      if (g.mode == AccessMode::kWrite) {
+      if (g.mode != AccessMode::kRead) {
         expected = value;
         std::memcpy(a.chunks[i].data, &value, sizeof(value));
       }

@@ -251,10 +251,10 @@ tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size
           return Fail(absl::InvalidArgumentError(absl::StrCat(
               "tierd_set_schedule: access ", next, " names tier ", tiers[next], ", not a tier")));
         }
-        if (modes[next] != TIERD_ACCESS_READ && modes[next] != TIERD_ACCESS_WRITE) {
-          return Fail(absl::InvalidArgumentError(
-              absl::StrCat("tierd_set_schedule: access ", next, " has mode ", modes[next],
-                           ", not TIERD_ACCESS_READ or TIERD_ACCESS_WRITE")));
+        if (modes[next] < TIERD_ACCESS_READ || modes[next] > TIERD_ACCESS_OVERWRITE) {
+          return Fail(absl::InvalidArgumentError(absl::StrCat(
+              "tierd_set_schedule: access ", next, " has mode ", modes[next],
+              ", not TIERD_ACCESS_READ, TIERD_ACCESS_WRITE or TIERD_ACCESS_OVERWRITE")));
         }
         steps[i].push_back({ids[next], static_cast<tierd::Tier>(tiers[next]),
                             static_cast<tierd::AccessMode>(modes[next])});

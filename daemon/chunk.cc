@@ -30,7 +30,7 @@ void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
 
 void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {
   assert(CheckPin(chunk, tier).ok());
-  if (access == Access::kWrite) {
+  if (Writes(access)) {
     chunk.resident = TierSet();
     chunk.resident.insert(tier);
     chunk.dirty = TierSet();

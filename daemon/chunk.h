@@ -20,7 +20,11 @@ enum class ChunkState : uint8_t {
   kMoving = 2,  // a transfer to `moving_to` is in flight
 };
 
-enum class Access : uint8_t { kRead = 1, kWrite = 2 };
+// How an Acquire uses a chunk. kOverwrite writes every byte before reading any: the old contents
+// are not fetched (the acquired bytes are undefined until written), only room is reserved.
+enum class Access : uint8_t { kRead = 1, kWrite = 2, kOverwrite = 3 };
+
+inline bool Writes(Access a) { return a != Access::kRead; }
 
 // A set of tiers as a bit mask indexed by TierKind.
 class TierSet {

@@ -357,9 +357,15 @@ absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier) {
 namespace {
 
 // The tiers a fetch of the chunk into `tier` needs space in: a fetch into the device stages
-// through (or copies from) the chunk's host space.
-std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier) {
+// through (or copies from) the chunk's host space. An overwrite fetches nothing: it needs room
+// only where it lands.
+std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier,
+                                 Access access = Access::kRead) {
   std::vector<TierKind> needs;
+  if (access == Access::kOverwrite && chunk.state == ChunkState::kReady) {
+    if (!chunk.allocated.contains(tier)) needs.push_back(tier);
+    return needs;
+  }
   if (!chunk.allocated.contains(TierKind::kHost)) needs.push_back(TierKind::kHost);
   if (tier == TierKind::kDevice && !chunk.allocated.contains(TierKind::kDevice)) {
     needs.push_back(TierKind::kDevice);
@@ -370,7 +376,7 @@ std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier) {
 }  // namespace
 
 absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks,
-                                                     TierKind tier) {
+                                                     TierKind tier, Access access) {
   // Held meanwhile, so that room for one is never made by dropping another.
   for (ChunkMeta* c : chunks) Hold(*c);
   absl::StatusOr<bool> reserved = true;
@@ -378,13 +384,13 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
   for (ChunkMeta* c : chunks) {
     if (c->resident.contains(tier)) continue;
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
-    for (TierKind t : RoomNeeded(*c, tier)) {
+    for (TierKind t : RoomNeeded(*c, tier, access)) {
       absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, c->size);
       if (p.ok()) {
         c->placement[static_cast<int>(t)] = *p;
         c->allocated.insert(t);
         made.emplace_back(c, t);
-      } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier)) {
+      } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier, access)) {
         reserved = false;  // wait for the room being made
       } else {
         reserved = absl::Status(p.status().code(),
@@ -401,8 +407,8 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
   return reserved;
 }
 
-bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier) {
-  const std::vector<TierKind> needs = RoomNeeded(chunk, tier);
+bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access) {
+  const std::vector<TierKind> needs = RoomNeeded(chunk, tier, access);
   bool coming = false;
   bool tried = false;
   for (TierKind t : needs) {
@@ -440,6 +446,7 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
   std::sort(dirty.begin(), dirty.end(),
             [](const ChunkMeta* a, const ChunkMeta* b) { return a->last_use < b->last_use; });
   bool started = false;  // at least one, in case the free bytes are there but not in one piece
+  bool below = false;    // room is being made in the tier below for these to go to
   for (ChunkMeta* c : dirty) {
     if (started && free + room_coming_[k] >= bytes) break;
     auto batch = std::make_shared<Batch>();
@@ -449,13 +456,18 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
       StartWrite(*c, batch, /*keep_source=*/false);
     }
     batch->Done(absl::OkStatus());
-    if (c->state != ChunkState::kMoving) continue;  // no room below it either
+    if (c->state != ChunkState::kMoving) {
+      // No room below it either: the host's own dirty copies go down to NVMe first, and the
+      // waiter tries again when they have.
+      if (t == TierKind::kDevice && !below) below = MakeRoomIn(TierKind::kHost, c->size);
+      continue;
+    }
     room_moves_[c->id] = t;
     room_coming_[k] += c->size;
     started = true;
   }
   // Moves in flight end as copies that can be dropped or written down, or free what they leave.
-  return room_coming_[k] > 0 || moves_in_flight_ > 0;
+  return room_coming_[k] > 0 || moves_in_flight_ > 0 || below;
 }
 
 void ChunkService::RoomMoveDone(ChunkId id) {
@@ -953,10 +965,11 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     for (const ChunkMeta* chunk : *chunks) {
       if (CheckPin(*chunk, tier).ok()) continue;
       all_ready = false;
+      if (access == Access::kOverwrite && chunk->state == ChunkState::kReady) continue;  // no fetch
       if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
     }
     if (all_ready) break;
-    absl::StatusOr<bool> reserved = ReserveForAcquire(*chunks, tier);
+    absl::StatusOr<bool> reserved = ReserveForAcquire(*chunks, tier, access);
     if (!reserved.ok()) return reserved.status();
     if (*reserved) break;
     if (absl::Now() >= give_up) {
@@ -966,6 +979,16 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     }
     room_freed_.WaitWithDeadline(&mu_, give_up);
     waited_for_room = true;
+  }
+  // An overwrite lands in the room reserved for it: the old contents are not wanted.
+  if (access == Access::kOverwrite) {
+    all_ready = true;
+    for (ChunkMeta* chunk : *chunks) {
+      if (chunk->state == ChunkState::kReady && chunk->allocated.contains(tier)) {
+        chunk->resident.insert(tier);
+      }
+      all_ready = all_ready && CheckPin(*chunk, tier).ok();
+    }
   }
   std::shared_ptr<Batch> batch;
   if (all_ready) {
@@ -1286,7 +1309,7 @@ void ChunkService::Trace(SessionState& state, const Session& session,
       }
       t.recorded[step].push_back({c->id, tier, access});
       ++t.accesses;
-    } else if (access == Access::kWrite) {
+    } else if (Writes(access) && t.recorded[step][it->second].access == Access::kRead) {
       t.recorded[step][it->second].access = Access::kWrite;  // read, then written: a write
     }
   }
@@ -1411,8 +1434,9 @@ size_t ChunkService::PlanRound(absl::Time now) {
     return full;
   };
   // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
+  const std::vector<PlannedMove> moves = Plan(in);
   planning_ = true;
-  for (const PlannedMove& m : Plan(in)) {
+  for (const PlannedMove& m : moves) {
     if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();
     auto it = chunks_.find(m.id);
     if (it == chunks_.end()) continue;

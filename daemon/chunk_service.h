@@ -238,14 +238,16 @@ class ChunkService {
   // copies that exist nowhere else (dirty), starts writing the least recently used of them down
   // and queues the fetch until their room is free (OK). Fails only when no room is coming.
   absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Write-backs that will free room for the chunk in the tiers the fetch needs space in; true when
-  // room is on its way (started now or earlier).
-  bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Write-backs that will free room for the chunk in the tiers the fetch (or, for an overwrite,
+  // the landing) needs space in; true when room is on its way (started now or earlier).
+  bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access = Access::kRead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
   // final. False when room is being made (write-backs, or moves in flight that will leave copies
-  // to drop): wait on room_freed_ and try again. RESOURCE_EXHAUSTED when no room can come.
-  absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // to drop): wait on room_freed_ and try again. RESOURCE_EXHAUSTED when no room can come. An
+  // overwrite of a chunk not moving needs room only in `tier`.
+  absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
+                                         Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk ended (FinishMove), waking those waiting for room.
   void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MakeRoomIn(TierKind tier, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

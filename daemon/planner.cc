@@ -25,16 +25,29 @@ struct Demand {
   TierKind tier;
   absl::Time when;
   SessionId session;
+  Access access;  // kOverwrite: room only, nothing to fetch
 };
 
-// The first time each chunk is needed in each tier, over one iteration ahead of each cursor. The
-// running step's chunks are needed now.
-absl::flat_hash_map<uint64_t, Demand> NeedTimes(const PlanInput& in) {
+struct Needs {
+  // The first time each chunk is needed in each tier (key id * kTierKinds + tier).
   absl::flat_hash_map<uint64_t, Demand> first;
+  // The first time each chunk is written, in any tier: a copy needed only after it is stale by
+  // then (the write's new contents are what that use wants).
+  absl::flat_hash_map<ChunkId, absl::Time> first_write;
+};
+
+// Over one iteration ahead of each cursor. The running step's chunks are needed now.
+Needs NeedTimes(const PlanInput& in) {
+  Needs needs;
   auto note = [&](const ScheduledAccess& a, absl::Time when, SessionId session) {
     const uint64_t key = a.id * kTierKinds + Index(a.tier);
-    auto [it, inserted] = first.try_emplace(key, Demand{a.id, a.tier, when, session});
-    if (!inserted && when < it->second.when) it->second = Demand{a.id, a.tier, when, session};
+    const Demand d{a.id, a.tier, when, session, a.access};
+    auto [it, inserted] = needs.first.try_emplace(key, d);
+    if (!inserted && when < it->second.when) it->second = d;
+    if (Writes(a.access)) {
+      auto [w, new_write] = needs.first_write.try_emplace(a.id, when);
+      if (!new_write) w->second = std::min(w->second, when);
+    }
   };
   for (const SessionPlan& s : in.sessions) {
     const size_t n = s.steps == nullptr ? 0 : s.steps->size();
@@ -55,7 +68,7 @@ absl::flat_hash_map<uint64_t, Demand> NeedTimes(const PlanInput& in) {
       t += duration(j);
     }
   }
-  return first;
+  return needs;
 }
 
 }  // namespace
@@ -86,7 +99,17 @@ Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
 
 std::vector<PlannedMove> Plan(const PlanInput& in) {
   std::vector<PlannedMove> out;
-  const absl::flat_hash_map<uint64_t, Demand> needs = NeedTimes(in);
+  const Needs all = NeedTimes(in);
+  // A use after the chunk is written elsewhere wants the new contents: no copy serves it now, and
+  // it is no demand yet (it becomes one once the write is done).
+  auto stale_by = [&](const Demand& d) {
+    auto w = all.first_write.find(d.id);
+    return w != all.first_write.end() && w->second < d.when;
+  };
+  absl::flat_hash_map<uint64_t, Demand> needs;
+  for (const auto& [key, d] : all.first) {
+    if (!stale_by(d)) needs.emplace(key, d);
+  }
 
   // Each chunk's next use in any tier; chunks without one are unscheduled.
   absl::flat_hash_map<ChunkId, absl::Time> next_use;
@@ -101,9 +124,11 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   // When a copy in `tier` is next needed: by an access there, or as the source of a fetch to the
   // device (a host copy, while the device has none). A host copy staged for a device access is
   // not needed again once the device holds the chunk.
+  // A copy about to be overwritten is not needed either.
   auto need = [&](ChunkId id, TierKind tier) {
     auto it = needs.find(id * kTierKinds + Index(tier));
-    return it == needs.end() ? absl::InfiniteFuture() : it->second.when;
+    return it == needs.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
+                                                                        : it->second.when;
   };
   auto next_in = [&](const PlannerChunk& c, TierKind tier) {
     absl::Time when = need(c.id, tier);
@@ -119,8 +144,8 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     if (it == in.chunks.end()) continue;
     const PlannerChunk& c = it->second;
     if (c.resident.contains(d.tier) || c.moving) continue;  // there, or on its way somewhere
-    if (c.pinned) continue;            // in use: its Acquire brings it where it is needed
-    if (c.resident.empty()) continue;  // nothing to copy from
+    if (c.pinned) continue;  // in use: its Acquire brings it where it is needed
+    if (c.resident.empty() && d.access != Access::kOverwrite) continue;  // nothing to copy from
     demands.push_back(d);
   }
   std::sort(demands.begin(), demands.end(), [](const Demand& a, const Demand& b) {
@@ -180,8 +205,9 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   for (const Demand& d : demands) {
     const PlannerChunk& c = in.chunks.at(d.id);
     // A fetch to the device from NVMe stages through host memory: it needs room in both.
+    const bool overwrite = d.access == Access::kOverwrite;
     std::vector<TierKind> room = {d.tier};
-    if (d.tier == TierKind::kDevice && !c.resident.contains(TierKind::kHost)) {
+    if (d.tier == TierKind::kDevice && !overwrite && !c.resident.contains(TierKind::kHost)) {
       room.push_back(TierKind::kHost);
     }
     bool fits = true;
@@ -244,10 +270,16 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     return absl::Seconds(in.safety * std::max(streamed, single * static_cast<double>(bytes)));
   };
   std::vector<bool> start_now(accepted.size(), false);
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    // Room for an overwrite is made now: its victims are needed later than it, and a drop is free.
+    if (accepted[i].demand.access == Access::kOverwrite) start_now[i] = true;
+  }
   for (int p = 0; p < kPaths; ++p) {
     std::vector<size_t> on_path;
     for (size_t i = 0; i < accepted.size(); ++i) {
-      if (Index(accepted[i].path) == p) on_path.push_back(i);
+      if (Index(accepted[i].path) == p && accepted[i].demand.access != Access::kOverwrite) {
+        on_path.push_back(i);
+      }
     }
     // Bytes already in flight hold the path first.
     const absl::Duration busy =
@@ -269,6 +301,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     if (!start_now[i]) continue;
     const Accepted& a = accepted[i];
     for (const PlannedMove& m : a.drops) out.push_back(m);
+    if (a.demand.access == Access::kOverwrite) continue;  // the Acquire lands in the room
     out.push_back(
         {PlannedMove::Kind::kFetch, a.demand.id, a.demand.tier, a.demand.when, a.demand.session});
     // Free space in pieces: the next victims in line, needed later than this fetch, as spares in

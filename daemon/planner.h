@@ -11,6 +11,8 @@
 //    copies go first, least recently used first. A copy's next use is in its own tier (a host
 //    copy also serves a device access while the device holds no copy). Pinned or moving copies
 //    are never displaced; dirty ones are written back first and dropped on a later round.
+//  * An overwrite needs room where it lands, not a fetch: its victims go ahead of it and the
+//    Acquire lands in the room. A copy about to be overwritten is needed by nobody.
 //  * Free space in pieces: each fetch comes with spare victims in every tier it needs room in,
 //    dropped only if the fetch finds no room in one piece; later fetches wait for it.
 //  * Each demand is started as late as is safe: demands sharing a path are laid out backwards

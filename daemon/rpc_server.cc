@@ -151,10 +151,13 @@ class TierdService final : public pb::Tierd::Service {
       case pb::ACCESS_MODE_WRITE:
         access = Access::kWrite;
         break;
+      case pb::ACCESS_MODE_OVERWRITE:
+        access = Access::kOverwrite;
+        break;
       default:
         return ToGrpc(absl::InvalidArgumentError(
             absl::StrCat("Acquire: access mode ", static_cast<int>(req->mode()),
-                         " is not ACCESS_MODE_READ or ACCESS_MODE_WRITE")));
+                         " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
     }
     absl::StatusOr<AcquireResult> result =
         deps_.chunks->Acquire(**session, Span(req->chunk_ids()), *tier, access);
@@ -190,10 +193,12 @@ class TierdService final : public pb::Tierd::Service {
         Access access = Access::kRead;
         if (a.mode() == pb::ACCESS_MODE_WRITE) {
           access = Access::kWrite;
+        } else if (a.mode() == pb::ACCESS_MODE_OVERWRITE) {
+          access = Access::kOverwrite;
         } else if (a.mode() != pb::ACCESS_MODE_READ && a.mode() != pb::ACCESS_MODE_UNSPECIFIED) {
-          return ToGrpc(absl::InvalidArgumentError(
-              absl::StrCat("SetSchedule: access mode ", static_cast<int>(a.mode()), " of chunk ",
-                           a.chunk_id(), " is not ACCESS_MODE_READ or ACCESS_MODE_WRITE")));
+          return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+              "SetSchedule: access mode ", static_cast<int>(a.mode()), " of chunk ", a.chunk_id(),
+              " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
         }
         out.push_back({a.chunk_id(), *tier, access});
         ++accesses;

@@ -273,6 +273,32 @@ TEST_F(DeviceServiceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) 
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
+// Gradients written on the GPU from scratch: an overwrite on the device needs no host room to
+// stage through and copies nothing to the device, where a write must bring the old contents in.
+TEST_F(DeviceServiceTest, AnOverwriteOnTheDeviceStagesNothingThroughTheHost) {
+  auto grads = Alloc({kSeg}, TierKind::kNvme);
+  auto first = service_->Acquire(*session_, grads, TierKind::kHost, Access::kOverwrite);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(Wait(first->ready).ok());
+  std::memset(service_->tier(TierKind::kHost)->Address(first->locations[0]), 1, kSeg);
+  ASSERT_TRUE(service_->Release(*session_, grads).ok());
+  ASSERT_TRUE(Wait(service_->Evict(*session_, grads, TierKind::kNvme)).ok());
+  auto filler = Alloc({kSeg, kSeg, kSeg, kSeg});  // the host tier, full and pinned
+  ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());
+  auto write = service_->Acquire(*session_, grads, TierKind::kDevice, Access::kWrite);
+  EXPECT_TRUE(absl::IsResourceExhausted(write.status())) << write.status();
+
+  const int to_device = device_->to_device.load();
+  auto a = service_->Acquire(*session_, grads, TierKind::kDevice, Access::kOverwrite);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(Wait(a->ready).ok());
+  EXPECT_EQ(device_->to_device.load(), to_device);
+  std::memset(service_->tier(TierKind::kDevice)->Address(a->locations[0]), 7, kSeg);
+  ASSERT_TRUE(service_->Release(*session_, grads).ok());
+  ASSERT_TRUE(service_->Release(*session_, filler).ok());
+  EXPECT_TRUE(Holds(grads, TierKind::kHost, 7, kSeg));
+}
+
 TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {
   auto ids = Alloc({1 << 20, 1 << 20});
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());

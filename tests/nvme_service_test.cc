@@ -253,6 +253,49 @@ TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   EXPECT_TRUE(service_->Release(*session_, away).ok());
 }
 
+// An overwrite wants room, not the old contents: it is ready at once, nothing is read from NVMe,
+// and what it writes is what comes back.
+TEST_F(NvmeServiceTest, AnOverwriteReadsNothingAndItsWritesComeBack) {
+  const std::vector<uint64_t> sizes = {1 << 20, 3 << 20};
+  auto ids = Alloc(*session_, sizes, TierKind::kNvme);
+  Write(*session_, ids, 1);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  const auto read = [&] { return service_->path_status()[0].bytes; };  // nvme_to_host
+  const uint64_t before = read();
+
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kOverwrite);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(Wait(*session_, a->ready).ok());
+  EXPECT_EQ(read(), before) << "an overwrite fetched the old contents";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto* w = static_cast<uint64_t*>(host_->Address(a->locations[i]));
+    for (size_t j = 0; j < sizes[i] / 8; ++j) w[j] = Word(2, ids[i], j);
+  }
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  auto stat = service_->Stat(*session_, ids);
+  ASSERT_TRUE(stat.ok());
+  for (const auto& s : *stat) EXPECT_TRUE(s.dirty.contains(TierKind::kHost));
+
+  // Down to NVMe and back: the overwritten contents, not the first ones.
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  EXPECT_TRUE(Check(*session_, ids, 2, sizes));
+  EXPECT_GT(read(), before);
+}
+
+TEST_F(NvmeServiceTest, AnOverwriteNeedsRoomWhereItLandsAndFailsCleanlyWithoutIt) {
+  auto away = Alloc(*session_, {1 << 20}, TierKind::kNvme);
+  Write(*session_, away, 1);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
+  auto filler = Alloc(*session_, {kSeg, kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());
+  auto a = service_->Acquire(*session_, away, TierKind::kHost, Access::kOverwrite);
+  EXPECT_TRUE(absl::IsResourceExhausted(a.status())) << a.status();
+  EXPECT_EQ(service_->Stat(*session_, away)->at(0).pins, 0u);
+  ASSERT_TRUE(service_->Release(*session_, filler).ok());
+  // Nothing lost: the NVMe copy is still the chunk's contents.
+  EXPECT_TRUE(Check(*session_, away, 1, {1 << 20}));
+}
+
 TEST_F(NvmeServiceTest, AFailedAcquireGivesBackTheRoomItReservedForTheRestOfTheBatch) {
   auto filler = Alloc(*session_, {kSeg, kSeg, kSeg});
   ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());

@@ -281,6 +281,42 @@ TEST_F(PlannerTest, FreeSpaceInPiecesBringsSparesInEveryTierTheFetchNeedsRoomIn)
   for (auto it = moves.begin(); it != fetch; ++it) EXPECT_NE(it->kind, Kind::kSpare);
 }
 
+TEST_F(PlannerTest, AnOverwriteGetsRoomAheadButNothingIsFetched) {
+  HostCapacity(2);
+  Chunk(1, {TierKind::kHost});  // needed after the overwrite
+  Chunk(2, {TierKind::kHost});  // needed after the overwrite
+  Chunk(3);
+  std::vector<ScheduledAccess> overwrite = {{3, TierKind::kHost, Access::kOverwrite}};
+  Schedule({Read({}), overwrite, Read({1}), Read({2})}, /*cursor=*/0, absl::Milliseconds(50));
+  std::vector<PlannedMove> moves = Plan(in_);
+  EXPECT_TRUE(Only(moves, Kind::kFetch).empty());
+  std::vector<PlannedMove> drops = Only(moves, Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0].id, 2u) << "the copy needed last";
+}
+
+TEST_F(PlannerTest, AUseAfterAWriteElsewhereWaitsForTheWriteAndCopiesAboutToBeOverwrittenGoFirst) {
+  // Chunk 1 is overwritten on the device in step 1 and read in the host in step 2: the host read
+  // wants the new contents, so its old copy on NVMe is not fetched now. Chunk 2's host copy is
+  // overwritten in step 1: it is needed by nobody and goes before chunk 3's, needed in step 3.
+  HostCapacity(2);
+  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  Chunk(1);
+  Chunk(2, {TierKind::kHost});
+  Chunk(3, {TierKind::kHost});
+  Chunk(4);
+  std::vector<ScheduledAccess> writes = {{1, TierKind::kDevice, Access::kOverwrite},
+                                         {2, TierKind::kHost, Access::kOverwrite}};
+  Schedule({Read({4}), writes, Read({1}), Read({3})}, /*cursor=*/0);
+  std::vector<PlannedMove> moves = Plan(in_);
+  std::vector<PlannedMove> fetches = Only(moves, Kind::kFetch);
+  ASSERT_EQ(fetches.size(), 1u);
+  EXPECT_EQ(fetches[0].id, 4u);
+  std::vector<PlannedMove> drops = Only(moves, Kind::kDrop);
+  ASSERT_FALSE(drops.empty());
+  EXPECT_EQ(drops[0], (PlannedMove{Kind::kDrop, 2, TierKind::kHost}));
+}
+
 TEST_F(PlannerTest, ASessionOverItsQuotaWaitsWhileAnotherIsServed) {
   HostCapacity(8);
   Chunk(1, {TierKind::kHost});

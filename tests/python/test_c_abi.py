@@ -12,7 +12,7 @@ import time
 import pytest
 
 TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
-ACCESS_READ, ACCESS_WRITE = 1, 2
+ACCESS_READ, ACCESS_WRITE, ACCESS_OVERWRITE = 1, 2, 3
 OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 0, 3, 5, 8, 9
 
 
@@ -206,6 +206,37 @@ def test_evict_to_nvme_and_prefetch_back(lib, client):
         assert ctypes.string_at(ptrs[i], sizes[i]) == bytes([0x61 + i]) * sizes[i]
     assert lib.tierd_release(client, 2, ids) == OK
     assert lib.tierd_free(client, 2, ids) == OK
+
+
+def test_overwrite_fetches_nothing_and_bad_modes_are_refused(lib, client):
+    sizes = (ctypes.c_uint64 * 1)(1 << 20)
+    ids = (ctypes.c_uint64 * 1)()
+    assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == OK
+    ptrs = (ctypes.c_void_p * 1)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_WRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    ctypes.memset(ptrs[0], 0x11, sizes[0])
+    assert lib.tierd_release(client, 1, ids) == OK
+    done = Completion()
+    assert lib.tierd_evict(client, 1, ids, TIER_NVME, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+    # Overwritten from scratch: ready at once, no read of the old contents.
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_OVERWRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK, lib.tierd_last_error()
+    assert lib.tierd_poll(client, ready) == OK
+    ctypes.memset(ptrs[0], 0x22, sizes[0])
+    assert lib.tierd_release(client, 1, ids) == OK
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_READ, ptrs, None,
+                             ctypes.byref(ready)) == OK
+    assert lib.tierd_wait(client, ready, 10_000_000_000) == OK
+    assert ctypes.string_at(ptrs[0], sizes[0]) == b"\x22" * sizes[0]
+    assert lib.tierd_release(client, 1, ids) == OK
+    # A mode that is none of the three: refused, nothing pinned.
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, 4, ptrs, None,
+                             ctypes.byref(ready)) == INVALID_ARGUMENT
+    assert b"ACCESS_MODE_OVERWRITE" in lib.tierd_last_error()
+    assert lib.tierd_free(client, 1, ids) == OK
 
 
 def test_device_tier_pointers_from_python(lib, client):

@@ -46,7 +46,12 @@ typedef enum tierd_tier {
   TIERD_TIER_DEVICE = 3
 } tierd_tier;
 
-typedef enum tierd_access { TIERD_ACCESS_READ = 1, TIERD_ACCESS_WRITE = 2 } tierd_access;
+typedef enum tierd_access {
+  TIERD_ACCESS_READ = 1,
+  TIERD_ACCESS_WRITE = 2,
+  /* Every byte is written before any is read: the old contents are not fetched. */
+  TIERD_ACCESS_OVERWRITE = 3
+} tierd_access;
 
 typedef struct tierd_completion {
   uint32_t slot;

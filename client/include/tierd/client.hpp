@@ -24,7 +24,9 @@ namespace tierd {
 using ChunkId = uint64_t;
 
 enum class Tier : int { kHost = 1, kNvme = 2, kDevice = 3 };
-enum class AccessMode : int { kRead = 1, kWrite = 2 };
+// kOverwrite: every byte is written before any is read (gradients, activations, an optimizer's
+// output). The old contents are not fetched, so the acquired bytes are undefined until written.
+enum class AccessMode : int { kRead = 1, kWrite = 2, kOverwrite = 3 };
 
 struct ClientOptions {
   // Directory holding tierd.sock and tierd.session.sock. Empty: $TIERD_SOCKET_DIR, else /run/tierd.
