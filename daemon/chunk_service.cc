@@ -1433,8 +1433,8 @@ size_t ChunkService::PlanRound(absl::Time now) {
     }
     return full;
   };
-  // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
   const std::vector<PlannedMove> moves = Plan(in);
+  // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
   planning_ = true;
   for (const PlannedMove& m : moves) {
     if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();

@@ -123,8 +123,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   };
   // When a copy in `tier` is next needed: by an access there, or as the source of a fetch to the
   // device (a host copy, while the device has none). A host copy staged for a device access is
-  // not needed again once the device holds the chunk.
-  // A copy about to be overwritten is not needed either.
+  // not needed again once the device holds the chunk, nor is a copy about to be overwritten.
   auto need = [&](ChunkId id, TierKind tier) {
     auto it = needs.find(id * kTierKinds + Index(tier));
     return it == needs.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
