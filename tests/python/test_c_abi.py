@@ -183,21 +183,30 @@ def test_persistent_named_chunk_reopens_in_a_new_session(lib, daemon):
     lib.tierd_close(second)
 
 
+def write_and_evict(lib, client, ids, sizes, values):
+    """Fills each chunk's host copy with one byte value, then moves the chunks to NVMe."""
+    n = len(values)
+    ptrs = (ctypes.c_void_p * n)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, n, ids, TIER_HOST, ACCESS_WRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK, lib.tierd_last_error()
+    assert lib.tierd_wait(client, ready, 10_000_000_000) == OK, lib.tierd_last_error()
+    for i in range(n):
+        ctypes.memset(ptrs[i], values[i], sizes[i])
+    assert lib.tierd_release(client, n, ids) == OK
+    done = Completion()
+    assert lib.tierd_evict(client, n, ids, TIER_NVME, 0, ctypes.byref(done)) == OK, \
+        lib.tierd_last_error()
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
+
+
 def test_evict_to_nvme_and_prefetch_back(lib, client):
     sizes = (ctypes.c_uint64 * 2)(3 << 20, 12345)
     ids = (ctypes.c_uint64 * 2)()
     assert lib.tierd_allocate(client, 2, sizes, TIER_HOST, ids) == OK
+    write_and_evict(lib, client, ids, sizes, [0x61, 0x62])
     ptrs = (ctypes.c_void_p * 2)()
     ready = Completion()
-    assert lib.tierd_acquire(client, 2, ids, TIER_HOST, ACCESS_WRITE, ptrs, None,
-                             ctypes.byref(ready)) == OK
-    for i in range(2):
-        ctypes.memset(ptrs[i], 0x61 + i, sizes[i])
-    assert lib.tierd_release(client, 2, ids) == OK
-    done = Completion()
-    assert lib.tierd_evict(client, 2, ids, TIER_NVME, 0, ctypes.byref(done)) == OK, \
-        lib.tierd_last_error()
-    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
     # The host copies are gone: acquiring there brings them back; the token says when.
     assert lib.tierd_acquire(client, 2, ids, TIER_HOST, ACCESS_READ, ptrs, None,
                              ctypes.byref(ready)) == OK
@@ -212,15 +221,9 @@ def test_overwrite_fetches_nothing_and_bad_modes_are_refused(lib, client):
     sizes = (ctypes.c_uint64 * 1)(1 << 20)
     ids = (ctypes.c_uint64 * 1)()
     assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == OK
+    write_and_evict(lib, client, ids, sizes, [0x11])
     ptrs = (ctypes.c_void_p * 1)()
     ready = Completion()
-    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_WRITE, ptrs, None,
-                             ctypes.byref(ready)) == OK
-    ctypes.memset(ptrs[0], 0x11, sizes[0])
-    assert lib.tierd_release(client, 1, ids) == OK
-    done = Completion()
-    assert lib.tierd_evict(client, 1, ids, TIER_NVME, 0, ctypes.byref(done)) == OK
-    assert lib.tierd_wait(client, done, 10_000_000_000) == OK, lib.tierd_last_error()
     # Overwritten from scratch: ready at once, no read of the old contents.
     assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_OVERWRITE, ptrs, None,
                              ctypes.byref(ready)) == OK, lib.tierd_last_error()
