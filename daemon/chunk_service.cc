@@ -259,17 +259,24 @@ absl::Status ChunkService::CheckFetchable(const ChunkMeta& chunk, TierKind tier)
   return absl::OkStatus();
 }
 
-absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier) {
+IoOrder ChunkService::OrderFor(const ChunkMeta& chunk, absl::Time deadline) const {
+  auto it = sessions_.find(chunk.owner);
+  return IoOrder{.deadline = deadline,
+                 .flow = chunk.owner,
+                 .weight = it == sessions_.end() ? 1 : it->second.weight};
+}
+
+absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
   // The moves report to a batch; this one only catches a start that fails (no space). Whoever
   // waits for the chunk is a Waiter, woken when the move settles.
   auto start = std::make_shared<Batch>();
   if (tier == TierKind::kDevice) {
-    StartToDevice(chunk, start);
+    StartToDevice(chunk, start, deadline);
   } else if (chunk.resident.contains(TierKind::kDevice) &&
              !chunk.resident.contains(TierKind::kNvme)) {
-    StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true);
+    StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true, deadline);
   } else {
-    StartRead(chunk, start);
+    StartRead(chunk, start, deadline);
   }
   absl::Status started = start->Status();
   if (chunk.state != ChunkState::kMoving && started.ok()) {
@@ -298,7 +305,8 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
   if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
   // An Acquire's space was reserved up front (its location is final); other requests may queue
   // for room.
-  if (absl::Status s = pin ? StartFetch(chunk, tier) : FetchOrQueue(chunk, tier); !s.ok()) {
+  if (absl::Status s = pin ? StartFetch(chunk, tier, absl::Now()) : FetchOrQueue(chunk, tier);
+      !s.ok()) {
     // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
     std::vector<Waiter>& w = waiters_[chunk.id];
     w.pop_back();
@@ -344,7 +352,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
 }
 
 absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier) {
-  absl::Status started = StartFetch(chunk, tier);
+  absl::Status started = StartFetch(chunk, tier, absl::Now());
   if (started.ok() || !absl::IsResourceExhausted(started)) return started;
   if (!MakeRoomFor(chunk, tier)) return started;
   for (const QueuedFetch& q : queued_fetches_) {
@@ -451,9 +459,9 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
     if (started && free + room_coming_[k] >= bytes) break;
     auto batch = std::make_shared<Batch>();
     if (t == TierKind::kDevice) {
-      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
+      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false, absl::Now());
     } else {
-      StartWrite(*c, batch, /*keep_source=*/false);
+      StartWrite(*c, batch, /*keep_source=*/false, absl::Now());
     }
     batch->Done(absl::OkStatus());
     if (c->state != ChunkState::kMoving) {
@@ -492,7 +500,7 @@ void ChunkService::RetryQueuedFetches() {
       queued_fetches_.pop_front();
       continue;
     }
-    absl::Status s = StartFetch(it->second, q.tier);
+    absl::Status s = StartFetch(it->second, q.tier, absl::Now());
     if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
     queued_fetches_.pop_front();
     if (!s.ok()) FailWaiters(q.id, q.tier, s);
@@ -549,7 +557,8 @@ void ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
   batch->Add();
 }
 
-void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                                 absl::Time deadline) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
@@ -633,7 +642,8 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
           if (pipe->status.ok() && !s.ok()) pipe->status = s;
         }
         finish_if_done();
-      });
+      },
+      OrderFor(chunk, deadline));
 }
 
 void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
@@ -656,7 +666,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
 }
 
 void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                               bool then_nvme, bool keep_source) {
+                               bool then_nvme, bool keep_source, absl::Time deadline) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
@@ -665,14 +675,15 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
                       tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
-                      [this, id, batch, then_nvme, keep_source](absl::Status s) {
-                        SettleToHost(id, s, then_nvme, keep_source, batch);
+                      [this, id, batch, then_nvme, keep_source, deadline](absl::Status s) {
+                        SettleToHost(id, s, then_nvme, keep_source, deadline, batch);
                         batch->Done(s);
                       });
 }
 
 void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
-                                bool keep_source, const std::shared_ptr<Batch>& batch) {
+                                bool keep_source, absl::Time deadline,
+                                const std::shared_ptr<Batch>& batch) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, status.ok());
@@ -682,7 +693,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   } else if (chunk.doomed) {
     // Destroyed below.
   } else if (then_nvme) {
-    StartWrite(chunk, batch, keep_source);  // drops host and device copies once durable
+    StartWrite(chunk, batch, keep_source, deadline);  // drops host and device copies once durable
   } else if (!keep_source && chunk.pins == 0) {
     DropCopy(chunk, TierKind::kDevice);
   }
@@ -692,7 +703,8 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   RetryQueuedFetches();
 }
 
-void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                             absl::Time deadline) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
@@ -707,7 +719,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
     nvme_->ZeroFill(chunk.placement[kHost], chunk.size, std::move(done));
   } else {
     nvme_->Read(id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum,
-                std::move(done));
+                std::move(done), OrderFor(chunk, deadline));
   }
 }
 
@@ -727,7 +739,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
 }
 
 void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                              bool keep_source) {
+                              bool keep_source, absl::Time deadline) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
@@ -742,25 +754,27 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   std::optional<IndexEntry> entry;
   if (chunk.persistent)
     entry = IndexEntry{chunk.tenant, chunk.name, chunk.size, nvme.offset, nvme.size, 0};
-  nvme_->Write(id, chunk.placement[kHost], nvme, chunk.size,
-               [this, id, batch, keep_source, entry](absl::StatusOr<uint64_t> checksum) {
-                 if (!checksum.ok() || !entry) {
-                   SettleWrite(id, checksum, keep_source);
-                   batch->Done(checksum.status());
-                   return;
-                 }
-                 // A persistent chunk is durable once the index says where it is.
-                 IndexEntry e = *entry;
-                 e.checksum = *checksum;
-                 nvme_->Persist(e, [this, id, batch, keep_source, checksum](absl::Status s) {
-                   if (s.ok()) {
-                     SettleWrite(id, checksum, keep_source);
-                   } else {
-                     SettleWrite(id, s, keep_source);
-                   }
-                   batch->Done(s);
-                 });
-               });
+  nvme_->Write(
+      id, chunk.placement[kHost], nvme, chunk.size,
+      [this, id, batch, keep_source, entry](absl::StatusOr<uint64_t> checksum) {
+        if (!checksum.ok() || !entry) {
+          SettleWrite(id, checksum, keep_source);
+          batch->Done(checksum.status());
+          return;
+        }
+        // A persistent chunk is durable once the index says where it is.
+        IndexEntry e = *entry;
+        e.checksum = *checksum;
+        nvme_->Persist(e, [this, id, batch, keep_source, checksum](absl::Status s) {
+          if (s.ok()) {
+            SettleWrite(id, checksum, keep_source);
+          } else {
+            SettleWrite(id, s, keep_source);
+          }
+          batch->Done(s);
+        });
+      },
+      OrderFor(chunk, deadline));
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,
@@ -1119,16 +1133,16 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
     if (tier == TierKind::kHost) {
       if (!chunk->resident.contains(TierKind::kDevice)) continue;
       if (device_only_above) {
-        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source);
+        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source, absl::Now());
       } else if (!keep_source) {
         DropCopy(*chunk, TierKind::kDevice);  // the host copy is current
       }
       continue;
     }
     if (device_only_above && !chunk->resident.contains(TierKind::kNvme)) {
-      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source);
+      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source, absl::Now());
     } else {
-      StartWrite(*chunk, *batch, keep_source);
+      StartWrite(*chunk, *batch, keep_source, absl::Now());
     }
   }
   const SlotToken token = (*batch)->token;
@@ -1422,6 +1436,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
   // A fetch that found no room because the free space is in pieces, and its target: its spares
   // (for the tiers it found no room in) are dropped one by one until it starts.
   std::optional<std::pair<ChunkId, TierKind>> unplaced;
+  absl::Time unplaced_when;
   // Tiers a fetch found no room in: later fetches (needed later) do not take the pieces there, or
   // they would be dropped again for the earlier one, round after round.
   TierSet stuck;
@@ -1456,10 +1471,11 @@ size_t ChunkService::PlanRound(absl::Time now) {
         bool waits = false;
         for (TierKind t : RoomNeeded(c, m.tier)) waits = waits || stuck.contains(t);
         if (waits) break;
-        if (absl::Status s = StartFetch(c, m.tier); !s.ok()) {
+        if (absl::Status s = StartFetch(c, m.tier, m.deadline); !s.ok()) {
           // No room in one piece: the spares that follow make some, or a later round retries.
           if (absl::IsResourceExhausted(s)) {
             unplaced.emplace(c.id, m.tier);
+            unplaced_when = m.deadline;
             stuck_before_unplaced = stuck;
             const TierSet full = no_room(c, m.tier);
             for (TierKind t : RoomNeeded(c, m.tier)) {
@@ -1480,7 +1496,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
         if (fetch.state != ChunkState::kReady || !no_room(fetch, unplaced->second).empty() ||
-            !StartFetch(fetch, unplaced->second).ok()) {
+            !StartFetch(fetch, unplaced->second, unplaced_when).ok()) {
           break;
         }
         unplaced.reset();
@@ -1496,10 +1512,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
         auto batch = std::make_shared<Batch>();
         if (m.tier == TierKind::kDevice) {
           if (device_ == nullptr || !c.resident.contains(TierKind::kDevice)) break;
-          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
+          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true, m.deadline);
         } else {
           if (nvme_ == nullptr || !c.resident.contains(TierKind::kHost)) break;
-          StartWrite(c, batch, /*keep_source=*/true);
+          StartWrite(c, batch, /*keep_source=*/true, m.deadline);
         }
         batch->Done(absl::OkStatus());
         if (c.state == ChunkState::kMoving) {

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/completion_page.h"
 #include "daemon/chunk.h"
+#include "daemon/io_engine.h"
 #include "daemon/nvme_index.h"
 #include "daemon/planner.h"
 #include "daemon/session.h"
@@ -154,6 +155,7 @@ class ChunkService {
     std::shared_ptr<const Session> session;
     std::vector<std::vector<ScheduledAccess>> steps;
     std::array<uint64_t, kTierKinds> quota{};
+    uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
     // planner is told (on the short side).
     std::vector<absl::Duration> step_mean, step_deviation, step_time;
@@ -232,8 +234,10 @@ class ChunkService {
   // is moving, a fetch otherwise. With `pin`, applies the access once it is there.
   void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
                SessionId session, std::optional<Access> pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space).
-  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space). Its NVMe
+  // I/O is queued by `deadline` (when the chunk is needed: now, for a request that waits).
+  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // StartFetch for a chunk that requests wait on: when the tiers it needs room in are full of
   // copies that exist nowhere else (dirty), starts writing the least recently used of them down
   // and queues the fetch until their room is free (OK). Fails only when no room is coming.
@@ -263,10 +267,13 @@ class ChunkService {
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
   // copy unless keep_source.
-  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source,
+                  absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads the chunk's NVMe copy into (newly reserved) host memory.
-  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
+  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
+  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source);
   void SettleRead(ChunkId id, const absl::Status& status);
@@ -276,15 +283,15 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
   // pieces, each piece going to the GPU as soon as it is read.
-  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
+  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
   // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
   // the device copy unless keep_source.
   void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                   bool keep_source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   bool keep_source, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
-                    const std::shared_ptr<Batch>& batch);
+                    absl::Time deadline, const std::shared_ptr<Batch>& batch);
   // Drops the copies above `tier` (device above host above NVMe).
   void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

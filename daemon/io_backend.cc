@@ -167,6 +167,7 @@ struct FaultInjectingBackend::State {
   int fail_errno[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
   int short_count[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
   uint64_t seen[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
+  std::vector<uint64_t> offsets ABSL_GUARDED_BY(mu);
   absl::Duration delay ABSL_GUARDED_BY(mu);
   // Engine thread only:
   std::deque<IoCompletion> synthesized;
@@ -198,6 +199,11 @@ uint64_t FaultInjectingBackend::seen(IoKind kind) const {
   return state_->seen[static_cast<int>(kind)];
 }
 
+std::vector<uint64_t> FaultInjectingBackend::submitted_offsets() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->offsets;
+}
+
 uint32_t FaultInjectingBackend::queue_depth() const { return inner_->queue_depth(); }
 
 absl::Status FaultInjectingBackend::Submit(std::span<const IoRequest> requests) {
@@ -207,6 +213,7 @@ absl::Status FaultInjectingBackend::Submit(std::span<const IoRequest> requests) 
     for (IoRequest r : requests) {
       const int k = static_cast<int>(r.kind);
       ++state_->seen[k];
+      if (r.kind != IoKind::kSync) state_->offsets.push_back(r.offset);
       if (state_->fail_count[k] > 0) {
         --state_->fail_count[k];
         state_->synthesized.push_back({r.tag, -state_->fail_errno[k]});

@@ -73,6 +73,8 @@ class FaultInjectingBackend final : public IoBackend {
   void SetDelay(absl::Duration delay);
   // Requests seen so far, by kind.
   uint64_t seen(IoKind kind) const;
+  // The file offset of every read and write submitted so far, in submission order.
+  std::vector<uint64_t> submitted_offsets() const;
 
   uint32_t queue_depth() const override;
   absl::Status Submit(std::span<const IoRequest> requests) override;

@@ -1,6 +1,9 @@
 #include "daemon/io_engine.h"
 
+#include <algorithm>
 #include <cstring>
+#include <map>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -9,6 +12,9 @@ namespace tierd {
 struct IoEngine::Job {
   std::vector<IoSpan> spans;
   Callback done;
+  IoOrder order;
+  absl::Time due;  // the deadline, or the submission time plus max_wait when that is sooner
+  uint64_t seq = 0;
   size_t next_span = 0;      // first span not fully issued
   uint64_t next_offset = 0;  // bytes of spans[next_span] already issued
   size_t in_flight = 0;
@@ -16,6 +22,58 @@ struct IoEngine::Job {
   absl::Status status;  // first error
 
   bool issued() const { return next_span >= spans.size(); }
+};
+
+// The jobs with sub-I/Os left to issue, by flow (engine thread only). Each flow's service is
+// counted in bytes over its weight; the flow with the least goes next, and a flow that was idle
+// starts level with the others (no credit for the time it asked for nothing).
+class IoEngine::IssueQueue {
+ public:
+  void Add(Job* job) {
+    auto [it, fresh] = flows_.try_emplace(job->order.flow);
+    Flow& f = it->second;
+    if (fresh) f.served = virtual_now_;
+    f.weight = std::max<uint32_t>(1, job->order.weight);
+    f.jobs.insert(job);
+  }
+  // The next job to issue from, or null: the least served flow's most urgent job.
+  Job* Next() {
+    Flow* best = nullptr;
+    for (auto& [id, f] : flows_) {
+      if (best == nullptr || f.served < best->served ||
+          (f.served == best->served && Urgent()(*f.jobs.begin(), *best->jobs.begin()))) {
+        best = &f;
+      }
+    }
+    if (best == nullptr) return nullptr;
+    virtual_now_ = best->served;
+    return *best->jobs.begin();
+  }
+  void Charge(const Job* job, uint64_t bytes) {
+    Flow& f = flows_.at(job->order.flow);
+    f.served += static_cast<double>(bytes) / f.weight;
+  }
+  void Remove(Job* job) {
+    auto it = flows_.find(job->order.flow);
+    if (it == flows_.end()) return;
+    it->second.jobs.erase(job);
+    if (it->second.jobs.empty()) flows_.erase(it);
+  }
+  bool empty() const { return flows_.empty(); }
+
+ private:
+  struct Urgent {
+    bool operator()(const Job* a, const Job* b) const {
+      return a->due != b->due ? a->due < b->due : a->seq < b->seq;
+    }
+  };
+  struct Flow {
+    std::set<Job*, Urgent> jobs;
+    double served = 0;  // bytes issued over weight, on the virtual clock
+    uint32_t weight = 1;
+  };
+  std::map<uint64_t, Flow> flows_;  // flows with jobs queued; a handful (one per session)
+  double virtual_now_ = 0;          // the service of the flow issued from last
 };
 
 IoEngine::IoEngine(std::unique_ptr<IoBackend> backend, IoEngineOptions options)
@@ -32,14 +90,16 @@ IoEngine::~IoEngine() {
   thread_.join();
 }
 
-void IoEngine::Run(std::vector<IoSpan> spans, Callback done) {
+void IoEngine::Run(std::vector<IoSpan> spans, Callback done, IoOrder order) {
   auto job = std::make_unique<Job>();
   job->spans = std::move(spans);
   job->done = std::move(done);
+  job->order = order;
+  job->due = std::min(order.deadline, absl::Now() + options_.max_wait);
   {
     absl::MutexLock lock(&mu_);
+    job->seq = submitted_++;
     incoming_.push_back(std::move(job));
-    ++submitted_;
   }
   backend_->Wake();
 }
@@ -73,9 +133,9 @@ std::string IoEngine::Describe(const IoRequest& r) const {
 }
 
 void IoEngine::Loop() {
-  // Jobs with sub-I/Os left to issue, oldest first. A job is owned by the engine from Run until
-  // its callback has run; it lives here while queued, and in its sub-I/Os' tags while in flight.
-  std::deque<Job*> to_issue;
+  // Jobs with sub-I/Os left to issue. A job is owned by the engine from Run until its callback has
+  // run; it lives here while queued, and in its sub-I/Os' tags while in flight.
+  IssueQueue queue;
   std::deque<SubIo*> retry;  // continuations of short transfers
   size_t in_flight = 0;
   const uint32_t depth = backend_->queue_depth();
@@ -87,24 +147,24 @@ void IoEngine::Loop() {
     {
       absl::MutexLock lock(&mu_);
       while (!incoming_.empty()) {
-        to_issue.push_back(incoming_.front().release());
+        queue.Add(incoming_.front().release());
         incoming_.pop_front();
       }
       stopping = stopping_;
     }
-    if (stopping && to_issue.empty() && in_flight == 0 && retry.empty()) return;
+    if (stopping && queue.empty() && in_flight == 0 && retry.empty()) return;
 
-    // Fill the queue: continuations first, then new sub-I/Os in job order. Each step is O(1), so
-    // a batch of thousands of chunks costs no more per sub-I/O than a batch of one.
+    // Fill the queue: continuations first, then new sub-I/Os, each from the job that goes next.
     batch.clear();
     while (in_flight + batch.size() < depth && !retry.empty()) {
       batch.push_back(retry.front()->request);
       retry.pop_front();
     }
-    while (in_flight + batch.size() < depth && !to_issue.empty()) {
-      Job* job = to_issue.front();
+    while (in_flight + batch.size() < depth) {
+      Job* job = queue.Next();
+      if (job == nullptr) break;
       if (job->issued() || !job->status.ok()) {
-        to_issue.pop_front();
+        queue.Remove(job);
         job->queued = false;
         if (job->in_flight == 0) Finish(job);
         continue;
@@ -123,6 +183,12 @@ void IoEngine::Loop() {
       }
       ++job->in_flight;
       batch.push_back(sub->request);
+      constexpr uint64_t kSyncCost = 4096;  // a sync moves no bytes but takes its turn
+      queue.Charge(job, n == 0 ? kSyncCost : n);
+      if (job->issued()) {
+        queue.Remove(job);
+        job->queued = false;
+      }
     }
     if (!batch.empty()) {
       in_flight += batch.size();
@@ -130,11 +196,13 @@ void IoEngine::Loop() {
       if (!s.ok()) {
         // The ring refused the batch: fail each request as an I/O error would.
         in_flight -= batch.size();
-        for (const IoRequest& r : batch) Complete(reinterpret_cast<SubIo*>(r.tag), -EIO);
+        for (const IoRequest& r : batch) {
+          Complete(reinterpret_cast<SubIo*>(r.tag), -EIO, queue);
+        }
       }
     }
     if (in_flight == 0 && retry.empty()) {
-      if (!to_issue.empty()) continue;  // finished jobs left at the front
+      if (!queue.empty()) continue;  // failed jobs left to finish
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(
                                +[](IoEngine* e) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -164,12 +232,13 @@ void IoEngine::Loop() {
         continue;
       }
       // Nothing moved where bytes were expected: the end of the file, nothing more will come.
-      Complete(sub, result == 0 && r.kind != IoKind::kSync && r.length > 0 ? -ENODATA : result);
+      Complete(sub, result == 0 && r.kind != IoKind::kSync && r.length > 0 ? -ENODATA : result,
+               queue);
     }
   }
 }
 
-void IoEngine::Complete(SubIo* sub, int32_t result) {
+void IoEngine::Complete(SubIo* sub, int32_t result, IssueQueue& queue) {
   std::unique_ptr<SubIo> owned(sub);
   Job* job = sub->job;
   --job->in_flight;
@@ -183,6 +252,10 @@ void IoEngine::Complete(SubIo* sub, int32_t result) {
     } else if (sub->request.kind == IoKind::kWrite) {
       stats_.bytes_written += result;
     }
+  }
+  if (!job->status.ok() && job->queued) {  // a failed job issues nothing more
+    queue.Remove(job);
+    job->queued = false;
   }
   if (!job->queued && job->in_flight == 0) Finish(job);
 }

@@ -3,6 +3,11 @@
 // io_size bytes, keeps up to queue_depth of them in flight across all jobs, continues short
 // transfers where they stopped, checks every completion, and calls the job's callback once, with
 // the first error (naming the file, offset and cause) or OK. Callers never block on I/O.
+//
+// When more sub-I/Os wait than the queue holds, the engine chooses which go next: within a flow
+// (one session's I/O) the job with the earliest deadline; between flows, each gets bytes in
+// proportion to its weight (start-time fair queueing), so that one session's backlog cannot starve
+// another's.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "daemon/io_backend.h"
 
 namespace tierd {
@@ -29,9 +35,19 @@ struct IoSpan {
   int32_t buffer_index = -1;  // registered buffer holding the whole span, or -1
 };
 
+// Where a job stands in the queue.
+struct IoOrder {
+  absl::Time deadline = absl::InfiniteFuture();  // when its bytes are needed
+  uint64_t flow = 0;                             // whose I/O it is (a session)
+  uint32_t weight = 1;                           // the flow's share against other flows'
+};
+
 struct IoEngineOptions {
   uint64_t io_size = 1 << 20;           // largest sub-I/O
   std::vector<std::string> file_names;  // for error messages, by file index
+  // A job waits at most this long for jobs with earlier deadlines: its deadline is at most its
+  // submission time plus this, so background work (early write-backs) is never starved.
+  absl::Duration max_wait = absl::Seconds(1);
 };
 
 struct IoEngineStats {
@@ -52,7 +68,7 @@ class IoEngine {
   IoEngine& operator=(const IoEngine&) = delete;
 
   // Runs the spans; `done` runs on the engine thread and must not block.
-  void Run(std::vector<IoSpan> spans, Callback done);
+  void Run(std::vector<IoSpan> spans, Callback done, IoOrder order = {});
   // Waits until every job submitted so far has called back.
   void Drain();
 
@@ -63,13 +79,14 @@ class IoEngine {
 
  private:
   struct Job;
+  class IssueQueue;
   struct SubIo {
     Job* job;
     IoRequest request;
   };
 
   void Loop();
-  void Complete(SubIo* sub, int32_t result);
+  void Complete(SubIo* sub, int32_t result, IssueQueue& queue);
   void Finish(Job* job);
   std::string Describe(const IoRequest& r) const;
 
@@ -78,7 +95,7 @@ class IoEngine {
 
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Job>> incoming_ ABSL_GUARDED_BY(mu_);
-  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // also each job's sequence number
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   IoEngineStats stats_ ABSL_GUARDED_BY(mu_);

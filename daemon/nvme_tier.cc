@@ -337,7 +337,7 @@ void NvmeTier::End() {
 }
 
 void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                     std::function<void(absl::StatusOr<uint64_t>)> user_done) {
+                     std::function<void(absl::StatusOr<uint64_t>)> user_done, IoOrder order) {
   Begin();
   auto done = [this, user_done = std::move(user_done)](absl::StatusOr<uint64_t> r) {
     user_done(std::move(r));
@@ -346,23 +346,25 @@ void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& 
   char* src = static_cast<char*>(host_->Address(host));
   const int32_t index = BufferIndex(host.segment);
   const uint64_t length = AlignUp(size, block_);
-  worker_->Post([this, chunk_id, src, index, nvme, size, length, done = std::move(done)]() {
+  worker_->Post([this, chunk_id, src, index, nvme, size, length, order, done = std::move(done)]() {
     const uint64_t checksum = XXH3_64bits(src, size);
-    engine_->Run(Spans(IoKind::kWrite, nvme.offset, length, src, index),
-                 [this, chunk_id, checksum, done](absl::Status s) {
-                   auto finish = [this, chunk_id, checksum, done](absl::Status status) {
-                     worker_->Post([chunk_id, checksum, status, done]() {
-                       if (status.ok()) {
-                         done(checksum);
-                       } else {
-                         done(Annotate(chunk_id, status));
-                       }
-                     });
-                   };
-                   if (!s.ok()) return finish(s);
-                   // Durable before anyone may drop the host copy or record it in the index.
-                   SyncAfterWrite(finish);
-                 });
+    engine_->Run(
+        Spans(IoKind::kWrite, nvme.offset, length, src, index),
+        [this, chunk_id, checksum, done](absl::Status s) {
+          auto finish = [this, chunk_id, checksum, done](absl::Status status) {
+            worker_->Post([chunk_id, checksum, status, done]() {
+              if (status.ok()) {
+                done(checksum);
+              } else {
+                done(Annotate(chunk_id, status));
+              }
+            });
+          };
+          if (!s.ok()) return finish(s);
+          // Durable before anyone may drop the host copy or record it in the index.
+          SyncAfterWrite(finish);
+        },
+        order);
   });
 }
 
@@ -378,23 +380,28 @@ void NvmeTier::StartSync() {
   waiting_for_sync_.clear();
   std::vector<IoSpan> spans;
   for (uint32_t r = 0; r < regions_.size(); ++r) spans.push_back(IoSpan{IoKind::kSync, r});
-  engine_->Run(std::move(spans), [this, batch](absl::Status s) {
-    for (StatusCallback& cb : *batch) cb(s);
-    absl::MutexLock lock(&sync_mu_);
-    sync_in_flight_ = false;
-    if (!waiting_for_sync_.empty()) StartSync();
-  });
+  // Writes already done wait for it: it goes ahead of everything queued.
+  engine_->Run(std::move(spans),
+               [this, batch](absl::Status s) {
+                 for (StatusCallback& cb : *batch) cb(s);
+                 absl::MutexLock lock(&sync_mu_);
+                 sync_in_flight_ = false;
+                 if (!waiting_for_sync_.empty()) StartSync();
+               },
+               {.deadline = absl::InfinitePast()});
 }
 
 void NvmeTier::Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                    uint64_t checksum, StatusCallback done) {
+                    uint64_t checksum, StatusCallback done, IoOrder order) {
   // One piece: the whole chunk as one job.
-  ReadPieces(chunk_id, host, nvme, size, checksum, AlignUp(size, block_), nullptr, std::move(done));
+  ReadPieces(chunk_id, host, nvme, size, checksum, AlignUp(size, block_), nullptr, std::move(done),
+             order);
 }
 
 void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme,
                           uint64_t size, uint64_t checksum, uint64_t piece,
-                          std::function<void(uint64_t, uint64_t)> on_piece, StatusCallback done) {
+                          std::function<void(uint64_t, uint64_t)> on_piece, StatusCallback done,
+                          IoOrder order) {
   Begin();
   char* dst = static_cast<char*>(host_->Address(host));
   const int32_t index = BufferIndex(host.segment);
@@ -431,7 +438,8 @@ void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placem
             done(status);
             End();
           });
-        });
+        },
+        order);
   }
 }
 

@@ -71,12 +71,13 @@ class NvmeTier final : public Tier {
   using StatusCallback = std::function<void(absl::Status)>;
   // Writes `size` bytes of the host copy at `host` to `nvme`, then makes them durable; calls back
   // (not on the caller's thread) with the chunk's checksum.
+  // `order` places its I/O in the engine's queue (deadline, session, weight).
   void Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-             std::function<void(absl::StatusOr<uint64_t>)> done);
+             std::function<void(absl::StatusOr<uint64_t>)> done, IoOrder order = {});
   // Reads `size` bytes from `nvme` into the host copy at `host` and verifies `checksum`;
   // DATA_LOSS, naming the chunk, on a mismatch.
   void Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-            uint64_t checksum, StatusCallback done);
+            uint64_t checksum, StatusCallback done, IoOrder order = {});
   // Read, in pieces of `piece` bytes issued as separate jobs: `on_piece(offset, length)` runs as
   // each piece lands (on the engine thread; it must not block; may be null), so that the next stage
   // (a copy to the GPU) can start while later pieces are still read. `done` follows the whole
@@ -84,7 +85,7 @@ class NvmeTier final : public Tier {
   void ReadPieces(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
                   uint64_t checksum, uint64_t piece,
                   std::function<void(uint64_t offset, uint64_t length)> on_piece,
-                  StatusCallback done);
+                  StatusCallback done, IoOrder order = {});
   // Fills a host copy with zeros (a chunk whose NVMe space was never written reads as zeros).
   void ZeroFill(const Placement& host, uint64_t size, StatusCallback done);
   // Records a persistent chunk in the index (durably) / removes it.

@@ -27,13 +27,16 @@ class IoEngineTest : public ::testing::Test {
     ASSERT_GE(fd_, 0) << "O_DIRECT not supported on /var/tmp";
     ASSERT_EQ(fallocate(fd_, 0, 0, kBytes), 0);
     ASSERT_EQ(posix_memalign(reinterpret_cast<void**>(&buf_), 4096, kBytes), 0);
+    StartEngine({.io_size = 256 << 10, .file_names = {"region-test"}});
+  }
+  void StartEngine(IoEngineOptions options) {
+    engine_.reset();
     auto uring = MakeUringBackend(std::vector<int>{fd_}, {.queue_depth = 8, .max_buffers = 4});
     ASSERT_TRUE(uring.ok()) << uring.status();
     auto faulty = std::make_unique<FaultInjectingBackend>(std::move(*uring));
     faults_ = faulty.get();
     ASSERT_TRUE(faults_->RegisterBuffer(0, buf_, kBytes).ok());
-    engine_ = std::make_unique<IoEngine>(
-        std::move(faulty), IoEngineOptions{.io_size = 256 << 10, .file_names = {"region-test"}});
+    engine_ = std::make_unique<IoEngine>(std::move(faulty), std::move(options));
   }
   void TearDown() override {
     engine_.reset();
@@ -140,6 +143,78 @@ TEST_F(IoEngineTest, ManyConcurrentJobsAllCallBackOnce) {
   }
   engine_->Drain();
   EXPECT_EQ(done.load(), 64);
+}
+
+// Ordering. Sub-I/Os are 256 KiB and 8 fit in the queue. A plug of 8 slow reads fills the queue
+// first, so that the jobs under test are all waiting when the engine chooses among them.
+constexpr uint64_t kSub = 256 << 10;
+constexpr uint64_t kMiB = 1 << 20;
+
+class IoEngineOrderTest : public IoEngineTest {
+ protected:
+  void Plug() {
+    faults_->SetDelay(absl::Milliseconds(50));
+    engine_->Run({Span(IoKind::kRead, 0, 8 * kSub)}, [](absl::Status s) { EXPECT_TRUE(s.ok()); },
+                 {.flow = 99});
+    while (faults_->seen(IoKind::kRead) < 8) absl::SleepFor(absl::Microseconds(100));
+  }
+  void Read(uint64_t offset, uint64_t length, IoOrder order) {
+    engine_->Run(
+        {Span(IoKind::kRead, offset, length)}, [](absl::Status s) { EXPECT_TRUE(s.ok()); }, order);
+  }
+  // The offsets submitted after the plug.
+  std::vector<uint64_t> AfterPlug() {
+    engine_->Drain();
+    std::vector<uint64_t> offsets = faults_->submitted_offsets();
+    EXPECT_GE(offsets.size(), 8u);
+    return std::vector<uint64_t>(offsets.begin() + 8, offsets.end());
+  }
+};
+
+TEST_F(IoEngineOrderTest, AJobWithAnEarlierDeadlineGoesFirst) {
+  Plug();
+  const absl::Time now = absl::Now();
+  Read(2 * kMiB, 4 * kMiB, {.deadline = now + absl::Milliseconds(500), .flow = 1});  // 16 reads
+  Read(6 * kMiB, 1 * kMiB, {.deadline = now, .flow = 1});                            // 4 reads
+  const std::vector<uint64_t> order = AfterPlug();
+  ASSERT_EQ(order.size(), 20u);
+  for (int i = 0; i < 4; ++i) EXPECT_GE(order[i], 6 * kMiB) << "position " << i;
+  for (int i = 4; i < 20; ++i) EXPECT_LT(order[i], 6 * kMiB) << "position " << i;
+}
+
+TEST_F(IoEngineOrderTest, AJobWaitsNoLongerThanMaxWaitForLaterUrgentOnes) {
+  StartEngine({.io_size = kSub, .file_names = {"region-test"}, .max_wait = absl::ZeroDuration()});
+  Plug();
+  Read(2 * kMiB, 1 * kMiB, {});  // background: no deadline
+  absl::SleepFor(absl::Milliseconds(2));
+  Read(4 * kMiB, 1 * kMiB, {.deadline = absl::Now()});
+  const std::vector<uint64_t> order = AfterPlug();
+  ASSERT_EQ(order.size(), 8u);
+  for (int i = 0; i < 4; ++i) EXPECT_LT(order[i], 4 * kMiB) << "position " << i;
+}
+
+TEST_F(IoEngineOrderTest, AnotherFlowsUrgentBacklogDoesNotStarveThisOne) {
+  Plug();
+  const absl::Time now = absl::Now();
+  Read(2 * kMiB, 4 * kMiB, {.deadline = now, .flow = 1});                            // 16 reads
+  Read(6 * kMiB, 2 * kMiB, {.deadline = now + absl::Milliseconds(500), .flow = 2});  // 8 reads
+  const std::vector<uint64_t> order = AfterPlug();
+  ASSERT_EQ(order.size(), 24u);
+  int second = 0;
+  for (int i = 0; i < 16; ++i) second += order[i] >= 6 * kMiB;
+  EXPECT_EQ(second, 8) << "equal weights: the flows alternate";
+}
+
+TEST_F(IoEngineOrderTest, FlowsShareInProportionToTheirWeights) {
+  Plug();
+  Read(2 * kMiB, 4 * kMiB, {.flow = 1, .weight = 3});  // 16 reads
+  Read(6 * kMiB, 2 * kMiB, {.flow = 2, .weight = 1});  // 8 reads
+  const std::vector<uint64_t> order = AfterPlug();
+  ASSERT_EQ(order.size(), 24u);
+  int first = 0;
+  for (int i = 0; i < 16; ++i) first += order[i] < 6 * kMiB;
+  EXPECT_GE(first, 11);
+  EXPECT_LE(first, 13);
 }
 
 TEST(IoEngineSqpollTest, SubmissionPollingMovesTheSameBytes) {
