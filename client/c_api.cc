@@ -300,6 +300,11 @@ tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* 
   });
 }
 
+tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight) {
+  if (client == nullptr) return Invalid("tierd_set_bandwidth_weight: NULL client");
+  return Guard([&] { return Done(client->client->SetBandwidthWeight(weight)); });
+}
+
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {
   if (client == nullptr || out == nullptr) return Invalid("tierd_tier_usage_get: NULL argument");
   return Guard([&] {

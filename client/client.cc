@@ -571,8 +571,8 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
   info.sessions = resp.sessions();
   info.chunks = resp.chunks();
   for (const pb::PathInfo& p : resp.paths()) {
-    info.paths.push_back(
-        {p.name(), p.bytes_total(), p.moves_total(), p.bytes_per_second(), p.measured()});
+    info.paths.push_back({p.name(), p.bytes_total(), p.moves_total(), p.bytes_per_second(),
+                          p.measured(), p.probed_bytes_per_second()});
   }
   return info;
 }
@@ -680,7 +680,15 @@ absl::StatusOr<SessionStats> Client::GetSessionStats() {
   stats.cursor = resp.cursor();
   stats.schedule_steps = resp.schedule_steps();
   stats.tracing = resp.tracing();
+  stats.bandwidth_weight = resp.bandwidth_weight();
   return stats;
+}
+
+absl::Status Client::SetBandwidthWeight(uint32_t weight) {
+  pb::SetBandwidthWeightRequest req;
+  req.set_weight(weight);
+  pb::SetBandwidthWeightResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::SetBandwidthWeight, req, &resp, "SetBandwidthWeight");
 }
 
 absl::StatusOr<int> Client::CudaDevice() {

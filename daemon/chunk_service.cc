@@ -1289,6 +1289,18 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   return absl::OkStatus();
 }
 
+absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t weight) {
+  absl::MutexLock lock(&mu_);
+  if (weight < 1 || weight > max_weight_) {
+    return absl::InvalidArgumentError(absl::StrCat("SetBandwidthWeight: weight ", weight,
+                                                   " is not between 1 and ", max_weight_,
+                                                   " (the daemon's planner.max_session_weight)"));
+  }
+  if (session.ended) return Ended(session);
+  sessions_[session.id].weight = weight;
+  return absl::OkStatus();
+}
+
 void ChunkService::InstallSchedule(SessionState& state, const Session& session,
                                    std::vector<std::vector<ScheduledAccess>> steps,
                                    const std::array<uint64_t, kTierKinds>& quota) {
@@ -1533,7 +1545,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
 SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session.id);
-  return it == sessions_.end() ? SessionStats{} : it->second.stats;
+  if (it == sessions_.end()) return SessionStats{};
+  SessionStats stats = it->second.stats;
+  stats.bandwidth_weight = it->second.weight;
+  return stats;
 }
 
 std::vector<std::vector<ScheduledAccess>> ChunkService::schedule(const Session& session) const {
@@ -1550,9 +1565,20 @@ std::array<PathStatus, kPaths> ChunkService::path_status() const {
                         .bytes = paths_[p].bytes_total,
                         .moves = paths_[p].moves_total,
                         .bytes_per_second = paths_[p].bytes_per_second,
-                        .measured = paths_[p].measured};
+                        .measured = paths_[p].measured,
+                        .probed_bytes_per_second = paths_[p].probed};
   }
   return out;
+}
+
+void ChunkService::SeedBandwidth(const std::array<double, kPaths>& bytes_per_second) {
+  absl::MutexLock lock(&mu_);
+  for (int p = 0; p < kPaths; ++p) {
+    if (bytes_per_second[p] <= 0) continue;
+    paths_[p].probed = bytes_per_second[p];
+    paths_[p].bytes_per_second = bytes_per_second[p];
+    paths_[p].measured = true;
+  }
 }
 
 size_t ChunkService::chunk_count() const {

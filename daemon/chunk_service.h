@@ -58,6 +58,7 @@ struct SessionStats {
   uint64_t cursor = 0;          // steps started, as last seen
   uint32_t schedule_steps = 0;  // steps of the schedule in force (declared or traced)
   bool tracing = false;         // a trace is waiting for or recording its iteration
+  uint32_t bandwidth_weight = 1;
 };
 
 // A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
@@ -77,6 +78,7 @@ struct PathStatus {
   uint64_t moves = 0;
   double bytes_per_second = 0;
   bool measured = false;
+  double probed_bytes_per_second = 0;  // what the start-up probe measured (0: not probed)
 };
 
 struct ChunkPage {
@@ -135,10 +137,18 @@ class ChunkService {
   // The session's schedule in force (declared or traced); empty when it has none.
   std::vector<std::vector<ScheduledAccess>> schedule(const Session& session) const;
   std::array<PathStatus, kPaths> path_status() const;
+  // The start-up probe's figures (0: not probed) become the bandwidth estimates.
+  void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second);
 
   // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
   // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
   absl::Status SetSchedule(const Session& session, ScheduleRequest request);
+  // The session's share of NVMe bandwidth against other sessions' (1 .. max_bandwidth_weight).
+  absl::Status SetBandwidthWeight(const Session& session, uint32_t weight);
+  void set_max_bandwidth_weight(uint32_t max) {
+    absl::MutexLock lock(&mu_);
+    max_weight_ = max;
+  }
   // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
   // (daemon/planner.h) and starts the moves. Returns how many it started.
   size_t PlanRound(absl::Time now);
@@ -190,8 +200,9 @@ class ChunkService {
     uint64_t queued_bytes = 0;
     absl::Time window_start;
     uint64_t window_bytes = 0;
-    double bytes_per_second = 0;  // the estimate; an initial guess until moves are measured
+    double bytes_per_second = 0;  // the estimate; an initial guess until probed or measured
     bool measured = false;
+    double probed = 0;
     double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
     double move_deviation_per_byte = 0;
     uint64_t bytes_total = 0;
@@ -337,6 +348,7 @@ class ChunkService {
   uint64_t moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool planning_ ABSL_GUARDED_BY(mu_) = false;  // executing the planner's moves
   size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
+  uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
 };
 
 }  // namespace tierd

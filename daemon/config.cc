@@ -133,10 +133,10 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
-    if (table == nullptr ||
-        (section != "daemon" && section != "host" && section != "nvme" && section != "device")) {
+    if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme" &&
+                             section != "device" && section != "planner")) {
       return KeyError(source, section_node, section,
-                      "unknown section (known: [daemon], [host], [nvme], [device])");
+                      "unknown section (known: [daemon], [host], [nvme], [device], [planner])");
     }
     for (auto&& [key_name, node] : *table) {
       const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
@@ -246,6 +246,16 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
         absl::StatusOr<HugePagePolicy> policy = ParseHugePagePolicy(*v);
         if (!policy.ok()) return KeyError(source, node, key, policy.status().message());
         config->host.huge_pages = *policy;
+      } else if (key == "planner.probe_bytes") {
+        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
+        if (!v.ok()) return v.status();
+        config->planner.probe_bytes = *v;
+      } else if (key == "planner.max_session_weight") {
+        const auto* i = node.as_integer();
+        if (i == nullptr || i->get() < 1 || i->get() > 1000) {
+          return KeyError(source, node, key, "must be an integer from 1 to 1000");
+        }
+        config->planner.max_session_weight = static_cast<uint32_t>(i->get());
       } else if (key == "host.lock_memory") {
         const auto* b = node.as_boolean();
         if (b == nullptr) return KeyError(source, node, key, "must be true or false");

@@ -29,6 +29,13 @@ struct DaemonConfig {
     double emulated_gbps = 24.0;
     int64_t emulated_latency_us = 10;
   } device;
+  // [planner]
+  struct Planner {
+    // Bytes each path moves at start-up to measure its bandwidth before the first real move (0:
+    // no probe; first guesses until moves are measured).
+    uint64_t probe_bytes = 64ull << 20;
+    uint32_t max_session_weight = 16;  // the largest bandwidth weight a session may ask for
+  } planner;
 };
 
 // The default NVMe region: a 2 GiB file in the state directory, for a working tier out of the box.

@@ -16,9 +16,11 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "common/version.h"
+#include "daemon/bandwidth_probe.h"
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
 #include "daemon/device.h"
@@ -74,6 +76,12 @@ ABSL_FLAG(std::string, device_segment_size, "",
 ABSL_FLAG(
     double, emulated_gbps, 0,
     "emulated device: copy bandwidth per direction in GB/s [device.emulated_gbps; default 24]");
+ABSL_FLAG(std::string, probe_bytes, "",
+          "bytes moved over each path at start-up to measure its bandwidth; 0 for no probe "
+          "[planner.probe_bytes; default 64MiB]");
+ABSL_FLAG(int32_t, max_session_weight, 0,
+          "the largest bandwidth weight a session may ask for [planner.max_session_weight; "
+          "default 16]");
 ABSL_FLAG(std::string, lock_memory, "",
           "true or false: mlock the host tier; false only for development without memlock "
           "rights [host.lock_memory; default true]");
@@ -156,7 +164,9 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
        {std::tuple{"--device_capacity", absl::GetFlag(FLAGS_device_capacity),
                    &config.device.capacity},
         std::tuple{"--device_segment_size", absl::GetFlag(FLAGS_device_segment_size),
-                   &config.device.segment_size}}) {
+                   &config.device.segment_size},
+        std::tuple{"--probe_bytes", absl::GetFlag(FLAGS_probe_bytes),
+                   &config.planner.probe_bytes}}) {
     if (value.empty()) continue;
     absl::StatusOr<uint64_t> v = ParseSize(value);
     if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", v.status().message()));
@@ -165,6 +175,12 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
   if (double gbps = absl::GetFlag(FLAGS_emulated_gbps); gbps != 0) {
     if (gbps < 0) return absl::InvalidArgumentError("--emulated_gbps must be positive");
     config.device.emulated_gbps = gbps;
+  }
+  if (int32_t w = absl::GetFlag(FLAGS_max_session_weight); w != 0) {
+    if (w < 1 || w > 1000) {
+      return absl::InvalidArgumentError("--max_session_weight must be from 1 to 1000");
+    }
+    config.planner.max_session_weight = static_cast<uint32_t>(w);
   }
   if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
     if (v != "true" && v != "false") {
@@ -299,6 +315,26 @@ int Run() {
   if (nvme != nullptr) {
     const size_t recovered = chunks.Recover(nvme->RecoveredEntries());
     spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
+  }
+  chunks.set_max_bandwidth_weight(config->planner.max_session_weight);
+  if (config->planner.probe_bytes > 0) {
+    absl::StatusOr<PathBandwidth> probed = ProbePaths(host->get(), nvme.get(), device_pool.get(),
+                                                      device.get(), config->planner.probe_bytes);
+    if (!probed.ok()) {
+      spdlog::critical(
+          "start-up bandwidth probe: {}; check the drive (dmesg) or start without the probe "
+          "(planner.probe_bytes = 0)",
+          probed.status().message());
+      return 1;
+    }
+    std::string figures;
+    for (int p = 0; p < kPaths; ++p) {
+      if ((*probed)[p] <= 0) continue;
+      absl::StrAppend(&figures, figures.empty() ? "" : ", ", PathName(static_cast<Path>(p)), " ",
+                      absl::StrFormat("%.2f", (*probed)[p] / 1e9), " GB/s");
+    }
+    spdlog::info("start-up bandwidth probe: {}", figures.empty() ? "no path probed" : figures);
+    chunks.SeedBandwidth(*probed);
   }
   SessionRegistry sessions;
   // Stops before the chunk service and the tiers it plans for.

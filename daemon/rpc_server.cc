@@ -234,7 +234,16 @@ class TierdService final : public pb::Tierd::Service {
     resp->set_cursor(stats.cursor);
     resp->set_schedule_steps(stats.schedule_steps);
     resp->set_tracing(stats.tracing);
+    resp->set_bandwidth_weight(stats.bandwidth_weight);
     return grpc::Status::OK;
+  }
+
+  grpc::Status SetBandwidthWeight(grpc::ServerContext* ctx,
+                                  const pb::SetBandwidthWeightRequest* req,
+                                  pb::SetBandwidthWeightResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->SetBandwidthWeight(**session, req->weight()));
   }
 
   grpc::Status Release(grpc::ServerContext* ctx, const pb::ReleaseRequest* req,
@@ -317,6 +326,7 @@ class TierdService final : public pb::Tierd::Service {
       info->set_moves_total(path.moves);
       info->set_bytes_per_second(path.bytes_per_second);
       info->set_measured(path.measured);
+      info->set_probed_bytes_per_second(path.probed_bytes_per_second);
     }
     for (const DeviceDescription& d : deps_.devices.devices) {
       pb::DeviceInfo* dev = resp->add_devices();

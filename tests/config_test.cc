@@ -130,6 +130,23 @@ emulated_latency_us = 3
   EXPECT_NE(bad.message().find("auto, cuda, emulated or none"), std::string::npos) << bad;
 }
 
+TEST(ConfigTest, PlannerKeys) {
+  DaemonConfig c = DefaultConfig();
+  EXPECT_EQ(c.planner.probe_bytes, 64u << 20);
+  EXPECT_EQ(c.planner.max_session_weight, 16u);
+  ASSERT_TRUE(ApplyToml("[planner]\nprobe_bytes = 0\nmax_session_weight = 4\n", "p.toml", &c).ok());
+  EXPECT_EQ(c.planner.probe_bytes, 0u);
+  EXPECT_EQ(c.planner.max_session_weight, 4u);
+  for (const char* bad :
+       {"[planner]\nmax_session_weight = 0\n", "[planner]\nmax_session_weight = \"heavy\"\n",
+        "[planner]\nprobe_bytes = \"lots\"\n"}) {
+    absl::Status s = ApplyToml(bad, "p.toml", &c);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << bad;
+    EXPECT_NE(s.message().find("p.toml:2"), std::string::npos) << s;
+  }
+  EXPECT_EQ(c.planner.max_session_weight, 4u);  // a bad value changes nothing
+}
+
 TEST(ConfigTest, RegionListFlagParsesAndRejectsGarbage) {
   auto two = ParseRegionList("/a:1GiB,/b:0");
   ASSERT_TRUE(two.ok());

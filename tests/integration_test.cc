@@ -101,6 +101,33 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   EXPECT_FALSE(info->tier(Tier::kDevice)->configured);
   EXPECT_FALSE(info->version.empty());
   EXPECT_EQ(info->sessions, 1u);
+  // The start-up probe measured the NVMe paths before any chunk moved; there is no device.
+  for (const PathStatus& p : info->paths) {
+    const bool nvme_path = p.name == "nvme_to_host" || p.name == "host_to_nvme";
+    EXPECT_EQ(p.bytes, 0u) << p.name;
+    EXPECT_EQ(p.probed_bytes_per_second > 0, nvme_path) << p.name;
+    EXPECT_EQ(p.measured, nvme_path) << p.name;
+    if (nvme_path) {
+      EXPECT_DOUBLE_EQ(p.bytes_per_second, p.probed_bytes_per_second) << p.name;
+    }
+  }
+}
+
+TEST(DaemonStartupTest, WithoutTheProbeThePlannerStartsFromGuesses) {
+  std::vector<std::string> args = PoolFlags();
+  args.push_back("--probe_bytes=0");
+  auto daemon = DaemonProcess::Start({.binary = DaemonBinary(), .args = args});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  auto c = Client::Connect({.socket_dir = (*daemon)->socket_dir()});
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto info = (*c)->GetNodeInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_FALSE(info->paths.empty());
+  for (const PathStatus& p : info->paths) {
+    EXPECT_EQ(p.probed_bytes_per_second, 0) << p.name;
+    EXPECT_FALSE(p.measured) << p.name;
+    EXPECT_GT(p.bytes_per_second, 0) << p.name;  // the first guess
+  }
 }
 
 TEST_F(DaemonTest, TwoClientProcessesWriteAndReadBackTheirOwnData) {
@@ -640,6 +667,19 @@ TEST_F(ScheduleTest, ASchedulesChunksMustBeTheSessionsOwnAndInAMemoryTier) {
   s = client_->SetSchedule(unknown);
   EXPECT_TRUE(absl::IsNotFound(s)) << s;
   EXPECT_TRUE(client_->SetSchedule({}).ok());  // clearing is always allowed
+}
+
+TEST_F(ScheduleTest, ASessionSetsItsBandwidthWeightWithinTheDaemonsLimit) {
+  EXPECT_EQ(client_->GetSessionStats()->bandwidth_weight, 1u);
+  ASSERT_TRUE(client_->SetBandwidthWeight(4).ok());
+  EXPECT_EQ(client_->GetSessionStats()->bandwidth_weight, 4u);
+  for (uint32_t bad : {0u, 17u}) {
+    absl::Status s = client_->SetBandwidthWeight(bad);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_NE(s.message().find("between 1 and 16"), std::string::npos) << s;
+  }
+  EXPECT_EQ(client_->GetSessionStats()->bandwidth_weight, 4u);  // unchanged by the bad ones
+  EXPECT_EQ(Connect("other")->GetSessionStats()->bandwidth_weight, 1u);  // per session
 }
 
 TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {

@@ -430,6 +430,44 @@ TEST_F(NvmeServiceTest, ShortTransfersAreInvisibleToTheClient) {
   EXPECT_EQ(nvme_->stats().short_transfers, 14u);
 }
 
+// Two sessions read 8 MiB each from a slow drive at once. The one with weight 4 gets about four
+// of every five reads issued, so when its prefetch is done the other's has landed little; with
+// equal weights they go at the same pace.
+TEST_F(NvmeServiceTest, SessionsShareTheDriveByTheirBandwidthWeights) {
+  auto other = *sessions_.Open({1001, 1001, 2}, "other");
+  MapPage(*other);
+  const std::vector<uint64_t> sizes(8, 1 << 20);
+  const std::vector<ChunkId> mine = Alloc(*session_, sizes);
+  const std::vector<ChunkId> theirs = Alloc(*other, sizes);
+  Write(*session_, mine, 1);
+  Write(*other, theirs, 2);
+  auto landed_when_mine_are_in = [&](uint32_t my_weight) {
+    EXPECT_TRUE(Wait(*session_, service_->Evict(*session_, mine, TierKind::kNvme)).ok());
+    EXPECT_TRUE(Wait(*other, service_->Evict(*other, theirs, TierKind::kNvme)).ok());
+    EXPECT_TRUE(service_->SetBandwidthWeight(*session_, my_weight).ok());
+    faults_->SetDelay(absl::Milliseconds(20));
+    absl::StatusOr<SlotToken> a = service_->Prefetch(*session_, mine, TierKind::kHost, 0);
+    absl::StatusOr<SlotToken> b = service_->Prefetch(*other, theirs, TierKind::kHost, 0);
+    EXPECT_TRUE(Wait(*session_, a).ok());
+    int landed = 0;
+    const absl::StatusOr<std::vector<ChunkMeta>> stat = service_->Stat(*other, theirs);
+    EXPECT_TRUE(stat.ok()) << stat.status();
+    for (const ChunkMeta& c : *stat) {
+      landed += c.resident.contains(TierKind::kHost) ? 1 : 0;
+    }
+    EXPECT_TRUE(Wait(*other, b).ok());
+    faults_->SetDelay(absl::ZeroDuration());
+    return landed;
+  };
+  const int weighted = landed_when_mine_are_in(4);
+  const int equal = landed_when_mine_are_in(1);
+  EXPECT_LE(weighted, 3);
+  EXPECT_GE(equal, 4);
+  EXPECT_TRUE(Check(*session_, mine, 1, sizes));
+  EXPECT_TRUE(Check(*other, theirs, 2, sizes));
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->SetBandwidthWeight(*other, 0)));
+}
+
 TEST_F(NvmeServiceTest, SlowDriveStillCompletesEveryRequest) {
   auto ids = Alloc(*session_, {512 << 10, 512 << 10});
   Write(*session_, ids, 6);

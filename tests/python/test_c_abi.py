@@ -68,6 +68,7 @@ def load_library():
     lib.tierd_trace_schedule.argtypes = [p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64]
     lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
+    lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
     return lib
 
 
@@ -338,3 +339,10 @@ def test_schedule_cursor_and_stats(lib, client):
     stats = session_stats(lib, client)
     assert stats.tracing == 0 and stats.schedule_steps == 0
     assert lib.tierd_free(client, n, ids) == OK
+
+
+def test_bandwidth_weight_within_the_daemons_limit(lib, client):
+    assert lib.tierd_set_bandwidth_weight(client, 8) == OK, lib.tierd_last_error()
+    assert lib.tierd_set_bandwidth_weight(client, 0) == INVALID_ARGUMENT
+    assert b"between 1 and 16" in lib.tierd_last_error()
+    assert lib.tierd_set_bandwidth_weight(None, 1) == INVALID_ARGUMENT

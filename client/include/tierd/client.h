@@ -155,6 +155,9 @@ tierd_status tierd_trace_schedule(tierd_client* client, uint32_t steps_per_itera
 /* Step k (counting across iterations) has started: a store into shared memory, no RPC. */
 tierd_status tierd_begin_step(tierd_client* client, uint64_t k);
 tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* out);
+/* This session's share of NVMe bandwidth while other sessions' I/O waits too: bytes in proportion
+ * to its weight (default 1; at most the daemon's planner.max_session_weight). */
+tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight);
 
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);

@@ -90,6 +90,7 @@ struct PathStatus {
   uint64_t moves = 0;
   double bytes_per_second = 0;  // the daemon's estimate (measured when `measured`)
   bool measured = false;
+  double probed_bytes_per_second = 0;  // the daemon's start-up probe (0: not probed)
 };
 
 struct NodeInfo {
@@ -137,6 +138,7 @@ struct SessionStats {
   uint64_t cursor = 0;          // steps started, as the daemon last saw
   uint32_t schedule_steps = 0;  // steps of the schedule in force, declared or traced
   bool tracing = false;         // a trace is waiting for or recording its iteration
+  uint32_t bandwidth_weight = 1;
 };
 
 // An asynchronous request's handle. Ready() and a Wait() on a completed request read shared
@@ -297,6 +299,10 @@ class Client {
   // it, at the pace the steps keep.
   void BeginStep(uint64_t k);
   absl::StatusOr<SessionStats> GetSessionStats();
+  // This session's share of NVMe bandwidth while other sessions' I/O waits too: bytes in
+  // proportion to its weight (default 1; at most the daemon's planner.max_session_weight,
+  // INVALID_ARGUMENT beyond). Within the session, reads and writes go by deadline.
+  absl::Status SetBandwidthWeight(uint32_t weight);
 
   // --- the daemon's GPU in this process ---
   // Opens the daemon's GPU through CUDA (found by UUID; its primary context, the one the CUDA
