@@ -274,7 +274,7 @@ absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Tim
     StartToDevice(chunk, start, deadline);
   } else if (chunk.resident.contains(TierKind::kDevice) &&
              !chunk.resident.contains(TierKind::kNvme)) {
-    StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true, deadline);
+    StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true);
   } else {
     StartRead(chunk, start, deadline);
   }
@@ -459,9 +459,9 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
     if (started && free + room_coming_[k] >= bytes) break;
     auto batch = std::make_shared<Batch>();
     if (t == TierKind::kDevice) {
-      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false, absl::Now());
+      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
     } else {
-      StartWrite(*c, batch, /*keep_source=*/false, absl::Now());
+      StartWrite(*c, batch, /*keep_source=*/false);
     }
     batch->Done(absl::OkStatus());
     if (c->state != ChunkState::kMoving) {
@@ -666,7 +666,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
 }
 
 void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                               bool then_nvme, bool keep_source, absl::Time deadline) {
+                               bool then_nvme, bool keep_source) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
@@ -675,15 +675,14 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
                       tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
-                      [this, id, batch, then_nvme, keep_source, deadline](absl::Status s) {
-                        SettleToHost(id, s, then_nvme, keep_source, deadline, batch);
+                      [this, id, batch, then_nvme, keep_source](absl::Status s) {
+                        SettleToHost(id, s, then_nvme, keep_source, batch);
                         batch->Done(s);
                       });
 }
 
 void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
-                                bool keep_source, absl::Time deadline,
-                                const std::shared_ptr<Batch>& batch) {
+                                bool keep_source, const std::shared_ptr<Batch>& batch) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, status.ok());
@@ -693,7 +692,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   } else if (chunk.doomed) {
     // Destroyed below.
   } else if (then_nvme) {
-    StartWrite(chunk, batch, keep_source, deadline);  // drops host and device copies once durable
+    StartWrite(chunk, batch, keep_source);  // drops host and device copies once durable
   } else if (!keep_source && chunk.pins == 0) {
     DropCopy(chunk, TierKind::kDevice);
   }
@@ -739,7 +738,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
 }
 
 void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                              bool keep_source, absl::Time deadline) {
+                              bool keep_source) {
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
@@ -774,7 +773,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
           batch->Done(s);
         });
       },
-      OrderFor(chunk, deadline));
+      OrderFor(chunk, absl::Now()));
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,
@@ -1133,16 +1132,16 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
     if (tier == TierKind::kHost) {
       if (!chunk->resident.contains(TierKind::kDevice)) continue;
       if (device_only_above) {
-        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source, absl::Now());
+        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source);
       } else if (!keep_source) {
         DropCopy(*chunk, TierKind::kDevice);  // the host copy is current
       }
       continue;
     }
     if (device_only_above && !chunk->resident.contains(TierKind::kNvme)) {
-      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source, absl::Now());
+      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source);
     } else {
-      StartWrite(*chunk, *batch, keep_source, absl::Now());
+      StartWrite(*chunk, *batch, keep_source);
     }
   }
   const SlotToken token = (*batch)->token;
@@ -1524,10 +1523,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
         auto batch = std::make_shared<Batch>();
         if (m.tier == TierKind::kDevice) {
           if (device_ == nullptr || !c.resident.contains(TierKind::kDevice)) break;
-          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true, m.deadline);
+          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
         } else {
           if (nvme_ == nullptr || !c.resident.contains(TierKind::kHost)) break;
-          StartWrite(c, batch, /*keep_source=*/true, m.deadline);
+          StartWrite(c, batch, /*keep_source=*/true);
         }
         batch->Done(absl::OkStatus());
         if (c.state == ChunkState::kMoving) {

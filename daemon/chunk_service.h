@@ -278,8 +278,10 @@ class ChunkService {
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
   // copy unless keep_source.
-  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source,
-                  absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The write is due at once: it frees room that the next fetches wait for, and reads queued
+  // ahead of it would wait for that room themselves.
+  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads the chunk's NVMe copy into (newly reserved) host memory.
   void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -300,9 +302,9 @@ class ChunkService {
   // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
   // the device copy unless keep_source.
   void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                   bool keep_source, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   bool keep_source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
-                    absl::Time deadline, const std::shared_ptr<Batch>& batch);
+                    const std::shared_ptr<Batch>& batch);
   // Drops the copies above `tier` (device above host above NVMe).
   void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -233,7 +233,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
         if (!HasLowerCopy(*v, t)) {
           // Dirty: write it down first; its space comes free on a later round.
           if (written_back.insert(v->id).second) {
-            write_backs.push_back({PlannedMove::Kind::kWriteBack, v->id, t, d.when});
+            write_backs.push_back({PlannedMove::Kind::kWriteBack, v->id, t});
           }
           continue;
         }

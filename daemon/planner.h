@@ -99,10 +99,8 @@ struct PlannedMove {
   Kind kind = Kind::kFetch;
   ChunkId id = 0;
   TierKind tier = TierKind::kHost;
-  // kFetch: when the schedule needs it; kWriteBack: when the room it makes is needed (never, for
-  // an early write-back). The NVMe I/O is queued by it.
-  absl::Time deadline = absl::InfiniteFuture();
-  SessionId session = 0;  // kFetch: the session whose step needs it
+  absl::Time deadline = absl::InfiniteFuture();  // kFetch: when the schedule needs it
+  SessionId session = 0;                         // kFetch: the session whose step needs it
   bool operator==(const PlannedMove&) const = default;
 };
 
