@@ -1,0 +1,182 @@
+// The Adam kernel body, written once over a vector type and compiled once per instruction set:
+// each of adam_portable.cc, adam_avx2.cc and adam_avx512.cc defines `Vec` (its registers and
+// operations) and TIERD_ADAM_NS, then includes this file, so every instantiation lives in its own
+// namespace and is built with its own compiler flags. Nothing here calls into std:: (an inline
+// library function built with AVX-512 flags could be chosen by the linker for every caller).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/adam_types.h"
+
+namespace tierd::kernels {
+
+// A step's constants, computed once per step (cpu_adam.cc).
+struct AdamConsts {
+  float inv_scale;  // 1 / grad_scale
+  float b1, one_minus_b1, b2, one_minus_b2;
+  float decay_mult;    // AdamW: 1 - lr * weight_decay; Adam: 1
+  float l2;            // Adam: weight_decay; AdamW: 0
+  float step_size;     // lr / (1 - beta1^step)
+  float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^step)
+  float eps;
+};
+
+// The entry points each instruction set provides.
+struct AdamIsa {
+  void (*update)(const AdamTensor& t, size_t begin, size_t end, const AdamConsts& c);
+  bool (*finite)(const AdamTensor& t, size_t begin, size_t end);  // the gradients in the range
+};
+
+namespace portable {
+extern const AdamIsa kIsa;
+}
+namespace avx2 {
+extern const AdamIsa kIsa;
+}
+namespace avx512 {
+extern const AdamIsa kIsa;
+}
+
+}  // namespace tierd::kernels
+
+#ifdef TIERD_ADAM_NS
+namespace tierd::kernels::TIERD_ADAM_NS {
+namespace {
+
+// Scalar conversions, for the tails that do not fill a vector.
+inline float ScalarFromBF16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t ScalarToBF16(float f) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float ScalarGrad(const AdamTensor& t, size_t i) {
+  switch (t.grad_type) {
+    case DType::kF32:
+      return static_cast<const float*>(t.grad)[i];
+    case DType::kBF16:
+      return ScalarFromBF16(static_cast<const uint16_t*>(t.grad)[i]);
+    case DType::kF16:
+      return Vec::ScalarFromF16(static_cast<const uint16_t*>(t.grad)[i]);
+  }
+  return 0;
+}
+
+inline void ScalarUpdate(const AdamTensor& t, size_t i, const AdamConsts& c) {
+  float g = ScalarGrad(t, i) * c.inv_scale;
+  float p = t.param[i];
+  g = c.l2 * p + g;
+  p = p * c.decay_mult;
+  const float m = c.b1 * t.m[i] + c.one_minus_b1 * g;
+  const float v = c.b2 * t.v[i] + c.one_minus_b2 * (g * g);
+  const float denom = __builtin_sqrtf(v) * c.inv_sqrt_bc2 + c.eps;
+  p = p - c.step_size * (m / denom);
+  t.param[i] = p;
+  t.m[i] = m;
+  t.v[i] = v;
+  if (t.out != nullptr) {
+    static_cast<uint16_t*>(t.out)[i] =
+        t.out_type == DType::kF16 ? Vec::ScalarToF16(p) : ScalarToBF16(p);
+  }
+}
+
+template <DType G>
+inline typename Vec::R LoadGrad(const void* grad, size_t i) {
+  if constexpr (G == DType::kF32) {
+    return Vec::LoadF32(static_cast<const float*>(grad) + i);
+  } else if constexpr (G == DType::kBF16) {
+    return Vec::LoadBF16(static_cast<const uint16_t*>(grad) + i);
+  } else {
+    return Vec::LoadF16(static_cast<const uint16_t*>(grad) + i);
+  }
+}
+
+// The fused pass: reads p, g, m, v once and writes p, m, v (and the low-precision copy) once.
+template <DType G>
+void UpdateVectors(const AdamTensor& t, size_t begin, size_t end, const AdamConsts& c) {
+  using R = typename Vec::R;
+  const R inv_scale = Vec::Set1(c.inv_scale), b1 = Vec::Set1(c.b1), b2 = Vec::Set1(c.b2);
+  const R one_minus_b1 = Vec::Set1(c.one_minus_b1), one_minus_b2 = Vec::Set1(c.one_minus_b2);
+  const R decay_mult = Vec::Set1(c.decay_mult), l2 = Vec::Set1(c.l2);
+  const R step_size = Vec::Set1(c.step_size), inv_sqrt_bc2 = Vec::Set1(c.inv_sqrt_bc2);
+  const R eps = Vec::Set1(c.eps);
+  for (size_t i = begin; i < end; i += Vec::kWidth) {
+    R g = Vec::Mul(LoadGrad<G>(t.grad, i), inv_scale);
+    R p = Vec::LoadF32(t.param + i);
+    g = Vec::Fma(l2, p, g);
+    p = Vec::Mul(p, decay_mult);
+    const R m = Vec::Fma(b1, Vec::LoadF32(t.m + i), Vec::Mul(one_minus_b1, g));
+    const R v = Vec::Fma(b2, Vec::LoadF32(t.v + i), Vec::Mul(one_minus_b2, Vec::Mul(g, g)));
+    const R denom = Vec::Fma(Vec::Sqrt(v), inv_sqrt_bc2, eps);
+    p = Vec::Sub(p, Vec::Mul(step_size, Vec::Div(m, denom)));
+    Vec::StoreF32(t.param + i, p);
+    Vec::StoreF32(t.m + i, m);
+    Vec::StoreF32(t.v + i, v);
+    if (t.out != nullptr) {
+      uint16_t* out = static_cast<uint16_t*>(t.out) + i;
+      if (t.out_type == DType::kF16) {
+        Vec::StoreF16(out, p);
+      } else {
+        Vec::StoreBF16(out, p);
+      }
+    }
+  }
+}
+
+void Update(const AdamTensor& t, size_t begin, size_t end, const AdamConsts& c) {
+  const size_t vector_end = begin + (end - begin) / Vec::kWidth * Vec::kWidth;
+  switch (t.grad_type) {
+    case DType::kF32:
+      UpdateVectors<DType::kF32>(t, begin, vector_end, c);
+      break;
+    case DType::kBF16:
+      UpdateVectors<DType::kBF16>(t, begin, vector_end, c);
+      break;
+    case DType::kF16:
+      UpdateVectors<DType::kF16>(t, begin, vector_end, c);
+      break;
+  }
+  for (size_t i = vector_end; i < end; ++i) ScalarUpdate(t, i, c);
+}
+
+bool Finite(const AdamTensor& t, size_t begin, size_t end) {
+  const size_t vector_end = begin + (end - begin) / Vec::kWidth * Vec::kWidth;
+  bool bad = false;
+  for (size_t i = begin; i < vector_end; i += Vec::kWidth) {
+    typename Vec::R g = Vec::Set1(0.0f);
+    switch (t.grad_type) {
+      case DType::kF32:
+        g = LoadGrad<DType::kF32>(t.grad, i);
+        break;
+      case DType::kBF16:
+        g = LoadGrad<DType::kBF16>(t.grad, i);
+        break;
+      case DType::kF16:
+        g = LoadGrad<DType::kF16>(t.grad, i);
+        break;
+    }
+    bad |= Vec::AnyNonFinite(g);
+  }
+  for (size_t i = vector_end; i < end; ++i) {
+    const float g = ScalarGrad(t, i);
+    bad |= !(g - g == 0.0f);
+  }
+  return !bad;
+}
+
+}  // namespace
+
+const AdamIsa kIsa = {&Update, &Finite};
+
+}  // namespace tierd::kernels::TIERD_ADAM_NS
+#endif  // TIERD_ADAM_NS

@@ -1,0 +1,119 @@
+#include "kernels/cpu_adam.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <cmath>
+#include <vector>
+
+#include "kernels/adam_impl.h"
+
+namespace tierd::kernels {
+namespace {
+
+const AdamIsa& Kernels(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return avx512::kIsa;
+    case Isa::kAvx2:
+      return avx2::kIsa;
+    case Isa::kPortable:
+      break;
+  }
+  return portable::kIsa;
+}
+
+// Worker w's share of the tensors' elements, laid end to end: a contiguous range, cut at multiples
+// of 64 elements (whole cache lines of p, m and v), the same every step.
+template <typename Fn>
+void ForShare(std::span<const AdamTensor> tensors, int worker, int workers, Fn fn) {
+  size_t total = 0;
+  for (const AdamTensor& t : tensors) total += t.n;
+  auto cut = [&](int w) {
+    const size_t at = static_cast<size_t>(static_cast<double>(total) * w / workers);
+    return w == workers ? total : at / 64 * 64;
+  };
+  const size_t begin = cut(worker), end = cut(worker + 1);
+  size_t base = 0;
+  for (const AdamTensor& t : tensors) {
+    const size_t lo = std::max(begin, base), hi = std::min(end, base + t.n);
+    if (lo < hi) fn(t, lo - base, hi - base);
+    base += t.n;
+    if (base >= end) break;
+  }
+}
+
+}  // namespace
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kPortable:
+      return "portable";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
+
+bool Supported(Isa isa) {
+  switch (isa) {
+    case Isa::kPortable:
+      return true;
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && Supported(Isa::kAvx2);
+  }
+  return false;
+}
+
+Isa BestIsa() {
+  static const Isa best = Supported(Isa::kAvx512) ? Isa::kAvx512
+                          : Supported(Isa::kAvx2) ? Isa::kAvx2
+                                                  : Isa::kPortable;
+  return best;
+}
+
+bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa) {
+  assert(Supported(isa));
+  const AdamIsa& k = Kernels(isa);
+  std::atomic<bool> finite{true};
+  pool.RunOnAll([&](int w) {
+    ForShare(tensors, w, pool.size(), [&](const AdamTensor& t, size_t lo, size_t hi) {
+      if (finite.load(std::memory_order_relaxed) && !k.finite(t, lo, hi)) {
+        finite.store(false, std::memory_order_relaxed);
+      }
+    });
+  });
+  return finite.load();
+}
+
+void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& o, int64_t step,
+              ThreadPool& pool, Isa isa) {
+  assert(Supported(isa) && step >= 1);
+  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(step));
+  const AdamConsts c{
+      .inv_scale = 1.0f / o.grad_scale,
+      .b1 = o.beta1,
+      .one_minus_b1 = 1.0f - o.beta1,
+      .b2 = o.beta2,
+      .one_minus_b2 = 1.0f - o.beta2,
+      .decay_mult = o.decoupled ? 1.0f - o.lr * o.weight_decay : 1.0f,
+      .l2 = o.decoupled ? 0.0f : o.weight_decay,
+      .step_size = static_cast<float>(o.lr / bc1),
+      .inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2)),
+      .eps = o.eps,
+  };
+  const AdamIsa& k = Kernels(isa);
+  pool.RunOnAll([&](int w) {
+    ForShare(tensors, w, pool.size(),
+             [&](const AdamTensor& t, size_t lo, size_t hi) { k.update(t, lo, hi, c); });
+  });
+}
+
+}  // namespace tierd::kernels
