@@ -48,10 +48,6 @@ struct Vec {
     const R diff = _mm256_sub_ps(a, a);  // 0 for finite lanes, NaN for inf and NaN
     return _mm256_movemask_ps(_mm256_cmp_ps(diff, _mm256_setzero_ps(), _CMP_NEQ_UQ)) != 0;
   }
-  static float ScalarFromF16(uint16_t h) { return _cvtsh_ss(h); }
-  static uint16_t ScalarToF16(float x) {
-    return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
-  }
 };
 
 }  // namespace

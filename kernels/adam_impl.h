@@ -45,29 +45,14 @@ extern const AdamIsa kIsa;
 namespace tierd::kernels::TIERD_ADAM_NS {
 namespace {
 
-// Scalar conversions, for the tails that do not fill a vector.
-inline float ScalarFromBF16(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-inline uint16_t ScalarToBF16(float f) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline float ScalarGrad(const AdamTensor& t, size_t i) {
   switch (t.grad_type) {
     case DType::kF32:
       return static_cast<const float*>(t.grad)[i];
     case DType::kBF16:
-      return ScalarFromBF16(static_cast<const uint16_t*>(t.grad)[i]);
+      return FromBF16(static_cast<const uint16_t*>(t.grad)[i]);
     case DType::kF16:
-      return Vec::ScalarFromF16(static_cast<const uint16_t*>(t.grad)[i]);
+      return FromF16(static_cast<const uint16_t*>(t.grad)[i]);
   }
   return 0;
 }
@@ -85,8 +70,7 @@ inline void ScalarUpdate(const AdamTensor& t, size_t i, const AdamConsts& c) {
   t.m[i] = m;
   t.v[i] = v;
   if (t.out != nullptr) {
-    static_cast<uint16_t*>(t.out)[i] =
-        t.out_type == DType::kF16 ? Vec::ScalarToF16(p) : ScalarToBF16(p);
+    static_cast<uint16_t*>(t.out)[i] = t.out_type == DType::kF16 ? ToF16(p) : ToBF16(p);
   }
 }
 

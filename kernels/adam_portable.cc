@@ -2,7 +2,7 @@
 // target) and the scalar bf16/fp16 conversions.
 #include <cstring>
 
-#include "kernels/cpu_adam.h"  // the conversions it defines
+#include "kernels/adam_types.h"  // the conversions it defines
 
 namespace tierd::kernels {
 
@@ -86,8 +86,6 @@ struct Vec {
   static R Fma(R a, R b, R c) { return a * b + c; }
   static R Sqrt(R a) { return __builtin_sqrtf(a); }
   static bool AnyNonFinite(R a) { return !(a - a == 0.0f); }
-  static float ScalarFromF16(uint16_t h) { return FromF16(h); }
-  static uint16_t ScalarToF16(float x) { return ToF16(x); }
 };
 
 }  // namespace

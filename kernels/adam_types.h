@@ -35,4 +35,11 @@ struct AdamTensor {
   size_t n = 0;
 };
 
+// bf16 and fp16 conversions with round-to-nearest-even, as the kernels do them (out of line, in
+// adam_portable.cc: the kernels call them for the elements a vector does not fill).
+uint16_t ToBF16(float x);
+float FromBF16(uint16_t x);
+uint16_t ToF16(float x);
+float FromF16(uint16_t x);
+
 }  // namespace tierd::kernels

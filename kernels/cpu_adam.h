@@ -29,10 +29,4 @@ bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa 
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& options, int64_t step,
               ThreadPool& pool, Isa isa = BestIsa());
 
-// bf16 and fp16 conversions with round-to-nearest-even, as the kernels do them.
-uint16_t ToBF16(float x);
-float FromBF16(uint16_t x);
-uint16_t ToF16(float x);
-float FromF16(uint16_t x);
-
 }  // namespace tierd::kernels
