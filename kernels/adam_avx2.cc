@@ -38,7 +38,6 @@ struct Vec {
   static void StoreF16(uint16_t* p, R x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
-  static R Add(R a, R b) { return _mm256_add_ps(a, b); }
   static R Sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R Div(R a, R b) { return _mm256_div_ps(a, b); }

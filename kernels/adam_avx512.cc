@@ -36,7 +36,6 @@ struct Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
-  static R Add(R a, R b) { return _mm512_add_ps(a, b); }
   static R Sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R Div(R a, R b) { return _mm512_div_ps(a, b); }

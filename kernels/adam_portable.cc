@@ -79,7 +79,6 @@ struct Vec {
   static void StoreF32(float* p, R x) { *p = x; }
   static void StoreBF16(uint16_t* p, R x) { *p = ToBF16(x); }
   static void StoreF16(uint16_t* p, R x) { *p = ToF16(x); }
-  static R Add(R a, R b) { return a + b; }
   static R Sub(R a, R b) { return a - b; }
   static R Mul(R a, R b) { return a * b; }
   static R Div(R a, R b) { return a / b; }

@@ -4,7 +4,6 @@
 #include <atomic>
 #include <cassert>
 #include <cmath>
-#include <vector>
 
 #include "kernels/adam_impl.h"
 
