@@ -23,6 +23,10 @@ struct AdamConsts {
   float eps;
 };
 
+// The constants of step `step` (from 1) under `options` (cpu_adam.cc; the GPU kernel uses them
+// too).
+AdamConsts MakeAdamConsts(const AdamOptions& options, int64_t step);
+
 // The entry points each instruction set provides.
 struct AdamIsa {
   void (*update)(const AdamTensor& t, size_t begin, size_t end, const AdamConsts& c);

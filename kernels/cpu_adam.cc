@@ -77,6 +77,23 @@ Isa BestIsa() {
   return best;
 }
 
+AdamConsts MakeAdamConsts(const AdamOptions& o, int64_t step) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(step));
+  return AdamConsts{
+      .inv_scale = 1.0f / o.grad_scale,
+      .b1 = o.beta1,
+      .one_minus_b1 = 1.0f - o.beta1,
+      .b2 = o.beta2,
+      .one_minus_b2 = 1.0f - o.beta2,
+      .decay_mult = o.decoupled ? 1.0f - o.lr * o.weight_decay : 1.0f,
+      .l2 = o.decoupled ? 0.0f : o.weight_decay,
+      .step_size = static_cast<float>(o.lr / bc1),
+      .inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2)),
+      .eps = o.eps,
+  };
+}
+
 bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa) {
   assert(Supported(isa));
   const AdamIsa& k = Kernels(isa);
@@ -94,20 +111,7 @@ bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa 
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& o, int64_t step,
               ThreadPool& pool, Isa isa) {
   assert(Supported(isa) && step >= 1);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(step));
-  const AdamConsts c{
-      .inv_scale = 1.0f / o.grad_scale,
-      .b1 = o.beta1,
-      .one_minus_b1 = 1.0f - o.beta1,
-      .b2 = o.beta2,
-      .one_minus_b2 = 1.0f - o.beta2,
-      .decay_mult = o.decoupled ? 1.0f - o.lr * o.weight_decay : 1.0f,
-      .l2 = o.decoupled ? 0.0f : o.weight_decay,
-      .step_size = static_cast<float>(o.lr / bc1),
-      .inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2)),
-      .eps = o.eps,
-  };
+  const AdamConsts c = MakeAdamConsts(o, step);
   const AdamIsa& k = Kernels(isa);
   pool.RunOnAll([&](int w) {
     ForShare(tensors, w, pool.size(),
