@@ -323,6 +323,17 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
   waiters_.erase(it);
   const absl::Time now = absl::Now();
   for (Waiter& w : waiting) {
+    if (w.evict_keep_source) {
+      if (chunk.state == ChunkState::kMoving) {  // an earlier waiter started a move
+        waiters_[chunk.id].push_back(std::move(w));
+      } else if (absl::Status s = CheckEvictable(chunk, w.tier); !s.ok()) {
+        w.batch->Done(s);
+      } else {
+        EvictSettled(chunk, w.tier, *w.evict_keep_source, w.batch);
+        w.batch->Done(absl::OkStatus());
+      }
+      continue;
+    }
     if (chunk.resident.contains(w.tier)) {
       if (w.pin) {
         ApplyAccess(chunk, w.tier, *w.pin);
@@ -491,9 +502,10 @@ void ChunkService::RetryQueuedFetches() {
     const QueuedFetch q = queued_fetches_.front();
     auto it = chunks_.find(q.id);
     auto w = waiters_.find(q.id);
-    const bool waited_for =
-        w != waiters_.end() && std::any_of(w->second.begin(), w->second.end(),
-                                           [&](const Waiter& x) { return x.tier == q.tier; });
+    const bool waited_for = w != waiters_.end() &&
+                            std::any_of(w->second.begin(), w->second.end(), [&](const Waiter& x) {
+                              return x.tier == q.tier && !x.evict_keep_source;
+                            });
     // Gone, given up on, or on its way by another move (whose end wakes its waiters).
     if (it == chunks_.end() || !waited_for || it->second.state != ChunkState::kReady ||
         it->second.resident.contains(q.tier)) {
@@ -512,7 +524,7 @@ void ChunkService::FailWaiters(ChunkId id, TierKind tier, const absl::Status& st
   if (it == waiters_.end()) return;
   std::vector<Waiter> failed;
   std::erase_if(it->second, [&](Waiter& w) {
-    if (w.tier != tier) return false;
+    if (w.tier != tier || w.evict_keep_source) return false;
     failed.push_back(std::move(w));
     return true;
   });
@@ -1085,6 +1097,51 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   return token;
 }
 
+absl::Status ChunkService::CheckEvictable(const ChunkMeta& chunk, TierKind tier) const {
+  if (chunk.state == ChunkState::kMoving) return absl::OkStatus();
+  if (tier == TierKind::kHost && !chunk.resident.contains(TierKind::kDevice)) {
+    if (!chunk.resident.contains(TierKind::kHost)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", chunk.id,
+                       " has no copy above the host tier to evict; use Prefetch to bring "
+                       "it up"));
+    }
+    return absl::OkStatus();  // nothing above the host copy: nothing to do
+  }
+  // Copies that are read or dropped must not change meanwhile.
+  if (chunk.pins > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk.id, " is acquired (",
+                                                      chunk.pins,
+                                                      " pins); release it before evicting it "
+                                                      "to the ",
+                                                      TierName(tier), " tier"));
+  }
+  if (chunk.resident.empty()) {
+    return absl::DataLossError(absl::StrCat("chunk ", chunk.id, " has no valid copy in any tier"));
+  }
+  return absl::OkStatus();
+}
+
+void ChunkService::EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                                const std::shared_ptr<Batch>& batch) {
+  const bool device_only_above =
+      chunk.resident.contains(TierKind::kDevice) && !chunk.resident.contains(TierKind::kHost);
+  if (tier == TierKind::kHost) {
+    if (!chunk.resident.contains(TierKind::kDevice)) return;
+    if (device_only_above) {
+      StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
+    } else if (!keep_source) {
+      DropCopy(chunk, TierKind::kDevice);  // the host copy is current
+    }
+    return;
+  }
+  if (device_only_above && !chunk.resident.contains(TierKind::kNvme)) {
+    StartToHost(chunk, batch, /*then_nvme=*/true, keep_source);
+  } else {
+    StartWrite(chunk, batch, keep_source);
+  }
+}
+
 absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<const ChunkId> ids,
                                               TierKind tier, bool keep_source) {
   if (absl::Status s = CheckBatch(ids.size(), "Evict"); !s.ok()) return s;
@@ -1098,51 +1155,19 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
         "Evict: the device tier is the top tier; nothing can be evicted into it (use Prefetch)");
   }
   for (const ChunkMeta* chunk : *chunks) {
-    if (chunk->state == ChunkState::kMoving) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("chunk ", chunk->id, " is being moved to ", TierName(chunk->moving_to)));
-    }
-    if (tier == TierKind::kHost && !chunk->resident.contains(TierKind::kDevice)) {
-      if (!chunk->resident.contains(TierKind::kHost)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("chunk ", chunk->id,
-                         " has no copy above the host tier to evict; use Prefetch to "
-                         "bring it up"));
-      }
-      continue;  // nothing above the host copy: nothing to do
-    }
-    // Copies that are read or dropped must not change meanwhile.
-    if (chunk->pins > 0) {
-      return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk->id, " is acquired (",
-                                                        chunk->pins,
-                                                        " pins); release it before "
-                                                        "evicting it to the ",
-                                                        TierName(tier), " tier"));
-    }
-    if (chunk->resident.empty()) {
-      return absl::DataLossError(
-          absl::StrCat("chunk ", chunk->id, " has no valid copy in any tier"));
-    }
+    if (absl::Status s = CheckEvictable(*chunk, tier); !s.ok()) return s;
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
   for (ChunkMeta* chunk : *chunks) {
-    const bool device_only_above =
-        chunk->resident.contains(TierKind::kDevice) && !chunk->resident.contains(TierKind::kHost);
-    if (tier == TierKind::kHost) {
-      if (!chunk->resident.contains(TierKind::kDevice)) continue;
-      if (device_only_above) {
-        StartToHost(*chunk, *batch, /*then_nvme=*/false, keep_source);
-      } else if (!keep_source) {
-        DropCopy(*chunk, TierKind::kDevice);  // the host copy is current
-      }
+    if (chunk->state == ChunkState::kMoving) {
+      // On its way somewhere (a planner write-back, a fetch): evicted once the move settles.
+      (*batch)->Add();
+      waiters_[chunk->id].push_back(
+          Waiter{*batch, session.id, tier, std::nullopt, absl::Now(), keep_source});
       continue;
     }
-    if (device_only_above && !chunk->resident.contains(TierKind::kNvme)) {
-      StartToHost(*chunk, *batch, /*then_nvme=*/true, keep_source);
-    } else {
-      StartWrite(*chunk, *batch, keep_source);
-    }
+    EvictSettled(*chunk, tier, keep_source, *batch);
   }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());

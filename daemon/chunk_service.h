@@ -233,7 +233,16 @@ class ChunkService {
     TierKind tier;
     std::optional<Access> pin;
     absl::Time since;
+    // An Evict to `tier` that waits for the chunk's move to settle, then evicts it.
+    std::optional<bool> evict_keep_source;
   };
+  // Why Evict cannot move the chunk down to `tier` now (OK for a chunk that is moving: it waits).
+  absl::Status CheckEvictable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves a settled chunk down to `tier` for `batch`, dropping the copies above unless
+  // keep_source. REQUIRES: CheckEvictable(chunk, tier) is OK and the chunk is not moving.
+  void EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                    const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why the chunk cannot be brought into `tier` (no copy, pinned on the device, no data path).
   absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

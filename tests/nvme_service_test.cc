@@ -233,6 +233,40 @@ TEST_F(NvmeServiceTest, RequestsWaitingOnAnEvictionShareOneFetchBackAfterIt) {
   EXPECT_TRUE(Check(*session_, ids, 8, sizes));
 }
 
+// An Evict of a chunk already on its way down (a write-back that keeps the host copy, as the
+// planner's are) waits for that move, then drops the host copy; one of a chunk being fetched waits
+// for the fetch and writes nothing (the NVMe copy is current).
+TEST_F(NvmeServiceTest, EvictOfAChunkThatIsMovingWaitsForTheMoveThenEvicts) {
+  const std::vector<uint64_t> sizes = {2 << 20, 2 << 20};
+  auto ids = Alloc(*session_, sizes);
+  Write(*session_, ids, 9);
+  faults_->SetDelay(absl::Milliseconds(5));
+  const std::vector<ChunkId> first = {ids[0]}, second = {ids[1]};
+  auto flush = service_->Prefetch(*session_, first, TierKind::kNvme, 0);  // keeps the host copy
+  ASSERT_TRUE(flush.ok());
+  ASSERT_TRUE(service_->Stat(*session_, first)->at(0).state == ChunkState::kMoving);
+  auto evict = service_->Evict(*session_, first, TierKind::kNvme);
+  ASSERT_TRUE(evict.ok()) << evict.status();
+  EXPECT_TRUE(Wait(*session_, *flush).ok());
+  EXPECT_TRUE(Wait(*session_, *evict).ok());
+  auto stat = *service_->Stat(*session_, first);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kNvme));
+
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, second, TierKind::kNvme)).ok());
+  const uint64_t writes = faults_->seen(IoKind::kWrite);
+  auto fetch = service_->Prefetch(*session_, second, TierKind::kHost, 0);
+  ASSERT_TRUE(fetch.ok());
+  auto again = service_->Evict(*session_, second, TierKind::kNvme);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(Wait(*session_, *fetch).ok());
+  EXPECT_TRUE(Wait(*session_, *again).ok());
+  EXPECT_EQ(faults_->seen(IoKind::kWrite), writes);
+  EXPECT_FALSE(service_->Stat(*session_, second)->at(0).resident.contains(TierKind::kHost));
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_TRUE(Check(*session_, ids, 9, sizes));
+}
+
 TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   // The host tier is full of pinned chunks: a chunk on NVMe has nowhere to land.
   auto away = Alloc(*session_, {1 << 20});
