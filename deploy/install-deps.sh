@@ -9,7 +9,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev liburing-dev libtomlplusplus-dev
   libxxhash-dev libsystemd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-pytest
+  python3 python3-pytest python3-torch python3-numpy
   fio
 )
 

@@ -1,0 +1,137 @@
+// The out-of-core optimizer: Adam/AdamW whose state (fp32 master weights, m and v) lives in
+// daemon chunks — at home on NVMe (or in the host tier), persistent by name so that training can
+// resume — and streams through a bounded amount of host memory each step. While group i is being
+// computed on the host mapping, the daemon reads the next groups' state ahead (the optimizer
+// declares its order as a schedule) and writes the previous ones back.
+//
+// Gradients arrive per parameter group, as the framework produces them during backward: StepGroup
+// queues the group and returns, so the step of early groups overlaps the rest of backward.
+//
+//   auto opt = tierd::OffloadedAdam::Create(groups, {.name = "llama13b/adam"});
+//   if (!(*opt)->resumed()) for (g...) (*opt)->SetParams(g, initial_weights[g]);
+//   for (;;) {
+//     (*opt)->BeginStep(loss_scale);
+//     ... backward; as group g's gradients are ready:
+//     (*opt)->StepGroup(g, grads[g], tierd::ScalarType::kBFloat16, weights16[g],
+//                       tierd::ScalarType::kBFloat16);
+//     auto stats = (*opt)->FinishStep();  // every group done; weights16 hold the new weights
+//   }
+//
+// Thread safety: one thread drives an optimizer (BeginStep, StepGroup, FinishStep); the step
+// itself runs on the optimizer's own threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tierd/client.hpp"
+
+namespace tierd {
+
+enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct AdamHyperparameters {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  // AdamW (decoupled decay, p *= 1 - lr * weight_decay) when true; Adam with L2 decay added to the
+  // gradient, as torch.optim.Adam does, when false.
+  bool adamw = true;
+};
+
+struct ParamGroup {
+  std::string name;  // unique in the optimizer; letters, digits and '._-'
+  uint64_t params = 0;
+};
+
+struct OffloadedAdamOptions {
+  // The optimizer's own session with the daemon (its schedule and bandwidth share are its own).
+  ClientOptions client;
+  // Names the state chunks: "<name>/<group>/<shard>" and "<name>/meta".
+  std::string name = "adam";
+  // Where the state lives between steps: kNvme (streamed through the host) or kHost.
+  Tier home = Tier::kNvme;
+  // Persistent state outlives the process (and the daemon): Create with the same name and groups
+  // resumes it. Scratch state (false) is freed when the optimizer is destroyed.
+  bool persistent = true;
+  // Discard persistent state found under `name` and start afresh (SetParams needed again).
+  bool reset = false;
+  // Host-tier bytes the state may occupy at once (its read-ahead and write-back included).
+  uint64_t host_budget_bytes = 1ull << 30;
+  // Parameters per state chunk (12 bytes each). 0: chosen so that the budget holds 8 chunks, at
+  // most 4 Mi parameters (48 MiB).
+  uint64_t shard_params = 0;
+  // Kernel threads (0: one per CPU this process may use).
+  int threads = 0;
+  // Check each group's gradients before applying them; a group with an infinite or NaN gradient
+  // is left as it was and reported in the step's stats (the caller lowers its loss scale).
+  bool check_finite = true;
+  AdamHyperparameters hyper;
+};
+
+struct OptimizerStepStats {
+  int64_t step = 0;                    // the step just taken, counting from 1 across resumptions
+  absl::Duration wall;                 // BeginStep to the end of FinishStep
+  absl::Duration compute;              // in the kernels
+  absl::Duration state_wait;           // waiting for state to arrive in the host tier
+  absl::Duration write_wait;           // waiting for write-backs (the budget, and the step's end)
+  uint64_t state_bytes = 0;            // optimizer state the step touched
+  std::vector<size_t> skipped_groups;  // groups whose gradients were not finite
+};
+
+class OffloadedAdam {
+ public:
+  // Opens a session, allocates (or opens) the state and declares the step's schedule.
+  // INVALID_ARGUMENT for bad groups or options (naming them); FAILED_PRECONDITION when persistent
+  // state of that name has other groups; DATA_LOSS when its last step did not finish (the state
+  // is partly updated: resume from a checkpoint, or set `reset`).
+  static absl::StatusOr<std::unique_ptr<OffloadedAdam>> Create(std::span<const ParamGroup> groups,
+                                                               const OffloadedAdamOptions& options);
+  ~OffloadedAdam();
+  OffloadedAdam(const OffloadedAdam&) = delete;
+  OffloadedAdam& operator=(const OffloadedAdam&) = delete;
+
+  bool resumed() const;  // the state came from an earlier run
+  int64_t steps_taken() const;
+  size_t group_count() const;
+  uint64_t shard_params() const;
+  uint64_t state_bytes() const;  // of all groups (12 bytes per parameter, chunk-rounded)
+  bool initialized(size_t group) const;
+  Client& client();
+
+  // Sets a group's fp32 master weights (`values` holds its params values) and zeroes its m and v.
+  absl::Status SetParams(size_t group, std::span<const float> values);
+  // Reads a group's fp32 master weights.
+  absl::Status GetParams(size_t group, std::span<float> out);
+  // Takes effect from the next BeginStep (learning-rate schedules).
+  void SetLearningRate(float lr);
+  float learning_rate() const;
+
+  // Starts a step. Gradients arrive multiplied by grad_scale (loss scaling; 1 for none).
+  absl::Status BeginStep(float grad_scale = 1.0f);
+  // Queues group `group`'s step and returns: grad holds params values of grad_type; out, when not
+  // null, receives the new weights as params values of out_type (kBFloat16 or kFloat16, or
+  // kFloat32). Both must stay valid until FinishStep returns. Each group once per step.
+  absl::Status StepGroup(size_t group, const void* grad, ScalarType grad_type, void* out = nullptr,
+                         ScalarType out_type = ScalarType::kBFloat16);
+  // Waits for every queued group and for their state to reach its home tier, and records the step
+  // as finished. Groups not given this step are left as they were. The first error of the step,
+  // if any (the step is then not counted, and the state of the groups it reached is updated).
+  absl::StatusOr<OptimizerStepStats> FinishStep();
+
+  struct Impl;
+
+ private:
+  explicit OffloadedAdam(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierd

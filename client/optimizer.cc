@@ -1,0 +1,661 @@
+#include "tierd/optimizer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kernels/cpu_adam.h"
+
+namespace tierd {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kMaxAutoShardParams = 4ull << 20;
+constexpr uint64_t kMinShardParams = 16 * 1024;
+constexpr uint64_t kMetaMagic = 0x316d616472656974ull;  // "tierdam1"
+constexpr uint32_t kMetaVersion = 1;
+constexpr size_t kMaxGroupName = 64;
+
+// The meta chunk: what the state is (to refuse opening it with other groups) and whether its last
+// step finished. Written durably at each step's start and end.
+struct MetaHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t groups;
+  uint64_t shard_params;
+  int64_t steps;
+  uint32_t in_step;
+  uint32_t reserved;
+};
+struct MetaGroup {
+  uint64_t params;
+  uint32_t initialized;
+  uint32_t reserved;
+  char name[kMaxGroupName];
+};
+
+uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// A state chunk: parameters [first, first + n) of its group, laid out as three page-aligned
+// regions: p, m, v.
+struct Shard {
+  ChunkId id = 0;
+  uint64_t first = 0;
+  uint64_t n = 0;
+  uint64_t region = 0;  // bytes of each of p, m, v
+  uint64_t bytes() const { return 3 * region; }
+};
+
+struct Group {
+  ParamGroup spec;
+  std::vector<Shard> shards;
+  bool initialized = false;
+  uint64_t position = 0;  // its first shard's step in the declared schedule
+};
+
+struct Work {
+  size_t group;
+  const void* grad;
+  ScalarType grad_type;
+  void* out;
+  ScalarType out_type;
+};
+
+size_t ElementBytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
+
+kernels::DType ToDType(ScalarType t) {
+  switch (t) {
+    case ScalarType::kFloat32:
+      return kernels::DType::kF32;
+    case ScalarType::kBFloat16:
+      return kernels::DType::kBF16;
+    case ScalarType::kFloat16:
+      return kernels::DType::kF16;
+  }
+  return kernels::DType::kF32;
+}
+
+bool ValidScalarType(ScalarType t) {
+  return t == ScalarType::kFloat32 || t == ScalarType::kBFloat16 || t == ScalarType::kFloat16;
+}
+
+absl::Status ValidateGroupName(const std::string& name) {
+  if (name.empty() || name.size() >= kMaxGroupName) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group name '", name, "' must be 1 to ", kMaxGroupName - 1, " bytes"));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(c) && c != '.' && c != '_' && c != '-') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group name '", name, "' has a character outside letters, digits and '._-'"));
+    }
+  }
+  if (name == "." || name == ".." || name == "meta") {
+    return absl::InvalidArgumentError(absl::StrCat("group name '", name, "' is reserved"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct OffloadedAdam::Impl {
+  ~Impl() {
+    {
+      absl::MutexLock lock(&mu);
+      stopping = true;
+    }
+    if (worker.joinable()) worker.join();
+    (void)WaitWrites(0);
+  }
+
+  OffloadedAdamOptions options;
+  std::unique_ptr<Client> client;
+  std::unique_ptr<kernels::ThreadPool> pool;
+  std::vector<Group> groups;
+  ChunkId meta = 0;
+  uint64_t meta_size = 0;
+  uint64_t shard_params = 0;
+  uint64_t shard_count = 0;
+  uint64_t state_bytes = 0;
+  size_t max_writes = 1;
+  bool resumed = false;
+  int64_t steps = 0;
+  float lr = 0;
+
+  // The step in progress (the driving thread's; the worker reads it while the step runs).
+  bool in_step = false;
+  kernels::AdamOptions step_options;
+  uint64_t cursor_base = 0;  // BeginStep number of the declared schedule's first step, this step
+  std::vector<bool> given;
+  std::vector<size_t> declared_order, step_order;
+  absl::Time step_start;
+
+  absl::Mutex mu;
+  std::deque<Work> queue ABSL_GUARDED_BY(mu);
+  size_t outstanding ABSL_GUARDED_BY(mu) = 0;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  absl::Status error ABSL_GUARDED_BY(mu);
+  OptimizerStepStats stats ABSL_GUARDED_BY(mu);
+  std::thread worker;
+
+  // Write-backs in flight, oldest first (the worker's while a step runs, else the driver's).
+  std::deque<std::pair<CompletionToken, uint64_t>> writes;
+
+  bool nvme_home() const { return options.home == Tier::kNvme; }
+  std::string ShardName(size_t g, size_t s) const {
+    return absl::StrCat(options.name, "/", groups[g].spec.name, "/", s);
+  }
+
+  // Waits until at most `keep` write-backs are in flight. Returns the time waited.
+  absl::StatusOr<absl::Duration> WaitWrites(size_t keep) {
+    const absl::Time start = absl::Now();
+    absl::Status first;
+    while (writes.size() > keep) {
+      absl::Status s = client->Wait(writes.front().first);
+      if (!s.ok() && first.ok()) first = s;
+      writes.pop_front();
+    }
+    if (!first.ok()) return first;
+    return absl::Now() - start;
+  }
+
+  // Sends a released shard (or the meta chunk) down to its home tier.
+  absl::StatusOr<absl::Duration> WriteBack(ChunkId id, uint64_t bytes) {
+    if (!nvme_home()) return absl::ZeroDuration();
+    absl::StatusOr<CompletionToken> t = client->EvictIds({&id, 1}, Tier::kNvme);
+    if (!t.ok()) return t.status();
+    writes.emplace_back(*t, bytes);
+    return WaitWrites(max_writes);
+  }
+
+  // Pins one chunk on the host for `mode` and waits until its bytes are there.
+  absl::StatusOr<void*> Pin(ChunkId id, AccessMode mode) {
+    absl::StatusOr<Acquired> a = client->AcquireIds({&id, 1}, Tier::kHost, mode);
+    if (!a.ok()) return a.status();
+    if (absl::Status s = client->Wait(a->ready); !s.ok()) {
+      (void)client->Release({&id, 1});
+      return s;
+    }
+    return a->chunks[0].data;
+  }
+
+  absl::Status WriteMeta(bool step_running) {
+    if (!options.persistent) return absl::OkStatus();
+    absl::StatusOr<void*> data = Pin(meta, AccessMode::kOverwrite);
+    if (!data.ok()) return data.status();
+    std::memset(*data, 0, meta_size);
+    MetaHeader h{.magic = kMetaMagic,
+                 .version = kMetaVersion,
+                 .groups = static_cast<uint32_t>(groups.size()),
+                 .shard_params = shard_params,
+                 .steps = steps,
+                 .in_step = step_running ? 1u : 0u,
+                 .reserved = 0};
+    std::memcpy(*data, &h, sizeof(h));
+    auto* records = reinterpret_cast<MetaGroup*>(static_cast<char*>(*data) + sizeof(h));
+    for (size_t g = 0; g < groups.size(); ++g) {
+      records[g].params = groups[g].spec.params;
+      records[g].initialized = groups[g].initialized ? 1 : 0;
+      std::memcpy(records[g].name, groups[g].spec.name.data(), groups[g].spec.name.size());
+    }
+    if (absl::Status s = client->Release({&meta, 1}); !s.ok()) return s;
+    if (!nvme_home()) return absl::OkStatus();
+    absl::StatusOr<CompletionToken> t = client->EvictIds({&meta, 1}, Tier::kNvme, true);
+    if (!t.ok()) return t.status();
+    return client->Wait(*t);
+  }
+
+  // Declares the order in which the groups' shards are stepped, so that the daemon reads each
+  // shard's state ahead of it (within the host budget) while earlier ones are computed.
+  absl::Status DeclareSchedule(const std::vector<size_t>& order) {
+    std::vector<ScheduleStep> steps_list;
+    steps_list.reserve(shard_count);
+    for (size_t g : order) {
+      groups[g].position = steps_list.size();
+      for (const Shard& s : groups[g].shards) {
+        steps_list.push_back({{.id = s.id, .tier = Tier::kHost, .mode = AccessMode::kWrite}});
+      }
+    }
+    declared_order = order;
+    if (!nvme_home()) return absl::OkStatus();
+    return client->SetSchedule(steps_list, {.host_quota_bytes = options.host_budget_bytes});
+  }
+
+  void Run() {
+    for (;;) {
+      Work work;
+      {
+        absl::MutexLock lock(&mu);
+        mu.Await(absl::Condition(
+            +[](Impl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) {
+              return self->stopping || !self->queue.empty();
+            },
+            this));
+        if (queue.empty()) return;
+        work = queue.front();
+        queue.pop_front();
+      }
+      OptimizerStepStats delta;
+      bool skipped = false;
+      absl::Status s = StepOne(work, &delta, &skipped);
+      absl::MutexLock lock(&mu);
+      if (!s.ok() && error.ok()) error = s;
+      if (skipped) stats.skipped_groups.push_back(work.group);
+      stats.compute += delta.compute;
+      stats.state_wait += delta.state_wait;
+      stats.write_wait += delta.write_wait;
+      stats.state_bytes += delta.state_bytes;
+      --outstanding;
+    }
+  }
+
+  absl::Status StepOne(const Work& w, OptimizerStepStats* delta, bool* skipped) {
+    {
+      absl::MutexLock lock(&mu);
+      if (!error.ok()) return absl::OkStatus();  // the step already failed; leave the rest
+    }
+    Group& group = groups[w.group];
+    const size_t grad_bytes = ElementBytes(w.grad_type), out_bytes = ElementBytes(w.out_type);
+    if (options.check_finite) {
+      const absl::Time t0 = absl::Now();
+      const kernels::AdamTensor all{
+          .grad = w.grad, .grad_type = ToDType(w.grad_type), .n = group.spec.params};
+      const bool finite = kernels::GradientsFinite({&all, 1}, *pool);
+      delta->compute += absl::Now() - t0;
+      if (!finite) {
+        *skipped = true;
+        return absl::OkStatus();
+      }
+    }
+    float* out32 = w.out_type == ScalarType::kFloat32 ? static_cast<float*>(w.out) : nullptr;
+    for (size_t k = 0; k < group.shards.size(); ++k) {
+      const Shard& shard = group.shards[k];
+      client->BeginStep(cursor_base + group.position + k);
+      const absl::Time t0 = absl::Now();
+      absl::StatusOr<void*> data = Pin(shard.id, AccessMode::kWrite);
+      if (!data.ok()) {
+        return absl::Status(data.status().code(),
+                            absl::StrCat("optimizer state of group '", group.spec.name, "', shard ",
+                                         k, ": ", data.status().message()));
+      }
+      const absl::Time t1 = absl::Now();
+      float* p = static_cast<float*>(*data);
+      const kernels::AdamTensor t{
+          .param = p,
+          .m = p + shard.region / 4,
+          .v = p + 2 * shard.region / 4,
+          .grad = static_cast<const char*>(w.grad) + shard.first * grad_bytes,
+          .grad_type = ToDType(w.grad_type),
+          .out = w.out == nullptr || out32 != nullptr
+                     ? nullptr
+                     : static_cast<char*>(w.out) + shard.first * out_bytes,
+          .out_type = ToDType(w.out_type),
+          .n = shard.n};
+      kernels::AdamStep({&t, 1}, step_options, steps + 1, *pool);
+      if (out32 != nullptr) std::memcpy(out32 + shard.first, p, shard.n * 4);
+      const absl::Time t2 = absl::Now();
+      delta->state_wait += t1 - t0;
+      delta->compute += t2 - t1;
+      delta->state_bytes += shard.bytes();
+      if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
+      absl::StatusOr<absl::Duration> waited = WriteBack(shard.id, shard.bytes());
+      if (!waited.ok()) return waited.status();
+      delta->write_wait += *waited;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Open(std::span<const ParamGroup> specs);
+};
+
+OffloadedAdam::OffloadedAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+OffloadedAdam::~OffloadedAdam() = default;
+
+absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
+  const std::string prefix = options.name + "/";
+  const std::string meta_name = prefix + "meta";
+  meta_size = RoundUp(sizeof(MetaHeader) + specs.size() * sizeof(MetaGroup), kPage);
+
+  // Persistent state of this name: resume it (or discard it when asked to).
+  std::vector<ChunkId> stale;
+  const MetaHeader* found = nullptr;
+  std::vector<char> found_bytes;
+  if (options.persistent) {
+    absl::StatusOr<std::vector<ChunkInfo>> all = client->ListChunks();
+    if (!all.ok()) return all.status();
+    const ChunkInfo* found_meta = nullptr;
+    for (const ChunkInfo& c : *all) {
+      if (!c.persistent || !absl::StartsWith(c.name, prefix)) continue;
+      if (c.name == meta_name) found_meta = &c;
+      stale.push_back(c.id);
+    }
+    if (found_meta != nullptr && !options.reset) {
+      absl::StatusOr<std::vector<ChunkId>> opened =
+          client->AllocateIds(std::vector<ChunkSpec>{{.size = found_meta->size,
+                                                      .home = options.home,
+                                                      .name = meta_name,
+                                                      .persistent = true,
+                                                      .open_existing = true}});
+      if (!opened.ok()) return opened.status();
+      meta = (*opened)[0];
+      absl::StatusOr<void*> data = Pin(meta, AccessMode::kRead);
+      if (!data.ok()) return data.status();
+      found_bytes.assign(static_cast<char*>(*data), static_cast<char*>(*data) + found_meta->size);
+      (void)client->Release({&meta, 1});
+      found = reinterpret_cast<const MetaHeader*>(found_bytes.data());
+      stale.clear();
+    }
+  }
+
+  if (found != nullptr) {
+    const std::string what = absl::StrCat("optimizer state '", options.name, "'");
+    if (found->magic != kMetaMagic || found->version != kMetaVersion ||
+        found_bytes.size() < sizeof(MetaHeader) + found->groups * sizeof(MetaGroup)) {
+      return absl::DataLossError(absl::StrCat(what,
+                                              ": its meta chunk is not one this library "
+                                              "wrote (set reset to start afresh)"));
+    }
+    if (found->groups != specs.size()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " has ", found->groups, " groups, not ", specs.size()));
+    }
+    if (options.shard_params != 0 && options.shard_params != found->shard_params) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, " has ", found->shard_params, " parameters per shard, not ", options.shard_params));
+    }
+    const auto* records = reinterpret_cast<const MetaGroup*>(found_bytes.data() + sizeof(*found));
+    for (size_t g = 0; g < specs.size(); ++g) {
+      const std::string name(records[g].name, strnlen(records[g].name, kMaxGroupName));
+      if (name != specs[g].name || records[g].params != specs[g].params) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(what, ": group ", g, " is '", name, "' of ", records[g].params,
+                         " parameters, not '", specs[g].name, "' of ", specs[g].params));
+      }
+    }
+    if (found->in_step != 0) {
+      return absl::DataLossError(absl::StrCat(
+          what, ": step ", found->steps + 1,
+          " did not finish (the process or daemon stopped during it), so the state is partly "
+          "updated; resume from a checkpoint, or set reset to start afresh"));
+    }
+    shard_params = found->shard_params;
+    steps = found->steps;
+    resumed = true;
+    for (size_t g = 0; g < specs.size(); ++g) groups[g].initialized = records[g].initialized != 0;
+  }
+  if (!stale.empty()) {  // reset, or chunks left by a Create that never wrote its meta
+    if (absl::Status s = client->Free(stale); !s.ok()) return s;
+  }
+
+  // Lay the groups out in shards and allocate (or open) their chunks.
+  std::vector<ChunkSpec> chunk_specs;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    Group& group = groups[g];
+    for (uint64_t first = 0; first < group.spec.params; first += shard_params) {
+      Shard s;
+      s.first = first;
+      s.n = std::min(shard_params, group.spec.params - first);
+      s.region = RoundUp(s.n * 4, kPage);
+      ChunkSpec spec{.size = s.bytes(), .home = options.home};
+      if (options.persistent) {
+        spec.name = ShardName(g, group.shards.size());
+        spec.persistent = true;
+        spec.open_existing = resumed;
+      }
+      spec.tags = {"optimizer"};
+      chunk_specs.push_back(std::move(spec));
+      group.shards.push_back(s);
+      state_bytes += s.bytes();
+    }
+  }
+  shard_count = chunk_specs.size();
+  if (options.persistent && meta == 0) {
+    chunk_specs.push_back(
+        {.size = meta_size, .home = options.home, .name = meta_name, .persistent = true});
+  }
+  absl::StatusOr<std::vector<ChunkId>> ids = client->AllocateIds(chunk_specs);
+  if (!ids.ok()) return ids.status();
+  size_t i = 0;
+  for (Group& group : groups) {
+    for (Shard& s : group.shards) s.id = (*ids)[i++];
+  }
+  if (options.persistent && meta == 0) {
+    meta = (*ids)[i];
+    if (absl::Status s = WriteMeta(false); !s.ok()) return s;
+  }
+
+  const uint64_t largest = groups.empty() ? 0
+                                          : RoundUp(std::min(shard_params,
+                                                             [&] {
+                                                               uint64_t m = 0;
+                                                               for (const Group& g : groups)
+                                                                 m = std::max(m, g.spec.params);
+                                                               return m;
+                                                             }()) *
+                                                        4,
+                                                    kPage) *
+                                                3;
+  max_writes =
+      std::max<uint64_t>(1, options.host_budget_bytes / std::max<uint64_t>(largest, 1) / 4);
+  std::vector<size_t> order(groups.size());
+  for (size_t g = 0; g < order.size(); ++g) order[g] = g;
+  return DeclareSchedule(order);
+}
+
+absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
+    std::span<const ParamGroup> specs, const OffloadedAdamOptions& options) {
+  if (specs.empty()) return absl::InvalidArgumentError("an optimizer needs at least one group");
+  for (size_t g = 0; g < specs.size(); ++g) {
+    if (absl::Status s = ValidateGroupName(specs[g].name); !s.ok()) return s;
+    if (specs[g].params == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", specs[g].name, "' has no parameters"));
+    }
+    for (size_t h = 0; h < g; ++h) {
+      if (specs[h].name == specs[g].name) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("group name '", specs[g].name, "' appears twice"));
+      }
+    }
+  }
+  if (options.home != Tier::kHost && options.home != Tier::kNvme) {
+    return absl::InvalidArgumentError("the optimizer's state lives on the host or NVMe tier");
+  }
+  if (options.name.empty()) return absl::InvalidArgumentError("the optimizer needs a name");
+  const AdamHyperparameters& h = options.hyper;
+  if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
+      !(h.eps > 0) || !(h.weight_decay >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
+        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
+  }
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->lr = h.lr;
+  uint64_t shard_params = options.shard_params;
+  if (shard_params == 0) {
+    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / 8 / 12 / 1024 * 1024,
+                                        kMinShardParams, kMaxAutoShardParams);
+  }
+  impl->shard_params = shard_params;
+  const uint64_t shard_bytes = 3 * RoundUp(shard_params * 4, kPage);
+  if (options.home == Tier::kNvme && options.host_budget_bytes < 3 * shard_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host_budget_bytes ", options.host_budget_bytes, " holds fewer than 3 shards of ",
+        shard_params, " parameters (", shard_bytes, " bytes each): raise it to at least ",
+        3 * shard_bytes, " or lower shard_params"));
+  }
+  for (const ParamGroup& g : specs) impl->groups.push_back({.spec = g});
+
+  ClientOptions client_options = options.client;
+  if (client_options.client_name.empty()) client_options.client_name = "optimizer " + options.name;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(client_options);
+  if (!client.ok()) return client.status();
+  impl->client = std::move(*client);
+  if (absl::Status s = impl->Open(specs); !s.ok()) return s;
+  impl->pool = std::make_unique<kernels::ThreadPool>(options.threads);
+  Impl* raw = impl.get();
+  impl->worker = std::thread([raw] { raw->Run(); });
+  return std::unique_ptr<OffloadedAdam>(new OffloadedAdam(std::move(impl)));
+}
+
+bool OffloadedAdam::resumed() const { return impl_->resumed; }
+int64_t OffloadedAdam::steps_taken() const { return impl_->steps; }
+size_t OffloadedAdam::group_count() const { return impl_->groups.size(); }
+uint64_t OffloadedAdam::shard_params() const { return impl_->shard_params; }
+uint64_t OffloadedAdam::state_bytes() const { return impl_->state_bytes; }
+bool OffloadedAdam::initialized(size_t group) const {
+  return group < impl_->groups.size() && impl_->groups[group].initialized;
+}
+Client& OffloadedAdam::client() { return *impl_->client; }
+void OffloadedAdam::SetLearningRate(float lr) { impl_->lr = lr; }
+float OffloadedAdam::learning_rate() const { return impl_->lr; }
+
+absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> values) {
+  Impl& d = *impl_;
+  if (group >= d.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
+  }
+  if (d.in_step) return absl::FailedPreconditionError("SetParams during a step");
+  Group& g = d.groups[group];
+  if (values.size() != g.spec.params) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
+                                                   " parameters, not ", values.size()));
+  }
+  for (const Shard& s : g.shards) {
+    absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
+    if (!data.ok()) return data.status();
+    char* base = static_cast<char*>(*data);
+    std::memcpy(base, values.data() + s.first, s.n * 4);
+    std::memset(base + s.n * 4, 0, s.bytes() - s.n * 4);  // m and v start at zero
+    if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
+    if (absl::StatusOr<absl::Duration> w = d.WriteBack(s.id, s.bytes()); !w.ok()) {
+      return w.status();
+    }
+  }
+  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
+  g.initialized = true;
+  return d.WriteMeta(false);
+}
+
+absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
+  Impl& d = *impl_;
+  if (group >= d.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
+  }
+  if (d.in_step) return absl::FailedPreconditionError("GetParams during a step");
+  const Group& g = d.groups[group];
+  if (out.size() != g.spec.params) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
+                                                   " parameters, not ", out.size()));
+  }
+  if (!g.initialized) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", g.spec.name, "' has no weights yet: call SetParams"));
+  }
+  for (const Shard& s : g.shards) {
+    absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kRead);
+    if (!data.ok()) return data.status();
+    std::memcpy(out.data() + s.first, *data, s.n * 4);
+    if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedAdam::BeginStep(float grad_scale) {
+  Impl& d = *impl_;
+  if (d.in_step) return absl::FailedPreconditionError("BeginStep: a step is already running");
+  if (!(grad_scale > 0) || grad_scale == INFINITY) {
+    return absl::InvalidArgumentError(absl::StrCat("grad_scale ", grad_scale, " is not > 0"));
+  }
+  const AdamHyperparameters& h = d.options.hyper;
+  d.step_options = {.lr = d.lr,
+                    .beta1 = h.beta1,
+                    .beta2 = h.beta2,
+                    .eps = h.eps,
+                    .weight_decay = h.weight_decay,
+                    .decoupled = h.adamw,
+                    .grad_scale = grad_scale};
+  if (absl::Status s = d.WriteMeta(true); !s.ok()) return s;
+  d.in_step = true;
+  d.step_start = absl::Now();
+  d.given.assign(d.groups.size(), false);
+  d.step_order.clear();
+  absl::MutexLock lock(&d.mu);
+  d.error = absl::OkStatus();
+  d.stats = OptimizerStepStats{};
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedAdam::StepGroup(size_t group, const void* grad, ScalarType grad_type,
+                                      void* out, ScalarType out_type) {
+  Impl& d = *impl_;
+  if (!d.in_step) return absl::FailedPreconditionError("StepGroup outside BeginStep/FinishStep");
+  if (group >= d.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
+  }
+  const Group& g = d.groups[group];
+  if (grad == nullptr) return absl::InvalidArgumentError("StepGroup: no gradients");
+  if (!ValidScalarType(grad_type) || !ValidScalarType(out_type)) {
+    return absl::InvalidArgumentError("StepGroup: unknown scalar type");
+  }
+  if (!g.initialized) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", g.spec.name, "' has no weights yet: call SetParams"));
+  }
+  if (d.given[group]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", g.spec.name, "' was already given this step"));
+  }
+  d.given[group] = true;
+  d.step_order.push_back(group);
+  absl::MutexLock lock(&d.mu);
+  d.queue.push_back({group, grad, grad_type, out, out_type});
+  ++d.outstanding;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
+  Impl& d = *impl_;
+  if (!d.in_step) return absl::FailedPreconditionError("FinishStep without BeginStep");
+  {
+    absl::MutexLock lock(&d.mu);
+    d.mu.Await(absl::Condition(
+        +[](Impl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->outstanding == 0; },
+        &d));
+  }
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<absl::Duration> drained = d.WaitWrites(0);
+  OptimizerStepStats stats;
+  absl::Status error;
+  {
+    absl::MutexLock lock(&d.mu);
+    stats = d.stats;
+    error = d.error;
+  }
+  d.in_step = false;
+  d.cursor_base += d.shard_count;
+  if (!error.ok()) return error;
+  if (!drained.ok()) return drained.status();
+  stats.write_wait += absl::Now() - t0;
+  ++d.steps;
+  if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
+  // Groups came in another order than declared: declare this one for the next step.
+  if (d.step_order.size() == d.groups.size() && d.step_order != d.declared_order) {
+    if (absl::Status s = d.DeclareSchedule(d.step_order); !s.ok()) return s;
+  }
+  stats.step = d.steps;
+  stats.wall = absl::Now() - d.step_start;
+  return stats;
+}
+
+}  // namespace tierd

@@ -1,0 +1,325 @@
+// The out-of-core optimizer against a real daemon: state on NVMe streamed through a host budget
+// much smaller than it, compared step by step with the same Adam applied in memory; persistence
+// across optimizers and daemon restarts; torn steps, non-finite gradients and bad input.
+#include "tierd/optimizer.hpp"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu_adam.h"
+#include "tests/daemon_process.h"
+
+namespace tierd {
+namespace {
+
+using testing::DaemonProcess;
+
+std::string DaemonBinary() { return testing::ExecutableDir() + "/../daemon/tierd"; }
+
+// Two groups, 1.2 M parameters: 14 MiB of state against a 4 MiB host budget.
+const std::vector<ParamGroup> kGroups = {{"embed", 700001}, {"layer0", 500000}};
+constexpr uint64_t kBudget = 4 << 20;
+
+class OptimizerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto daemon =
+        DaemonProcess::Start({.binary = DaemonBinary(),
+                              .args = {"--host_capacity=64MiB", "--host_segment_size=16MiB",
+                                       "--device=none", "--probe_bytes=0"}});
+    ASSERT_TRUE(daemon.ok()) << daemon.status();
+    daemon_ = std::move(*daemon);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const ParamGroup& g : kGroups) {
+      std::vector<float> p(g.params);
+      for (float& x : p) x = normal(rng);
+      params_.push_back(p);
+      m_.emplace_back(g.params, 0.0f);
+      v_.emplace_back(g.params, 0.0f);
+    }
+  }
+  void TearDown() override {
+    if (daemon_) {
+      EXPECT_EQ(daemon_->Stop(), 0) << daemon_->Log();
+    }
+  }
+
+  OffloadedAdamOptions Options(const std::string& name = "model/adam") {
+    OffloadedAdamOptions o;
+    o.client.socket_dir = daemon_->socket_dir();
+    o.name = name;
+    o.host_budget_bytes = kBudget;
+    o.threads = 2;
+    o.hyper = {.lr = 1e-2f, .weight_decay = 0.01f};
+    return o;
+  }
+
+  std::unique_ptr<OffloadedAdam> Create(const OffloadedAdamOptions& o) {
+    auto opt = OffloadedAdam::Create(kGroups, o);
+    EXPECT_TRUE(opt.ok()) << opt.status();
+    return opt.ok() ? std::move(*opt) : nullptr;
+  }
+
+  // Gradients for a step: bf16, different every step.
+  std::vector<std::vector<uint16_t>> Gradients(int step, float scale) {
+    std::mt19937 rng(100 + step);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<std::vector<uint16_t>> grads;
+    for (const ParamGroup& g : kGroups) {
+      std::vector<uint16_t> grad(g.params);
+      for (uint16_t& x : grad) x = kernels::ToBF16(normal(rng) * scale);
+      grads.push_back(std::move(grad));
+    }
+    return grads;
+  }
+
+  // The same step in memory (the reference), on groups `which`.
+  void ReferenceStep(const std::vector<std::vector<uint16_t>>& grads, int step, float scale,
+                     const std::vector<size_t>& which) {
+    static kernels::ThreadPool pool(1, false);
+    for (size_t g : which) {
+      const kernels::AdamTensor t{.param = params_[g].data(),
+                                  .m = m_[g].data(),
+                                  .v = v_[g].data(),
+                                  .grad = grads[g].data(),
+                                  .grad_type = kernels::DType::kBF16,
+                                  .n = kGroups[g].params};
+      kernels::AdamStep(
+          {&t, 1}, {.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true, .grad_scale = scale},
+          step, pool);
+    }
+  }
+
+  void ExpectParams(OffloadedAdam& opt, const char* when) {
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      std::vector<float> got(kGroups[g].params);
+      ASSERT_TRUE(opt.GetParams(g, got).ok());
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_NEAR(got[i], params_[g][i], 1e-6f * std::fabs(params_[g][i]) + 1e-12f)
+            << when << ", group " << g << ", parameter " << i;
+      }
+    }
+  }
+
+  uint64_t PathBytes(Client& c, const char* name) {
+    auto info = c.GetNodeInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    const PathStatus* p = info.ok() ? info->path(name) : nullptr;
+    return p == nullptr ? 0 : p->bytes;
+  }
+
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::vector<std::vector<float>> params_, m_, v_;
+};
+
+TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  EXPECT_FALSE(opt->resumed());
+  EXPECT_GT(opt->state_bytes(), 3 * kBudget);
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    absl::Status set = opt->SetParams(g, params_[g]);
+    ASSERT_TRUE(set.ok()) << set;
+  }
+
+  for (int step = 1; step <= 3; ++step) {
+    const float scale = 64.0f;
+    auto grads = Gradients(step, scale);
+    std::vector<std::vector<uint16_t>> out;
+    for (const ParamGroup& g : kGroups) out.emplace_back(g.params);
+    const uint64_t read_before = PathBytes(opt->client(), "nvme_to_host");
+    const uint64_t written_before = PathBytes(opt->client(), "host_to_nvme");
+    ASSERT_TRUE(opt->BeginStep(scale).ok());
+    // Backward produces the last group's gradients first; step 2 gives them in declared order.
+    const std::vector<size_t> order =
+        step == 2 ? std::vector<size_t>{0, 1} : std::vector<size_t>{1, 0};
+    for (size_t g : order) {
+      ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16, out[g].data(),
+                                 ScalarType::kBFloat16)
+                      .ok());
+    }
+    auto stats = opt->FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->step, step);
+    EXPECT_TRUE(stats->skipped_groups.empty());
+    EXPECT_EQ(stats->state_bytes, opt->state_bytes());
+    ReferenceStep(grads, step, scale, {0, 1});
+    // The state did not fit: (nearly) all of it came up from NVMe and went back down.
+    EXPECT_GE(PathBytes(opt->client(), "nvme_to_host") - read_before, opt->state_bytes() - kBudget);
+    EXPECT_GE(PathBytes(opt->client(), "host_to_nvme") - written_before, opt->state_bytes());
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      for (size_t i = 0; i < kGroups[g].params; i += 997) {
+        ASSERT_EQ(out[g][i], kernels::ToBF16(params_[g][i])) << "step " << step << " group " << g;
+      }
+    }
+  }
+  EXPECT_EQ(opt->steps_taken(), 3);
+  ExpectParams(*opt, "after 3 steps");
+}
+
+TEST_F(OptimizerTest, ResumesItsStateAfterTheProcessAndTheDaemonStop) {
+  {
+    auto opt = Create(Options());
+    ASSERT_NE(opt, nullptr);
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      absl::Status set = opt->SetParams(g, params_[g]);
+      ASSERT_TRUE(set.ok()) << set;
+    }
+    for (int step = 1; step <= 2; ++step) {
+      auto grads = Gradients(step, 1.0f);
+      {
+        absl::Status begun = opt->BeginStep();
+        ASSERT_TRUE(begun.ok()) << begun;
+      }
+      for (size_t g = 0; g < kGroups.size(); ++g) {
+        ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+      }
+      ASSERT_TRUE(opt->FinishStep().ok());
+      ReferenceStep(grads, step, 1.0f, {0, 1});
+    }
+  }
+  daemon_->Kill();  // no orderly shutdown: what FinishStep acknowledged must be durable
+  ASSERT_TRUE(daemon_->Restart().ok()) << daemon_->Log();
+
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->resumed());
+  EXPECT_EQ(opt->steps_taken(), 2);
+  ExpectParams(*opt, "resumed");
+  auto grads = Gradients(3, 1.0f);
+  {
+    absl::Status begun = opt->BeginStep();
+    ASSERT_TRUE(begun.ok()) << begun;
+  }
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+  }
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->step, 3);  // bias correction continues from the resumed count
+  ReferenceStep(grads, 3, 1.0f, {0, 1});
+  ExpectParams(*opt, "a step after resuming");
+}
+
+TEST_F(OptimizerTest, RefusesStateOfOtherGroupsUnlessReset) {
+  {
+    auto opt = Create(Options());
+    ASSERT_NE(opt, nullptr);
+    ASSERT_TRUE(opt->SetParams(0, params_[0]).ok());
+  }
+  const std::vector<ParamGroup> other = {{"embed", 700001}, {"layer0", 500001}};
+  auto refused = OffloadedAdam::Create(other, Options());
+  ASSERT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("'layer0' of 500000"), std::string::npos)
+      << refused.status();
+
+  OffloadedAdamOptions reset = Options();
+  reset.reset = true;
+  auto fresh = OffloadedAdam::Create(other, reset);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_FALSE((*fresh)->resumed());
+  EXPECT_FALSE((*fresh)->initialized(0));
+  EXPECT_EQ((*fresh)->steps_taken(), 0);
+}
+
+TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
+  {
+    auto opt = Create(Options());
+    ASSERT_NE(opt, nullptr);
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      absl::Status set = opt->SetParams(g, params_[g]);
+      ASSERT_TRUE(set.ok()) << set;
+    }
+    auto grads = Gradients(1, 1.0f);
+    {
+      absl::Status begun = opt->BeginStep();
+      ASSERT_TRUE(begun.ok()) << begun;
+    }
+    ASSERT_TRUE(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16).ok());
+    // The process stops here: group 0 may be updated, group 1 is not.
+  }
+  auto torn = OffloadedAdam::Create(kGroups, Options());
+  ASSERT_TRUE(absl::IsDataLoss(torn.status())) << torn.status();
+  EXPECT_NE(torn.status().message().find("step 1 did not finish"), std::string::npos)
+      << torn.status();
+  OffloadedAdamOptions reset = Options();
+  reset.reset = true;
+  EXPECT_TRUE(OffloadedAdam::Create(kGroups, reset).ok());
+}
+
+TEST_F(OptimizerTest, AGroupWithNonFiniteGradientsIsLeftAsItWas) {
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    absl::Status set = opt->SetParams(g, params_[g]);
+    ASSERT_TRUE(set.ok()) << set;
+  }
+  auto grads = Gradients(1, 1.0f);
+  grads[1][kGroups[1].params - 3] = 0x7FC0;  // NaN, in the last shard's tail
+  {
+    absl::Status begun = opt->BeginStep();
+    ASSERT_TRUE(begun.ok()) << begun;
+  }
+  ASSERT_TRUE(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16).ok());
+  ASSERT_TRUE(opt->StepGroup(1, grads[1].data(), ScalarType::kBFloat16).ok());
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->skipped_groups, std::vector<size_t>{1});
+  ReferenceStep(grads, 1, 1.0f, {0});
+  ExpectParams(*opt, "group 1 skipped");
+}
+
+TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
+  OffloadedAdamOptions small = Options();
+  small.host_budget_bytes = 1 << 20;
+  small.shard_params = 1 << 20;
+  auto refused = OffloadedAdam::Create(kGroups, small);
+  ASSERT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("fewer than 3 shards"), std::string::npos);
+  for (const std::vector<ParamGroup>& bad :
+       {std::vector<ParamGroup>{}, std::vector<ParamGroup>{{"a/b", 10}},
+        std::vector<ParamGroup>{{"a", 10}, {"a", 20}}, std::vector<ParamGroup>{{"a", 0}}}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(bad, Options()).status()));
+  }
+  OffloadedAdamOptions bad_beta = Options();
+  bad_beta.hyper.beta2 = 1.0f;
+  EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(kGroups, bad_beta).status()));
+
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  auto grads = Gradients(1, 1.0f);
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(opt->FinishStep().status()));
+  EXPECT_TRUE(
+      absl::IsInvalidArgument(opt->SetParams(0, std::span<const float>(params_[0]).first(5))));
+  ASSERT_TRUE(opt->SetParams(0, params_[0]).ok());
+  {
+    absl::Status begun = opt->BeginStep();
+    ASSERT_TRUE(begun.ok()) << begun;
+  }
+  EXPECT_TRUE(absl::IsFailedPrecondition(opt->BeginStep()));
+  EXPECT_TRUE(absl::IsOutOfRange(opt->StepGroup(2, grads[0].data(), ScalarType::kBFloat16)));
+  EXPECT_TRUE(absl::IsInvalidArgument(opt->StepGroup(0, nullptr, ScalarType::kBFloat16)));
+  // Group 1 never got weights.
+  auto s = opt->StepGroup(1, grads[1].data(), ScalarType::kBFloat16);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("call SetParams"), std::string::npos) << s;
+  ASSERT_TRUE(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16).ok());
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16)));
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ReferenceStep(grads, 1, 1.0f, {0});
+  std::vector<float> got(kGroups[0].params);
+  ASSERT_TRUE(opt->GetParams(0, got).ok());
+  for (size_t i = 0; i < got.size(); i += 101) {
+    ASSERT_NEAR(got[i], params_[0][i], 1e-6f * std::fabs(params_[0][i]) + 1e-12f) << i;
+  }
+}
+
+}  // namespace
+}  // namespace tierd
