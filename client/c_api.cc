@@ -6,12 +6,20 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cpu_adam.h"
 #include "tierd/client.h"
 #include "tierd/client.hpp"
+#include "tierd/optimizer.hpp"
 
 struct tierd_client {
   std::unique_ptr<tierd::Client> client;
+};
+
+struct tierd_adam {
+  std::unique_ptr<tierd::OffloadedAdam> adam;
 };
 
 namespace {
@@ -46,6 +54,21 @@ std::span<const tierd::ChunkId> Ids(size_t n, const tierd_chunk_id* ids) { retur
 
 tierd::CompletionToken Token(tierd_completion c) { return {c.slot, c.sequence}; }
 tierd_completion Token(tierd::CompletionToken t) { return {t.slot, t.sequence}; }
+
+bool ValidDType(int t) { return t == TIERD_FLOAT32 || t == TIERD_BFLOAT16 || t == TIERD_FLOAT16; }
+
+tierd::kernels::DType KernelType(int t) {
+  return t == TIERD_BFLOAT16  ? tierd::kernels::DType::kBF16
+         : t == TIERD_FLOAT16 ? tierd::kernels::DType::kF16
+                              : tierd::kernels::DType::kF32;
+}
+
+int64_t Nanos(absl::Duration d) { return absl::ToInt64Nanoseconds(d); }
+
+// The pool behind tierd_cpu_adam_step: one per process, rebuilt when a call asks for another size.
+absl::Mutex pool_mu;
+std::unique_ptr<tierd::kernels::ThreadPool> pool ABSL_GUARDED_BY(pool_mu);
+int pool_threads ABSL_GUARDED_BY(pool_mu) = -1;
 
 }  // namespace
 
@@ -324,6 +347,191 @@ tierd_status tierd_chunk_count(tierd_client* client, uint64_t* out) {
     absl::StatusOr<std::vector<tierd::ChunkInfo>> chunks = client->client->ListChunks();
     if (!chunks.ok()) return Fail(chunks.status());
     *out = chunks->size();
+    return TIERD_OK;
+  });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+tierd_status tierd_cpu_adam_step(float* param, float* m, float* v, const void* grad, int grad_dtype,
+                                 void* out, int out_dtype, uint64_t n,
+                                 const tierd_adam_hyper* hyper, float grad_scale, int64_t step,
+                                 int threads) {
+  if (param == nullptr || m == nullptr || v == nullptr || grad == nullptr || hyper == nullptr) {
+    return Invalid("tierd_cpu_adam_step: NULL argument");
+  }
+  if (!ValidDType(grad_dtype) ||
+      (out != nullptr && out_dtype != TIERD_BFLOAT16 && out_dtype != TIERD_FLOAT16)) {
+    return Invalid(
+        "tierd_cpu_adam_step: grad_dtype must be a tierd_dtype and out_dtype "
+        "TIERD_BFLOAT16 or TIERD_FLOAT16");
+  }
+  if (step < 1 || !(grad_scale > 0) || threads < 0) {
+    return Invalid("tierd_cpu_adam_step: step counts from 1, grad_scale > 0, threads >= 0");
+  }
+  return Guard([&] {
+    const tierd::kernels::AdamTensor t{.param = param,
+                                       .m = m,
+                                       .v = v,
+                                       .grad = grad,
+                                       .grad_type = KernelType(grad_dtype),
+                                       .out = out,
+                                       .out_type = KernelType(out_dtype),
+                                       .n = n};
+    const tierd::kernels::AdamOptions o{.lr = hyper->lr,
+                                        .beta1 = hyper->beta1,
+                                        .beta2 = hyper->beta2,
+                                        .eps = hyper->eps,
+                                        .weight_decay = hyper->weight_decay,
+                                        .decoupled = hyper->adamw != 0,
+                                        .grad_scale = grad_scale};
+    absl::MutexLock lock(&pool_mu);
+    if (pool == nullptr || pool_threads != threads) {
+      pool.reset();
+      pool = std::make_unique<tierd::kernels::ThreadPool>(threads);
+      pool_threads = threads;
+    }
+    tierd::kernels::AdamStep({&t, 1}, o, step, *pool);
+    return TIERD_OK;
+  });
+}
+
+void tierd_adam_options_init(tierd_adam_options* options) {
+  if (options == nullptr) return;
+  const tierd::OffloadedAdamOptions d;
+  *options = tierd_adam_options{.socket_dir = nullptr,
+                                .name = "adam",
+                                .home_tier = static_cast<int32_t>(d.home),
+                                .persistent = d.persistent ? 1 : 0,
+                                .reset = d.reset ? 1 : 0,
+                                .threads = d.threads,
+                                .check_finite = d.check_finite ? 1 : 0,
+                                .host_budget_bytes = d.host_budget_bytes,
+                                .shard_params = d.shard_params,
+                                .hyper = {.lr = d.hyper.lr,
+                                          .beta1 = d.hyper.beta1,
+                                          .beta2 = d.hyper.beta2,
+                                          .eps = d.hyper.eps,
+                                          .weight_decay = d.hyper.weight_decay,
+                                          .adamw = d.hyper.adamw ? 1 : 0}};
+}
+
+tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
+                               const uint64_t* group_params, const tierd_adam_options* options,
+                               tierd_adam** out) {
+  if (out == nullptr) return Invalid("tierd_adam_create: out is NULL");
+  *out = nullptr;
+  if (options == nullptr || (n_groups > 0 && (group_names == nullptr || group_params == nullptr))) {
+    return Invalid("tierd_adam_create: NULL argument");
+  }
+  if (options->home_tier != TIERD_TIER_HOST && options->home_tier != TIERD_TIER_NVME) {
+    return Invalid("tierd_adam_create: home_tier must be TIERD_TIER_HOST or TIERD_TIER_NVME");
+  }
+  return Guard([&] {
+    std::vector<tierd::ParamGroup> groups;
+    for (size_t g = 0; g < n_groups; ++g) {
+      if (group_names[g] == nullptr) return Invalid("tierd_adam_create: a group name is NULL");
+      groups.push_back({group_names[g], group_params[g]});
+    }
+    tierd::OffloadedAdamOptions o;
+    if (options->socket_dir != nullptr) o.client.socket_dir = options->socket_dir;
+    if (options->name != nullptr) o.name = options->name;
+    o.home = static_cast<tierd::Tier>(options->home_tier);
+    o.persistent = options->persistent != 0;
+    o.reset = options->reset != 0;
+    o.threads = options->threads;
+    o.check_finite = options->check_finite != 0;
+    o.host_budget_bytes = options->host_budget_bytes;
+    o.shard_params = options->shard_params;
+    o.hyper = {.lr = options->hyper.lr,
+               .beta1 = options->hyper.beta1,
+               .beta2 = options->hyper.beta2,
+               .eps = options->hyper.eps,
+               .weight_decay = options->hyper.weight_decay,
+               .adamw = options->hyper.adamw != 0};
+    absl::StatusOr<std::unique_ptr<tierd::OffloadedAdam>> adam =
+        tierd::OffloadedAdam::Create(groups, o);
+    if (!adam.ok()) return Fail(adam.status());
+    *out = new tierd_adam{std::move(*adam)};
+    return TIERD_OK;
+  });
+}
+
+void tierd_adam_destroy(tierd_adam* adam) {
+  try {
+    delete adam;
+  } catch (...) {
+  }
+}
+
+int tierd_adam_resumed(const tierd_adam* adam) {
+  return adam != nullptr && adam->adam->resumed() ? 1 : 0;
+}
+
+int64_t tierd_adam_steps_taken(const tierd_adam* adam) {
+  return adam == nullptr ? 0 : adam->adam->steps_taken();
+}
+
+int tierd_adam_initialized(const tierd_adam* adam, size_t group) {
+  return adam != nullptr && adam->adam->initialized(group) ? 1 : 0;
+}
+
+uint64_t tierd_adam_state_bytes(const tierd_adam* adam) {
+  return adam == nullptr ? 0 : adam->adam->state_bytes();
+}
+
+tierd_status tierd_adam_set_params(tierd_adam* adam, size_t group, const float* values,
+                                   uint64_t n) {
+  if (adam == nullptr || values == nullptr) return Invalid("tierd_adam_set_params: NULL argument");
+  return Guard([&] { return Done(adam->adam->SetParams(group, {values, n})); });
+}
+
+tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, uint64_t n) {
+  if (adam == nullptr || out == nullptr) return Invalid("tierd_adam_get_params: NULL argument");
+  return Guard([&] { return Done(adam->adam->GetParams(group, {out, n})); });
+}
+
+tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr) {
+  if (adam == nullptr) return Invalid("tierd_adam_set_lr: NULL optimizer");
+  if (!(lr >= 0)) return Invalid("tierd_adam_set_lr: lr must be >= 0");
+  adam->adam->SetLearningRate(lr);
+  return TIERD_OK;
+}
+
+tierd_status tierd_adam_begin_step(tierd_adam* adam, float grad_scale) {
+  if (adam == nullptr) return Invalid("tierd_adam_begin_step: NULL optimizer");
+  return Guard([&] { return Done(adam->adam->BeginStep(grad_scale)); });
+}
+
+tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* grad, int grad_dtype,
+                                   void* out, int out_dtype) {
+  if (adam == nullptr) return Invalid("tierd_adam_step_group: NULL optimizer");
+  if (!ValidDType(grad_dtype) || !ValidDType(out_dtype)) {
+    return Invalid("tierd_adam_step_group: grad_dtype and out_dtype must be tierd_dtype values");
+  }
+  return Guard([&] {
+    return Done(adam->adam->StepGroup(group, grad, static_cast<tierd::ScalarType>(grad_dtype), out,
+                                      static_cast<tierd::ScalarType>(out_dtype)));
+  });
+}
+
+tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out) {
+  if (adam == nullptr) return Invalid("tierd_adam_finish_step: NULL optimizer");
+  return Guard([&] {
+    absl::StatusOr<tierd::OptimizerStepStats> s = adam->adam->FinishStep();
+    if (!s.ok()) return Fail(s.status());
+    if (out != nullptr) {
+      *out =
+          tierd_adam_step_stats{.step = s->step,
+                                .wall_ns = static_cast<uint64_t>(Nanos(s->wall)),
+                                .compute_ns = static_cast<uint64_t>(Nanos(s->compute)),
+                                .state_wait_ns = static_cast<uint64_t>(Nanos(s->state_wait)),
+                                .write_wait_ns = static_cast<uint64_t>(Nanos(s->write_wait)),
+                                .state_bytes = s->state_bytes,
+                                .skipped_groups = static_cast<uint32_t>(s->skipped_groups.size())};
+    }
     return TIERD_OK;
   });
 }

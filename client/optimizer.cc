@@ -128,7 +128,7 @@ struct OffloadedAdam::Impl {
   size_t max_writes = 1;
   bool resumed = false;
   int64_t steps = 0;
-  float lr = 0;
+  double lr = 0;
 
   // The step in progress (the driving thread's; the worker reads it while the step runs).
   bool in_step = false;
@@ -517,8 +517,8 @@ bool OffloadedAdam::initialized(size_t group) const {
   return group < impl_->groups.size() && impl_->groups[group].initialized;
 }
 Client& OffloadedAdam::client() { return *impl_->client; }
-void OffloadedAdam::SetLearningRate(float lr) { impl_->lr = lr; }
-float OffloadedAdam::learning_rate() const { return impl_->lr; }
+void OffloadedAdam::SetLearningRate(double lr) { impl_->lr = lr; }
+double OffloadedAdam::learning_rate() const { return impl_->lr; }
 
 absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> values) {
   Impl& d = *impl_;

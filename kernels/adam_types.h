@@ -9,17 +9,20 @@ namespace tierd::kernels {
 
 enum class DType : uint8_t { kF32, kBF16, kF16 };
 
+// Hyperparameters in double, as the frameworks keep them: 1 - beta2 computed from a float beta2
+// of 0.999 is 0.00099998713, 1.3e-5 off the intended 0.001. The kernels get each constant rounded
+// once to float (MakeAdamConsts).
 struct AdamOptions {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   // AdamW: the decay shrinks the weights directly (p *= 1 - lr * weight_decay). Adam (false):
   // the decay is added to the gradient (g += weight_decay * p), as torch.optim.Adam does.
   bool decoupled = true;
   // Gradients arrive multiplied by this (loss scaling); the step divides it out.
-  float grad_scale = 1.0f;
+  double grad_scale = 1.0;
 };
 
 // One parameter tensor and its state. `grad` holds n values of `grad_type`; `out`, when set, gets

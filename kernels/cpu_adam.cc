@@ -78,19 +78,20 @@ Isa BestIsa() {
 }
 
 AdamConsts MakeAdamConsts(const AdamOptions& o, int64_t step) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(o.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(o.beta2), static_cast<double>(step));
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
+  auto f = [](double x) { return static_cast<float>(x); };
   return AdamConsts{
-      .inv_scale = 1.0f / o.grad_scale,
-      .b1 = o.beta1,
-      .one_minus_b1 = 1.0f - o.beta1,
-      .b2 = o.beta2,
-      .one_minus_b2 = 1.0f - o.beta2,
-      .decay_mult = o.decoupled ? 1.0f - o.lr * o.weight_decay : 1.0f,
-      .l2 = o.decoupled ? 0.0f : o.weight_decay,
-      .step_size = static_cast<float>(o.lr / bc1),
-      .inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2)),
-      .eps = o.eps,
+      .inv_scale = f(1.0 / o.grad_scale),
+      .b1 = f(o.beta1),
+      .one_minus_b1 = f(1.0 - o.beta1),
+      .b2 = f(o.beta2),
+      .one_minus_b2 = f(1.0 - o.beta2),
+      .decay_mult = o.decoupled ? f(1.0 - o.lr * o.weight_decay) : 1.0f,
+      .l2 = o.decoupled ? 0.0f : f(o.weight_decay),
+      .step_size = f(o.lr / bc1),
+      .inv_sqrt_bc2 = f(1.0 / std::sqrt(bc2)),
+      .eps = f(o.eps),
   };
 }
 

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 1
+#define TIERD_C_ABI_VERSION 2 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -163,6 +163,78 @@ tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight);
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);
 /* Number of chunks this session can see. */
 tierd_status tierd_chunk_count(tierd_client* client, uint64_t* out);
+
+/* ---- Optimizer (tierd/optimizer.hpp has the full description) ---- */
+
+typedef enum tierd_dtype { TIERD_FLOAT32 = 0, TIERD_BFLOAT16 = 1, TIERD_FLOAT16 = 2 } tierd_dtype;
+
+/* In double, as the frameworks keep them (1 - beta2 from a float 0.999 is 1.3e-5 off). */
+typedef struct tierd_adam_hyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  int32_t adamw; /* 1: decoupled weight decay (AdamW); 0: L2 added to the gradient (Adam) */
+} tierd_adam_hyper;
+
+/* One Adam step (step counts from 1) in place over n parameters in this process's memory: fp32
+ * param, m and v; grad of grad_dtype, divided by grad_scale; out (may be NULL) receives the new
+ * weights as out_dtype (TIERD_BFLOAT16 or TIERD_FLOAT16). Vectorized for the running CPU, on a
+ * process-wide pool of `threads` pinned threads (0: one per CPU this process may use). */
+tierd_status tierd_cpu_adam_step(float* param, float* m, float* v, const void* grad, int grad_dtype,
+                                 void* out, int out_dtype, uint64_t n,
+                                 const tierd_adam_hyper* hyper, float grad_scale, int64_t step,
+                                 int threads);
+
+typedef struct tierd_adam tierd_adam;
+
+typedef struct tierd_adam_options {
+  const char* socket_dir; /* NULL: $TIERD_SOCKET_DIR, else /run/tierd */
+  const char* name;       /* names the state chunks ("<name>/<group>/<shard>") */
+  int32_t home_tier;      /* TIERD_TIER_NVME or TIERD_TIER_HOST */
+  int32_t persistent;     /* the state outlives the process; reopened by name */
+  int32_t reset;          /* discard persistent state of this name */
+  int32_t threads;        /* kernel threads, 0: one per CPU */
+  int32_t check_finite;   /* skip (and report) groups with infinite or NaN gradients */
+  uint64_t host_budget_bytes;
+  uint64_t shard_params; /* parameters per state chunk, 0: chosen from the budget */
+  tierd_adam_hyper hyper;
+} tierd_adam_options;
+
+typedef struct tierd_adam_step_stats {
+  int64_t step; /* the step just taken, counting from 1 across resumptions */
+  uint64_t wall_ns;
+  uint64_t compute_ns;
+  uint64_t state_wait_ns; /* waiting for state to arrive in the host tier */
+  uint64_t write_wait_ns; /* waiting for write-backs */
+  uint64_t state_bytes;
+  uint32_t skipped_groups; /* groups left as they were: their gradients were not finite */
+} tierd_adam_step_stats;
+
+/* The defaults (those of tierd::OffloadedAdamOptions). */
+void tierd_adam_options_init(tierd_adam_options* options);
+/* Opens the optimizer's own session and its state: n_groups groups named group_names[i] of
+ * group_params[i] parameters. See tierd::OffloadedAdam::Create for the errors. */
+tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
+                               const uint64_t* group_params, const tierd_adam_options* options,
+                               tierd_adam** out);
+void tierd_adam_destroy(tierd_adam* adam);
+int tierd_adam_resumed(const tierd_adam* adam);
+int64_t tierd_adam_steps_taken(const tierd_adam* adam);
+int tierd_adam_initialized(const tierd_adam* adam, size_t group);
+uint64_t tierd_adam_state_bytes(const tierd_adam* adam);
+/* A group's fp32 master weights (n must be its parameter count); set_params zeroes m and v. */
+tierd_status tierd_adam_set_params(tierd_adam* adam, size_t group, const float* values, uint64_t n);
+tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, uint64_t n);
+/* From the next step on. */
+tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr);
+tierd_status tierd_adam_begin_step(tierd_adam* adam, float grad_scale);
+/* Queues a group's step and returns; grad and out (may be NULL) must stay valid until
+ * tierd_adam_finish_step returns. */
+tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* grad, int grad_dtype,
+                                   void* out, int out_dtype);
+tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
 
 #ifdef __cplusplus
 }

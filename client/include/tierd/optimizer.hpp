@@ -36,12 +36,13 @@ namespace tierd {
 
 enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// In double, as the frameworks keep them (1 - beta2 from a float 0.999 is 1.3e-5 off).
 struct AdamHyperparameters {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
   // AdamW (decoupled decay, p *= 1 - lr * weight_decay) when true; Adam with L2 decay added to the
   // gradient, as torch.optim.Adam does, when false.
   bool adamw = true;
@@ -112,8 +113,8 @@ class OffloadedAdam {
   // Reads a group's fp32 master weights.
   absl::Status GetParams(size_t group, std::span<float> out);
   // Takes effect from the next BeginStep (learning-rate schedules).
-  void SetLearningRate(float lr);
-  float learning_rate() const;
+  void SetLearningRate(double lr);
+  double learning_rate() const;
 
   // Starts a step. Gradients arrive multiplied by grad_scale (loss scaling; 1 for none).
   absl::Status BeginStep(float grad_scale = 1.0f);
