@@ -104,5 +104,7 @@ inline double Move(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd:
 
 // Modes with files of their own.
 int Replay(int argc, char** argv);
+int Adam(int argc, char** argv);         // bench/adam.cc
+int OffloadStep(int argc, char** argv);  // bench/adam.cc
 
 }  // namespace tierd::bench

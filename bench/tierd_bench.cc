@@ -6,6 +6,8 @@
 //                    [--tune]
 //   tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] [--dir=DIR]
 //   tierd-bench replay [--json] [--policies=on_demand,hints,trace] ... (bench/replay.cc)
+//   tierd-bench adam [--json] [--params=1e7,1e8,1e9] [--threads=1,2] ... (bench/adam.cc)
+//   tierd-bench offload-step [--json] [--params=1e8] [--dir=DIR] ... (bench/adam.cc)
 //
 // Without --socket_dir it starts its own tierd (from the build tree) on a temporary directory.
 #include <sys/syscall.h>
@@ -528,6 +530,10 @@ bool Parse(int argc, char** argv, Options* o) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "replay") return tierd::bench::Replay(argc, argv);
+  if (argc >= 2 && std::string_view(argv[1]) == "adam") return tierd::bench::Adam(argc, argv);
+  if (argc >= 2 && std::string_view(argv[1]) == "offload-step") {
+    return tierd::bench::OffloadStep(argc, argv);
+  }
   Options o;
   if (!Parse(argc, argv, &o)) {
     std::fprintf(stderr,
@@ -537,7 +543,9 @@ int main(int argc, char** argv) {
                  "[--queue_depth=32] [--tune]\n"
                  "       tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] "
                  "[--dir=DIR]\n"
-                 "       tierd-bench replay --help\n");
+                 "       tierd-bench replay --help\n"
+                 "       tierd-bench adam --help\n"
+                 "       tierd-bench offload-step --help\n");
     return 2;
   }
   if (o.mode == "nvme") return Nvme(o);

@@ -126,6 +126,7 @@ struct OffloadedAdam::Impl {
   uint64_t shard_count = 0;
   uint64_t state_bytes = 0;
   size_t max_writes = 1;
+  uint64_t read_ahead_bytes = 0;  // the planner's host quota for this session
   bool resumed = false;
   int64_t steps = 0;
   double lr = 0;
@@ -226,7 +227,8 @@ struct OffloadedAdam::Impl {
     }
     declared_order = order;
     if (!nvme_home()) return absl::OkStatus();
-    return client->SetSchedule(steps_list, {.host_quota_bytes = options.host_budget_bytes});
+    return client->SetSchedule(steps_list,
+                               {.host_quota_bytes = std::max<uint64_t>(read_ahead_bytes, 1)});
   }
 
   void Run() {
@@ -432,19 +434,15 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
     if (absl::Status s = WriteMeta(false); !s.ok()) return s;
   }
 
-  const uint64_t largest = groups.empty() ? 0
-                                          : RoundUp(std::min(shard_params,
-                                                             [&] {
-                                                               uint64_t m = 0;
-                                                               for (const Group& g : groups)
-                                                                 m = std::max(m, g.spec.params);
-                                                               return m;
-                                                             }()) *
-                                                        4,
-                                                    kPage) *
-                                                3;
-  max_writes =
-      std::max<uint64_t>(1, options.host_budget_bytes / std::max<uint64_t>(largest, 1) / 4);
+  // The budget holds the shard being computed, the write-backs in flight (a quarter of it) and
+  // the read-ahead the planner may fill (the rest).
+  uint64_t largest = 0;
+  for (const Group& group : groups) {
+    for (const Shard& sh : group.shards) largest = std::max(largest, sh.bytes());
+  }
+  max_writes = std::max<uint64_t>(1, options.host_budget_bytes / largest / 4);
+  read_ahead_bytes =
+      options.host_budget_bytes - std::min(options.host_budget_bytes, (max_writes + 1) * largest);
   std::vector<size_t> order(groups.size());
   for (size_t g = 0; g < order.size(); ++g) order[g] = g;
   return DeclareSchedule(order);

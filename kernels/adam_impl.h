@@ -30,7 +30,8 @@ AdamConsts MakeAdamConsts(const AdamOptions& options, int64_t step);
 // The entry points each instruction set provides.
 struct AdamIsa {
   void (*update)(const AdamTensor& t, size_t begin, size_t end, const AdamConsts& c);
-  bool (*finite)(const AdamTensor& t, size_t begin, size_t end);  // the gradients in the range
+  bool (*finite)(const AdamTensor& t, size_t begin, size_t end);     // the gradients in the range
+  void (*bandwidth)(const AdamTensor& t, size_t begin, size_t end);  // BandwidthPass
 };
 
 namespace portable {
@@ -162,9 +163,43 @@ bool Finite(const AdamTensor& t, size_t begin, size_t end) {
   return !bad;
 }
 
+// The same loads and stores as UpdateVectors with one multiply-add per array in between.
+template <DType G>
+void BandwidthVectors(const AdamTensor& t, size_t begin, size_t end) {
+  using R = typename Vec::R;
+  const R s = Vec::Set1(1e-7f);
+  for (size_t i = begin; i < end; i += Vec::kWidth) {
+    const R g = LoadGrad<G>(t.grad, i);
+    Vec::StoreF32(t.param + i, Vec::Fma(s, g, Vec::LoadF32(t.param + i)));
+    Vec::StoreF32(t.m + i, Vec::Fma(s, g, Vec::LoadF32(t.m + i)));
+    Vec::StoreF32(t.v + i, Vec::Fma(s, g, Vec::LoadF32(t.v + i)));
+  }
+}
+
+void Bandwidth(const AdamTensor& t, size_t begin, size_t end) {
+  const size_t vector_end = begin + (end - begin) / Vec::kWidth * Vec::kWidth;
+  switch (t.grad_type) {
+    case DType::kF32:
+      BandwidthVectors<DType::kF32>(t, begin, vector_end);
+      break;
+    case DType::kBF16:
+      BandwidthVectors<DType::kBF16>(t, begin, vector_end);
+      break;
+    case DType::kF16:
+      BandwidthVectors<DType::kF16>(t, begin, vector_end);
+      break;
+  }
+  for (size_t i = vector_end; i < end; ++i) {
+    const float g = ScalarGrad(t, i) * 1e-7f;
+    t.param[i] += g;
+    t.m[i] += g;
+    t.v[i] += g;
+  }
+}
+
 }  // namespace
 
-const AdamIsa kIsa = {&Update, &Finite};
+const AdamIsa kIsa = {&Update, &Finite, &Bandwidth};
 
 }  // namespace tierd::kernels::TIERD_ADAM_NS
 #endif  // TIERD_ADAM_NS

@@ -120,4 +120,13 @@ void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& o, int64_t
   });
 }
 
+void BandwidthPass(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa) {
+  assert(Supported(isa));
+  const AdamIsa& k = Kernels(isa);
+  pool.RunOnAll([&](int w) {
+    ForShare(tensors, w, pool.size(),
+             [&](const AdamTensor& t, size_t lo, size_t hi) { k.bandwidth(t, lo, hi); });
+  });
+}
+
 }  // namespace tierd::kernels

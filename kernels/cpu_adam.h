@@ -29,4 +29,9 @@ bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa 
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& options, int64_t step,
               ThreadPool& pool, Isa isa = BestIsa());
 
+// The memory's bound for AdamStep, for benchmarks: the same loads and stores over the same tensors
+// (p, g, m, v read; p, m, v written) with one multiply-add per array instead of Adam's arithmetic.
+// Changes p, m and v.
+void BandwidthPass(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa = BestIsa());
+
 }  // namespace tierd::kernels
