@@ -26,6 +26,8 @@ demo: build
 bench: build
 	$(BUILD)/bench/tierd-bench control
 	$(BUILD)/bench/tierd-bench replay
+	$(BUILD)/bench/tierd-bench adam --params=1e7,1e8
+	$(BUILD)/bench/tierd-bench offload-step
 
 clean:
 	rm -rf $(BUILD) var

@@ -435,7 +435,8 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
   }
 
   // The budget holds the shard being computed, the write-backs in flight (a quarter of it) and
-  // the read-ahead the planner may fill (the rest).
+  // the read-ahead the planner may fill (the rest: its quota). With the quota at the whole budget
+  // the host tier's use went past the budget by about two shards (tierd-bench offload-step).
   uint64_t largest = 0;
   for (const Group& group : groups) {
     for (const Shard& sh : group.shards) largest = std::max(largest, sh.bytes());
