@@ -50,6 +50,13 @@ std::pair<size_t, size_t> Share(size_t n, int w, int workers) {
   return {cut(w), cut(w + 1)};
 }
 
+// True when `arg` is `name` followed by a value, which goes to *value ("--params=" "1e8").
+bool FlagValue(const std::string& arg, const char* name, std::string* value) {
+  if (arg.rfind(name, 0) != 0) return false;
+  *value = arg.substr(std::strlen(name));
+  return true;
+}
+
 struct AdamOptions {
   bool json = false;
   std::vector<uint64_t> sizes = {10'000'000, 100'000'000, 1'000'000'000};
@@ -62,11 +69,7 @@ struct AdamOptions {
 bool ParseAdam(int argc, char** argv, AdamOptions* o) {
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    auto flag = [&](const char* name, std::string* v) {
-      if (a.rfind(name, 0) != 0) return false;
-      *v = a.substr(std::strlen(name));
-      return true;
-    };
+    auto flag = [&](const char* name, std::string* v) { return FlagValue(a, name, v); };
     std::string v;
     if (a == "--json") {
       o->json = true;
@@ -233,11 +236,7 @@ struct OffloadOptions {
 bool ParseOffload(int argc, char** argv, OffloadOptions* o) {
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    auto flag = [&](const char* name, std::string* v) {
-      if (a.rfind(name, 0) != 0) return false;
-      *v = a.substr(std::strlen(name));
-      return true;
-    };
+    auto flag = [&](const char* name, std::string* v) { return FlagValue(a, name, v); };
     std::string v;
     double x;
     if (a == "--json") {

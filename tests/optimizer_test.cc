@@ -93,6 +93,14 @@ class OptimizerTest : public ::testing::Test {
     }
   }
 
+  // The optimizer's initial weights: params_ (m and v zero).
+  void SetAll(OffloadedAdam& opt) {
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      absl::Status set = opt.SetParams(g, params_[g]);
+      ASSERT_TRUE(set.ok()) << set;
+    }
+  }
+
   void ExpectParams(OffloadedAdam& opt, const char* when) {
     for (size_t g = 0; g < kGroups.size(); ++g) {
       std::vector<float> got(kGroups[g].params);
@@ -120,10 +128,7 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
   ASSERT_NE(opt, nullptr);
   EXPECT_FALSE(opt->resumed());
   EXPECT_GT(opt->state_bytes(), 3 * kBudget);
-  for (size_t g = 0; g < kGroups.size(); ++g) {
-    absl::Status set = opt->SetParams(g, params_[g]);
-    ASSERT_TRUE(set.ok()) << set;
-  }
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
 
   for (int step = 1; step <= 3; ++step) {
     const float scale = 64.0f;
@@ -164,10 +169,7 @@ TEST_F(OptimizerTest, ResumesItsStateAfterTheProcessAndTheDaemonStop) {
   {
     auto opt = Create(Options());
     ASSERT_NE(opt, nullptr);
-    for (size_t g = 0; g < kGroups.size(); ++g) {
-      absl::Status set = opt->SetParams(g, params_[g]);
-      ASSERT_TRUE(set.ok()) << set;
-    }
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
     for (int step = 1; step <= 2; ++step) {
       auto grads = Gradients(step, 1.0f);
       {
@@ -229,10 +231,7 @@ TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
   {
     auto opt = Create(Options());
     ASSERT_NE(opt, nullptr);
-    for (size_t g = 0; g < kGroups.size(); ++g) {
-      absl::Status set = opt->SetParams(g, params_[g]);
-      ASSERT_TRUE(set.ok()) << set;
-    }
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
     auto grads = Gradients(1, 1.0f);
     {
       absl::Status begun = opt->BeginStep();
@@ -253,10 +252,7 @@ TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
 TEST_F(OptimizerTest, AGroupWithNonFiniteGradientsIsLeftAsItWas) {
   auto opt = Create(Options());
   ASSERT_NE(opt, nullptr);
-  for (size_t g = 0; g < kGroups.size(); ++g) {
-    absl::Status set = opt->SetParams(g, params_[g]);
-    ASSERT_TRUE(set.ok()) << set;
-  }
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
   auto grads = Gradients(1, 1.0f);
   grads[1][kGroups[1].params - 3] = 0x7FC0;  // NaN, in the last shard's tail
   {
