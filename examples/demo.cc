@@ -176,12 +176,11 @@ int main(int argc, char** argv) {
   const double read = static_cast<double>(PathBytes(opt.client(), "nvme_to_host") - read0);
   const double written = static_cast<double>(PathBytes(opt.client(), "host_to_nvme") - written0);
   std::printf(
-      "summary: %d steps in %.1f s (%.2f s per step, %.0f M parameters updated per "
-      "second); NVMe read %s, written %s (%.2f GB/s both ways); the optimizer's tail "
-      "after backward %.2f s per step; total run %.1f s\n",
+      "summary: %d steps in %.1f s (%.2f s per step, %.0f M parameters updated per second); NVMe "
+      "read %s, written %s (%.2f GB/s both ways); per step, the optimizer's tail after backward "
+      "%.2f s and its wait for state %.2f s; total run %.1f s\n",
       iterations, loop_s, loop_s / iterations, params * iterations / loop_s / 1e6, Gb(read).c_str(),
       Gb(written).c_str(), (read + written) / loop_s / 1e9, optimizer_wait_s / iterations,
-      absl::ToDoubleSeconds(absl::Now() - start));
-  (void)stall_s;
+      stall_s / iterations, absl::ToDoubleSeconds(absl::Now() - start));
   return 0;
 }

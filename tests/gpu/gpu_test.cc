@@ -290,22 +290,21 @@ TEST_P(GpuAdamTest, MatchesTheCpuKernelsOverSeveralTensors) {
 
   int* finite;
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&finite), sizeof(int)), cudaSuccess);
-  int one = 1, result = -1;
-  cudaMemcpy(finite, &one, sizeof(int), cudaMemcpyHostToDevice);
-  ASSERT_EQ(kernels::GpuGradientsFinite(gpu.data(), gpu.size(), grad_type, finite, nullptr),
-            cudaSuccess);
-  cudaMemcpy(&result, finite, sizeof(int), cudaMemcpyDeviceToHost);
-  EXPECT_EQ(result, 1);
+  auto all_finite = [&] {
+    int result = 1;
+    cudaMemcpy(finite, &result, sizeof(int), cudaMemcpyHostToDevice);
+    EXPECT_EQ(kernels::GpuGradientsFinite(gpu.data(), gpu.size(), grad_type, finite, nullptr),
+              cudaSuccess);
+    cudaMemcpy(&result, finite, sizeof(int), cudaMemcpyDeviceToHost);
+    return result;
+  };
+  EXPECT_EQ(all_finite(), 1);
   const uint16_t inf16 = grad_type == kernels::DType::kF16 ? 0x7C00 : 0x7F80;
   const float inf32 = INFINITY;
   cudaMemcpy(static_cast<char*>(dg) + (total - 7) * grad_bytes,
              grad_type == kernels::DType::kF32 ? static_cast<const void*>(&inf32) : &inf16,
              grad_bytes, cudaMemcpyHostToDevice);
-  cudaMemcpy(finite, &one, sizeof(int), cudaMemcpyHostToDevice);
-  ASSERT_EQ(kernels::GpuGradientsFinite(gpu.data(), gpu.size(), grad_type, finite, nullptr),
-            cudaSuccess);
-  cudaMemcpy(&result, finite, sizeof(int), cudaMemcpyDeviceToHost);
-  EXPECT_EQ(result, 0);
+  EXPECT_EQ(all_finite(), 0);
   for (void* ptr : {static_cast<void*>(dp), static_cast<void*>(dm), static_cast<void*>(dv), dg,
                     dout, static_cast<void*>(finite)}) {
     cudaFree(ptr);
