@@ -785,7 +785,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
           batch->Done(s);
         });
       },
-      OrderFor(chunk, absl::Now()));
+      OrderFor(chunk, absl::Now()), /*durable=*/chunk.persistent);
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,

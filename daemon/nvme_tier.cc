@@ -337,7 +337,8 @@ void NvmeTier::End() {
 }
 
 void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-                     std::function<void(absl::StatusOr<uint64_t>)> user_done, IoOrder order) {
+                     std::function<void(absl::StatusOr<uint64_t>)> user_done, IoOrder order,
+                     bool durable) {
   Begin();
   auto done = [this, user_done = std::move(user_done)](absl::StatusOr<uint64_t> r) {
     user_done(std::move(r));
@@ -346,26 +347,27 @@ void NvmeTier::Write(uint64_t chunk_id, const Placement& host, const Placement& 
   char* src = static_cast<char*>(host_->Address(host));
   const int32_t index = BufferIndex(host.segment);
   const uint64_t length = AlignUp(size, block_);
-  worker_->Post([this, chunk_id, src, index, nvme, size, length, order, done = std::move(done)]() {
-    const uint64_t checksum = XXH3_64bits(src, size);
-    engine_->Run(
-        Spans(IoKind::kWrite, nvme.offset, length, src, index),
-        [this, chunk_id, checksum, done](absl::Status s) {
-          auto finish = [this, chunk_id, checksum, done](absl::Status status) {
-            worker_->Post([chunk_id, checksum, status, done]() {
-              if (status.ok()) {
-                done(checksum);
-              } else {
-                done(Annotate(chunk_id, status));
-              }
-            });
-          };
-          if (!s.ok()) return finish(s);
-          // Durable before anyone may drop the host copy or record it in the index.
-          SyncAfterWrite(finish);
-        },
-        order);
-  });
+  worker_->Post(
+      [this, chunk_id, src, index, nvme, size, length, order, durable, done = std::move(done)]() {
+        const uint64_t checksum = XXH3_64bits(src, size);
+        engine_->Run(
+            Spans(IoKind::kWrite, nvme.offset, length, src, index),
+            [this, chunk_id, checksum, durable, done](absl::Status s) {
+              auto finish = [this, chunk_id, checksum, done](absl::Status status) {
+                worker_->Post([chunk_id, checksum, status, done]() {
+                  if (status.ok()) {
+                    done(checksum);
+                  } else {
+                    done(Annotate(chunk_id, status));
+                  }
+                });
+              };
+              if (!s.ok() || !durable) return finish(s);
+              // Durable before anyone may drop the host copy or record it in the index.
+              SyncAfterWrite(finish);
+            },
+            order);
+      });
 }
 
 void NvmeTier::SyncAfterWrite(StatusCallback done) {

@@ -69,11 +69,14 @@ class NvmeTier final : public Tier {
   std::vector<IndexEntry> RecoveredEntries() const;
 
   using StatusCallback = std::function<void(absl::Status)>;
-  // Writes `size` bytes of the host copy at `host` to `nvme`, then makes them durable; calls back
-  // (not on the caller's thread) with the chunk's checksum.
+  // Writes `size` bytes of the host copy at `host` to `nvme`, then, if `durable`, makes them
+  // durable (a flush shared with the writes finished meanwhile); calls back (not on the caller's
+  // thread) with the chunk's checksum. A scratch chunk's copy need not survive a power loss (the
+  // chunk does not outlive the daemon), so it skips the flush.
   // `order` places its I/O in the engine's queue (deadline, session, weight).
   void Write(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
-             std::function<void(absl::StatusOr<uint64_t>)> done, IoOrder order = {});
+             std::function<void(absl::StatusOr<uint64_t>)> done, IoOrder order = {},
+             bool durable = true);
   // Reads `size` bytes from `nvme` into the host copy at `host` and verifies `checksum`;
   // DATA_LOSS, naming the chunk, on a mismatch.
   void Read(uint64_t chunk_id, const Placement& host, const Placement& nvme, uint64_t size,
