@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -18,6 +20,10 @@ namespace tierd {
 namespace {
 
 constexpr uint64_t kPage = 4096;
+// Shards the budget holds when the caller leaves the size to the optimizer: enough that reads and
+// write-backs overlap in a deep queue (tierd-bench offload-step: 8 shards in a 286 MiB budget took
+// 0.94 s a step, 23 shards 0.74-0.81 s), at most 4 Mi parameters (48 MiB) each.
+constexpr uint64_t kAutoShards = 24;
 constexpr uint64_t kMaxAutoShardParams = 4ull << 20;
 constexpr uint64_t kMinShardParams = 16 * 1024;
 constexpr uint64_t kMetaMagic = 0x316d616472656974ull;  // "tierdam1"
@@ -58,7 +64,6 @@ struct Group {
   ParamGroup spec;
   std::vector<Shard> shards;
   bool initialized = false;
-  uint64_t position = 0;  // its first shard's step in the declared schedule
 };
 
 struct Work {
@@ -125,8 +130,7 @@ struct OffloadedAdam::Impl {
   uint64_t shard_params = 0;
   uint64_t shard_count = 0;
   uint64_t state_bytes = 0;
-  size_t max_writes = 1;
-  uint64_t read_ahead_bytes = 0;  // the planner's host quota for this session
+  size_t slots = 0;  // shards the host budget holds: in hand, read ahead and being written back
   bool resumed = false;
   int64_t steps = 0;
   double lr = 0;
@@ -134,9 +138,9 @@ struct OffloadedAdam::Impl {
   // The step in progress (the driving thread's; the worker reads it while the step runs).
   bool in_step = false;
   kernels::AdamOptions step_options;
-  uint64_t cursor_base = 0;  // BeginStep number of the declared schedule's first step, this step
   std::vector<bool> given;
-  std::vector<size_t> declared_order, step_order;
+  // The order the groups came in last step (the order the read-ahead expects), and this step's.
+  std::vector<size_t> expected_order, step_order;
   absl::Time step_start;
 
   absl::Mutex mu;
@@ -144,11 +148,19 @@ struct OffloadedAdam::Impl {
   size_t outstanding ABSL_GUARDED_BY(mu) = 0;
   bool stopping ABSL_GUARDED_BY(mu) = false;
   absl::Status error ABSL_GUARDED_BY(mu);
+  std::vector<bool> started ABSL_GUARDED_BY(mu);  // groups the worker has taken this step
   OptimizerStepStats stats ABSL_GUARDED_BY(mu);
   std::thread worker;
 
-  // Write-backs in flight, oldest first (the worker's while a step runs, else the driver's).
-  std::deque<std::pair<CompletionToken, uint64_t>> writes;
+  // The window of state on the host besides the shard in hand, each entry one shard's worth of
+  // the budget (the worker's while a step runs, else the driver's): shards asked for ahead of
+  // their turn, in the order they are expected, and write-backs in flight, oldest first.
+  struct Ahead {
+    ChunkId id;
+    CompletionToken prefetch;
+  };
+  std::deque<Ahead> ahead;
+  std::deque<CompletionToken> writes;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
   std::string ShardName(size_t g, size_t s) const {
@@ -160,7 +172,7 @@ struct OffloadedAdam::Impl {
     const absl::Time start = absl::Now();
     absl::Status first;
     while (writes.size() > keep) {
-      absl::Status s = client->Wait(writes.front().first);
+      absl::Status s = client->Wait(writes.front());
       if (!s.ok() && first.ok()) first = s;
       writes.pop_front();
     }
@@ -168,20 +180,140 @@ struct OffloadedAdam::Impl {
     return absl::Now() - start;
   }
 
-  // Sends a released shard (or the meta chunk) down to its home tier.
-  absl::StatusOr<absl::Duration> WriteBack(ChunkId id, uint64_t bytes) {
-    if (!nvme_home()) return absl::ZeroDuration();
-    absl::StatusOr<CompletionToken> t = client->EvictIds({&id, 1}, Tier::kNvme);
-    if (!t.ok()) return t.status();
-    writes.emplace_back(*t, bytes);
-    return WaitWrites(max_writes);
+  // Collects the write-backs that have finished, without waiting.
+  absl::Status ReapWrites() {
+    absl::Status first;
+    for (auto it = writes.begin(); it != writes.end();) {
+      if (absl::IsUnavailable(client->Poll(*it))) {  // pending
+        ++it;
+        continue;
+      }
+      absl::Status s = client->Wait(*it);
+      if (!s.ok() && first.ok()) first = s;
+      it = writes.erase(it);
+    }
+    return first;
   }
 
-  // Pins one chunk on the host for `mode` and waits until its bytes are there.
-  absl::StatusOr<void*> Pin(ChunkId id, AccessMode mode) {
+  // Sends a shard's host copy (or the meta chunk's) down to its home tier and drops it there,
+  // without waiting: a dirty copy is written, a clean one only dropped.
+  absl::Status WriteBack(ChunkId id) {
+    if (!nvme_home()) return absl::OkStatus();
+    absl::StatusOr<CompletionToken> t = client->EvictIds({&id, 1}, Tier::kNvme);
+    if (!t.ok()) return t.status();
+    writes.push_back(*t);
+    return absl::OkStatus();
+  }
+
+  // Takes `id` out of the read-ahead window (it is about to be pinned, or is not wanted). Returns
+  // whether it was there.
+  bool TakeAhead(ChunkId id) {
+    for (auto it = ahead.begin(); it != ahead.end(); ++it) {
+      if (it->id != id) continue;
+      client->Abandon(it->prefetch);  // its Acquire, or its eviction, reports any failure
+      ahead.erase(it);
+      return true;
+    }
+    return false;
+  }
+
+  // Empties the read-ahead window, dropping the copies it brought up.
+  absl::Status DropAhead() {
+    while (!ahead.empty()) {
+      const ChunkId id = ahead.back().id;
+      TakeAhead(id);
+      if (absl::Status s = WriteBack(id); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+  // Makes room in the budget for one more shard on the host: waits for the oldest write-backs, or
+  // gives up the furthest read-ahead when none is in flight. Returns the time waited.
+  absl::StatusOr<absl::Duration> MakeRoom() {
+    if (!nvme_home()) return absl::ZeroDuration();
+    if (absl::Status s = ReapWrites(); !s.ok()) return s;
+    absl::Duration waited;
+    while (ahead.size() + writes.size() + 1 > slots) {
+      if (writes.empty()) {
+        const ChunkId id = ahead.back().id;
+        TakeAhead(id);
+        if (absl::Status s = WriteBack(id); !s.ok()) return s;
+      }
+      absl::StatusOr<absl::Duration> w = WaitWrites(writes.size() - 1);
+      if (!w.ok()) return w.status();
+      waited += *w;
+    }
+    return waited;
+  }
+
+  // The shards expected to be stepped next, in order: the rest of group `g` from shard `k` (none
+  // when g is npos), the groups queued, then the groups not given yet in last step's order.
+  std::vector<ChunkId> Expected(size_t g, size_t k, size_t want) {
+    std::vector<size_t> order;
+    {
+      absl::MutexLock lock(&mu);
+      for (const Work& w : queue) order.push_back(w.group);
+      for (size_t e : expected_order) {
+        if (e != g && !started[e] && std::find(order.begin(), order.end(), e) == order.end()) {
+          order.push_back(e);
+        }
+      }
+    }
+    std::vector<ChunkId> ids;
+    auto add = [&](size_t group, size_t from) {
+      if (!groups[group].initialized) return;  // nothing to read yet
+      for (size_t i = from; i < groups[group].shards.size() && ids.size() < want; ++i) {
+        ids.push_back(groups[group].shards[i].id);
+      }
+    };
+    if (g != std::string::npos) add(g, k);
+    for (size_t e : order) add(e, 0);
+    return ids;
+  }
+
+  // Fills the budget's free room with read-ahead of the shards expected after group `g`'s shard
+  // `k`, `in_hand` shards being pinned now.
+  absl::Status ReadAhead(size_t g, size_t k, size_t in_hand) {
+    if (!nvme_home()) return absl::OkStatus();
+    if (absl::Status s = ReapWrites(); !s.ok()) return s;
+    const size_t used = ahead.size() + writes.size() + in_hand;
+    if (used >= slots) return absl::OkStatus();
+    const size_t room = slots - used;
+    for (ChunkId id : Expected(g, k, ahead.size() + room)) {
+      if (ahead.size() + writes.size() + in_hand >= slots) break;
+      if (std::any_of(ahead.begin(), ahead.end(), [id](const Ahead& a) { return a.id == id; })) {
+        continue;
+      }
+      absl::StatusOr<CompletionToken> t = client->PrefetchIds({&id, 1}, Tier::kHost);
+      if (!t.ok()) return t.status();
+      ahead.push_back({id, *t});
+    }
+    return absl::OkStatus();
+  }
+
+  // Pins one chunk on the host for `mode` and waits until its bytes are there. While it waits,
+  // `between` runs every millisecond (the worker keeps its read-ahead going).
+  absl::StatusOr<void*> Pin(ChunkId id, AccessMode mode,
+                            const std::function<absl::Status()>& between = nullptr) {
     absl::StatusOr<Acquired> a = client->AcquireIds({&id, 1}, Tier::kHost, mode);
     if (!a.ok()) return a.status();
-    if (absl::Status s = client->Wait(a->ready); !s.ok()) {
+    absl::Status s;
+    for (;;) {
+      if (between) {
+        if (s = between(); !s.ok()) {
+          client->Abandon(a->ready);
+          break;
+        }
+      }
+      s = client->Wait(a->ready, between ? absl::Milliseconds(1) : absl::InfiniteDuration());
+      if (!between || !absl::IsDeadlineExceeded(s)) break;
+      // The wait timed out, unless the request itself failed so; waiting again tells which.
+      if (!absl::IsUnavailable(client->Poll(a->ready))) {
+        s = client->Wait(a->ready);
+        break;
+      }
+    }
+    if (!s.ok()) {
       (void)client->Release({&id, 1});
       return s;
     }
@@ -214,23 +346,6 @@ struct OffloadedAdam::Impl {
     return client->Wait(*t);
   }
 
-  // Declares the order in which the groups' shards are stepped, so that the daemon reads each
-  // shard's state ahead of it (within the host budget) while earlier ones are computed.
-  absl::Status DeclareSchedule(const std::vector<size_t>& order) {
-    std::vector<ScheduleStep> steps_list;
-    steps_list.reserve(shard_count);
-    for (size_t g : order) {
-      groups[g].position = steps_list.size();
-      for (const Shard& s : groups[g].shards) {
-        steps_list.push_back({{.id = s.id, .tier = Tier::kHost, .mode = AccessMode::kWrite}});
-      }
-    }
-    declared_order = order;
-    if (!nvme_home()) return absl::OkStatus();
-    return client->SetSchedule(steps_list,
-                               {.host_quota_bytes = std::max<uint64_t>(read_ahead_bytes, 1)});
-  }
-
   void Run() {
     for (;;) {
       Work work;
@@ -244,6 +359,7 @@ struct OffloadedAdam::Impl {
         if (queue.empty()) return;
         work = queue.front();
         queue.pop_front();
+        started[work.group] = true;
       }
       OptimizerStepStats delta;
       bool skipped = false;
@@ -274,15 +390,24 @@ struct OffloadedAdam::Impl {
       delta->compute += absl::Now() - t0;
       if (!finite) {
         *skipped = true;
+        for (const Shard& shard : group.shards) {  // not stepped: drop any read ahead
+          if (!TakeAhead(shard.id)) continue;
+          if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+        }
         return absl::OkStatus();
       }
     }
     float* out32 = w.out_type == ScalarType::kFloat32 ? static_cast<float*>(w.out) : nullptr;
     for (size_t k = 0; k < group.shards.size(); ++k) {
       const Shard& shard = group.shards[k];
-      client->BeginStep(cursor_base + group.position + k);
       const absl::Time t0 = absl::Now();
-      absl::StatusOr<void*> data = Pin(shard.id, AccessMode::kWrite);
+      if (!TakeAhead(shard.id)) {  // not read ahead (an unexpected order): room for it first
+        absl::StatusOr<absl::Duration> waited = MakeRoom();
+        if (!waited.ok()) return waited.status();
+        delta->write_wait += *waited;
+      }
+      absl::StatusOr<void*> data =
+          Pin(shard.id, AccessMode::kWrite, [&] { return ReadAhead(w.group, k + 1, 1); });
       if (!data.ok()) {
         return absl::Status(data.status().code(),
                             absl::StrCat("optimizer state of group '", group.spec.name, "', shard ",
@@ -308,9 +433,7 @@ struct OffloadedAdam::Impl {
       delta->compute += t2 - t1;
       delta->state_bytes += shard.bytes();
       if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
-      absl::StatusOr<absl::Duration> waited = WriteBack(shard.id, shard.bytes());
-      if (!waited.ok()) return waited.status();
-      delta->write_wait += *waited;
+      if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
     }
     return absl::OkStatus();
   }
@@ -434,19 +557,25 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
     if (absl::Status s = WriteMeta(false); !s.ok()) return s;
   }
 
-  // The budget holds the shard being computed, the write-backs in flight (a quarter of it) and
-  // the read-ahead the planner may fill (the rest: its quota). With the quota at the whole budget
-  // the host tier's use went past the budget by about two shards (tierd-bench offload-step).
+  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
+  // those being written back share it.
   uint64_t largest = 0;
   for (const Group& group : groups) {
     for (const Shard& sh : group.shards) largest = std::max(largest, sh.bytes());
   }
-  max_writes = std::max<uint64_t>(1, options.host_budget_bytes / largest / 4);
-  read_ahead_bytes =
-      options.host_budget_bytes - std::min(options.host_budget_bytes, (max_writes + 1) * largest);
-  std::vector<size_t> order(groups.size());
-  for (size_t g = 0; g < order.size(); ++g) order[g] = g;
-  return DeclareSchedule(order);
+  slots = std::max<uint64_t>(1, options.host_budget_bytes / largest);
+  expected_order.resize(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) expected_order[g] = g;
+  {
+    absl::MutexLock lock(&mu);
+    started.assign(groups.size(), false);
+  }
+  // Resuming: the first step's state comes up while the caller computes its gradients.
+  if (resumed && std::all_of(groups.begin(), groups.end(),
+                             [](const Group& group) { return group.initialized; })) {
+    return ReadAhead(std::string::npos, 0, 0);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
@@ -482,7 +611,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   impl->lr = h.lr;
   uint64_t shard_params = options.shard_params;
   if (shard_params == 0) {
-    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / 8 / 12 / 1024 * 1024,
+    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / kAutoShards / 12 / 1024 * 1024,
                                         kMinShardParams, kMaxAutoShardParams);
   }
   impl->shard_params = shard_params;
@@ -530,16 +659,16 @@ absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> value
     return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
                                                    " parameters, not ", values.size()));
   }
+  if (absl::Status s = d.DropAhead(); !s.ok()) return s;
   for (const Shard& s : g.shards) {
+    if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
     char* base = static_cast<char*>(*data);
     std::memcpy(base, values.data() + s.first, s.n * 4);
     std::memset(base + s.n * 4, 0, s.bytes() - s.n * 4);  // m and v start at zero
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
-    if (absl::StatusOr<absl::Duration> w = d.WriteBack(s.id, s.bytes()); !w.ok()) {
-      return w.status();
-    }
+    if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
   }
   if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
   g.initialized = true;
@@ -561,12 +690,22 @@ absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
     return absl::FailedPreconditionError(
         absl::StrCat("group '", g.spec.name, "' has no weights yet: call SetParams"));
   }
+  // Within the budget: each shard read is dropped from the host again (unless read ahead).
   for (const Shard& s : g.shards) {
+    const bool read_ahead = std::any_of(d.ahead.begin(), d.ahead.end(),
+                                        [&](const Impl::Ahead& a) { return a.id == s.id; });
+    if (!read_ahead) {
+      if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
+    }
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kRead);
     if (!data.ok()) return data.status();
     std::memcpy(out.data() + s.first, *data, s.n * 4);
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
+    if (!read_ahead) {
+      if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
+    }
   }
+  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
   return absl::OkStatus();
 }
 
@@ -590,6 +729,7 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
   d.given.assign(d.groups.size(), false);
   d.step_order.clear();
   absl::MutexLock lock(&d.mu);
+  d.started.assign(d.groups.size(), false);
   d.error = absl::OkStatus();
   d.stats = OptimizerStepStats{};
   return absl::OkStatus();
@@ -633,6 +773,7 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
         &d));
   }
   const absl::Time t0 = absl::Now();
+  absl::Status dropped = d.DropAhead();  // read ahead for groups not given this step
   absl::StatusOr<absl::Duration> drained = d.WaitWrites(0);
   OptimizerStepStats stats;
   absl::Status error;
@@ -642,16 +783,20 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
     error = d.error;
   }
   d.in_step = false;
-  d.cursor_base += d.shard_count;
   if (!error.ok()) return error;
+  if (!dropped.ok()) return dropped;
   if (!drained.ok()) return drained.status();
   stats.write_wait += absl::Now() - t0;
   ++d.steps;
   if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
-  // Groups came in another order than declared: declare this one for the next step.
-  if (d.step_order.size() == d.groups.size() && d.step_order != d.declared_order) {
-    if (absl::Status s = d.DeclareSchedule(d.step_order); !s.ok()) return s;
+  // The next step is expected in this one's order; its first shards come up while the caller
+  // runs forward and backward.
+  if (d.step_order.size() == d.groups.size()) d.expected_order = d.step_order;
+  {
+    absl::MutexLock lock(&d.mu);
+    d.started.assign(d.groups.size(), false);
   }
+  if (absl::Status s = d.ReadAhead(std::string::npos, 0, 0); !s.ok()) return s;
   stats.step = d.steps;
   stats.wall = absl::Now() - d.step_start;
   return stats;

@@ -1,8 +1,10 @@
 // The out-of-core optimizer: Adam/AdamW whose state (fp32 master weights, m and v) lives in
 // daemon chunks — at home on NVMe (or in the host tier), persistent by name so that training can
 // resume — and streams through a bounded amount of host memory each step. While group i is being
-// computed on the host mapping, the daemon reads the next groups' state ahead (the optimizer
-// declares its order as a schedule) and writes the previous ones back.
+// computed on the host mapping, the next shards' state is read ahead and the previous ones are
+// written back: the optimizer keeps a window of prefetches and write-backs that fills its host
+// budget exactly, in the order the groups came last step (between steps, the first shards of the
+// next step come up while the caller runs forward and backward).
 //
 // Gradients arrive per parameter group, as the framework produces them during backward: StepGroup
 // queues the group and returns, so the step of early groups overlaps the rest of backward.
@@ -67,7 +69,7 @@ struct OffloadedAdamOptions {
   bool reset = false;
   // Host-tier bytes the state may occupy at once (its read-ahead and write-back included).
   uint64_t host_budget_bytes = 1ull << 30;
-  // Parameters per state chunk (12 bytes each). 0: chosen so that the budget holds 8 chunks, at
+  // Parameters per state chunk (12 bytes each). 0: chosen so that the budget holds 24 chunks, at
   // most 4 Mi parameters (48 MiB).
   uint64_t shard_params = 0;
   // Kernel threads (0: one per CPU this process may use).
@@ -90,7 +92,7 @@ struct OptimizerStepStats {
 
 class OffloadedAdam {
  public:
-  // Opens a session, allocates (or opens) the state and declares the step's schedule.
+  // Opens a session and allocates (or opens) the state; resumed state starts coming up at once.
   // INVALID_ARGUMENT for bad groups or options (naming them); FAILED_PRECONDITION when persistent
   // state of that name has other groups; DATA_LOSS when its last step did not finish (the state
   // is partly updated: resume from a checkpoint, or set `reset`).
