@@ -230,6 +230,7 @@ struct OffloadOptions {
   uint64_t params = 100'000'000;
   int groups = 10;
   int iterations = 3;
+  uint64_t shard_params = 0;  // 0: the optimizer's choice
   std::string dir = "/var/tmp";
 };
 
@@ -248,6 +249,9 @@ bool ParseOffload(int argc, char** argv, OffloadOptions* o) {
       if (!absl::SimpleAtoi(v, &o->groups) || o->groups < 1) return false;
     } else if (flag("--iterations=", &v)) {
       if (!absl::SimpleAtoi(v, &o->iterations) || o->iterations < 1) return false;
+    } else if (flag("--shard_params=", &v)) {
+      if (!absl::SimpleAtod(v, &x) || x < 16384) return false;
+      o->shard_params = static_cast<uint64_t>(x);
     } else if (flag("--dir=", &v)) {
       o->dir = v;
     } else {
@@ -314,9 +318,10 @@ int OffloadStep(int argc, char** argv) {
   const uint64_t segment = 64 << 20;  // holds the largest shard (48 MiB)
   // The host tier holds the whole state for the in-memory run, twice for the drive measurement.
   const uint64_t host = RoundUpTo(2 * state + state / 4 + (128 << 20), segment);
+  RegionFile region(o.dir + "/tierd-offload-region");
   auto daemon = StartDaemon({absl::StrCat("--host_capacity=", host >> 20, "MiB"),
                              absl::StrCat("--host_segment_size=", segment >> 20, "MiB"),
-                             absl::StrCat("--nvme_regions=", o.dir, "/tierd-offload-region:",
+                             absl::StrCat("--nvme_regions=", region.path(), ":",
                                           RoundUpTo(3 * state + (512 << 20), 1 << 30) >> 20, "MiB"),
                              "--nvme_reformat", "--device=none", "--log_level=warn"});
   ClientOptions client_options{.socket_dir = daemon->socket_dir(), .client_name = "offload-step"};
@@ -349,6 +354,7 @@ int OffloadStep(int argc, char** argv) {
         .home = home,
         .persistent = false,
         .host_budget_bytes = host_budget,
+        .shard_params = o.shard_params,
         .hyper = {.lr = 1e-3, .weight_decay = 0.01}};
     auto opt = OffloadedAdam::Create(groups, opt_options);
     if (!opt.ok()) Die(opt.status(), "OffloadedAdam::Create");
@@ -365,14 +371,15 @@ int OffloadStep(int argc, char** argv) {
     in_memory_s = TimeSteps(*opt, groups, grads, outs, o.iterations, o.json, "in memory");
   }
 
+  auto offloaded = create(Tier::kNvme, budget);
+
   // 2. The drive: the state's bytes written down and read back in chunks of the optimizer's
   // shard size, all queued at once, one direction after the other and both at once (a step does
   // both); the faster is the drive's time for the step's bytes.
   double write_s, read_s, both_s;
   {
     auto c = ConnectTo(daemon->socket_dir());
-    const uint64_t shard =
-        3 * RoundUpTo(std::min<uint64_t>(budget / 8 / 12 / 1024 * 1024, 4ull << 20) * 4, 4096);
+    const uint64_t shard = 3 * RoundUpTo(offloaded->shard_params() * 4, 4096);
     std::vector<ChunkSpec> specs(RoundUpTo(state, shard) / shard,
                                  ChunkSpec{.size = shard, .home = Tier::kNvme});
     auto down = c->Allocate(specs);
@@ -386,12 +393,19 @@ int OffloadStep(int argc, char** argv) {
       Die(t.status(), "Evict");
     }
     Dirty(*c, down->ids(), Tier::kHost);  // written again: down goes down while up comes up
+    // Interleaved chunk by chunk, as a step issues them, so that the drive's queue holds both.
     both_s = TimeMs([&] {
-               auto w = c->EvictIds(down->ids(), Tier::kNvme);
-               auto r = c->PrefetchIds(up->ids(), Tier::kHost);
-               if (!w.ok() || !r.ok()) Die(w.ok() ? r.status() : w.status(), "Evict/Prefetch");
-               if (absl::Status s = c->Wait(*w); !s.ok()) Die(s, "Evict");
-               if (absl::Status s = c->Wait(*r); !s.ok()) Die(s, "Prefetch");
+               std::vector<CompletionToken> tokens;
+               for (size_t i = 0; i < specs.size(); ++i) {
+                 auto w = c->EvictIds({&down->ids()[i], 1}, Tier::kNvme);
+                 auto r = c->PrefetchIds({&up->ids()[i], 1}, Tier::kHost);
+                 if (!w.ok() || !r.ok()) Die(w.ok() ? r.status() : w.status(), "Evict/Prefetch");
+                 tokens.push_back(*w);
+                 tokens.push_back(*r);
+               }
+               for (CompletionToken t : tokens) {
+                 if (absl::Status s = c->Wait(t); !s.ok()) Die(s, "Evict/Prefetch");
+               }
              }) /
              1e3;
     if (absl::Status s = down->Free(); !s.ok()) Die(s, "Free");
@@ -404,7 +418,6 @@ int OffloadStep(int argc, char** argv) {
   double offload_s;
   std::atomic<uint64_t> peak{0};
   {
-    auto opt = create(Tier::kNvme, budget);
     std::atomic<bool> done{false};
     auto c = ConnectTo(daemon->socket_dir());
     std::thread sampler([&] {
@@ -416,7 +429,7 @@ int OffloadStep(int argc, char** argv) {
         absl::SleepFor(absl::Milliseconds(5));
       }
     });
-    offload_s = TimeSteps(*opt, groups, grads, outs, o.iterations, o.json, "offloaded");
+    offload_s = TimeSteps(*offloaded, groups, grads, outs, o.iterations, o.json, "offloaded");
     done = true;
     sampler.join();
   }
@@ -437,6 +450,7 @@ int OffloadStep(int argc, char** argv) {
   out.Add({"in_memory_step_s", in_memory_s, "s", fields, "the same step, state in the host tier"});
   out.Add({"host_peak_bytes", static_cast<double>(peak.load()), "B", fields,
            "host tier use at its highest during the offloaded steps"});
+  offloaded.reset();
   if (daemon->Stop() != 0) {
     std::fprintf(stderr, "tierd-bench: the daemon did not stop cleanly:\n%s\n",
                  daemon->Log().c_str());

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
@@ -63,6 +64,23 @@ double TimeMs(F&& f) {
   std::fprintf(stderr, "tierd-bench: %s: %s\n", what, s.ToString().c_str());
   std::exit(1);
 }
+
+// A bench's NVMe region file, removed when the mode returns (declared before its daemon, so that
+// the daemon has stopped by then).
+class RegionFile {
+ public:
+  explicit RegionFile(std::string path) : path_(std::move(path)) {}
+  ~RegionFile() {
+    std::error_code ec;
+    std::filesystem::remove(path_, ec);
+  }
+  RegionFile(const RegionFile&) = delete;
+  RegionFile& operator=(const RegionFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 inline std::unique_ptr<tierd::testing::DaemonProcess> StartDaemon(
     const std::vector<std::string>& args) {

@@ -238,6 +238,7 @@ void Initialize(Client& c, const std::vector<Layer>& model, uint64_t host,
 
 // Bandwidth of each path through the daemon, each the best of three bulk moves.
 Bandwidth Probe(const ReplayOptions& o) {
+  RegionFile region(o.dir + "/replay-region");
   auto daemon = StartDaemon(DaemonArgs(o, o.host));
   auto c = ConnectTo(daemon->socket_dir());
   auto alloc = [&](uint64_t total) {
@@ -372,6 +373,7 @@ struct PolicyResult {
 
 PolicyResult RunPolicy(const ReplayOptions& o, const std::string& policy, const Bandwidth& bw,
                        uint64_t model_bytes) {
+  RegionFile region(o.dir + "/replay-region");
   auto daemon = StartDaemon(DaemonArgs(o, model_bytes));
   auto c = ConnectTo(daemon->socket_dir());
   absl::StatusOr<NodeInfo> info = c->GetNodeInfo();

@@ -159,6 +159,7 @@ std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint
 
 int Nvme(const Options& o) {
   Reporter out(o.mode, o.json);
+  tierd::bench::RegionFile region(o.dir + "/region0");
   std::error_code ec;
   std::filesystem::create_directories(o.dir, ec);
   if (o.tune) {
@@ -303,6 +304,7 @@ int Pcie(const Options& o) {
   const uint64_t chunk = 16 << 20;
   const uint64_t total = std::max<uint64_t>(o.total, 2 * chunk);
   const size_t n = total / chunk;
+  tierd::bench::RegionFile region(o.dir + "/pcie-region");
   auto daemon = StartDaemon(
       {absl::StrCat("--device=", o.device),
        absl::StrCat("--device_capacity=", tierd::AlignUp(2 * (total >> 20), 256), "MiB"),
