@@ -124,5 +124,6 @@ inline double Move(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd:
 int Replay(int argc, char** argv);
 int Adam(int argc, char** argv);         // bench/adam.cc
 int OffloadStep(int argc, char** argv);  // bench/adam.cc
+int GpuAdam(int argc, char** argv);      // bench/gpu_adam.cc (CUDA builds)
 
 }  // namespace tierd::bench

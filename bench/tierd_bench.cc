@@ -536,6 +536,14 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "offload-step") {
     return tierd::bench::OffloadStep(argc, argv);
   }
+  if (argc >= 2 && std::string_view(argv[1]) == "gpu-adam") {
+#ifdef TIERD_HAVE_CUDA
+    return tierd::bench::GpuAdam(argc, argv);
+#else
+    std::fprintf(stderr, "tierd-bench gpu-adam: this build has no CUDA (configure with CUDA)\n");
+    return 2;
+#endif
+  }
   Options o;
   if (!Parse(argc, argv, &o)) {
     std::fprintf(stderr,
@@ -547,7 +555,8 @@ int main(int argc, char** argv) {
                  "[--dir=DIR]\n"
                  "       tierd-bench replay --help\n"
                  "       tierd-bench adam --help\n"
-                 "       tierd-bench offload-step --help\n");
+                 "       tierd-bench offload-step --help\n"
+                 "       tierd-bench gpu-adam --help\n");
     return 2;
   }
   if (o.mode == "nvme") return Nvme(o);

@@ -12,3 +12,5 @@ cmake --build "$build" -j "$(nproc)"
 "$build/tests/gpu/tierd_gpu_tests"
 "$build/bench/tierd-bench" pcie --device=cuda
 "$build/bench/tierd-bench" pcie --device=cuda --json
+"$build/bench/tierd-bench" gpu-adam
+"$build/bench/tierd-bench" gpu-adam --json
