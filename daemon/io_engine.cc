@@ -115,7 +115,18 @@ void IoEngine::Drain() {
 
 IoEngineStats IoEngine::stats() const {
   absl::MutexLock lock(&mu_);
-  return stats_;
+  IoEngineStats out = stats_;
+  out.in_flight = in_flight_.load(std::memory_order_relaxed);
+  out.jobs_queued = submitted_ - finished_;
+  return out;
+}
+
+void IoEngine::CountBytes(const IoRequest& r, uint64_t n) {
+  std::vector<uint64_t>& by_file =
+      r.kind == IoKind::kRead ? stats_.file_bytes_read : stats_.file_bytes_written;
+  if (by_file.size() <= r.file) by_file.resize(r.file + 1);
+  by_file[r.file] += n;
+  (r.kind == IoKind::kRead ? stats_.bytes_read : stats_.bytes_written) += n;
 }
 
 std::string IoEngine::Describe(const IoRequest& r) const {
@@ -192,6 +203,7 @@ void IoEngine::Loop() {
     }
     if (!batch.empty()) {
       in_flight += batch.size();
+      in_flight_.store(in_flight, std::memory_order_relaxed);
       absl::Status s = backend_->Submit(batch);
       if (!s.ok()) {
         // The ring refused the batch: fail each request as an I/O error would.
@@ -213,6 +225,7 @@ void IoEngine::Loop() {
       continue;
     }
     const size_t n = backend_->Reap(completions, absl::Milliseconds(100));
+    in_flight_.store(in_flight - n, std::memory_order_relaxed);
     for (size_t i = 0; i < n; ++i) {
       --in_flight;
       auto* sub = reinterpret_cast<SubIo*>(completions[i].tag);
@@ -223,7 +236,7 @@ void IoEngine::Loop() {
         {
           absl::MutexLock lock(&mu_);
           ++stats_.short_transfers;
-          (r.kind == IoKind::kRead ? stats_.bytes_read : stats_.bytes_written) += result;
+          CountBytes(r, result);
         }
         sub->request.offset += result;
         sub->request.buffer += result;
@@ -247,10 +260,8 @@ void IoEngine::Complete(SubIo* sub, int32_t result, IssueQueue& queue) {
     if (result < 0) {
       ++stats_.errors;
       if (job->status.ok()) job->status = absl::ErrnoToStatus(-result, Describe(sub->request));
-    } else if (sub->request.kind == IoKind::kRead) {
-      stats_.bytes_read += result;
-    } else if (sub->request.kind == IoKind::kWrite) {
-      stats_.bytes_written += result;
+    } else if (sub->request.kind != IoKind::kSync) {
+      CountBytes(sub->request, result);
     }
   }
   if (!job->status.ok() && job->queued) {  // a failed job issues nothing more

@@ -10,6 +10,7 @@
 // another's.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -55,6 +56,9 @@ struct IoEngineStats {
   uint64_t bytes_written = 0;
   uint64_t short_transfers = 0;
   uint64_t errors = 0;
+  std::vector<uint64_t> file_bytes_read, file_bytes_written;  // by file index
+  uint32_t in_flight = 0;                                     // sub-I/Os in the ring now
+  uint64_t jobs_queued = 0;                                   // jobs submitted and not finished
 };
 
 class IoEngine {
@@ -93,12 +97,16 @@ class IoEngine {
   std::unique_ptr<IoBackend> backend_;
   const IoEngineOptions options_;
 
+  // Adds a completed transfer's bytes to the totals and its file's.
+  void CountBytes(const IoRequest& r, uint64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Job>> incoming_ ABSL_GUARDED_BY(mu_);
   uint64_t submitted_ ABSL_GUARDED_BY(mu_) = 0;  // also each job's sequence number
   uint64_t finished_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   IoEngineStats stats_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint32_t> in_flight_{0};
 
   std::thread thread_;
 };
