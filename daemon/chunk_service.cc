@@ -116,6 +116,9 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   const absl::Time now = absl::Now();
   // How long one move took, per byte, latency and queueing included: mean and mean deviation, as
   // TCP estimates round trips (plans use mean + 4 deviations).
+  if (auto it = move_started_.find(chunk.id); it != move_started_.end()) {
+    transfer_seconds_[static_cast<int>(path)].Observe(absl::ToDoubleSeconds(now - it->second));
+  }
   if (auto it = move_started_.find(chunk.id); it != move_started_.end() && bytes > 0) {
     const double sample = absl::ToDoubleSeconds(now - it->second) / static_cast<double>(bytes);
     if (m.move_seconds_per_byte == 0) {
@@ -340,6 +343,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
         if (auto state = sessions_.find(w.session); state != sessions_.end()) {
           state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
         }
+        totals_.stall[static_cast<int>(w.tier)] += now - w.since;
       }
       w.batch->Done(absl::OkStatus());
     } else if (!moved.ok()) {
@@ -1031,12 +1035,17 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   result.ready = batch->token;
   result.locations.reserve(ids.size());
   SessionState& state = sessions_[session.id];
-  if (waited_for_room) state.stats.stall[static_cast<int>(tier)] += absl::Now() - arrived;
+  if (waited_for_room) {
+    state.stats.stall[static_cast<int>(tier)] += absl::Now() - arrived;
+    totals_.stall[static_cast<int>(tier)] += absl::Now() - arrived;
+  }
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
     chunk->last_use = ++use_clock_;
     state.pins[chunk->id] += 1;
-    ++(CheckPin(*chunk, tier).ok() ? state.stats.ready : state.stats.waited);
+    const bool ready = CheckPin(*chunk, tier).ok();
+    ++(ready ? state.stats.ready : state.stats.waited);
+    ++(ready ? totals_.ready : totals_.waited);
     BringIn(*chunk, tier, batch, session.id, access);
     // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
     // move it joined.
@@ -1501,6 +1510,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         if (c.pins > 0 || !CleanIn(c, m.tier)) break;
         DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
+        ++totals_.planner_drops;
         break;
       case PlannedMove::Kind::kFetch: {
         if (c.resident.contains(m.tier) || c.pins > 0 || !CheckFetchable(c, m.tier).ok()) break;
@@ -1521,6 +1531,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
           break;
         }
         if (stats != nullptr) ++stats->planner_fetches;
+        ++totals_.planner_fetches;
         ++started;
         break;
       }
@@ -1531,6 +1542,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         if (!no_room(fetch, unplaced->second).contains(m.tier)) break;
         DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
+        ++totals_.planner_drops;
         if (fetch.state != ChunkState::kReady || !no_room(fetch, unplaced->second).empty() ||
             !StartFetch(fetch, unplaced->second, unplaced_when).ok()) {
           break;
@@ -1540,6 +1552,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         if (auto owner = sessions_.find(fetch.owner); owner != sessions_.end()) {
           ++owner->second.stats.planner_fetches;
         }
+        ++totals_.planner_fetches;
         ++started;
         break;
       }
@@ -1556,6 +1569,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         batch->Done(absl::OkStatus());
         if (c.state == ChunkState::kMoving) {
           if (stats != nullptr) ++stats->planner_write_backs;
+          ++totals_.planner_write_backs;
           ++started;
         }
         break;
@@ -1608,6 +1622,27 @@ void ChunkService::SeedBandwidth(const std::array<double, kPaths>& bytes_per_sec
 size_t ChunkService::chunk_count() const {
   absl::MutexLock lock(&mu_);
   return chunks_.size();
+}
+
+NodeStats ChunkService::node_stats() const {
+  absl::MutexLock lock(&mu_);
+  NodeStats out;
+  out.totals = totals_;
+  for (const auto& [id, c] : chunks_) {
+    ++(c.state == ChunkState::kMoving ? out.chunks_moving : out.chunks_ready);
+    if (c.pins > 0) ++out.chunks_pinned;
+    if (c.persistent) ++out.chunks_persistent;
+    for (TierKind t : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+      if (!c.resident.contains(t)) continue;
+      ++out.resident_chunks[static_cast<int>(t)];
+      out.resident_bytes[static_cast<int>(t)] += c.size;
+    }
+  }
+  for (int p = 0; p < kPaths; ++p) {
+    out.in_flight[p] = paths_[p].in_flight;
+    out.queued_bytes[p] = paths_[p].queued_bytes;
+  }
+  return out;
 }
 
 }  // namespace tierd

@@ -25,6 +25,7 @@
 #include "common/completion_page.h"
 #include "daemon/chunk.h"
 #include "daemon/io_engine.h"
+#include "daemon/metrics.h"
 #include "daemon/nvme_index.h"
 #include "daemon/planner.h"
 #include "daemon/session.h"
@@ -59,6 +60,15 @@ struct SessionStats {
   uint32_t schedule_steps = 0;  // steps of the schedule in force (declared or traced)
   bool tracing = false;         // a trace is waiting for or recording its iteration
   uint32_t bandwidth_weight = 1;
+};
+
+// Node-wide figures for the metrics endpoint: what every session's acquisitions cost and what the
+// planner did (summed since start-up), the chunks by state and residency, and moves in flight.
+struct NodeStats {
+  SessionStats totals;
+  uint64_t chunks_ready = 0, chunks_moving = 0, chunks_pinned = 0, chunks_persistent = 0;
+  std::array<uint64_t, kTierKinds> resident_chunks{}, resident_bytes{};
+  std::array<uint64_t, kPaths> in_flight{}, queued_bytes{};
 };
 
 // A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
@@ -154,6 +164,11 @@ class ChunkService {
   size_t PlanRound(absl::Time now);
   bool has_schedules() const;
   size_t chunk_count() const;
+  NodeStats node_stats() const;
+  // How long each move took, start to settle, by path (the daemon's transfer latency).
+  metrics::Histogram::Snapshot transfer_seconds(Path path) const {
+    return transfer_seconds_[static_cast<int>(path)].Read();
+  }
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
  private:
@@ -345,6 +360,13 @@ class ChunkService {
   // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
   absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
   std::array<PathMeter, kPaths> paths_ ABSL_GUARDED_BY(mu_);
+  SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
+  // 100 us to 13 s, doubling.
+  std::array<metrics::Histogram, kPaths> transfer_seconds_{
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
   absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
   // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
   // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.

@@ -134,9 +134,10 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
     if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme" &&
-                             section != "device" && section != "planner")) {
-      return KeyError(source, section_node, section,
-                      "unknown section (known: [daemon], [host], [nvme], [device], [planner])");
+                             section != "device" && section != "planner" && section != "metrics")) {
+      return KeyError(
+          source, section_node, section,
+          "unknown section (known: [daemon], [host], [nvme], [device], [planner], [metrics])");
     }
     for (auto&& [key_name, node] : *table) {
       const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
@@ -256,6 +257,10 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
           return KeyError(source, node, key, "must be an integer from 1 to 1000");
         }
         config->planner.max_session_weight = static_cast<uint32_t>(i->get());
+      } else if (key == "metrics.listen") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        config->metrics.listen = *v;
       } else if (key == "host.lock_memory") {
         const auto* b = node.as_boolean();
         if (b == nullptr) return KeyError(source, node, key, "must be true or false");

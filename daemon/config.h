@@ -36,6 +36,11 @@ struct DaemonConfig {
     uint64_t probe_bytes = 64ull << 20;
     uint32_t max_session_weight = 16;  // the largest bandwidth weight a session may ask for
   } planner;
+  // [metrics]
+  struct Metrics {
+    // HOST:PORT of the Prometheus endpoint (GET /metrics); empty: none. Loopback by default.
+    std::string listen = "127.0.0.1:9477";
+  } metrics;
 };
 
 // The default NVMe region: a 2 GiB file in the state directory, for a working tier out of the box.

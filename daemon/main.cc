@@ -23,9 +23,11 @@
 #include "daemon/bandwidth_probe.h"
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
+#include "daemon/daemon_metrics.h"
 #include "daemon/device.h"
 #include "daemon/device_probe.h"
 #include "daemon/host_memory.h"
+#include "daemon/metrics_server.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/plan_loop.h"
 #include "daemon/rpc_server.h"
@@ -79,6 +81,9 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, probe_bytes, "",
           "bytes moved over each path at start-up to measure its bandwidth; 0 for no probe "
           "[planner.probe_bytes; default 64MiB]");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT of the Prometheus endpoint, GET /metrics (port 0: any free one); none for "
+          "no endpoint [metrics.listen; default 127.0.0.1:9477]");
 ABSL_FLAG(int32_t, max_session_weight, 0,
           "the largest bandwidth weight a session may ask for [planner.max_session_weight; "
           "default 16]");
@@ -181,6 +186,9 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
       return absl::InvalidArgumentError("--max_session_weight must be from 1 to 1000");
     }
     config.planner.max_session_weight = static_cast<uint32_t>(w);
+  }
+  if (std::string v = absl::GetFlag(FLAGS_metrics_listen); !v.empty()) {
+    config.metrics.listen = v == "none" ? "" : v;
   }
   if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
     if (v != "true" && v != "false") {
@@ -347,8 +355,9 @@ int Run() {
     spdlog::critical("session socket: {}", broker.status().message());
     return 1;
   }
+  RpcMetrics rpc_metrics;
   absl::StatusOr<std::unique_ptr<RpcServer>> rpc = RpcServer::Start(
-      rpc_path, kSocketMode, RpcServerDeps{&sessions, &chunks, devices, nvme.get()});
+      rpc_path, kSocketMode, RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics});
   if (!rpc.ok()) {
     spdlog::critical("gRPC socket: {}", rpc.status().message());
     return 1;
@@ -360,6 +369,24 @@ int Run() {
     }
   }
   spdlog::info("serving gRPC on unix:{} and sessions on {}", rpc_path, session_path);
+  std::unique_ptr<MetricsServer> metrics_server;
+  if (!config->metrics.listen.empty()) {
+    const MetricsSources sources{.chunks = &chunks,
+                                 .nvme = nvme.get(),
+                                 .sessions = &sessions,
+                                 .devices = &devices,
+                                 .rpc = &rpc_metrics,
+                                 .started = absl::Now()};
+    absl::StatusOr<std::unique_ptr<MetricsServer>> m =
+        MetricsServer::Start(config->metrics.listen, [sources] { return RenderMetrics(sources); });
+    if (!m.ok()) {
+      spdlog::critical("metrics: {} (set metrics.listen, or empty it for no endpoint)",
+                       m.status().message());
+      return 1;
+    }
+    metrics_server = std::move(*m);
+    spdlog::info("serving metrics on {}", metrics_server->url());
+  }
   sd_notify(0, "READY=1\nSTATUS=serving");
 
   // Wait for SIGTERM/SIGINT, pinging the systemd watchdog when it is enabled.
@@ -375,6 +402,7 @@ int Run() {
   }
   spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   sd_notify(0, "STOPPING=1");
+  metrics_server.reset();
   (*rpc)->Shutdown(absl::Seconds(5));
   broker->reset();  // ends every session
   // Transfers in flight settle before the chunk table goes. A move can hand over between the two

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/chunk_service.h"
+#include "daemon/daemon_metrics.h"
 #include "daemon/device_probe.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/segment_pool.h"
@@ -18,7 +19,8 @@ struct RpcServerDeps {
   SessionRegistry* sessions = nullptr;
   ChunkService* chunks = nullptr;
   DeviceProbe devices;
-  NvmeTier* nvme = nullptr;  // for per-region usage; null without an NVMe tier
+  NvmeTier* nvme = nullptr;       // for per-region usage; null without an NVMe tier
+  RpcMetrics* metrics = nullptr;  // counts every request when set
 };
 
 class RpcServer {

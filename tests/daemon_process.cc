@@ -82,7 +82,8 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
   std::vector<std::string> argv = {options.binary, absl::StrCat("--socket_dir=", tmpl),
                                    absl::StrCat("--state_dir=", tmpl, "/state"),
                                    absl::StrCat("--nvme_regions=", tmpl, "/nvme0.region:256MiB"),
-                                   "--log_level=debug"};
+                                   // A free port: tests run side by side (an arg may override).
+                                   "--metrics_listen=127.0.0.1:0", "--log_level=debug"};
   if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   daemon->argv_ = std::move(argv);

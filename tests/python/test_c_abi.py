@@ -84,7 +84,8 @@ def daemon():
             [os.environ["TIERD_BIN"], f"--socket_dir={socket_dir}", "--host_capacity=32MiB",
              "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={socket_dir}/state",
              f"--nvme_regions={socket_dir}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB",
-             "--device=emulated", "--device_capacity=32MiB", "--device_segment_size=16MiB"],
+             "--device=emulated", "--device_capacity=32MiB", "--device_segment_size=16MiB",
+             "--metrics_listen=127.0.0.1:0"],
             stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while not os.path.exists(os.path.join(socket_dir, "tierd.sock")):

@@ -1,0 +1,40 @@
+// The daemon's /metrics endpoint: a small HTTP server (civetweb, the server prometheus-cpp's pull
+// exposer is built on) that answers GET /metrics with the text exposition `collect` renders at
+// that moment. One endpoint per node, for all sessions; loopback by default.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+struct mg_context;
+struct mg_connection;
+
+namespace tierd {
+
+class MetricsServer {
+ public:
+  // `listen` is HOST:PORT (127.0.0.1:9477, [::1]:9477, 0.0.0.0:9477); port 0 takes a free one.
+  // INVALID_ARGUMENT for a malformed address, UNAVAILABLE (naming it) when it cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& listen,
+                                                              std::function<std::string()> collect);
+  ~MetricsServer();
+  MetricsServer(const MetricsServer&) = delete;
+  MetricsServer& operator=(const MetricsServer&) = delete;
+
+  // The address actually bound, e.g. "127.0.0.1:9477", and the URL of its metrics.
+  const std::string& address() const { return address_; }
+  std::string url() const { return "http://" + address_ + "/metrics"; }
+
+ private:
+  MetricsServer() = default;
+  static int Handle(mg_connection* conn, void* self);
+
+  std::function<std::string()> collect_;
+  mg_context* ctx_ = nullptr;
+  std::string address_;
+};
+
+}  // namespace tierd
