@@ -23,22 +23,22 @@ Labels PathLabel(int p) { return {{"path", PathName(static_cast<Path>(p))}}; }
 
 absl::string_view GrpcCodeName(int code) {
   static constexpr absl::string_view kNames[] = {"OK",
-                                                "CANCELLED",
-                                                "UNKNOWN",
-                                                "INVALID_ARGUMENT",
-                                                "DEADLINE_EXCEEDED",
-                                                "NOT_FOUND",
-                                                "ALREADY_EXISTS",
-                                                "PERMISSION_DENIED",
-                                                "RESOURCE_EXHAUSTED",
-                                                "FAILED_PRECONDITION",
-                                                "ABORTED",
-                                                "OUT_OF_RANGE",
-                                                "UNIMPLEMENTED",
-                                                "INTERNAL",
-                                                "UNAVAILABLE",
-                                                "DATA_LOSS",
-                                                "UNAUTHENTICATED"};
+                                                 "CANCELLED",
+                                                 "UNKNOWN",
+                                                 "INVALID_ARGUMENT",
+                                                 "DEADLINE_EXCEEDED",
+                                                 "NOT_FOUND",
+                                                 "ALREADY_EXISTS",
+                                                 "PERMISSION_DENIED",
+                                                 "RESOURCE_EXHAUSTED",
+                                                 "FAILED_PRECONDITION",
+                                                 "ABORTED",
+                                                 "OUT_OF_RANGE",
+                                                 "UNIMPLEMENTED",
+                                                 "INTERNAL",
+                                                 "UNAVAILABLE",
+                                                 "DATA_LOSS",
+                                                 "UNAUTHENTICATED"};
   return code >= 0 && code < 17 ? kNames[code] : "UNKNOWN";
 }
 
