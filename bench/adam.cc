@@ -110,12 +110,19 @@ double MedianSeconds(int iterations, F&& fn) {
   return Median(t);
 }
 
-double TorchParamsPerSecond(uint64_t n, int threads, int iterations, std::string* why) {
+}  // namespace
+
+double TorchParamsPerSecond(uint64_t n, int threads, int iterations, const std::string& device,
+                            std::string* why) {
   std::string out;
-  const int rc = testing::RunProcess(
-      {"/usr/bin/python3", std::string(TIERD_SOURCE_DIR) + "/bench/adam_torch.py", absl::StrCat(n),
-       absl::StrCat(threads), absl::StrCat(iterations)},
-      &out);
+  // On the CPU, Debian's interpreter and torch; on a GPU machine, whichever python3 has CUDA torch.
+  std::vector<std::string> argv = {"/usr/bin/python3"};
+  if (device != "cpu") argv = {"/usr/bin/env", "python3"};
+  for (std::string a : {std::string(TIERD_SOURCE_DIR) + "/bench/adam_torch.py", absl::StrCat(n),
+                        absl::StrCat(threads), absl::StrCat(iterations), device}) {
+    argv.push_back(std::move(a));
+  }
+  const int rc = testing::RunProcess(argv, &out);
   double v = 0;
   if (rc != 0 || !absl::SimpleAtod(absl::StripAsciiWhitespace(out), &v)) {
     *why = absl::StrCat("torch run failed (exit ", rc, "): ", out.substr(0, 300));
@@ -123,8 +130,6 @@ double TorchParamsPerSecond(uint64_t n, int threads, int iterations, std::string
   }
   return v;
 }
-
-}  // namespace
 
 int Adam(int argc, char** argv) {
   AdamOptions o;
@@ -201,7 +206,7 @@ int Adam(int argc, char** argv) {
       if (o.torch && !o.bf16) {
         // torch keeps its own copies and temporaries beside this run's arrays.
         if (2.5 * n * 16 + (1ull << 30) < AvailableMemory()) {
-          torch_rate = TorchParamsPerSecond(n, threads, o.iterations, &torch_note);
+          torch_rate = TorchParamsPerSecond(n, threads, o.iterations, "cpu", &torch_note);
           if (torch_rate > 0) torch_note = absl::StrFormat("%.2fx torch", tierd_rate / torch_rate);
         } else {
           torch_note = "torch: skipped, not enough memory beside this run's arrays";

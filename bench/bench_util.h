@@ -124,6 +124,10 @@ inline double Move(tierd::Client& c, std::span<const tierd::ChunkId> ids, tierd:
 int Replay(int argc, char** argv);
 int Adam(int argc, char** argv);         // bench/adam.cc
 int OffloadStep(int argc, char** argv);  // bench/adam.cc
-int GpuAdam(int argc, char** argv);      // bench/gpu_adam.cc (CUDA builds)
+// torch.optim.AdamW's parameters per second on `device` ("cpu": foreach, `threads` of them;
+// "cuda": fused), run by bench/adam_torch.py; 0 with the reason in `why` when it cannot run.
+double TorchParamsPerSecond(uint64_t n, int threads, int iterations, const std::string& device,
+                            std::string* why);
+int GpuAdam(int argc, char** argv);  // bench/gpu_adam.cc (CUDA builds)
 
 }  // namespace tierd::bench

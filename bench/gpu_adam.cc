@@ -156,20 +156,6 @@ double MedianGpuSeconds(int iterations, F&& fn) {
   return Median(t);
 }
 
-double TorchParamsPerSecond(uint64_t n, int iterations, std::string* why) {
-  std::string out;
-  const int rc = testing::RunProcess(
-      {"/usr/bin/env", "python3", std::string(TIERD_SOURCE_DIR) + "/bench/adam_torch.py",
-       absl::StrCat(n), "0", absl::StrCat(iterations), "cuda"},
-      &out);
-  double v = 0;
-  if (rc != 0 || !absl::SimpleAtod(absl::StripAsciiWhitespace(out), &v)) {
-    *why = absl::StrCat("torch run failed (exit ", rc, "): ", out.substr(0, 300));
-    return 0;
-  }
-  return v;
-}
-
 }  // namespace
 
 int GpuAdam(int argc, char** argv) {
@@ -208,7 +194,7 @@ int GpuAdam(int argc, char** argv) {
                "a device-to-device copy of the same bytes"});
       if (o.torch && !bf16) {
         std::string why;
-        const double torch = TorchParamsPerSecond(n, o.iterations, &why);
+        const double torch = TorchParamsPerSecond(n, 0, o.iterations, "cuda", &why);
         if (torch > 0) {
           out.Add({"params_per_s", torch, "/s", fields + ",\"impl\":\"torch\"",
                    absl::StrFormat("torch fused AdamW; tierd is %.2fx", n / adam_s / torch)});
