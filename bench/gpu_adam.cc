@@ -18,10 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "bench/bench_util.h"
 #include "kernels/gpu_adam.h"
-#include "tests/daemon_process.h"
 
 namespace tierd::bench {
 namespace {

@@ -128,7 +128,6 @@ struct OffloadedAdam::Impl {
   ChunkId meta = 0;
   uint64_t meta_size = 0;
   uint64_t shard_params = 0;
-  uint64_t shard_count = 0;
   uint64_t state_bytes = 0;
   size_t slots = 0;  // shards the host budget holds: in hand, read ahead and being written back
   bool resumed = false;
@@ -203,6 +202,10 @@ struct OffloadedAdam::Impl {
     if (!t.ok()) return t.status();
     writes.push_back(*t);
     return absl::OkStatus();
+  }
+
+  bool IsAhead(ChunkId id) const {
+    return std::any_of(ahead.begin(), ahead.end(), [id](const Ahead& a) { return a.id == id; });
   }
 
   // Takes `id` out of the read-ahead window (it is about to be pinned, or is not wanted). Returns
@@ -281,9 +284,7 @@ struct OffloadedAdam::Impl {
     const size_t room = slots - used;
     for (ChunkId id : Expected(g, k, ahead.size() + room)) {
       if (ahead.size() + writes.size() + in_hand >= slots) break;
-      if (std::any_of(ahead.begin(), ahead.end(), [id](const Ahead& a) { return a.id == id; })) {
-        continue;
-      }
+      if (IsAhead(id)) continue;
       absl::StatusOr<CompletionToken> t = client->PrefetchIds({&id, 1}, Tier::kHost);
       if (!t.ok()) return t.status();
       ahead.push_back({id, *t});
@@ -541,7 +542,6 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       state_bytes += s.bytes();
     }
   }
-  shard_count = chunk_specs.size();
   if (options.persistent && meta == 0) {
     chunk_specs.push_back(
         {.size = meta_size, .home = options.home, .name = meta_name, .persistent = true});
@@ -692,8 +692,7 @@ absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
   }
   // Within the budget: each shard read is dropped from the host again (unless read ahead).
   for (const Shard& s : g.shards) {
-    const bool read_ahead = std::any_of(d.ahead.begin(), d.ahead.end(),
-                                        [&](const Impl::Ahead& a) { return a.id == s.id; });
+    const bool read_ahead = d.IsAhead(s.id);
     if (!read_ahead) {
       if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
     }

@@ -114,13 +114,15 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   ++m.moves_total;
   --m.in_flight;
   const absl::Time now = absl::Now();
-  // How long one move took, per byte, latency and queueing included: mean and mean deviation, as
-  // TCP estimates round trips (plans use mean + 4 deviations).
-  if (auto it = move_started_.find(chunk.id); it != move_started_.end()) {
-    transfer_seconds_[static_cast<int>(path)].Observe(absl::ToDoubleSeconds(now - it->second));
-  }
-  if (auto it = move_started_.find(chunk.id); it != move_started_.end() && bytes > 0) {
-    const double sample = absl::ToDoubleSeconds(now - it->second) / static_cast<double>(bytes);
+  // How long one move took (the transfer-latency histogram) and, per byte, latency and queueing
+  // included: mean and mean deviation, as TCP estimates round trips (plans use mean + 4
+  // deviations).
+  const auto started = move_started_.find(chunk.id);
+  const double took =
+      started != move_started_.end() ? absl::ToDoubleSeconds(now - started->second) : -1;
+  if (took >= 0) transfer_seconds_[static_cast<int>(path)].Observe(took);
+  if (took >= 0 && bytes > 0) {
+    const double sample = took / static_cast<double>(bytes);
     if (m.move_seconds_per_byte == 0) {
       m.move_seconds_per_byte = sample;
       m.move_deviation_per_byte = sample / 2;
@@ -1036,8 +1038,9 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   result.locations.reserve(ids.size());
   SessionState& state = sessions_[session.id];
   if (waited_for_room) {
-    state.stats.stall[static_cast<int>(tier)] += absl::Now() - arrived;
-    totals_.stall[static_cast<int>(tier)] += absl::Now() - arrived;
+    const absl::Duration stalled = absl::Now() - arrived;
+    state.stats.stall[static_cast<int>(tier)] += stalled;
+    totals_.stall[static_cast<int>(tier)] += stalled;
   }
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);

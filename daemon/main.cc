@@ -380,8 +380,10 @@ int Run() {
     absl::StatusOr<std::unique_ptr<MetricsServer>> m =
         MetricsServer::Start(config->metrics.listen, [sources] { return RenderMetrics(sources); });
     if (!m.ok()) {
-      spdlog::critical("metrics: {} (set metrics.listen, or empty it for no endpoint)",
-                       m.status().message());
+      spdlog::critical(
+          "metrics: {} (set metrics.listen / --metrics_listen; \"none\" or an empty "
+          "metrics.listen for no endpoint)",
+          m.status().message());
       return 1;
     }
     metrics_server = std::move(*m);
