@@ -149,7 +149,14 @@ struct OffloadedAdam::Impl {
   absl::Status error ABSL_GUARDED_BY(mu);
   std::vector<bool> started ABSL_GUARDED_BY(mu);  // groups the worker has taken this step
   OptimizerStepStats stats ABSL_GUARDED_BY(mu);
+  // The worker's time on shards this step (waiting for them included), and how many it stepped.
+  absl::Duration shard_time ABSL_GUARDED_BY(mu);
+  size_t shards_stepped ABSL_GUARDED_BY(mu) = 0;
   std::thread worker;
+  // How long the worker took per shard last step: the read-ahead says when each shard is needed
+  // by it, so that the daemon serves write-backs (which free the budget) before reads needed
+  // later. Zero until a step has been measured: everything is then due at once.
+  absl::Duration pace;
 
   // The window of state on the host besides the shard in hand, each entry one shard's worth of
   // the budget (the worker's while a step runs, else the driver's): shards asked for ahead of
@@ -274,6 +281,13 @@ struct OffloadedAdam::Impl {
     return ids;
   }
 
+  // The Prefetch priority of the shard expected `j` shards from now: due when the worker will
+  // reach it at last step's pace (a priority unit is a millisecond; the daemon caps any wait).
+  int Priority(size_t j) const {
+    constexpr double kLatest = 1000;
+    return -static_cast<int>(std::min(kLatest, absl::ToDoubleMilliseconds(pace * j)));
+  }
+
   // Fills the budget's free room with read-ahead of the shards expected after group `g`'s shard
   // `k`, `in_hand` shards being pinned now.
   absl::Status ReadAhead(size_t g, size_t k, size_t in_hand) {
@@ -282,10 +296,12 @@ struct OffloadedAdam::Impl {
     const size_t used = ahead.size() + writes.size() + in_hand;
     if (used >= slots) return absl::OkStatus();
     const size_t room = slots - used;
-    for (ChunkId id : Expected(g, k, ahead.size() + room)) {
+    const std::vector<ChunkId> expected = Expected(g, k, ahead.size() + room);
+    for (size_t j = 0; j < expected.size(); ++j) {
+      const ChunkId id = expected[j];
       if (ahead.size() + writes.size() + in_hand >= slots) break;
       if (IsAhead(id)) continue;
-      absl::StatusOr<CompletionToken> t = client->PrefetchIds({&id, 1}, Tier::kHost);
+      absl::StatusOr<CompletionToken> t = client->PrefetchIds({&id, 1}, Tier::kHost, Priority(j));
       if (!t.ok()) return t.status();
       ahead.push_back({id, *t});
     }
@@ -435,6 +451,9 @@ struct OffloadedAdam::Impl {
       delta->state_bytes += shard.bytes();
       if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
       if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+      absl::MutexLock lock(&mu);
+      shard_time += absl::Now() - t0;
+      ++shards_stepped;
     }
     return absl::OkStatus();
   }
@@ -731,6 +750,8 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
   d.started.assign(d.groups.size(), false);
   d.error = absl::OkStatus();
   d.stats = OptimizerStepStats{};
+  d.shard_time = absl::ZeroDuration();
+  d.shards_stepped = 0;
   return absl::OkStatus();
 }
 
@@ -780,6 +801,7 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
     absl::MutexLock lock(&d.mu);
     stats = d.stats;
     error = d.error;
+    if (d.shards_stepped > 0) d.pace = d.shard_time / d.shards_stepped;
   }
   d.in_step = false;
   if (!error.ok()) return error;

@@ -300,7 +300,7 @@ absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier
 }
 
 void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
-                           SessionId session, std::optional<Access> pin) {
+                           SessionId session, std::optional<Access> pin, absl::Time deadline) {
   if (chunk.state == ChunkState::kReady && chunk.resident.contains(tier)) {
     if (pin) ApplyAccess(chunk, tier, *pin);
     return;
@@ -310,7 +310,8 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
   if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
   // An Acquire's space was reserved up front (its location is final); other requests may queue
   // for room.
-  if (absl::Status s = pin ? StartFetch(chunk, tier, absl::Now()) : FetchOrQueue(chunk, tier);
+  if (absl::Status s =
+          pin ? StartFetch(chunk, tier, deadline) : FetchOrQueue(chunk, tier, deadline);
       !s.ok()) {
     // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
     std::vector<Waiter>& w = waiters_[chunk.id];
@@ -359,7 +360,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       waiters_[chunk.id].push_back(std::move(w));
     } else {
       // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
-      if (absl::Status f = FetchOrQueue(chunk, w.tier); !f.ok()) {
+      if (absl::Status f = FetchOrQueue(chunk, w.tier, now); !f.ok()) {
         w.batch->Done(f);
       } else {
         waiters_[chunk.id].push_back(std::move(w));
@@ -368,14 +369,14 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
   }
 }
 
-absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier) {
-  absl::Status started = StartFetch(chunk, tier, absl::Now());
+absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
+  absl::Status started = StartFetch(chunk, tier, deadline);
   if (started.ok() || !absl::IsResourceExhausted(started)) return started;
   if (!MakeRoomFor(chunk, tier)) return started;
   for (const QueuedFetch& q : queued_fetches_) {
     if (q.id == chunk.id && q.tier == tier) return absl::OkStatus();
   }
-  queued_fetches_.push_back({chunk.id, tier});
+  queued_fetches_.push_back({chunk.id, tier, deadline});
   return absl::OkStatus();
 }
 
@@ -518,7 +519,7 @@ void ChunkService::RetryQueuedFetches() {
       queued_fetches_.pop_front();
       continue;
     }
-    absl::Status s = StartFetch(it->second, q.tier, absl::Now());
+    absl::Status s = StartFetch(it->second, q.tier, q.deadline);
     if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
     queued_fetches_.pop_front();
     if (!s.ok()) FailWaiters(q.id, q.tier, s);
@@ -1049,7 +1050,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     const bool ready = CheckPin(*chunk, tier).ok();
     ++(ready ? state.stats.ready : state.stats.waited);
     ++(ready ? totals_.ready : totals_.waited);
-    BringIn(*chunk, tier, batch, session.id, access);
+    BringIn(*chunk, tier, batch, session.id, access, absl::Now());
     // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
     // move it joined.
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
@@ -1083,9 +1084,15 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   return absl::OkStatus();
 }
 
+absl::Time PrefetchDeadline(absl::Time now, int priority) {
+  // Clamped so that the product cannot overflow; the I/O engine caps any wait anyway.
+  constexpr int kLimit = 24 * 3600 * 1000;
+  return now - kPriorityUnit * std::clamp(priority, -kLimit, kLimit);
+}
+
 absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
                                                  std::span<const ChunkId> ids, TierKind tier,
-                                                 int /*priority*/) {
+                                                 int priority) {
   // Prefetch into NVMe is a flush: write there, keep the host copy.
   if (tier == TierKind::kNvme) return Evict(session, ids, tier, /*keep_source=*/true);
   if (absl::Status s = CheckBatch(ids.size(), "Prefetch"); !s.ok()) return s;
@@ -1100,9 +1107,10 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
+  const absl::Time due = PrefetchDeadline(absl::Now(), priority);
   for (ChunkMeta* chunk : *chunks) {
     // A chunk on its way anywhere is waited for, then fetched if it did not land in `tier`.
-    BringIn(*chunk, tier, *batch, session.id, std::nullopt);
+    BringIn(*chunk, tier, *batch, session.id, std::nullopt, due);
   }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());  // the issuer's reference

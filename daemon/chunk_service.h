@@ -111,6 +111,13 @@ absl::Status ValidateChunkName(absl::string_view name);
 class NvmeTier;
 class Device;
 
+// One unit of a Prefetch's priority: how much sooner its I/O is due than a request made with a
+// priority one lower.
+inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
+
+// When the I/O of a Prefetch made at `now` with `priority` is due.
+absl::Time PrefetchDeadline(absl::Time now, int priority);
+
 class ChunkService {
  public:
   // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
@@ -131,6 +138,9 @@ class ChunkService {
   absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
                                         TierKind tier, Access access);
   absl::Status Release(const Session& session, std::span<const ChunkId> ids);
+  // Brings the chunks into `tier` without pinning them. Their reads are due `priority` units
+  // before now (see PrefetchDeadline): the session's I/O is served by deadline, so a negative
+  // priority lets I/O asked for later, such as write-backs, go first.
   absl::StatusOr<SlotToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
                                      TierKind tier, int priority);
   absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
@@ -267,8 +277,10 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Has `batch` follow the chunk into `tier`: nothing when it is there and ready, a wait when it
   // is moving, a fetch otherwise. With `pin`, applies the access once it is there.
+  // A fetch it starts is due at `deadline` (an Acquire's: now).
   void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
-               SessionId session, std::optional<Access> pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+               SessionId session, std::optional<Access> pin, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space). Its NVMe
   // I/O is queued by `deadline` (when the chunk is needed: now, for a request that waits).
   absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
@@ -276,7 +288,8 @@ class ChunkService {
   // StartFetch for a chunk that requests wait on: when the tiers it needs room in are full of
   // copies that exist nowhere else (dirty), starts writing the least recently used of them down
   // and queues the fetch until their room is free (OK). Fails only when no room is coming.
-  absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Write-backs that will free room for the chunk in the tiers the fetch (or, for an overwrite,
   // the landing) needs space in; true when room is on its way (started now or earlier).
   bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access = Access::kRead)
@@ -373,6 +386,7 @@ class ChunkService {
   struct QueuedFetch {
     ChunkId id;
     TierKind tier;
+    absl::Time deadline;
   };
   std::deque<QueuedFetch> queued_fetches_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);

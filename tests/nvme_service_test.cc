@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -511,6 +512,46 @@ TEST_F(NvmeServiceTest, SessionsShareTheDriveByTheirBandwidthWeights) {
   EXPECT_TRUE(Check(*session_, mine, 1, sizes));
   EXPECT_TRUE(Check(*other, theirs, 2, sizes));
   EXPECT_TRUE(absl::IsInvalidArgument(service_->SetBandwidthWeight(*other, 0)));
+}
+
+TEST_F(NvmeServiceTest, ReadAheadWithANegativePriorityLetsALaterWriteBackGoFirst) {
+  const std::vector<uint64_t> sizes(8, 1 << 20);
+  const std::vector<ChunkId> ahead = Alloc(*session_, sizes);
+  const std::vector<ChunkId> dirty = Alloc(*session_, {1 << 20});
+  Write(*session_, ahead, 1);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ahead, TierKind::kNvme)).ok());
+  // How many of the read-ahead chunks are on the host when a write-back asked for after them
+  // completes.
+  auto landed_before_the_write = [&](int priority) {
+    Write(*session_, dirty, 2);
+    faults_->SetDelay(absl::Milliseconds(20));
+    absl::StatusOr<SlotToken> read =
+        service_->Prefetch(*session_, ahead, TierKind::kHost, priority);
+    EXPECT_TRUE(Wait(*session_, service_->Evict(*session_, dirty, TierKind::kNvme)).ok());
+    int landed = 0;
+    const absl::StatusOr<std::vector<ChunkMeta>> stat = service_->Stat(*session_, ahead);
+    EXPECT_TRUE(stat.ok()) << stat.status();
+    for (const ChunkMeta& c : *stat) landed += c.resident.contains(TierKind::kHost) ? 1 : 0;
+    EXPECT_TRUE(Wait(*session_, read).ok());
+    faults_->SetDelay(absl::ZeroDuration());
+    EXPECT_TRUE(Wait(*session_, service_->Evict(*session_, ahead, TierKind::kNvme)).ok());
+    return landed;
+  };
+  EXPECT_GE(landed_before_the_write(0), 6);  // same priority: served in the order asked
+  // Only what was already in the drive's queue lands first: two chunks' sub-I/Os fill its 16
+  // slots when the write arrives, and the write's 8 share the next round with one more chunk's.
+  EXPECT_LE(landed_before_the_write(-500), 3);
+  EXPECT_TRUE(Check(*session_, ahead, 1, sizes));
+  EXPECT_TRUE(Check(*session_, dirty, 2, {1 << 20}));
+}
+
+TEST(PrefetchDeadlineTest, EachUnitOfPriorityIsAMillisecondSoonerAndExtremesDoNotOverflow) {
+  const absl::Time now = absl::FromUnixSeconds(1'000'000);
+  EXPECT_EQ(PrefetchDeadline(now, 0), now);
+  EXPECT_EQ(PrefetchDeadline(now, 5), now - absl::Milliseconds(5));
+  EXPECT_EQ(PrefetchDeadline(now, -20), now + absl::Milliseconds(20));
+  EXPECT_LT(PrefetchDeadline(now, std::numeric_limits<int>::max()), now);
+  EXPECT_GT(PrefetchDeadline(now, std::numeric_limits<int>::min()), now);
 }
 
 TEST_F(NvmeServiceTest, SlowDriveStillCompletesEveryRequest) {

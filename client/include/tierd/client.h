@@ -112,6 +112,8 @@ tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id*
                            tierd_completion* out_ready);
 tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 
+/* Brings chunks into tier without pinning them; their reads are due priority milliseconds
+ * before now (after, when negative), against this session's other I/O. */
 tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                             int priority, tierd_completion* out);
 /* Moves chunks down to tier (durably), dropping the copies above it unless keep_source. */

@@ -255,6 +255,9 @@ class Client {
   absl::Status Free(std::span<const ChunkId> ids);
   absl::StatusOr<Acquired> AcquireIds(std::span<const ChunkId> ids, Tier tier, AccessMode mode);
   absl::Status Release(std::span<const ChunkId> ids);
+  // Brings chunks into `tier` without pinning them. `priority` orders this session's I/O: the
+  // reads are due `priority` milliseconds before now (after, when negative), and the daemon serves
+  // the session's reads and writes by when they are due.
   absl::StatusOr<CompletionToken> PrefetchIds(std::span<const ChunkId> ids, Tier tier,
                                               int priority = 0);
   // Moves chunks down to `tier` (writing them there durably if needed) and drops the copies above
