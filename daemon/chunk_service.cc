@@ -347,6 +347,8 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
           state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
         }
         totals_.stall[static_cast<int>(w.tier)] += now - w.since;
+        acquire_wait_seconds_[static_cast<int>(w.tier)].Observe(
+            absl::ToDoubleSeconds(now - w.since));
       }
       w.batch->Done(absl::OkStatus());
     } else if (!moved.ok()) {

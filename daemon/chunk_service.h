@@ -179,6 +179,10 @@ class ChunkService {
   metrics::Histogram::Snapshot transfer_seconds(Path path) const {
     return transfer_seconds_[static_cast<int>(path)].Read();
   }
+  // How long acquisitions whose chunk was not in place waited for it to arrive, by tier.
+  metrics::Histogram::Snapshot acquire_wait_seconds(TierKind tier) const {
+    return acquire_wait_seconds_[static_cast<int>(tier)].Read();
+  }
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
  private:
@@ -380,6 +384,12 @@ class ChunkService {
       metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
       metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
       metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
+  // 10 us to 21 s, doubling.
+  std::array<metrics::Histogram, kTierKinds> acquire_wait_seconds_{
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
   absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
   // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
   // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.

@@ -17,7 +17,16 @@ using Type = metrics::Writer::Type;
 constexpr TierKind kTiers[] = {TierKind::kDevice, TierKind::kHost, TierKind::kNvme};
 
 Labels TierLabel(TierKind t) { return {{"tier", std::string(TierName(t))}}; }
-Labels PathLabel(int p) { return {{"path", PathName(static_cast<Path>(p))}}; }
+
+// A path's labels; the paths over PCIe also name the GPU, so that bandwidth is per device.
+Labels PathLabel(int p, const std::string& gpu) {
+  const Path path = static_cast<Path>(p);
+  Labels labels{{"path", PathName(path)}};
+  if (!gpu.empty() && (path == Path::kHostToDevice || path == Path::kDeviceToHost)) {
+    labels.push_back({"device", gpu});
+  }
+  return labels;
+}
 
 }  // namespace
 
@@ -106,6 +115,10 @@ std::string RenderMetrics(const MetricsSources& src) {
 
   // Moves between tiers.
   const std::array<PathStatus, kPaths> paths = src.chunks->path_status();
+  const std::string gpu = src.devices != nullptr && !src.devices->devices.empty()
+                              ? src.devices->devices.front().uuid
+                              : std::string();
+  auto PathLabel = [&gpu](int p) { return tierd::PathLabel(p, gpu); };
   w.Family("tierd_moved_bytes_total", Type::kCounter,
            "Bytes moved between tiers by path: nvme_to_host and host_to_nvme are the drives' read "
            "and write, host_to_device and device_to_host PCIe H2D and D2H.");
@@ -141,6 +154,9 @@ std::string RenderMetrics(const MetricsSources& src) {
   for (const auto& [t, u] : usage) {
     w.Sample(TierLabel(t), absl::ToDoubleSeconds(node.totals.stall[static_cast<int>(t)]));
   }
+  w.Family("tierd_acquire_wait_seconds", Type::kHistogram,
+           "How long acquisitions whose chunk was not in place waited for it to arrive, by tier.");
+  for (const auto& [t, u] : usage) w.Sample(TierLabel(t), src.chunks->acquire_wait_seconds(t));
   w.Family("tierd_planner_moves_total", Type::kCounter,
            "Moves the planner started ahead of need, by kind.");
   w.Sample({{"kind", "fetch"}}, static_cast<double>(node.totals.planner_fetches));
@@ -173,6 +189,10 @@ std::string RenderMetrics(const MetricsSources& src) {
     w.Family("tierd_nvme_io_errors_total", Type::kCounter,
              "NVMe I/Os that failed (each fails its request).");
     w.Sample({}, static_cast<double>(io.errors));
+    w.Family("tierd_nvme_checksum_failures_total", Type::kCounter,
+             "Chunk reads from NVMe whose bytes failed their checksum: damaged data, refused with "
+             "DATA_LOSS and never handed out.");
+    w.Sample({}, static_cast<double>(src.nvme->checksum_failures()));
     w.Family("tierd_nvme_short_transfers_total", Type::kCounter,
              "NVMe I/Os that moved fewer bytes than asked (continued where they stopped).");
     w.Sample({}, static_cast<double>(io.short_transfers));

@@ -432,6 +432,7 @@ void NvmeTier::ReadPieces(uint64_t chunk_id, const Placement& host, const Placem
             if (!status.ok()) {
               status = Annotate(chunk_id, status);
             } else if (const uint64_t actual = XXH3_64bits(dst, size); actual != checksum) {
+              checksum_failures_.fetch_add(1, std::memory_order_relaxed);
               status = absl::DataLossError(
                   absl::StrCat("chunk ", chunk_id, ": the NVMe copy fails its checksum (expected ",
                                absl::Hex(checksum), ", read ", absl::Hex(actual),

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -103,6 +104,8 @@ class NvmeTier final : public Tier {
   uint32_t queue_depth() const { return engine_->queue_depth(); }
   uint32_t block_size() const { return block_; }
   IoEngineStats stats() const { return engine_->stats(); }
+  // Chunk reads whose bytes failed their checksum (refused with DATA_LOSS), since start-up.
+  uint64_t checksum_failures() const { return checksum_failures_.load(std::memory_order_relaxed); }
   IoBackend* backend() const { return engine_->backend(); }
 
  private:
@@ -146,6 +149,7 @@ class NvmeTier final : public Tier {
   std::vector<IndexEntry> recovered_;
   std::unique_ptr<IoEngine> engine_;
   std::unique_ptr<WorkQueue> worker_;  // checksums, index commits, callbacks
+  std::atomic<uint64_t> checksum_failures_{0};
 };
 
 // The node's tierd instance id, kept in `state_dir`/instance_id (created on first start).

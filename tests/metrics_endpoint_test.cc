@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "tests/daemon_process.h"
 #include "tierd/client.hpp"
@@ -27,11 +28,17 @@ using testing::DaemonProcess;
 std::string DaemonBinary() { return testing::ExecutableDir() + "/../daemon/tierd"; }
 
 // The URL the daemon logged ("serving metrics on http://127.0.0.1:PORT/metrics").
+// The address the daemon logs once its endpoint is up (the line may follow its socket's creation,
+// which is what Start waits for).
 std::string MetricsUrl(const DaemonProcess& d) {
-  std::smatch m;
-  const std::string log = d.Log();
-  if (!std::regex_search(log, m, std::regex("serving metrics on (http://[^ \n]+)"))) return "";
-  return m[1];
+  const std::regex line("serving metrics on (http://[^ \n]+)");
+  for (absl::Time give_up = absl::Now() + absl::Seconds(10); absl::Now() < give_up;) {
+    std::smatch m;
+    const std::string log = d.Log();
+    if (std::regex_search(log, m, line)) return m[1];
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return "";
 }
 
 struct HttpResponse {
@@ -127,7 +134,13 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
   const double mib4 = kChunks * kChunk;
   EXPECT_GE(s["tierd_moved_bytes_total{path=\"host_to_nvme\"}"], mib4);
   EXPECT_GE(s["tierd_moved_bytes_total{path=\"nvme_to_host\"}"], mib4);
-  EXPECT_GE(s["tierd_moved_bytes_total{path=\"host_to_device\"}"], mib4);
+  // The PCIe paths name the GPU (here the emulated one) that tierd_device_info describes.
+  std::smatch gpu;
+  ASSERT_TRUE(
+      std::regex_search(r.body, gpu, std::regex("\ntierd_device_info\\{device=\"([^\"]+)\"")))
+      << r.body;
+  EXPECT_GE(s["tierd_moved_bytes_total{path=\"host_to_device\",device=\"" + gpu[1].str() + "\"}"],
+            mib4);
   EXPECT_GE(s["tierd_moves_total{path=\"host_to_nvme\"}"], kChunks);
   EXPECT_GE(s["tierd_transfer_seconds_count{path=\"host_to_nvme\"}"], kChunks);
   const std::string region = daemon_->socket_dir() + "/nvme0.region";

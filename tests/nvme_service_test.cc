@@ -589,8 +589,10 @@ TEST_F(NvmeServiceTest, DamagedDataOnTheDriveIsDataLossNeverHandedOut) {
     if (flipped) break;
   }
   ASSERT_TRUE(flipped);
+  EXPECT_EQ(nvme_->checksum_failures(), 0);
   absl::Status s = Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kHost, 0));
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_EQ(nvme_->checksum_failures(), 1);  // counted for the operator (metrics)
   auto stat = *service_->Stat(*session_, ids);
   EXPECT_TRUE(stat[0].resident.empty());  // no copy is trusted
   EXPECT_TRUE(absl::IsDataLoss(service_->Prefetch(*session_, ids, TierKind::kHost, 0).status()));
