@@ -4,7 +4,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: all deps configure build test demo bench clean
+.PHONY: all deps configure build test demo bench install package clean
 
 all: build
 
@@ -28,6 +28,14 @@ bench: build
 	$(BUILD)/bench/tierd-bench replay
 	$(BUILD)/bench/tierd-bench adam --params=1e7,1e8
 	$(BUILD)/bench/tierd-bench offload-step
+
+# PREFIX=/usr/local by default; DESTDIR works as usual.
+install: build
+	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))
+
+# The .deb, in $(BUILD)/.
+package: build
+	cd $(BUILD) && cpack
 
 clean:
 	rm -rf $(BUILD) var

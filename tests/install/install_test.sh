@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# `cmake --install` into a scratch root, then: a project outside the tree builds against it with
+# find_package(tierd) and with pkg-config; `systemd-analyze verify` accepts the installed unit;
+# the installed daemon starts from the installed config; and CPack builds a .deb holding it all.
+# Usage: install_test.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src=$1 build=$2
+work=$(mktemp -d /var/tmp/tierd-install-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "install_test: $*" >&2; exit 1; }
+
+# 1. cmake --install under a root, with the package's prefix.
+root=$work/root
+DESTDIR=$root cmake --install "$build" --prefix /usr >"$work/install.log"
+for f in usr/bin/tierd usr/bin/tierd-bench usr/include/tierd/client.h usr/include/tierd/client.hpp \
+         usr/include/tierd/optimizer.hpp usr/lib/systemd/system/tierd.service \
+         usr/lib/sysusers.d/tierd.conf etc/tierd/tierd.toml \
+         usr/share/tierd/dashboards/tierd-overview.json usr/share/tierd/dashboards/tierd-detail.json \
+         usr/share/tierd/prometheus/prometheus.yml usr/share/tierd/prometheus/tierd-rules.yml; do
+  [[ -e $root/$f ]] || fail "cmake --install did not install /$f"
+done
+config=$(find "$root/usr/lib" -name tierdConfig.cmake)
+[[ -n $config ]] || fail "no tierdConfig.cmake installed"
+libdir=${config%/cmake/tierd/tierdConfig.cmake}
+ls "$libdir"/libtierd_client.so.0 >/dev/null || fail "no libtierd_client.so.0 in $libdir"
+
+# 2. find_package(tierd) from a project outside the tree.
+cmake -S "$src/tests/install" -B "$work/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$root/usr" \
+  -DCMAKE_BUILD_TYPE=Release >"$work/consumer.log" || { cat "$work/consumer.log"; fail "find_package(tierd) failed"; }
+cmake --build "$work/consumer" >>"$work/consumer.log" || { cat "$work/consumer.log"; fail "the consumer did not build"; }
+LD_LIBRARY_PATH=$libdir "$work/consumer/consumer" "$work/no-daemon-here"
+
+# 3. pkg-config, for C.
+pc=$(PKG_CONFIG_SYSROOT_DIR=$root PKG_CONFIG_LIBDIR=$libdir/pkgconfig pkg-config --cflags --libs tierd)
+cc -o "$work/consumer_c" "$src/tests/install/consumer.c" $pc
+LD_LIBRARY_PATH=$libdir "$work/consumer_c"
+
+# 4. The unit names the prefix's binary and configuration. systemd's own checker reads it from an
+# install under a plain prefix (it needs the binary at the path the unit names on this machine).
+unit=$root/usr/lib/systemd/system/tierd.service
+grep -q "^ExecStart=/usr/bin/tierd --config=/etc/tierd/tierd.toml$" "$unit" || fail "unexpected ExecStart in the unit"
+prefix=$work/prefix
+cmake --install "$build" --prefix "$prefix" >>"$work/install.log"
+unit=$prefix/lib/systemd/system/tierd.service
+grep -q "^ExecStart=$prefix/bin/tierd --config=$prefix/etc/tierd/tierd.toml$" "$unit" ||
+  fail "unexpected ExecStart in the unit under $prefix"
+[[ -e $prefix/etc/tierd/tierd.toml ]] || fail "no configuration under $prefix/etc"
+out=$(systemd-analyze verify "$unit" 2>&1) || fail "systemd-analyze verify: $out"
+[[ -z $out ]] || fail "systemd-analyze verify warns: $out"
+
+# 5. The installed daemon starts from the installed config (paths moved under the scratch root).
+cfg=$work/tierd.toml
+sed -e "s|^# *socket_dir = .*|socket_dir = \"$work/run\"|" \
+    -e "s|^# *state_dir = .*|state_dir = \"$work/state\"|" "$root/etc/tierd/tierd.toml" >"$cfg"
+mkdir -p "$work/run"
+LD_LIBRARY_PATH=$libdir "$root/usr/bin/tierd" --config="$cfg" --host_capacity=64MiB \
+  --host_segment_size=16MiB --lock_memory=false --nvme_regions="$work/r0:256MiB" \
+  --device=none --probe_bytes=0 --metrics_listen=127.0.0.1:0 >"$work/daemon.log" 2>&1 &
+pid=$!
+for _ in $(seq 300); do [[ -S $work/run/tierd.sock ]] && break; sleep 0.1; done
+[[ -S $work/run/tierd.sock ]] || { cat "$work/daemon.log"; fail "the installed daemon did not start"; }
+kill -TERM $pid; wait $pid || { cat "$work/daemon.log"; fail "the installed daemon did not stop cleanly"; }
+
+# 6. The .deb.
+(cd "$work" && cpack -B "$work/deb" --config "$build/CPackConfig.cmake" >"$work/cpack.log") ||
+  { cat "$work/cpack.log"; fail "cpack failed"; }
+deb=$(ls "$work"/deb/tierd_*.deb)
+contents=$(dpkg-deb -c "$deb")
+for f in ./usr/bin/tierd ./usr/lib/systemd/system/tierd.service ./etc/tierd/tierd.toml \
+         ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf; do
+  grep -q " $f\$" <<<"$contents" || fail ".deb lacks $f"
+done
+info=$(dpkg-deb -I "$deb")
+grep -q "^ Depends:.*liburing" <<<"$info" || fail ".deb Depends misses liburing: $info"
+dpkg-deb -e "$deb" "$work/control"
+grep -qx /etc/tierd/tierd.toml "$work/control/conffiles" || fail "the config is not a conffile"
+echo "install_test: ok ($(basename "$deb"))"
