@@ -521,13 +521,14 @@ absl::StatusOr<std::vector<ChunkInfo>> Client::Stat(std::span<const ChunkId> ids
   return out;
 }
 
-absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks() {
+absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks(bool all_sessions) {
   std::vector<ChunkInfo> out;
   uint64_t token = 0;
   do {
     pb::ListChunksRequest req;
     req.set_page_token(token);
     req.set_page_size(10000);
+    req.set_all_sessions(all_sessions);
     pb::ListChunksResponse resp;
     if (absl::Status s = impl_->Call(&pb::Tierd::Stub::ListChunks, req, &resp, "ListChunks");
         !s.ok()) {
@@ -568,6 +569,12 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
     info.device_memory_bytes = resp.devices(0).memory_bytes();
   }
   info.device_status = resp.device_status();
+  info.uptime_seconds = resp.uptime_seconds();
+  for (const pb::SessionInfo& x : resp.session_list()) {
+    info.session_list.push_back({x.id(), x.client_name(), x.uid(), x.pid(),
+                                 absl::FromUnixSeconds(x.opened_unix_seconds()), x.chunks(),
+                                 x.bytes(), x.pinned_chunks()});
+  }
   info.sessions = resp.sessions();
   info.chunks = resp.chunks();
   for (const pb::PathInfo& p : resp.paths()) {
@@ -575,6 +582,20 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
                           p.measured(), p.probed_bytes_per_second()});
   }
   return info;
+}
+
+absl::StatusOr<DrainStarted> Client::Drain(Tier tier, std::span<const ChunkId> ids) {
+  pb::DrainRequest req;
+  req.set_tier(ToProto(tier));
+  for (ChunkId id : ids) req.add_chunk_ids(id);
+  pb::DrainResponse resp;
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Drain, req, &resp, "Drain"); !s.ok()) {
+    return s;
+  }
+  return DrainStarted{.done = {resp.completion().slot(), resp.completion().sequence()},
+                      .chunks = resp.chunks(),
+                      .bytes = resp.bytes(),
+                      .pinned_chunks = resp.pinned_chunks()};
 }
 
 absl::StatusOr<ChunkSet> Client::Allocate(std::span<const ChunkSpec> specs) {

@@ -3,7 +3,7 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
-install(TARGETS tierd tierd-bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS tierd tierd-bench tierctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS tierd_client EXPORT tierdTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

@@ -1,5 +1,7 @@
 #include "daemon/chunk_service.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -1194,6 +1196,109 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());
   return token;
+}
+
+bool IsOperator(const Session& session) {
+  return session.peer.uid == 0 || session.peer.uid == geteuid();
+}
+
+namespace {
+
+absl::Status CheckOperator(const Session& session, absl::string_view what) {
+  if (IsOperator(session)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      what, " acts on every session's chunks: only root or the daemon's own user (uid ", geteuid(),
+      ") may; ", session.Describe(), " is neither"));
+}
+
+}  // namespace
+
+absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind tier,
+                                                std::span<const ChunkId> ids) {
+  if (absl::Status s = CheckOperator(session, "Drain"); !s.ok()) return s;
+  if (absl::Status s = CheckTier(tier, "Drain"); !s.ok()) return s;
+  if (tier == TierKind::kNvme) {
+    return absl::InvalidArgumentError(
+        "Drain: the NVMe tier is the bottom tier; its chunks leave it only when freed");
+  }
+  const TierKind below = tier == TierKind::kDevice ? TierKind::kHost : TierKind::kNvme;
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  if (below == TierKind::kNvme && nvme_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "Drain: this daemon has no NVMe tier to move the host tier's chunks into");
+  }
+  std::vector<ChunkMeta*> chunks;
+  if (ids.empty()) {
+    for (auto& [id, chunk] : chunks_) {
+      const bool there = chunk.resident.contains(tier) ||
+                         (chunk.state == ChunkState::kMoving && chunk.moving_to == tier);
+      if (there) chunks.push_back(&chunk);
+    }
+  } else {
+    if (absl::Status s = CheckBatch(ids.size(), "Drain"); !s.ok()) return s;
+    for (ChunkId id : ids) {
+      auto it = chunks_.find(id);
+      if (it == chunks_.end()) {
+        return absl::NotFoundError(absl::StrCat("chunk ", id, " does not exist"));
+      }
+      chunks.push_back(&it->second);
+    }
+  }
+  absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
+  if (!batch.ok()) return batch.status();
+  DrainResult result{.token = (*batch)->token};
+  for (ChunkMeta* chunk : chunks) {
+    if (chunk->pins > 0) {
+      ++result.pinned;
+      continue;
+    }
+    if (!CheckEvictable(*chunk, below).ok()) continue;  // no copy above `below`: nothing to move
+    ++result.chunks;
+    result.bytes += chunk->size;
+    if (chunk->state == ChunkState::kMoving) {  // evicted once its move settles
+      (*batch)->Add();
+      waiters_[chunk->id].push_back(
+          Waiter{*batch, session.id, below, std::nullopt, absl::Now(), /*keep_source=*/false});
+      continue;
+    }
+    EvictSettled(*chunk, below, /*keep_source=*/false, *batch);
+  }
+  spdlog::info("{} drains the {} tier: {} chunks ({}) moving to the {} tier, {} acquired left",
+               session.Describe(), TierName(tier), result.chunks, FormatSize(result.bytes),
+               TierName(below), result.pinned);
+  (*batch)->Done(absl::OkStatus());
+  return result;
+}
+
+absl::StatusOr<ChunkPage> ChunkService::ListAll(const Session& session, ChunkId page_token,
+                                                uint32_t page_size) const {
+  if (absl::Status s = CheckOperator(session, "ListChunks(all_sessions)"); !s.ok()) return s;
+  if (page_size == 0) page_size = kDefaultPageSize;
+  page_size = std::min(page_size, kMaxPageSize);
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkId> ids;
+  for (const auto& [id, chunk] : chunks_) {
+    if (id >= page_token) ids.push_back(id);
+  }
+  ChunkPage page;
+  const size_t n = std::min<size_t>(ids.size(), page_size);
+  std::partial_sort(ids.begin(), ids.begin() + n, ids.end());
+  for (size_t i = 0; i < n; ++i) page.chunks.push_back(chunks_.at(ids[i]));
+  if (ids.size() > n) page.next_page_token = *std::min_element(ids.begin() + n, ids.end());
+  return page;
+}
+
+std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
+  absl::MutexLock lock(&mu_);
+  std::map<SessionId, SessionHoldings> out;
+  for (const auto& [id, state] : sessions_) {
+    SessionHoldings& h = out[id];
+    h.chunks = state.owned.size();
+    for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
+    h.pinned = state.pins.size();
+  }
+  return out;
 }
 
 absl::StatusOr<std::vector<ChunkMeta>> ChunkService::Stat(const Session& session,

@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -91,6 +92,19 @@ struct PathStatus {
   double probed_bytes_per_second = 0;  // what the start-up probe measured (0: not probed)
 };
 
+struct DrainResult {
+  SlotToken token;
+  uint64_t chunks = 0, bytes = 0;  // moving out of the tier
+  uint64_t pinned = 0;             // left there, acquired
+};
+
+struct SessionHoldings {
+  uint64_t chunks = 0, bytes = 0, pinned = 0;
+};
+
+// Whether the session's user may act on every session's chunks: root, or the daemon's own user.
+bool IsOperator(const Session& session);
+
 struct ChunkPage {
   std::vector<ChunkMeta> chunks;
   ChunkId next_page_token = 0;
@@ -165,6 +179,17 @@ class ChunkService {
   absl::Status SetSchedule(const Session& session, ScheduleRequest request);
   // The session's share of NVMe bandwidth against other sessions' (1 .. max_bandwidth_weight).
   absl::Status SetBandwidthWeight(const Session& session, uint32_t weight);
+
+  // --- Operators' requests (root, or the daemon's own user): PERMISSION_DENIED for others. ---
+  // Moves the chunks' copies out of `tier` (device: to the host; host: to NVMe), whichever session
+  // owns them; every chunk with a copy there when `ids` is empty. Chunks acquired now are left.
+  absl::StatusOr<DrainResult> Drain(const Session& session, TierKind tier,
+                                    std::span<const ChunkId> ids);
+  // Every chunk on the node with id >= page_token, by id.
+  absl::StatusOr<ChunkPage> ListAll(const Session& session, ChunkId page_token,
+                                    uint32_t page_size) const;
+  // What each open session holds, by session id.
+  std::map<SessionId, SessionHoldings> Holdings() const;
   void set_max_bandwidth_weight(uint32_t max) {
     absl::MutexLock lock(&mu_);
     max_weight_ = max;

@@ -247,6 +247,21 @@ class TierdService final : public pb::Tierd::Service {
     return ToGrpc(deps_.chunks->SetBandwidthWeight(**session, req->weight()));
   }
 
+  grpc::Status Drain(grpc::ServerContext* ctx, const pb::DrainRequest* req,
+                     pb::DrainResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<DrainResult> r = deps_.chunks->Drain(**session, *tier, Span(req->chunk_ids()));
+    if (!r.ok()) return ToGrpc(r.status());
+    ToProto(r->token, resp->mutable_completion());
+    resp->set_chunks(r->chunks);
+    resp->set_bytes(r->bytes);
+    resp->set_pinned_chunks(r->pinned);
+    return grpc::Status::OK;
+  }
+
   grpc::Status Release(grpc::ServerContext* ctx, const pb::ReleaseRequest* req,
                        pb::ReleaseResponse*) override {
     auto session = Authenticate(ctx);
@@ -273,7 +288,15 @@ class TierdService final : public pb::Tierd::Service {
       return ToGrpc(absl::InvalidArgumentError(
           absl::StrCat("ListChunks: page_size ", req->page_size(), " exceeds ", kMaxPageSize)));
     }
-    ChunkPage page = deps_.chunks->List(**session, req->page_token(), req->page_size());
+    ChunkPage page;
+    if (req->all_sessions()) {
+      absl::StatusOr<ChunkPage> all =
+          deps_.chunks->ListAll(**session, req->page_token(), req->page_size());
+      if (!all.ok()) return ToGrpc(all.status());
+      page = std::move(*all);
+    } else {
+      page = deps_.chunks->List(**session, req->page_token(), req->page_size());
+    }
     for (const ChunkMeta& c : page.chunks) ToProto(c, resp->add_chunks());
     resp->set_next_page_token(page.next_page_token);
     return grpc::Status::OK;
@@ -338,6 +361,22 @@ class TierdService final : public pb::Tierd::Service {
     }
     resp->set_device_status(deps_.devices.status);
     resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
+    if (IsOperator(**session)) {
+      const std::map<SessionId, SessionHoldings> holdings = deps_.chunks->Holdings();
+      for (const std::shared_ptr<Session>& s : deps_.sessions->All()) {
+        pb::SessionInfo* info = resp->add_session_list();
+        info->set_id(s->id);
+        info->set_client_name(s->client_name);
+        info->set_uid(s->peer.uid);
+        info->set_pid(static_cast<uint32_t>(s->peer.pid));
+        info->set_opened_unix_seconds(absl::ToUnixSeconds(s->opened));
+        if (auto h = holdings.find(s->id); h != holdings.end()) {
+          info->set_chunks(h->second.chunks);
+          info->set_bytes(h->second.bytes);
+          info->set_pinned_chunks(h->second.pinned);
+        }
+      }
+    }
     resp->set_chunks(deps_.chunks->chunk_count());
     resp->set_uptime_seconds(absl::ToInt64Seconds(absl::Now() - started_));
     return grpc::Status::OK;

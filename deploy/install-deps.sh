@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev liburing-dev libtomlplusplus-dev
-  libxxhash-dev libsystemd-dev libcivetweb-dev prometheus
+  libxxhash-dev libsystemd-dev libcivetweb-dev prometheus systemd
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-pytest python3-torch python3-numpy python3-yaml
   fio

@@ -545,6 +545,60 @@ TEST_F(NvmeServiceTest, ReadAheadWithANegativePriorityLetsALaterWriteBackGoFirst
   EXPECT_TRUE(Check(*session_, dirty, 2, {1 << 20}));
 }
 
+TEST_F(NvmeServiceTest, AnOperatorDrainsEveryUnpinnedChunkOfEverySessionOutOfTheHostTier) {
+  const uint32_t me = geteuid();
+  auto op = *sessions_.Open({me, me, 3}, "tierctl");
+  auto a = *sessions_.Open({me + 1, me + 1, 4}, "trainer-a");
+  auto b = *sessions_.Open({me + 2, me + 2, 5}, "trainer-b");
+  MapPage(*op);
+  MapPage(*a);
+  MapPage(*b);
+  const std::vector<ChunkId> mine = Alloc(*a, {1 << 20, 1 << 20});
+  const std::vector<ChunkId> held = Alloc(*b, {1 << 20});
+  Write(*a, mine, 11);
+  Write(*b, held, 12);
+  ASSERT_TRUE(service_->Acquire(*b, held, TierKind::kHost, Access::kRead).ok());
+
+  // Only an operator may, and only out of the tiers above NVMe.
+  EXPECT_TRUE(absl::IsPermissionDenied(service_->Drain(*a, TierKind::kHost, {}).status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(service_->ListAll(*a, 0, 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->Drain(*op, TierKind::kNvme, {}).status()));
+  const ChunkId unknown = 1ull << 60;
+  EXPECT_TRUE(absl::IsNotFound(service_->Drain(*op, TierKind::kHost, {&unknown, 1}).status()));
+
+  absl::StatusOr<DrainResult> drained = service_->Drain(*op, TierKind::kHost, {});
+  ASSERT_TRUE(drained.ok()) << drained.status();
+  EXPECT_EQ(drained->chunks, 2);
+  EXPECT_EQ(drained->bytes, 2u << 20);
+  EXPECT_EQ(drained->pinned, 1);
+  ASSERT_TRUE(WaitCompletion(*pages_.at(op->id), drained->token, absl::Seconds(30)).ok());
+  const absl::StatusOr<std::vector<ChunkMeta>> stat = service_->Stat(*a, mine);
+  ASSERT_TRUE(stat.ok()) << stat.status();
+  for (const ChunkMeta& c : *stat) {
+    EXPECT_FALSE(c.resident.contains(TierKind::kHost));
+    EXPECT_TRUE(c.resident.contains(TierKind::kNvme));
+  }
+  EXPECT_TRUE(service_->Stat(*b, held)->at(0).resident.contains(TierKind::kHost));
+  EXPECT_TRUE(Check(*a, mine, 11, {1 << 20, 1 << 20}));  // nothing lost on the way
+
+  // Every chunk, by id, in pages.
+  std::vector<ChunkId> listed;
+  for (ChunkId token = 0;;) {
+    absl::StatusOr<ChunkPage> page = service_->ListAll(*op, token, 2);
+    ASSERT_TRUE(page.ok()) << page.status();
+    for (const ChunkMeta& c : page->chunks) listed.push_back(c.id);
+    if ((token = page->next_page_token) == 0) break;
+  }
+  std::vector<ChunkId> all = {mine[0], mine[1], held[0]};
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(listed, all);
+  const std::map<SessionId, SessionHoldings> h = service_->Holdings();
+  EXPECT_EQ(h.at(a->id).chunks, 2);
+  EXPECT_EQ(h.at(a->id).bytes, 2u << 20);
+  EXPECT_EQ(h.at(b->id).pinned, 1);
+  EXPECT_TRUE(service_->Release(*b, held).ok());
+}
+
 TEST(PrefetchDeadlineTest, EachUnitOfPriorityIsAMillisecondSoonerAndExtremesDoNotOverflow) {
   const absl::Time now = absl::FromUnixSeconds(1'000'000);
   EXPECT_EQ(PrefetchDeadline(now, 0), now);

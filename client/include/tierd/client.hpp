@@ -93,10 +93,24 @@ struct PathStatus {
   double probed_bytes_per_second = 0;  // the daemon's start-up probe (0: not probed)
 };
 
+// A session open on the node (listed for operators only).
+struct SessionSummary {
+  uint64_t id = 0;
+  std::string client_name;
+  uint32_t uid = 0;
+  uint32_t pid = 0;
+  absl::Time opened;
+  uint64_t chunks = 0;  // owned (or opened persistent)
+  uint64_t bytes = 0;
+  uint64_t pinned_chunks = 0;
+};
+
 struct NodeInfo {
   std::string hostname;
   std::string version;
   bool cuda = false;
+  int64_t uptime_seconds = 0;
+  std::vector<SessionSummary> session_list;  // empty unless the caller is an operator
   std::vector<TierStatus> tiers;
   std::vector<std::string> devices;  // "GPU-uuid name (bytes)"
   std::string device_status;
@@ -146,6 +160,14 @@ struct SessionStats {
 struct CompletionToken {
   uint32_t slot = 0;
   uint32_t sequence = 0;
+};
+
+// What a Drain started.
+struct DrainStarted {
+  CompletionToken done;
+  uint64_t chunks = 0;  // chunks whose copies are moving out of the tier
+  uint64_t bytes = 0;
+  uint64_t pinned_chunks = 0;  // left in the tier: acquired by a session now
 };
 
 // A chunk pinned by Acquire: where its bytes are, in this process's address space.
@@ -266,8 +288,14 @@ class Client {
                                            bool keep_source = false);
   absl::StatusOr<std::vector<ChunkInfo>> Stat(std::span<const ChunkId> ids);
   // Every chunk this session can see (its own and its user's persistent ones), by id.
-  absl::StatusOr<std::vector<ChunkInfo>> ListChunks();
+  // This session's chunks and its user's persistent ones; with all_sessions, every chunk on the
+  // node (operators only: root or the daemon's user; PERMISSION_DENIED otherwise).
+  absl::StatusOr<std::vector<ChunkInfo>> ListChunks(bool all_sessions = false);
   absl::StatusOr<NodeInfo> GetNodeInfo();
+  // Operators only: moves the chunks' copies out of `tier` (device: to the host; host: to NVMe),
+  // whichever session owns them; every chunk with a copy there when `ids` is empty. Chunks
+  // acquired now stay and are counted. `done` completes when the moves started have settled.
+  absl::StatusOr<DrainStarted> Drain(Tier tier, std::span<const ChunkId> ids = {});
 
   // --- RAII forms ---
   absl::StatusOr<ChunkSet> Allocate(std::span<const ChunkSpec> specs);

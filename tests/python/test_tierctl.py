@@ -1,0 +1,109 @@
+"""tierctl against a real daemon: what it reports, and drain/evict moving other sessions' chunks.
+
+Run by CTest with TIERD_BIN, TIERD_CLIENT_LIB and TIERCTL_BIN set.
+"""
+import ctypes
+import json
+import os
+import subprocess
+
+from test_c_abi import (ACCESS_READ, ACCESS_WRITE, OK, TIER_HOST, Completion, client, daemon,  # noqa: F401
+                        lib, load_library)
+
+WAIT_NS = 10_000_000_000
+
+
+def tierctl(daemon_dir, *args):
+    r = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon_dir}", *args],
+                       capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def tierctl_json(daemon_dir, *args):
+    rc, out, err = tierctl(daemon_dir, "--json", *args)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def fill(lib, client, ids, n, size, value, access=ACCESS_WRITE):
+    ptrs = (ctypes.c_void_p * n)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, n, ids, TIER_HOST, access, ptrs, None,
+                             ctypes.byref(ready)) == OK, lib.tierd_last_error()
+    assert lib.tierd_wait(client, ready, WAIT_NS) == OK
+    for i in range(n):
+        if access == ACCESS_WRITE:
+            ctypes.memset(ptrs[i], value + i, size)
+        else:
+            assert ctypes.string_at(ptrs[i], size) == bytes([value + i]) * size
+    assert lib.tierd_release(client, n, ids) == OK
+
+
+def test_status_chunks_drain_and_evict(lib, client, daemon):
+    n, size = 3, 1 << 20
+    sizes = (ctypes.c_uint64 * n)(*[size] * n)
+    ids = (ctypes.c_uint64 * n)()
+    assert lib.tierd_allocate(client, n, sizes, TIER_HOST, ids) == OK, lib.tierd_last_error()
+    fill(lib, client, ids, n, size, 0x30)
+    # One chunk stays acquired: drain must leave it.
+    ptr = ctypes.c_void_p()
+    ready = Completion()
+    held = (ctypes.c_uint64 * 1)(ids[2])
+    assert lib.tierd_acquire(client, 1, held, TIER_HOST, ACCESS_READ, ctypes.byref(ptr), None,
+                             ctypes.byref(ready)) == OK
+    session = lib.tierd_session_id(client)
+
+    status = tierctl_json(daemon, "status", "--sample=0.2s")
+    host = next(t for t in status["tiers"] if t["tier"] == "host")
+    assert host["configured"] and host["used_bytes"] >= n * size
+    assert {p["path"] for p in status["paths"]} == {
+        "nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host"}
+    assert status["sample_seconds"] == 0.2
+    mine = next(s for s in status["session_list"] if s["id"] == session)
+    assert mine["client_name"] == "pytest" and mine["chunks"] >= n and mine["pinned_chunks"] == 1
+    rc, out, _ = tierctl(daemon, "status", "--sample=0")
+    assert rc == 0 and "host" in out and "pytest" in out
+
+    listed = tierctl_json(daemon, "chunks", "--tier=host", f"--session={session}")
+    assert sorted(c["id"] for c in listed) == sorted(ids)
+    pinned = tierctl_json(daemon, "chunks", "--pinned", f"--session={session}")
+    assert [c["id"] for c in pinned] == [ids[2]]
+
+    drained = tierctl_json(daemon, "drain", "--tier=host")
+    assert drained["ok"] and drained["pinned_chunks"] >= 1
+    assert drained["chunks"] >= n - 1 and drained["bytes"] >= (n - 1) * size
+    on_host = {c["id"] for c in tierctl_json(daemon, "chunks", "--tier=host")}
+    assert ids[0] not in on_host and ids[1] not in on_host and ids[2] in on_host
+    assert lib.tierd_release(client, 1, held) == OK
+    fill(lib, client, ids, n, size, 0x30, access=ACCESS_READ)  # nothing lost on the way
+
+    # Evict names chunks; one that does not exist is a clear error, and nothing moves.
+    rc, _, err = tierctl(daemon, "evict", "--tier=host", str(ids[0]), "987654321")
+    assert rc == 1 and "chunk 987654321 does not exist" in err
+    rc, out, _ = tierctl(daemon, "evict", "--tier=host", str(ids[0]))
+    assert rc == 0 and out.startswith("done: moved 1 chunk(s)")
+    assert lib.tierd_free(client, n, ids) == OK
+
+
+def test_health_is_an_exit_code_for_probes(daemon, tmp_path):
+    rc, out, _ = tierctl(daemon, "health")
+    assert rc == 0 and out.startswith("ok: tierd ")
+    assert tierctl_json(daemon, "health")["healthy"] is True
+    rc, out, _ = tierctl(str(tmp_path), "--json", "health")
+    assert rc == 1
+    answer = json.loads(out)
+    assert answer["healthy"] is False and "cannot reach tierd" in answer["reason"]
+
+
+def test_bad_usage_says_why_and_exits_2(daemon):
+    for args, why in [(["bogus"], "unknown command 'bogus'"),
+                      (["drain"], "--tier is device or host"),
+                      (["drain", "--tier=nvme"], "--tier is device or host"),
+                      (["evict", "--tier=host"], "evict takes the ids"),
+                      (["evict", "--tier=host", "x1"], "'x1' is not a chunk id"),
+                      (["chunks", "--tier=gpu"], "--tier is device, host or nvme"),
+                      (["status", "--sample=soon"], "--sample takes a duration"),
+                      (["status", "--frobnicate"], "'status' takes no --frobnicate"),
+                      ([], "usage: tierctl")]:
+        rc, _, err = tierctl(daemon, *args)
+        assert rc == 2 and why in err, (args, err)

@@ -1,0 +1,499 @@
+// tierctl: what an operator asks a running tierd. Human output by default, --json for scripts.
+//
+//   tierctl [--socket_dir=DIR] [--json] status [--sample=1s]
+//   tierctl [--socket_dir=DIR] [--json] health
+//   tierctl [--socket_dir=DIR] [--json] chunks [--tier=T] [--name=PREFIX] [--state=S]
+//                                              [--session=ID] [--pinned]
+//   tierctl [--socket_dir=DIR] [--json] drain --tier=device|host [--timeout=10m]
+//   tierctl [--socket_dir=DIR] [--json] evict --tier=device|host ID...
+//
+// Exit status: 0 done (healthy), 1 the daemon said no or is unhealthy, 2 bad usage.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/sizes.h"
+#include "tierd/client.hpp"
+
+namespace tierd {
+namespace {
+
+constexpr const char kUsage[] =
+    "usage: tierctl [--socket_dir=DIR] [--json] COMMAND [options]\n"
+    "  status [--sample=1s]       tiers, devices, sessions and recent bandwidth\n"
+    "  health                     exit 0 when the daemon answers and its tiers are up\n"
+    "  chunks [--tier=T] [--name=PREFIX] [--state=ready|moving] [--session=ID] [--pinned]\n"
+    "                             every chunk on the node (root or the daemon's user)\n"
+    "  drain --tier=device|host [--timeout=10m]\n"
+    "                             move every chunk out of a tier before maintenance\n"
+    "  evict --tier=device|host ID...\n"
+    "                             move the chunks named out of a tier\n"
+    "Socket directory: --socket_dir, else $TIERD_SOCKET_DIR, else /run/tierd.\n";
+
+struct Args {
+  std::string command;
+  std::map<std::string, std::string> flags;  // --key=value; a bare --key is "true"
+  std::vector<std::string> positional;
+};
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (absl::StartsWith(arg, "--")) {
+      const size_t eq = arg.find('=');
+      a.flags[arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2)] =
+          eq == std::string::npos ? "true" : arg.substr(eq + 1);
+    } else if (a.command.empty()) {
+      a.command = arg;
+    } else {
+      a.positional.push_back(arg);
+    }
+  }
+  return a;
+}
+
+// A JSON string literal.
+std::string Quote(std::string_view s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      default:
+        if (c < 0x20) {
+          out += absl::StrFormat("\\u%04x", c);
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+const char* TierName(Tier t) {
+  switch (t) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+std::optional<Tier> ParseTier(std::string_view s) {
+  if (s == "device") return Tier::kDevice;
+  if (s == "host") return Tier::kHost;
+  if (s == "nvme") return Tier::kNvme;
+  return std::nullopt;
+}
+
+std::string Rate(double bytes_per_second) {
+  return FormatSize(static_cast<uint64_t>(std::max(0.0, bytes_per_second))) + "/s";
+}
+
+int Fail(const absl::Status& s, std::string_view doing) {
+  std::fprintf(stderr, "tierctl: %s: %s\n", std::string(doing).c_str(), s.ToString().c_str());
+  if (absl::IsPermissionDenied(s)) {
+    std::fprintf(stderr, "tierctl: run it as root or as the daemon's user\n");
+  }
+  return 1;
+}
+
+class Tierctl {
+ public:
+  explicit Tierctl(Args args) : args_(std::move(args)), json_(args_.flags.count("json") > 0) {}
+
+  int Run() {
+    static const std::map<std::string, std::vector<std::string>> kFlags = {
+        {"status", {"sample"}},
+        {"health", {}},
+        {"chunks", {"tier", "name", "state", "session", "pinned"}},
+        {"drain", {"tier", "timeout"}},
+        {"evict", {"tier"}}};
+    auto known = kFlags.find(args_.command);
+    if (known == kFlags.end()) return Usage("unknown command '" + args_.command + "'");
+    for (const auto& [key, value] : args_.flags) {
+      if (key == "json" || key == "socket_dir") continue;
+      if (std::find(known->second.begin(), known->second.end(), key) == known->second.end()) {
+        return Usage(absl::StrCat("'", args_.command, "' takes no --", key));
+      }
+    }
+    if (args_.command != "evict" && !args_.positional.empty()) {
+      return Usage(
+          absl::StrCat("'", args_.command, "' takes no argument '", args_.positional.front(), "'"));
+    }
+    auto client = Client::Connect({.socket_dir = Flag("socket_dir"), .client_name = "tierctl"});
+    if (!client.ok()) {
+      if (args_.command == "health") return Unhealthy(client.status().ToString());
+      return Fail(client.status(), "connecting to tierd");
+    }
+    client_ = std::move(*client);
+    if (args_.command == "status") return Status();
+    if (args_.command == "health") return Health();
+    if (args_.command == "chunks") return Chunks();
+    return Drain();
+  }
+
+ private:
+  std::string Flag(const std::string& key, std::string fallback = "") const {
+    auto it = args_.flags.find(key);
+    return it == args_.flags.end() ? fallback : it->second;
+  }
+  int Usage(const std::string& why) const {
+    std::fprintf(stderr, "tierctl: %s\n%s", why.c_str(), kUsage);
+    return 2;
+  }
+
+  int Status() {
+    absl::Duration sample;
+    if (!absl::ParseDuration(Flag("sample", "1s"), &sample) || sample < absl::ZeroDuration()) {
+      return Usage("--sample takes a duration such as 1s (0 to skip the bandwidth sample)");
+    }
+    absl::StatusOr<NodeInfo> before = client_->GetNodeInfo();
+    if (!before.ok()) return Fail(before.status(), "GetNodeInfo");
+    NodeInfo info = *before;
+    std::map<std::string, double> recent;  // bytes per second over the sample, by path
+    if (sample > absl::ZeroDuration()) {
+      const absl::Time t0 = absl::Now();
+      absl::SleepFor(sample);
+      absl::StatusOr<NodeInfo> after = client_->GetNodeInfo();
+      if (!after.ok()) return Fail(after.status(), "GetNodeInfo");
+      const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
+      for (const PathStatus& p : after->paths) {
+        const PathStatus* was = before->path(p.name);
+        recent[p.name] = (p.bytes - (was ? was->bytes : 0)) / seconds;
+      }
+      info = std::move(*after);
+    }
+    if (json_) {
+      PrintStatusJson(info, recent, sample);
+    } else {
+      PrintStatus(info, recent, sample);
+    }
+    return 0;
+  }
+
+  void PrintStatus(const NodeInfo& n, const std::map<std::string, double>& recent,
+                   absl::Duration sample) const {
+    std::printf("tierd %s on %s, up %s, %u session(s), %llu chunk(s)\n", n.version.c_str(),
+                n.hostname.c_str(), absl::FormatDuration(absl::Seconds(n.uptime_seconds)).c_str(),
+                n.sessions, static_cast<unsigned long long>(n.chunks));
+    std::printf("\n%-7s %12s %12s %6s %14s  %s\n", "TIER", "USED", "CAPACITY", "USE",
+                "LARGEST FREE", "DETAIL");
+    for (const TierStatus& t : n.tiers) {
+      if (!t.configured) {
+        std::printf("%-7s %12s\n", TierName(t.tier), "(not configured)");
+        continue;
+      }
+      std::printf("%-7s %12s %12s %5.1f%% %14s  %s\n", TierName(t.tier),
+                  FormatSize(t.used_bytes).c_str(), FormatSize(t.capacity_bytes).c_str(),
+                  t.capacity_bytes ? 100.0 * t.used_bytes / t.capacity_bytes : 0.0,
+                  FormatSize(t.largest_free_bytes).c_str(), t.detail.c_str());
+      for (const RegionStatus& r : t.regions) {
+        std::printf("  region %s: %s of %s\n", r.path.c_str(), FormatSize(r.used_bytes).c_str(),
+                    FormatSize(r.capacity_bytes).c_str());
+      }
+    }
+    std::printf("\nDEVICE  ");
+    if (n.device_uuid.empty()) {
+      std::printf("none (%s)\n", n.device_status.c_str());
+    } else {
+      std::printf("%s%s, %s\n", n.device_uuid.c_str(), n.device_emulated ? " (emulated)" : "",
+                  FormatSize(n.device_memory_bytes).c_str());
+    }
+    std::printf("\n%-15s %14s %14s %14s %14s\n", "PATH",
+                sample > absl::ZeroDuration()
+                    ? absl::StrCat("LAST ", absl::FormatDuration(sample)).c_str()
+                    : "RECENT",
+                "ESTIMATE", "PROBED", "MOVED");
+    for (const PathStatus& p : n.paths) {
+      auto r = recent.find(p.name);
+      std::printf("%-15s %14s %14s %14s %14s\n", p.name.c_str(),
+                  r == recent.end() ? "-" : Rate(r->second).c_str(),
+                  Rate(p.bytes_per_second).c_str(),
+                  p.probed_bytes_per_second > 0 ? Rate(p.probed_bytes_per_second).c_str() : "-",
+                  FormatSize(p.bytes).c_str());
+    }
+    if (!n.session_list.empty()) {
+      std::printf("\n%-8s %-20s %7s %8s %8s %12s %7s  %s\n", "SESSION", "CLIENT", "UID", "PID",
+                  "CHUNKS", "BYTES", "PINNED", "OPENED");
+      for (const SessionSummary& s : n.session_list) {
+        std::printf("%-8llu %-20s %7u %8u %8llu %12s %7llu  %s\n",
+                    static_cast<unsigned long long>(s.id), s.client_name.c_str(), s.uid, s.pid,
+                    static_cast<unsigned long long>(s.chunks), FormatSize(s.bytes).c_str(),
+                    static_cast<unsigned long long>(s.pinned_chunks),
+                    absl::FormatTime("%Y-%m-%d %H:%M:%S", s.opened, absl::LocalTimeZone()).c_str());
+      }
+    }
+  }
+
+  void PrintStatusJson(const NodeInfo& n, const std::map<std::string, double>& recent,
+                       absl::Duration sample) const {
+    std::vector<std::string> tiers, paths, sessions;
+    for (const TierStatus& t : n.tiers) {
+      std::vector<std::string> regions;
+      for (const RegionStatus& r : t.regions) {
+        regions.push_back(absl::StrCat("{\"path\":", Quote(r.path), ",\"capacity_bytes\":",
+                                       r.capacity_bytes, ",\"used_bytes\":", r.used_bytes, "}"));
+      }
+      tiers.push_back(absl::StrCat(
+          "{\"tier\":", Quote(TierName(t.tier)),
+          ",\"configured\":", t.configured ? "true" : "false",
+          ",\"capacity_bytes\":", t.capacity_bytes, ",\"used_bytes\":", t.used_bytes,
+          ",\"free_bytes\":", t.free_bytes, ",\"largest_free_bytes\":", t.largest_free_bytes,
+          ",\"detail\":", Quote(t.detail), ",\"regions\":[", absl::StrJoin(regions, ","), "]}"));
+    }
+    for (const PathStatus& p : n.paths) {
+      auto r = recent.find(p.name);
+      paths.push_back(absl::StrCat(
+          "{\"path\":", Quote(p.name), ",\"bytes_total\":", p.bytes, ",\"moves_total\":", p.moves,
+          ",\"recent_bytes_per_second\":", r == recent.end() ? "null" : absl::StrCat(r->second),
+          ",\"estimate_bytes_per_second\":", p.bytes_per_second,
+          ",\"probed_bytes_per_second\":", p.probed_bytes_per_second, "}"));
+    }
+    for (const SessionSummary& s : n.session_list) {
+      sessions.push_back(absl::StrCat("{\"id\":", s.id, ",\"client_name\":", Quote(s.client_name),
+                                      ",\"uid\":", s.uid, ",\"pid\":", s.pid,
+                                      ",\"opened_unix_seconds\":", absl::ToUnixSeconds(s.opened),
+                                      ",\"chunks\":", s.chunks, ",\"bytes\":", s.bytes,
+                                      ",\"pinned_chunks\":", s.pinned_chunks, "}"));
+    }
+    std::printf(
+        "{\"hostname\":%s,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u,\"chunks\":%llu,"
+        "\"device\":%s,\"sample_seconds\":%g,\"tiers\":[%s],\"paths\":[%s],\"session_list\":[%s]}"
+        "\n",
+        Quote(n.hostname).c_str(), Quote(n.version).c_str(),
+        static_cast<long long>(n.uptime_seconds), n.sessions,
+        static_cast<unsigned long long>(n.chunks),
+        n.device_uuid.empty()
+            ? absl::StrCat("{\"uuid\":null,\"status\":", Quote(n.device_status), "}").c_str()
+            : absl::StrCat("{\"uuid\":", Quote(n.device_uuid),
+                           ",\"emulated\":", n.device_emulated ? "true" : "false",
+                           ",\"memory_bytes\":", n.device_memory_bytes, "}")
+                  .c_str(),
+        absl::ToDoubleSeconds(sample), absl::StrJoin(tiers, ",").c_str(),
+        absl::StrJoin(paths, ",").c_str(), absl::StrJoin(sessions, ",").c_str());
+  }
+
+  int Unhealthy(const std::string& why) const {
+    if (json_) {
+      std::printf("{\"healthy\":false,\"reason\":%s}\n", Quote(why).c_str());
+    } else {
+      std::printf("unhealthy: %s\n", why.c_str());
+    }
+    return 1;
+  }
+
+  // Healthy: the daemon answers and its host tier (which every move passes through) is up.
+  int Health() {
+    absl::StatusOr<NodeInfo> info = client_->GetNodeInfo();
+    if (!info.ok()) return Unhealthy(info.status().ToString());
+    const TierStatus* host = info->tier(Tier::kHost);
+    if (host == nullptr || !host->configured || host->capacity_bytes == 0) {
+      return Unhealthy("the host tier is not up");
+    }
+    if (json_) {
+      std::printf("{\"healthy\":true,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u}\n",
+                  Quote(info->version).c_str(), static_cast<long long>(info->uptime_seconds),
+                  info->sessions);
+    } else {
+      std::printf("ok: tierd %s, up %s, %u session(s)\n", info->version.c_str(),
+                  absl::FormatDuration(absl::Seconds(info->uptime_seconds)).c_str(),
+                  info->sessions);
+    }
+    return 0;
+  }
+
+  int Chunks() {
+    std::optional<Tier> tier;
+    if (!Flag("tier").empty() && !(tier = ParseTier(Flag("tier")))) {
+      return Usage("--tier is device, host or nvme");
+    }
+    const std::string state = Flag("state");
+    if (!state.empty() && state != "ready" && state != "moving") {
+      return Usage("--state is ready or moving");
+    }
+    uint64_t session = 0;
+    if (!Flag("session").empty() && !absl::SimpleAtoi(Flag("session"), &session)) {
+      return Usage("--session takes a session id");
+    }
+    const std::string prefix = Flag("name");
+    const bool pinned = Flag("pinned") == "true";
+    absl::StatusOr<std::vector<ChunkInfo>> all = client_->ListChunks(/*all_sessions=*/true);
+    if (!all.ok()) return Fail(all.status(), "ListChunks");
+    std::vector<const ChunkInfo*> shown;
+    for (const ChunkInfo& c : *all) {
+      if (tier && std::find(c.resident.begin(), c.resident.end(), *tier) == c.resident.end()) {
+        continue;
+      }
+      if (!state.empty() && c.moving != (state == "moving")) continue;
+      if (session != 0 && c.owner_session != session) continue;
+      if (!prefix.empty() && !absl::StartsWith(c.name, prefix)) continue;
+      if (pinned && c.pins == 0) continue;
+      shown.push_back(&c);
+    }
+    auto tiers = [](const std::vector<Tier>& ts) {
+      std::vector<std::string> names;
+      for (Tier t : ts) names.push_back(TierName(t));
+      return names;
+    };
+    if (json_) {
+      std::vector<std::string> rows;
+      for (const ChunkInfo* c : shown) {
+        std::vector<std::string> resident, dirty;
+        for (const std::string& t : tiers(c->resident)) resident.push_back(Quote(t));
+        for (const std::string& t : tiers(c->dirty)) dirty.push_back(Quote(t));
+        rows.push_back(absl::StrCat(
+            "{\"id\":", c->id, ",\"size_bytes\":", c->size, ",\"name\":", Quote(c->name),
+            ",\"persistent\":", c->persistent ? "true" : "false",
+            ",\"home\":", Quote(TierName(c->home)), ",\"resident\":[", absl::StrJoin(resident, ","),
+            "],\"dirty\":[", absl::StrJoin(dirty, ","),
+            "],\"state\":", Quote(c->moving ? "moving" : "ready"), ",\"pins\":", c->pins,
+            ",\"owner_session\":", c->owner_session, "}"));
+      }
+      std::printf("[%s]\n", absl::StrJoin(rows, ",\n ").c_str());
+      return 0;
+    }
+    std::printf("%-10s %12s %-6s %-18s %-7s %5s %8s  %s\n", "ID", "SIZE", "HOME", "RESIDENT",
+                "STATE", "PINS", "SESSION", "NAME");
+    uint64_t bytes = 0;
+    for (const ChunkInfo* c : shown) {
+      bytes += c->size;
+      std::printf("%-10llu %12s %-6s %-18s %-7s %5u %8s  %s\n",
+                  static_cast<unsigned long long>(c->id), FormatSize(c->size).c_str(),
+                  TierName(c->home), absl::StrJoin(tiers(c->resident), ",").c_str(),
+                  c->moving ? "moving" : "ready", c->pins,
+                  c->owner_session ? absl::StrCat(c->owner_session).c_str() : "-", c->name.c_str());
+    }
+    std::printf("%zu of %zu chunk(s), %s\n", shown.size(), all->size(), FormatSize(bytes).c_str());
+    return 0;
+  }
+
+  // drain and evict: start the moves, then show progress until they settle.
+  int Drain() {
+    const std::optional<Tier> tier = ParseTier(Flag("tier"));
+    if (!tier || *tier == Tier::kNvme) return Usage("--tier is device or host");
+    std::vector<ChunkId> ids;
+    if (args_.command == "evict") {
+      if (args_.positional.empty()) return Usage("evict takes the ids of the chunks to move");
+      for (const std::string& s : args_.positional) {
+        ChunkId id;
+        if (!absl::SimpleAtoi(s, &id)) return Usage("'" + s + "' is not a chunk id");
+        ids.push_back(id);
+      }
+    }
+    absl::Duration timeout;
+    if (!absl::ParseDuration(Flag("timeout", "10m"), &timeout) || timeout <= absl::ZeroDuration()) {
+      return Usage("--timeout takes a duration such as 10m");
+    }
+    absl::StatusOr<NodeInfo> before = client_->GetNodeInfo();
+    if (!before.ok()) return Fail(before.status(), "GetNodeInfo");
+    const TierStatus* t0 = before->tier(*tier);
+    if (t0 == nullptr || !t0->configured) {
+      std::fprintf(stderr, "tierctl: the %s tier is not configured\n", TierName(*tier));
+      return 1;
+    }
+    const uint64_t used0 = t0->used_bytes;
+    absl::StatusOr<DrainStarted> started = client_->Drain(*tier, ids);
+    if (!started.ok()) return Fail(started.status(), args_.command);
+    const bool bar = !json_ && isatty(STDOUT_FILENO);
+    const absl::Time start = absl::Now(), give_up = start + timeout;
+    absl::Status done;
+    for (;;) {
+      done = client_->Wait(started->done, absl::Milliseconds(200));
+      if (!absl::IsDeadlineExceeded(done) || absl::Now() >= give_up) break;
+      if (!bar) continue;
+      absl::StatusOr<NodeInfo> now = client_->GetNodeInfo();
+      if (!now.ok()) continue;
+      const TierStatus* t = now->tier(*tier);
+      const uint64_t freed = used0 > t->used_bytes ? used0 - t->used_bytes : 0;
+      ShowProgress(std::min<uint64_t>(freed, started->bytes), started->bytes);
+    }
+    if (bar) {
+      ShowProgress(started->bytes, started->bytes);
+      std::printf("\n");
+    }
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    absl::StatusOr<NodeInfo> after = client_->GetNodeInfo();
+    const uint64_t left = after.ok() ? after->tier(*tier)->used_bytes : 0;
+    if (json_) {
+      std::printf(
+          "{\"tier\":%s,\"ok\":%s,\"error\":%s,\"chunks\":%llu,\"bytes\":%llu,"
+          "\"pinned_chunks\":%llu,\"seconds\":%.3f,\"tier_used_bytes\":%llu}\n",
+          Quote(TierName(*tier)).c_str(), done.ok() ? "true" : "false",
+          done.ok() ? "null" : Quote(done.ToString()).c_str(),
+          static_cast<unsigned long long>(started->chunks),
+          static_cast<unsigned long long>(started->bytes),
+          static_cast<unsigned long long>(started->pinned_chunks), seconds,
+          static_cast<unsigned long long>(left));
+    } else {
+      std::printf(
+          "%s: moved %llu chunk(s), %s, out of the %s tier in %.2f s; %llu acquired "
+          "chunk(s) left there; the tier now holds %s\n",
+          done.ok() ? "done" : "failed", static_cast<unsigned long long>(started->chunks),
+          FormatSize(started->bytes).c_str(), TierName(*tier), seconds,
+          static_cast<unsigned long long>(started->pinned_chunks), FormatSize(left).c_str());
+    }
+    if (absl::IsDeadlineExceeded(done)) {
+      std::fprintf(stderr, "tierctl: the moves did not settle within %s\n",
+                   absl::FormatDuration(timeout).c_str());
+      return 1;
+    }
+    if (!done.ok()) return Fail(done, args_.command);
+    return started->pinned_chunks > 0 && args_.command == "evict" ? 1 : 0;
+  }
+
+  static void ShowProgress(uint64_t done, uint64_t total) {
+    constexpr int kWidth = 40;
+    const double f = total == 0 ? 1.0 : static_cast<double>(done) / total;
+    const int filled = static_cast<int>(f * kWidth);
+    std::printf("\r[%s%s] %5.1f%% %s of %s", std::string(filled, '#').c_str(),
+                std::string(kWidth - filled, ' ').c_str(), 100 * f, FormatSize(done).c_str(),
+                FormatSize(total).c_str());
+    std::fflush(stdout);
+  }
+
+  Args args_;
+  bool json_;
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace
+}  // namespace tierd
+
+int main(int argc, char** argv) {
+  tierd::Args args = tierd::Parse(argc, argv);
+  if (args.command == "help" || args.flags.count("help")) {
+    std::fputs(tierd::kUsage, stdout);
+    return 0;
+  }
+  if (args.command.empty()) {
+    std::fputs(tierd::kUsage, stderr);
+    return 2;
+  }
+  return tierd::Tierctl(std::move(args)).Run();
+}
