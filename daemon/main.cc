@@ -15,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/fmt_absl.h"
@@ -200,13 +201,19 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
   return config;
 }
 
+// `group` is a name, or a numeric gid (in containers, whose /etc/group need not name it).
 absl::Status SetGroup(const std::string& path, const std::string& group) {
   if (group.empty()) return absl::OkStatus();
-  struct group* g = getgrnam(group.c_str());
-  if (g == nullptr) {
-    return absl::NotFoundError(absl::StrCat("socket_group '", group, "' does not exist"));
+  gid_t gid;
+  if (uint32_t numeric; absl::SimpleAtoi(group, &numeric)) {
+    gid = numeric;
+  } else if (struct group* g = getgrnam(group.c_str()); g != nullptr) {
+    gid = g->gr_gid;
+  } else {
+    return absl::NotFoundError(
+        absl::StrCat("socket_group '", group, "' does not exist (give a group name or a gid)"));
   }
-  if (chown(path.c_str(), static_cast<uid_t>(-1), g->gr_gid) != 0) {
+  if (chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("chown('", path, "', group ", group, ")"));
   }
   return absl::OkStatus();
