@@ -139,31 +139,28 @@ def move_data(lib, socket_dir, seconds):
     def wait(c):
         assert lib.tierd_wait(client, c, WAIT_NS) == OK, lib.tierd_last_error()
 
+    def acquire(tier, access, fill=None):
+        """Acquires the chunks, waits for them, writes `fill` into them if given, releases."""
+        assert lib.tierd_acquire(client, n, ids, tier, access, ptrs, None,
+                                 ctypes.byref(done)) == OK, lib.tierd_last_error()
+        wait(done)
+        for i in range(n if fill is not None else 0):
+            ctypes.memset(ptrs[i], fill + i, size)
+        assert lib.tierd_release(client, n, ids) == OK
+
+    def move(request, tier):
+        assert request(client, n, ids, tier, 0, ctypes.byref(done)) == OK
+        wait(done)
+
     deadline = time.monotonic() + seconds
     rounds = 0
     while time.monotonic() < deadline or rounds < 2:
-        assert lib.tierd_acquire(client, n, ids, TIER_HOST, ACCESS_OVERWRITE, ptrs, None,
-                                 ctypes.byref(done)) == OK, lib.tierd_last_error()
-        wait(done)
-        for i in range(n):
-            ctypes.memset(ptrs[i], rounds + i, size)
-        assert lib.tierd_release(client, n, ids) == OK
-        assert lib.tierd_evict(client, n, ids, TIER_NVME, 0, ctypes.byref(done)) == OK
-        wait(done)  # host -> NVMe
-        # A miss: the chunks are on NVMe only, so the acquisition waits (and stalls).
-        assert lib.tierd_acquire(client, n, ids, TIER_HOST, ACCESS_READ, ptrs, None,
-                                 ctypes.byref(done)) == OK
-        wait(done)
-        assert lib.tierd_release(client, n, ids) == OK
-        assert lib.tierd_prefetch(client, n, ids, TIER_DEVICE, 0, ctypes.byref(done)) == OK
-        wait(done)  # host -> device
-        # A hit: prefetched, so in place. Written there, so the eviction copies it back.
-        assert lib.tierd_acquire(client, n, ids, TIER_DEVICE, ACCESS_WRITE, ptrs, None,
-                                 ctypes.byref(done)) == OK
-        wait(done)
-        assert lib.tierd_release(client, n, ids) == OK
-        assert lib.tierd_evict(client, n, ids, TIER_HOST, 0, ctypes.byref(done)) == OK
-        wait(done)  # device -> host
+        acquire(TIER_HOST, ACCESS_OVERWRITE, fill=rounds)
+        move(lib.tierd_evict, TIER_NVME)  # host -> NVMe
+        acquire(TIER_HOST, ACCESS_READ)  # a miss: on NVMe only, so it waits (and stalls)
+        move(lib.tierd_prefetch, TIER_DEVICE)  # host -> device
+        acquire(TIER_DEVICE, ACCESS_WRITE)  # a hit, and written there: the eviction copies it
+        move(lib.tierd_evict, TIER_HOST)  # device -> host
         assert lib.tierd_free(client, 1, ids_array([1 << 60])) == NOT_FOUND
         rounds += 1
     assert lib.tierd_free(client, n, ids) == OK
