@@ -1183,16 +1183,7 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
-  for (ChunkMeta* chunk : *chunks) {
-    if (chunk->state == ChunkState::kMoving) {
-      // On its way somewhere (a planner write-back, a fetch): evicted once the move settles.
-      (*batch)->Add();
-      waiters_[chunk->id].push_back(
-          Waiter{*batch, session.id, tier, std::nullopt, absl::Now(), keep_source});
-      continue;
-    }
-    EvictSettled(*chunk, tier, keep_source, *batch);
-  }
+  for (ChunkMeta* chunk : *chunks) EvictOne(*chunk, tier, keep_source, *batch, session.id);
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());
   return token;
@@ -1228,12 +1219,14 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
     return absl::FailedPreconditionError(
         "Drain: this daemon has no NVMe tier to move the host tier's chunks into");
   }
+  auto in_tier = [tier](const ChunkMeta& chunk) {
+    return chunk.resident.contains(tier) ||
+           (chunk.state == ChunkState::kMoving && chunk.moving_to == tier);
+  };
   std::vector<ChunkMeta*> chunks;
   if (ids.empty()) {
     for (auto& [id, chunk] : chunks_) {
-      const bool there = chunk.resident.contains(tier) ||
-                         (chunk.state == ChunkState::kMoving && chunk.moving_to == tier);
-      if (there) chunks.push_back(&chunk);
+      if (in_tier(chunk)) chunks.push_back(&chunk);
     }
   } else {
     if (absl::Status s = CheckBatch(ids.size(), "Drain"); !s.ok()) return s;
@@ -1242,7 +1235,7 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
       if (it == chunks_.end()) {
         return absl::NotFoundError(absl::StrCat("chunk ", id, " does not exist"));
       }
-      chunks.push_back(&it->second);
+      if (in_tier(it->second)) chunks.push_back(&it->second);
     }
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
@@ -1256,13 +1249,7 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
     if (!CheckEvictable(*chunk, below).ok()) continue;  // no copy above `below`: nothing to move
     ++result.chunks;
     result.bytes += chunk->size;
-    if (chunk->state == ChunkState::kMoving) {  // evicted once its move settles
-      (*batch)->Add();
-      waiters_[chunk->id].push_back(
-          Waiter{*batch, session.id, below, std::nullopt, absl::Now(), /*keep_source=*/false});
-      continue;
-    }
-    EvictSettled(*chunk, below, /*keep_source=*/false, *batch);
+    EvictOne(*chunk, below, /*keep_source=*/false, *batch, session.id);
   }
   spdlog::info("{} drains the {} tier: {} chunks ({}) moving to the {} tier, {} acquired left",
                session.Describe(), TierName(tier), result.chunks, FormatSize(result.bytes),
@@ -1299,6 +1286,18 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
     h.pinned = state.pins.size();
   }
   return out;
+}
+
+void ChunkService::EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                            const std::shared_ptr<Batch>& batch, SessionId session) {
+  if (chunk.state == ChunkState::kMoving) {
+    // On its way somewhere (a planner write-back, a fetch): evicted once the move settles.
+    batch->Add();
+    waiters_[chunk.id].push_back(
+        Waiter{batch, session, tier, std::nullopt, absl::Now(), keep_source});
+    return;
+  }
+  EvictSettled(chunk, tier, keep_source, batch);
 }
 
 absl::StatusOr<std::vector<ChunkMeta>> ChunkService::Stat(const Session& session,

@@ -297,6 +297,11 @@ class ChunkService {
   // keep_source. REQUIRES: CheckEvictable(chunk, tier) is OK and the chunk is not moving.
   void EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_source,
                     const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for a chunk that may be moving: then it is evicted once its move settles.
+  // REQUIRES: CheckEvictable(chunk, tier) is OK.
+  void EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                const std::shared_ptr<Batch>& batch, SessionId session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why the chunk cannot be brought into `tier` (no copy, pinned on the device, no data path).
   absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
