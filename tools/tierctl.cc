@@ -6,12 +6,14 @@
 //                                              [--session=ID] [--pinned]
 //   tierctl [--socket_dir=DIR] [--json] drain --tier=device|host [--timeout=10m]
 //   tierctl [--socket_dir=DIR] [--json] evict --tier=device|host ID...
+//   tierctl [--socket_dir=DIR] [--json] bench [--size=1GiB] [--chunk=16MiB]
 //
 // Exit status: 0 done (healthy), 1 the daemon said no or is unhealthy, 2 bad usage.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
@@ -39,6 +41,8 @@ constexpr const char kUsage[] =
     "                             move every chunk out of a tier before maintenance\n"
     "  evict --tier=device|host ID...\n"
     "                             move the chunks named out of a tier\n"
+    "  bench [--size=1GiB] [--chunk=16MiB]\n"
+    "                             each path's bandwidth through this daemon, beside its probe\n"
     "Socket directory: --socket_dir, else $TIERD_SOCKET_DIR, else /run/tierd.\n";
 
 struct Args {
@@ -133,7 +137,8 @@ class Tierctl {
         {"health", {}},
         {"chunks", {"tier", "name", "state", "session", "pinned"}},
         {"drain", {"tier", "timeout"}},
-        {"evict", {"tier"}}};
+        {"evict", {"tier"}},
+        {"bench", {"size", "chunk"}}};
     auto known = kFlags.find(args_.command);
     if (known == kFlags.end()) return Usage("unknown command '" + args_.command + "'");
     for (const auto& [key, value] : args_.flags) {
@@ -155,6 +160,7 @@ class Tierctl {
     if (args_.command == "status") return Status();
     if (args_.command == "health") return Health();
     if (args_.command == "chunks") return Chunks();
+    if (args_.command == "bench") return Bench();
     return Drain();
   }
 
@@ -465,6 +471,139 @@ class Tierctl {
     }
     if (!done.ok()) return Fail(done, args_.command);
     return started->pinned_chunks > 0 && args_.command == "evict" ? 1 : 0;
+  }
+
+  // Moves chunks of this session over each path the daemon has, one request per chunk with all
+  // of them in flight, as training issues them: host to NVMe and back, host to the device and
+  // back. Each path's bandwidth is shown beside what the daemon's start-up probe measured.
+  int Bench() {
+    uint64_t size, chunk;
+    if (absl::StatusOr<uint64_t> v = ParseSize(Flag("size", "1GiB")); v.ok() && *v > 0) {
+      size = *v;
+    } else {
+      return Usage("--size takes a size such as 1GiB");
+    }
+    if (absl::StatusOr<uint64_t> v = ParseSize(Flag("chunk", "16MiB")); v.ok() && *v > 0) {
+      chunk = *v;
+    } else {
+      return Usage("--chunk takes a size such as 16MiB");
+    }
+    if (chunk > size) return Usage("--chunk is larger than --size");
+    absl::StatusOr<NodeInfo> info = client_->GetNodeInfo();
+    if (!info.ok()) return Fail(info.status(), "GetNodeInfo");
+    auto configured = [&](Tier t) {
+      const TierStatus* s = info->tier(t);
+      return s != nullptr && s->configured;
+    };
+    std::vector<ChunkSpec> specs(size / chunk, ChunkSpec{.size = chunk, .home = Tier::kHost});
+    absl::StatusOr<std::vector<ChunkId>> ids = client_->AllocateIds(specs);
+    if (!ids.ok()) {
+      Fail(ids.status(), "Allocate");
+      const TierStatus* host = info->tier(Tier::kHost);
+      std::fprintf(
+          stderr, "tierctl: the bench needs %s of the host tier; %s is free: try --size=%s\n",
+          FormatSize(size).c_str(), FormatSize(host ? host->free_bytes : 0).c_str(),
+          absl::StrCat((host ? host->free_bytes / chunk * chunk : 0) >> 20, "MiB").c_str());
+      return 1;
+    }
+    struct Result {
+      std::string path;
+      uint64_t bytes = 0;
+      double seconds = 0;
+      double probed = 0;  // bytes per second, 0: not probed
+    };
+    std::vector<Result> results;
+    absl::Status error;
+    // One path: `request` issues one chunk's move; the chunks are waited for in order.
+    auto measure = [&](const std::string& path, std::span<const ChunkId> chunks,
+                       auto request) -> bool {
+      const bool bar = !json_ && isatty(STDOUT_FILENO);
+      std::vector<CompletionToken> tokens;
+      const absl::Time start = absl::Now();
+      for (const ChunkId& id : chunks) {
+        absl::StatusOr<CompletionToken> t = request(std::span<const ChunkId>(&id, 1));
+        if (!t.ok()) {
+          error = t.status();
+          return false;
+        }
+        tokens.push_back(*t);
+      }
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        if (absl::Status s = client_->Wait(tokens[i]); !s.ok()) {
+          error = s;
+          return false;
+        }
+        if (bar) {
+          std::printf("\r%-15s ", path.c_str());
+          ShowProgress((i + 1) * chunk, chunks.size() * chunk);
+        }
+      }
+      Result r{path, chunks.size() * chunk, absl::ToDoubleSeconds(absl::Now() - start), 0};
+      if (const PathStatus* p = info->path(path)) r.probed = p->probed_bytes_per_second;
+      if (bar) std::printf("\r\033[K");
+      if (!json_) {
+        std::printf("%-15s %12s in %7.3f s: %12s", path.c_str(), FormatSize(r.bytes).c_str(),
+                    r.seconds, Rate(r.bytes / r.seconds).c_str());
+        if (r.probed > 0) {
+          std::printf("  (%.2f x the start-up probe's %s)", r.bytes / r.seconds / r.probed,
+                      Rate(r.probed).c_str());
+        }
+        std::printf("\n");
+      }
+      results.push_back(std::move(r));
+      return true;
+    };
+    bool ok = true;
+    if (absl::StatusOr<Acquired> a = client_->AcquireIds(*ids, Tier::kHost, AccessMode::kOverwrite);
+        a.ok() && client_->Wait(a->ready).ok()) {
+      for (const AcquiredChunk& c : a->chunks) std::memset(c.data, 0x5a, c.size);
+      error = client_->Release(*ids);
+    } else {
+      error = a.ok() ? absl::InternalError("the chunks did not arrive") : a.status();
+    }
+    ok = error.ok();
+    if (ok && configured(Tier::kNvme)) {
+      ok = measure("host_to_nvme", *ids,
+                   [&](std::span<const ChunkId> c) { return client_->EvictIds(c, Tier::kNvme); }) &&
+           measure("nvme_to_host", *ids, [&](std::span<const ChunkId> c) {
+             return client_->PrefetchIds(c, Tier::kHost);
+           });
+    }
+    if (ok && configured(Tier::kDevice)) {
+      // As many chunks as the device tier has room for.
+      const TierStatus* device = info->tier(Tier::kDevice);
+      const size_t fit = std::min<size_t>(ids->size(), device->free_bytes / chunk);
+      std::span<const ChunkId> some(ids->data(), fit);
+      if (fit > 0) {
+        ok = measure("host_to_device", some, [&](std::span<const ChunkId> c) {
+          return client_->PrefetchIds(c, Tier::kDevice);
+        });
+      }
+      if (ok && fit > 0) {
+        // Written on the device, so that evicting them copies them back.
+        absl::StatusOr<Acquired> a = client_->AcquireIds(some, Tier::kDevice, AccessMode::kWrite);
+        error = a.ok() ? client_->Wait(a->ready) : a.status();
+        if (a.ok()) (void)client_->Release(some);
+        ok = error.ok() && measure("device_to_host", some, [&](std::span<const ChunkId> c) {
+               return client_->EvictIds(c, Tier::kHost);
+             });
+      }
+    }
+    const absl::Status freed = client_->Free(*ids);
+    if (!ok) return Fail(error.ok() ? absl::InternalError("a move failed") : error, "bench");
+    if (!freed.ok()) return Fail(freed, "Free");
+    if (json_) {
+      std::vector<std::string> rows;
+      for (const Result& r : results) {
+        rows.push_back(absl::StrCat("{\"path\":", Quote(r.path), ",\"bytes\":", r.bytes,
+                                    ",\"seconds\":", r.seconds,
+                                    ",\"bytes_per_second\":", r.bytes / r.seconds,
+                                    ",\"probed_bytes_per_second\":", r.probed, "}"));
+      }
+      std::printf("{\"chunk_bytes\":%llu,\"paths\":[%s]}\n", static_cast<unsigned long long>(chunk),
+                  absl::StrJoin(rows, ",").c_str());
+    }
+    return 0;
   }
 
   static void ShowProgress(uint64_t done, uint64_t total) {

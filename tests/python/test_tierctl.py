@@ -95,6 +95,24 @@ def test_health_is_an_exit_code_for_probes(daemon, tmp_path):
     assert answer["healthy"] is False and "cannot reach tierd" in answer["reason"]
 
 
+def test_bench_measures_every_path_beside_its_probe_and_frees_its_chunks(daemon):
+    before = tierctl_json(daemon, "status", "--sample=0")
+    bench = tierctl_json(daemon, "bench", "--size=8MiB", "--chunk=2MiB")
+    assert bench["chunk_bytes"] == 2 << 20
+    paths = {p["path"]: p for p in bench["paths"]}
+    assert set(paths) == {"host_to_nvme", "nvme_to_host", "host_to_device", "device_to_host"}
+    for p in paths.values():
+        assert p["bytes"] == 8 << 20 and p["seconds"] > 0 and p["bytes_per_second"] > 0
+        assert p["probed_bytes_per_second"] > 0  # the fixture's daemon probes at start-up
+    after = tierctl_json(daemon, "status", "--sample=0")
+    moved = {p["path"]: p["bytes_total"] for p in after["paths"]}
+    for p in before["paths"]:
+        assert moved[p["path"]] - p["bytes_total"] >= 8 << 20, p["path"]
+    assert after["chunks"] == before["chunks"]  # the bench's chunks are gone
+    rc, _, err = tierctl(daemon, "bench", "--size=1GiB")
+    assert rc == 1 and "try --size=" in err
+
+
 def test_bad_usage_says_why_and_exits_2(daemon):
     for args, why in [(["bogus"], "unknown command 'bogus'"),
                       (["drain"], "--tier is device or host"),
@@ -104,6 +122,8 @@ def test_bad_usage_says_why_and_exits_2(daemon):
                       (["chunks", "--tier=gpu"], "--tier is device, host or nvme"),
                       (["status", "--sample=soon"], "--sample takes a duration"),
                       (["status", "--frobnicate"], "'status' takes no --frobnicate"),
+                      (["bench", "--size=lots"], "--size takes a size"),
+                      (["bench", "--size=1MiB", "--chunk=2MiB"], "--chunk is larger than --size"),
                       ([], "usage: tierctl")]:
         rc, _, err = tierctl(daemon, *args)
         assert rc == 2 and why in err, (args, err)
