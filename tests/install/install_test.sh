@@ -12,7 +12,7 @@ fail() { echo "install_test: $*" >&2; exit 1; }
 # 1. cmake --install under a root, with the package's prefix.
 root=$work/root
 DESTDIR=$root cmake --install "$build" --prefix /usr >"$work/install.log"
-for f in usr/bin/tierd usr/bin/tierd-bench usr/include/tierd/client.h usr/include/tierd/client.hpp \
+for f in usr/bin/tierd usr/bin/tierctl usr/bin/tierd-bench usr/include/tierd/client.h usr/include/tierd/client.hpp \
          usr/include/tierd/optimizer.hpp usr/lib/systemd/system/tierd.service \
          usr/lib/sysusers.d/tierd.conf etc/tierd/tierd.toml \
          usr/share/tierd/dashboards/tierd-overview.json usr/share/tierd/dashboards/tierd-detail.json \
@@ -59,6 +59,8 @@ LD_LIBRARY_PATH=$libdir "$root/usr/bin/tierd" --config="$cfg" --host_capacity=64
 pid=$!
 for _ in $(seq 300); do [[ -S $work/run/tierd.sock ]] && break; sleep 0.1; done
 [[ -S $work/run/tierd.sock ]] || { cat "$work/daemon.log"; fail "the installed daemon did not start"; }
+LD_LIBRARY_PATH=$libdir "$root/usr/bin/tierctl" --socket_dir="$work/run" health ||
+  fail "the installed tierctl finds the installed daemon unhealthy"
 kill -TERM $pid; wait $pid || { cat "$work/daemon.log"; fail "the installed daemon did not stop cleanly"; }
 
 # 6. The .deb.
@@ -66,8 +68,8 @@ kill -TERM $pid; wait $pid || { cat "$work/daemon.log"; fail "the installed daem
   { cat "$work/cpack.log"; fail "cpack failed"; }
 deb=$(ls "$work"/deb/tierd_*.deb)
 contents=$(dpkg-deb -c "$deb")
-for f in ./usr/bin/tierd ./usr/lib/systemd/system/tierd.service ./etc/tierd/tierd.toml \
-         ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf; do
+for f in ./usr/bin/tierd ./usr/bin/tierctl ./usr/lib/systemd/system/tierd.service \
+         ./etc/tierd/tierd.toml ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf; do
   grep -q " $f\$" <<<"$contents" || fail ".deb lacks $f"
 done
 info=$(dpkg-deb -I "$deb")
