@@ -540,8 +540,9 @@ absl::StatusOr<std::vector<ChunkInfo>> Client::ListChunks(bool all_sessions) {
   return out;
 }
 
-absl::StatusOr<NodeInfo> Client::GetNodeInfo() {
+absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
   pb::GetNodeInfoRequest req;
+  req.set_list_sessions(list_sessions);
   pb::GetNodeInfoResponse resp;
   if (absl::Status s = impl_->Call(&pb::Tierd::Stub::GetNodeInfo, req, &resp, "GetNodeInfo");
       !s.ok()) {

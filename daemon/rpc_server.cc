@@ -302,7 +302,7 @@ class TierdService final : public pb::Tierd::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status GetNodeInfo(grpc::ServerContext* ctx, const pb::GetNodeInfoRequest*,
+  grpc::Status GetNodeInfo(grpc::ServerContext* ctx, const pb::GetNodeInfoRequest* req,
                            pb::GetNodeInfoResponse* resp) override {
     auto session = Authenticate(ctx);
     if (!session.ok()) return ToGrpc(session.status());
@@ -361,7 +361,7 @@ class TierdService final : public pb::Tierd::Service {
     }
     resp->set_device_status(deps_.devices.status);
     resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
-    if (IsOperator(**session)) {
+    if (req->list_sessions() && IsOperator(**session)) {
       const std::map<SessionId, SessionHoldings> holdings = deps_.chunks->Holdings();
       for (const std::shared_ptr<Session>& s : deps_.sessions->All()) {
         pb::SessionInfo* info = resp->add_session_list();

@@ -179,14 +179,14 @@ class Tierctl {
     if (!absl::ParseDuration(Flag("sample", "1s"), &sample) || sample < absl::ZeroDuration()) {
       return Usage("--sample takes a duration such as 1s (0 to skip the bandwidth sample)");
     }
-    absl::StatusOr<NodeInfo> before = client_->GetNodeInfo();
+    absl::StatusOr<NodeInfo> before = client_->GetNodeInfo(/*list_sessions=*/true);
     if (!before.ok()) return Fail(before.status(), "GetNodeInfo");
     NodeInfo info = *before;
     std::map<std::string, double> recent;  // bytes per second over the sample, by path
     if (sample > absl::ZeroDuration()) {
       const absl::Time t0 = absl::Now();
       absl::SleepFor(sample);
-      absl::StatusOr<NodeInfo> after = client_->GetNodeInfo();
+      absl::StatusOr<NodeInfo> after = client_->GetNodeInfo(/*list_sessions=*/true);
       if (!after.ok()) return Fail(after.status(), "GetNodeInfo");
       const double seconds = absl::ToDoubleSeconds(absl::Now() - t0);
       for (const PathStatus& p : after->paths) {

@@ -110,7 +110,7 @@ struct NodeInfo {
   std::string version;
   bool cuda = false;
   int64_t uptime_seconds = 0;
-  std::vector<SessionSummary> session_list;  // empty unless the caller is an operator
+  std::vector<SessionSummary> session_list;  // asked for, by an operator
   std::vector<TierStatus> tiers;
   std::vector<std::string> devices;  // "GPU-uuid name (bytes)"
   std::string device_status;
@@ -291,7 +291,9 @@ class Client {
   // This session's chunks and its user's persistent ones; with all_sessions, every chunk on the
   // node (operators only: root or the daemon's user; PERMISSION_DENIED otherwise).
   absl::StatusOr<std::vector<ChunkInfo>> ListChunks(bool all_sessions = false);
-  absl::StatusOr<NodeInfo> GetNodeInfo();
+  // With list_sessions, an operator's answer also lists the open sessions (it costs the daemon a
+  // walk over every session's chunks).
+  absl::StatusOr<NodeInfo> GetNodeInfo(bool list_sessions = false);
   // Operators only: moves the chunks' copies out of `tier` (device: to the host; host: to NVMe),
   // whichever session owns them; every chunk with a copy there when `ids` is empty. Chunks
   // acquired now stay and are counted. `done` completes when the moves started have settled.
