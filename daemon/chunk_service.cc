@@ -1750,6 +1750,7 @@ NodeStats ChunkService::node_stats() const {
     if (c.pins > 0) ++out.chunks_pinned;
     if (c.persistent) ++out.chunks_persistent;
     for (TierKind t : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+      if (c.pins > 0 && c.allocated.contains(t)) out.pinned_bytes[static_cast<int>(t)] += c.size;
       if (!c.resident.contains(t)) continue;
       ++out.resident_chunks[static_cast<int>(t)];
       out.resident_bytes[static_cast<int>(t)] += c.size;

@@ -69,6 +69,8 @@ struct NodeStats {
   SessionStats totals;
   uint64_t chunks_ready = 0, chunks_moving = 0, chunks_pinned = 0, chunks_persistent = 0;
   std::array<uint64_t, kTierKinds> resident_chunks{}, resident_bytes{};
+  // Space held in each tier by acquired chunks: not reclaimable until they are released.
+  std::array<uint64_t, kTierKinds> pinned_bytes{};
   std::array<uint64_t, kPaths> in_flight{}, queued_bytes{};
 };
 

@@ -101,6 +101,11 @@ std::string RenderMetrics(const MetricsSources& src) {
   for (const auto& [t, u] : usage) {
     w.Sample(TierLabel(t), static_cast<double>(node.resident_bytes[static_cast<int>(t)]));
   }
+  w.Family("tierd_tier_pinned_bytes", Type::kGauge,
+           "Space in each tier held by acquired chunks: not reclaimable until they are released.");
+  for (const auto& [t, u] : usage) {
+    w.Sample(TierLabel(t), static_cast<double>(node.pinned_bytes[static_cast<int>(t)]));
+  }
   w.Family("tierd_tier_resident_chunks", Type::kGauge, "Chunks with a valid copy in each tier.");
   for (const auto& [t, u] : usage) {
     w.Sample(TierLabel(t), static_cast<double>(node.resident_chunks[static_cast<int>(t)]));
