@@ -571,13 +571,52 @@ void ChunkService::Settled(ChunkMeta& chunk, bool ok) {
   room_freed_.SignalAll();
 }
 
-void ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
+bool ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
                                   const std::shared_ptr<Batch>& batch) {
-  ++moves_in_flight_;
+  batch->Add();
+  if (chunk.doomed) {
+    // Retired: the chunk goes once its last move settles, and nothing new starts for it.
+    batch->Done(Retired(chunk));
+    return false;
+  }
   absl::Status begin = BeginMove(chunk, to);
   assert(begin.ok());  // callers validated the batch: no chunk is moving
   (void)begin;
-  batch->Add();
+  ++moves_in_flight_;
+  return true;
+}
+
+absl::Status ChunkService::Retired(const ChunkMeta& chunk) {
+  return absl::AbortedError(absl::StrCat(
+      "chunk ", chunk.id, " was freed while it moved (its session ended); it is gone"));
+}
+
+void ChunkService::Retire(ChunkMeta& chunk) {
+  if (chunk.state == ChunkState::kMoving) {
+    chunk.doomed = true;  // AfterMove destroys it
+    return;
+  }
+  FailAllWaiters(chunk.id, Retired(chunk));
+  Destroy(chunk);
+}
+
+void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
+  if (chunk.doomed) {
+    // Whoever waited for it learns it is gone; nothing is fetched or evicted for it again.
+    FailAllWaiters(chunk.id, Retired(chunk));
+    if (chunk.state != ChunkState::kMoving) Destroy(chunk);
+  } else {
+    WakeWaiters(chunk, moved);
+  }
+  RetryQueuedFetches();
+}
+
+void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
+  auto it = waiters_.find(id);
+  if (it == waiters_.end()) return;
+  std::vector<Waiter> failed = std::move(it->second);
+  waiters_.erase(it);
+  for (Waiter& w : failed) w.batch->Done(status);
 }
 
 void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -591,7 +630,7 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
       !EnsureSpace(chunk, TierKind::kDevice, batch)) {
     return;
   }
-  BeginBatchMove(chunk, TierKind::kDevice, batch);
+  if (!BeginBatchMove(chunk, TierKind::kDevice, batch)) return;
   MoveStarted(Path::kHostToDevice, chunk);
   if (!from_host && chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
@@ -683,9 +722,7 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
   chunk.last_use = ++use_clock_;
-  WakeWaiters(chunk, status);
-  if (chunk.doomed) Destroy(chunk);
-  RetryQueuedFetches();
+  AfterMove(chunk, status);
 }
 
 void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -693,7 +730,7 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kDev = static_cast<int>(TierKind::kDevice);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
-  BeginBatchMove(chunk, TierKind::kHost, batch);
+  if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
   MoveStarted(Path::kDeviceToHost, chunk);
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
@@ -720,9 +757,7 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
     DropCopy(chunk, TierKind::kDevice);
   }
   RoomMoveDone(id);
-  WakeWaiters(chunk, status);
-  if (chunk.doomed) Destroy(chunk);
-  RetryQueuedFetches();
+  AfterMove(chunk, status);
 }
 
 void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -730,7 +765,7 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
   constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
-  BeginBatchMove(chunk, TierKind::kHost, batch);
+  if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
   if (chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
   auto done = [this, id, batch](absl::Status s) {
@@ -755,9 +790,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
   chunk.last_use = ++use_clock_;
-  WakeWaiters(chunk, status);
-  if (chunk.doomed) Destroy(chunk);
-  RetryQueuedFetches();
+  AfterMove(chunk, status);
 }
 
 void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
@@ -769,7 +802,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
     return;
   }
   if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
-  BeginBatchMove(chunk, TierKind::kNvme, batch);
+  if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) return;
   MoveStarted(Path::kHostToNvme, chunk);
   const ChunkId id = chunk.id;
   const Placement nvme = chunk.placement[kNvme];
@@ -812,9 +845,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
   RoomMoveDone(id);
-  WakeWaiters(chunk, checksum.status());
-  if (chunk.doomed) Destroy(chunk);
-  RetryQueuedFetches();
+  AfterMove(chunk, checksum.status());
 }
 
 std::string ChunkService::NameKey(uint32_t tenant, absl::string_view name) {
@@ -946,6 +977,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
 }
 
 void ChunkService::Destroy(ChunkMeta& chunk) {
+  assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
   for (int t = 1; t < kTierKinds; ++t) {
     if (chunk.allocated.contains(static_cast<TierKind>(t))) {
       tiers_[t]->Unreserve(chunk.placement[t]);
@@ -1363,11 +1395,7 @@ size_t ChunkService::CloseSession(const Session& session) {
     ChunkMeta& chunk = chunks_.at(id);
     assert(chunk.pins == 0);  // only its owner can pin a scratch chunk
     ++freed;
-    if (chunk.state == ChunkState::kMoving) {
-      chunk.doomed = true;  // destroyed when its transfer settles
-      continue;
-    }
-    Destroy(chunk);
+    Retire(chunk);
   }
   if (auto p = persistent_.find(session.peer.uid); p != persistent_.end()) {
     for (ChunkId id : p->second) {

@@ -273,6 +273,7 @@ class ChunkService {
                                                   std::span<const ChunkId> ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckTier(TierKind tier, absl::string_view what) const;
+  // REQUIRES: no move of the chunk is in flight (see Retire).
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates a chunk resident in its home tier at `home` and indexes its name; the caller records
   // a scratch chunk in its session's state.
@@ -347,7 +348,7 @@ class ChunkService {
   void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
-  // for those whose tier it did not fill).
+  // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
   // copy unless keep_source.
@@ -387,9 +388,21 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The chunk a settling move belongs to.
   ChunkMeta& Moving(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the chunk moving to `to` as part of the batch.
-  void BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
+  // Marks the chunk moving to `to` as part of the batch. False, failing the batch, for a retired
+  // chunk: no move starts for a chunk on its way out.
+  bool BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A chunk's life ends in one of two ways: Free (which refuses a chunk that moves or is pinned)
+  // destroys it at once; Retire (its session ended) destroys it now when no move is in flight,
+  // else marks it doomed and AfterMove destroys it when the last move settles. Nothing starts a
+  // move of a doomed chunk (BeginBatchMove), and its waiters fail instead of being served.
+  void Retire(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The end of every move, once its effect on the chunk is applied: serves (or, for a doomed
+  // chunk, fails) the requests waiting for it, destroys a doomed chunk, and retries the fetches
+  // queued for room.
+  void AfterMove(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status Retired(const ChunkMeta& chunk);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);

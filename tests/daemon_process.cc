@@ -132,6 +132,21 @@ int DaemonProcess::Stop() {
   return ExitCode(status);
 }
 
+int DaemonProcess::StopWithin(absl::Duration timeout) {
+  if (pid_ < 0) return -1;
+  kill(pid_, SIGTERM);
+  for (const absl::Time give_up = absl::Now() + timeout; absl::Now() < give_up;) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return ExitCode(status);
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  Kill();
+  return -1;
+}
+
 std::string DaemonProcess::Log() const { return ReadFile(dir_ + "/daemon.log"); }
 
 DaemonProcess::~DaemonProcess() {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace tierd::testing {
 
@@ -28,6 +29,8 @@ class DaemonProcess {
   pid_t pid() const { return pid_; }
   // Sends SIGTERM and waits; returns the exit status (or 128+signal).
   int Stop();
+  // Stop, but a daemon still running after `timeout` is killed (SIGKILL) and -1 returned.
+  int StopWithin(absl::Duration timeout);
   // SIGKILL: the daemon dies without any cleanup, as in a crash.
   void Kill();
   // Starts the daemon again on the same directory with the same flags.

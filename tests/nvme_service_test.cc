@@ -396,6 +396,38 @@ TEST_F(NvmeServiceTest, SessionEndingWhileItsAcquireWaitsLeavesNothingBehind) {
   EXPECT_EQ(host_->Usage().used_bytes, 0u);
 }
 
+// A training job killed while it prefetches: its chunks are being evicted, a Prefetch waits for
+// each eviction to bring the chunk back, and the session ends. Nothing may start for a chunk whose
+// session has gone; the waiters fail, and each chunk is destroyed once its last move settles.
+TEST_F(NvmeServiceTest, SessionEndingWhileItsChunksMoveAndArePrefetchedLeavesNothingBehind) {
+  auto killed = *sessions_.Open({1000, 1000, 2}, "killed");
+  MapPage(*killed);
+  const std::vector<uint64_t> sizes(4, 1 << 20);
+  auto ids = Alloc(*killed, sizes);
+  Write(*killed, ids, 12);
+  faults_->SetDelay(absl::Milliseconds(20));
+  auto evicted = service_->Evict(*killed, ids, TierKind::kNvme);
+  ASSERT_TRUE(evicted.ok()) << evicted.status();
+  auto prefetched = service_->Prefetch(*killed, ids, TierKind::kHost, 0);  // waits for the writes
+  ASSERT_TRUE(prefetched.ok()) << prefetched.status();
+  const uint64_t reads = faults_->seen(IoKind::kRead);
+  sessions_.Close(killed->id);
+  EXPECT_EQ(service_->CloseSession(*killed), ids.size());
+  nvme_->Drain();
+  faults_->SetDelay(absl::ZeroDuration());
+  EXPECT_EQ(service_->chunk_count(), 0u);
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  EXPECT_EQ(nvme_->Usage().used_bytes, 0u);
+  EXPECT_EQ(faults_->seen(IoKind::kRead), reads);  // nothing was read back for nobody
+  const absl::Status prefetch = Wait(*killed, *prefetched);
+  EXPECT_TRUE(absl::IsAborted(prefetch)) << prefetch;
+  // The daemon still serves everyone else.
+  auto mine = Alloc(*session_, {1 << 20});
+  Write(*session_, mine, 13);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, mine, TierKind::kNvme)).ok());
+  EXPECT_TRUE(Check(*session_, mine, 13, {1 << 20}));
+}
+
 TEST_F(NvmeServiceTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 2);
