@@ -1483,14 +1483,22 @@ void ChunkService::InstallSchedule(SessionState& state, const Session& session,
                                    std::vector<std::vector<ScheduledAccess>> steps,
                                    const std::array<uint64_t, kTierKinds>& quota) {
   state.session = session.shared_from_this();
-  state.steps = std::move(steps);
+  state.named.clear();
+  absl::flat_hash_set<ChunkId> seen;
+  for (const auto& step : steps) {
+    for (const ScheduledAccess& a : step) {
+      if (seen.insert(a.id).second) state.named.push_back(a.id);
+    }
+  }
+  const size_t n = steps.size();
+  state.steps = n == 0 ? nullptr : std::make_shared<const Schedule>(std::move(steps));
   state.quota = quota;
-  state.step_time.assign(state.steps.size(), absl::ZeroDuration());
-  state.step_mean.assign(state.steps.size(), absl::ZeroDuration());
-  state.step_deviation.assign(state.steps.size(), absl::ZeroDuration());
+  state.step_time.assign(n, absl::ZeroDuration());
+  state.step_mean.assign(n, absl::ZeroDuration());
+  state.step_deviation.assign(n, absl::ZeroDuration());
   state.cursor = session.completions->cursor();
   state.step_started = absl::Now();
-  state.stats.schedule_steps = static_cast<uint32_t>(state.steps.size());
+  state.stats.schedule_steps = static_cast<uint32_t>(n);
 }
 
 void ChunkService::Trace(SessionState& state, const Session& session,
@@ -1543,85 +1551,100 @@ bool ChunkService::has_schedules() const {
   return schedules_ > 0;
 }
 
+void ChunkService::UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now) {
+  if (cursor == state.cursor) return;
+  // The cursor's pace gives the step times: the time since the last advance, spread over the
+  // steps it covered, into a moving average per step. The cursor is whatever the client wrote: a
+  // jump of any size updates each step of the iteration at most once.
+  if (cursor > state.cursor && state.cursor > 0) {
+    const uint64_t passed = cursor - state.cursor;
+    const absl::Duration each = (now - state.step_started) / static_cast<double>(passed);
+    const uint64_t n = state.step_time.size();
+    const uint64_t updates = std::min<uint64_t>(passed, n);
+    for (uint64_t i = 0; i < updates; ++i) {
+      const size_t j = (cursor - 1 - updates + i) % n;
+      absl::Duration& mean = state.step_mean[j];
+      absl::Duration& dev = state.step_deviation[j];
+      if (mean == absl::ZeroDuration()) {
+        mean = each;
+        dev = each / 4;
+      } else {
+        dev = 0.75 * dev + 0.25 * absl::AbsDuration(each - mean);
+        mean = 0.875 * mean + 0.125 * each;
+      }
+      // Planned as a short step: data early by a little is cheap, late is a stall.
+      state.step_time[j] = std::max(absl::ZeroDuration(), mean - 2 * dev);
+    }
+  }
+  state.cursor = cursor;
+  state.step_started = now;
+}
+
 size_t ChunkService::PlanRound(absl::Time now) {
-  absl::MutexLock lock(&mu_);
-  if (schedules_ == 0) return 0;
+  // The planner's input is taken under the lock; the plan is computed without it (other tenants'
+  // requests go on meanwhile), and its moves are checked again against the table as they start.
   PlanInput in;
   in.now = now;
-  absl::flat_hash_set<ChunkId> named;
-  for (auto& [id, state] : sessions_) {
-    if (state.trace.steps > 0 &&
-        state.session->completions->cursor() > state.trace.start + state.trace.steps) {
-      FinishTrace(state, *state.session);
-    }
-    if (state.steps.empty()) continue;
-    // The cursor's pace gives the step times: the time since the last advance, spread over the
-    // steps it covered, into a moving average per step.
-    const uint64_t cursor = state.session->completions->cursor();
-    if (cursor != state.cursor) {
-      if (cursor > state.cursor && state.cursor > 0) {
-        const uint64_t passed = cursor - state.cursor;
-        const absl::Duration each = (now - state.step_started) / static_cast<double>(passed);
-        for (uint64_t k = state.cursor - 1; k < cursor - 1; ++k) {
-          const size_t j = k % state.steps.size();
-          absl::Duration& mean = state.step_mean[j];
-          absl::Duration& dev = state.step_deviation[j];
-          if (mean == absl::ZeroDuration()) {
-            mean = each;
-            dev = each / 4;
-          } else {
-            dev = 0.75 * dev + 0.25 * absl::AbsDuration(each - mean);
-            mean = 0.875 * mean + 0.125 * each;
-          }
-          // Planned as a short step: data early by a little is cheap, late is a stall.
-          state.step_time[j] = std::max(absl::ZeroDuration(), mean - 2 * dev);
-        }
+  std::vector<std::shared_ptr<const Schedule>> schedules;  // alive while the plan is computed
+  std::vector<std::vector<absl::Duration>> step_times;
+  {
+    absl::MutexLock lock(&mu_);
+    if (schedules_ == 0) return 0;
+    schedules.reserve(sessions_.size());
+    step_times.reserve(sessions_.size());
+    absl::flat_hash_set<ChunkId> named;
+    for (auto& [id, state] : sessions_) {
+      if (state.trace.steps > 0 &&
+          state.session->completions->cursor() > state.trace.start + state.trace.steps) {
+        FinishTrace(state, *state.session);
       }
-      state.cursor = cursor;
-      state.step_started = now;
+      if (state.steps == nullptr) continue;
+      const uint64_t cursor = state.session->completions->cursor();
+      UpdateStepTimes(state, cursor, now);
+      state.stats.cursor = cursor;
+      schedules.push_back(state.steps);
+      step_times.push_back(state.step_time);
+      in.sessions.push_back(SessionPlan{.session = id,
+                                        .steps = schedules.back().get(),
+                                        .cursor = cursor,
+                                        .step_started = state.step_started,
+                                        .step_time = &step_times.back(),
+                                        .quota = state.quota});
+      named.insert(state.named.begin(), state.named.end());
     }
-    state.stats.cursor = cursor;
-    SessionPlan plan{.session = id,
-                     .steps = &state.steps,
-                     .cursor = cursor,
-                     .step_started = state.step_started,
-                     .step_time = &state.step_time,
-                     .quota = state.quota};
-    in.sessions.push_back(plan);
-    for (const auto& step : state.steps) {
-      for (const ScheduledAccess& a : step) named.insert(a.id);
+    // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
+    for (auto& [id, c] : chunks_) {
+      const bool holds =
+          c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
+      if (!holds && !named.contains(id)) continue;
+      in.chunks[id] = PlannerChunk{.id = id,
+                                   .size = c.size,
+                                   .owner = c.owner,
+                                   .home = c.home,
+                                   .resident = c.resident,
+                                   .dirty = c.dirty,
+                                   .moving = c.state == ChunkState::kMoving || c.doomed,
+                                   .moving_to = c.moving_to,
+                                   .pinned = c.pins > 0,
+                                   .last_use = c.last_use};
+    }
+    for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+      if (tier(t) == nullptr) continue;
+      const TierUsage u = tier(t)->Usage();
+      in.capacity[static_cast<int>(t)] = u.capacity_bytes;
+      in.free[static_cast<int>(t)] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+      in.largest_free[static_cast<int>(t)] = u.largest_free_bytes;
+    }
+    for (int p = 0; p < kPaths; ++p) {
+      in.bytes_per_second[p] = paths_[p].bytes_per_second;
+      in.queued_bytes[p] = paths_[p].queued_bytes;
+      in.move_seconds_per_byte[p] =
+          paths_[p].move_seconds_per_byte + 4 * paths_[p].move_deviation_per_byte;
     }
   }
-  // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
-  for (auto& [id, c] : chunks_) {
-    const bool holds =
-        c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
-    if (!holds && !named.contains(id)) continue;
-    in.chunks[id] = PlannerChunk{.id = id,
-                                 .size = c.size,
-                                 .owner = c.owner,
-                                 .home = c.home,
-                                 .resident = c.resident,
-                                 .dirty = c.dirty,
-                                 .moving = c.state == ChunkState::kMoving || c.doomed,
-                                 .moving_to = c.moving_to,
-                                 .pinned = c.pins > 0,
-                                 .last_use = c.last_use};
-  }
-  for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
-    if (tier(t) == nullptr) continue;
-    const TierUsage u = tier(t)->Usage();
-    in.capacity[static_cast<int>(t)] = u.capacity_bytes;
-    in.free[static_cast<int>(t)] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
-    in.largest_free[static_cast<int>(t)] = u.largest_free_bytes;
-  }
-  for (int p = 0; p < kPaths; ++p) {
-    in.bytes_per_second[p] = paths_[p].bytes_per_second;
-    in.queued_bytes[p] = paths_[p].queued_bytes;
-    in.move_seconds_per_byte[p] =
-        paths_[p].move_seconds_per_byte + 4 * paths_[p].move_deviation_per_byte;
-  }
+  const std::vector<PlannedMove> moves = Plan(in);
 
+  absl::MutexLock lock(&mu_);
   size_t started = 0;
   // A fetch that found no room because the free space is in pieces, and its target: its spares
   // (for the tiers it found no room in) are dropped one by one until it starts.
@@ -1638,7 +1661,6 @@ size_t ChunkService::PlanRound(absl::Time now) {
     }
     return full;
   };
-  const std::vector<PlannedMove> moves = Plan(in);
   // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
   planning_ = true;
   for (const PlannedMove& m : moves) {
@@ -1737,7 +1759,8 @@ SessionStats ChunkService::session_stats(const Session& session) const {
 std::vector<std::vector<ScheduledAccess>> ChunkService::schedule(const Session& session) const {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session.id);
-  return it == sessions_.end() ? std::vector<std::vector<ScheduledAccess>>{} : it->second.steps;
+  if (it == sessions_.end() || it->second.steps == nullptr) return {};
+  return *it->second.steps;
 }
 
 std::array<PathStatus, kPaths> ChunkService::path_status() const {

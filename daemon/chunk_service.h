@@ -107,6 +107,8 @@ struct SessionHoldings {
 // Whether the session's user may act on every session's chunks: root, or the daemon's own user.
 bool IsOperator(const Session& session);
 
+using Schedule = std::vector<std::vector<ScheduledAccess>>;
+
 struct ChunkPage {
   std::vector<ChunkMeta> chunks;
   ChunkId next_page_token = 0;
@@ -197,7 +199,8 @@ class ChunkService {
     max_weight_ = max;
   }
   // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
-  // (daemon/planner.h) and starts the moves. Returns how many it started.
+  // (daemon/planner.h, without holding the service's lock) and starts the moves that still make
+  // sense. Returns how many it started.
   size_t PlanRound(absl::Time now);
   bool has_schedules() const;
   size_t chunk_count() const;
@@ -217,9 +220,12 @@ class ChunkService {
     std::set<ChunkId> owned;                      // non-persistent and opened persistent
     absl::flat_hash_map<ChunkId, uint32_t> pins;  // chunk -> Acquire count
     SessionStats stats;
-    // The schedule, when declared.
+    // The schedule, when declared: immutable once installed, so that a planning round can read
+    // it without the service's lock.
     std::shared_ptr<const Session> session;
-    std::vector<std::vector<ScheduledAccess>> steps;
+    std::shared_ptr<const Schedule> steps;
+    // Every chunk the schedule names, once.
+    std::vector<ChunkId> named;
     std::array<uint64_t, kTierKinds> quota{};
     uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
@@ -237,7 +243,7 @@ class ChunkService {
       absl::flat_hash_map<std::pair<uint64_t, ChunkId>, size_t> index;  // (step, tier), chunk
       size_t accesses = 0;
     } trace;
-    bool planned() const { return !steps.empty() || trace.steps > 0; }
+    bool planned() const { return steps != nullptr || trace.steps > 0; }
   };
   // Makes `steps` the session's schedule, its step times unknown yet.
   void InstallSchedule(SessionState& state, const Session& session,
@@ -249,6 +255,9 @@ class ChunkService {
   void Trace(SessionState& state, const Session& session, std::span<ChunkMeta* const> chunks,
              TierKind tier, Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishTrace(SessionState& state, const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds the time since the cursor last moved into the step times of the steps it passed.
+  void UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Bandwidth of each path, measured from the moves on it: bytes over the time the path was busy.
   struct PathMeter {

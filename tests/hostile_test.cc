@@ -169,5 +169,40 @@ TEST_F(HostileClientTest, AClientKilledWhileItsChunksMoveLeavesTheDaemonServing)
   EXPECT_EQ(Allocate(bystander, 1, 4096).size(), 1u);
 }
 
+// The schedule cursor is a word the client writes in its own completion page. A client that writes
+// nonsense there (far ahead, backwards, at random) may confuse its own plan, nobody else's service.
+TEST_F(HostileClientTest, GarbageInTheScheduleCursorFreezesNobody) {
+  Start();
+  RawSession bystander = Open();
+  RawSession hostile = Open();
+  const std::vector<uint64_t> ids = Allocate(hostile, 2, 1 << 20);
+  ASSERT_EQ(ids.size(), 2u);
+  pb::SetScheduleRequest schedule;
+  for (uint64_t id : ids) {
+    pb::StepAccess* access = schedule.add_steps()->add_accesses();
+    access->set_chunk_id(id);
+    access->set_tier(pb::TIER_HOST);
+  }
+  pb::SetScheduleResponse declared;
+  ASSERT_TRUE(stub_->SetSchedule(Context(hostile).get(), schedule, &declared).ok());
+  std::atomic<uint64_t>& cursor = hostile.page->header.cursor;
+  cursor.store(1);
+  absl::SleepFor(absl::Milliseconds(50));  // the planner has seen the iteration start
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint64_t garbage : {uint64_t{1} << 40, uint64_t{300'000'000}, ~uint64_t{0}, uint64_t{3},
+                           uint64_t{1} << 63, uint64_t{0}}) {
+    cursor.store(garbage);
+    absl::SleepFor(absl::Milliseconds(20));
+    ExpectServed(bystander);
+  }
+  for (int i = 0; i < 200; ++i) {  // and at random, faster than the planner's rounds
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    cursor.store(x);
+    absl::SleepFor(absl::Microseconds(500));
+  }
+  ExpectServed(bystander);
+  ExpectServed(hostile);
+}
+
 }  // namespace
 }  // namespace tierd
