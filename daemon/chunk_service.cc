@@ -14,6 +14,7 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/device.h"
+#include "daemon/log_limiter.h"
 #include "daemon/nvme_tier.h"
 #include "spdlog/spdlog.h"
 
@@ -174,6 +175,10 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
                     e.name, e.tenant);
       continue;
     }
+    // Counted against the user's quota and chunk limit, which they may now exceed: that blocks new
+    // allocations, never the recovery of what was stored.
+    ledger_.AddBytes(e.tenant, TierKind::kNvme, p.size);
+    ledger_.AddChunks(e.tenant, 1);
     ChunkMeta& chunk = Insert(e.tenant, /*owner=*/0, e.chunk_size, p, e.name, /*persistent=*/true);
     chunk.written = true;
     chunk.checksum = e.checksum;
@@ -194,7 +199,7 @@ absl::StatusOr<std::shared_ptr<ChunkService::Batch>> ChunkService::NewBatch(
 
 void ChunkService::DropCopy(ChunkMeta& chunk, TierKind tier) {
   const int t = static_cast<int>(tier);
-  if (chunk.allocated.contains(tier)) tiers_[t]->Unreserve(chunk.placement[t]);
+  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[t]);
   chunk.allocated.erase(tier);
   chunk.resident.erase(tier);
   chunk.dirty.erase(tier);
@@ -226,21 +231,49 @@ bool CleanIn(const ChunkMeta& c, TierKind tier) {
 
 }  // namespace
 
+absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t tenant,
+                                                     uint64_t size) {
+  absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
+  if (!p.ok()) return p;
+  if (absl::Status s = ledger_.CheckBytes(tenant, kind, p->size); !s.ok()) {
+    tier(kind)->Unreserve(*p);
+    return s;
+  }
+  ledger_.AddBytes(tenant, kind, p->size);
+  return p;
+}
+
+void ChunkService::ReleaseSpace(uint32_t tenant, const Placement& placement) {
+  tier(placement.tier)->Unreserve(placement);
+  ledger_.RemoveBytes(tenant, placement.tier, placement.size);
+}
+
 absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
-  Tier* t = this->tier(tier);
   for (;;) {
-    absl::StatusOr<Placement> p = t->Reserve(tenant, size);
+    // When the tenant's quota is what is full, only its own copies make room for it.
+    const uint64_t needed = AlignUp(size, kSegmentAlignment);
+    const bool quota_full = ledger_.Headroom(tenant, tier) < needed;
+    if (quota_full && planning_) return ledger_.CheckBytes(tenant, tier, needed);
+    absl::StatusOr<Placement> p =
+        quota_full ? absl::ResourceExhaustedError("over quota") : ReserveSpace(tier, tenant, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
     // costs nothing to drop). A linear scan; the planner replaces this policy.
     ChunkMeta* victim = nullptr;
     for (auto& [id, c] : chunks_) {
       if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c, tier)) continue;
+      if (quota_full && c.tenant != tenant) continue;
       if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
     }
-    if (victim == nullptr) return p;
+    if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);
   }
+}
+
+uint64_t ChunkService::FreeFor(uint32_t tenant, TierKind t) const {
+  const TierUsage u = tier(t)->Usage();
+  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+  return std::min(free, ledger_.Headroom(tenant, t));
 }
 
 void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
@@ -442,33 +475,44 @@ bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access acc
   bool coming = false;
   bool tried = false;
   for (TierKind t : needs) {
-    const TierUsage u = this->tier(t)->Usage();
-    const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
-    if (free >= chunk.size && room_coming_[static_cast<int>(t)] == 0) continue;
+    if (FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[static_cast<int>(t)] == 0) continue;
     tried = true;
-    coming |= MakeRoomIn(t, chunk.size);
+    coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
   }
   if (!tried) {  // enough bytes free but not in one piece: free some more
-    for (TierKind t : needs) coming |= MakeRoomIn(t, chunk.size);
+    for (TierKind t : needs) coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
   }
   return coming;
 }
 
-bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
+uint64_t ChunkService::RoomComingFor(uint32_t tenant, TierKind t) const {
+  uint64_t coming = 0;
+  for (const auto& [id, freed] : room_moves_) {
+    auto it = chunks_.find(id);
+    if (freed == t && it != chunks_.end() && it->second.tenant == tenant) {
+      coming += it->second.size;
+    }
+  }
+  return coming;
+}
+
+bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   const int k = static_cast<int>(t);
-  const TierUsage u = tier(t)->Usage();
-  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
-  if (room_coming_[k] > 0 && free + room_coming_[k] >= bytes) return true;
+  // When the tenant's quota, not the tier, is what is full, only its own copies make its room.
+  const bool own = ledger_.Headroom(tenant, t) < AlignUp(bytes, kSegmentAlignment);
+  const uint64_t free = FreeFor(tenant, t);
+  uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[k];
+  if (coming > 0 && free + coming >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const bool can_write_down =
       t == TierKind::kDevice ? device_ != nullptr : t == TierKind::kHost && nvme_ != nullptr;
-  if (!can_write_down) return room_coming_[k] > 0 || moves_in_flight_ > 0;
+  if (!can_write_down) return coming > 0 || (!own && moves_in_flight_ > 0);
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
   std::vector<ChunkMeta*> dirty;
   for (auto& [id, c] : chunks_) {
     if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !c.resident.contains(t) ||
-        CleanIn(c, t)) {
+        CleanIn(c, t) || (own && c.tenant != tenant)) {
       continue;
     }
     dirty.push_back(&c);
@@ -478,7 +522,7 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
   bool started = false;  // at least one, in case the free bytes are there but not in one piece
   bool below = false;    // room is being made in the tier below for these to go to
   for (ChunkMeta* c : dirty) {
-    if (started && free + room_coming_[k] >= bytes) break;
+    if (started && free + coming >= bytes) break;
     auto batch = std::make_shared<Batch>();
     if (t == TierKind::kDevice) {
       StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
@@ -489,15 +533,17 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes) {
     if (c->state != ChunkState::kMoving) {
       // No room below it either: the host's own dirty copies go down to NVMe first, and the
       // waiter tries again when they have.
-      if (t == TierKind::kDevice && !below) below = MakeRoomIn(TierKind::kHost, c->size);
+      if (t == TierKind::kDevice && !below) below = MakeRoomIn(TierKind::kHost, c->size, c->tenant);
       continue;
     }
     room_moves_[c->id] = t;
     room_coming_[k] += c->size;
+    coming += c->size;
     started = true;
   }
-  // Moves in flight end as copies that can be dropped or written down, or free what they leave.
-  return room_coming_[k] > 0 || moves_in_flight_ > 0 || below;
+  // Moves in flight end as copies that can be dropped or written down, or free what they leave
+  // (other tenants' moves free nothing under this one's quota).
+  return coming > 0 || (!own && moves_in_flight_ > 0) || below;
 }
 
 void ChunkService::RoomMoveDone(ChunkId id) {
@@ -946,14 +992,20 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     result[i] = found.id;
   }
 
+  SessionState& state = sessions_[session.id];
+  const uint64_t fresh = std::count(result.begin(), result.end(), ChunkId{0});
+  if (absl::Status s = ledger_.CheckChunks(tenant, state.owned.size(), fresh); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("Allocate: ", s.message()));
+  }
+
   // Reserve space for the new chunks; give it all back if any reservation fails.
   std::vector<Placement> placements(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     if (result[i] != 0) continue;
-    absl::StatusOr<Placement> p = tier(requests[i].home)->Reserve(tenant, requests[i].size);
+    absl::StatusOr<Placement> p = ReserveSpace(requests[i].home, tenant, requests[i].size);
     if (!p.ok()) {
       for (size_t j = 0; j < i; ++j) {
-        if (result[j] == 0) tier(requests[j].home)->Unreserve(placements[j]);
+        if (result[j] == 0) ReleaseSpace(tenant, placements[j]);
       }
       return absl::Status(p.status().code(),
                           absl::StrCat("Allocate, chunk #", i, ": ", p.status().message()));
@@ -961,7 +1013,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     placements[i] = *p;
   }
 
-  SessionState& state = sessions_[session.id];
+  ledger_.AddChunks(tenant, static_cast<int64_t>(fresh));
   for (size_t i = 0; i < requests.size(); ++i) {
     const ChunkRequest& r = requests[i];
     if (result[i] != 0) {  // an opened persistent chunk
@@ -980,9 +1032,10 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
   for (int t = 1; t < kTierKinds; ++t) {
     if (chunk.allocated.contains(static_cast<TierKind>(t))) {
-      tiers_[t]->Unreserve(chunk.placement[t]);
+      ReleaseSpace(chunk.tenant, chunk.placement[t]);
     }
   }
+  ledger_.AddChunks(chunk.tenant, -1);
   if (chunk.persistent && chunk.written && nvme_ != nullptr)
     nvme_->Forget(chunk.tenant, chunk.name);
   if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
@@ -1382,6 +1435,7 @@ size_t ChunkService::CloseSession(const Session& session) {
   SessionState state = std::move(it->second);
   sessions_.erase(it);
   if (state.planned()) --schedules_;
+  ledger_.AddScheduleAccesses(session.peer.uid, -static_cast<int64_t>(state.schedule_accesses));
   for (const auto& [id, count] : state.pins) {
     if (auto w = waiters_.find(id); w != waiters_.end()) {
       std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
@@ -1409,22 +1463,14 @@ size_t ChunkService::CloseSession(const Session& session) {
 }
 
 absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest request) {
-  size_t accesses = 0;
+  uint64_t accesses = 0;
   for (const auto& step : request.steps) accesses += step.size();
-  if (accesses > kMaxBatch) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("SetSchedule: ", accesses, " accesses; at most ", kMaxBatch));
-  }
   if (request.steps.empty() != (accesses == 0)) {
     return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
   }
   if (request.trace_steps > 0 && !request.steps.empty()) {
     return absl::InvalidArgumentError(
         "SetSchedule: either declare steps or ask for a trace (trace_steps), not both");
-  }
-  if (request.trace_steps > kMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("SetSchedule: a trace of ", request.trace_steps,
-                                                   " steps; at most ", kMaxBatch));
   }
   for (const auto& step : request.steps) {
     for (const ScheduledAccess& a : step) {
@@ -1436,8 +1482,17 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
       if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
     }
   }
+  // What the schedule costs the planner every round: its accesses, or its steps if more.
+  const uint64_t size = std::max<uint64_t>(accesses, request.steps.size());
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
+  SessionState& state = sessions_[session.id];
+  const uint32_t uid = session.peer.uid;
+  if (absl::Status s = ledger_.CheckSchedule(uid, state.schedule_accesses, size, "SetSchedule");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ledger_.CheckTrace(uid, request.trace_steps); !s.ok()) return s;
   std::vector<ChunkId> ids;
   {
     absl::flat_hash_set<ChunkId> seen;
@@ -1450,9 +1505,8 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids); !chunks.ok()) {
     return chunks.status();
   }
-  SessionState& state = sessions_[session.id];
   const bool had = state.planned();
-  InstallSchedule(state, session, std::move(request.steps), request.quota);
+  InstallSchedule(state, session, std::move(request.steps), request.quota, size);
   state.trace = {};
   if (request.trace_steps > 0) {
     // From the next iteration boundary: the first step number that is a multiple of the length.
@@ -1481,7 +1535,10 @@ absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t w
 
 void ChunkService::InstallSchedule(SessionState& state, const Session& session,
                                    std::vector<std::vector<ScheduledAccess>> steps,
-                                   const std::array<uint64_t, kTierKinds>& quota) {
+                                   const std::array<uint64_t, kTierKinds>& quota, uint64_t size) {
+  ledger_.AddScheduleAccesses(
+      session.peer.uid, static_cast<int64_t>(size) - static_cast<int64_t>(state.schedule_accesses));
+  state.schedule_accesses = size;
   state.session = session.shared_from_this();
   state.named.clear();
   absl::flat_hash_set<ChunkId> seen;
@@ -1515,7 +1572,7 @@ void ChunkService::Trace(SessionState& state, const Session& session,
     const std::pair<uint64_t, ChunkId> key{step * kTierKinds + static_cast<int>(tier), c->id};
     auto [it, inserted] = t.index.try_emplace(key, t.recorded[step].size());
     if (inserted) {
-      if (t.accesses == kMaxBatch) {  // as large as a declared schedule may be
+      if (t.accesses == ledger_.limits().schedule_accesses_per_session) {  // as a declared one
         t.index.erase(it);
         continue;
       }
@@ -1538,12 +1595,22 @@ void ChunkService::FinishTrace(SessionState& state, const Session& session) {
     kept += step.size();
   }
   if (kept == 0) {
-    spdlog::info("{}: the traced iteration acquired nothing; no schedule", session.Describe());
+    TIERD_LOG_LIMITED(info, "{}: the traced iteration acquired nothing; no schedule",
+                      session.Describe());
     --schedules_;
     return;
   }
-  spdlog::info("{}: traced schedule of {} steps, {} accesses", session.Describe(), t.steps, kept);
-  InstallSchedule(state, session, std::move(t.recorded), t.quota);
+  const uint64_t size = std::max<uint64_t>(kept, t.steps);
+  if (absl::Status s = ledger_.CheckSchedule(session.peer.uid, state.schedule_accesses, size,
+                                             "the traced schedule");
+      !s.ok()) {
+    TIERD_LOG_LIMITED(warn, "{}: {}; not installed", session.Describe(), s.message());
+    --schedules_;
+    return;
+  }
+  TIERD_LOG_LIMITED(info, "{}: traced schedule of {} steps, {} accesses", session.Describe(),
+                    t.steps, kept);
+  InstallSchedule(state, session, std::move(t.recorded), t.quota, size);
 }
 
 bool ChunkService::has_schedules() const {

@@ -30,6 +30,7 @@
 #include "daemon/nvme_index.h"
 #include "daemon/planner.h"
 #include "daemon/session.h"
+#include "daemon/tenant_ledger.h"
 #include "daemon/tier.h"
 
 namespace tierd {
@@ -198,6 +199,28 @@ class ChunkService {
     absl::MutexLock lock(&mu_);
     max_weight_ = max;
   }
+  // What one user or session may hold (daemon/limits.h). Before any session opens.
+  void set_limits(const Limits& limits, const Quotas& quotas) {
+    absl::MutexLock lock(&mu_);
+    ledger_.Configure(limits, quotas);
+  }
+  // What each user holds, against its limits and quotas.
+  std::map<uint32_t, TenantUsage> tenant_usage() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.Usage();
+  }
+  TenantUsage tenant_usage(uint32_t uid) const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.UsageOf(uid);
+  }
+  Limits limits() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.limits();
+  }
+  Quotas quotas() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.quotas();
+  }
   // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
   // (daemon/planner.h, without holding the service's lock) and starts the moves that still make
   // sense. Returns how many it started.
@@ -226,6 +249,7 @@ class ChunkService {
     std::shared_ptr<const Schedule> steps;
     // Every chunk the schedule names, once.
     std::vector<ChunkId> named;
+    uint64_t schedule_accesses = 0;  // what the schedule counts against the limits
     std::array<uint64_t, kTierKinds> quota{};
     uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
@@ -246,9 +270,10 @@ class ChunkService {
     bool planned() const { return steps != nullptr || trace.steps > 0; }
   };
   // Makes `steps` the session's schedule, its step times unknown yet.
+  // `size` is what it counts against the limits (its accesses, or steps if more).
   void InstallSchedule(SessionState& state, const Session& session,
                        std::vector<std::vector<ScheduledAccess>> steps,
-                       const std::array<uint64_t, kTierKinds>& quota)
+                       const std::array<uint64_t, kTierKinds>& quota, uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Trace mode: records an Acquire at the session's cursor, or installs the trace once the cursor
   // has passed the traced iteration.
@@ -348,7 +373,19 @@ class ChunkService {
                                          Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk ended (FinishMove), waking those waiting for room.
   void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool MakeRoomIn(TierKind tier, uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts write-backs that will free `bytes` in `tier` for `tenant`: its own copies when its quota
+  // is what is full there. True when room is on its way.
+  bool MakeRoomIn(TierKind tier, uint64_t bytes, uint32_t tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes the tenant's write-backs in flight for room will free in `tier`.
+  uint64_t RoomComingFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
+  uint64_t FreeFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every reservation and release of a chunk's space goes through these: the tier's, and the
+  // tenant's quota (RESOURCE_EXHAUSTED naming it).
+  absl::StatusOr<Placement> ReserveSpace(TierKind tier, uint32_t tenant, uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSpace(uint32_t tenant, const Placement& placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
   // arrival order.
   void RetryQueuedFetches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -374,7 +411,8 @@ class ChunkService {
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source);
   void SettleRead(ChunkId id, const absl::Status& status);
   // Space in `tier` for a chunk, dropping clean copies there (valid in a lower tier too, least
-  // recently used first) when the tier is full.
+  // recently used first) when the tier is full — only the tenant's own when its quota is what is
+  // full.
   absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
@@ -460,6 +498,7 @@ class ChunkService {
   bool planning_ ABSL_GUARDED_BY(mu_) = false;  // executing the planner's moves
   size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
+  TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tierd

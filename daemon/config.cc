@@ -1,9 +1,12 @@
 #include "daemon/config.h"
 
+#include <pwd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -117,6 +120,114 @@ absl::StatusOr<uint64_t> GetSize(absl::string_view source, const toml::node& nod
   return KeyError(source, node, key, "must be a size: bytes, or a string such as \"64MiB\"");
 }
 
+absl::StatusOr<uint64_t> GetCount(absl::string_view source, const toml::node& node,
+                                  absl::string_view key, uint64_t max) {
+  const auto* i = node.as_integer();
+  if (i == nullptr || i->get() < 1 || static_cast<uint64_t>(i->get()) > max) {
+    return KeyError(source, node, key, absl::StrCat("must be an integer from 1 to ", max));
+  }
+  return static_cast<uint64_t>(i->get());
+}
+
+absl::Status ApplyLimit(absl::string_view source, const toml::node& node, const std::string& key,
+                        Limits* limits) {
+  struct Key {
+    const char* name;
+    uint64_t max;
+    uint64_t* wide;
+    uint32_t* narrow;
+  };
+  const Key keys[] = {
+      {"limits.connections_per_uid", 1'000'000, nullptr, &limits->connections_per_uid},
+      {"limits.sessions_per_uid", 1'000'000, nullptr, &limits->sessions_per_uid},
+      {"limits.chunks_per_session", 100'000'000, &limits->chunks_per_session, nullptr},
+      {"limits.chunks_per_uid", 100'000'000, &limits->chunks_per_uid, nullptr},
+      {"limits.schedule_accesses_per_session", 100'000'000, &limits->schedule_accesses_per_session,
+       nullptr},
+      {"limits.schedule_accesses_per_uid", 100'000'000, &limits->schedule_accesses_per_uid,
+       nullptr},
+      {"limits.trace_steps", 10'000'000, nullptr, &limits->trace_steps},
+  };
+  for (const Key& k : keys) {
+    if (key != k.name) continue;
+    absl::StatusOr<uint64_t> v = GetCount(source, node, key, k.max);
+    if (!v.ok()) return v.status();
+    if (k.wide != nullptr) *k.wide = *v;
+    if (k.narrow != nullptr) *k.narrow = static_cast<uint32_t>(*v);
+    return absl::OkStatus();
+  }
+  return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
+}
+
+// quota.host / quota.device / quota.nvme, or the same keys of a user's quota: bytes, 0 for none.
+absl::StatusOr<std::pair<TierKind, uint64_t>> GetTierBytes(absl::string_view source,
+                                                           const toml::node& node,
+                                                           const std::string& key) {
+  const absl::string_view tier = absl::string_view(key).substr(key.rfind('.') + 1);
+  TierKind kind;
+  if (tier == "host") {
+    kind = TierKind::kHost;
+  } else if (tier == "device") {
+    kind = TierKind::kDevice;
+  } else if (tier == "nvme") {
+    kind = TierKind::kNvme;
+  } else {
+    return KeyError(source, node, key, "unknown key (a quota names host, device or nvme bytes)");
+  }
+  absl::StatusOr<uint64_t> bytes = GetSize(source, node, key);
+  if (!bytes.ok()) return bytes.status();
+  return std::make_pair(kind, *bytes);
+}
+
+absl::Status ApplyUserQuotas(absl::string_view source, const toml::node& node,
+                             const std::string& key, Quotas* quotas) {
+  const toml::array* list = node.as_array();
+  if (list == nullptr) {
+    return KeyError(
+        source, node, key,
+        "must be an array of tables: [[quota.users]] user = \"alice\" host = \"64GiB\"");
+  }
+  for (const toml::node& item : *list) {
+    const toml::table* t = item.as_table();
+    if (t == nullptr || t->contains("uid") == t->contains("user")) {
+      return KeyError(source, item, key, "each entry names either a uid or a user");
+    }
+    uint32_t uid = 0;
+    std::string name;
+    if (const toml::node* u = t->get("uid")) {
+      const auto* i = u->as_integer();
+      if (i == nullptr || i->get() < 0 || i->get() > UINT32_MAX - 1) {
+        return KeyError(source, *u, key + ".uid", "must be a uid (a non-negative integer)");
+      }
+      uid = static_cast<uint32_t>(i->get());
+    } else {
+      absl::StatusOr<std::string> user = GetString(source, *t->get("user"), key + ".user");
+      if (!user.ok()) return user.status();
+      struct passwd* pw = getpwnam(user->c_str());
+      if (pw == nullptr) {
+        return KeyError(source, *t->get("user"), key + ".user",
+                        absl::StrCat("no user named '", *user, "' on this node"));
+      }
+      uid = pw->pw_uid;
+      name = *user;
+    }
+    if (quotas->by_uid.contains(uid)) {
+      return KeyError(source, item, key, absl::StrCat("uid ", uid, " has two quota entries"));
+    }
+    TierBytes bytes = quotas->per_uid;  // what the entry does not name stays the default
+    for (auto&& [k, v] : *t) {
+      if (k.str() == "uid" || k.str() == "user") continue;
+      absl::StatusOr<std::pair<TierKind, uint64_t>> q =
+          GetTierBytes(source, v, absl::StrCat(key, ".", std::string(k.str())));
+      if (!q.ok()) return q.status();
+      bytes[static_cast<int>(q->first)] = q->second;
+    }
+    quotas->by_uid[uid] = bytes;
+    if (!name.empty()) quotas->names[uid] = name;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
@@ -134,10 +245,11 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
     if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme" &&
-                             section != "device" && section != "planner" && section != "metrics")) {
-      return KeyError(
-          source, section_node, section,
-          "unknown section (known: [daemon], [host], [nvme], [device], [planner], [metrics])");
+                             section != "device" && section != "planner" && section != "metrics" &&
+                             section != "limits" && section != "quota")) {
+      return KeyError(source, section_node, section,
+                      "unknown section (known: [daemon], [host], [nvme], [device], [planner], "
+                      "[metrics], [limits], [quota])");
     }
     for (auto&& [key_name, node] : *table) {
       const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
@@ -261,12 +373,66 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
         absl::StatusOr<std::string> v = GetString(source, node, key);
         if (!v.ok()) return v.status();
         config->metrics.listen = *v;
+      } else if (section == "limits") {
+        if (absl::Status st = ApplyLimit(source, node, key, &config->limits); !st.ok()) return st;
+      } else if (key == "quota.users") {
+        if (absl::Status st = ApplyUserQuotas(source, node, key, &config->quotas); !st.ok()) {
+          return st;
+        }
+      } else if (section == "quota") {
+        absl::StatusOr<std::pair<TierKind, uint64_t>> q = GetTierBytes(source, node, key);
+        if (!q.ok()) return q.status();
+        config->quotas.per_uid[static_cast<int>(q->first)] = q->second;
       } else if (key == "host.lock_memory") {
         const auto* b = node.as_boolean();
         if (b == nullptr) return KeyError(source, node, key, "must be true or false");
         config->host.lock_memory = b->get();
       } else {
         return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateConfig(const DaemonConfig& config) {
+  constexpr uint64_t kTwoMiB = 2 * kMiB;
+  for (auto [section, capacity, segment] :
+       {std::tuple{"host", config.host.capacity, config.host.segment_size},
+        std::tuple{"device", config.device.capacity, config.device.segment_size}}) {
+    if (segment == 0 || segment % kTwoMiB != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(section, ".segment_size (",
+                                                     FormatSize(segment),
+                                                     ") must be a non-zero multiple of 2 MiB"));
+    }
+    if (capacity == 0 || capacity % segment != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(section, ".capacity (", FormatSize(capacity), ") must be a non-zero ",
+                       "multiple of ", section, ".segment_size (", FormatSize(segment), ")"));
+    }
+  }
+  const NvmeOptions& nvme = config.nvme;
+  if (!nvme.regions.empty()) {
+    const uint64_t unit = nvme.stripe_unit;
+    if (unit < 4096 || (unit & (unit - 1)) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nvme.stripe_unit (", unit, " bytes) must be a power of two of at least 4 KiB"));
+    }
+    if (nvme.io_size < 4096 || nvme.io_size > unit || nvme.io_size % 4096 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nvme.io_size (", FormatSize(nvme.io_size),
+          ") must be a multiple of 4 KiB and at most nvme.stripe_unit (", FormatSize(unit), ")"));
+    }
+    for (size_t i = 0; i < nvme.regions.size(); ++i) {
+      if (nvme.regions[i].path.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("nvme.regions[", i, "] has no path"));
+      }
+      for (size_t j = 0; j < i; ++j) {
+        if (nvme.regions[j].path == nvme.regions[i].path) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("nvme.regions lists '", nvme.regions[i].path,
+                           "' twice; each region must be a file or device of its own"));
+        }
       }
     }
   }

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/host_memory.h"
+#include "daemon/limits.h"
 #include "daemon/nvme_tier.h"
 
 namespace tierd {
@@ -41,6 +42,9 @@ struct DaemonConfig {
     // HOST:PORT of the Prometheus endpoint (GET /metrics); empty: none. Loopback by default.
     std::string listen = "127.0.0.1:9477";
   } metrics;
+  // [limits] and [quota]: what one user or session may hold.
+  Limits limits;
+  Quotas quotas;
 };
 
 // The default NVMe region: a 2 GiB file in the state directory, for a working tier out of the box.
@@ -58,6 +62,10 @@ DaemonConfig DefaultConfig();
 // are errors that name the key and its line in `source`.
 absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source, DaemonConfig* config);
 absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config);
+
+// Checks what no single key can: sizes that must divide each other, regions named twice. The
+// daemon runs this before it touches anything; an error is a configuration error (exit 2).
+absl::Status ValidateConfig(const DaemonConfig& config);
 
 absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text);
 absl::string_view HugePagePolicyName(HugePagePolicy policy);

@@ -74,9 +74,21 @@ absl::Status CheckPinnable(uint64_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status CheckAvailable(uint64_t bytes, absl::string_view what) {
+  std::optional<uint64_t> available = MemInfoBytes("MemAvailable");
+  if (available && bytes > *available) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " needs ", FormatSize(bytes), " of RAM but only ", FormatSize(*available),
+        " is available (MemAvailable in /proc/meminfo): lower it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<SegmentPool>> CreateHostPool(const HostPoolOptions& options) {
   if (options.lock_memory && options.capacity > 0) {
     if (absl::Status s = CheckPinnable(options.capacity); !s.ok()) return s;
+  } else if (absl::Status s = CheckAvailable(options.capacity, "host.capacity"); !s.ok()) {
+    return s;
   }
   return SegmentPool::Create(
       TierKind::kHost, "host", options.capacity, options.segment_size,

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "daemon/segment_pool.h"
 
 namespace tierd {
@@ -25,6 +26,8 @@ absl::StatusOr<std::unique_ptr<SegmentPool>> CreateHostPool(const HostPoolOption
 
 // Checks that `bytes` can be locked and are available; the error names the limit to raise.
 absl::Status CheckPinnable(uint64_t bytes);
+// Checks that `bytes` of RAM are available (MemAvailable) for `what`, which the error names.
+absl::Status CheckAvailable(uint64_t bytes, absl::string_view what);
 
 // Shared memory in memfd segments, optionally locked and on huge pages. Also the emulated device's
 // memory.

@@ -1,14 +1,17 @@
 // tierd: the per-node daemon that owns the memory tiers.
-#include <grp.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "absl/flags/flag.h"
@@ -18,16 +21,20 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
+#include "common/unix_socket.h"
 #include "common/version.h"
 #include "daemon/bandwidth_probe.h"
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
+#include "daemon/daemon_files.h"
 #include "daemon/daemon_metrics.h"
 #include "daemon/device.h"
 #include "daemon/device_probe.h"
 #include "daemon/host_memory.h"
+#include "daemon/log_limiter.h"
 #include "daemon/metrics_server.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/plan_loop.h"
@@ -201,47 +208,106 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
   return config;
 }
 
-// `group` is a name, or a numeric gid (in containers, whose /etc/group need not name it).
-absl::Status SetGroup(const std::string& path, const std::string& group) {
-  if (group.empty()) return absl::OkStatus();
-  gid_t gid;
-  if (uint32_t numeric; absl::SimpleAtoi(group, &numeric)) {
-    gid = numeric;
-  } else if (struct group* g = getgrnam(group.c_str()); g != nullptr) {
-    gid = g->gr_gid;
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat("socket_group '", group, "' does not exist (give a group name or a gid)"));
+// Signals: SIGTERM and SIGINT are blocked in every thread and taken by one thread of their own.
+// Before the daemon serves, a signal ends the start-up at once (nothing has been handed out; a
+// long pinning or probe must not make the operator wait); after, it starts the orderly shutdown.
+class SignalWatcher {
+ public:
+  SignalWatcher() {
+    sigemptyset(&signals_);
+    sigaddset(&signals_, SIGTERM);
+    sigaddset(&signals_, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &signals_, nullptr);
+    thread_ = std::thread([this] {
+      int sig = 0;
+      while (sigwait(&signals_, &sig) != 0) {
+      }
+      if (quitting_.load()) return;  // the daemon returns on its own (a start-up error)
+      received_ = sig;
+      if (!serving_.load()) {
+        spdlog::warn("received {} during start-up; stopping",
+                     sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        spdlog::default_logger()->flush();
+        _exit(0);
+      }
+      stop_.Notify();
+    });
   }
-  if (chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("chown('", path, "', group ", group, ")"));
+  ~SignalWatcher() {
+    if (!stop_.HasBeenNotified()) {
+      quitting_.store(true);
+      pthread_kill(thread_.native_handle(), SIGTERM);
+    }
+    thread_.join();
   }
-  return absl::OkStatus();
-}
+  // From now on a signal asks for an orderly shutdown.
+  void Serving() { serving_.store(true); }
+  // Waits for a signal, calling `tick` every `interval`. Returns the signal's name.
+  const char* Wait(absl::Duration interval, const std::function<void()>& tick) {
+    while (!stop_.WaitForNotificationWithTimeout(interval)) tick();
+    return received_ == SIGTERM ? "SIGTERM" : "SIGINT";
+  }
+
+ private:
+  sigset_t signals_;
+  std::atomic<bool> serving_{false};
+  std::atomic<bool> quitting_{false};
+  absl::Notification stop_;
+  int received_ = 0;  // written before stop_ is notified
+  std::thread thread_;
+};
+
+// Exit statuses: 2 for a configuration the daemon refuses to run with (a bad key, a directory
+// others may write into, another daemon's state directory), 1 when the node cannot provide what
+// the configuration asks for.
+constexpr int kConfigError = 2;
+constexpr int kStartupError = 1;
 
 int Run() {
   absl::StatusOr<DaemonConfig> config = BuildConfig();
+  if (config.ok()) {
+    if (absl::Status s = ValidateConfig(*config); !s.ok()) config = s;
+  }
   if (!config.ok()) {
     std::fprintf(stderr, "tierd: %s\n", std::string(config.status().message()).c_str());
-    return 2;
+    return kConfigError;
   }
   spdlog::set_level(spdlog::level::from_str(config->log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   spdlog::info("tierd {} starting (pid {})", TIERD_VERSION, getpid());
-
-  // Signals are taken synchronously by this thread; block them before any thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // Whatever the daemon creates is never writable by its group or others, and its state not even
+  // readable by others, whatever umask it was started with; sockets get their modes explicitly.
+  umask(027);
+  // Before any thread starts: every thread inherits the blocked signals.
+  SignalWatcher signals;
   signal(SIGPIPE, SIG_IGN);
 
-  std::error_code ec;
-  std::filesystem::create_directories(config->socket_dir, ec);
-  if (ec) {
-    spdlog::critical("cannot create socket_dir '{}': {}", config->socket_dir, ec.message());
-    return 1;
+  std::optional<gid_t> socket_gid;
+  if (!config->socket_group.empty()) {
+    absl::StatusOr<gid_t> gid = ResolveGroup(config->socket_group);
+    if (!gid.ok()) {
+      spdlog::critical("daemon.socket_group: {}", gid.status().message());
+      return kConfigError;
+    }
+    socket_gid = *gid;
+  }
+  // The daemon's directories, and locks that keep a second daemon off them.
+  std::vector<UniqueFd> locks;
+  for (auto [dir, mode, key] : {std::tuple{config->socket_dir, 0755, "daemon.socket_dir"},
+                                std::tuple{config->state_dir, 0750, "daemon.state_dir"}}) {
+    if (absl::Status s = PrepareDirectory(dir, mode, key); !s.ok()) {
+      spdlog::critical("{}", s.message());
+      return kConfigError;
+    }
+    if (!locks.empty() && std::filesystem::equivalent(config->socket_dir, config->state_dir)) {
+      continue;  // one directory for both: locked once
+    }
+    absl::StatusOr<UniqueFd> lock = LockDirectory(dir, key);
+    if (!lock.ok()) {
+      spdlog::critical("{}", lock.status().message());
+      return kConfigError;
+    }
+    locks.push_back(std::move(*lock));
   }
   const std::string rpc_path = config->socket_dir + "/tierd.sock";
   const std::string session_path = config->socket_dir + "/tierd.session.sock";
@@ -249,20 +315,20 @@ int Run() {
   absl::StatusOr<std::unique_ptr<SegmentPool>> host = CreateHostPool(config->host);
   if (!host.ok()) {
     spdlog::critical("host tier: {}", host.status().message());
-    return 1;
+    return kStartupError;
   }
   std::unique_ptr<NvmeTier> nvme;
   if (!config->nvme.regions.empty()) {
     absl::StatusOr<InstanceId> instance = LoadOrCreateInstanceId(config->state_dir);
     if (!instance.ok()) {
       spdlog::critical("state_dir: {}", instance.status().message());
-      return 1;
+      return kStartupError;
     }
     absl::StatusOr<std::unique_ptr<NvmeTier>> opened =
-        NvmeTier::Open(config->nvme, *instance, host->get());
+        NvmeTier::Open(config->nvme, *instance, host->get(), config->state_dir);
     if (!opened.ok()) {
       spdlog::critical("NVMe tier: {}", opened.status().message());
-      return 1;
+      return kStartupError;
     }
     nvme = std::move(*opened);
   } else {
@@ -274,6 +340,14 @@ int Run() {
   std::unique_ptr<Device> device;
   const std::string& backend = config->device.backend;
   if (backend == "emulated") {
+    // Host memory stands in for the GPU's: it must be there, beside the host tier's.
+    if (absl::Status s = CheckAvailable(
+            config->device.capacity + (config->host.lock_memory ? 0 : config->host.capacity),
+            "device.capacity (the emulated device's memory)");
+        !s.ok()) {
+      spdlog::critical("device tier: {}", s.message());
+      return kStartupError;
+    }
     device = MakeEmulatedDevice({config->device.capacity, config->device.emulated_gbps,
                                  absl::Microseconds(config->device.emulated_latency_us)});
     spdlog::warn("device tier: EMULATED ({}): host memory stands in for GPU memory",
@@ -288,7 +362,7 @@ int Run() {
       }
     } else if (backend == "cuda") {
       spdlog::critical("device tier: device.backend is cuda but {}", devices.status);
-      return 1;
+      return kStartupError;
     }
   } else {
     devices.status = "device tier disabled (device.backend = none)";
@@ -303,17 +377,17 @@ int Run() {
                             config->device.segment_size, device->MakeBacking());
     if (!pool.ok()) {
       spdlog::critical("device tier on {}: {}", d.uuid, pool.status().message());
-      return 1;
+      return kStartupError;
     }
     device_pool = std::move(*pool);
     // The GPU copies straight from and into the host tier's pinned segments.
     Device* dev = device.get();
     device_observer = (*host)->AddRemapObserver([dev](uint32_t segment, void* base, size_t size) {
       if (absl::Status s = dev->RegisterHost(base, size); !s.ok()) {
-        spdlog::warn(
-            "host segment {} not registered with the GPU ({}); copies stage through "
-            "the driver",
-            segment, s.message());
+        TIERD_LOG_LIMITED(warn,
+                          "host segment {} not registered with the GPU ({}); copies stage through "
+                          "the driver",
+                          segment, s.message());
       }
     });
     spdlog::info("device tier: {} {}: {}", d.uuid, d.name, device_pool->Describe());
@@ -327,6 +401,7 @@ int Run() {
   tiers[static_cast<int>(TierKind::kNvme)] = nvme.get();
   tiers[static_cast<int>(TierKind::kDevice)] = device_pool.get();
   ChunkService chunks(tiers, nvme.get(), device.get());
+  chunks.set_limits(config->limits, config->quotas);
   if (nvme != nullptr) {
     const size_t recovered = chunks.Recover(nvme->RecoveredEntries());
     spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
@@ -340,7 +415,7 @@ int Run() {
           "start-up bandwidth probe: {}; check the drive (dmesg) or start without the probe "
           "(planner.probe_bytes = 0)",
           probed.status().message());
-      return 1;
+      return kStartupError;
     }
     std::string figures;
     for (int p = 0; p < kPaths; ++p) {
@@ -351,31 +426,13 @@ int Run() {
     spdlog::info("start-up bandwidth probe: {}", figures.empty() ? "no path probed" : figures);
     chunks.SeedBandwidth(*probed);
   }
-  SessionRegistry sessions;
+  SessionRegistry sessions(config->limits.sessions_per_uid);
   // Stops before the chunk service and the tiers it plans for.
   PlanLoop planner(&chunks, absl::Milliseconds(1));
 
-  constexpr unsigned kSocketMode = 0660;
-  absl::StatusOr<std::unique_ptr<SessionBroker>> broker = SessionBroker::Start(
-      session_path, kSocketMode, &sessions, &chunks, host->get(), device_pool.get(), devices);
-  if (!broker.ok()) {
-    spdlog::critical("session socket: {}", broker.status().message());
-    return 1;
-  }
+  // The metrics endpoint comes up before the sockets: a daemon that cannot serve its metrics
+  // stops before any client has connected to it.
   RpcMetrics rpc_metrics;
-  absl::StatusOr<std::unique_ptr<RpcServer>> rpc = RpcServer::Start(
-      rpc_path, kSocketMode, RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics});
-  if (!rpc.ok()) {
-    spdlog::critical("gRPC socket: {}", rpc.status().message());
-    return 1;
-  }
-  for (const std::string& path : {rpc_path, session_path}) {
-    if (absl::Status s = SetGroup(path, config->socket_group); !s.ok()) {
-      spdlog::critical("{}", s.message());
-      return 1;
-    }
-  }
-  spdlog::info("serving gRPC on unix:{} and sessions on {}", rpc_path, session_path);
   std::unique_ptr<MetricsServer> metrics_server;
   if (!config->metrics.listen.empty()) {
     const MetricsSources sources{.chunks = &chunks,
@@ -391,28 +448,68 @@ int Run() {
           "metrics: {} (set metrics.listen / --metrics_listen; \"none\" or an empty "
           "metrics.listen for no endpoint)",
           m.status().message());
-      return 1;
+      return kStartupError;
     }
     metrics_server = std::move(*m);
+    if (!metrics_server->loopback()) {
+      spdlog::warn(
+          "metrics: {} is reachable from other hosts; the figures name users, chunks and "
+          "devices. Bind it to 127.0.0.1 unless a firewall guards it",
+          metrics_server->address());
+    }
     spdlog::info("serving metrics on {}", metrics_server->url());
   }
+
+  constexpr mode_t kSocketMode = 0660;
+  UniqueFd session_listener;
+  if (absl::Status s =
+          PublishSocket(config->socket_dir, "tierd.session.sock", kSocketMode, socket_gid,
+                        [&](const std::string& path) -> absl::Status {
+                          absl::StatusOr<UniqueFd> l = ListenSeqpacket(path, 0600);
+                          if (!l.ok()) return l.status();
+                          session_listener = std::move(*l);
+                          return absl::OkStatus();
+                        });
+      !s.ok()) {
+    spdlog::critical("session socket: {}", s.message());
+    return kStartupError;
+  }
+  absl::StatusOr<std::unique_ptr<SessionBroker>> broker =
+      SessionBroker::Start(std::move(session_listener), &sessions, &chunks, host->get(),
+                           device_pool.get(), devices, config->limits.connections_per_uid);
+  if (!broker.ok()) {
+    spdlog::critical("session socket: {}", broker.status().message());
+    return kStartupError;
+  }
+  std::unique_ptr<RpcServer> rpc;
+  if (absl::Status s = PublishSocket(
+          config->socket_dir, "tierd.sock", kSocketMode, socket_gid,
+          [&](const std::string& path) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
+                path, RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics});
+            if (!r.ok()) return r.status();
+            rpc = std::move(*r);
+            return absl::OkStatus();
+          });
+      !s.ok()) {
+    spdlog::critical("gRPC socket: {}", s.message());
+    return kStartupError;
+  }
+  spdlog::info("serving gRPC on unix:{} and sessions on {}", rpc_path, session_path);
+  signals.Serving();
   sd_notify(0, "READY=1\nSTATUS=serving");
 
   // Wait for SIGTERM/SIGINT, pinging the systemd watchdog when it is enabled.
   uint64_t watchdog_usec = 0;
   const bool watchdog = sd_watchdog_enabled(0, &watchdog_usec) > 0;
-  timespec tick =
-      absl::ToTimespec(watchdog ? absl::Microseconds(watchdog_usec / 2) : absl::Hours(1));
-  int sig;
-  for (;;) {
-    sig = sigtimedwait(&signals, nullptr, &tick);
-    if (sig > 0) break;
-    if (watchdog) sd_notify(0, "WATCHDOG=1");
-  }
-  spdlog::info("received {}; shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  const char* sig =
+      signals.Wait(watchdog ? absl::Microseconds(watchdog_usec / 2) : absl::Hours(1), [watchdog] {
+        if (watchdog) sd_notify(0, "WATCHDOG=1");
+      });
+  spdlog::info("received {}; shutting down", sig);
   sd_notify(0, "STOPPING=1");
   metrics_server.reset();
-  (*rpc)->Shutdown(absl::Seconds(5));
+  rpc->Shutdown(absl::Seconds(5));
   broker->reset();  // ends every session
   // Transfers in flight settle before the chunk table goes. A move can hand over between the two
   // (NVMe -> GPU pipelining, GPU -> host -> NVMe write-back), so drain both twice.
@@ -432,8 +529,9 @@ int Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "the tierd daemon: owns pinned host memory (and later NVMe and GPU memory) and serves "
-      "chunks of it to training processes.\n\nUsage: tierd [--config FILE] [flags]\n"
+      "the tierd daemon: owns pinned host memory, NVMe regions and a GPU memory pool, and moves "
+      "tensor chunks between them for the training processes that share it.\n\nUsage: tierd "
+      "[--config FILE] [flags]\n"
       "Flags override the config file; each flag names its config key in [brackets].");
   absl::SetFlagsUsageConfig(
       {.contains_helpshort_flags =

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -36,8 +37,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   server->collect_ = std::move(collect);
   // civetweb spells an IPv6 listener "+[::1]:PORT"; an IPv4 one "127.0.0.1:PORT".
   const std::string ports = absl::StrCat(host.front() == '[' ? "+" : "", host, ":", port);
-  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000",       nullptr};
+  // Each connection holds a worker until its request arrives or times out: enough workers, and a
+  // short enough wait, that a few idle connections cannot hold a scrape back.
+  const char* options[] = {"listening_ports",    ports.c_str(), "num_threads", "16",
+                           "request_timeout_ms", "2000",        nullptr};
   mg_callbacks callbacks{};
   char error_text[256] = {};
   unsigned error_code = 0;
@@ -52,6 +55,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   mg_server_port bound[2] = {};
   const int n = mg_get_server_ports(server->ctx_, 2, bound);
   server->address_ = absl::StrCat(host, ":", n > 0 ? bound[0].port : port);
+  server->loopback_ = absl::StartsWith(host, "127.") || host == "[::1]" || host == "localhost";
   return server;
 }
 

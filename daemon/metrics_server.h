@@ -27,6 +27,8 @@ class MetricsServer {
   // The address actually bound, e.g. "127.0.0.1:9477", and the URL of its metrics.
   const std::string& address() const { return address_; }
   std::string url() const { return "http://" + address_ + "/metrics"; }
+  // Whether only this host can reach it (127.0.0.0/8, ::1, localhost).
+  bool loopback() const { return loopback_; }
 
  private:
   MetricsServer() = default;
@@ -35,6 +37,7 @@ class MetricsServer {
   std::function<std::string()> collect_;
   mg_context* ctx_ = nullptr;
   std::string address_;
+  bool loopback_ = false;
 };
 
 }  // namespace tierd

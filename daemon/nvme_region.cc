@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/sizes.h"
 
 namespace tierd {
@@ -27,12 +29,15 @@ AlignedBuffer::AlignedBuffer(size_t size, size_t alignment) : size_(size) {
 }
 AlignedBuffer::~AlignedBuffer() { free(data_); }
 
-absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& spec) {
+absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& spec, bool create) {
   auto region = std::unique_ptr<NvmeRegion>(new NvmeRegion());
   region->path_ = spec.path;
   struct stat st {};
   const bool exists = stat(spec.path.c_str(), &st) == 0;
   region->block_device_ = exists && S_ISBLK(st.st_mode);
+  if (!exists && !create) {
+    return absl::NotFoundError(absl::StrCat("NVMe region '", spec.path, "' does not exist"));
+  }
   if (!exists) {
     std::error_code ec;
     std::filesystem::create_directories(std::filesystem::path(spec.path).parent_path(), ec);
@@ -42,7 +47,14 @@ absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& s
     }
   }
   int flags = O_RDWR | O_DIRECT | O_CLOEXEC | (exists ? 0 : O_CREAT);
+  if (region->block_device_) flags |= O_EXCL;  // refused while the device is mounted or in use
   region->fd_ = UniqueFd(open(spec.path.c_str(), flags, 0600));
+  if (!region->fd_ && errno == EBUSY) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "NVMe region '", spec.path,
+        "' is a block device in use (mounted, or opened exclusively by another process); "
+        "unmount it or name another device"));
+  }
   if (!region->fd_) {
     if (errno == EINVAL) {
       return absl::FailedPreconditionError(
@@ -87,12 +99,44 @@ absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& s
       }
     }
   }
+  struct stat identity {};
+  if (fstat(region->fd(), &identity) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("fstat of NVMe region '", spec.path, "'"));
+  }
+  region->identity_ = region->block_device_
+                          ? std::pair<uint64_t, uint64_t>{0, identity.st_rdev}
+                          : std::pair<uint64_t, uint64_t>{identity.st_dev, identity.st_ino};
   if (region->bytes_ < 2 * kRegionHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat("NVMe region '", spec.path, "' is ",
                                                    FormatSize(region->bytes_),
                                                    "; a region needs at least 2 MiB"));
   }
   return region;
+}
+
+NvmeRegion::~NvmeRegion() {
+  // Explicitly: an io_uring that registered the file may hold it open a moment longer.
+  if (locked_) flock(fd(), LOCK_UN);
+}
+
+absl::Status NvmeRegion::Lock() {
+  // A daemon that has just died may hold the lock a moment longer: its io_uring, which holds the
+  // region open, is torn down after the process is gone.
+  for (const absl::Time give_up = absl::Now() + absl::Seconds(3);;) {
+    if (flock(fd(), LOCK_EX | LOCK_NB) == 0) {
+      locked_ = true;
+      return absl::OkStatus();
+    }
+    if (errno != EWOULDBLOCK) {
+      return absl::ErrnoToStatus(errno, absl::StrCat("flock of NVMe region '", path_, "'"));
+    }
+    if (absl::Now() >= give_up) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "NVMe region '", path_,
+      "' is in use by another process (another tierd?); two daemons on one region would destroy "
+      "each other's data. Stop it, or give this daemon regions of its own"));
 }
 
 absl::Status NvmeRegion::ReadAt(uint64_t offset, void* buffer, size_t length) const {

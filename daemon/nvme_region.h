@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
@@ -45,10 +46,18 @@ uint64_t SuperblockChecksum(const Superblock& sb);
 
 class NvmeRegion {
  public:
-  // Opens (creating and preallocating a file when it does not exist) with O_DIRECT. The block size
-  // is the device's logical block size (BLKSSZGET) or the file system's direct-I/O alignment
-  // (statx), never assumed.
-  static absl::StatusOr<std::unique_ptr<NvmeRegion>> Open(const RegionSpec& spec);
+  // Opens with O_DIRECT (a block device also with O_EXCL: not one that is mounted), creating and
+  // preallocating a file when it does not exist and `create` allows it. The block size is the
+  // device's logical block size (BLKSSZGET) or the file system's direct-I/O alignment (statx),
+  // never assumed.
+  static absl::StatusOr<std::unique_ptr<NvmeRegion>> Open(const RegionSpec& spec,
+                                                          bool create = true);
+  ~NvmeRegion();
+  // Takes an exclusive lock on the region for this object's life: FAILED_PRECONDITION when
+  // another process (another tierd) holds it.
+  absl::Status Lock();
+  // What the region is on the node: the same for two paths to one file or device.
+  std::pair<uint64_t, uint64_t> identity() const { return identity_; }
 
   int fd() const { return fd_.get(); }
   const std::string& path() const { return path_; }
@@ -74,6 +83,9 @@ class NvmeRegion {
   uint32_t block_size_ = 4096;
   uint64_t bytes_ = 0;
   bool block_device_ = false;
+  bool locked_ = false;
+  std::pair<uint64_t, uint64_t>
+      identity_{};  // (st_dev, st_ino) of a file; (0, st_rdev) of a device
 };
 
 // An aligned heap buffer for O_DIRECT.

@@ -14,8 +14,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
+#include "daemon/daemon_files.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd {
@@ -41,33 +43,81 @@ absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir) 
     in >> hex;
     if (hex.size() != 32 ||
         !std::all_of(hex.begin(), hex.end(), [](char c) { return absl::ascii_isxdigit(c); })) {
-      return absl::DataLossError(absl::StrCat("'", path, "' does not hold a tierd instance id"));
+      return absl::DataLossError(absl::StrCat(
+          "'", path,
+          "' does not hold a tierd instance id (it is damaged). The NVMe regions name "
+          "the instance that formatted them: restore the file from their superblocks' owner, or "
+          "remove it and start over with --nvme_reformat (this discards the persistent chunks)"));
     }
     std::string bytes = absl::HexStringToBytes(hex);
     std::copy(bytes.begin(), bytes.end(), id.begin());
     return id;
   }
-  std::error_code ec;
-  std::filesystem::create_directories(state_dir, ec);
   if (getrandom(id.data(), id.size(), 0) != static_cast<ssize_t>(id.size())) {
     return absl::ErrnoToStatus(errno, "getrandom for the instance id");
   }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << InstanceIdHex(id) << "\n";
-    if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write '", tmp, "'"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("rename to '", path, "'"));
+  // Written whole or not at all: a full file system fails this start, never the next one.
+  if (absl::Status s = WriteFileAtomically(path, InstanceIdHex(id) + "\n", 0644); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("recording the instance id: ", s.message()));
   }
   spdlog::info("new tierd instance {} (recorded in {})", InstanceIdHex(id), path);
   return id;
 }
 
+namespace {
+
+// The record, in the state directory, of the region set this instance formatted: when and which
+// regions. Its presence says the regions hold data; they are never formatted anew without
+// --nvme_reformat.
+struct RegionSetRecord {
+  int64_t formatted_unix_seconds = 0;
+  std::vector<std::string> paths;
+};
+
+std::string RecordPath(const std::string& state_dir) { return state_dir + "/nvme_regions"; }
+
+std::optional<RegionSetRecord> ReadRegionSetRecord(const std::string& state_dir) {
+  if (state_dir.empty()) return std::nullopt;
+  std::ifstream in(RecordPath(state_dir));
+  if (!in) return std::nullopt;
+  RegionSetRecord record;
+  std::string word;
+  while (in >> word) {
+    if (word == "formatted") {
+      in >> record.formatted_unix_seconds;
+    } else if (word == "region") {
+      std::string path;
+      std::getline(in >> std::ws, path);
+      record.paths.push_back(path);
+    }
+  }
+  return record;
+}
+
+absl::Status WriteRegionSetRecord(const std::string& state_dir, int64_t formatted,
+                                  const std::vector<std::unique_ptr<NvmeRegion>>& regions) {
+  if (state_dir.empty()) return absl::OkStatus();
+  std::string text = absl::StrCat("formatted ", formatted, "\n");
+  for (const auto& r : regions) absl::StrAppend(&text, "region ", r->path(), "\n");
+  return WriteFileAtomically(RecordPath(state_dir), text, 0644);
+}
+
+std::string LostRegionsFix(const std::string& state_dir, const RegionSetRecord& record) {
+  return absl::StrCat(
+      "this instance formatted its region set (", absl::StrJoin(record.paths, ", "), ") at ",
+      absl::FormatTime("%Y-%m-%d %H:%M:%S UTC",
+                       absl::FromUnixSeconds(record.formatted_unix_seconds), absl::UTCTimeZone()),
+      " (", RecordPath(state_dir),
+      ") and its persistent chunks are there. Restore the region (mount its file system, "
+      "reattach the drive), or start an empty set with --nvme_reformat, which discards them");
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& options,
                                                          const InstanceId& instance,
-                                                         SegmentPool* host) {
+                                                         SegmentPool* host,
+                                                         const std::string& state_dir) {
   if (options.regions.empty()) return absl::InvalidArgumentError("no NVMe regions configured");
   const uint64_t unit = options.stripe_unit;
   if (unit < 4096 || (unit & (unit - 1)) != 0) {
@@ -85,9 +135,23 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
   auto tier = std::unique_ptr<NvmeTier>(new NvmeTier());
   tier->host_ = host;
   tier->stripe_unit_ = unit;
+  const std::optional<RegionSetRecord> record = ReadRegionSetRecord(state_dir);
   for (const RegionSpec& spec : options.regions) {
-    absl::StatusOr<std::unique_ptr<NvmeRegion>> region = NvmeRegion::Open(spec);
+    absl::StatusOr<std::unique_ptr<NvmeRegion>> region =
+        NvmeRegion::Open(spec, /*create=*/!record.has_value() || options.reformat);
+    if (absl::IsNotFound(region.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "NVMe region '", spec.path, "' is missing, but ", LostRegionsFix(state_dir, *record)));
+    }
     if (!region.ok()) return region.status();
+    for (const auto& other : tier->regions_) {
+      if (other->identity() == (*region)->identity()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("NVMe regions '", other->path(), "' and '", spec.path,
+                         "' are the same file or device; each region must be one of its own"));
+      }
+    }
+    if (absl::Status s = (*region)->Lock(); !s.ok()) return s;
     tier->block_ = std::max(tier->block_, (*region)->block_size());
     tier->regions_.push_back(std::move(*region));
   }
@@ -109,6 +173,11 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
     formatted += sbs.back().has_value();
   }
 
+  if (formatted == 0 && record.has_value() && !options.reformat) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the NVMe regions are blank (never formatted, or emptied), but ",
+                     LostRegionsFix(state_dir, *record)));
+  }
   bool fresh = false;
   if (formatted == 0 || options.reformat) {
     const uint64_t data_offset = kRegionHeaderBytes + index_bytes;
@@ -139,6 +208,11 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
       sbs[i] = sb;
     }
     fresh = true;
+    if (absl::Status s = WriteRegionSetRecord(
+            state_dir, static_cast<int64_t>(sbs[0]->formatted_unix_seconds), tier->regions_);
+        !s.ok()) {
+      return s;
+    }
     spdlog::info("NVMe: formatted {} region(s) for instance {}", n, InstanceIdHex(instance));
   } else if (formatted < n) {
     std::vector<std::string> blank;
@@ -179,6 +253,14 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
           absl::StrCat("NVMe region '", path, "' was formatted with a stripe unit of ",
                        FormatSize(sb.stripe_unit), ", not ", FormatSize(unit),
                        "; set nvme.stripe_unit back, or --nvme_reformat"));
+    }
+  }
+  if (!fresh && !record.has_value()) {
+    // A set formatted before this record existed: record it now.
+    if (absl::Status s = WriteRegionSetRecord(
+            state_dir, static_cast<int64_t>(sbs[0]->formatted_unix_seconds), tier->regions_);
+        !s.ok()) {
+      return s;
     }
   }
   tier->data_offset_ = sbs[0]->data_offset;

@@ -49,11 +49,15 @@ using InstanceId = std::array<uint8_t, 16>;
 
 class NvmeTier final : public Tier {
  public:
-  // Opens the regions; formats them when all are blank (or `reformat`); refuses regions of
-  // another instance, another set, another format or another stripe unit, saying which and why.
+  // Opens and locks the regions; formats them when all are blank (or `reformat`); refuses a region
+  // listed twice or locked by another process, and regions of another instance, another set,
+  // another format or another stripe unit, saying which and why. With a `state_dir`, the set this
+  // instance formatted is recorded there (nvme_regions), and a region of it that is missing or
+  // blank is refused rather than formatted anew: its persistent chunks would silently vanish.
   static absl::StatusOr<std::unique_ptr<NvmeTier>> Open(const NvmeOptions& options,
                                                         const InstanceId& instance,
-                                                        SegmentPool* host);
+                                                        SegmentPool* host,
+                                                        const std::string& state_dir = "");
   // Waits for every transfer in flight.
   ~NvmeTier() override;
 

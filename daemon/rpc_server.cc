@@ -1,6 +1,5 @@
 #include "daemon/rpc_server.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <vector>
@@ -22,7 +21,10 @@ namespace {
 namespace pb = ::tierd::v1;
 
 constexpr char kSessionMetadata[] = "tierd-session";
-constexpr int kMaxMessageBytes = 256 << 20;  // a 1M-chunk batch is ~10 MiB
+// What a client may send: a 1M-chunk batch is ~10 MiB. Replies (Stat of a million named chunks)
+// may be larger.
+constexpr int kMaxRequestBytes = 32 << 20;
+constexpr int kMaxReplyBytes = 256 << 20;
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -441,33 +443,25 @@ class MetricsInterceptorFactory final
   RpcMetrics* metrics_;
 };
 
-absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path, unsigned mode,
+absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path,
                                                             RpcServerDeps deps) {
   RpcMetrics* metrics = deps.metrics;
   auto impl = std::make_unique<Impl>();
   impl->service = std::make_unique<TierdService>(std::move(deps));
-  ::unlink(path.c_str());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   builder.RegisterService(impl->service.get());
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  builder.SetMaxSendMessageSize(kMaxReplyBytes);
   if (metrics != nullptr) {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
     creators.push_back(std::make_unique<MetricsInterceptorFactory>(metrics));
     builder.experimental().SetInterceptorCreators(std::move(creators));
   }
-  // gRPC creates the socket with the process umask; narrow it so the socket is never wider than
-  // `mode`, even for the instant before the chmod below.
-  mode_t old_umask = ::umask(0777 & ~mode);
   impl->server = builder.BuildAndStart();
-  ::umask(old_umask);
   if (impl->server == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("cannot serve gRPC on unix:", path, " (is the directory writable?)"));
-  }
-  if (::chmod(path.c_str(), mode) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("chmod('", path, "')"));
   }
   return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
 }

@@ -25,8 +25,8 @@ struct RpcServerDeps {
 
 class RpcServer {
  public:
-  // Serves the API on unix:`path`, creating the socket with mode `mode`.
-  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const std::string& path, unsigned mode,
+  // Serves the API on unix:`path` (bound now; its mode is the caller's to set: PublishSocket).
+  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const std::string& path,
                                                           RpcServerDeps deps);
   ~RpcServer();
   // Refuses new calls, lets calls in flight finish (up to `grace`), and stops.

@@ -36,11 +36,19 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredent
     filled += static_cast<size_t>(n);
   }
   absl::MutexLock lock(&mu_);
+  const auto counted = per_uid_.find(peer.uid);
+  const uint32_t open = counted == per_uid_.end() ? 0 : counted->second;
+  if (open >= sessions_per_uid_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "uid ", peer.uid, " already has ", open, " sessions open, the most one user may have ",
+        "(limits.sessions_per_uid); close some first"));
+  }
   session->id = next_id_++;
   absl::StatusOr<std::unique_ptr<CompletionRing>> ring = CompletionRing::Create(session->id);
   if (!ring.ok()) return ring.status();
   session->completions = std::move(*ring);
   sessions_[session->id] = session;
+  ++per_uid_[peer.uid];
   return session;
 }
 
@@ -86,6 +94,9 @@ std::shared_ptr<Session> SessionRegistry::Close(SessionId id) {
   if (it == sessions_.end()) return nullptr;
   std::shared_ptr<Session> session = std::move(it->second);
   sessions_.erase(it);
+  if (auto n = per_uid_.find(session->peer.uid); n != per_uid_.end() && --n->second == 0) {
+    per_uid_.erase(n);
+  }
   return session;
 }
 
@@ -95,6 +106,11 @@ std::vector<std::shared_ptr<Session>> SessionRegistry::All() const {
   out.reserve(sessions_.size());
   for (const auto& [id, session] : sessions_) out.push_back(session);
   return out;
+}
+
+absl::flat_hash_map<uint32_t, uint32_t> SessionRegistry::CountByUid() const {
+  absl::MutexLock lock(&mu_);
+  return per_uid_;
 }
 
 size_t SessionRegistry::size() const {

@@ -47,6 +47,11 @@ struct Session : std::enable_shared_from_this<Session> {
 
 class SessionRegistry {
  public:
+  // At most `sessions_per_uid` sessions of one user are open at once (limits.sessions_per_uid).
+  explicit SessionRegistry(uint32_t sessions_per_uid = UINT32_MAX)
+      : sessions_per_uid_(sessions_per_uid) {}
+
+  // RESOURCE_EXHAUSTED, naming the limit, when the user has as many sessions open as allowed.
   absl::StatusOr<std::shared_ptr<Session>> Open(const PeerCredentials& peer,
                                                 absl::string_view client_name);
   // Parses "<id>:<token hex>" and returns the live session it names. PERMISSION_DENIED otherwise,
@@ -56,9 +61,13 @@ class SessionRegistry {
   std::shared_ptr<Session> Close(SessionId id);
   std::vector<std::shared_ptr<Session>> All() const;
   size_t size() const;
+  // Sessions open by each user.
+  absl::flat_hash_map<uint32_t, uint32_t> CountByUid() const;
 
  private:
+  const uint32_t sessions_per_uid_;
   mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint32_t, uint32_t> per_uid_ ABSL_GUARDED_BY(mu_);
   SessionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,17 +1,21 @@
 #include "daemon/session_broker.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/fmt_absl.h"
 #include "common/session_protocol.h"
 #include "common/unix_socket.h"
+#include "daemon/log_limiter.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd {
@@ -31,15 +35,13 @@ bool ValidHeader(const SessionMessageHeader& h, SessionMessageType type) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
-    const std::string& path, unsigned mode, SessionRegistry* sessions, ChunkService* chunks,
-    SegmentPool* host, SegmentPool* device, DeviceProbe devices) {
-  absl::StatusOr<UniqueFd> listener = ListenSeqpacket(path, mode);
-  if (!listener.ok()) return listener.status();
+    UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
+    SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid) {
   UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
   if (!epoll) return absl::ErrnoToStatus(errno, "epoll_create1");
   UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake) return absl::ErrnoToStatus(errno, "eventfd");
-  for (int fd : {listener->get(), wake.get()}) {
+  for (int fd : {listener.get(), wake.get()}) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
@@ -47,16 +49,18 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
       return absl::ErrnoToStatus(errno, "epoll_ctl(ADD)");
     }
   }
-  std::unique_ptr<SessionBroker> broker(new SessionBroker(std::move(*listener), std::move(epoll),
-                                                          std::move(wake), sessions, chunks, host,
-                                                          device, std::move(devices)));
+  std::unique_ptr<SessionBroker> broker(
+      new SessionBroker(std::move(listener), std::move(epoll), std::move(wake), sessions, chunks,
+                        host, device, std::move(devices), connections_per_uid));
+  broker->reserve_ = UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!broker->reserve_) return absl::ErrnoToStatus(errno, "open('/dev/null')");
   broker->thread_ = std::thread([b = broker.get()] { b->Run(); });
   return broker;
 }
 
 SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
                              SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-                             SegmentPool* device, DeviceProbe devices)
+                             SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid)
     : listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
@@ -64,7 +68,8 @@ SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
       chunks_(chunks),
       host_(host),
       device_(device),
-      devices_(std::move(devices)) {}
+      devices_(std::move(devices)),
+      connections_per_uid_(connections_per_uid) {}
 
 SessionBroker::~SessionBroker() {
   uint64_t one = 1;
@@ -105,29 +110,63 @@ void SessionBroker::Accept() {
   for (;;) {
     UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!fd) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        spdlog::warn("session broker: accept failed: {}", std::strerror(errno));
+      if (errno == EMFILE || errno == ENFILE) {
+        Shed(errno);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR &&
+                 errno != ECONNABORTED) {
+        TIERD_LOG_LIMITED(warn, "session broker: accept failed: {}", std::strerror(errno));
       }
       return;
     }
     ucred cred{};
     socklen_t len = sizeof(cred);
     if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      spdlog::warn("session broker: SO_PEERCRED failed: {}", std::strerror(errno));
+      TIERD_LOG_LIMITED(warn, "session broker: SO_PEERCRED failed: {}", std::strerror(errno));
       continue;
+    }
+    uint32_t& held = connections_by_uid_[cred.uid];
+    if (held >= connections_per_uid_) {
+      TIERD_LOG_LIMITED(warn,
+                        "session broker: uid {} (pid {}) already holds {} connections, the most "
+                        "one user may (limits.connections_per_uid); closed the new one",
+                        cred.uid, cred.pid, held);
+      continue;  // closing it tells the client
     }
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.fd = fd.get();
     if (epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd.get(), &ev) != 0) {
-      spdlog::warn("session broker: epoll_ctl failed: {}", std::strerror(errno));
+      TIERD_LOG_LIMITED(warn, "session broker: epoll_ctl failed: {}", std::strerror(errno));
       continue;
     }
+    ++held;
     auto conn = std::make_unique<Connection>();
     conn->peer = PeerCredentials{cred.uid, cred.gid, cred.pid};
     const int raw = fd.get();
     conn->fd = std::move(fd);
     connections_[raw] = std::move(conn);
+  }
+}
+
+void SessionBroker::Shed(int err) {
+  size_t shed = 0;
+  while (reserve_) {
+    reserve_.Reset();
+    const int fd = accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) close(fd);
+    reserve_ = UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (fd < 0) break;  // none pending
+    ++shed;
+  }
+  TIERD_LOG_LIMITED(err,
+                    "session broker: out of file descriptors ({}) with {} connections open; "
+                    "closed {} new connection(s). Raise LimitNOFILE (ulimit -n) or lower "
+                    "limits.connections_per_uid",
+                    std::strerror(err), connections_.size(), shed);
+  if (!reserve_) {
+    // Another thread took the fd meanwhile: pause rather than spin on a readable listener.
+    absl::SleepFor(absl::Milliseconds(10));
+    reserve_ = UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC));
   }
 }
 
@@ -148,8 +187,9 @@ bool SessionBroker::Serve(Connection& conn) {
       ValidHeader(msg.header, SessionMessageType::kMapSegment)) {
     return MapSegment(conn, msg.map);
   }
-  spdlog::warn("session broker: malformed message ({} bytes) from pid {} uid {}; closing", *got,
-               conn.peer.pid, conn.peer.uid);
+  TIERD_LOG_LIMITED(warn,
+                    "session broker: malformed message ({} bytes) from pid {} uid {}; closing",
+                    *got, conn.peer.pid, conn.peer.uid);
   return false;
 }
 
@@ -166,8 +206,8 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
   if (!session.ok()) {
     reply.status_code = static_cast<int32_t>(session.status().code());
     CopyString(reply.message, session.status().message());
-    spdlog::error("session broker: cannot open a session for pid {}: {}", conn.peer.pid,
-                  session.status().ToString());
+    TIERD_LOG_LIMITED(warn, "session broker: cannot open a session for pid {} (uid {}): {}",
+                      conn.peer.pid, conn.peer.uid, session.status().message());
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   conn.session = (*session)->id;
@@ -187,7 +227,7 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
     fds.push_back(fd->get());
     owned.push_back(std::move(*fd));
   }
-  spdlog::info("{} opened", (*session)->Describe());
+  TIERD_LOG_LIMITED(info, "{} opened", (*session)->Describe());
   return SendWithFds(conn.fd.get(), &reply, sizeof(reply), fds).ok();
 }
 
@@ -217,8 +257,8 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   if (!fd.ok()) {
     reply.status_code = static_cast<int32_t>(fd.status().code());
     CopyString(reply.message, fd.status().message());
-    spdlog::warn("session {}: refused segment {}: {}", conn.session, request.segment,
-                 fd.status().message());
+    TIERD_LOG_LIMITED(warn, "session {}: refused segment {}: {}", conn.session, request.segment,
+                      fd.status().message());
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   reply.segment = SegmentDescriptor{info.segment, 0, info.generation, info.size};
@@ -232,11 +272,15 @@ void SessionBroker::Close(int fd) {
   std::unique_ptr<Connection> conn = std::move(it->second);
   connections_.erase(it);
   epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, fd, nullptr);
+  if (auto n = connections_by_uid_.find(conn->peer.uid);
+      n != connections_by_uid_.end() && --n->second == 0) {
+    connections_by_uid_.erase(n);
+  }
   if (conn->session == 0) return;
   std::shared_ptr<Session> session = sessions_->Close(conn->session);
   if (session == nullptr) return;
   const size_t freed = chunks_->CloseSession(*session);
-  spdlog::info("{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
+  TIERD_LOG_LIMITED(info, "{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
 }
 
 }  // namespace tierd

@@ -4,6 +4,7 @@
 // pins and scratch chunks are reclaimed at once.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -20,11 +21,14 @@ namespace tierd {
 
 class SessionBroker {
  public:
-  // Listens on `path` (mode `mode`) and serves it on a thread of its own.
-  // `device` is the device tier's pool (null without one) and `devices` names its GPU.
+  // Serves the session socket `listener` (bound and listening) on a thread of its own.
+  // `device` is the device tier's pool (null without one) and `devices` names its GPU. A user may
+  // hold at most `connections_per_uid` connections (limits.connections_per_uid); more are closed
+  // at once.
   static absl::StatusOr<std::unique_ptr<SessionBroker>> Start(
-      const std::string& path, unsigned mode, SessionRegistry* sessions, ChunkService* chunks,
-      SegmentPool* host, SegmentPool* device = nullptr, DeviceProbe devices = {});
+      UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
+      SegmentPool* device = nullptr, DeviceProbe devices = {},
+      uint32_t connections_per_uid = UINT32_MAX);
   // Stops accepting, ends every session and joins the thread.
   ~SessionBroker();
 
@@ -36,9 +40,13 @@ class SessionBroker {
   };
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,
-                ChunkService* chunks, SegmentPool* host, SegmentPool* device, DeviceProbe devices);
+                ChunkService* chunks, SegmentPool* host, SegmentPool* device, DeviceProbe devices,
+                uint32_t connections_per_uid);
   void Run();
   void Accept();
+  // Out of file descriptors: accepts the pending connections with the reserve fd and closes them,
+  // so that the level-triggered listener stops reporting them (and spinning).
+  void Shed(int err);
   // Returns false when the connection must be closed.
   bool Serve(Connection& conn);
   bool Hello(Connection& conn, const HelloRequest& request);
@@ -53,7 +61,11 @@ class SessionBroker {
   SegmentPool* const host_;
   SegmentPool* const device_;
   const DeviceProbe devices_;
-  absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;  // loop thread only
+  const uint32_t connections_per_uid_;
+  // Loop thread only:
+  absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;
+  absl::flat_hash_map<uint32_t, uint32_t> connections_by_uid_;
+  UniqueFd reserve_;  // an fd kept free for accepting (and closing) when the process has none
   std::thread thread_;
 };
 

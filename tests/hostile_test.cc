@@ -4,13 +4,17 @@
 // they can do what the library never would.
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -32,16 +36,68 @@ using testing::DaemonProcess;
 
 std::string DaemonBinary() { return testing::ExecutableDir() + "/../daemon/tierd"; }
 
+// A TOML file that lives as long as the object.
+class ConfigFile {
+ public:
+  explicit ConfigFile(const std::string& text) {
+    char tmpl[] = "/tmp/tierd-config-XXXXXX";
+    const int fd = mkstemp(tmpl);
+    path_ = tmpl;
+    (void)!write(fd, text.data(), text.size());
+    close(fd);
+  }
+  ~ConfigFile() { unlink(path_.c_str()); }
+  std::string flag() const { return "--config=" + path_; }
+
+ private:
+  std::string path_;
+};
+
+// CPU seconds the process has used.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::istringstream fields(text.substr(text.rfind(')') + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int i = 3; fields >> field; ++i) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) {
+      stime = std::stoull(field);
+      break;
+    }
+  }
+  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
+}
+
+size_t OpenFds(pid_t pid) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e :
+       std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/fd"))) {
+    ++n;
+  }
+  return n;
+}
+
+mode_t ModeOf(const std::string& path) {
+  struct stat st {};
+  return lstat(path.c_str(), &st) == 0 ? (st.st_mode & 07777) : 0;
+}
+
 // A session opened with the raw protocol: its socket (the session lives while it is open), its
 // credential and its mapped completion page.
 struct RawSession {
   UniqueFd socket;
   std::string credential;
   CompletionPage* page = nullptr;
+  std::map<uint32_t, UniqueFd> segments;  // host segment fds, by segment
 
   RawSession() = default;
   RawSession(RawSession&& o) noexcept
-      : socket(std::move(o.socket)), credential(std::move(o.credential)), page(o.page) {
+      : socket(std::move(o.socket)),
+        credential(std::move(o.credential)),
+        page(o.page),
+        segments(std::move(o.segments)) {
     o.page = nullptr;
   }
   ~RawSession() {
@@ -72,6 +128,11 @@ class HostileClientTest : public ::testing::Test {
     }
   }
 
+  // Waits for an asynchronous request's completion token in the session's page.
+  absl::Status Wait(const RawSession& s, const pb::Completion& token) {
+    return WaitCompletion(*s.page, SlotToken{token.slot(), token.sequence()}, absl::Seconds(30));
+  }
+
   RawSession Open() {
     RawSession s;
     auto sock = ConnectSeqpacket(daemon_->socket_dir() + "/tierd.session.sock");
@@ -85,11 +146,15 @@ class HostileClientTest : public ::testing::Test {
     EXPECT_TRUE(SendWithFds(sock->get(), &hello, sizeof(hello), {}).ok());
     EXPECT_TRUE(ReceiveWithFds(sock->get(), &reply, sizeof(reply), &fds).ok());
     EXPECT_EQ(reply.status_code, 0) << reply.message;
+    last_hello_ = reply;
     if (reply.status_code != 0 || fds.empty()) return s;
     void* page =
         mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0].get(), 0);
     EXPECT_NE(page, MAP_FAILED);
     s.page = page == MAP_FAILED ? nullptr : static_cast<CompletionPage*>(page);
+    for (uint32_t i = 0; i < reply.segment_count && i + 1 < fds.size(); ++i) {
+      s.segments[reply.segments[i].segment] = std::move(fds[i + 1]);
+    }
     s.socket = std::move(*sock);
     s.credential = absl::StrCat(reply.session_id, ":", reply.token_hex);
     return s;
@@ -122,6 +187,96 @@ class HostileClientTest : public ::testing::Test {
     EXPECT_TRUE(status.ok()) << status.error_message() << " after " << absl::Now() - asked;
   }
 
+  // The host memory of an acquired location, mapped from the session's segment fd (asked for over
+  // the session socket when the segment is new to it).
+  char* Map(RawSession& s, const pb::ChunkLocation& loc) {
+    if (!s.segments.contains(loc.segment())) {
+      MapSegmentRequest req{};
+      req.header = MakeHeader(SessionMessageType::kMapSegment);
+      req.segment = loc.segment();
+      req.tier = pb::TIER_HOST;
+      MapSegmentReply reply{};
+      std::vector<UniqueFd> fds;
+      EXPECT_TRUE(SendWithFds(s.socket.get(), &req, sizeof(req), {}).ok());
+      EXPECT_TRUE(ReceiveWithFds(s.socket.get(), &reply, sizeof(reply), &fds).ok());
+      EXPECT_EQ(reply.status_code, 0) << reply.message;
+      if (fds.empty()) return nullptr;
+      s.segments[loc.segment()] = std::move(fds[0]);
+    }
+    void* base = mmap(nullptr, loc.offset() + loc.size_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED,
+                      s.segments[loc.segment()].get(), 0);
+    EXPECT_NE(base, MAP_FAILED);
+    return base == MAP_FAILED ? nullptr : static_cast<char*>(base) + loc.offset();
+  }
+  static uint64_t Word(uint64_t seed, size_t i) { return seed * 0x9E3779B97F4A7C15ull ^ i; }
+
+  // Creates (or opens) the persistent chunk `name`, fills it with a pattern and makes it durable.
+  void WritePersistent(RawSession& s, const std::string& name, uint64_t size, uint64_t seed) {
+    pb::AllocateRequest alloc;
+    pb::ChunkSpec* spec = alloc.add_chunks();
+    spec->set_size_bytes(size);
+    spec->set_name(name);
+    spec->set_persistent(true);
+    spec->set_open_existing(true);
+    pb::AllocateResponse allocated;
+    grpc::Status st = stub_->Allocate(Context(s).get(), alloc, &allocated);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    const uint64_t id = allocated.chunk_ids(0);
+    pb::AcquireRequest acquire;
+    acquire.add_chunk_ids(id);
+    acquire.set_tier(pb::TIER_HOST);
+    acquire.set_mode(pb::ACCESS_MODE_WRITE);
+    pb::AcquireResponse acquired;
+    st = stub_->Acquire(Context(s).get(), acquire, &acquired);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_TRUE(Wait(s, acquired.ready()).ok());
+    char* data = Map(s, acquired.locations(0));
+    ASSERT_NE(data, nullptr);
+    for (size_t i = 0; i < size / 8; ++i) reinterpret_cast<uint64_t*>(data)[i] = Word(seed, i);
+    pb::ReleaseRequest release;
+    release.add_chunk_ids(id);
+    pb::ReleaseResponse released;
+    ASSERT_TRUE(stub_->Release(Context(s).get(), release, &released).ok());
+    pb::EvictRequest evict;
+    evict.add_chunk_ids(id);
+    evict.set_tier(pb::TIER_NVME);
+    pb::EvictResponse evicted;
+    ASSERT_TRUE(stub_->Evict(Context(s).get(), evict, &evicted).ok());
+    ASSERT_TRUE(Wait(s, evicted.completion()).ok());
+  }
+
+  // True when the persistent chunk `name` exists and holds the pattern of `seed`.
+  bool ReadsBack(RawSession& s, const std::string& name, uint64_t size, uint64_t seed) {
+    pb::AllocateRequest alloc;
+    pb::ChunkSpec* spec = alloc.add_chunks();
+    spec->set_size_bytes(size);
+    spec->set_name(name);
+    spec->set_persistent(true);
+    spec->set_open_existing(true);
+    pb::AllocateResponse allocated;
+    if (!stub_->Allocate(Context(s).get(), alloc, &allocated).ok()) return false;
+    pb::AcquireRequest acquire;
+    acquire.add_chunk_ids(allocated.chunk_ids(0));
+    acquire.set_tier(pb::TIER_HOST);
+    acquire.set_mode(pb::ACCESS_MODE_READ);
+    pb::AcquireResponse acquired;
+    if (!stub_->Acquire(Context(s).get(), acquire, &acquired).ok()) return false;
+    if (absl::Status ready = Wait(s, acquired.ready()); !ready.ok()) {
+      ADD_FAILURE() << ready;
+      return false;
+    }
+    const char* data = Map(s, acquired.locations(0));
+    bool same = data != nullptr;
+    for (size_t i = 0; same && i < size / 8; ++i) {
+      same = reinterpret_cast<const uint64_t*>(data)[i] == Word(seed, i);
+    }
+    pb::ReleaseRequest release;
+    release.add_chunk_ids(allocated.chunk_ids(0));
+    pb::ReleaseResponse released;
+    EXPECT_TRUE(stub_->Release(Context(s).get(), release, &released).ok());
+    return same;
+  }
+
   uint64_t HostUsed(const RawSession& s) {
     pb::GetNodeInfoRequest req;
     pb::GetNodeInfoResponse resp;
@@ -134,6 +289,7 @@ class HostileClientTest : public ::testing::Test {
 
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<pb::Tierd::Stub> stub_;
+  HelloReply last_hello_{};
 };
 
 // A training job killed during prefetch: its chunks are being evicted, a Prefetch waits to bring
@@ -202,6 +358,263 @@ TEST_F(HostileClientTest, GarbageInTheScheduleCursorFreezesNobody) {
   }
   ExpectServed(bystander);
   ExpectServed(hostile);
+}
+
+// Out of file descriptors, the session socket's listener stays readable; accepting nothing, the
+// daemon spun on it and logged every failure (32 MB/s). Now it sheds the new connections and logs
+// a few lines, and serves again as soon as descriptors are free.
+TEST_F(HostileClientTest, RunningOutOfFileDescriptorsNeitherSpinsNorFloodsTheLog) {
+  Start();
+  RawSession bystander = Open();
+  ExpectServed(bystander);  // its gRPC connection is open before the descriptors run out
+  const pid_t pid = daemon_->pid();
+  rlimit limit{};
+  limit.rlim_cur = limit.rlim_max = OpenFds(pid) + 12;
+  ASSERT_EQ(prlimit(pid, RLIMIT_NOFILE, &limit, nullptr), 0) << std::strerror(errno);
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 64; ++i) {
+    auto sock = ConnectSeqpacket(daemon_->socket_dir() + "/tierd.session.sock");
+    if (sock.ok()) idle.push_back(std::move(*sock));
+  }
+  const size_t log_before = daemon_->Log().size();
+  const double cpu_before = CpuSeconds(pid);
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_LT(CpuSeconds(pid) - cpu_before, 0.2);
+  EXPECT_LT(daemon_->Log().size() - log_before, 4096u) << daemon_->Log().substr(log_before, 2000);
+  EXPECT_NE(daemon_->Log().find("out of file descriptors"), std::string::npos);
+  ExpectServed(bystander);  // its connection was open before
+  idle.clear();
+  absl::SleepFor(absl::Milliseconds(100));
+  RawSession late = Open();
+  EXPECT_FALSE(late.credential.empty());
+  ExpectServed(late);
+}
+
+// One user cannot take every connection or session of the node.
+TEST_F(HostileClientTest, ConnectionsAndSessionsPerUserAreLimited) {
+  ConfigFile config("[limits]\nconnections_per_uid = 6\nsessions_per_uid = 3\n");
+  Start({config.flag()});
+  std::vector<RawSession> sessions;
+  for (int i = 0; i < 3; ++i) sessions.push_back(Open());
+  // The fourth session is refused, naming the limit; its connection was the fourth.
+  auto sock = ConnectSeqpacket(daemon_->socket_dir() + "/tierd.session.sock");
+  ASSERT_TRUE(sock.ok());
+  HelloRequest hello{};
+  hello.header = MakeHeader(SessionMessageType::kHello);
+  HelloReply reply{};
+  std::vector<UniqueFd> fds;
+  ASSERT_TRUE(SendWithFds(sock->get(), &hello, sizeof(hello), {}).ok());
+  ASSERT_TRUE(ReceiveWithFds(sock->get(), &reply, sizeof(reply), &fds).ok());
+  EXPECT_EQ(reply.status_code, static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  EXPECT_NE(std::string(reply.message).find("limits.sessions_per_uid"), std::string::npos)
+      << reply.message;
+  // Two more connections fit; the seventh is closed at once.
+  std::vector<UniqueFd> extra;
+  for (int i = 0; i < 3; ++i) {
+    auto c = ConnectSeqpacket(daemon_->socket_dir() + "/tierd.session.sock");
+    ASSERT_TRUE(c.ok());
+    extra.push_back(std::move(*c));
+  }
+  char byte;
+  EXPECT_EQ(*ReceiveWithFds(extra.back().get(), &byte, 1, nullptr), 0u);  // closed by the daemon
+  EXPECT_NE(daemon_->Log().find("limits.connections_per_uid"), std::string::npos);
+  // Closing a session makes room for another.
+  sessions.pop_back();
+  absl::SleepFor(absl::Milliseconds(100));
+  sock->Reset();
+  extra.clear();
+  absl::SleepFor(absl::Milliseconds(100));
+  RawSession again = Open();
+  ExpectServed(again);
+}
+
+// Two daemons given one state directory, or one region, destroyed each other's persistent chunks.
+// The state directory and every region are locked; the second daemon is refused and the first
+// keeps serving its data.
+TEST_F(HostileClientTest, ASecondDaemonOnTheSameStateOrRegionIsRefused) {
+  Start();
+  RawSession s = Open();
+  WritePersistent(s, "job/weights", 1 << 20, 7);
+  const std::string dir = daemon_->socket_dir();
+  char other[] = "/tmp/tierd-second-XXXXXX";
+  ASSERT_NE(mkdtemp(other), nullptr);
+  const std::vector<std::string> common = {"--host_capacity=16MiB", "--host_segment_size=16MiB",
+                                           "--lock_memory=false", "--probe_bytes=0",
+                                           "--metrics_listen=none"};
+  auto run = [&](std::vector<std::string> args, std::string* out) {
+    args.insert(args.begin(), DaemonBinary());
+    args.insert(args.end(), common.begin(), common.end());
+    return testing::RunProcess(args, out);
+  };
+  std::string out;
+  // Its own sockets, the first one's state directory (and so its region).
+  EXPECT_EQ(run({absl::StrCat("--socket_dir=", other, "/run"), "--state_dir=" + dir + "/state",
+                 "--nvme_regions=" + dir + "/nvme0.region:256MiB"},
+                &out),
+            2)
+      << out;
+  EXPECT_NE(out.find(absl::StrCat("is in use by another tierd (pid ", daemon_->pid(), ")")),
+            std::string::npos)
+      << out;
+  // Its own state directory, the first one's region.
+  EXPECT_EQ(run({absl::StrCat("--socket_dir=", other, "/run"),
+                 absl::StrCat("--state_dir=", other, "/state"),
+                 "--nvme_regions=" + dir + "/nvme0.region:256MiB"},
+                &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("nvme0.region' is in use by another process"), std::string::npos) << out;
+  // One region named twice (a second path to the same file).
+  const std::string alias = absl::StrCat(other, "/alias.region");
+  ASSERT_EQ(symlink((absl::StrCat(other, "/r0")).c_str(), alias.c_str()), 0);
+  EXPECT_EQ(run({absl::StrCat("--socket_dir=", other, "/run2"),
+                 absl::StrCat("--state_dir=", other, "/state2"),
+                 absl::StrCat("--nvme_regions=", other, "/r0:256MiB,", alias, ":256MiB")},
+                &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("are the same file or device"), std::string::npos) << out;
+  EXPECT_TRUE(ReadsBack(s, "job/weights", 1 << 20, 7));
+  std::filesystem::remove_all(other);
+}
+
+// A region file that went missing, or came back empty, was formatted anew: the instance's
+// persistent chunks vanished and opening them by name handed out fresh zeroed chunks. The daemon
+// now refuses, naming the fix, and serves the data again once the region is back.
+TEST_F(HostileClientTest, AMissingOrBlankRegionOfAFormattedSetIsRefusedNotFormattedAnew) {
+  Start();
+  const std::string region = daemon_->socket_dir() + "/nvme0.region";
+  {
+    RawSession s = Open();
+    WritePersistent(s, "job/state", 1 << 20, 9);
+  }
+  stub_.reset();
+  ASSERT_EQ(daemon_->Stop(), 0);
+  ASSERT_EQ(rename(region.c_str(), (region + ".away").c_str()), 0);
+  absl::Status restarted = daemon_->Restart();
+  ASSERT_FALSE(restarted.ok());
+  EXPECT_NE(restarted.message().find("nvme0.region' is missing"), std::string::npos) << restarted;
+  EXPECT_NE(restarted.message().find("--nvme_reformat"), std::string::npos) << restarted;
+  EXPECT_FALSE(std::filesystem::exists(region));  // not created anew
+  // Empty, as a restore that failed halfway leaves it.
+  { std::ofstream(region).flush(); }
+  restarted = daemon_->Restart();
+  ASSERT_FALSE(restarted.ok());
+  EXPECT_NE(restarted.message().find("the NVMe regions are blank"), std::string::npos) << restarted;
+  ASSERT_EQ(rename((region + ".away").c_str(), region.c_str()), 0);
+  ASSERT_TRUE(daemon_->Restart().ok());
+  stub_ = pb::Tierd::NewStub(grpc::CreateChannel("unix:" + daemon_->socket_dir() + "/tierd.sock",
+                                                 grpc::InsecureChannelCredentials()));
+  RawSession s = Open();
+  EXPECT_TRUE(ReadsBack(s, "job/state", 1 << 20, 9));
+}
+
+// The daemon set the sockets' modes and group by name after binding them: a socket-group member who
+// could write to the socket directory swapped a socket for a symlink in between and made the
+// daemon chmod (and chown) any file it pointed at. The daemon now sets them where nobody else can
+// write and renames the finished sockets into place; an attacker racing on the public names
+// changes nothing.
+TEST(SocketDirectoryTest, SwappingASocketForASymlinkChangesNoOtherFile) {
+  char tmpl[] = "/tmp/tierd-swap-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  chmod(dir.c_str(), 0755);
+  const std::string victim = dir + "/victim";
+  { std::ofstream(victim) << "root's secret\n"; }
+  chmod(victim.c_str(), 0600);
+  std::atomic<bool> stop{false};
+  std::thread attacker([&] {
+    int i = 0;
+    while (!stop.load()) {
+      for (const char* name : {"tierd.sock", "tierd.session.sock"}) {
+        const std::string link = absl::StrCat(dir, "/.link", i++);
+        if (symlink(victim.c_str(), link.c_str()) == 0) {
+          rename(link.c_str(), (dir + "/" + name).c_str());
+        }
+      }
+    }
+  });
+  for (int round = 0; round < 5 && ModeOf(victim) == 0600; ++round) {
+    pid_t pid = -1;
+    int out = -1;
+    ASSERT_TRUE(testing::StartProcess(
+        {DaemonBinary(), "--socket_dir=" + dir, "--state_dir=" + dir + "/state",
+         "--nvme_regions=none", "--host_capacity=16MiB", "--host_segment_size=16MiB",
+         "--lock_memory=false", "--probe_bytes=0", "--metrics_listen=none",
+         "--socket_group=nogroup"},
+        &pid, &out));
+    absl::SleepFor(absl::Milliseconds(300));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    close(out);
+  }
+  stop.store(true);
+  attacker.join();
+  struct stat st {};
+  ASSERT_EQ(stat(victim.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_gid, 0u);
+  std::filesystem::remove_all(dir);
+}
+
+// Whatever umask the daemon is started with, what it creates is writable by nobody else.
+TEST(SocketDirectoryTest, FilesAndDirectoriesGetTheirModesWhateverTheUmask) {
+  char tmpl[] = "/tmp/tierd-umask-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  chmod(tmpl, 0755);
+  const std::string dir = tmpl;
+  const mode_t old = umask(0);
+  pid_t pid = -1;
+  int out = -1;
+  const bool started = testing::StartProcess(
+      {DaemonBinary(), "--socket_dir=" + dir + "/run", "--state_dir=" + dir + "/state",
+       "--nvme_regions=" + dir + "/state/r0:256MiB", "--host_capacity=16MiB",
+       "--host_segment_size=16MiB", "--lock_memory=false", "--probe_bytes=0",
+       "--metrics_listen=none"},
+      &pid, &out);
+  umask(old);
+  ASSERT_TRUE(started);
+  // The sockets appear whole (renamed into place), once the daemon serves.
+  for (absl::Time give_up = absl::Now() + absl::Seconds(30);
+       !std::filesystem::exists(dir + "/run/tierd.sock") && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(ModeOf(dir + "/run"), 0755u);
+  EXPECT_EQ(ModeOf(dir + "/run/tierd.sock"), 0660u);
+  EXPECT_EQ(ModeOf(dir + "/run/tierd.session.sock"), 0660u);
+  EXPECT_EQ(ModeOf(dir + "/state"), 0750u);
+  EXPECT_EQ(ModeOf(dir + "/state/instance_id"), 0644u);
+  EXPECT_EQ(ModeOf(dir + "/state/r0"), 0600u);
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (e.is_socket()) continue;  // the socket group's to write to
+    EXPECT_EQ(ModeOf(e.path()) & (S_IWGRP | S_IWOTH), 0u) << e.path();
+  }
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  close(out);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(SocketDirectoryTest, ADirectoryOthersCanWriteIntoIsRefused) {
+  char tmpl[] = "/tmp/tierd-open-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  for (auto [mode, who] : {std::pair{0770, "its group"}, std::pair{0777, "everyone"}}) {
+    chmod(dir.c_str(), mode);
+    for (const char* flag : {"--socket_dir=", "--state_dir="}) {
+      std::string out;
+      EXPECT_EQ(testing::RunProcess(
+                    {DaemonBinary(), flag + dir, "--nvme_regions=none", "--host_capacity=16MiB",
+                     "--host_segment_size=16MiB", "--lock_memory=false"},
+                    &out),
+                2)
+          << out;
+      EXPECT_NE(out.find(absl::StrCat("is writable by ", who)), std::string::npos) << out;
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -342,8 +342,10 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameSocketsRefusesToStart) {
       {DaemonBinary(), "--socket_dir=" + daemon_->socket_dir(), "--host_capacity=16MiB",
        "--host_segment_size=16MiB", "--lock_memory=false", "--nvme_regions=none"},
       &out);
-  EXPECT_EQ(status, 1) << out;
-  EXPECT_NE(out.find("another tierd is already serving"), std::string::npos) << out;
+  EXPECT_EQ(status, 2) << out;
+  EXPECT_NE(out.find("is in use by another tierd (pid " + std::to_string(daemon_->pid()) + ")"),
+            std::string::npos)
+      << out;
   EXPECT_TRUE(Connect() != nullptr);  // the first one is unharmed
 }
 
@@ -688,12 +690,20 @@ TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   EXPECT_NE(out.find("--host_capacity"), std::string::npos) << out;
   EXPECT_EQ(testing::RunProcess({DaemonBinary(), "--config=/nonexistent.toml"}, &out), 2);
   EXPECT_NE(out.find("cannot read config file"), std::string::npos) << out;
+  // Checked before anything is created or pinned: a configuration error, like a bad key.
   EXPECT_EQ(testing::RunProcess(
-                {DaemonBinary(), "--socket_dir=/tmp", "--host_capacity=24MiB",
+                {DaemonBinary(), "--socket_dir=/nonexistent-tierd/run", "--host_capacity=24MiB",
                  "--host_segment_size=16MiB", "--lock_memory=false", "--nvme_regions=none"},
                 &out),
-            1);
+            2);
   EXPECT_NE(out.find("must be a non-zero multiple of host.segment_size"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists("/nonexistent-tierd"));
+  EXPECT_EQ(testing::RunProcess(
+                {DaemonBinary(), "--socket_dir=/tmp", "--host_capacity=16MiB",
+                 "--host_segment_size=16MiB", "--lock_memory=false", "--nvme_regions=none"},
+                &out),
+            2);
+  EXPECT_NE(out.find("'/tmp' (mode 1777) is writable by everyone"), std::string::npos) << out;
 }
 
 TEST(ClientTest, ConnectWithoutADaemonSaysWhere) {
