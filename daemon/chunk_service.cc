@@ -954,7 +954,11 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     if (r.size == 0 || r.size > home->max_reservation()) {
       return fail(absl::InvalidArgumentError(absl::StrCat(
           "size ", r.size, " bytes is outside 1 byte to ", FormatSize(home->max_reservation()),
-          " (the largest chunk the ", TierName(r.home), " tier holds)")));
+          " (the largest chunk the ", TierName(r.home), " tier holds",
+          r.home == TierKind::kNvme ? "; every chunk moves through host memory, so at most "
+                                      "host.segment_size"
+                                    : "",
+          ")")));
     }
     if (r.persistent && r.name.empty()) {
       return fail(absl::InvalidArgumentError("a persistent chunk needs a name"));

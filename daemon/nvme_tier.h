@@ -4,6 +4,7 @@
 // chunk, and the index of persistent chunks.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -62,7 +63,10 @@ class NvmeTier final : public Tier {
   ~NvmeTier() override;
 
   TierKind kind() const override { return TierKind::kNvme; }
-  uint64_t max_reservation() const override { return capacity_; }
+  // A chunk reaches NVMe through the host tier: no larger than a host segment.
+  uint64_t max_reservation() const override {
+    return std::min(capacity_, host_->max_reservation());
+  }
   absl::StatusOr<Placement> Reserve(uint32_t tenant, uint64_t size) override;
   void Unreserve(const Placement& placement) override;
   TierUsage Usage() const override;

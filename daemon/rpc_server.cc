@@ -407,19 +407,33 @@ struct RpcServer::Impl {
   std::unique_ptr<grpc::Server> server;
 };
 
-// Counts every request by operation and status code, and times it (tierd_requests_total,
-// tierd_request_seconds): one place for every method, errors of any origin included.
-class MetricsInterceptor final : public grpc::experimental::Interceptor {
+// Sees every call: a request that is not a valid message of its method's type is the client's
+// error (INVALID_ARGUMENT, naming the type), not the daemon's (gRPC answers INTERNAL); and, with
+// metrics, counts every request by operation and status code and times it (tierd_requests_total,
+// tierd_request_seconds), errors of any origin included.
+class RequestInterceptor final : public grpc::experimental::Interceptor {
  public:
-  MetricsInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics)
+  RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics)
       : metrics_(metrics), start_(absl::Now()) {
     const absl::string_view method = info->method();  // "/tierd.v1.Tierd/Acquire"
     op_ = std::string(method.substr(method.rfind('/') + 1));
   }
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(
-            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      metrics_->Record(op_, methods->GetSendStatus().error_code(), absl::Now() - start_);
+    using grpc::experimental::InterceptionHookPoints;
+    // A request that failed to parse reaches this hook without a message.
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        methods->GetRecvMessage() == nullptr) {
+      unparsed_ = true;
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      grpc::Status status = methods->GetSendStatus();
+      if (unparsed_ && status.error_code() == grpc::StatusCode::INTERNAL) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("the request is not a valid tierd.v1.", op_,
+                                           "Request message (", status.error_message(), ")"));
+        methods->ModifySendStatus(status);
+      }
+      if (metrics_ != nullptr) metrics_->Record(op_, status.error_code(), absl::Now() - start_);
     }
     methods->Proceed();
   }
@@ -428,15 +442,16 @@ class MetricsInterceptor final : public grpc::experimental::Interceptor {
   RpcMetrics* metrics_;
   std::string op_;
   absl::Time start_;
+  bool unparsed_ = false;
 };
 
-class MetricsInterceptorFactory final
+class RequestInterceptorFactory final
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit MetricsInterceptorFactory(RpcMetrics* metrics) : metrics_(metrics) {}
+  explicit RequestInterceptorFactory(RpcMetrics* metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new MetricsInterceptor(info, metrics_);
+    return new RequestInterceptor(info, metrics_);
   }
 
  private:
@@ -453,11 +468,9 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
   builder.RegisterService(impl->service.get());
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(kMaxReplyBytes);
-  if (metrics != nullptr) {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(std::make_unique<MetricsInterceptorFactory>(metrics));
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<RequestInterceptorFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr) {
     return absl::UnavailableError(

@@ -1,8 +1,11 @@
 // The gRPC API as any client sees it on the wire, without the client library: credentials and
 // values the library would never send.
+#include <future>
 #include "absl/strings/str_cat.h"
 #include "common/session_protocol.h"
 #include "common/unix_socket.h"
+
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/daemon_process.h"
@@ -107,6 +110,32 @@ TEST_F(ApiTest, UnknownEnumValuesOnTheWireAreInvalidArgument) {
   v1::ListChunksResponse listed;
   EXPECT_EQ(stub_->ListChunks(&ctx, list, &listed).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// Bytes that are not a request message are the client's error, not the daemon's.
+TEST_F(ApiTest, UnparseableRequestsAreInvalidArgument) {
+  const std::string credential = OpenSession();
+  grpc::GenericStub generic(grpc::CreateChannel("unix:" + daemon_->socket_dir() + "/tierd.sock",
+                                                grpc::InsecureChannelCredentials()));
+  for (const char* method : {"/tierd.v1.Tierd/Allocate", "/tierd.v1.Tierd/Acquire"}) {
+    const std::string junk("\xff\xff\xff\xff\x0f", 5);  // field 0 of an unknown wire type
+    grpc::Slice slice(junk);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("tierd-session", credential);
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(&ctx, method, grpc::StubOptions(), &request, &response,
+                      [&](grpc::Status s) { done.set_value(s); });
+    const grpc::Status s = done.get_future().get();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << method << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find("is not a valid tierd.v1."), std::string::npos)
+        << s.error_message();
+  }
+  v1::AllocateRequest req;
+  req.add_chunks()->set_size_bytes(4096);
+  v1::AllocateResponse resp;
+  EXPECT_TRUE(Allocate(credential, req, &resp).ok());  // the daemon still serves
 }
 
 TEST_F(ApiTest, MalformedSessionSocketMessagesCloseTheConnectionAndNothingElse) {

@@ -706,6 +706,56 @@ TEST(DaemonStartupTest, BadConfigurationStopsTheDaemonWithTheReason) {
   EXPECT_NE(out.find("'/tmp' (mode 1777) is writable by everyone"), std::string::npos) << out;
 }
 
+// A start-up that pins, populates and probes gigabytes takes seconds; SIGTERM meanwhile used to
+// wait for all of it (and for a device capacity of 1000 TiB, forever).
+TEST(DaemonStartupTest, SigtermDuringStartUpStopsItAtOnce) {
+  char tmpl[] = "/tmp/tierd-slow-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  pid_t pid = -1;
+  int out = -1;
+  ASSERT_TRUE(testing::StartProcess(
+      {DaemonBinary(), "--socket_dir=" + dir + "/run", "--state_dir=" + dir + "/state",
+       "--nvme_regions=none", "--host_capacity=1GiB", "--host_segment_size=256MiB",
+       "--lock_memory=false", "--device=emulated", "--device_capacity=4GiB",
+       "--metrics_listen=none"},
+      &pid, &out));
+  absl::SleepFor(absl::Milliseconds(200));
+  kill(pid, SIGTERM);
+  const absl::Time sent = absl::Now();
+  int status = -1;
+  while (waitpid(pid, &status, WNOHANG) == 0 && absl::Now() - sent < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const absl::Duration took = absl::Now() - sent;
+  std::string log;
+  char buf[4096];
+  for (ssize_t n; (n = read(out, buf, sizeof(buf))) > 0;) log.append(buf, n);
+  close(out);
+  EXPECT_LT(took, absl::Seconds(1)) << log;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_NE(log.find("during start-up"), std::string::npos) << log;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/tierd.sock"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(DaemonStartupTest, AnEmulatedDeviceLargerThanTheMemoryIsRefused) {
+  std::string out;
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(
+      testing::RunProcess({DaemonBinary(), "--socket_dir=/tmp/tierd-huge-emulated",
+                           "--state_dir=/tmp/tierd-huge-emulated/state", "--nvme_regions=none",
+                           "--host_capacity=16MiB", "--host_segment_size=16MiB",
+                           "--lock_memory=false", "--device=emulated", "--device_capacity=1000TiB"},
+                          &out),
+      1);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_NE(out.find("device.capacity (the emulated device's memory) needs 1000.00 TiB of RAM"),
+            std::string::npos)
+      << out;
+  std::filesystem::remove_all("/tmp/tierd-huge-emulated");
+}
+
 TEST(ClientTest, ConnectWithoutADaemonSaysWhere) {
   auto c = Client::Connect({.socket_dir = "/nonexistent-tierd"});
   EXPECT_TRUE(absl::IsUnavailable(c.status())) << c.status();

@@ -182,6 +182,39 @@ TEST_F(MetricsEndpointTest, AnswersOnlyGetAndHeadOnTheMetricsPath) {
   EXPECT_TRUE(head.body.empty());
 }
 
+// Each connection holds one of the endpoint's workers until its request arrives: with two workers
+// and a 10 s request timeout, two idle connections held every scrape back for 10 s.
+TEST_F(MetricsEndpointTest, IdleConnectionsDoNotHoldAScrapeBack) {
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(url_, m, std::regex("http://127\\.0\\.0\\.1:([0-9]+)/metrics")));
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(std::stoi(m[1])));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    idle.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // accepted and waiting for their requests
+  const absl::Time asked = absl::Now();
+  EXPECT_EQ(Http(url_).status, 200);
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(1));
+  for (int fd : idle) close(fd);
+}
+
+TEST(MetricsListenTest, AnEndpointOtherHostsCanReachIsWarnedAbout) {
+  auto daemon = DaemonProcess::Start(
+      {.binary = DaemonBinary(),
+       .args = {"--host_capacity=16MiB", "--host_segment_size=16MiB", "--device=none",
+                "--probe_bytes=0", "--metrics_listen=0.0.0.0:0"}});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_NE((*daemon)->Log().find("is reachable from other hosts"), std::string::npos)
+      << (*daemon)->Log();
+  EXPECT_EQ((*daemon)->Stop(), 0);
+}
+
 TEST_F(MetricsEndpointTest, ADaemonWhosePortIsTakenSaysSoAndExits) {
   const std::string address = url_.substr(7, url_.rfind('/') - 7);  // 127.0.0.1:PORT
   auto second = DaemonProcess::Start(

@@ -452,6 +452,21 @@ TEST_F(NvmeServiceTest, NvmeHomeChunkReadsAsZerosUntilWritten) {
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
+// Every chunk is read and written through host memory: an NVMe-home chunk larger than a host
+// segment was accepted but could never be read.
+TEST_F(NvmeServiceTest, AnNvmeHomeChunkLargerThanAHostSegmentIsRefusedAtAllocate) {
+  std::vector<ChunkRequest> r = {{.size = kSeg + 4096, .home = TierKind::kNvme}};
+  auto ids = service_->Allocate(*session_, r);
+  ASSERT_TRUE(absl::IsInvalidArgument(ids.status())) << ids.status();
+  EXPECT_NE(ids.status().message().find("at most host.segment_size"), std::string::npos)
+      << ids.status();
+  EXPECT_EQ(nvme_->Usage().used_bytes, 0u);
+  r[0].size = kSeg;
+  ids = service_->Allocate(*session_, r);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_TRUE(Wait(*session_, service_->Prefetch(*session_, *ids, TierKind::kHost, 0)).ok());
+}
+
 TEST_F(NvmeServiceTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 3);
