@@ -582,6 +582,26 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
     info.paths.push_back({p.name(), p.bytes_total(), p.moves_total(), p.bytes_per_second(),
                           p.measured(), p.probed_bytes_per_second()});
   }
+  for (const pb::TenantInfo& t : resp.tenants()) {
+    TenantStatus& out = info.tenants.emplace_back();
+    out.uid = t.uid();
+    out.user = t.user();
+    out.sessions = t.sessions();
+    out.chunks = t.chunks();
+    out.schedule_accesses = t.schedule_accesses();
+    for (const pb::TenantTier& tier : t.tiers()) {
+      out.tiers.push_back({FromProto(tier.tier()), tier.used_bytes(), tier.quota_bytes()});
+    }
+    for (const pb::LimitRefusals& r : t.refusals()) out.refusals.emplace_back(r.limit(), r.count());
+  }
+  const pb::LimitsInfo& l = resp.limits();
+  info.limits = {l.connections_per_uid(),
+                 l.sessions_per_uid(),
+                 l.chunks_per_session(),
+                 l.chunks_per_uid(),
+                 l.schedule_accesses_per_session(),
+                 l.schedule_accesses_per_uid(),
+                 l.trace_steps()};
   return info;
 }
 

@@ -270,6 +270,11 @@ absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant
   }
 }
 
+uint64_t ChunkService::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
+  if (t != TierKind::kNvme || !persistent || nvme_ == nullptr) return size;
+  return std::max(size, nvme_->persistent_granule());
+}
+
 uint64_t ChunkService::FreeFor(uint32_t tenant, TierKind t) const {
   const TierUsage u = tier(t)->Usage();
   const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
@@ -448,7 +453,7 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
     if (c->resident.contains(tier)) continue;
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
     for (TierKind t : RoomNeeded(*c, tier, access)) {
-      absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, c->size);
+      absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, SpaceIn(t, c->size, c->persistent));
       if (p.ok()) {
         c->placement[static_cast<int>(t)] = *p;
         c->allocated.insert(t);
@@ -599,7 +604,8 @@ ChunkMeta& ChunkService::Moving(ChunkId id) {
 bool ChunkService::EnsureSpace(ChunkMeta& chunk, TierKind tier,
                                const std::shared_ptr<Batch>& batch) {
   if (chunk.allocated.contains(tier)) return true;
-  absl::StatusOr<Placement> p = ReserveIn(tier, chunk.tenant, chunk.size);
+  absl::StatusOr<Placement> p =
+      ReserveIn(tier, chunk.tenant, SpaceIn(tier, chunk.size, chunk.persistent));
   if (!p.ok()) {
     batch->Add();
     batch->Done(absl::Status(p.status().code(),
@@ -1006,7 +1012,9 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   std::vector<Placement> placements(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     if (result[i] != 0) continue;
-    absl::StatusOr<Placement> p = ReserveSpace(requests[i].home, tenant, requests[i].size);
+    absl::StatusOr<Placement> p =
+        ReserveSpace(requests[i].home, tenant,
+                     SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
     if (!p.ok()) {
       for (size_t j = 0; j < i; ++j) {
         if (result[j] == 0) ReleaseSpace(tenant, placements[j]);

@@ -379,6 +379,9 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Bytes the tenant's write-backs in flight for room will free in `tier`.
   uint64_t RoomComingFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
+  // tier's persistent granule, so that the index of persistent chunks cannot fill first.
+  uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;
   // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
   uint64_t FreeFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every reservation and release of a chunk's space goes through these: the tier's, and the

@@ -211,6 +211,44 @@ std::string RenderMetrics(const MetricsSources& src) {
     w.Sample({}, static_cast<double>(io.jobs_queued));
   }
 
+  // Users: what each holds against its quotas, and what passing a limit cost it. A user appears
+  // once it holds anything (uids are few on a node: a bounded label).
+  const std::map<uint32_t, TenantUsage> tenants = src.chunks->tenant_usage();
+  const Quotas quotas = src.chunks->quotas();
+  const absl::flat_hash_map<uint32_t, uint32_t> sessions_by_uid = src.sessions->CountByUid();
+  auto uid_label = [](uint32_t uid) { return Labels{{"uid", absl::StrCat(uid)}}; };
+  w.Family("tierd_user_sessions", Type::kGauge, "Sessions each user has open.");
+  for (const auto& [uid, n] : sessions_by_uid) w.Sample(uid_label(uid), n);
+  w.Family("tierd_user_chunks", Type::kGauge, "Chunks each user holds (scratch and persistent).");
+  for (const auto& [uid, u] : tenants) w.Sample(uid_label(uid), static_cast<double>(u.chunks));
+  w.Family("tierd_user_bytes", Type::kGauge, "Bytes of each tier each user's chunks hold.");
+  for (const auto& [uid, u] : tenants) {
+    for (const auto& [t, tier_usage] : usage) {
+      w.Sample({{"uid", absl::StrCat(uid)}, {"tier", std::string(TierName(t))}},
+               static_cast<double>(u.bytes[static_cast<int>(t)]));
+    }
+  }
+  w.Family("tierd_user_quota_bytes", Type::kGauge,
+           "Each user's quota in each tier (quota.*), where it has one.");
+  for (const auto& [uid, u] : tenants) {
+    for (const auto& [t, tier_usage] : usage) {
+      const uint64_t quota = quotas.For(uid)[static_cast<int>(t)];
+      if (quota == 0) continue;
+      w.Sample({{"uid", absl::StrCat(uid)}, {"tier", std::string(TierName(t))}},
+               static_cast<double>(quota));
+    }
+  }
+  w.Family("tierd_limit_refusals_total", Type::kCounter,
+           "Requests refused (RESOURCE_EXHAUSTED) for passing a limit or quota, by user and the "
+           "limit's config key.");
+  for (const auto& [uid, u] : tenants) {
+    for (int k = 0; k < kLimitKinds; ++k) {
+      if (u.refusals[k] == 0) continue;
+      w.Sample({{"uid", absl::StrCat(uid)}, {"limit", LimitName(static_cast<LimitKind>(k))}},
+               static_cast<double>(u.refusals[k]));
+    }
+  }
+
   // The API.
   w.Family("tierd_requests_total", Type::kCounter,
            "API requests by operation and gRPC status code (code!=\"OK\" are errors).");

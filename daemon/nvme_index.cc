@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -90,18 +91,15 @@ absl::Status NvmeIndex::WriteHeader(int half, uint64_t generation) {
 }
 
 absl::Status NvmeIndex::Replay() {
-  // Read both halves; the valid header with the higher generation names the active one.
-  const uint64_t half_bytes = half_blocks_ * block_;
-  std::vector<std::unique_ptr<AlignedBuffer>> halves;
+  // The valid header with the higher generation names the active half.
+  AlignedBuffer header(block_, block_);
   uint64_t generation[2] = {0, 0};
   for (int half = 0; half < 2; ++half) {
-    halves.push_back(std::make_unique<AlignedBuffer>(half_bytes, block_));
-    if (absl::Status s = region_->ReadAt(HalfOffset(half), halves[half]->data(), half_bytes);
-        !s.ok()) {
+    if (absl::Status s = region_->ReadAt(HalfOffset(half), header.data(), block_); !s.ok()) {
       return s;
     }
     RecordHeader h;
-    const char* b = halves[half]->data();
+    const char* b = header.data();
     std::memcpy(&h, b, sizeof(h));
     uint64_t sum;
     std::memcpy(&sum, b + block_ - 8, 8);
@@ -116,31 +114,54 @@ absl::Status NvmeIndex::Replay() {
   }
   active_ = generation[1] > generation[0] ? 1 : 0;
   generation_ = generation[active_];
-  const char* data = halves[active_]->data();
+  // The log is read in pieces, up to its end: records are appended one at a time from block 1,
+  // so the current generation's records are contiguous but for a torn last append, and a run of
+  // blocks that are not its own means the log ended before them.
+  constexpr uint64_t kEndRun = 64;
+  const uint64_t piece_blocks = std::max<uint64_t>(1, (1 << 20) / block_);
+  AlignedBuffer piece(piece_blocks * block_, block_);
   tail_ = 1;
-  for (uint64_t i = 1; i < half_blocks_; ++i) {
-    const char* b = data + i * block_;
-    RecordHeader h;
-    std::memcpy(&h, b, sizeof(h));
-    if (h.magic == 0 && h.type == 0 && h.generation == 0) continue;  // never written
-    uint64_t sum;
-    std::memcpy(&sum, b + block_ - 8, 8);
-    if (h.magic != kRecordMagic || sum != BlockChecksum(b, block_) || h.name_length > kMaxName) {
-      if (h.generation == generation_ || h.magic == kRecordMagic) {
-        spdlog::warn("NVMe index: record {} of generation {} in '{}' is torn or corrupt; skipped",
-                     i, generation_, region_->path());
-        ++skipped_;
-        tail_ = i + 1;
-      }
-      continue;
+  uint64_t foreign_run = 0;
+  for (uint64_t first = 1; first < half_blocks_ && foreign_run < kEndRun; first += piece_blocks) {
+    const uint64_t n = std::min(piece_blocks, half_blocks_ - first);
+    if (absl::Status s =
+            region_->ReadAt(HalfOffset(active_) + first * block_, piece.data(), n * block_);
+        !s.ok()) {
+      return s;
     }
-    if (h.generation != generation_) continue;  // left over from an earlier use of this half
-    tail_ = i + 1;
-    sequence_ = std::max(sequence_, h.sequence);
-    IndexEntry e{h.tenant,     std::string(b + sizeof(h), h.name_length),
-                 h.chunk_size, h.offset,
-                 h.reserved,   h.checksum};
-    if (h.type == kPut || h.type == kRemove) Apply(h.type, std::move(e));
+    for (uint64_t k = 0; k < n && foreign_run < kEndRun; ++k) {
+      const uint64_t i = first + k;
+      const char* b = piece.data() + k * block_;
+      RecordHeader h;
+      std::memcpy(&h, b, sizeof(h));
+      uint64_t sum;
+      std::memcpy(&sum, b + block_ - 8, 8);
+      const bool valid =
+          h.magic == kRecordMagic && sum == BlockChecksum(b, block_) && h.name_length <= kMaxName;
+      if (!valid) {
+        if (h.magic == kRecordMagic && h.generation == generation_) {
+          spdlog::warn("NVMe index: record {} of generation {} in '{}' is torn or corrupt; skipped",
+                       i, generation_, region_->path());
+          ++skipped_;
+          tail_ = i + 1;
+          foreign_run = 0;
+        } else {
+          ++foreign_run;
+        }
+        continue;
+      }
+      if (h.generation != generation_) {  // left over from an earlier use of this half
+        ++foreign_run;
+        continue;
+      }
+      foreign_run = 0;
+      tail_ = i + 1;
+      sequence_ = std::max(sequence_, h.sequence);
+      IndexEntry e{h.tenant,     std::string(b + sizeof(h), h.name_length),
+                   h.chunk_size, h.offset,
+                   h.reserved,   h.checksum};
+      if (h.type == kPut || h.type == kRemove) Apply(h.type, std::move(e));
+    }
   }
   spdlog::info("NVMe index: generation {}, {} persistent chunks, {} records skipped", generation_,
                entries_.size(), skipped_);
@@ -210,18 +231,27 @@ absl::Status NvmeIndex::Compact() {
   const int target = 1 - active_;
   const uint64_t next_generation = generation_ + 1;
   if (entries_.size() + 1 >= half_blocks_) return absl::OkStatus();  // cannot shrink: caller fails
-  AlignedBuffer block(block_, block_);
-  uint64_t pos = 1;
+  // The live entries, written in pieces of up to 1 MiB (a few writes, not one per entry).
+  const uint64_t piece_blocks = std::max<uint64_t>(1, (1 << 20) / block_);
+  AlignedBuffer piece(piece_blocks * block_, block_);
+  uint64_t pos = 1, filled = 0;
+  auto flush = [&]() -> absl::Status {
+    if (filled == 0) return absl::OkStatus();
+    absl::Status s = region_->WriteAt(HalfOffset(target) + (pos - filled) * block_, piece.data(),
+                                      filled * block_);
+    filled = 0;
+    return s;
+  };
   for (const auto& [key, entry] : entries_) {
-    Encode(kPut, entry, next_generation, block.data());
-    if (absl::Status s = region_->WriteAt(HalfOffset(target) + pos * block_, block.data(), block_);
-        !s.ok()) {
-      return s;
-    }
+    Encode(kPut, entry, next_generation, piece.data() + filled * block_);
+    ++filled;
     ++pos;
+    if (filled == piece_blocks) {
+      if (absl::Status s = flush(); !s.ok()) return s;
+    }
   }
-  // Zero the rest of the target half's first unused block so a replay stops seeing old records of
-  // this generation (records carry the generation, so older ones are ignored anyway).
+  if (absl::Status s = flush(); !s.ok()) return s;
+  // Records carry their generation: older ones left in the target half are ignored on replay.
   if (absl::Status s = region_->Sync(); !s.ok()) return s;
   if (absl::Status s = WriteHeader(target, next_generation); !s.ok()) return s;
   active_ = target;

@@ -66,6 +66,9 @@ absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir) 
 
 namespace {
 
+// Index records kept free beyond the live ones' share, for the log between compactions.
+constexpr uint64_t kIndexSpare = 64;
+
 // The record, in the state directory, of the region set this instance formatted: when and which
 // regions. Its presence says the regions hold data; they are never formatted anew without
 // --nvme_reformat.
@@ -162,7 +165,17 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
   }
   tier->block_ = std::max<uint32_t>(tier->block_, 512);
   const uint32_t n = static_cast<uint32_t>(tier->regions_.size());
-  const uint64_t index_bytes = AlignUp(std::max<uint64_t>(options.index_size, 64 << 10), 1 << 20);
+  uint64_t index_bytes = 0;
+  if (options.index_size != 0) {
+    index_bytes = AlignUp(std::max<uint64_t>(options.index_size, 64 << 10), 1 << 20);
+  } else {
+    // Enough records that every persistent chunk may be as small as 4 MiB: the live records fill
+    // at most 4/5 of a half (the rest is the log's room between compactions).
+    uint64_t volume = 0;
+    for (const auto& region : tier->regions_) volume += region->bytes();
+    const uint64_t records = std::max<uint64_t>(1024, volume / (4 << 20) * 5 / 4 + kIndexSpare);
+    index_bytes = AlignUp(2 * records * tier->block_, 1 << 20);
+  }
 
   std::vector<std::optional<Superblock>> sbs;
   size_t formatted = 0;
@@ -277,6 +290,11 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
       NvmeIndex::Open(tier->regions_[0].get(), sbs[0]->index_offset, sbs[0]->index_bytes, fresh);
   if (!index.ok()) return index.status();
   tier->index_ = std::move(*index);
+  tier->index_records_ = tier->index_->capacity_records();
+  const uint64_t live = std::max<uint64_t>(
+      1,
+      (tier->index_records_ - std::min<uint64_t>(tier->index_records_ - 1, kIndexSpare)) * 4 / 5);
+  tier->persistent_granule_ = AlignUp((tier->capacity_ + live - 1) / live, 4096);
   for (const auto& [key, entry] : tier->index_->entries()) tier->recovered_.push_back(entry);
 
   std::vector<int> fds;

@@ -33,7 +33,9 @@ struct NvmeOptions {
   uint64_t io_size = 1 << 20;  // at most stripe_unit
   uint32_t queue_depth = 32;
   bool sqpoll = false;
-  uint64_t index_size = 64 << 20;
+  // The index of persistent chunks (fixed when the regions are formatted); 0: sized for the
+  // regions, so that it can never fill before their space does (see persistent_granule).
+  uint64_t index_size = 0;
   bool reformat = false;  // format the regions even if they hold another set's data
   // Tests: wraps the io_uring backend (fault injection). Null in production.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_backend;
@@ -112,6 +114,11 @@ class NvmeTier final : public Tier {
   uint32_t queue_depth() const { return engine_->queue_depth(); }
   uint32_t block_size() const { return block_; }
   IoEngineStats stats() const { return engine_->stats(); }
+  // The least NVMe space a persistent chunk takes: the volume over the live records the index can
+  // hold with room to spare for its log, so that persistent chunks run out of space (and their
+  // owners into their quotas) before the index runs out of records, however small they are.
+  uint64_t persistent_granule() const { return persistent_granule_; }
+  size_t index_records() const { return index_records_; }
   // Chunk reads whose bytes failed their checksum (refused with DATA_LOSS), since start-up.
   uint64_t checksum_failures() const { return checksum_failures_.load(std::memory_order_relaxed); }
   IoBackend* backend() const { return engine_->backend(); }
@@ -139,6 +146,8 @@ class NvmeTier final : public Tier {
   uint64_t capacity_ = 0;
   uint32_t block_ = 4096;
   uint64_t alignment_ = 4096;
+  uint64_t persistent_granule_ = 4096;
+  size_t index_records_ = 0;
   SegmentPool* host_ = nullptr;
   int observer_ = 0;  // our remap observer on the host pool
 

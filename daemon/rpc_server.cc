@@ -379,12 +379,58 @@ class TierdService final : public pb::Tierd::Service {
         }
       }
     }
+    AddTenants(**session, resp);
     resp->set_chunks(deps_.chunks->chunk_count());
     resp->set_uptime_seconds(absl::ToInt64Seconds(absl::Now() - started_));
     return grpc::Status::OK;
   }
 
  private:
+  // The caller's own user, or every user holding anything for an operator.
+  void AddTenants(const Session& session, pb::GetNodeInfoResponse* resp) const {
+    const Limits limits = deps_.chunks->limits();
+    const Quotas quotas = deps_.chunks->quotas();
+    pb::LimitsInfo* l = resp->mutable_limits();
+    l->set_connections_per_uid(limits.connections_per_uid);
+    l->set_sessions_per_uid(limits.sessions_per_uid);
+    l->set_chunks_per_session(limits.chunks_per_session);
+    l->set_chunks_per_uid(limits.chunks_per_uid);
+    l->set_schedule_accesses_per_session(limits.schedule_accesses_per_session);
+    l->set_schedule_accesses_per_uid(limits.schedule_accesses_per_uid);
+    l->set_trace_steps(limits.trace_steps);
+    std::map<uint32_t, TenantUsage> usage;
+    if (IsOperator(session)) {
+      usage = deps_.chunks->tenant_usage();
+    } else {
+      usage[session.peer.uid] = deps_.chunks->tenant_usage(session.peer.uid);
+    }
+    const absl::flat_hash_map<uint32_t, uint32_t> sessions = deps_.sessions->CountByUid();
+    for (const auto& [uid, n] : sessions) {
+      if (IsOperator(session) || uid == session.peer.uid) usage.try_emplace(uid);
+    }
+    for (const auto& [uid, u] : usage) {
+      pb::TenantInfo* t = resp->add_tenants();
+      t->set_uid(uid);
+      if (auto name = quotas.names.find(uid); name != quotas.names.end()) t->set_user(name->second);
+      if (auto n = sessions.find(uid); n != sessions.end()) t->set_sessions(n->second);
+      t->set_chunks(u.chunks);
+      t->set_schedule_accesses(u.schedule_accesses);
+      for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+        if (deps_.chunks->tier(kind) == nullptr) continue;
+        pb::TenantTier* tier = t->add_tiers();
+        tier->set_tier(ToProto(kind));
+        tier->set_used_bytes(u.bytes[static_cast<int>(kind)]);
+        tier->set_quota_bytes(quotas.For(uid)[static_cast<int>(kind)]);
+      }
+      for (int k = 0; k < kLimitKinds; ++k) {
+        if (u.refusals[k] == 0) continue;
+        pb::LimitRefusals* r = t->add_refusals();
+        r->set_limit(LimitName(static_cast<LimitKind>(k)));
+        r->set_count(u.refusals[k]);
+      }
+    }
+  }
+
   absl::StatusOr<std::shared_ptr<Session>> Authenticate(grpc::ServerContext* ctx) const {
     const auto& metadata = ctx->client_metadata();
     auto it = metadata.find(kSessionMetadata);

@@ -147,6 +147,74 @@ TEST(ConfigTest, PlannerKeys) {
   EXPECT_EQ(c.planner.max_session_weight, 4u);  // a bad value changes nothing
 }
 
+TEST(ConfigTest, LimitsAndQuotas) {
+  DaemonConfig c = DefaultConfig();
+  EXPECT_EQ(c.limits.sessions_per_uid, 128u);
+  EXPECT_EQ(c.quotas.For(1000)[static_cast<int>(TierKind::kHost)], 0u);  // none by default
+  absl::Status s = ApplyToml(R"(
+[limits]
+connections_per_uid = 32
+sessions_per_uid = 16
+chunks_per_session = 5000
+chunks_per_uid = 10000
+schedule_accesses_per_session = 4096
+schedule_accesses_per_uid = 8192
+trace_steps = 512
+[quota]
+host = "64GiB"
+nvme = "1TiB"
+[[quota.users]]
+uid = 1000
+host = "128GiB"
+[[quota.users]]
+user = "root"
+nvme = 0
+)",
+                             "q.toml", &c);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(c.limits.connections_per_uid, 32u);
+  EXPECT_EQ(c.limits.sessions_per_uid, 16u);
+  EXPECT_EQ(c.limits.chunks_per_session, 5000u);
+  EXPECT_EQ(c.limits.chunks_per_uid, 10000u);
+  EXPECT_EQ(c.limits.schedule_accesses_per_session, 4096u);
+  EXPECT_EQ(c.limits.schedule_accesses_per_uid, 8192u);
+  EXPECT_EQ(c.limits.trace_steps, 512u);
+  const int host = static_cast<int>(TierKind::kHost), nvme = static_cast<int>(TierKind::kNvme);
+  EXPECT_EQ(c.quotas.For(2000)[host], 64ull << 30);  // everyone's
+  EXPECT_EQ(c.quotas.For(1000)[host], 128ull << 30);
+  EXPECT_EQ(c.quotas.For(1000)[nvme], 1ull << 40);  // what the entry does not name stays
+  EXPECT_EQ(c.quotas.For(0)[nvme], 0u);             // 0: no quota for root on NVMe
+  EXPECT_EQ(c.quotas.names.at(0), "root");
+  for (auto [bad, why] :
+       {std::pair{"[limits]\nsessions_per_uid = 0\n",
+                  "limits.sessions_per_uid: must be an integer"},
+        std::pair{"[limits]\nsessions = 3\n", "limits.sessions: unknown key"},
+        std::pair{"[quota]\ngpu = \"1GiB\"\n", "quota.gpu: unknown key"},
+        std::pair{"[quota]\nhost = \"lots\"\n", "quota.host"},
+        std::pair{"[[quota.users]]\nhost = \"1GiB\"\n", "either a uid or a user"},
+        std::pair{"[[quota.users]]\nuser = \"no-such-user-here\"\n", "no user named"},
+        std::pair{"[[quota.users]]\nuid = 5\n[[quota.users]]\nuid = 5\n", "two quota entries"}}) {
+    DaemonConfig d = DefaultConfig();
+    absl::Status e = ApplyToml(bad, "q.toml", &d);
+    EXPECT_TRUE(absl::IsInvalidArgument(e)) << bad;
+    EXPECT_NE(e.message().find(why), std::string::npos) << e;
+  }
+}
+
+TEST(ConfigTest, CrossKeyChecksRunBeforeAnythingStarts) {
+  DaemonConfig c = DefaultConfig();
+  EXPECT_TRUE(ValidateConfig(c).ok());
+  c.host.capacity = 24 << 20;
+  c.host.segment_size = 16 << 20;
+  EXPECT_NE(ValidateConfig(c).message().find("host.capacity"), std::string::npos);
+  c = DefaultConfig();
+  c.nvme.regions = {{"/a", 1 << 30}, {"/a", 1 << 30}};
+  EXPECT_NE(ValidateConfig(c).message().find("lists '/a' twice"), std::string::npos);
+  c = DefaultConfig();
+  c.nvme.io_size = 3 << 20;
+  EXPECT_NE(ValidateConfig(c).message().find("nvme.io_size"), std::string::npos);
+}
+
 TEST(ConfigTest, RegionListFlagParsesAndRejectsGarbage) {
   auto two = ParseRegionList("/a:1GiB,/b:0");
   ASSERT_TRUE(two.ok());

@@ -95,8 +95,9 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   EXPECT_TRUE(nvme->configured);
   ASSERT_EQ(nvme->regions.size(), 1u);
   EXPECT_EQ(nvme->regions[0].path, daemon_->socket_dir() + "/nvme0.region");
-  // 256 MiB less the 1 MiB header and the 64 MiB index, in whole stripe units.
-  EXPECT_EQ(nvme->capacity_bytes, 191u << 20);
+  // 256 MiB less the 1 MiB header and the index (sized for the region: 1,024 records per half),
+  // in whole stripe units.
+  EXPECT_EQ(nvme->capacity_bytes, 247u << 20);
   EXPECT_EQ(nvme->regions[0].used_bytes, 0u);
   EXPECT_FALSE(info->tier(Tier::kDevice)->configured);
   EXPECT_FALSE(info->version.empty());

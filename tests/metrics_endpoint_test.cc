@@ -162,7 +162,8 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
     EXPECT_TRUE(name == "tier" || name == "path" || name == "state" || name == "result" ||
                 name == "kind" || name == "op" || name == "code" || name == "le" ||
                 name == "region" || name == "device" || name == "name" || name == "emulated" ||
-                name == "version" || name == "build_type" || name == "cuda")
+                name == "version" || name == "build_type" || name == "cuda" || name == "uid" ||
+                name == "limit")
         << "unexpected label " << name;
   }
 

@@ -244,6 +244,39 @@ class Tierctl {
                   p.probed_bytes_per_second > 0 ? Rate(p.probed_bytes_per_second).c_str() : "-",
                   FormatSize(p.bytes).c_str());
     }
+    if (!n.tenants.empty()) {
+      // Used/quota per tier ("-" where there is no quota), and what was refused for a limit.
+      std::printf("\n%-16s %8s %9s %21s %21s %21s  %s\n", "USER", "SESSIONS", "CHUNKS",
+                  "DEVICE USED/QUOTA", "HOST USED/QUOTA", "NVME USED/QUOTA", "REFUSED");
+      for (const TenantStatus& t : n.tenants) {
+        std::string cells[4];  // by Tier
+        for (const TenantStatus::TierUse& u : t.tiers) {
+          cells[static_cast<int>(u.tier)] =
+              absl::StrCat(FormatSize(u.used_bytes), "/",
+                           u.quota_bytes ? FormatSize(u.quota_bytes) : std::string("-"));
+        }
+        std::vector<std::string> refused;
+        for (const auto& [limit, count] : t.refusals)
+          refused.push_back(absl::StrCat(limit, " ", count));
+        const std::string who =
+            t.user.empty() ? absl::StrCat("uid ", t.uid) : absl::StrCat(t.user, " (", t.uid, ")");
+        std::printf("%-16s %8u %9llu %21s %21s %21s  %s\n", who.c_str(), t.sessions,
+                    static_cast<unsigned long long>(t.chunks),
+                    cells[static_cast<int>(Tier::kDevice)].c_str(),
+                    cells[static_cast<int>(Tier::kHost)].c_str(),
+                    cells[static_cast<int>(Tier::kNvme)].c_str(),
+                    refused.empty() ? "-" : absl::StrJoin(refused, ", ").c_str());
+      }
+      const LimitsStatus& l = n.limits;
+      std::printf(
+          "limits per user: %u sessions, %u connections, %llu chunks, %llu schedule accesses; "
+          "per session: %llu chunks, %llu schedule accesses, %u trace steps\n",
+          l.sessions_per_uid, l.connections_per_uid,
+          static_cast<unsigned long long>(l.chunks_per_uid),
+          static_cast<unsigned long long>(l.schedule_accesses_per_uid),
+          static_cast<unsigned long long>(l.chunks_per_session),
+          static_cast<unsigned long long>(l.schedule_accesses_per_session), l.trace_steps);
+    }
     if (!n.session_list.empty()) {
       std::printf("\n%-8s %-20s %7s %8s %8s %12s %7s  %s\n", "SESSION", "CLIENT", "UID", "PID",
                   "CHUNKS", "BYTES", "PINNED", "OPENED");
@@ -259,7 +292,31 @@ class Tierctl {
 
   void PrintStatusJson(const NodeInfo& n, const std::map<std::string, double>& recent,
                        absl::Duration sample) const {
-    std::vector<std::string> tiers, paths, sessions;
+    std::vector<std::string> tiers, paths, sessions, tenants;
+    for (const TenantStatus& t : n.tenants) {
+      std::vector<std::string> uses, refused;
+      for (const TenantStatus::TierUse& u : t.tiers) {
+        uses.push_back(absl::StrCat(
+            "{\"tier\":", Quote(TierName(u.tier)), ",\"used_bytes\":", u.used_bytes,
+            ",\"quota_bytes\":", u.quota_bytes ? absl::StrCat(u.quota_bytes) : "null", "}"));
+      }
+      for (const auto& [limit, count] : t.refusals) {
+        refused.push_back(absl::StrCat(Quote(limit), ":", count));
+      }
+      tenants.push_back(absl::StrCat(
+          "{\"uid\":", t.uid, ",\"user\":", t.user.empty() ? "null" : Quote(t.user),
+          ",\"sessions\":", t.sessions, ",\"chunks\":", t.chunks,
+          ",\"schedule_accesses\":", t.schedule_accesses, ",\"tiers\":[", absl::StrJoin(uses, ","),
+          "],\"refusals\":{", absl::StrJoin(refused, ","), "}}"));
+    }
+    const LimitsStatus& l = n.limits;
+    const std::string limits = absl::StrCat(
+        "{\"connections_per_uid\":", l.connections_per_uid,
+        ",\"sessions_per_uid\":", l.sessions_per_uid,
+        ",\"chunks_per_session\":", l.chunks_per_session, ",\"chunks_per_uid\":", l.chunks_per_uid,
+        ",\"schedule_accesses_per_session\":", l.schedule_accesses_per_session,
+        ",\"schedule_accesses_per_uid\":", l.schedule_accesses_per_uid,
+        ",\"trace_steps\":", l.trace_steps, "}");
     for (const TierStatus& t : n.tiers) {
       std::vector<std::string> regions;
       for (const RegionStatus& r : t.regions) {
@@ -290,8 +347,8 @@ class Tierctl {
     }
     std::printf(
         "{\"hostname\":%s,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u,\"chunks\":%llu,"
-        "\"device\":%s,\"sample_seconds\":%g,\"tiers\":[%s],\"paths\":[%s],\"session_list\":[%s]}"
-        "\n",
+        "\"device\":%s,\"sample_seconds\":%g,\"tiers\":[%s],\"paths\":[%s],\"session_list\":[%s],"
+        "\"tenants\":[%s],\"limits\":%s}\n",
         Quote(n.hostname).c_str(), Quote(n.version).c_str(),
         static_cast<long long>(n.uptime_seconds), n.sessions,
         static_cast<unsigned long long>(n.chunks),
@@ -302,7 +359,8 @@ class Tierctl {
                            ",\"memory_bytes\":", n.device_memory_bytes, "}")
                   .c_str(),
         absl::ToDoubleSeconds(sample), absl::StrJoin(tiers, ",").c_str(),
-        absl::StrJoin(paths, ",").c_str(), absl::StrJoin(sessions, ",").c_str());
+        absl::StrJoin(paths, ",").c_str(), absl::StrJoin(sessions, ",").c_str(),
+        absl::StrJoin(tenants, ",").c_str(), limits.c_str());
   }
 
   int Unhealthy(const std::string& why) const {

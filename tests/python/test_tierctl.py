@@ -127,3 +127,55 @@ def test_bad_usage_says_why_and_exits_2(daemon):
                       ([], "usage: tierctl")]:
         rc, _, err = tierctl(daemon, *args)
         assert rc == 2 and why in err, (args, err)
+
+
+def test_quotas_are_enforced_and_reported_by_status_and_metrics(lib, tmp_path):
+    """A user's quota: RESOURCE_EXHAUSTED naming it, and what it holds in tierctl and /metrics."""
+    import re
+    import signal
+    import time
+    import urllib.request
+    config = tmp_path / "tierd.toml"
+    config.write_text("[quota]\nhost = \"4MiB\"\n\n[limits]\nchunks_per_session = 10\n")
+    run = tmp_path / "run"
+    log = open(tmp_path / "daemon.log", "w")
+    proc = subprocess.Popen(
+        [os.environ["TIERD_BIN"], f"--config={config}", f"--socket_dir={run}",
+         f"--state_dir={tmp_path}/state", "--nvme_regions=none", "--host_capacity=32MiB",
+         "--host_segment_size=16MiB", "--lock_memory=false", "--device=none",
+         "--metrics_listen=127.0.0.1:0"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while not (run / "tierd.sock").exists():
+            assert proc.poll() is None, open(log.name).read()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        handle = ctypes.c_void_p()
+        assert lib.tierd_connect(str(run).encode(), b"quota", ctypes.byref(handle)) == OK
+        one = (ctypes.c_uint64 * 1)(4 << 20)
+        ids = (ctypes.c_uint64 * 1)()
+        assert lib.tierd_allocate(handle, 1, one, TIER_HOST, ids) == OK, lib.tierd_last_error()
+        assert lib.tierd_allocate(handle, 1, one, TIER_HOST, ids) == 8  # RESOURCE_EXHAUSTED
+        assert b"quota of 4 MiB (quota.host)" in lib.tierd_last_error()
+
+        status = tierctl_json(str(run), "status", "--sample=0")
+        me = next(t for t in status["tenants"] if t["uid"] == os.getuid())
+        host = next(t for t in me["tiers"] if t["tier"] == "host")
+        assert host == {"tier": "host", "used_bytes": 4 << 20, "quota_bytes": 4 << 20}
+        assert me["sessions"] == 2 and me["chunks"] == 1  # tierctl has a session too
+        assert me["refusals"] == {"quota.host": 1}
+        assert status["limits"]["chunks_per_session"] == 10
+        rc, out, _ = tierctl(str(run), "status", "--sample=0")
+        assert rc == 0 and "4 MiB/4 MiB" in out and "quota.host 1" in out, out
+
+        url = re.search(r"serving metrics on (http://\S+)", open(log.name).read()).group(1)
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        uid = os.getuid()
+        assert f'tierd_user_bytes{{uid="{uid}",tier="host"}} 4194304' in text
+        assert f'tierd_user_quota_bytes{{uid="{uid}",tier="host"}} 4194304' in text
+        assert f'tierd_limit_refusals_total{{uid="{uid}",limit="quota.host"}} 1' in text
+        assert f'tierd_user_sessions{{uid="{uid}"}} 1' in text
+        lib.tierd_close(handle)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, open(log.name).read()

@@ -105,6 +105,34 @@ struct SessionSummary {
   uint64_t pinned_chunks = 0;
 };
 
+// One user's holdings against its quotas and limits (the caller's own, or every user's for an
+// operator).
+struct TenantStatus {
+  struct TierUse {
+    Tier tier = Tier::kHost;
+    uint64_t used_bytes = 0;
+    uint64_t quota_bytes = 0;  // 0: no quota
+  };
+  uint32_t uid = 0;
+  std::string user;  // when the daemon's quota config names it
+  uint32_t sessions = 0;
+  uint64_t chunks = 0;
+  uint64_t schedule_accesses = 0;
+  std::vector<TierUse> tiers;
+  std::vector<std::pair<std::string, uint64_t>> refusals;  // limit key, requests refused
+};
+
+// The daemon's per-user and per-session limits ([limits] in its config).
+struct LimitsStatus {
+  uint32_t connections_per_uid = 0;
+  uint32_t sessions_per_uid = 0;
+  uint64_t chunks_per_session = 0;
+  uint64_t chunks_per_uid = 0;
+  uint64_t schedule_accesses_per_session = 0;
+  uint64_t schedule_accesses_per_uid = 0;
+  uint32_t trace_steps = 0;
+};
+
 struct NodeInfo {
   std::string hostname;
   std::string version;
@@ -121,6 +149,8 @@ struct NodeInfo {
   uint32_t sessions = 0;
   uint64_t chunks = 0;
   std::vector<PathStatus> paths;
+  std::vector<TenantStatus> tenants;
+  LimitsStatus limits;
 
   const TierStatus* tier(Tier t) const;
   const PathStatus* path(std::string_view name) const;
