@@ -231,11 +231,12 @@ bool CleanIn(const ChunkMeta& c, TierKind tier) {
 
 }  // namespace
 
-absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t tenant,
-                                                     uint64_t size) {
+absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t tenant, uint64_t size,
+                                                     bool quota) {
   absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
   if (!p.ok()) return p;
-  if (absl::Status s = ledger_.CheckBytes(tenant, kind, p->size); !s.ok()) {
+  if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
+      !s.ok()) {
     tier(kind)->Unreserve(*p);
     return s;
   }
@@ -853,8 +854,34 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
     if (!keep_source) DropAbove(chunk, TierKind::kNvme);
     return;
   }
+  // A persistent chunk's durable version stays whole where the index says it is until the new
+  // one is durable: the rewrite goes to fresh space, and the index switch is its commit point.
+  std::optional<Placement> previous;
+  if (chunk.persistent && chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
+    // Briefly two copies: the second is not held against the user's quota.
+    absl::StatusOr<Placement> fresh = ReserveSpace(
+        TierKind::kNvme, chunk.tenant, SpaceIn(TierKind::kNvme, chunk.size, true), false);
+    if (!fresh.ok()) {
+      batch->Add();
+      batch->Done(
+          absl::Status(fresh.status().code(),
+                       absl::StrCat("chunk ", chunk.id,
+                                    ": its new version is written beside the durable one "
+                                    "until it is durable itself, and there is no room for it: ",
+                                    fresh.status().message())));
+      return;
+    }
+    previous = chunk.placement[kNvme];
+    chunk.placement[kNvme] = *fresh;
+  }
   if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
-  if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) return;
+  if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) {
+    if (previous) {
+      ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
+      chunk.placement[kNvme] = *previous;
+    }
+    return;
+  }
   MoveStarted(Path::kHostToNvme, chunk);
   const ChunkId id = chunk.id;
   const Placement nvme = chunk.placement[kNvme];
@@ -863,20 +890,20 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
     entry = IndexEntry{chunk.tenant, chunk.name, chunk.size, nvme.offset, nvme.size, 0};
   nvme_->Write(
       id, chunk.placement[kHost], nvme, chunk.size,
-      [this, id, batch, keep_source, entry](absl::StatusOr<uint64_t> checksum) {
+      [this, id, batch, keep_source, entry, previous](absl::StatusOr<uint64_t> checksum) {
         if (!checksum.ok() || !entry) {
-          SettleWrite(id, checksum, keep_source);
+          SettleWrite(id, checksum, keep_source, previous);
           batch->Done(checksum.status());
           return;
         }
         // A persistent chunk is durable once the index says where it is.
         IndexEntry e = *entry;
         e.checksum = *checksum;
-        nvme_->Persist(e, [this, id, batch, keep_source, checksum](absl::Status s) {
+        nvme_->Persist(e, [this, id, batch, keep_source, checksum, previous](absl::Status s) {
           if (s.ok()) {
-            SettleWrite(id, checksum, keep_source);
+            SettleWrite(id, checksum, keep_source, previous);
           } else {
-            SettleWrite(id, s, keep_source);
+            SettleWrite(id, s, keep_source, previous);
           }
           batch->Done(s);
         });
@@ -885,11 +912,22 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,
-                               bool keep_source) {
+                               bool keep_source, const std::optional<Placement>& previous) {
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, checksum.ok());
   MoveDone(Path::kHostToNvme, chunk);
+  if (previous) {
+    // Committed: the previous version's space is free. Not: the new one's, and the previous
+    // version stays what the index (and the chunk) name.
+    if (checksum.ok()) {
+      ReleaseSpace(chunk.tenant, *previous);
+    } else {
+      ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
+      chunk.placement[kNvme] = *previous;
+    }
+  }
   if (checksum.ok()) {
     chunk.written = true;
     chunk.checksum = *checksum;

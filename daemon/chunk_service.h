@@ -386,8 +386,9 @@ class ChunkService {
   uint64_t FreeFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every reservation and release of a chunk's space goes through these: the tier's, and the
   // tenant's quota (RESOURCE_EXHAUSTED naming it).
-  absl::StatusOr<Placement> ReserveSpace(TierKind tier, uint32_t tenant, uint64_t size)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `quota` false: held by the user but not checked against its quota (a rewrite's second copy).
+  absl::StatusOr<Placement> ReserveSpace(TierKind tier, uint32_t tenant, uint64_t size,
+                                         bool quota = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseSpace(uint32_t tenant, const Placement& placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
   // arrival order.
@@ -411,7 +412,9 @@ class ChunkService {
   // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
   IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source);
+  // `previous`: a persistent chunk's durable version, kept until this write's index record commits.
+  void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
+                   const std::optional<Placement>& previous);
   void SettleRead(ChunkId id, const absl::Status& status);
   // Space in `tier` for a chunk, dropping clean copies there (valid in a lower tier too, least
   // recently used first) when the tier is full — only the tenant's own when its quota is what is

@@ -837,6 +837,38 @@ TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
   EXPECT_TRUE(service_->List(*other, 0, 100).chunks.empty());
 }
 
+// A persistent chunk rewritten in place lost its durable version when the rewrite stopped halfway
+// (the daemon died, the drive failed): the old bytes were partly overwritten and the index still
+// named their checksum, so the chunk read back as DATA_LOSS. A rewrite now goes to fresh space and
+// the index switch is its commit point: until then the previous version stays whole.
+TEST_F(NvmeServiceTest, ARewriteThatStopsHalfwayLeavesThePreviousVersionWhole) {
+  std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/state", .persistent = true}};
+  auto ids = *service_->Allocate(*session_, r);
+  Write(*session_, ids, 21);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  const ChunkId old_id = ids[0];
+  Write(*session_, ids, 22);  // brought back, and rewritten on the host
+  // The rewrite's first sub-I/O fails; the others reach the drive.
+  faults_->FailNext(IoKind::kWrite, EIO);
+  const absl::Status failed = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
+  ASSERT_FALSE(failed.ok());
+  // The daemon goes away and comes back with what the drive and the index hold.
+  service_.reset();
+  nvme_.reset();
+  OpenTier();
+  ASSERT_EQ(service_->Recover(nvme_->RecoveredEntries()), 1u);
+  auto after = *sessions_.Open({1000, 1000, 2}, "after");
+  MapPage(*after);
+  r[0].open_existing = true;
+  auto reopened = *service_->Allocate(*after, r);
+  auto a = service_->Acquire(*after, reopened, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const absl::Status read = Wait(*after, a->ready);
+  ASSERT_TRUE(read.ok()) << read;
+  const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[0]));
+  for (size_t j = 0; j < (1 << 20) / 8; ++j) ASSERT_EQ(w[j], Word(21, old_id, j)) << j;
+}
+
 // --- What one user may hold: quotas per tier and limits on chunks and schedules. ---
 
 TEST_F(NvmeServiceTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
