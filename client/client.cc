@@ -559,6 +559,7 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
     for (const pb::RegionInfo& r : t.regions()) {
       status.regions.push_back({r.path(), r.capacity_bytes(), r.used_bytes(), r.block_size()});
     }
+    status.io_backend = t.io_backend();
     info.tiers.push_back(std::move(status));
   }
   for (const pb::DeviceInfo& d : resp.devices()) {

@@ -309,6 +309,12 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
           return KeyError(source, node, key, "must be an integer from 1 to 4096");
         }
         config->nvme.queue_depth = static_cast<uint32_t>(i->get());
+      } else if (key == "nvme.io_backend") {
+        absl::StatusOr<std::string> v = GetString(source, node, key);
+        if (!v.ok()) return v.status();
+        absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(*v);
+        if (!kind.ok()) return KeyError(source, node, key, kind.status().message());
+        config->nvme.io_backend = *kind;
       } else if (key == "nvme.sqpoll") {
         const auto* b = node.as_boolean();
         if (b == nullptr) return KeyError(source, node, key, "must be true or false");

@@ -203,6 +203,10 @@ std::string RenderMetrics(const MetricsSources& src) {
     w.Sample({}, static_cast<double>(io.short_transfers));
     w.Family("tierd_nvme_io_in_flight", Type::kGauge, "io_uring requests in flight now.");
     w.Sample({}, static_cast<double>(io.in_flight));
+    w.Family("tierd_nvme_io_backend", Type::kGauge,
+             "How the NVMe tier does its I/O (always 1): io_uring, or threads of pread/pwrite "
+             "where io_uring is unavailable or turned off.");
+    w.Sample({{"backend", IoBackendName(src.nvme->io_backend())}}, 1);
     w.Family("tierd_nvme_io_queue_depth", Type::kGauge,
              "The most io_uring requests kept in flight (nvme.queue_depth).");
     w.Sample({}, static_cast<double>(src.nvme->queue_depth()));

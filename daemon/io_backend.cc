@@ -5,9 +5,12 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -157,6 +160,136 @@ class UringBackend final : public IoBackend {
 absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(std::span<const int> fds,
                                                             const UringOptions& options) {
   return UringBackend::Create(fds, options);
+}
+
+// --- The thread pool ---
+
+namespace {
+
+class ThreadPoolBackend final : public IoBackend {
+ public:
+  ThreadPoolBackend(std::span<const int> fds, uint32_t depth, uint32_t threads)
+      : fds_(fds.begin(), fds.end()), depth_(depth) {
+    for (uint32_t i = 0; i < std::max<uint32_t>(threads, 1); ++i) {
+      workers_.emplace_back([this] { Work(); });
+    }
+  }
+  ~ThreadPoolBackend() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    for (std::thread& t : workers_) t.join();
+  }
+
+  uint32_t queue_depth() const override { return depth_; }
+
+  absl::Status Submit(std::span<const IoRequest> requests) override {
+    absl::MutexLock lock(&mu_);
+    for (const IoRequest& r : requests) {
+      if (r.file >= fds_.size()) {
+        done_.push_back({r.tag, -EBADF});
+        continue;
+      }
+      pending_.push_back(r);
+    }
+    return absl::OkStatus();
+  }
+
+  size_t Reap(std::span<IoCompletion> out, absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](ThreadPoolBackend* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                               return !b->done_.empty() || b->woken_;
+                             },
+                             this),
+                         timeout);
+    woken_ = false;
+    size_t n = 0;
+    while (n < out.size() && !done_.empty()) {
+      out[n++] = done_.front();
+      done_.pop_front();
+    }
+    return n;
+  }
+
+  void Wake() override {
+    absl::MutexLock lock(&mu_);
+    woken_ = true;
+  }
+
+  absl::Status RegisterBuffer(int, void*, size_t) override { return absl::OkStatus(); }
+
+ private:
+  void Work() {
+    for (;;) {
+      IoRequest r;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ThreadPoolBackend* b)
+                 ABSL_NO_THREAD_SAFETY_ANALYSIS { return !b->pending_.empty() || b->stopping_; },
+            this));
+        if (pending_.empty()) return;  // stopping
+        r = pending_.front();
+        pending_.pop_front();
+      }
+      const int fd = fds_[r.file];
+      ssize_t n = 0;
+      do {
+        switch (r.kind) {
+          case IoKind::kRead:
+            n = pread(fd, r.buffer, r.length, static_cast<off_t>(r.offset));
+            break;
+          case IoKind::kWrite:
+            n = pwrite(fd, r.buffer, r.length, static_cast<off_t>(r.offset));
+            break;
+          case IoKind::kSync:
+            n = fdatasync(fd);
+            break;
+        }
+      } while (n < 0 && errno == EINTR);
+      const int32_t result = n < 0 ? -errno : static_cast<int32_t>(n);
+      absl::MutexLock lock(&mu_);
+      done_.push_back({r.tag, result});
+    }
+  }
+
+  const std::vector<int> fds_;
+  const uint32_t depth_;
+  absl::Mutex mu_;
+  std::deque<IoRequest> pending_ ABSL_GUARDED_BY(mu_);
+  std::deque<IoCompletion> done_ ABSL_GUARDED_BY(mu_);
+  bool woken_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;  // last: they stop before the members they use go
+};
+
+}  // namespace
+
+std::unique_ptr<IoBackend> MakeThreadPoolBackend(std::span<const int> fds, uint32_t queue_depth,
+                                                 uint32_t threads) {
+  return std::make_unique<ThreadPoolBackend>(fds, queue_depth, threads);
+}
+
+absl::StatusOr<IoBackendKind> ParseIoBackendKind(absl::string_view text) {
+  if (text == "auto") return IoBackendKind::kAuto;
+  if (text == "io_uring") return IoBackendKind::kUring;
+  if (text == "threads") return IoBackendKind::kThreads;
+  return absl::InvalidArgumentError(
+      absl::StrCat("the NVMe I/O backend is auto, io_uring or threads, not '", text, "'"));
+}
+
+const char* IoBackendName(IoBackendKind kind) {
+  switch (kind) {
+    case IoBackendKind::kAuto:
+      return "auto";
+    case IoBackendKind::kUring:
+      return "io_uring";
+    case IoBackendKind::kThreads:
+      return "threads";
+  }
+  return "?";
 }
 
 // --- FaultInjectingBackend ---

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace tierd {
@@ -58,6 +59,18 @@ struct UringOptions {
 // io_uring over `fds` (registered as fixed files; the backend does not own them).
 absl::StatusOr<std::unique_ptr<IoBackend>> MakeUringBackend(std::span<const int> fds,
                                                             const UringOptions& options);
+
+// The same requests as blocking pread/pwrite/fdatasync calls on `threads` threads of its own: for
+// where io_uring is unavailable (a container's seccomp profile, gVisor, an old kernel). Registered
+// buffers need no registration here; `queue_depth` requests may be in flight.
+std::unique_ptr<IoBackend> MakeThreadPoolBackend(std::span<const int> fds, uint32_t queue_depth,
+                                                 uint32_t threads);
+
+// Which backend the NVMe tier uses: io_uring when the kernel lets the daemon have one, else the
+// thread pool, saying why (kAuto); or one of them regardless.
+enum class IoBackendKind { kAuto, kUring, kThreads };
+absl::StatusOr<IoBackendKind> ParseIoBackendKind(absl::string_view text);
+const char* IoBackendName(IoBackendKind kind);
 
 // Faults the wrapped backend's requests on command. Thread-safe setters.
 class FaultInjectingBackend final : public IoBackend {

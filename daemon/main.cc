@@ -74,6 +74,9 @@ ABSL_FLAG(std::string, nvme_io_size, "",
           "largest single I/O, at most the stripe unit [nvme.io_size; default 1MiB]");
 ABSL_FLAG(int32_t, nvme_queue_depth, 0, "I/Os in flight [nvme.queue_depth; default 32]");
 ABSL_FLAG(bool, nvme_sqpoll, false, "kernel-side submission polling [nvme.sqpoll]");
+ABSL_FLAG(std::string, nvme_io_backend, "",
+          "io_uring, threads (pread/pwrite) or auto: io_uring unless it is unavailable "
+          "[nvme.io_backend; default auto]");
 ABSL_FLAG(bool, nvme_reformat, false,
           "format the NVMe regions even if they hold data (discards their persistent chunks)");
 ABSL_FLAG(std::string, device, "",
@@ -166,6 +169,14 @@ absl::StatusOr<DaemonConfig> BuildConfig() {
     config.nvme.queue_depth = static_cast<uint32_t>(depth);
   }
   if (absl::GetFlag(FLAGS_nvme_sqpoll)) config.nvme.sqpoll = true;
+  if (std::string v = absl::GetFlag(FLAGS_nvme_io_backend); !v.empty()) {
+    absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(v);
+    if (!kind.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--nvme_io_backend: ", kind.status().message()));
+    }
+    config.nvme.io_backend = *kind;
+  }
   config.nvme.reformat = absl::GetFlag(FLAGS_nvme_reformat);
   if (std::string v = absl::GetFlag(FLAGS_device); !v.empty()) {
     if (absl::Status s = ValidateDeviceBackend(v); !s.ok()) {

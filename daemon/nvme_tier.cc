@@ -68,6 +68,8 @@ namespace {
 
 // Index records kept free beyond the live ones' share, for the log between compactions.
 constexpr uint64_t kIndexSpare = 64;
+// Threads of the pread/pwrite backend: as many as I/Os in flight, up to this.
+constexpr uint32_t kMaxIoThreads = 64;
 
 // The record, in the state directory, of the region set this instance formatted: when and which
 // regions. Its presence says the regions hold data; they are never formatted anew without
@@ -304,10 +306,31 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
     names.push_back(region->path());
   }
   const uint32_t segments = host->segment_count();
-  absl::StatusOr<std::unique_ptr<IoBackend>> backend = MakeUringBackend(
-      fds, UringOptions{options.queue_depth, std::max<uint32_t>(segments, 1), options.sqpoll});
-  if (!backend.ok()) return backend.status();
-  std::unique_ptr<IoBackend> b = std::move(*backend);
+  std::unique_ptr<IoBackend> b;
+  if (options.io_backend != IoBackendKind::kThreads) {
+    absl::StatusOr<std::unique_ptr<IoBackend>> uring = MakeUringBackend(
+        fds, UringOptions{options.queue_depth, std::max<uint32_t>(segments, 1), options.sqpoll});
+    if (uring.ok()) {
+      b = std::move(*uring);
+      tier->io_backend_ = IoBackendKind::kUring;
+    } else if (options.io_backend == IoBackendKind::kUring) {
+      return absl::Status(uring.status().code(),
+                          absl::StrCat("nvme.io_backend is io_uring, but ",
+                                       uring.status().message(), "; set it to auto or threads"));
+    } else {
+      spdlog::warn(
+          "NVMe: io_uring is unavailable ({}): a container's seccomp profile (Docker's default), "
+          "gVisor or an old kernel refuses it. Using {} threads of pread/pwrite instead, which "
+          "costs CPU per I/O; allow io_uring_setup/io_uring_enter/io_uring_register for the "
+          "daemon, or set nvme.io_backend = \"threads\" to say this is intended",
+          uring.status().message(), std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
+    }
+  }
+  if (b == nullptr) {
+    b = MakeThreadPoolBackend(fds, options.queue_depth,
+                              std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
+    tier->io_backend_ = IoBackendKind::kThreads;
+  }
   if (options.wrap_backend) b = options.wrap_backend(std::move(b));
   tier->engine_ = std::make_unique<IoEngine>(std::move(b), IoEngineOptions{options.io_size, names});
   tier->worker_ = std::make_unique<WorkQueue>();
@@ -413,7 +436,8 @@ std::string NvmeTier::Describe() const {
   return absl::StrCat(regions_.size(), " region(s) striped by ", FormatSize(stripe_unit_), " (",
                       FormatSize(capacity_), "): ", absl::StrJoin(paths, ", "), "; ", block_,
                       "-byte blocks, io_size ", FormatSize(engine_ ? io_size() : 0),
-                      ", queue depth ", engine_ ? queue_depth() : 0);
+                      ", queue depth ", engine_ ? queue_depth() : 0, ", ",
+                      io_backend_ == IoBackendKind::kUring ? "io_uring" : "pread/pwrite threads");
 }
 
 std::vector<RegionStatus> NvmeTier::Regions() const {

@@ -37,6 +37,7 @@ struct NvmeOptions {
   // regions, so that it can never fill before their space does (see persistent_granule).
   uint64_t index_size = 0;
   bool reformat = false;  // format the regions even if they hold another set's data
+  IoBackendKind io_backend = IoBackendKind::kAuto;
   // Tests: wraps the io_uring backend (fault injection). Null in production.
   std::function<std::unique_ptr<IoBackend>(std::unique_ptr<IoBackend>)> wrap_backend;
 };
@@ -122,6 +123,8 @@ class NvmeTier final : public Tier {
   // Chunk reads whose bytes failed their checksum (refused with DATA_LOSS), since start-up.
   uint64_t checksum_failures() const { return checksum_failures_.load(std::memory_order_relaxed); }
   IoBackend* backend() const { return engine_->backend(); }
+  // io_uring, or the threads it fell back to (or was told to use).
+  IoBackendKind io_backend() const { return io_backend_; }
 
  private:
   NvmeTier() = default;
@@ -147,6 +150,7 @@ class NvmeTier final : public Tier {
   uint32_t block_ = 4096;
   uint64_t alignment_ = 4096;
   uint64_t persistent_granule_ = 4096;
+  IoBackendKind io_backend_ = IoBackendKind::kUring;
   size_t index_records_ = 0;
   SegmentPool* host_ = nullptr;
   int observer_ = 0;  // our remap observer on the host pool

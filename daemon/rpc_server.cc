@@ -335,6 +335,7 @@ class TierdService final : public pb::Tierd::Service {
       info->set_largest_free_bytes(usage.largest_free_bytes);
       info->set_detail(tier->Describe());
       if (kind == TierKind::kNvme && deps_.nvme != nullptr) {
+        info->set_io_backend(IoBackendName(deps_.nvme->io_backend()));
         for (const RegionStatus& r : deps_.nvme->Regions()) {
           pb::RegionInfo* region = info->add_regions();
           region->set_path(r.path);

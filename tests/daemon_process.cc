@@ -2,10 +2,15 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stddef.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,7 +32,34 @@ extern char** environ;
 namespace tierd::testing {
 namespace {
 
-pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path) {
+// In the child, before exec: io_uring_setup fails with EPERM from now on.
+bool BlockIoUring() {
+  struct sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog program = {sizeof(filter) / sizeof(filter[0]), filter};
+  return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+         prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path,
+            bool without_io_uring = false) {
+  if (without_io_uring) {
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid != 0) return pid;
+    const int out = open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(out, 1);
+    dup2(out, 2);
+    if (!BlockIoUring()) _exit(126);
+    execv(args[0], args.data());
+    _exit(127);
+  }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
@@ -87,12 +119,13 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
   if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   daemon->argv_ = std::move(argv);
+  daemon->without_io_uring_ = options.without_io_uring;
   if (absl::Status s = daemon->Launch(); !s.ok()) return s;
   return daemon;
 }
 
 absl::Status DaemonProcess::Launch() {
-  pid_ = Spawn(argv_, dir_ + "/daemon.log");
+  pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_);
   if (pid_ < 0) return absl::InternalError("cannot spawn " + argv_[0]);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline) {
@@ -158,12 +191,12 @@ DaemonProcess::~DaemonProcess() {
   std::filesystem::remove_all(dir_, ec);
 }
 
-int RunProcess(const std::vector<std::string>& argv, std::string* output) {
+int RunProcess(const std::vector<std::string>& argv, std::string* output, bool without_io_uring) {
   char tmpl[] = "/tmp/tierd-run-XXXXXX";
   int fd = mkstemp(tmpl);
   if (fd < 0) return -1;
   close(fd);
-  pid_t pid = Spawn(argv, tmpl);
+  pid_t pid = Spawn(argv, tmpl, without_io_uring);
   int status = 0;
   if (pid > 0) waitpid(pid, &status, 0);
   if (output != nullptr) *output = ReadFile(tmpl);

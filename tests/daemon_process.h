@@ -16,6 +16,9 @@ struct DaemonOptions {
   std::string binary;             // path of tierd
   std::vector<std::string> args;  // extra flags
   std::string socket_group;       // --socket_group, when set
+  // Runs the daemon where io_uring_setup fails with EPERM, as under Docker's default seccomp
+  // profile.
+  bool without_io_uring = false;
 };
 
 class DaemonProcess {
@@ -43,11 +46,14 @@ class DaemonProcess {
 
   std::string dir_;
   std::vector<std::string> argv_;
+  bool without_io_uring_ = false;
   pid_t pid_ = -1;
 };
 
 // Runs `argv` to completion; returns its exit status and, in `output`, its stdout and stderr.
-int RunProcess(const std::vector<std::string>& argv, std::string* output);
+// `without_io_uring`: as in DaemonOptions.
+int RunProcess(const std::vector<std::string>& argv, std::string* output,
+               bool without_io_uring = false);
 
 // Starts `argv` with its stdout on a pipe; the caller reads `*stdout_fd`, and kills and reaps
 // `*pid`. Returns false if it cannot start.

@@ -740,6 +740,43 @@ TEST(DaemonStartupTest, SigtermDuringStartUpStopsItAtOnce) {
   std::filesystem::remove_all(dir);
 }
 
+// Docker's default seccomp profile (and gVisor, and old kernels) refuse io_uring. The NVMe tier
+// then runs on threads of pread/pwrite, says so, and keeps every byte.
+TEST(DaemonStartupTest, WithoutIoUringTheNvmeTierRunsOnThreadsAndSaysSo) {
+  DaemonOptions options{.binary = DaemonBinary(), .args = PoolFlags(), .without_io_uring = true};
+  auto daemon = DaemonProcess::Start(options);
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  EXPECT_NE((*daemon)->Log().find("io_uring is unavailable"), std::string::npos)
+      << (*daemon)->Log();
+  {
+    auto c = Client::Connect({.socket_dir = (*daemon)->socket_dir()});
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto info = (*c)->GetNodeInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tier(Tier::kNvme)->io_backend, "threads");
+    EXPECT_NE(info->tier(Tier::kNvme)->detail.find("pread/pwrite threads"), std::string::npos);
+  }
+  std::string out;
+  EXPECT_EQ(testing::RunProcess(
+                {HelperBinary(), (*daemon)->socket_dir(), "nvme-random", "1", "200"}, &out),
+            0)
+      << out;
+  EXPECT_EQ((*daemon)->Stop(), 0);
+  // Asked for io_uring by name, it refuses to start instead.
+  std::vector<std::string> argv = {DaemonBinary(),
+                                   "--socket_dir=/tmp/tierd-no-uring",
+                                   "--state_dir=/tmp/tierd-no-uring/state",
+                                   "--nvme_regions=/tmp/tierd-no-uring/state/r0:256MiB",
+                                   "--nvme_io_backend=io_uring",
+                                   "--probe_bytes=0",
+                                   "--metrics_listen=none"};
+  const std::vector<std::string> pool = PoolFlags();
+  argv.insert(argv.end(), pool.begin(), pool.end());
+  EXPECT_EQ(testing::RunProcess(argv, &out, /*without_io_uring=*/true), 1) << out;
+  EXPECT_NE(out.find("nvme.io_backend is io_uring, but"), std::string::npos) << out;
+  std::filesystem::remove_all("/tmp/tierd-no-uring");
+}
+
 TEST(DaemonStartupTest, AnEmulatedDeviceLargerThanTheMemoryIsRefused) {
   std::string out;
   const absl::Time start = absl::Now();

@@ -15,7 +15,8 @@ namespace {
 
 constexpr size_t kBytes = 8 << 20;
 
-class IoEngineTest : public ::testing::Test {
+// Every test runs on io_uring and on the thread pool that stands in for it where it is unavailable.
+class IoEngineTest : public ::testing::TestWithParam<IoBackendKind> {
  protected:
   void SetUp() override {
     char path[] = "/var/tmp/tierd-engine-XXXXXX";
@@ -31,9 +32,15 @@ class IoEngineTest : public ::testing::Test {
   }
   void StartEngine(IoEngineOptions options) {
     engine_.reset();
-    auto uring = MakeUringBackend(std::vector<int>{fd_}, {.queue_depth = 8, .max_buffers = 4});
-    ASSERT_TRUE(uring.ok()) << uring.status();
-    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(*uring));
+    std::unique_ptr<IoBackend> backend;
+    if (GetParam() == IoBackendKind::kThreads) {
+      backend = MakeThreadPoolBackend(std::vector<int>{fd_}, 8, 8);
+    } else {
+      auto uring = MakeUringBackend(std::vector<int>{fd_}, {.queue_depth = 8, .max_buffers = 4});
+      ASSERT_TRUE(uring.ok()) << uring.status();
+      backend = std::move(*uring);
+    }
+    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(backend));
     faults_ = faulty.get();
     ASSERT_TRUE(faults_->RegisterBuffer(0, buf_, kBytes).ok());
     engine_ = std::make_unique<IoEngine>(std::move(faulty), std::move(options));
@@ -70,7 +77,7 @@ class IoEngineTest : public ::testing::Test {
   std::unique_ptr<IoEngine> engine_;
 };
 
-TEST_F(IoEngineTest, WritesAndReadsBackThroughRegisteredBuffers) {
+TEST_P(IoEngineTest, WritesAndReadsBackThroughRegisteredBuffers) {
   Fill(1);
   ASSERT_TRUE(RunSync({Span(IoKind::kWrite, 0, kBytes), {IoKind::kSync}}).ok());
   std::memset(buf_, 0, kBytes);
@@ -82,7 +89,7 @@ TEST_F(IoEngineTest, WritesAndReadsBackThroughRegisteredBuffers) {
   EXPECT_EQ(engine_->stats().bytes_written, kBytes);
 }
 
-TEST_F(IoEngineTest, UnregisteredBuffersWorkToo) {
+TEST_P(IoEngineTest, UnregisteredBuffersWorkToo) {
   Fill(2);
   ASSERT_TRUE(RunSync({Span(IoKind::kWrite, 0, kBytes, -1)}).ok());
   std::memset(buf_, 0, kBytes);
@@ -90,7 +97,7 @@ TEST_F(IoEngineTest, UnregisteredBuffersWorkToo) {
   EXPECT_TRUE(Check(2));
 }
 
-TEST_F(IoEngineTest, ShortTransfersAreContinued) {
+TEST_P(IoEngineTest, ShortTransfersAreContinued) {
   Fill(3);
   faults_->ShortenNext(IoKind::kWrite, 5);
   ASSERT_TRUE(RunSync({Span(IoKind::kWrite, 0, kBytes)}).ok());
@@ -101,7 +108,7 @@ TEST_F(IoEngineTest, ShortTransfersAreContinued) {
   EXPECT_EQ(engine_->stats().short_transfers, 10u);
 }
 
-TEST_F(IoEngineTest, ErrorFailsTheJobWithItsCauseAndLocation) {
+TEST_P(IoEngineTest, ErrorFailsTheJobWithItsCauseAndLocation) {
   Fill(4);
   faults_->FailNext(IoKind::kWrite, EIO);
   absl::Status s = RunSync({Span(IoKind::kWrite, 0, kBytes)});
@@ -113,26 +120,26 @@ TEST_F(IoEngineTest, ErrorFailsTheJobWithItsCauseAndLocation) {
   EXPECT_TRUE(RunSync({Span(IoKind::kWrite, 0, kBytes)}).ok());
 }
 
-TEST_F(IoEngineTest, NoSpaceIsReportedAsSuch) {
+TEST_P(IoEngineTest, NoSpaceIsReportedAsSuch) {
   faults_->FailNext(IoKind::kWrite, ENOSPC);
   absl::Status s = RunSync({Span(IoKind::kWrite, 0, 4096)});
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
 }
 
-TEST_F(IoEngineTest, ReadPastTheEndIsAnError) {
+TEST_P(IoEngineTest, ReadPastTheEndIsAnError) {
   absl::Status s =
       RunSync({Span(IoKind::kRead, 0, 4096), {IoKind::kRead, 0, kBytes, buf_, 4096, 0}});
   EXPECT_FALSE(s.ok());
 }
 
-TEST_F(IoEngineTest, SlowCompletionsStillComplete) {
+TEST_P(IoEngineTest, SlowCompletionsStillComplete) {
   Fill(5);
   faults_->SetDelay(absl::Milliseconds(20));
   ASSERT_TRUE(RunSync({Span(IoKind::kWrite, 0, 1 << 20)}).ok());
   faults_->SetDelay(absl::ZeroDuration());
 }
 
-TEST_F(IoEngineTest, ManyConcurrentJobsAllCallBackOnce) {
+TEST_P(IoEngineTest, ManyConcurrentJobsAllCallBackOnce) {
   Fill(6);
   std::atomic<int> done{0};
   for (int i = 0; i < 64; ++i) {
@@ -171,7 +178,7 @@ class IoEngineOrderTest : public IoEngineTest {
   }
 };
 
-TEST_F(IoEngineOrderTest, AJobWithAnEarlierDeadlineGoesFirst) {
+TEST_P(IoEngineOrderTest, AJobWithAnEarlierDeadlineGoesFirst) {
   Plug();
   const absl::Time now = absl::Now();
   Read(2 * kMiB, 4 * kMiB, {.deadline = now + absl::Milliseconds(500), .flow = 1});  // 16 reads
@@ -182,7 +189,7 @@ TEST_F(IoEngineOrderTest, AJobWithAnEarlierDeadlineGoesFirst) {
   for (int i = 4; i < 20; ++i) EXPECT_LT(order[i], 6 * kMiB) << "position " << i;
 }
 
-TEST_F(IoEngineOrderTest, AJobWaitsNoLongerThanMaxWaitForLaterUrgentOnes) {
+TEST_P(IoEngineOrderTest, AJobWaitsNoLongerThanMaxWaitForLaterUrgentOnes) {
   StartEngine({.io_size = kSub, .file_names = {"region-test"}, .max_wait = absl::ZeroDuration()});
   Plug();
   Read(2 * kMiB, 1 * kMiB, {});  // background: no deadline
@@ -193,7 +200,7 @@ TEST_F(IoEngineOrderTest, AJobWaitsNoLongerThanMaxWaitForLaterUrgentOnes) {
   for (int i = 0; i < 4; ++i) EXPECT_LT(order[i], 4 * kMiB) << "position " << i;
 }
 
-TEST_F(IoEngineOrderTest, AnotherFlowsUrgentBacklogDoesNotStarveThisOne) {
+TEST_P(IoEngineOrderTest, AnotherFlowsUrgentBacklogDoesNotStarveThisOne) {
   Plug();
   const absl::Time now = absl::Now();
   Read(2 * kMiB, 4 * kMiB, {.deadline = now, .flow = 1});                            // 16 reads
@@ -205,7 +212,7 @@ TEST_F(IoEngineOrderTest, AnotherFlowsUrgentBacklogDoesNotStarveThisOne) {
   EXPECT_EQ(second, 8) << "equal weights: the flows alternate";
 }
 
-TEST_F(IoEngineOrderTest, FlowsShareInProportionToTheirWeights) {
+TEST_P(IoEngineOrderTest, FlowsShareInProportionToTheirWeights) {
   Plug();
   Read(2 * kMiB, 4 * kMiB, {.flow = 1, .weight = 3});  // 16 reads
   Read(6 * kMiB, 2 * kMiB, {.flow = 2, .weight = 1});  // 8 reads
@@ -216,6 +223,16 @@ TEST_F(IoEngineOrderTest, FlowsShareInProportionToTheirWeights) {
   EXPECT_GE(first, 11);
   EXPECT_LE(first, 13);
 }
+
+std::string BackendName(const ::testing::TestParamInfo<IoBackendKind>& info) {
+  return info.param == IoBackendKind::kUring ? "IoUring" : "Threads";
+}
+INSTANTIATE_TEST_SUITE_P(Backends, IoEngineTest,
+                         ::testing::Values(IoBackendKind::kUring, IoBackendKind::kThreads),
+                         BackendName);
+INSTANTIATE_TEST_SUITE_P(Backends, IoEngineOrderTest,
+                         ::testing::Values(IoBackendKind::kUring, IoBackendKind::kThreads),
+                         BackendName);
 
 TEST(IoEngineSqpollTest, SubmissionPollingMovesTheSameBytes) {
   char path[] = "/var/tmp/tierd-sqpoll-XXXXXX";

@@ -163,7 +163,7 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
                 name == "kind" || name == "op" || name == "code" || name == "le" ||
                 name == "region" || name == "device" || name == "name" || name == "emulated" ||
                 name == "version" || name == "build_type" || name == "cuda" || name == "uid" ||
-                name == "limit")
+                name == "limit" || name == "backend")
         << "unexpected label " << name;
   }
 

@@ -324,11 +324,12 @@ class Tierctl {
                                        r.capacity_bytes, ",\"used_bytes\":", r.used_bytes, "}"));
       }
       tiers.push_back(absl::StrCat(
-          "{\"tier\":", Quote(TierName(t.tier)),
-          ",\"configured\":", t.configured ? "true" : "false",
-          ",\"capacity_bytes\":", t.capacity_bytes, ",\"used_bytes\":", t.used_bytes,
-          ",\"free_bytes\":", t.free_bytes, ",\"largest_free_bytes\":", t.largest_free_bytes,
-          ",\"detail\":", Quote(t.detail), ",\"regions\":[", absl::StrJoin(regions, ","), "]}"));
+          "{\"tier\":", Quote(TierName(t.tier)), ",\"configured\":",
+          t.configured ? "true" : "false", ",\"capacity_bytes\":", t.capacity_bytes,
+          ",\"used_bytes\":", t.used_bytes, ",\"free_bytes\":", t.free_bytes,
+          ",\"largest_free_bytes\":", t.largest_free_bytes, ",\"detail\":", Quote(t.detail),
+          t.io_backend.empty() ? "" : absl::StrCat(",\"io_backend\":", Quote(t.io_backend)),
+          ",\"regions\":[", absl::StrJoin(regions, ","), "]}"));
     }
     for (const PathStatus& p : n.paths) {
       auto r = recent.find(p.name);

@@ -81,6 +81,7 @@ struct TierStatus {
   uint64_t largest_free_bytes = 0;
   std::string detail;
   std::vector<RegionStatus> regions;  // NVMe tier
+  std::string io_backend;             // NVMe tier: io_uring, or threads (pread/pwrite)
 };
 
 // A way chunk bytes move between tiers, since the daemon started.
