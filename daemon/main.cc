@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
@@ -235,11 +236,15 @@ class SignalWatcher {
       }
       if (quitting_.load()) return;  // the daemon returns on its own (a start-up error)
       received_ = sig;
-      if (!serving_.load()) {
-        spdlog::warn("received {} during start-up; stopping",
-                     sig == SIGTERM ? "SIGTERM" : "SIGINT");
-        spdlog::default_logger()->flush();
-        _exit(0);
+      {
+        // Held to the exit: Serving() cannot return, nor a socket be published, meanwhile.
+        absl::MutexLock lock(&mu_);
+        if (!serving_) {
+          spdlog::warn("received {} during start-up; stopping",
+                       sig == SIGTERM ? "SIGTERM" : "SIGINT");
+          spdlog::default_logger()->flush();
+          _exit(0);
+        }
       }
       stop_.Notify();
     });
@@ -251,8 +256,11 @@ class SignalWatcher {
     }
     thread_.join();
   }
-  // From now on a signal asks for an orderly shutdown.
-  void Serving() { serving_.store(true); }
+  // From now on a signal asks for an orderly shutdown (Wait returns at once if one came already).
+  void Serving() {
+    absl::MutexLock lock(&mu_);
+    serving_ = true;
+  }
   // Waits for a signal, calling `tick` every `interval`. Returns the signal's name.
   const char* Wait(absl::Duration interval, const std::function<void()>& tick) {
     while (!stop_.WaitForNotificationWithTimeout(interval)) tick();
@@ -261,7 +269,8 @@ class SignalWatcher {
 
  private:
   sigset_t signals_;
-  std::atomic<bool> serving_{false};
+  absl::Mutex mu_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> quitting_{false};
   absl::Notification stop_;
   int received_ = 0;  // written before stop_ is notified
@@ -471,6 +480,8 @@ int Run() {
     spdlog::info("serving metrics on {}", metrics_server->url());
   }
 
+  // From here on a signal shuts down in order: the sockets it publishes are removed again.
+  signals.Serving();
   constexpr mode_t kSocketMode = 0660;
   UniqueFd session_listener;
   if (absl::Status s =
@@ -507,7 +518,6 @@ int Run() {
     return kStartupError;
   }
   spdlog::info("serving gRPC on unix:{} and sessions on {}", rpc_path, session_path);
-  signals.Serving();
   sd_notify(0, "READY=1\nSTATUS=serving");
 
   // Wait for SIGTERM/SIGINT, pinging the systemd watchdog when it is enabled.

@@ -777,6 +777,35 @@ TEST(DaemonStartupTest, WithoutIoUringTheNvmeTierRunsOnThreadsAndSaysSo) {
   std::filesystem::remove_all("/tmp/tierd-no-uring");
 }
 
+// A signal as the sockets appear: either the start-up stops before any is published or the daemon
+// shuts down in order; no socket file is left behind either way.
+TEST(DaemonStartupTest, SigtermAsTheSocketsAppearLeavesNoSocketBehind) {
+  char tmpl[] = "/tmp/tierd-race-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  for (int round = 0; round < 20; ++round) {
+    pid_t pid = -1;
+    int out = -1;
+    ASSERT_TRUE(testing::StartProcess(
+        {DaemonBinary(), "--socket_dir=" + dir, "--state_dir=" + dir + "/state",
+         "--nvme_regions=none", "--host_capacity=16MiB", "--host_segment_size=16MiB",
+         "--lock_memory=false", "--probe_bytes=0", "--metrics_listen=none", "--device=none"},
+        &pid, &out));
+    while (!std::filesystem::exists(dir + "/tierd.session.sock")) {
+      if (waitpid(pid, nullptr, WNOHANG) == pid) FAIL() << "tierd exited";
+      std::this_thread::yield();
+    }
+    kill(pid, SIGTERM);
+    int status = -1;
+    waitpid(pid, &status, 0);
+    close(out);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    ASSERT_FALSE(std::filesystem::exists(dir + "/tierd.session.sock")) << "round " << round;
+    ASSERT_FALSE(std::filesystem::exists(dir + "/tierd.sock")) << "round " << round;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(DaemonStartupTest, AnEmulatedDeviceLargerThanTheMemoryIsRefused) {
   std::string out;
   const absl::Time start = absl::Now();
