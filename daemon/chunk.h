@@ -46,6 +46,9 @@ struct ChunkMeta {
   SessionId owner = 0;  // the session that allocated or opened it; 0 for a detached persistent one
   uint32_t tenant = 0;  // uid of the owner
   uint32_t pins = 0;    // Acquire count over all sessions
+  // Acquisitions for write whose effect has applied (the client may be writing now): no copy is
+  // made from the chunk until they are released, or the copy would miss what is being written.
+  uint32_t writers = 0;
   ChunkState state = ChunkState::kReady;
   TierKind home = TierKind::kHost;
   TierKind moving_to = TierKind::kHost;

@@ -292,6 +292,11 @@ absl::Status ChunkService::CheckFetchable(const ChunkMeta& chunk, TierKind tier)
   if (chunk.resident.empty()) {
     return absl::DataLossError(absl::StrCat("chunk ", chunk.id, " has no valid copy in any tier"));
   }
+  if (chunk.writers > 0 && !chunk.resident.contains(tier)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, " is acquired for write; release it before copying it to the ",
+        TierName(tier), " tier"));
+  }
   const bool from_device =
       !chunk.resident.contains(TierKind::kHost) && chunk.resident.contains(TierKind::kDevice);
   if (from_device && chunk.pins > 0) {
@@ -343,7 +348,7 @@ absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier
 void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
                            SessionId session, std::optional<Access> pin, absl::Time deadline) {
   if (chunk.state == ChunkState::kReady && chunk.resident.contains(tier)) {
-    if (pin) ApplyAccess(chunk, tier, *pin);
+    if (pin) Apply(chunk, tier, *pin, session);
     return;
   }
   batch->Add();
@@ -381,9 +386,12 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       }
       continue;
     }
-    if (chunk.resident.contains(w.tier)) {
+    if (chunk.resident.contains(w.tier) && w.pin && chunk.state == ChunkState::kMoving) {
+      // An earlier waiter started a move of the chunk: the access applies once it settles.
+      waiters_[chunk.id].push_back(std::move(w));
+    } else if (chunk.resident.contains(w.tier)) {
       if (w.pin) {
-        ApplyAccess(chunk, w.tier, *w.pin);
+        Apply(chunk, w.tier, *w.pin, w.session);
         if (auto state = sessions_.find(w.session); state != sessions_.end()) {
           state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
         }
@@ -632,6 +640,13 @@ bool ChunkService::BeginBatchMove(ChunkMeta& chunk, TierKind to,
     batch->Done(Retired(chunk));
     return false;
   }
+  if (chunk.writers > 0) {
+    // The client may be writing the only valid copy (the planner's and queued fetches land here
+    // without a request's validation).
+    batch->Done(absl::FailedPreconditionError(
+        absl::StrCat("chunk ", chunk.id, " is acquired for write; release it before moving it")));
+    return false;
+  }
   absl::Status begin = BeginMove(chunk, to);
   assert(begin.ok());  // callers validated the batch: no chunk is moving
   (void)begin;
@@ -662,6 +677,18 @@ void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
     WakeWaiters(chunk, moved);
   }
   RetryQueuedFetches();
+}
+
+void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session) {
+  ApplyAccess(chunk, tier, access);
+  if (!Writes(access)) return;
+  auto state = sessions_.find(session);
+  if (state == sessions_.end()) return;
+  auto pins = state->second.pins.find(chunk.id);
+  // A write whose acquisition was released before its data arrived has nothing left to guard.
+  if (pins == state->second.pins.end() || pins->second.writes >= pins->second.count) return;
+  ++pins->second.writes;
+  ++chunk.writers;
 }
 
 void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
@@ -1185,7 +1212,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
     chunk->last_use = ++use_clock_;
-    state.pins[chunk->id] += 1;
+    state.pins[chunk->id].count += 1;
     const bool ready = CheckPin(*chunk, tier).ok();
     ++(ready ? state.stats.ready : state.stats.waited);
     ++(ready ? totals_.ready : totals_.waited);
@@ -1215,7 +1242,13 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   for (ChunkMeta* chunk : *chunks) {
     Unpin(*chunk);
     auto it = state.pins.find(chunk->id);
-    if (--it->second == 0) state.pins.erase(it);
+    SessionState::Pins& pins = it->second;
+    // Reads are released first: a write in effect keeps the chunk from being copied longest.
+    if (--pins.count < pins.writes) {
+      --pins.writes;
+      --chunk->writers;
+    }
+    if (pins.count == 0) state.pins.erase(it);
   }
   // Released copies may be what waiting fetches need dropped.
   RetryQueuedFetches();
@@ -1486,13 +1519,14 @@ size_t ChunkService::CloseSession(const Session& session) {
   sessions_.erase(it);
   if (state.planned()) --schedules_;
   ledger_.AddScheduleAccesses(session.peer.uid, -static_cast<int64_t>(state.schedule_accesses));
-  for (const auto& [id, count] : state.pins) {
+  for (const auto& [id, pins] : state.pins) {
     if (auto w = waiters_.find(id); w != waiters_.end()) {
       std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
       if (w->second.empty()) waiters_.erase(w);
     }
     ChunkMeta& chunk = chunks_.at(id);
-    for (uint32_t i = 0; i < count; ++i) Unpin(chunk);
+    for (uint32_t i = 0; i < pins.count; ++i) Unpin(chunk);
+    chunk.writers -= pins.writes;
   }
   size_t freed = 0;
   for (ChunkId id : state.owned) {

@@ -240,8 +240,12 @@ class ChunkService {
 
  private:
   struct SessionState {
-    std::set<ChunkId> owned;                      // non-persistent and opened persistent
-    absl::flat_hash_map<ChunkId, uint32_t> pins;  // chunk -> Acquire count
+    std::set<ChunkId> owned;  // non-persistent and opened persistent
+    struct Pins {
+      uint32_t count = 0;   // Acquires not yet released
+      uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
+    };
+    absl::flat_hash_map<ChunkId, Pins> pins;
     SessionStats stats;
     // The schedule, when declared: immutable once installed, so that a planning round can read
     // it without the service's lock.
@@ -455,6 +459,10 @@ class ChunkService {
   // queued for room.
   void AfterMove(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An acquisition's access takes effect (its data is there): a write makes that copy the only
+  // valid one and, until released, keeps copies from being made of the chunk.
+  void Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Retired(const ChunkMeta& chunk);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -273,6 +273,59 @@ TEST_F(DeviceServiceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) 
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
+// Requests that waited for one move are served in turn when it settles; one of them may start the
+// next move (here: host -> device), and an acquisition served after it used to apply to a chunk
+// already moving again (an assertion in the daemon, found by the soak). It now waits for that
+// move too.
+TEST_F(DeviceServiceTest, WaitersServedAfterAnotherWaitersMoveStartedWaitForItToo) {
+  auto ids = Alloc({4 << 20});
+  Fill(ids, TierKind::kHost, 0x5A);
+  ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  faults_->SetDelay(absl::Milliseconds(20));
+  auto up = service_->Prefetch(*session_, ids, TierKind::kHost, 0);
+  ASSERT_TRUE(up.ok());
+  auto to_device = service_->Prefetch(*session_, ids, TierKind::kDevice, 0);
+  ASSERT_TRUE(to_device.ok()) << to_device.status();
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kWrite);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(Wait(*up).ok());
+  EXPECT_TRUE(Wait(*to_device).ok());
+  ASSERT_TRUE(Wait(a->ready).ok());
+  faults_->SetDelay(absl::ZeroDuration());
+  auto* b = static_cast<unsigned char*>(service_->tier(TierKind::kHost)->Address(a->locations[0]));
+  EXPECT_EQ(b[0], 0x5A);
+  std::memset(b, 0x6B, 4 << 20);
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  EXPECT_TRUE(Holds(ids, TierKind::kDevice, 0x6B, 4 << 20));
+}
+
+// A copy made while the client writes the chunk would miss the rest of the write and then pass for
+// a valid copy: while a write acquisition is in effect, no copy of the chunk is made.
+TEST_F(DeviceServiceTest, NoCopyIsMadeOfAChunkWhileItIsAcquiredForWrite) {
+  auto ids = Alloc({1 << 20});
+  Fill(ids, TierKind::kHost, 0x11);
+  auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kWrite);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(Wait(a->ready).ok());
+  auto* b = static_cast<unsigned char*>(service_->tier(TierKind::kHost)->Address(a->locations[0]));
+  std::memset(b, 0x22, 1 << 19);  // half written so far
+  absl::Status copy = Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0));
+  EXPECT_TRUE(absl::IsFailedPrecondition(copy)) << copy;
+  EXPECT_NE(copy.message().find("acquired for write"), std::string::npos) << copy;
+  // A second acquisition for read, released, leaves the write in force.
+  auto r = service_->Acquire(*session_, ids, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(Wait(r->ready).ok());
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0))));
+  std::memset(b + (1 << 19), 0x22, 1 << 19);
+  ASSERT_TRUE(service_->Release(*session_, ids).ok());
+  ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
+  EXPECT_TRUE(Holds(ids, TierKind::kDevice, 0x22, 1 << 20));
+}
+
 // Gradients written on the GPU from scratch: an overwrite on the device needs no host room to
 // stage through and copies nothing to the device, where a write must bring the old contents in.
 TEST_F(DeviceServiceTest, AnOverwriteOnTheDeviceStagesNothingThroughTheHost) {
