@@ -1,6 +1,9 @@
 #include "daemon/nvme_index.h"
 
+#include <sys/random.h>
 #include <xxhash.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstring>
@@ -55,9 +58,21 @@ absl::StatusOr<std::unique_ptr<NvmeIndex>> NvmeIndex::Open(const NvmeRegion* reg
         "NVMe index area of ", bytes, " bytes is too small for block size ", index->block_));
   }
   if (fresh) {
-    index->generation_ = 1;
+    // The area may hold an earlier index (a region set formatted again): its records must never
+    // count. A generation no earlier index can have used (random, far from wrapping), a header
+    // for it in half 0, and half 1's header made invalid.
+    uint64_t generation = 0;
+    if (getrandom(&generation, sizeof(generation), 0) != sizeof(generation)) {
+      return absl::ErrnoToStatus(errno, "getrandom for the NVMe index's generation");
+    }
+    index->generation_ = (generation & ((uint64_t{1} << 62) - 1)) | 1;
     index->active_ = 0;
-    if (absl::Status s = index->WriteHeader(0, 1); !s.ok()) return s;
+    AlignedBuffer blank(index->block_, index->block_);
+    if (absl::Status s = region->WriteAt(index->HalfOffset(1), blank.data(), index->block_);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = index->WriteHeader(0, index->generation_); !s.ok()) return s;
     return index;
   }
   if (absl::Status s = index->Replay(); !s.ok()) return s;

@@ -375,8 +375,8 @@ std::vector<IoSpan> NvmeTier::Spans(IoKind kind, uint64_t offset, uint64_t lengt
     const uint64_t within = logical % stripe_unit_;
     const uint64_t piece = std::min(stripe_unit_ - within, length - done);
     spans.push_back(IoSpan{kind, static_cast<uint32_t>(unit % n),
-                           data_offset_ + (unit / n) * stripe_unit_ + within, buffer + done, piece,
-                           buffer_index});
+                           data_offset_ + (unit / n) * stripe_unit_ + within,
+                           buffer == nullptr ? nullptr : buffer + done, piece, buffer_index});
     done += piece;
   }
   return spans;
