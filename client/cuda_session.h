@@ -61,11 +61,12 @@ class DeviceMapping {
   friend class CudaSession;
   DeviceMapping(const CudaSession* session, uint64_t size) : session_(session), size_(size) {}
 
-  const CudaSession* session_;
-  uint64_t size_;
-  uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
-  uint64_t ptr_ = 0;     // CUdeviceptr of the reserved range
-  bool mapped_ = false;
+  // [[maybe_unused]]: a build without CUDA never maps anything.
+  [[maybe_unused]] const CudaSession* session_;
+  [[maybe_unused]] uint64_t size_;
+  [[maybe_unused]] uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
+  uint64_t ptr_ = 0;                      // CUdeviceptr of the reserved range
+  [[maybe_unused]] bool mapped_ = false;
 };
 
 class CudaSession {
@@ -97,9 +98,10 @@ class CudaSession {
   friend class DeviceMapping;
   CudaSession() = default;
 
-  const void* driver_ = nullptr;  // const CudaDriver*
-  int device_ = 0;                // CUdevice
-  void* context_ = nullptr;       // CUcontext: the primary context, retained
+  // [[maybe_unused]]: a build without CUDA never opens a GPU.
+  [[maybe_unused]] const void* driver_ = nullptr;  // const CudaDriver*
+  [[maybe_unused]] int device_ = 0;                // CUdevice
+  [[maybe_unused]] void* context_ = nullptr;       // CUcontext: the primary context, retained
   int ordinal_ = -1;
 };
 

@@ -1,5 +1,7 @@
 #include "kernels/cpu_adam.h"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cassert>
@@ -56,13 +58,18 @@ const char* IsaName(Isa isa) {
   return "unknown";
 }
 
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool HasF16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+
 bool Supported(Isa isa) {
   switch (isa) {
     case Isa::kPortable:
       return true;
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c();
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && Supported(Isa::kAvx2);

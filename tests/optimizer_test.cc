@@ -229,10 +229,12 @@ TEST_F(OptimizerTest, RefusesStateOfOtherGroupsUnlessReset) {
 
 TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
   {
+    // Declared first: the gradients must outlive the step that reads them (the optimizer's
+    // destruction ends it).
+    auto grads = Gradients(1, 1.0f);
     auto opt = Create(Options());
     ASSERT_NE(opt, nullptr);
     ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
-    auto grads = Gradients(1, 1.0f);
     {
       absl::Status begun = opt->BeginStep();
       ASSERT_TRUE(begun.ok()) << begun;
