@@ -3,8 +3,13 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
+# The second build of `make test`: clang, AddressSanitizer + UndefinedBehaviorSanitizer, and the
+# libFuzzer targets (fuzz/).
+SANITIZED ?= build-asan
+FUZZ_SECONDS ?= 300
 
-.PHONY: all deps configure build test demo bench install package clean
+.PHONY: all deps configure build test test-build test-sanitized configure-sanitized fuzz demo \
+        bench install package clean
 
 all: build
 
@@ -17,8 +22,27 @@ configure: deps
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+# Every test twice: the release build's suite, then the sanitized build's suite and a short run
+# of each fuzz target over its corpus.
+test: test-build test-sanitized
+
+test-build: build
 	ctest --test-dir $(BUILD) --output-on-failure -j 2
+
+configure-sanitized: deps
+	@CC=clang CXX=clang++ cmake -S . -B $(SANITIZED) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DTIERD_SANITIZE=address -DTIERD_FUZZ=ON -DTIERD_CUDA=OFF $(CMAKE_ARGS) >/dev/null
+
+test-sanitized: configure-sanitized
+	@cmake --build $(SANITIZED) -j $(JOBS)
+	ctest --test-dir $(SANITIZED) --output-on-failure -j 2
+
+# Each fuzz target for FUZZ_SECONDS over its corpus; crashing inputs land in fuzz-crashes/.
+fuzz: configure-sanitized
+	@cmake --build $(SANITIZED) -j $(JOBS) --target fuzz_targets
+	@for f in config nvme_index session rpc; do \
+	  fuzz/run.sh $(SANITIZED)/fuzz/$${f}_fuzz fuzz/corpus/$$f $(FUZZ_SECONDS) || exit 1; \
+	done
 
 demo: build
 	@examples/run-demo.sh $(BUILD)
@@ -38,4 +62,4 @@ package: build
 	cd $(BUILD) && cpack
 
 clean:
-	rm -rf $(BUILD) var
+	rm -rf $(BUILD) $(SANITIZED) var fuzz-crashes
