@@ -233,6 +233,19 @@ TEST(ConfigTest, ShippedExampleConfigLoads) {
   EXPECT_EQ(c.host.capacity, 1ull << 30);
   EXPECT_EQ(c.nvme.stripe_unit, 1u << 20);
   EXPECT_EQ(c.nvme.queue_depth, 32u);
+  // Its values are the built-in defaults, as it says.
+  const DaemonConfig defaults = DefaultConfig();
+  EXPECT_EQ(c.nvme.index_size, defaults.nvme.index_size);
+  EXPECT_EQ(c.nvme.io_backend, defaults.nvme.io_backend);
+  EXPECT_EQ(c.limits.connections_per_uid, defaults.limits.connections_per_uid);
+  EXPECT_EQ(c.limits.sessions_per_uid, defaults.limits.sessions_per_uid);
+  EXPECT_EQ(c.limits.chunks_per_session, defaults.limits.chunks_per_session);
+  EXPECT_EQ(c.limits.chunks_per_uid, defaults.limits.chunks_per_uid);
+  EXPECT_EQ(c.limits.schedule_accesses_per_session, defaults.limits.schedule_accesses_per_session);
+  EXPECT_EQ(c.limits.schedule_accesses_per_uid, defaults.limits.schedule_accesses_per_uid);
+  EXPECT_EQ(c.limits.trace_steps, defaults.limits.trace_steps);
+  EXPECT_EQ(c.quotas.per_uid, defaults.quotas.per_uid);
+  EXPECT_TRUE(c.quotas.by_uid.empty());
 }
 
 TEST(ConfigTest, MissingFileIsNotFound) {
