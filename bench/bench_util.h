@@ -128,6 +128,8 @@ int OffloadStep(int argc, char** argv);  // bench/adam.cc
 // "cuda": fused), run by bench/adam_torch.py; 0 with the reason in `why` when it cannot run.
 double TorchParamsPerSecond(uint64_t n, int threads, int iterations, const std::string& device,
                             std::string* why);
-int GpuAdam(int argc, char** argv);  // bench/gpu_adam.cc (CUDA builds)
+int GpuAdam(int argc, char** argv);     // bench/gpu_adam.cc (CUDA builds)
+int Soak(int argc, char** argv);        // bench/soak.cc
+int SoakClient(int argc, char** argv);  // bench/soak.cc: one client of the soak
 
 }  // namespace tierd::bench

@@ -536,6 +536,10 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string_view(argv[1]) == "offload-step") {
     return tierd::bench::OffloadStep(argc, argv);
   }
+  if (argc >= 2 && std::string_view(argv[1]) == "soak") return tierd::bench::Soak(argc, argv);
+  if (argc >= 2 && std::string_view(argv[1]) == "soak-client") {
+    return tierd::bench::SoakClient(argc, argv);
+  }
   if (argc >= 2 && std::string_view(argv[1]) == "gpu-adam") {
 #ifdef TIERD_HAVE_CUDA
     return tierd::bench::GpuAdam(argc, argv);
@@ -556,7 +560,8 @@ int main(int argc, char** argv) {
                  "       tierd-bench replay --help\n"
                  "       tierd-bench adam --help\n"
                  "       tierd-bench offload-step --help\n"
-                 "       tierd-bench gpu-adam --help\n");
+                 "       tierd-bench gpu-adam --help\n"
+                 "       tierd-bench soak [--minutes=30] [--json] (--help)\n");
     return 2;
   }
   if (o.mode == "nvme") return Nvme(o);
