@@ -210,8 +210,8 @@ class HostileClientTest : public ::testing::Test {
   }
   static uint64_t Word(uint64_t seed, size_t i) { return seed * 0x9E3779B97F4A7C15ull ^ i; }
 
-  // Creates (or opens) the persistent chunk `name`, fills it with a pattern and makes it durable.
-  void WritePersistent(RawSession& s, const std::string& name, uint64_t size, uint64_t seed) {
+  // Opens the persistent chunk `name`, creating it if need be; 0 when the daemon refuses.
+  uint64_t OpenPersistent(RawSession& s, const std::string& name, uint64_t size) {
     pb::AllocateRequest alloc;
     pb::ChunkSpec* spec = alloc.add_chunks();
     spec->set_size_bytes(size);
@@ -220,14 +220,19 @@ class HostileClientTest : public ::testing::Test {
     spec->set_open_existing(true);
     pb::AllocateResponse allocated;
     grpc::Status st = stub_->Allocate(Context(s).get(), alloc, &allocated);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    const uint64_t id = allocated.chunk_ids(0);
+    return st.ok() && allocated.chunk_ids_size() == 1 ? allocated.chunk_ids(0) : 0;
+  }
+
+  // Creates (or opens) the persistent chunk `name`, fills it with a pattern and makes it durable.
+  void WritePersistent(RawSession& s, const std::string& name, uint64_t size, uint64_t seed) {
+    const uint64_t id = OpenPersistent(s, name, size);
+    ASSERT_NE(id, 0u) << "cannot open " << name;
     pb::AcquireRequest acquire;
     acquire.add_chunk_ids(id);
     acquire.set_tier(pb::TIER_HOST);
     acquire.set_mode(pb::ACCESS_MODE_WRITE);
     pb::AcquireResponse acquired;
-    st = stub_->Acquire(Context(s).get(), acquire, &acquired);
+    grpc::Status st = stub_->Acquire(Context(s).get(), acquire, &acquired);
     ASSERT_TRUE(st.ok()) << st.error_message();
     ASSERT_TRUE(Wait(s, acquired.ready()).ok());
     char* data = Map(s, acquired.locations(0));
@@ -247,16 +252,10 @@ class HostileClientTest : public ::testing::Test {
 
   // True when the persistent chunk `name` exists and holds the pattern of `seed`.
   bool ReadsBack(RawSession& s, const std::string& name, uint64_t size, uint64_t seed) {
-    pb::AllocateRequest alloc;
-    pb::ChunkSpec* spec = alloc.add_chunks();
-    spec->set_size_bytes(size);
-    spec->set_name(name);
-    spec->set_persistent(true);
-    spec->set_open_existing(true);
-    pb::AllocateResponse allocated;
-    if (!stub_->Allocate(Context(s).get(), alloc, &allocated).ok()) return false;
+    const uint64_t id = OpenPersistent(s, name, size);
+    if (id == 0) return false;
     pb::AcquireRequest acquire;
-    acquire.add_chunk_ids(allocated.chunk_ids(0));
+    acquire.add_chunk_ids(id);
     acquire.set_tier(pb::TIER_HOST);
     acquire.set_mode(pb::ACCESS_MODE_READ);
     pb::AcquireResponse acquired;
@@ -271,7 +270,7 @@ class HostileClientTest : public ::testing::Test {
       same = reinterpret_cast<const uint64_t*>(data)[i] == Word(seed, i);
     }
     pb::ReleaseRequest release;
-    release.add_chunk_ids(allocated.chunk_ids(0));
+    release.add_chunk_ids(id);
     pb::ReleaseResponse released;
     EXPECT_TRUE(stub_->Release(Context(s).get(), release, &released).ok());
     return same;
