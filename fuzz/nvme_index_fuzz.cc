@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +21,15 @@
 namespace tierd {
 namespace {
 
+// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
+void RemoveAtExit(const char* dir) {
+  static std::string* path = new std::string(dir);
+  std::atexit([] {
+    std::error_code ec;
+    std::filesystem::remove_all(*path, ec);
+  });
+}
+
 constexpr uint64_t kIndexOffset = kRegionHeaderBytes;
 constexpr uint64_t kIndexBytes = 64 << 10;
 
@@ -28,6 +38,7 @@ NvmeRegion* Region() {
     spdlog::set_level(spdlog::level::off);
     char dir[] = "/var/tmp/tierd-fuzz-index-XXXXXX";
     if (mkdtemp(dir) == nullptr) abort();
+    RemoveAtExit(dir);
     auto r =
         NvmeRegion::Open({absl::StrCat(dir, "/region"), kIndexOffset + kIndexBytes + (1 << 20)});
     if (!r.ok()) abort();

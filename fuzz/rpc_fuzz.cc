@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <future>
 #include <memory>
 #include <string>
@@ -30,6 +31,15 @@
 namespace tierd {
 namespace {
 
+// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
+void RemoveAtExit(const char* dir) {
+  static std::string* path = new std::string(dir);
+  std::atexit([] {
+    std::error_code ec;
+    std::filesystem::remove_all(*path, ec);
+  });
+}
+
 namespace pb = ::tierd::v1;
 
 struct Daemon {
@@ -48,6 +58,7 @@ Daemon& TheDaemon() {
     auto* d = new Daemon;
     char dir[] = "/var/tmp/tierd-fuzz-rpc-XXXXXX";
     if (mkdtemp(dir) == nullptr) abort();
+    RemoveAtExit(dir);
     d->host = std::move(*CreateHostPool({.capacity = 32 << 20,
                                          .segment_size = 16 << 20,
                                          .huge_pages = HugePagePolicy::kNever,

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,15 @@
 namespace tierd {
 namespace {
 
+// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
+void RemoveAtExit(const char* dir) {
+  static std::string* path = new std::string(dir);
+  std::atexit([] {
+    std::error_code ec;
+    std::filesystem::remove_all(*path, ec);
+  });
+}
+
 struct Daemon {
   std::string path;
   std::unique_ptr<SegmentPool> host;
@@ -43,6 +53,7 @@ Daemon& TheDaemon() {
     auto* d = new Daemon;
     char dir[] = "/tmp/tierd-fuzz-session-XXXXXX";
     if (mkdtemp(dir) == nullptr) abort();
+    RemoveAtExit(dir);
     d->path = absl::StrCat(dir, "/tierd.session.sock");
     auto host = CreateHostPool({.capacity = 32 << 20,
                                 .segment_size = 16 << 20,
