@@ -1293,10 +1293,12 @@ absl::Status ChunkService::CheckEvictable(const ChunkMeta& chunk, TierKind tier)
   if (chunk.state == ChunkState::kMoving) return absl::OkStatus();
   if (tier == TierKind::kHost && !chunk.resident.contains(TierKind::kDevice)) {
     if (!chunk.resident.contains(TierKind::kHost)) {
-      return absl::InvalidArgumentError(
+      // A state the caller may not have seen coming: the daemon moves unpinned chunks down on
+      // its own (room for another chunk, a quota, a drain).
+      return absl::FailedPreconditionError(
           absl::StrCat("chunk ", chunk.id,
-                       " has no copy above the host tier to evict; use Prefetch to bring "
-                       "it up"));
+                       " has no copy on the host or above to evict (it is on NVMe); use "
+                       "Prefetch to bring it up"));
     }
     return absl::OkStatus();  // nothing above the host copy: nothing to do
   }

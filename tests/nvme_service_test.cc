@@ -151,6 +151,21 @@ TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   EXPECT_EQ(faults_->seen(IoKind::kSync), 0u);
 }
 
+// A chunk the daemon moved below the host tier (room for another, a quota, a drain) cannot be
+// evicted to the host: the caller cannot have seen that coming, so it is the chunk's state that is
+// wrong, not the request, and nothing changes.
+TEST_F(NvmeServiceTest, EvictToTheHostOfAChunkAlreadyBelowItIsAFailedPrecondition) {
+  auto ids = Alloc(*session_, {1 << 20});
+  Write(*session_, ids, 7);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
+  const absl::Status s = service_->Evict(*session_, ids, TierKind::kHost).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("Prefetch"), absl::string_view::npos) << s;
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_TRUE(Check(*session_, ids, 7, {1 << 20}));
+}
+
 TEST_F(NvmeServiceTest, EvictOfAPersistentChunkIsDurableBeforeItCompletes) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/durable", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
