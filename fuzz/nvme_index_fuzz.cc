@@ -16,19 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/nvme_index.h"
 #include "daemon/nvme_region.h"
+#include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd {
 namespace {
-
-// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
-void RemoveAtExit(const char* dir) {
-  static std::string* path = new std::string(dir);
-  std::atexit([] {
-    std::error_code ec;
-    std::filesystem::remove_all(*path, ec);
-  });
-}
 
 constexpr uint64_t kIndexOffset = kRegionHeaderBytes;
 constexpr uint64_t kIndexBytes = 64 << 10;
@@ -36,9 +28,7 @@ constexpr uint64_t kIndexBytes = 64 << 10;
 NvmeRegion* Region() {
   static NvmeRegion* region = [] {
     spdlog::set_level(spdlog::level::off);
-    char dir[] = "/var/tmp/tierd-fuzz-index-XXXXXX";
-    if (mkdtemp(dir) == nullptr) abort();
-    RemoveAtExit(dir);
+    const std::string dir = FuzzScratchDir("/var/tmp", "index");
     auto r =
         NvmeRegion::Open({absl::StrCat(dir, "/region"), kIndexOffset + kIndexBytes + (1 << 20)});
     if (!r.ok()) abort();

@@ -23,6 +23,7 @@
 #include "daemon/nvme_tier.h"
 #include "daemon/rpc_server.h"
 #include "daemon/session.h"
+#include "fuzz/scratch_dir.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "spdlog/spdlog.h"
@@ -30,15 +31,6 @@
 
 namespace tierd {
 namespace {
-
-// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
-void RemoveAtExit(const char* dir) {
-  static std::string* path = new std::string(dir);
-  std::atexit([] {
-    std::error_code ec;
-    std::filesystem::remove_all(*path, ec);
-  });
-}
 
 namespace pb = ::tierd::v1;
 
@@ -56,9 +48,7 @@ Daemon& TheDaemon() {
   static Daemon* d = [] {
     spdlog::set_level(spdlog::level::off);
     auto* d = new Daemon;
-    char dir[] = "/var/tmp/tierd-fuzz-rpc-XXXXXX";
-    if (mkdtemp(dir) == nullptr) abort();
-    RemoveAtExit(dir);
+    const std::string dir = FuzzScratchDir("/var/tmp", "rpc");
     d->host = std::move(*CreateHostPool({.capacity = 32 << 20,
                                          .segment_size = 16 << 20,
                                          .huge_pages = HugePagePolicy::kNever,

@@ -25,19 +25,11 @@
 #include "daemon/host_memory.h"
 #include "daemon/session.h"
 #include "daemon/session_broker.h"
+#include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd {
 namespace {
-
-// The fuzzer's scratch directory goes when the run ends (libFuzzer exits through exit()).
-void RemoveAtExit(const char* dir) {
-  static std::string* path = new std::string(dir);
-  std::atexit([] {
-    std::error_code ec;
-    std::filesystem::remove_all(*path, ec);
-  });
-}
 
 struct Daemon {
   std::string path;
@@ -51,9 +43,7 @@ Daemon& TheDaemon() {
   static Daemon* d = [] {
     spdlog::set_level(spdlog::level::off);
     auto* d = new Daemon;
-    char dir[] = "/tmp/tierd-fuzz-session-XXXXXX";
-    if (mkdtemp(dir) == nullptr) abort();
-    RemoveAtExit(dir);
+    const std::string dir = FuzzScratchDir("/tmp", "session");
     d->path = absl::StrCat(dir, "/tierd.session.sock");
     auto host = CreateHostPool({.capacity = 32 << 20,
                                 .segment_size = 16 << 20,
