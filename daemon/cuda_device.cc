@@ -106,6 +106,7 @@ class CudaStream {
   }
   ~CudaStream() {
     queue_.Drain();
+    d_->cuCtxSetCurrent(ctx_);
     d_->cuStreamDestroy(stream_);
   }
 
@@ -146,10 +147,14 @@ class CudaDevice final : public Device {
         dev_(dev),
         ctx_(ctx),
         description_(std::move(description)),
-        h2d_(d, ctx),
-        d2h_(d, ctx) {}
+        h2d_(std::make_unique<CudaStream>(d, ctx)),
+        d2h_(std::make_unique<CudaStream>(d, ctx)) {}
+  // The streams go while the context they belong to is still retained: releasing the primary
+  // context last destroys it and every stream in it.
   ~CudaDevice() override {
     Drain();
+    h2d_.reset();
+    d2h_.reset();
     d_->cuDevicePrimaryCtxRelease(dev_);
   }
 
@@ -166,21 +171,21 @@ class CudaDevice final : public Device {
                     Callback done) override {
     d_->cuCtxSetCurrent(ctx_);
     absl::Status s = d_->Check(d_->cuMemcpyHtoDAsync(reinterpret_cast<CUdeviceptr>(device_dst),
-                                                     host_src, bytes, h2d_.stream()),
+                                                     host_src, bytes, h2d_->stream()),
                                "cuMemcpyHtoDAsync");
-    h2d_.Track(s, std::move(done));
+    h2d_->Track(s, std::move(done));
   }
   void CopyToHost(void* host_dst, const void* device_src, uint64_t bytes, Callback done) override {
     d_->cuCtxSetCurrent(ctx_);
     absl::Status s =
         d_->Check(d_->cuMemcpyDtoHAsync(host_dst, reinterpret_cast<CUdeviceptr>(device_src), bytes,
-                                        d2h_.stream()),
+                                        d2h_->stream()),
                   "cuMemcpyDtoHAsync");
-    d2h_.Track(s, std::move(done));
+    d2h_->Track(s, std::move(done));
   }
   void Drain() override {
-    h2d_.Drain();
-    d2h_.Drain();
+    h2d_->Drain();
+    d2h_->Drain();
   }
 
  private:
@@ -188,8 +193,8 @@ class CudaDevice final : public Device {
   CUdevice dev_;
   CUcontext ctx_;
   DeviceDescription description_;
-  CudaStream h2d_;
-  CudaStream d2h_;
+  std::unique_ptr<CudaStream> h2d_;
+  std::unique_ptr<CudaStream> d2h_;
 };
 
 }  // namespace
