@@ -167,6 +167,10 @@ class CudaDevice final : public Device {
     return d_->Check(d_->cuMemHostRegister(base, size, CU_MEMHOSTREGISTER_PORTABLE),
                      "cuMemHostRegister");
   }
+  absl::Status UnregisterHost(void* base) override {
+    d_->cuCtxSetCurrent(ctx_);
+    return d_->Check(d_->cuMemHostUnregister(base), "cuMemHostUnregister");
+  }
   void CopyToDevice(void* device_dst, const void* host_src, uint64_t bytes,
                     Callback done) override {
     d_->cuCtxSetCurrent(ctx_);

@@ -32,8 +32,11 @@ class Device {
   virtual const DeviceDescription& description() const = 0;
   // The memory the device pool's segments are made of (exportable to clients as fds).
   virtual std::unique_ptr<SegmentBacking> MakeBacking() = 0;
-  // Makes host memory DMA-capable for this device's copies (cudaHostRegister).
+  // Makes host memory DMA-capable for this device's copies (cuMemHostRegister), and undoes that;
+  // memory must be unregistered before it is unmapped, or the driver keeps its pages pinned and may
+  // refuse (or, worse, DMA from the old pages of) a later mapping at the same address.
   virtual absl::Status RegisterHost(void* base, size_t size) = 0;
+  virtual absl::Status UnregisterHost(void* base) = 0;
   // Asynchronous copies on the device's host-to-device and device-to-host streams (one each, so
   // both directions run at once). `done` runs on a thread of the device's, never the caller's.
   virtual void CopyToDevice(void* device_dst, const void* host_src, uint64_t bytes,
@@ -42,6 +45,26 @@ class Device {
                           Callback done) = 0;
   // Waits until every copy issued so far has called back.
   virtual void Drain() = 0;
+};
+
+// Keeps every segment of the host tier registered with `device` while it lives: registers each
+// segment's memory, moves the registration when a segment gets new memory (unregistering the old
+// before it is unmapped), and unregisters everything when destroyed. A segment that cannot be
+// registered is logged and served anyway (copies then stage through the driver).
+class HostRegistration {
+ public:
+  HostRegistration(SegmentPool* host, Device* device);
+  ~HostRegistration();
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+
+ private:
+  void Remap(uint32_t segment, void* old_base, void* new_base, size_t size);
+
+  SegmentPool* const host_;
+  Device* const device_;
+  std::vector<void*> registered_;  // by segment; null where not registered
+  int observer_ = 0;
 };
 
 struct EmulatedDeviceOptions {

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/device.h"
 #include "daemon/host_memory.h"
 #include "daemon/work_queue.h"
@@ -58,7 +60,31 @@ class EmulatedDevice final : public Device {
                                           /*lock_memory=*/false);
   }
 
-  absl::Status RegisterHost(void*, size_t) override { return absl::OkStatus(); }
+  // Registrations are kept as the CUDA driver keeps them, so that misuse fails here as it would on
+  // a GPU: a range overlapping a registered one is refused, and so is unregistering an address
+  // that is not the start of a registration.
+  absl::Status RegisterHost(void* base, size_t size) override {
+    const auto start = reinterpret_cast<uintptr_t>(base);
+    absl::MutexLock lock(&mu_);
+    for (const auto& [b, n] : registered_) {
+      if (start < b + n && b < start + size) {
+        return absl::AlreadyExistsError(
+            absl::StrFormat("host memory %p (+%u bytes) overlaps registered memory %#x "
+                            "(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)",
+                            base, size, b));
+      }
+    }
+    registered_.emplace(start, size);
+    return absl::OkStatus();
+  }
+  absl::Status UnregisterHost(void* base) override {
+    absl::MutexLock lock(&mu_);
+    if (registered_.erase(reinterpret_cast<uintptr_t>(base)) == 0) {
+      return absl::NotFoundError(absl::StrFormat(
+          "host memory %p is not registered (CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)", base));
+    }
+    return absl::OkStatus();
+  }
 
   void CopyToDevice(void* device_dst, const void* host_src, uint64_t bytes,
                     Callback done) override {
@@ -73,6 +99,8 @@ class EmulatedDevice final : public Device {
   }
 
  private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<uintptr_t, size_t> registered_ ABSL_GUARDED_BY(mu_);  // base -> size
   EmulatedDeviceOptions options_;
   DeviceDescription description_;
   EmulatedStream to_device_;

@@ -388,7 +388,7 @@ int Run() {
     devices.status = "device tier disabled (device.backend = none)";
   }
   std::unique_ptr<SegmentPool> device_pool;
-  int device_observer = 0;
+  std::unique_ptr<HostRegistration> host_registration;
   if (device != nullptr) {
     const DeviceDescription& d = device->description();
     devices.devices.push_back(d);
@@ -401,15 +401,7 @@ int Run() {
     }
     device_pool = std::move(*pool);
     // The GPU copies straight from and into the host tier's pinned segments.
-    Device* dev = device.get();
-    device_observer = (*host)->AddRemapObserver([dev](uint32_t segment, void* base, size_t size) {
-      if (absl::Status s = dev->RegisterHost(base, size); !s.ok()) {
-        TIERD_LOG_LIMITED(warn,
-                          "host segment {} not registered with the GPU ({}); copies stage through "
-                          "the driver",
-                          segment, s.message());
-      }
-    });
+    host_registration = std::make_unique<HostRegistration>(host->get(), device.get());
     spdlog::info("device tier: {} {}: {}", d.uuid, d.name, device_pool->Describe());
   } else {
     spdlog::info("device tier: none ({}); serving the host{} tier{}", devices.status,
@@ -538,7 +530,7 @@ int Run() {
     if (device != nullptr) device->Drain();
     if (nvme != nullptr) nvme->Drain();
   }
-  if (device != nullptr) (*host)->RemoveRemapObserver(device_observer);
+  host_registration.reset();
   unlink(rpc_path.c_str());
   unlink(session_path.c_str());
   spdlog::info("tierd stopped");

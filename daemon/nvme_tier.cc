@@ -339,7 +339,9 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
     tier->registered_.assign(segments, false);
   }
   NvmeTier* raw = tier.get();
-  tier->observer_ = host->AddRemapObserver([raw](uint32_t segment, void* base, size_t size) {
+  tier->observer_ = host->AddRemapObserver([raw](uint32_t segment, void*, void* base, size_t size) {
+    // A removed observer keeps its slots: the engine and its registrations go together.
+    if (base == nullptr) return;
     absl::Status s = raw->engine_->backend()->RegisterBuffer(static_cast<int>(segment), base, size);
     if (!s.ok()) {
       spdlog::warn(

@@ -80,20 +80,23 @@ absl::StatusOr<std::unique_ptr<SegmentPool>> SegmentPool::Create(
 absl::Status SegmentPool::MapFresh(Segment& segment, uint32_t index) {
   absl::StatusOr<SegmentMemory> memory = backing_->Create(index, segment_size_);
   if (!memory.ok()) return memory.status();
+  // Observers let go of the old memory (unregister it) while it is still mapped.
+  for (const auto& [id, observer] : observers_) {
+    observer(index, segment.memory.base, memory->base, segment_size_);
+  }
   if (segment.memory.base != nullptr || segment.memory.fd) {
     backing_->Destroy(segment.memory, segment_size_);
   }
   segment.memory = std::move(*memory);
   segment.generation += 1;
   segment.allocator = std::make_unique<ExtentAllocator>(segment_size_, kSegmentAlignment);
-  for (const auto& [id, observer] : observers_) observer(index, segment.memory.base, segment_size_);
   return absl::OkStatus();
 }
 
 int SegmentPool::AddRemapObserver(RemapObserver observer) {
   absl::MutexLock lock(&mu_);
   for (uint32_t i = 0; i < segments_.size(); ++i) {
-    observer(i, segments_[i].memory.base, segment_size_);
+    observer(i, nullptr, segments_[i].memory.base, segment_size_);
   }
   observers_.emplace_back(next_observer_, std::move(observer));
   return next_observer_++;
@@ -101,6 +104,12 @@ int SegmentPool::AddRemapObserver(RemapObserver observer) {
 
 void SegmentPool::RemoveRemapObserver(int id) {
   absl::MutexLock lock(&mu_);
+  for (const auto& [observer_id, observer] : observers_) {
+    if (observer_id != id) continue;
+    for (uint32_t i = 0; i < segments_.size(); ++i) {
+      observer(i, segments_[i].memory.base, nullptr, segment_size_);
+    }
+  }
   std::erase_if(observers_, [id](const auto& o) { return o.first == id; });
 }
 

@@ -76,10 +76,12 @@ class SegmentPool final : public Tier {
   // The daemon's own address of a placement (host pointer, or device pointer).
   void* Address(const Placement& placement) const override;
 
-  // Calls `observer` now for every segment, and again whenever a segment gets new memory (a
-  // recycle for another tenant), so that I/O engines and GPUs can keep them registered. Returns an
-  // id for RemoveRemapObserver.
-  using RemapObserver = std::function<void(uint32_t segment, void* base, size_t size)>;
+  // Calls `observer` now for every segment (`old_base` null), again whenever a segment gets new
+  // memory (a recycle for another tenant: before the old memory is unmapped), and once more for
+  // every segment when the observer is removed (`new_base` null), so that I/O engines and GPUs can
+  // keep exactly the current memory registered. Returns an id for RemoveRemapObserver.
+  using RemapObserver =
+      std::function<void(uint32_t segment, void* old_base, void* new_base, size_t size)>;
   int AddRemapObserver(RemapObserver observer);
   void RemoveRemapObserver(int id);
 

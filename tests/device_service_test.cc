@@ -27,6 +27,7 @@ class RecordingDevice final : public Device {
   absl::Status RegisterHost(void* base, size_t size) override {
     return inner_->RegisterHost(base, size);
   }
+  absl::Status UnregisterHost(void* base) override { return inner_->UnregisterHost(base); }
   void CopyToDevice(void* dst, const void* src, uint64_t bytes, Callback done) override {
     if (on_copy_to_device) on_copy_to_device();
     ++to_device;

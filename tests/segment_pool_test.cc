@@ -3,7 +3,9 @@
 #include <sys/mman.h>
 
 #include <cstring>
+#include <map>
 
+#include "daemon/device.h"
 #include "gtest/gtest.h"
 
 namespace tierd {
@@ -129,6 +131,98 @@ TEST(SegmentPoolTest, UsageTracksReservations) {
   EXPECT_EQ(u.largest_free_bytes, kSeg);  // the untouched segment
   pool->Unreserve(*a);
   EXPECT_EQ(pool->Usage().used_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace tierd
+
+namespace tierd {
+namespace {
+
+bool Mapped(const void* base, size_t size) {
+  return msync(const_cast<void*>(base), size, MS_ASYNC) == 0;
+}
+
+// A device that only checks host registrations the way the CUDA driver needs them: each range
+// registered once, unregistered exactly once and while still mapped.
+class PairingDevice final : public Device {
+ public:
+  const DeviceDescription& description() const override { return description_; }
+  std::unique_ptr<SegmentBacking> MakeBacking() override { return nullptr; }
+  absl::Status RegisterHost(void* base, size_t size) override {
+    EXPECT_TRUE(Mapped(base, size)) << "registering unmapped memory " << base;
+    for (const auto& [b, n] : registered) {
+      EXPECT_FALSE(static_cast<char*>(base) < static_cast<char*>(b) + n &&
+                   static_cast<char*>(b) < static_cast<char*>(base) + size)
+          << base << " overlaps a registration at " << b;
+    }
+    registered[base] = size;
+    ++registrations;
+    return absl::OkStatus();
+  }
+  absl::Status UnregisterHost(void* base) override {
+    auto it = registered.find(base);
+    EXPECT_NE(it, registered.end()) << "unregistering " << base << ", never registered";
+    if (it == registered.end()) return absl::NotFoundError("not registered");
+    EXPECT_TRUE(Mapped(base, it->second)) << base << " was unmapped before it was unregistered";
+    registered.erase(it);
+    return absl::OkStatus();
+  }
+  void CopyToDevice(void*, const void*, uint64_t, Callback done) override {
+    done(absl::OkStatus());
+  }
+  void CopyToHost(void*, const void*, uint64_t, Callback done) override { done(absl::OkStatus()); }
+  void Drain() override {}
+
+  // Every registration is of memory that is still mapped.
+  bool AllMapped() const {
+    for (const auto& [b, n] : registered) {
+      if (!Mapped(b, n)) return false;
+    }
+    return true;
+  }
+
+  std::map<void*, size_t> registered;
+  int registrations = 0;
+
+ private:
+  DeviceDescription description_;
+};
+
+TEST(HostRegistrationTest, ASegmentThatChangesTenantIsUnregisteredBeforeItIsUnmapped) {
+  auto pool = MakePool(2);
+  PairingDevice device;
+  {
+    HostRegistration registration(pool.get(), &device);
+    EXPECT_EQ(device.registered.size(), 2u);
+    // Each tenant in turn takes both segments: every turn recycles both.
+    for (uint32_t tenant : {1000u, 2000u, 1000u, 3000u}) {
+      auto a = pool->Reserve(tenant, kSeg);
+      auto b = pool->Reserve(tenant, kSeg);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(device.registered.size(), 2u) << "tenant " << tenant;
+      EXPECT_TRUE(device.registered.count(pool->Address(*a)) == 1 &&
+                  device.registered.count(pool->Address(*b)) == 1)
+          << "the segments' current memory is registered";
+      EXPECT_TRUE(device.AllMapped());
+      pool->Unreserve(*a);
+      pool->Unreserve(*b);
+    }
+    EXPECT_EQ(device.registrations, 2 + 3 * 2);  // the first tenant needs no recycling
+  }
+  EXPECT_TRUE(device.registered.empty()) << "still registered after the registration ended";
+}
+
+TEST(HostRegistrationTest, TheEmulatedDeviceRefusesWhatTheDriverRefuses) {
+  auto device = MakeEmulatedDevice({});
+  std::vector<char> memory(1 << 16);
+  ASSERT_TRUE(device->RegisterHost(memory.data(), 1 << 15).ok());
+  EXPECT_TRUE(absl::IsAlreadyExists(device->RegisterHost(memory.data() + 4096, 4096)));
+  EXPECT_TRUE(absl::IsNotFound(device->UnregisterHost(memory.data() + 4096)));
+  EXPECT_TRUE(device->UnregisterHost(memory.data()).ok());
+  EXPECT_TRUE(absl::IsNotFound(device->UnregisterHost(memory.data())));
+  EXPECT_TRUE(device->RegisterHost(memory.data() + 4096, 4096).ok());
+  EXPECT_TRUE(device->UnregisterHost(memory.data() + 4096).ok());
 }
 
 }  // namespace
