@@ -42,6 +42,7 @@ struct CudaDriver {
   X(cuMemsetD8) \
   X(cuStreamCreate) \
   X(cuStreamDestroy) \
+  X(cuStreamSynchronize) \
   X(cuStreamWaitEvent) \
   X(cuMemcpyHtoDAsync) \
   X(cuMemcpyDtoHAsync) \

@@ -60,8 +60,11 @@ class VmmBacking final : public SegmentBacking {
       access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
       s = d_->Check(d_->cuMemSetAccess(ptr, size, &access, 1), "cuMemSetAccess");
     }
-    // Fresh memory for a (possibly new) tenant: zero it.
+    // Fresh memory for a (possibly new) tenant: zero it. cuMemsetD8 is only queued on the legacy
+    // default stream, which the non-blocking copy streams do not wait for, and the new tenant's
+    // process writes through its own mapping: wait until the zeros are there.
     if (s.ok()) s = d_->Check(d_->cuMemsetD8(ptr, 0, size), "cuMemsetD8");
+    if (s.ok()) s = d_->Check(d_->cuStreamSynchronize(nullptr), "cuStreamSynchronize");
     if (!s.ok()) {
       if (ptr != 0) {
         d_->cuMemUnmap(ptr, size);
