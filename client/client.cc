@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -141,6 +142,8 @@ struct Client::Impl {
   // Declared before `segments`: destroyed after the registrations and mappings that use it.
   std::unique_ptr<client_internal::CudaSession> cuda ABSL_GUARDED_BY(segments_mu);
   client_internal::HostRegistration page_registration ABSL_GUARDED_BY(segments_mu);
+  std::string stream_wait_error ABSL_GUARDED_BY(segments_mu);  // why the page is not registered
+  uint64_t unregistered_segments ABSL_GUARDED_BY(segments_mu) = 0;
   absl::flat_hash_map<uint64_t, MappedSegment> segments ABSL_GUARDED_BY(segments_mu);
 
   absl::Status StartWatcher() {
@@ -204,32 +207,46 @@ struct Client::Impl {
     absl::StatusOr<std::unique_ptr<client_internal::CudaSession>> opened =
         client_internal::CudaSession::Open(uuid);
     if (!opened.ok()) return opened.status();
+    // Without the page registered, GPU stream waits are unavailable (StreamWait says why); the
+    // device tier and host waits still work.
     absl::StatusOr<client_internal::HostRegistration> page_reg =
         (*opened)->RegisterHost(page, kCompletionPageBytes);
-    if (!page_reg.ok()) return page_reg.status();
+    if (page_reg.ok()) {
+      page_registration = std::move(*page_reg);
+    } else {
+      stream_wait_error = absl::StrCat("registering the completion page with CUDA failed (",
+                                       page_reg.status().message(), ")");
+      std::fprintf(stderr, "tierd client: GPU stream waits disabled: %s\n",
+                   stream_wait_error.c_str());
+    }
+    cuda = std::move(*opened);
     if (options.cuda_register_host) {
       for (auto& [key, segment] : segments) {
         if (segment.device != nullptr || segment.registration.registered()) continue;
-        if (absl::Status s = RegisterSegment(**opened, key, segment); !s.ok()) return s;
+        RegisterSegment(key, segment);
       }
     }
-    cuda = std::move(*opened);
-    page_registration = std::move(*page_reg);
     return absl::OkStatus();
   }
 
-  static absl::Status RegisterSegment(const client_internal::CudaSession& session, uint64_t key,
-                                      MappedSegment& segment) {
+  // Registers a host segment for DMA. A segment the driver refuses stays usable: copies from it
+  // are staged through the driver, slower, and the first refusal is reported on stderr.
+  void RegisterSegment(uint64_t key, MappedSegment& segment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
     absl::StatusOr<client_internal::HostRegistration> reg =
-        session.RegisterHost(segment.mapping.base(), segment.mapping.size());
-    if (!reg.ok()) {
-      return absl::Status(reg.status().code(),
-                          absl::StrCat("registering host segment ", key & 0xffffffffu,
-                                       " with CUDA: ", reg.status().message(),
-                                       " (ClientOptions::cuda_register_host = false skips this)"));
+        cuda->RegisterHost(segment.mapping.base(), segment.mapping.size());
+    if (reg.ok()) {
+      segment.registration = std::move(*reg);
+      return;
     }
-    segment.registration = std::move(*reg);
-    return absl::OkStatus();
+    if (unregistered_segments++ == 0) {
+      std::fprintf(stderr,
+                   "tierd client: host segment %u not registered with CUDA (%s): copies from "
+                   "unregistered segments are staged by the driver "
+                   "(ClientOptions::cuda_register_host = false skips registering)\n",
+                   static_cast<unsigned>(key & 0xffffffffu),
+                   std::string(reg.status().message()).c_str());
+    }
   }
 
   // One unary call with the session credential and the deadline.
@@ -265,7 +282,7 @@ struct Client::Impl {
       if (!m.ok()) return m.status();
       mapped.mapping = std::move(*m);
       if (tier == Tier::kHost && cuda != nullptr && options.cuda_register_host) {
-        if (absl::Status s = RegisterSegment(*cuda, key, mapped); !s.ok()) return s;
+        RegisterSegment(key, mapped);
       }
     }
     // The old mapping (another generation) goes first, its registration before its memory.
@@ -764,6 +781,11 @@ absl::Status Client::StreamWait(CompletionToken token, uintptr_t stream) {
   absl::StatusOr<int> device = CudaDevice();
   if (!device.ok()) return device.status();
   absl::MutexLock lock(&impl_->segments_mu);
+  if (!impl_->page_registration.registered()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GPU stream waits are unavailable in this process: ", impl_->stream_wait_error,
+                     "; wait on the host (Wait) instead"));
+  }
   return impl_->cuda->WaitValue(stream, impl_->page_registration,
                                 &impl_->page->slots[token.slot].word,
                                 SlotDoneValue(token.sequence));
