@@ -111,15 +111,17 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
   auto daemon = std::unique_ptr<DaemonProcess>(new DaemonProcess());
   daemon->dir_ = tmpl;
   // State and a small NVMe region inside the directory, so that every daemon is independent.
-  std::vector<std::string> argv = {options.binary, absl::StrCat("--socket_dir=", tmpl),
-                                   absl::StrCat("--state_dir=", tmpl, "/state"),
-                                   absl::StrCat("--nvme_regions=", tmpl, "/nvme0.region:256MiB"),
-                                   // A free port: tests run side by side (an arg may override).
-                                   "--metrics_listen=127.0.0.1:0", "--log_level=debug"};
+  std::vector<std::string> argv = {
+      options.binary, absl::StrCat("--socket_dir=", tmpl),
+      absl::StrCat("--state_dir=", tmpl, "/state"),
+      absl::StrCat("--nvme_regions=", tmpl, "/nvme0.region:", options.nvme_region_size),
+      // A free port: tests run side by side (an arg may override).
+      "--metrics_listen=127.0.0.1:0", "--log_level=debug"};
   if (!options.socket_group.empty()) argv.push_back("--socket_group=" + options.socket_group);
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   daemon->argv_ = std::move(argv);
   daemon->without_io_uring_ = options.without_io_uring;
+  daemon->start_timeout_ = options.start_timeout;
   if (absl::Status s = daemon->Launch(); !s.ok()) return s;
   return daemon;
 }
@@ -127,7 +129,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
 absl::Status DaemonProcess::Launch() {
   pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_);
   if (pid_ < 0) return absl::InternalError("cannot spawn " + argv_[0]);
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  const absl::Time deadline = absl::Now() + start_timeout_;
   while (absl::Now() < deadline) {
     int status = 0;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
@@ -141,7 +143,8 @@ absl::Status DaemonProcess::Launch() {
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return absl::DeadlineExceededError("tierd did not start within 30 s: " + Log());
+  return absl::DeadlineExceededError(absl::StrCat(
+      "tierd did not start within ", absl::FormatDuration(start_timeout_), ": ", Log()));
 }
 
 void DaemonProcess::Kill() {

@@ -19,6 +19,11 @@ struct DaemonOptions {
   // Runs the daemon where io_uring_setup fails with EPERM, as under Docker's default seccomp
   // profile.
   bool without_io_uring = false;
+  // Size of the NVMe region made inside the directory (a tier-sized test needs a bigger one).
+  std::string nvme_region_size = "256MiB";
+  // How long start-up may take before Start gives up: pinning host memory runs at well under
+  // 1 GB/s on some machines, so daemons with gigabytes of host capacity need longer.
+  absl::Duration start_timeout = absl::Seconds(30);
 };
 
 class DaemonProcess {
@@ -47,6 +52,7 @@ class DaemonProcess {
   std::string dir_;
   std::vector<std::string> argv_;
   bool without_io_uring_ = false;
+  absl::Duration start_timeout_ = absl::Seconds(30);
   pid_t pid_ = -1;
 };
 
