@@ -9,7 +9,7 @@ SANITIZED ?= build-asan
 FUZZ_SECONDS ?= 300
 
 .PHONY: all deps configure build test test-build test-sanitized configure-sanitized fuzz demo \
-        bench install package clean
+        bench install package gpu-kit clean
 
 all: build
 
@@ -52,6 +52,11 @@ bench: build
 	$(BUILD)/bench/tierd-bench replay
 	$(BUILD)/bench/tierd-bench adam --params=1e7,1e8
 	$(BUILD)/bench/tierd-bench offload-step
+
+# The GPU kit (gpu-kit/tierd-gpu-kit.tar.gz): the CUDA build's daemon, client, tests and benches
+# with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).
+gpu-kit: build
+	@tests/gpu/make_kit.sh $(BUILD) gpu-kit
 
 # PREFIX=/usr/local by default; DESTDIR works as usual.
 install: build

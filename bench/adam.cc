@@ -119,8 +119,10 @@ double TorchParamsPerSecond(uint64_t n, int threads, int iterations, const std::
   // On the CPU, Debian's interpreter and torch; on a GPU machine, whichever python3 has CUDA torch.
   std::vector<std::string> argv = {"/usr/bin/python3"};
   if (device != "cpu") argv = {"/usr/bin/env", "python3"};
-  for (std::string a : {std::string(TIERD_SOURCE_DIR) + "/bench/adam_torch.py", absl::StrCat(n),
-                        absl::StrCat(threads), absl::StrCat(iterations), device}) {
+  // The script sits beside the binary (the build copies it there; so does the GPU kit).
+  const std::string script = testing::ExecutableDir() + "/adam_torch.py";
+  for (std::string a :
+       {script, absl::StrCat(n), absl::StrCat(threads), absl::StrCat(iterations), device}) {
     argv.push_back(std::move(a));
   }
   const int rc = testing::RunProcess(argv, &out);

@@ -10,7 +10,7 @@ packages=(
   libxxhash-dev libsystemd-dev libcivetweb-dev prometheus systemd
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-pytest python3-torch python3-numpy python3-yaml
-  fio
+  fio patchelf
 )
 
 missing=()

@@ -1,16 +1,136 @@
 #!/usr/bin/env bash
-# On a CUDA machine: builds tierd with CUDA required, runs the GPU tests and the GPU benchmarks,
-# and prints the figures (record them in docs/benchmarks.md with the date and the device).
+# The GPU checks: the GPU tests, the PCIe and GPU Adam benchmarks and the PyTorch check, each step
+# under its own time limit, each writing its log (and its figures, as JSON) to an output folder.
 #
-#   tests/gpu/run.sh [BUILD_DIR]        (default build-gpu)
-set -euo pipefail
-cd "$(dirname "$0")/../.."
-build=${1:-build-gpu}
-nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv || true
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIERD_CUDA=ON >/dev/null
-cmake --build "$build" -j "$(nproc)"
-"$build/tests/gpu/tierd_gpu_tests"
-"$build/bench/tierd-bench" pcie --device=cuda
-"$build/bench/tierd-bench" pcie --device=cuda --json
-"$build/bench/tierd-bench" gpu-adam
-"$build/bench/tierd-bench" gpu-adam --json
+# Runs from an unpacked GPU kit (`make gpu-kit`: nothing to build, no -dev packages needed) or from
+# the source tree, where it uses (and, if missing, builds) a CUDA build folder.
+#
+#   tests/gpu/run.sh [--out=DIR] [--device=cuda|emulated] [--build=DIR] [--list] [STEP...]
+#
+#   --out=DIR    where logs and figures go (default: gpu-results-<date> in the current folder)
+#   --device=    the daemons' device backend (default cuda; emulated checks the kit without a GPU)
+#   --build=DIR  source tree only: the CUDA build folder (default build)
+#   STEP...      run only these steps (default: all, in order); --list names them
+#
+# Exit status: 0 when every step passed, 1 when one failed or ran out of time.
+set -uo pipefail
+
+root=$(cd "$(dirname "$0")/../.." && pwd)
+steps_all=(environment doctor gpu-tests pcie gpu-adam torch)
+out="gpu-results-$(date +%Y%m%d-%H%M%S)"
+build=""
+device=cuda
+steps=()
+for arg in "$@"; do
+  case "$arg" in
+    --out=*) out=${arg#--out=} ;;
+    --build=*) build=${arg#--build=} ;;
+    --device=cuda|--device=emulated) device=${arg#--device=} ;;
+    --list) printf '%s\n' "${steps_all[@]}"; exit 0 ;;
+    -h|--help) sed -n 2,14p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "run.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
+    *)
+      if [[ " ${steps_all[*]} " != *" $arg "* ]]; then
+        echo "run.sh: unknown step '$arg'; steps: ${steps_all[*]}" >&2
+        exit 2
+      fi
+      steps+=("$arg") ;;
+  esac
+done
+[[ ${#steps[@]} -eq 0 ]] && steps=("${steps_all[@]}")
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+# The binaries: a kit keeps them at the build tree's relative paths, beside lib/ (their RUNPATHs
+# find it).
+if [[ -x "$root/daemon/tierd" ]]; then
+  bin=$root
+else
+  bin=$(cd "$root" && mkdir -p "${build:-build}" && cd "${build:-build}" && pwd)
+  if [[ ! -x "$bin/tests/gpu/tierd_gpu_tests" ]]; then
+    echo "== building $bin (CUDA required)"
+    cmake -S "$root" -B "$bin" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIERD_CUDA=ON \
+      >"$out/build.log" 2>&1 && cmake --build "$bin" -j "$(nproc)" >>"$out/build.log" 2>&1 || {
+      echo "build failed: $out/build.log"; tail -20 "$out/build.log"; exit 1; }
+  fi
+fi
+export TIERD_CLIENT_LIB="$bin/client/libtierd_client.so.0"
+# Daemons the steps start get a private folder each; nothing is left behind in /tmp.
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/tierd-gpu-XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+
+run_environment() {
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  uname -a
+  ldd --version 2>&1 | head -1
+  nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv 2>&1 || echo "nvidia-smi: not available"
+  echo "memlock limit: $(ulimit -l)"
+  echo "cpus: $(nproc); memory: $(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
+  [[ -f "$root/KIT" ]] && cat "$root/KIT"
+  command -v python3 >/dev/null && python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1
+  # A daemon's start-up log says which fallbacks it chose (io_uring, memlock, CUDA, huge pages).
+  local dir="$scratch/env"
+  mkdir -p "$dir"
+  "$bin/daemon/tierd" --socket_dir="$dir" --state_dir="$dir/state" --device="$device" \
+    --device_capacity=512MiB --device_segment_size=256MiB --host_capacity=512MiB \
+    --host_segment_size=256MiB --nvme_regions="$dir/nvme.region:1GiB" \
+    --metrics_listen=127.0.0.1:0 >"$dir/log" 2>&1 &
+  local pid=$! i
+  for i in $(seq 1 300); do [[ -S "$dir/tierd.sock" ]] && break; sleep 0.1; done
+  kill -TERM "$pid" 2>/dev/null; wait "$pid"
+  local rc=$?
+  echo "daemon exited $rc; its log:"
+  cat "$dir/log"
+  if [[ $rc -ge 128 ]] && command -v cuda-gdb >/dev/null; then
+    # A crash: once more under a debugger, for the stack.
+    rm -rf "$dir" && mkdir -p "$dir"
+    (for i in $(seq 1 300); do [[ -S "$dir/tierd.sock" ]] && break; sleep 0.1; done
+     pkill -TERM -f "socket_dir=$dir" ) &
+    cuda-gdb -batch -ex "handle SIGTERM nostop noprint pass" -ex run -ex "thread apply all bt 20" \
+      --args "$bin/daemon/tierd" --socket_dir="$dir" --state_dir="$dir/state" --device=cuda \
+      --device_capacity=512MiB --device_segment_size=256MiB --host_capacity=512MiB \
+      --host_segment_size=256MiB --nvme_regions="$dir/nvme.region:1GiB" \
+      --metrics_listen=127.0.0.1:0 2>&1 | grep -v "^\[New Thread\|^\[Thread .* exited" | tail -80
+    return 1
+  fi
+  [[ $rc -eq 0 ]]
+}
+run_doctor() { "$bin/tools/tierctl" doctor --json >"$out/doctor.json" && cat "$out/doctor.json"; }
+run_gpu-tests() { "$bin/tests/gpu/tierd_gpu_tests" --gtest_output="json:$out/gpu-tests.json"; }
+run_pcie() {
+  "$bin/bench/tierd-bench" pcie --device="$device" --dir="$scratch" --json | tee "$out/pcie.json"
+}
+run_gpu-adam() { "$bin/bench/tierd-bench" gpu-adam --json | tee "$out/gpu-adam.json"; }
+run_torch() {
+  TIERD_BIN="$bin/daemon/tierd" python3 "$root/tests/gpu/torch_cuda.py" --json="$out/torch.json"
+}
+
+declare -A limit=([environment]=90 [doctor]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240 [torch]=150)
+failed=0
+summary="$out/summary.json"
+echo "[" >"$summary"
+first=1
+for step in "${steps[@]}"; do
+  echo "== $step (limit ${limit[$step]} s)"
+  start=$(date +%s%N)
+  # Each step in its own process group, killed whole at its limit.
+  timeout -k 10 "${limit[$step]}" bash -c "set -o pipefail; $(declare -f "run_$step"); $(declare -p bin out root scratch device); run_$step" \
+    >"$out/$step.log" 2>&1
+  rc=$?
+  took=$(( ($(date +%s%N) - start) / 1000000000 ))
+  tail -40 "$out/$step.log"
+  case $rc in
+    0) result=passed ;;
+    77) result=skipped ;;
+    124|137) result=timeout; failed=1 ;;
+    *) result=failed; failed=1 ;;
+  esac
+  echo "== $step: $result (exit $rc, ${took} s)"
+  [[ $first -eq 1 ]] || echo "," >>"$summary"
+  first=0
+  printf '{"step":"%s","result":"%s","exit":%d,"seconds":%s}' "$step" "$result" "$rc" "${took:-0}" >>"$summary"
+done
+echo "]" >>"$summary"
+echo "logs and figures: $out"
+exit $failed

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Packs a CUDA build into the GPU kit: one archive that runs tests/gpu/run.sh on a machine with a
+# CUDA driver and glibc at least as new as the one recorded in KIT, and nothing else installed.
+#
+#   tests/gpu/make_kit.sh BUILD_DIR OUT_DIR      (writes OUT_DIR/tierd-gpu-kit.tar.gz)
+#
+# The binaries keep the build tree's relative layout (the tests find the daemon by it), stripped of
+# debug information. Every shared library they load comes along in lib/ — Debian's own gRPC,
+# protobuf, abseil, spdlog, fmt, liburing, civetweb, toml++, xxhash and their dependencies — except
+# glibc, libstdc++ and libgcc_s, which the host provides. RUNPATHs are $ORIGIN-relative, so the
+# unpacked kit works from any folder.
+set -euo pipefail
+build=$(cd "$1" && pwd)
+out=$(mkdir -p "$2" && cd "$2" && pwd)
+src=$(cd "$(dirname "$0")/../.." && pwd)
+kit="$out/tierd-gpu-kit"
+rm -rf "$kit"
+mkdir -p "$kit"/{daemon,tools,bench,client,tests/gpu,tests/python,lib}
+
+binaries=(daemon/tierd tools/tierctl bench/tierd-bench tests/gpu/tierd_gpu_tests)
+for b in "${binaries[@]}"; do
+  [[ -x "$build/$b" ]] || { echo "make_kit: $build/$b is missing (a CUDA build: -DTIERD_CUDA=ON)" >&2; exit 1; }
+  objcopy --strip-debug "$build/$b" "$kit/$b"
+done
+client=$(readlink -f "$build/client/libtierd_client.so.0")
+objcopy --strip-debug "$client" "$kit/client/libtierd_client.so.0"
+cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$kit/tests/gpu/"
+cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
+cp "$src/bench/adam_torch.py" "$kit/bench/"
+
+# Every library the binaries load, by the paths this machine resolves them to.
+host_provided='^(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
+for f in "${binaries[@]/#/$kit/}" "$kit/client/libtierd_client.so.0"; do
+  LD_LIBRARY_PATH="$kit/client" ldd "$f" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'
+done | sort -u | while read -r lib; do
+  name=$(basename "$lib")
+  [[ "$name" =~ $host_provided || "$name" == libtierd_client.so.0 ]] && continue
+  cp -L "$lib" "$kit/lib/$name"
+done
+if LD_LIBRARY_PATH="$kit/client" ldd "${binaries[@]/#/$kit/}" | grep -q "not found"; then
+  echo "make_kit: a library is not found" >&2
+  exit 1
+fi
+
+# RUNPATH relative to each file's own folder.
+for b in "${binaries[@]}"; do
+  up=$(dirname "$b" | sed 's|[^/]*|..|g')
+  patchelf --set-rpath "\$ORIGIN/$up/lib:\$ORIGIN/$up/client" "$kit/$b"
+done
+patchelf --set-rpath '$ORIGIN/../lib' "$kit/client/libtierd_client.so.0"
+for l in "$kit"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$l"; done
+
+# The newest glibc symbol version anything in the kit needs.
+glibc=$(for f in "${binaries[@]/#/$kit/}" "$kit"/client/*.so* "$kit"/lib/*.so*; do
+  objdump -T "$f" | grep -o 'GLIBC_[0-9.]*' || true; done | sort -u -V | tail -1)
+libstdcxx=$(for f in "${binaries[@]/#/$kit/}" "$kit"/client/*.so* "$kit"/lib/*.so*; do
+  objdump -T "$f" | grep -o 'GLIBCXX_[0-9.]*' || true; done | sort -u -V | tail -1)
+{
+  echo "tierd GPU kit"
+  echo "version: $(cd "$src" && git describe --always --dirty 2>/dev/null || echo unknown)"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME")"
+  echo "needs: glibc >= ${glibc#GLIBC_}, libstdc++ with ${libstdcxx}, a CUDA driver for CUDA $(
+    /usr/local/cuda/bin/nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') or newer"
+  echo "run: tests/gpu/run.sh --out=DIR [STEP...]   (steps: tests/gpu/run.sh --list)"
+} >"$kit/KIT"
+tar -C "$out" -czf "$out/tierd-gpu-kit.tar.gz" tierd-gpu-kit
+echo "make_kit: $out/tierd-gpu-kit.tar.gz ($(du -h "$out/tierd-gpu-kit.tar.gz" | cut -f1))"
+cat "$kit/KIT"
