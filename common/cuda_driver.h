@@ -18,6 +18,7 @@ struct CudaDriver {
 #define TIERD_CUDA_FUNCTIONS(X) \
   X(cuInit) \
   X(cuGetErrorString) \
+  X(cuDriverGetVersion) \
   X(cuDeviceGetCount) \
   X(cuDeviceGet) \
   X(cuDeviceGetName) \
@@ -55,7 +56,16 @@ struct CudaDriver {
   X(cuMemHostGetDevicePointer) \
   X(cuStreamWaitValue32) \
   X(cuIpcGetEventHandle) \
-  X(cuIpcOpenEventHandle)
+  X(cuIpcOpenEventHandle) \
+  X(cuIpcGetMemHandle) \
+  X(cuIpcOpenMemHandle) \
+  X(cuIpcCloseMemHandle) \
+  X(cuMemAlloc) \
+  X(cuMemFree) \
+  X(cuMemsetD32) \
+  X(cuMemcpyDtoH) \
+  X(cuEventQuery) \
+  X(cuCtxSynchronize)
   // clang-format on
   TIERD_CUDA_FUNCTIONS(TIERD_CUDA_FN)
 #undef TIERD_CUDA_FN

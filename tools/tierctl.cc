@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <string>
@@ -24,9 +25,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/sizes.h"
 #include "tierd/client.hpp"
+#include "tools/doctor.h"
 
 namespace tierd {
 namespace {
@@ -43,6 +46,9 @@ constexpr const char kUsage[] =
     "                             move the chunks named out of a tier\n"
     "  bench [--size=1GiB] [--chunk=16MiB]\n"
     "                             each path's bandwidth through this daemon, beside its probe\n"
+    "  doctor [--regions=PATH,...] [--host_capacity=SIZE]\n"
+    "                             what the daemon and clients need on this machine, each ok,\n"
+    "                             warn, fail or skip with the fix (read-only; no daemon needed)\n"
     "Socket directory: --socket_dir, else $TIERD_SOCKET_DIR, else /run/tierd.\n";
 
 struct Args {
@@ -138,7 +144,8 @@ class Tierctl {
         {"chunks", {"tier", "name", "state", "session", "pinned"}},
         {"drain", {"tier", "timeout"}},
         {"evict", {"tier"}},
-        {"bench", {"size", "chunk"}}};
+        {"bench", {"size", "chunk"}},
+        {"doctor", {"regions", "host_capacity", "probe", "arg"}}};
     auto known = kFlags.find(args_.command);
     if (known == kFlags.end()) return Usage("unknown command '" + args_.command + "'");
     for (const auto& [key, value] : args_.flags) {
@@ -151,6 +158,7 @@ class Tierctl {
       return Usage(
           absl::StrCat("'", args_.command, "' takes no argument '", args_.positional.front(), "'"));
     }
+    if (args_.command == "doctor") return Doctor();
     auto client = Client::Connect({.socket_dir = Flag("socket_dir"), .client_name = "tierctl"});
     if (!client.ok()) {
       if (args_.command == "health") return Unhealthy(client.status().ToString());
@@ -663,6 +671,43 @@ class Tierctl {
                   absl::StrJoin(rows, ",").c_str());
     }
     return 0;
+  }
+
+  int Doctor() {
+    if (args_.flags.count("probe")) return doctor::RunProbeChild(Flag("probe"), Flag("arg"));
+    doctor::Options o;
+    o.socket_dir = Flag("socket_dir");
+    o.self = std::filesystem::read_symlink("/proc/self/exe").string();
+    if (!Flag("regions").empty())
+      o.regions = absl::StrSplit(Flag("regions"), ',', absl::SkipEmpty());
+    if (!Flag("host_capacity").empty()) {
+      absl::StatusOr<uint64_t> size = ParseSize(Flag("host_capacity"));
+      if (!size.ok()) return Usage(absl::StrCat("--host_capacity: ", size.status().message()));
+      o.host_capacity = *size;
+    }
+    const std::vector<doctor::Check> checks = doctor::Run(o);
+    int counts[4] = {};
+    for (const doctor::Check& c : checks) ++counts[static_cast<int>(c.result)];
+    if (json_) {
+      std::vector<std::string> rows;
+      for (const doctor::Check& c : checks) {
+        rows.push_back(absl::StrCat("{\"name\":", Quote(c.name), ",\"result\":\"",
+                                    doctor::ResultName(c.result), "\",\"detail\":", Quote(c.detail),
+                                    ",\"fix\":", Quote(c.fix), "}"));
+      }
+      std::printf("{\"checks\":[%s],\"ok\":%d,\"warn\":%d,\"fail\":%d,\"skip\":%d}\n",
+                  absl::StrJoin(rows, ",").c_str(), counts[0], counts[1], counts[2], counts[3]);
+    } else {
+      for (const doctor::Check& c : checks) {
+        std::printf("%-4s  %-20s %s\n", doctor::ResultName(c.result), c.name.c_str(),
+                    c.detail.c_str());
+        if (c.result != doctor::Result::kOk && !c.fix.empty()) {
+          std::printf("      %-20s fix: %s\n", "", c.fix.c_str());
+        }
+      }
+      std::printf("%d ok, %d warn, %d fail, %d skip\n", counts[0], counts[1], counts[2], counts[3]);
+    }
+    return counts[static_cast<int>(doctor::Result::kFail)] > 0 ? 1 : 0;
   }
 
   static void ShowProgress(uint64_t done, uint64_t total) {

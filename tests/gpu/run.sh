@@ -96,7 +96,11 @@ run_environment() {
   fi
   [[ $rc -eq 0 ]]
 }
-run_doctor() { "$bin/tools/tierctl" doctor --json >"$out/doctor.json" && cat "$out/doctor.json"; }
+run_doctor() {
+  local args=(doctor --regions="$scratch/doctor.region" --host_capacity=1GiB)
+  "$bin/tools/tierctl" --json "${args[@]}" >"$out/doctor.json"
+  "$bin/tools/tierctl" "${args[@]}"
+}
 run_gpu-tests() { "$bin/tests/gpu/tierd_gpu_tests" --gtest_output="json:$out/gpu-tests.json"; }
 run_pcie() {
   "$bin/bench/tierd-bench" pcie --device="$device" --dir="$scratch" --json | tee "$out/pcie.json"
