@@ -588,6 +588,7 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
     info.device_memory_bytes = resp.devices(0).memory_bytes();
   }
   info.device_status = resp.device_status();
+  for (const pb::Fallback& f : resp.fallbacks()) info.fallbacks.emplace_back(f.what(), f.why());
   info.uptime_seconds = resp.uptime_seconds();
   for (const pb::SessionInfo& x : resp.session_list()) {
     info.session_list.push_back({x.id(), x.client_name(), x.uid(), x.pid(),

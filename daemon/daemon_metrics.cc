@@ -4,6 +4,7 @@
 #include "common/version.h"
 #include "daemon/chunk_service.h"
 #include "daemon/device_probe.h"
+#include "daemon/fallbacks.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/session.h"
 
@@ -69,6 +70,13 @@ std::string RenderMetrics(const MetricsSources& src) {
            1);
   w.Family("tierd_start_time_seconds", Type::kGauge, "When the daemon started, in Unix time.");
   w.Sample({}, absl::ToDoubleSeconds(src.started - absl::UnixEpoch()));
+  if (src.fallbacks != nullptr) {
+    w.Family("tierd_fallback", Type::kGauge,
+             "Something the daemon runs without because this machine does not allow it (1 while "
+             "it holds; why is in tierctl status and the start-up log): nvme_io_threads, "
+             "host_small_pages, host_segments_unregistered.");
+    for (const auto& [what, why] : src.fallbacks->List()) w.Sample({{"what", what}}, 1);
+  }
   w.Family("tierd_sessions", Type::kGauge, "Client sessions open now.");
   w.Sample({}, static_cast<double>(src.sessions->size()));
   if (src.devices != nullptr) {

@@ -13,6 +13,7 @@
 namespace tierd {
 
 class ChunkService;
+class Fallbacks;
 class NvmeTier;
 class SessionRegistry;
 struct DeviceProbe;
@@ -31,6 +32,7 @@ struct MetricsSources {
   const SessionRegistry* sessions = nullptr;
   const DeviceProbe* devices = nullptr;
   const RpcMetrics* rpc = nullptr;
+  const Fallbacks* fallbacks = nullptr;
   absl::Time started;
 };
 

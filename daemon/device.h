@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/fallbacks.h"
 #include "daemon/segment_pool.h"
 
 namespace tierd {
@@ -53,7 +54,8 @@ class Device {
 // registered is logged and served anyway (copies then stage through the driver).
 class HostRegistration {
  public:
-  HostRegistration(SegmentPool* host, Device* device);
+  // Segments the GPU refuses are reported in `fallbacks` (may be null).
+  HostRegistration(SegmentPool* host, Device* device, Fallbacks* fallbacks = nullptr);
   ~HostRegistration();
   HostRegistration(const HostRegistration&) = delete;
   HostRegistration& operator=(const HostRegistration&) = delete;
@@ -63,7 +65,11 @@ class HostRegistration {
 
   SegmentPool* const host_;
   Device* const device_;
-  std::vector<void*> registered_;  // by segment; null where not registered
+  Fallbacks* const fallbacks_;
+  std::vector<void*> registered_;    // by segment; null where not registered
+  std::vector<bool> refused_flags_;  // by segment: its current memory was refused
+  size_t refused_ = 0;
+  std::string last_refusal_;
   int observer_ = 0;
 };
 

@@ -332,10 +332,18 @@ int Run() {
   const std::string rpc_path = config->socket_dir + "/tierd.sock";
   const std::string session_path = config->socket_dir + "/tierd.session.sock";
 
+  // What this machine made the daemon do without, for status and /metrics.
+  Fallbacks fallbacks;
   absl::StatusOr<std::unique_ptr<SegmentPool>> host = CreateHostPool(config->host);
   if (!host.ok()) {
     spdlog::critical("host tier: {}", host.status().message());
     return kStartupError;
+  }
+  if (config->host.huge_pages == HugePagePolicy::kAuto &&
+      !static_cast<const MemfdBacking*>((*host)->backing())->huge_pages()) {
+    fallbacks.Set("host_small_pages",
+                  "no free 2 MiB huge pages for host.capacity: the host tier uses 4 KiB pages "
+                  "(slower to pin, more TLB misses); reserve vm.nr_hugepages");
   }
   std::unique_ptr<NvmeTier> nvme;
   if (!config->nvme.regions.empty()) {
@@ -351,6 +359,12 @@ int Run() {
       return kStartupError;
     }
     nvme = std::move(*opened);
+    if (nvme->io_backend() == IoBackendKind::kThreads &&
+        config->nvme.io_backend != IoBackendKind::kThreads) {
+      fallbacks.Set("nvme_io_threads",
+                    "io_uring is unavailable (see the start-up log): NVMe I/O runs on pread/pwrite "
+                    "threads, with more CPU per byte");
+    }
   } else {
     spdlog::info("NVMe tier: none configured (nvme.regions is empty)");
   }
@@ -401,7 +415,7 @@ int Run() {
     }
     device_pool = std::move(*pool);
     // The GPU copies straight from and into the host tier's pinned segments.
-    host_registration = std::make_unique<HostRegistration>(host->get(), device.get());
+    host_registration = std::make_unique<HostRegistration>(host->get(), device.get(), &fallbacks);
     spdlog::info("device tier: {} {}: {}", d.uuid, d.name, device_pool->Describe());
   } else {
     spdlog::info("device tier: none ({}); serving the host{} tier{}", devices.status,
@@ -452,6 +466,7 @@ int Run() {
                                  .sessions = &sessions,
                                  .devices = &devices,
                                  .rpc = &rpc_metrics,
+                                 .fallbacks = &fallbacks,
                                  .started = absl::Now()};
     absl::StatusOr<std::unique_ptr<MetricsServer>> m =
         MetricsServer::Start(config->metrics.listen, [sources] { return RenderMetrics(sources); });
@@ -500,7 +515,8 @@ int Run() {
           config->socket_dir, "tierd.sock", kSocketMode, socket_gid,
           [&](const std::string& path) -> absl::Status {
             absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
-                path, RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics});
+                path,
+                RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics, &fallbacks});
             if (!r.ok()) return r.status();
             rpc = std::move(*r);
             return absl::OkStatus();

@@ -363,6 +363,13 @@ class TierdService final : public pb::Tierd::Service {
       dev->set_emulated(d.emulated);
     }
     resp->set_device_status(deps_.devices.status);
+    if (deps_.fallbacks != nullptr) {
+      for (const auto& [what, why] : deps_.fallbacks->List()) {
+        pb::Fallback* f = resp->add_fallbacks();
+        f->set_what(what);
+        f->set_why(why);
+      }
+    }
     resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
     if (req->list_sessions() && IsOperator(**session)) {
       const std::map<SessionId, SessionHoldings> holdings = deps_.chunks->Holdings();

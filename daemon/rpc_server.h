@@ -9,6 +9,7 @@
 #include "daemon/chunk_service.h"
 #include "daemon/daemon_metrics.h"
 #include "daemon/device_probe.h"
+#include "daemon/fallbacks.h"
 #include "daemon/nvme_tier.h"
 #include "daemon/segment_pool.h"
 #include "daemon/session.h"
@@ -21,6 +22,7 @@ struct RpcServerDeps {
   DeviceProbe devices;
   NvmeTier* nvme = nullptr;       // for per-region usage; null without an NVMe tier
   RpcMetrics* metrics = nullptr;  // counts every request when set
+  const Fallbacks* fallbacks = nullptr;
 };
 
 class RpcServer {

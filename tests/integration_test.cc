@@ -755,6 +755,12 @@ TEST(DaemonStartupTest, WithoutIoUringTheNvmeTierRunsOnThreadsAndSaysSo) {
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->tier(Tier::kNvme)->io_backend, "threads");
     EXPECT_NE(info->tier(Tier::kNvme)->detail.find("pread/pwrite threads"), std::string::npos);
+    // Reported as a fallback, with why, by GetNodeInfo (tierctl status) and /metrics.
+    bool reported = false;
+    for (const auto& [what, why] : info->fallbacks) {
+      if (what == "nvme_io_threads") reported = why.find("io_uring") != std::string::npos;
+    }
+    EXPECT_TRUE(reported);
   }
   std::string out;
   EXPECT_EQ(testing::RunProcess(

@@ -163,7 +163,7 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
                 name == "kind" || name == "op" || name == "code" || name == "le" ||
                 name == "region" || name == "device" || name == "name" || name == "emulated" ||
                 name == "version" || name == "build_type" || name == "cuda" || name == "uid" ||
-                name == "limit" || name == "backend")
+                name == "limit" || name == "backend" || name == "what")
         << "unexpected label " << name;
   }
 
@@ -235,6 +235,31 @@ TEST_F(MetricsEndpointTest, AMalformedAddressIsRefusedAtStart) {
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(std::string(bad.status().message()).find("is not HOST:PORT"), std::string::npos)
       << bad.status();
+}
+
+}  // namespace
+}  // namespace tierd
+
+namespace tierd {
+namespace {
+
+// What the machine refused is a metric for as long as it holds, not only a line in the start-up
+// log.
+TEST(MetricsFallbackTest, ADaemonWithoutIoUringSaysSoInItsMetrics) {
+  auto daemon = DaemonProcess::Start({.binary = DaemonBinary(),
+                                      .args = {"--host_capacity=32MiB", "--host_segment_size=16MiB",
+                                               "--huge_pages=never", "--probe_bytes=0"},
+                                      .without_io_uring = true});
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const std::string url = MetricsUrl(**daemon);
+  ASSERT_FALSE(url.empty()) << (*daemon)->Log();
+  const HttpResponse r = Http(url);
+  ASSERT_EQ(r.status, 200);
+  std::map<std::string, double> s = Samples(r.body);
+  EXPECT_EQ(s["tierd_fallback{what=\"nvme_io_threads\"}"], 1) << r.body;
+  // Huge pages were turned off, not refused: that is no fallback.
+  EXPECT_EQ(s.count("tierd_fallback{what=\"host_small_pages\"}"), 0u);
+  EXPECT_EQ((*daemon)->Stop(), 0);
 }
 
 }  // namespace

@@ -150,6 +150,7 @@ class PairingDevice final : public Device {
   const DeviceDescription& description() const override { return description_; }
   std::unique_ptr<SegmentBacking> MakeBacking() override { return nullptr; }
   absl::Status RegisterHost(void* base, size_t size) override {
+    if (refuse) return absl::PermissionDeniedError("sandbox says no");
     EXPECT_TRUE(Mapped(base, size)) << "registering unmapped memory " << base;
     for (const auto& [b, n] : registered) {
       EXPECT_FALSE(static_cast<char*>(base) < static_cast<char*>(b) + n &&
@@ -184,6 +185,7 @@ class PairingDevice final : public Device {
 
   std::map<void*, size_t> registered;
   int registrations = 0;
+  bool refuse = false;
 
  private:
   DeviceDescription description_;
@@ -211,6 +213,30 @@ TEST(HostRegistrationTest, ASegmentThatChangesTenantIsUnregisteredBeforeItIsUnma
     EXPECT_EQ(device.registrations, 2 + 3 * 2);  // the first tenant needs no recycling
   }
   EXPECT_TRUE(device.registered.empty()) << "still registered after the registration ended";
+}
+
+TEST(HostRegistrationTest, SegmentsTheGpuRefusesAreReportedAsAFallback) {
+  auto pool = MakePool(2);
+  PairingDevice device;
+  device.refuse = true;
+  Fallbacks fallbacks;
+  {
+    HostRegistration registration(pool.get(), &device, &fallbacks);
+    auto list = fallbacks.List();
+    ASSERT_EQ(list.size(), 1u);
+    EXPECT_EQ(list[0].first, "host_segments_unregistered");
+    EXPECT_NE(list[0].second.find("2 host segment(s)"), std::string::npos) << list[0].second;
+    EXPECT_NE(list[0].second.find("sandbox says no"), std::string::npos) << list[0].second;
+    // A refused segment that changes tenant is not counted twice, nor unregistered.
+    auto a = pool->Reserve(1000, kSeg);
+    ASSERT_TRUE(a.ok());
+    pool->Unreserve(*a);
+    auto b = pool->Reserve(2000, kSeg);
+    ASSERT_TRUE(b.ok());
+    EXPECT_NE(fallbacks.List()[0].second.find("2 host segment(s)"), std::string::npos);
+    pool->Unreserve(*b);
+  }
+  EXPECT_TRUE(device.registered.empty());
 }
 
 TEST(HostRegistrationTest, TheEmulatedDeviceRefusesWhatTheDriverRefuses) {

@@ -239,6 +239,12 @@ class Tierctl {
       std::printf("%s%s, %s\n", n.device_uuid.c_str(), n.device_emulated ? " (emulated)" : "",
                   FormatSize(n.device_memory_bytes).c_str());
     }
+    if (!n.fallbacks.empty()) {
+      std::printf("\nFALLBACKS (what this machine does not allow; tierctl doctor says more)\n");
+      for (const auto& [what, why] : n.fallbacks) {
+        std::printf("  %-28s %s\n", what.c_str(), why.c_str());
+      }
+    }
     std::printf("\n%-15s %14s %14s %14s %14s\n", "PATH",
                 sample > absl::ZeroDuration()
                     ? absl::StrCat("LAST ", absl::FormatDuration(sample)).c_str()
@@ -357,7 +363,7 @@ class Tierctl {
     std::printf(
         "{\"hostname\":%s,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u,\"chunks\":%llu,"
         "\"device\":%s,\"sample_seconds\":%g,\"tiers\":[%s],\"paths\":[%s],\"session_list\":[%s],"
-        "\"tenants\":[%s],\"limits\":%s}\n",
+        "\"tenants\":[%s],\"limits\":%s,\"fallbacks\":{%s}}\n",
         Quote(n.hostname).c_str(), Quote(n.version).c_str(),
         static_cast<long long>(n.uptime_seconds), n.sessions,
         static_cast<unsigned long long>(n.chunks),
@@ -369,7 +375,10 @@ class Tierctl {
                   .c_str(),
         absl::ToDoubleSeconds(sample), absl::StrJoin(tiers, ",").c_str(),
         absl::StrJoin(paths, ",").c_str(), absl::StrJoin(sessions, ",").c_str(),
-        absl::StrJoin(tenants, ",").c_str(), limits.c_str());
+        absl::StrJoin(tenants, ",").c_str(), limits.c_str(),
+        absl::StrJoin(n.fallbacks, ",", [](std::string* out, const auto& f) {
+          absl::StrAppend(out, Quote(f.first), ":", Quote(f.second));
+        }).c_str());
   }
 
   int Unhealthy(const std::string& why) const {

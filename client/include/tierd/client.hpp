@@ -152,6 +152,9 @@ struct NodeInfo {
   std::vector<PathStatus> paths;
   std::vector<TenantStatus> tenants;
   LimitsStatus limits;
+  // What the daemon runs without because its machine does not allow it: (what, why), e.g.
+  // ("nvme_io_threads", "io_uring is unavailable ..."). Empty when nothing is degraded.
+  std::vector<std::pair<std::string, std::string>> fallbacks;
 
   const TierStatus* tier(Tier t) const;
   const PathStatus* path(std::string_view name) const;
