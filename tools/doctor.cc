@@ -247,6 +247,8 @@ Check Sockets(const std::string& dir) {
               absl::StrFormat("%s mode %04o: %s", dir, st.st_mode & 07777, found));
 }
 
+#ifdef TIERD_HAVE_CUDA
+
 // Runs this program as `doctor --probe=NAME ARG` with `fd` as its descriptor 3; returns its exit
 // status and its one line of output.
 int RunChild(const std::string& self, const std::string& probe, const std::string& argument, int fd,
@@ -299,8 +301,6 @@ int RunChild(const std::string& self, const std::string& probe, const std::strin
   while (!output->empty() && output->back() == '\n') output->pop_back();
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
-
-#ifdef TIERD_HAVE_CUDA
 
 constexpr uint32_t kPattern = 0x7D1E5EEDu;
 
