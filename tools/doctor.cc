@@ -648,6 +648,10 @@ std::vector<Check> CudaChecks(const std::string&) {
   std::vector<Check> checks;
   checks.push_back(Make("cuda.driver", Result::kSkip, "this tierctl was built without CUDA",
                         "use a build with the CUDA toolkit (or the GPU kit) to check the GPU"));
+  for (const char* n : {"cuda.devices", "cuda.host_register", "cuda.vmm_fd_ipc", "cuda.legacy_ipc",
+                        "cuda.stream_wait"}) {
+    checks.push_back(Make(n, Result::kSkip, "built without CUDA"));
+  }
   return checks;
 }
 
