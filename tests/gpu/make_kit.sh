@@ -15,7 +15,7 @@ out=$(mkdir -p "$2" && cd "$2" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
 kit="$out/tierd-gpu-kit"
 rm -rf "$kit"
-mkdir -p "$kit"/{daemon,tools,bench,client,tests/gpu,tests/python,lib}
+mkdir -p "$kit"/{daemon,tools,bench,client,tests/gpu,tests/python,python,lib}
 
 binaries=(daemon/tierd tools/tierctl bench/tierd-bench tests/gpu/tierd_gpu_tests)
 for b in "${binaries[@]}"; do
@@ -26,6 +26,8 @@ client=$(readlink -f "$build/client/libtierd_client.so.0")
 objcopy --strip-debug "$client" "$kit/client/libtierd_client.so.0"
 cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$kit/tests/gpu/"
 cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
+mkdir -p "$kit/python/tierd"
+cp "$src"/python/tierd/*.py "$kit/python/tierd/"
 cp "$src/bench/adam_torch.py" "$kit/bench/"
 
 # Every library the binaries load, by the paths this machine resolves them to.

@@ -1,66 +1,12 @@
-"""The C ABI's constants, structures and function signatures for ctypes (tests and GPU checks).
+"""The C ABI's constants, structures and signatures, from the tierd package (python/tierd/_abi.py).
 
-The library is named by TIERD_CLIENT_LIB (libtierd_client.so.N).
+Tests find the library through TIERD_CLIENT_LIB, set by CTest.
 """
-import ctypes
 import os
+import sys
 
-TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
-ACCESS_READ, ACCESS_WRITE, ACCESS_OVERWRITE = 1, 2, 3
-OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 0, 3, 5, 8, 9
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
-
-class Completion(ctypes.Structure):
-    _fields_ = [("slot", ctypes.c_uint32), ("sequence", ctypes.c_uint32)]
-
-
-class TierUsage(ctypes.Structure):
-    _fields_ = [("configured", ctypes.c_int32), ("capacity_bytes", ctypes.c_uint64),
-                ("used_bytes", ctypes.c_uint64), ("free_bytes", ctypes.c_uint64),
-                ("largest_free_bytes", ctypes.c_uint64)]
-
-
-class SessionStats(ctypes.Structure):
-    _fields_ = [("acquired_ready", ctypes.c_uint64), ("acquired_waited", ctypes.c_uint64),
-                ("host_stall_ns", ctypes.c_uint64), ("device_stall_ns", ctypes.c_uint64),
-                ("planner_fetches", ctypes.c_uint64), ("planner_drops", ctypes.c_uint64),
-                ("planner_write_backs", ctypes.c_uint64), ("cursor", ctypes.c_uint64),
-                ("schedule_steps", ctypes.c_uint32), ("tracing", ctypes.c_int32)]
-
-
-def load_library():
-    lib = ctypes.CDLL(os.environ["TIERD_CLIENT_LIB"])
-    p = ctypes.c_void_p
-    u64p = ctypes.POINTER(ctypes.c_uint64)
-    lib.tierd_last_error.restype = ctypes.c_char_p
-    lib.tierd_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(p)]
-    lib.tierd_close.argtypes = [p]
-    lib.tierd_session_id.argtypes = [p]
-    lib.tierd_session_id.restype = ctypes.c_uint64
-    lib.tierd_allocate.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, u64p]
-    lib.tierd_allocate_named.argtypes = [p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
-                                         ctypes.c_int, ctypes.c_int, u64p]
-    lib.tierd_free.argtypes = [p, ctypes.c_size_t, u64p]
-    lib.tierd_acquire.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
-                                  ctypes.POINTER(p), u64p, ctypes.POINTER(Completion)]
-    lib.tierd_release.argtypes = [p, ctypes.c_size_t, u64p]
-    lib.tierd_prefetch.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
-                                   ctypes.POINTER(Completion)]
-    lib.tierd_evict.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
-                                ctypes.POINTER(Completion)]
-    lib.tierd_poll.argtypes = [p, Completion]
-    lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
-    lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
-    lib.tierd_chunk_count.argtypes = [p, u64p]
-    lib.tierd_device_info.argtypes = [p, ctypes.c_char_p, ctypes.c_size_t,
-                                      ctypes.POINTER(ctypes.c_int), u64p]
-    lib.tierd_cuda_device.argtypes = [p, ctypes.POINTER(ctypes.c_int)]
-    lib.tierd_stream_wait.argtypes = [p, Completion, ctypes.c_uint64]
-    intp = ctypes.POINTER(ctypes.c_int)
-    lib.tierd_set_schedule.argtypes = [p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), u64p,
-                                       intp, intp, ctypes.c_uint64, ctypes.c_uint64]
-    lib.tierd_trace_schedule.argtypes = [p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64]
-    lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
-    lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
-    lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
-    return lib
+from tierd._abi import (ACCESS_OVERWRITE, ACCESS_READ, ACCESS_WRITE, FAILED_PRECONDITION,  # noqa: E402,F401
+                        INVALID_ARGUMENT, NOT_FOUND, OK, RESOURCE_EXHAUSTED, TIER_DEVICE, TIER_HOST,
+                        TIER_NVME, Completion, SessionStats, TierUsage, load_library)

@@ -1,0 +1,11 @@
+"""tierd from Python: sessions with the node's tier daemon, chunks in GPU, host and NVMe memory.
+
+Pure Python over the client library's C ABI (libtierd_client.so.0, found beside this package, in
+a source checkout's build/, or installed), so it needs no compiler and works with any Python >= 3.9
+and any torch. `python3 -m tierd status` is a quick check.
+"""
+from .client import (Access, Acquisition, ChunkSet, Client, Completion, SessionStats, Tier,
+                     TierdError, TierUsage, connect)
+
+__all__ = ["Access", "Acquisition", "ChunkSet", "Client", "Completion", "SessionStats", "Tier",
+           "TierdError", "TierUsage", "connect"]

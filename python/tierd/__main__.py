@@ -1,0 +1,41 @@
+"""python3 -m tierd status [--socket-dir DIR]: connects, and prints the device and each tier."""
+import argparse
+import sys
+
+from . import Tier, TierdError, connect
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m tierd")
+    parser.add_argument("command", choices=["status"])
+    parser.add_argument("--socket-dir", default=None,
+                        help="the daemon's socket directory (else $TIERD_SOCKET_DIR, /run/tierd)")
+    args = parser.parse_args(argv)
+    try:
+        with connect(args.socket_dir, "python -m tierd") as client:
+            print(f"session {client.session_id}")
+            device = client.device()
+            print(f"device  {device['uuid']}{' (emulated)' if device['emulated'] else ''}, "
+                  f"{_size(device['memory_bytes'])}")
+            for tier in Tier:
+                u = client.tier_usage(tier)
+                if not u.configured:
+                    print(f"{tier.name.lower():7} not configured")
+                    continue
+                print(f"{tier.name.lower():7} {_size(u.used_bytes)} of {_size(u.capacity_bytes)} "
+                      f"used, largest free {_size(u.largest_free_bytes)}")
+    except TierdError as e:
+        print(f"tierd: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Sessions, chunk sets, moves and acquisitions: the client library's C ABI made Pythonic.
+
+    import tierd
+    with tierd.connect() as client:
+        with client.allocate([64 << 20] * 4) as chunks:
+            client.prefetch(chunks, tierd.Tier.DEVICE).wait()
+            with client.acquire(chunks, tierd.Tier.HOST, tierd.Access.READ) as views:
+                data = views.memoryview(0)
+
+Every call that the daemon refuses raises TierdError, carrying the gRPC status code and the
+daemon's message; nothing is returned half done.
+"""
+import asyncio
+import ctypes
+import enum
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence, Union
+
+from . import _abi
+
+_CODE_NAMES = {
+    0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
+    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED",
+}
+
+
+class TierdError(Exception):
+    """A refused call: `code` is the gRPC status code (an int), `code_name` its name
+    ("RESOURCE_EXHAUSTED"), `message` the daemon's (or the client library's) words."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        self.code_name = _CODE_NAMES.get(code, str(code))
+        self.message = message
+        super().__init__(f"{self.code_name}: {message}")
+
+
+class Tier(enum.IntEnum):
+    HOST = _abi.TIER_HOST
+    NVME = _abi.TIER_NVME
+    DEVICE = _abi.TIER_DEVICE
+
+
+class Access(enum.IntEnum):
+    READ = _abi.ACCESS_READ
+    WRITE = _abi.ACCESS_WRITE
+    OVERWRITE = _abi.ACCESS_OVERWRITE  # the old bytes are not wanted: nothing is fetched
+
+
+_PENDING = 100  # TIERD_PENDING: tierd_poll's "not yet"
+
+_lib = None
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        _lib = _abi.load_library()
+    return _lib
+
+
+def _check(status: int) -> None:
+    if status != _abi.OK:
+        raise TierdError(status, _library().tierd_last_error().decode(errors="replace"))
+
+
+def _ids(chunks: Union["ChunkSet", Iterable[int]]):
+    values = list(chunks.ids if isinstance(chunks, ChunkSet) else chunks)
+    return len(values), (ctypes.c_uint64 * len(values))(*values)
+
+
+class Completion:
+    """A request in flight (a prefetch, an evict, an acquisition's data). `wait()` blocks until it
+    is done and raises if it failed; `done()` polls; `await completion` waits without blocking the
+    event loop."""
+
+    def __init__(self, client: "Client", token):
+        self._client = client
+        self._token = token
+        self._waited = False
+
+    def done(self) -> bool:
+        if self._waited:
+            return True
+        status = _library().tierd_poll(self._client._handle, self._token)
+        if status == _PENDING:
+            return False
+        _check(status)
+        return True
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Blocks until done (or `timeout` seconds: TierdError DEADLINE_EXCEEDED); raises
+        TierdError if the request failed. Waiting again after success returns at once."""
+        if self._waited:
+            return
+        ns = -1 if timeout is None else int(timeout * 1e9)
+        _check(_library().tierd_wait(self._client._handle, self._token, ns))
+        self._waited = True
+
+    def __await__(self):
+        return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+
+    def stream_wait(self, stream: int) -> None:
+        """Makes the CUDA stream (a `cudaStream_t` as an int, e.g. torch's
+        `torch.cuda.current_stream().cuda_stream`) wait for this request on the GPU."""
+        _check(_library().tierd_stream_wait(self._client._handle, self._token, stream))
+
+
+class ChunkSet:
+    """Chunks allocated together. A context manager: the chunks are freed on exit."""
+
+    def __init__(self, client: "Client", ids: List[int], sizes: List[int]):
+        self._client = client
+        self.ids = ids
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def free(self) -> None:
+        if self.ids and self._client._handle:
+            n, ids = _ids(self.ids)
+            _check(_library().tierd_free(self._client._handle, n, ids))
+        self.ids = []
+
+    def __enter__(self) -> "ChunkSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+
+class Acquisition:
+    """Chunks held in one tier: their addresses there, valid until released. A context manager:
+    released on exit. `ready` completes when the bytes are in place."""
+
+    def __init__(self, client: "Client", ids: List[int], pointers: List[int], sizes: List[int],
+                 ready: Completion, host: bool):
+        self._client = client
+        self.ids = ids
+        self.pointers = pointers
+        self.sizes = sizes
+        self.ready = ready
+        self._host = host
+        self._released = False
+
+    def memoryview(self, i: int) -> memoryview:
+        """Chunk i's bytes, without a copy (host memory only). Waits for them first."""
+        if not self._host:
+            raise TierdError(9, "device-tier chunks are GPU memory: view them from the GPU")
+        if self._released:
+            raise TierdError(9, "the acquisition was released")
+        self.ready.wait()
+        return memoryview((ctypes.c_char * self.sizes[i]).from_address(self.pointers[i])).cast("B")
+
+    def release(self) -> None:
+        if not self._released and self._client._handle:
+            n, ids = _ids(self.ids)
+            _check(_library().tierd_release(self._client._handle, n, ids))
+        self._released = True
+
+    def __enter__(self) -> "Acquisition":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
+class SessionStats:
+    acquired_ready: int
+    acquired_waited: int
+    host_stall_ns: int
+    device_stall_ns: int
+    planner_fetches: int
+    planner_drops: int
+    planner_write_backs: int
+    cursor: int
+    schedule_steps: int
+    tracing: bool
+
+
+@dataclass
+class TierUsage:
+    tier: Tier
+    configured: bool
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    largest_free_bytes: int
+
+
+class Client:
+    """One session with the node's tierd. A context manager: closed on exit (the daemon reclaims
+    every scratch chunk the session still holds)."""
+
+    def __init__(self, socket_dir: Optional[str] = None, name: Optional[str] = None):
+        name = name or "python"
+        self._handle = ctypes.c_void_p()
+        _check(_library().tierd_connect(socket_dir.encode() if socket_dir else None,
+                                        name.encode(), ctypes.byref(self._handle)))
+
+    @property
+    def session_id(self) -> int:
+        return _library().tierd_session_id(self._handle)
+
+    def close(self) -> None:
+        if self._handle:
+            _library().tierd_close(self._handle)
+            self._handle = ctypes.c_void_p()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def allocate(self, sizes: Sequence[int], home: Tier = Tier.HOST) -> ChunkSet:
+        """Scratch chunks of these sizes (bytes), with a copy in `home` (HOST or NVME)."""
+        sizes = [int(s) for s in sizes]
+        if not sizes:
+            raise TierdError(3, "allocate: no sizes given")
+        arr = (ctypes.c_uint64 * len(sizes))(*sizes)
+        ids = (ctypes.c_uint64 * len(sizes))()
+        _check(_library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))
+        return ChunkSet(self, list(ids), sizes)
+
+    def prefetch(self, chunks, tier: Tier) -> Completion:
+        return self._move(_library().tierd_prefetch, chunks, tier)
+
+    def evict(self, chunks, tier: Tier) -> Completion:
+        return self._move(_library().tierd_evict, chunks, tier)
+
+    def _move(self, fn, chunks, tier: Tier) -> Completion:
+        n, ids = _ids(chunks)
+        token = _abi.Completion()
+        _check(fn(self._handle, n, ids, int(tier), 0, ctypes.byref(token)))
+        return Completion(self, token)
+
+    def acquire(self, chunks, tier: Tier, access: Access = Access.READ) -> Acquisition:
+        """Holds the chunks in `tier` for `access`; their addresses are valid until released."""
+        n, ids = _ids(chunks)
+        pointers = (ctypes.c_void_p * n)()
+        sizes = (ctypes.c_uint64 * n)()
+        token = _abi.Completion()
+        _check(_library().tierd_acquire(self._handle, n, ids, int(tier), int(access), pointers,
+                                        sizes, ctypes.byref(token)))
+        return Acquisition(self, list(ids), [p or 0 for p in pointers], list(sizes),
+                           Completion(self, token), host=tier != Tier.DEVICE)
+
+    def stats(self) -> SessionStats:
+        s = _abi.SessionStats()
+        _check(_library().tierd_session_stats_get(self._handle, ctypes.byref(s)))
+        return SessionStats(s.acquired_ready, s.acquired_waited, s.host_stall_ns,
+                            s.device_stall_ns, s.planner_fetches, s.planner_drops,
+                            s.planner_write_backs, s.cursor, s.schedule_steps, bool(s.tracing))
+
+    def tier_usage(self, tier: Tier) -> TierUsage:
+        u = _abi.TierUsage()
+        _check(_library().tierd_tier_usage_get(self._handle, int(tier), ctypes.byref(u)))
+        return TierUsage(Tier(tier), bool(u.configured), u.capacity_bytes, u.used_bytes,
+                         u.free_bytes, u.largest_free_bytes)
+
+    def device(self) -> dict:
+        """The daemon's device tier: {"uuid", "emulated", "memory_bytes"}."""
+        uuid = ctypes.create_string_buffer(64)
+        emulated = ctypes.c_int()
+        memory = ctypes.c_uint64()
+        _check(_library().tierd_device_info(self._handle, uuid, 64, ctypes.byref(emulated),
+                                            ctypes.byref(memory)))
+        return {"uuid": uuid.value.decode(), "emulated": bool(emulated.value),
+                "memory_bytes": memory.value}
+
+
+def connect(socket_dir: Optional[str] = None, name: Optional[str] = None) -> Client:
+    """A session with the node's daemon: `socket_dir`, else $TIERD_SOCKET_DIR, else the client
+    library's default (/run/tierd)."""
+    return Client(socket_dir, name)

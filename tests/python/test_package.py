@@ -1,0 +1,108 @@
+"""The tierd Python package (python/tierd) against a real daemon."""
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from test_c_abi import daemon  # noqa: F401 (fixture)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import tierd  # noqa: E402
+
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
+
+
+@pytest.fixture
+def client(daemon):  # noqa: F811
+    with tierd.connect(daemon, "pytest-package") as c:
+        yield c
+
+
+def test_bytes_written_through_a_view_come_back_from_nvme(client):
+    with client.allocate([1 << 20, 3 << 20]) as chunks:
+        assert len(chunks) == 2
+        with client.acquire(chunks, tierd.Tier.HOST, tierd.Access.OVERWRITE) as views:
+            for i in range(2):
+                view = views.memoryview(i)
+                assert len(view) == chunks.sizes[i]
+                view[:] = bytes([i + 1]) * len(view)
+        client.evict(chunks, tierd.Tier.NVME).wait(timeout=30)
+        assert client.prefetch(chunks, tierd.Tier.HOST).done() in (True, False)
+        with client.acquire(chunks, tierd.Tier.HOST, tierd.Access.READ) as views:
+            views.ready.wait(timeout=30)
+            for i in range(2):
+                assert bytes(views.memoryview(i)) == bytes([i + 1]) * chunks.sizes[i]
+        used = client.tier_usage(tierd.Tier.HOST).used_bytes
+        assert used >= 4 << 20
+    # Leaving the chunk set freed its chunks.
+    assert client.tier_usage(tierd.Tier.HOST).used_bytes <= used - (4 << 20)
+
+
+def test_refusals_are_exceptions_with_the_code_and_the_daemons_words(client):
+    with pytest.raises(tierd.TierdError) as full:
+        client.allocate([1 << 40])
+    assert full.value.code_name in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
+    assert "host" in full.value.message
+    with pytest.raises(tierd.TierdError) as unknown:
+        client.prefetch([1 << 60], tierd.Tier.HOST)
+    assert unknown.value.code_name == "NOT_FOUND" and unknown.value.code == 5
+    with pytest.raises(tierd.TierdError) as empty:
+        client.allocate([])
+    assert empty.value.code_name == "INVALID_ARGUMENT"
+    # The session is still usable after refusals.
+    with client.allocate([4096]) as chunks:
+        assert len(chunks) == 1
+
+
+def test_a_view_after_release_is_refused_not_dangling(client):
+    with client.allocate([4096]) as chunks:
+        views = client.acquire(chunks, tierd.Tier.HOST, tierd.Access.WRITE)
+        views.release()
+        with pytest.raises(tierd.TierdError) as released:
+            views.memoryview(0)
+        assert released.value.code_name == "FAILED_PRECONDITION"
+
+
+def test_completions_can_be_awaited(client):
+    async def move(chunks):
+        await client.evict(chunks, tierd.Tier.NVME)
+        await client.prefetch(chunks, tierd.Tier.HOST)
+
+    with client.allocate([1 << 20] * 3) as chunks:
+        asyncio.run(move(chunks))
+        stats = client.stats()
+        assert stats.acquired_ready + stats.acquired_waited >= 0
+
+
+def test_socket_dir_comes_from_the_environment(daemon, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("TIERD_SOCKET_DIR", daemon)
+    with tierd.connect() as c:
+        assert c.session_id > 0
+    monkeypatch.setenv("TIERD_SOCKET_DIR", "/nonexistent")
+    with pytest.raises(tierd.TierdError) as gone:
+        tierd.connect()
+    assert gone.value.code_name == "UNAVAILABLE"
+
+
+def test_python_m_tierd_status(daemon):  # noqa: F811
+    env = dict(os.environ, PYTHONPATH=PACKAGE_DIR)
+    out = subprocess.run([sys.executable, "-m", "tierd", "status", "--socket-dir", daemon],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "host" in out.stdout and "nvme" in out.stdout and "emulated" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "tierd", "status", "--socket-dir", "/nonexistent"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "UNAVAILABLE" in bad.stderr
+
+
+def test_the_library_is_found_beside_the_package(tmp_path):
+    shutil.copytree(os.path.join(PACKAGE_DIR, "tierd"), tmp_path / "tierd")
+    shutil.copy(os.environ["TIERD_CLIENT_LIB"], tmp_path / "tierd" / "libtierd_client.so.0")
+    env = {k: v for k, v in os.environ.items() if k != "TIERD_CLIENT_LIB"}
+    env["PYTHONPATH"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", "import tierd._abi as a; print(a.library_path())"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == str(tmp_path / "tierd" / "libtierd_client.so.0"), out.stderr
