@@ -122,8 +122,7 @@ tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* size
 }
 
 tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64_t size,
-                                  int home_tier, int persistent, int open_existing,
-                                  tierd_chunk_id* out_id) {
+                                  int home_tier, int persistent, int open, tierd_chunk_id* out_id) {
   if (client == nullptr || name == nullptr || out_id == nullptr) {
     return Invalid("tierd_allocate_named: NULL client, name or out_id");
   }
@@ -133,7 +132,13 @@ tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64
     spec.home = static_cast<tierd::Tier>(home_tier);
     spec.name = name;
     spec.persistent = persistent != 0;
-    spec.open_existing = open_existing != 0;
+    if ((open & ~(TIERD_OPEN_EXISTING | TIERD_OPEN_MUST_EXIST | TIERD_OPEN_SHARED)) != 0) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("tierd_allocate_named: unknown open flags ", open)));
+    }
+    spec.open_existing = (open & TIERD_OPEN_EXISTING) != 0;
+    spec.must_exist = (open & TIERD_OPEN_MUST_EXIST) != 0;
+    spec.shared = (open & TIERD_OPEN_SHARED) != 0;
     absl::StatusOr<std::vector<tierd::ChunkId>> ids = client->client->AllocateIds({&spec, 1});
     if (!ids.ok()) return Fail(ids.status());
     *out_id = (*ids)[0];

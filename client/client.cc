@@ -447,6 +447,8 @@ absl::StatusOr<std::vector<ChunkId>> Client::AllocateIds(std::span<const ChunkSp
     s->set_persistent(spec.persistent);
     for (const std::string& tag : spec.tags) s->add_tags(tag);
     s->set_open_existing(spec.open_existing);
+    s->set_must_exist(spec.must_exist);
+    s->set_shared(spec.shared);
   }
   pb::AllocateResponse resp;
   if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Allocate, req, &resp, "Allocate"); !s.ok()) {

@@ -488,7 +488,8 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
                                                       .home = options.home,
                                                       .name = meta_name,
                                                       .persistent = true,
-                                                      .open_existing = true}});
+                                                      .open_existing = true,
+                                                      .must_exist = true}});
       if (!opened.ok()) return opened.status();
       meta = (*opened)[0];
       absl::StatusOr<void*> data = Pin(meta, AccessMode::kRead);
@@ -553,7 +554,9 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       if (options.persistent) {
         spec.name = ShardName(g, group.shards.size());
         spec.persistent = true;
+        // Resuming, every shard must already be there: never a fresh zeroed one.
         spec.open_existing = resumed;
+        spec.must_exist = resumed;
       }
       spec.tags = {"optimizer"};
       chunk_specs.push_back(std::move(spec));

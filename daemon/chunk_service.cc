@@ -1044,6 +1044,9 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
             absl::InvalidArgumentError(absl::StrCat("tags must be 1 to ", kMaxTagBytes, " bytes")));
       }
     }
+    if (r.must_exist && !(r.open_existing && r.persistent)) {
+      return fail(absl::InvalidArgumentError("must_exist goes with open_existing and persistent"));
+    }
     if (r.name.empty()) continue;
     if (absl::Status s = ValidateChunkName(r.name); !s.ok()) return fail(s);
     if (!batch_names.insert(r.name).second) {
@@ -1051,7 +1054,14 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
           absl::StrCat("name '", r.name, "' appears twice in the batch")));
     }
     auto existing = names_.find(NameKey(tenant, r.name));
-    if (existing == names_.end()) continue;
+    if (existing == names_.end()) {
+      if (r.must_exist) {
+        return fail(
+            absl::NotFoundError(absl::StrCat("uid ", tenant, " has no persistent chunk named '",
+                                             r.name, "' to open (create it without must_exist)")));
+      }
+      continue;
+    }
     const ChunkMeta& found = chunks_.at(existing->second);
     if (!(r.open_existing && r.persistent && found.persistent)) {
       return fail(absl::AlreadyExistsError(absl::StrCat(
@@ -1064,10 +1074,12 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
                                                              "' (chunk ", found.id, ") has size ",
                                                              found.size, ", not ", r.size)));
     }
+    if (absl::Status s = CheckLease(found, session.id, r.shared, "open"); !s.ok()) return fail(s);
     result[i] = found.id;
   }
 
   SessionState& state = sessions_[session.id];
+  if (state.description.empty()) state.description = session.Describe();
   const uint64_t fresh = std::count(result.begin(), result.end(), ChunkId{0});
   if (absl::Status s = ledger_.CheckChunks(tenant, state.owned.size(), fresh); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("Allocate: ", s.message()));
@@ -1093,12 +1105,19 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   ledger_.AddChunks(tenant, static_cast<int64_t>(fresh));
   for (size_t i = 0; i < requests.size(); ++i) {
     const ChunkRequest& r = requests[i];
-    if (result[i] != 0) {  // an opened persistent chunk
-      chunks_.at(result[i]).owner = session.id;
+    if (result[i] != 0) {  // an opened persistent chunk: this session holds a lease on it too
+      Lease& lease = leases_[result[i]];
+      if (std::find(lease.holders.begin(), lease.holders.end(), session.id) ==
+          lease.holders.end()) {
+        lease.holders.push_back(session.id);
+      }
+      if (lease.holders.size() == 1) lease.shared = r.shared;
+      chunks_.at(result[i]).owner = lease.holders.front();
       continue;
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
+    if (r.persistent) leases_[chunk.id] = Lease{{session.id}, r.shared};
     if (!r.persistent) state.owned.insert(chunk.id);
     result[i] = chunk.id;
   }
@@ -1124,7 +1143,27 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
     it->second.owned.erase(chunk.id);
   }
   move_started_.erase(chunk.id);
+  leases_.erase(chunk.id);
   chunks_.erase(chunk.id);
+}
+
+absl::Status ChunkService::CheckLease(const ChunkMeta& chunk, SessionId session, bool shared,
+                                      std::string_view verb) const {
+  auto lease = leases_.find(chunk.id);
+  if (lease == leases_.end()) return absl::OkStatus();
+  for (SessionId holder : lease->second.holders) {
+    if (holder == session) continue;
+    if (verb == "open" && shared && lease->second.shared) return absl::OkStatus();
+    auto it = sessions_.find(holder);
+    const std::string who = it != sessions_.end() && !it->second.description.empty()
+                                ? it->second.description
+                                : absl::StrCat("session ", holder);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "persistent chunk '", chunk.name, "' (chunk ", chunk.id, ") is held by ", who,
+        ": it cannot be ", verb == "open" ? "opened" : "freed", " until that session ends",
+        verb == "open" ? " (or both open it with shared)" : ""));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId> ids) {
@@ -1135,6 +1174,8 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
     if (absl::Status s = CheckFreeable(*chunk); !s.ok()) return s;
+    // Nothing frees state another live session holds.
+    if (absl::Status s = CheckLease(*chunk, session.id, false, "free"); !s.ok()) return s;
   }
   for (ChunkMeta* chunk : *chunks) Destroy(*chunk);
   RetryQueuedFetches();
@@ -1540,7 +1581,15 @@ size_t ChunkService::CloseSession(const Session& session) {
   if (auto p = persistent_.find(session.peer.uid); p != persistent_.end()) {
     for (ChunkId id : p->second) {
       ChunkMeta& chunk = chunks_.at(id);
-      if (chunk.owner == session.id) chunk.owner = 0;
+      auto lease = leases_.find(id);
+      if (lease == leases_.end()) continue;
+      std::erase(lease->second.holders, session.id);
+      if (lease->second.holders.empty()) {
+        leases_.erase(lease);
+        chunk.owner = 0;
+      } else {
+        chunk.owner = lease->second.holders.front();
+      }
     }
   }
   RetryQueuedFetches();

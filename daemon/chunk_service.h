@@ -42,6 +42,8 @@ struct ChunkRequest {
   bool persistent = false;
   std::vector<std::string> tags;
   bool open_existing = false;
+  bool must_exist = false;  // with open_existing: open only
+  bool shared = false;      // the lease on a persistent chunk may be shared
 };
 
 struct AcquireResult {
@@ -239,7 +241,16 @@ class ChunkService {
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
  private:
+  // The live sessions holding a lease on a persistent chunk (its creator or openers; several only
+  // when every one of them asked to share). Kept beside the table: few chunks are persistent.
+  struct Lease {
+    std::vector<SessionId> holders;
+    bool shared = false;
+  };
+  absl::flat_hash_map<ChunkId, Lease> leases_ ABSL_GUARDED_BY(mu_);
+
   struct SessionState {
+    std::string description;  // "session 3 (uid 1000, pid 42, trainer)", for lease errors
     std::set<ChunkId> owned;  // non-persistent and opened persistent
     struct Pins {
       uint32_t count = 0;   // Acquires not yet released
@@ -348,6 +359,10 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why Acquire cannot pin the chunk in `tier` with a final location now: it is on its way to
   // another tier where it has no copy, or it cannot be fetched.
+  // A persistent chunk another live session holds a lease on cannot be opened (unless both share
+  // it) or freed (`verb`: "open" or "free"); the error names the holder.
+  absl::Status CheckLease(const ChunkMeta& chunk, SessionId session, bool shared,
+                          std::string_view verb) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Has `batch` follow the chunk into `tier`: nothing when it is there and ready, a wait when it

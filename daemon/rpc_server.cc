@@ -99,7 +99,9 @@ class TierdService final : public pb::Tierd::Service {
                                       spec.name(),
                                       spec.persistent(),
                                       {spec.tags().begin(), spec.tags().end()},
-                                      spec.open_existing()});
+                                      spec.open_existing(),
+                                      spec.must_exist(),
+                                      spec.shared()});
     }
     absl::StatusOr<std::vector<ChunkId>> ids = deps_.chunks->Allocate(**session, requests);
     if (!ids.ok()) return ToGrpc(ids.status());

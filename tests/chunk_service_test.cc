@@ -160,6 +160,71 @@ TEST_F(ChunkServiceTest, PersistentChunkNeedsANameAndOutlivesItsSession) {
   EXPECT_TRUE(absl::IsFailedPrecondition(service_->Allocate(*alice2_, wrong_size).status()));
 }
 
+TEST_F(ChunkServiceTest, OpeningANameThatIsNotThereIsNotFoundNotAFreshChunk) {
+  std::vector<ChunkRequest> open = {{.size = 4096,
+                                     .name = "run-42/adam/m",
+                                     .persistent = true,
+                                     .open_existing = true,
+                                     .must_exist = true}};
+  absl::Status s = service_->Allocate(*alice_, open).status();
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_NE(s.message().find("run-42/adam/m"), std::string::npos) << s;
+  EXPECT_EQ(service_->chunk_count(), 0u);
+  // must_exist means nothing without open_existing.
+  std::vector<ChunkRequest> odd = {
+      {.size = 4096, .name = "x", .persistent = true, .must_exist = true}};
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->Allocate(*alice_, odd).status()));
+  // Created, it opens.
+  std::vector<ChunkRequest> create = {{.size = 4096, .name = "run-42/adam/m", .persistent = true}};
+  auto made = *service_->Allocate(*alice_, create);
+  EXPECT_EQ(service_->CloseSession(*alice_), 0u);
+  auto opened = service_->Allocate(*alice2_, open);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ((*opened)[0], made[0]);
+}
+
+TEST_F(ChunkServiceTest, APersistentChunkALiveSessionHoldsIsNeitherOpenedNorFreedByAnother) {
+  std::vector<ChunkRequest> create = {{.size = 4096, .name = "adam", .persistent = true}};
+  auto held = *service_->Allocate(*alice_, create);
+  std::vector<ChunkRequest> open = {
+      {.size = 4096, .name = "adam", .persistent = true, .open_existing = true}};
+  // The same user's second job: refused, naming the holder.
+  absl::Status s = service_->Allocate(*alice2_, open).status();
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find(alice_->Describe()), std::string::npos) << s;
+  // Nor can it free (reset) the state under the holder.
+  s = service_->Free(*alice2_, held);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("freed"), std::string::npos) << s;
+  EXPECT_EQ(service_->chunk_count(), 1u);
+  // Opening it again in the holding session is fine.
+  EXPECT_TRUE(service_->Allocate(*alice_, open).ok());
+  // Once the holder ends, the next job opens it, and then holds it.
+  service_->CloseSession(*alice_);
+  auto opened = service_->Allocate(*alice2_, open);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ((*opened)[0], held[0]);
+  EXPECT_TRUE(service_->Free(*alice2_, held).ok());
+}
+
+TEST_F(ChunkServiceTest, SessionsThatBothAskToShareAPersistentChunkShareIt) {
+  std::vector<ChunkRequest> create = {
+      {.size = 4096, .name = "shared", .persistent = true, .shared = true}};
+  auto made = *service_->Allocate(*alice_, create);
+  std::vector<ChunkRequest> open_shared = {
+      {.size = 4096, .name = "shared", .persistent = true, .open_existing = true, .shared = true}};
+  std::vector<ChunkRequest> open_alone = {
+      {.size = 4096, .name = "shared", .persistent = true, .open_existing = true}};
+  EXPECT_TRUE(absl::IsFailedPrecondition(service_->Allocate(*alice2_, open_alone).status()));
+  auto opened = service_->Allocate(*alice2_, open_shared);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ((*opened)[0], made[0]);
+  // Neither can free it while the other holds it.
+  EXPECT_TRUE(absl::IsFailedPrecondition(service_->Free(*alice_, made)));
+  service_->CloseSession(*alice_);
+  EXPECT_TRUE(service_->Free(*alice2_, made).ok());
+}
+
 TEST_F(ChunkServiceTest, SessionEndReleasesPinsAndFreesScratchChunks) {
   auto ids = Alloc(*alice_, {4096, 1 << 20});
   std::vector<ChunkRequest> p = {{.size = 4096, .name = "keep", .persistent = true}};

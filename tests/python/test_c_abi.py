@@ -129,6 +129,38 @@ def test_persistent_named_chunk_reopens_in_a_new_session(lib, daemon):
     lib.tierd_close(second)
 
 
+def test_named_state_has_an_owner(lib, daemon):
+    open_existing, must_exist, shared = 1, 2, 4
+    first, second = ctypes.c_void_p(), ctypes.c_void_p()
+    assert lib.tierd_connect(daemon.encode(), b"job-a", ctypes.byref(first)) == OK
+    assert lib.tierd_connect(daemon.encode(), b"job-b", ctypes.byref(second)) == OK
+    cid, other = ctypes.c_uint64(), ctypes.c_uint64()
+    # A resume of a name that was never made (a typo) is NOT_FOUND, not a fresh zeroed chunk.
+    assert lib.tierd_allocate_named(first, b"pyjob/typo", 4096, TIER_HOST, 1,
+                                    open_existing | must_exist, ctypes.byref(cid)) == NOT_FOUND
+    assert b"pyjob/typo" in lib.tierd_last_error()
+    assert lib.tierd_allocate_named(first, b"pyjob/adam", 4096, TIER_HOST, 1, 0,
+                                    ctypes.byref(cid)) == OK, lib.tierd_last_error()
+    # Job B of the same user, with the same name, while job A lives: refused, naming job A.
+    assert lib.tierd_allocate_named(second, b"pyjob/adam", 4096, TIER_HOST, 1,
+                                    open_existing | must_exist,
+                                    ctypes.byref(other)) == FAILED_PRECONDITION
+    error = lib.tierd_last_error()
+    assert b"job-a" in error and f"pid {os.getpid()}".encode() in error, error
+    # Nor can B reset it by freeing it.
+    assert lib.tierd_free(second, 1, ids_array([cid.value])) == FAILED_PRECONDITION
+    # Unknown flags are refused.
+    assert lib.tierd_allocate_named(second, b"pyjob/adam", 4096, TIER_HOST, 1, 8,
+                                    ctypes.byref(other)) == INVALID_ARGUMENT
+    lib.tierd_close(first)
+    assert lib.tierd_allocate_named(second, b"pyjob/adam", 4096, TIER_HOST, 1,
+                                    open_existing | must_exist | shared,
+                                    ctypes.byref(other)) == OK, lib.tierd_last_error()
+    assert other.value == cid.value
+    assert lib.tierd_free(second, 1, ids_array([cid.value])) == OK
+    lib.tierd_close(second)
+
+
 def write_and_evict(lib, client, ids, sizes, values):
     """Fills each chunk's host copy with one byte value, then moves the chunks to NVMe."""
     n = len(values)

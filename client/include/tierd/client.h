@@ -96,10 +96,18 @@ uint64_t tierd_session_id(const tierd_client* client);
 /* Allocates n scratch chunks of sizes[i] bytes in home_tier; ids go to out_ids[0..n). */
 tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* sizes, int home_tier,
                             tierd_chunk_id* out_ids);
-/* Allocates one named chunk; persistent chunks outlive the session; with open_existing an
- * existing persistent chunk of that name is opened instead. */
+/* Allocates one named chunk; persistent chunks outlive the session. `open` is a set of flags:
+ * TIERD_OPEN_EXISTING opens the user's persistent chunk of that name if there is one (else creates
+ * it); with TIERD_OPEN_MUST_EXIST too, only opens (NOT_FOUND when there is none); TIERD_OPEN_SHARED
+ * lets other sessions that also ask to share open it while this one holds it. 0 creates (and fails
+ * with ALREADY_EXISTS when the name is taken). A session holds a lease on the persistent chunks
+ * it creates or opens until it ends: others cannot open or free them (FAILED_PRECONDITION names
+ * the holder). */
+#define TIERD_OPEN_EXISTING 1
+#define TIERD_OPEN_MUST_EXIST 2
+#define TIERD_OPEN_SHARED 4
 tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64_t size,
-                                  int home_tier, int persistent, int open_existing,
+                                  int home_tier, int persistent, int open,
                                   tierd_chunk_id* out_id);
 tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 

@@ -49,6 +49,10 @@ struct ChunkSpec {
   bool persistent = false;  // outlives the session; belongs to the user (uid)
   std::vector<std::string> tags;
   bool open_existing = false;  // open the user's persistent chunk of this name if it exists
+  bool must_exist = false;     // with open_existing: open only (NOT_FOUND when there is none)
+  // This session holds a lease on the persistent chunks it creates or opens until it ends; another
+  // session can open (or free) them only when both set shared.
+  bool shared = false;
 };
 
 struct ChunkInfo {
