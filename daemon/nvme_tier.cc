@@ -583,8 +583,12 @@ void NvmeTier::ZeroFill(const Placement& host, uint64_t size, StatusCallback don
 }
 
 void NvmeTier::Persist(IndexEntry entry, StatusCallback done) {
-  worker_->Post(
-      [this, entry = std::move(entry), done = std::move(done)]() { done(index_->Put(entry)); });
+  // Counted like every other operation, so that Drain waits for its callback too.
+  Begin();
+  worker_->Post([this, entry = std::move(entry), done = std::move(done)]() {
+    done(index_->Put(entry));
+    End();
+  });
 }
 
 void NvmeTier::Forget(uint32_t tenant, std::string name) {

@@ -85,6 +85,12 @@ class DeviceServiceTest : public ::testing::Test {
     page_ = static_cast<CompletionPage*>(p);
   }
   void TearDown() override {
+    // Moves in flight settle before the service they call back into goes (twice: a move can hand
+    // over from one to the other, as the daemon's shutdown knows).
+    for (int round = 0; round < 2; ++round) {
+      device_->Drain();
+      if (nvme_ != nullptr) nvme_->Drain();
+    }
     service_.reset();
     nvme_.reset();
     device_->Drain();

@@ -37,6 +37,9 @@ class NvmeServiceTest : public ::testing::Test {
     MapPage(*session_);
   }
   void TearDown() override {
+    // As the daemon does: moves in flight settle (their callbacks use the service) before the
+    // service goes. A test may end as soon as its completion is marked, mid-callback.
+    if (nvme_ != nullptr) nvme_->Drain();
     service_.reset();
     nvme_.reset();
     for (auto& [id, page] : pages_) munmap(page, kCompletionPageBytes);
