@@ -498,6 +498,50 @@ tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, u
   return Guard([&] { return Done(adam->adam->GetParams(group, {out, n})); });
 }
 
+tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, float* out,
+                                  uint64_t n) {
+  if (adam == nullptr || out == nullptr) return Invalid("tierd_adam_get_state: NULL argument");
+  if (part != TIERD_ADAM_PARAMS && part != TIERD_ADAM_M && part != TIERD_ADAM_V) {
+    return Invalid("tierd_adam_get_state: part must be TIERD_ADAM_PARAMS, _M or _V");
+  }
+  return Guard([&] {
+    return Done(
+        adam->adam->GetState(group, static_cast<tierd::OffloadedAdam::Part>(part), {out, n}));
+  });
+}
+
+tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
+                                  const float* m, const float* v, uint64_t n) {
+  if (adam == nullptr || params == nullptr) {
+    return Invalid("tierd_adam_set_state: NULL optimizer or params");
+  }
+  return Guard([&] {
+    return Done(adam->adam->SetState(group, {params, n},
+                                     m == nullptr ? std::span<const float>() : std::span(m, n),
+                                     v == nullptr ? std::span<const float>() : std::span(v, n)));
+  });
+}
+
+tierd_status tierd_adam_set_steps(tierd_adam* adam, int64_t steps) {
+  if (adam == nullptr) return Invalid("tierd_adam_set_steps: NULL optimizer");
+  return Guard([&] { return Done(adam->adam->SetStepsTaken(steps)); });
+}
+
+tierd_status tierd_adam_set_group_hyper(tierd_adam* adam, size_t group,
+                                        const tierd_adam_hyper* hyper) {
+  if (adam == nullptr || hyper == nullptr) {
+    return Invalid("tierd_adam_set_group_hyper: NULL argument");
+  }
+  return Guard([&] {
+    return Done(adam->adam->SetGroupHyperparameters(group, {.lr = hyper->lr,
+                                                            .beta1 = hyper->beta1,
+                                                            .beta2 = hyper->beta2,
+                                                            .eps = hyper->eps,
+                                                            .weight_decay = hyper->weight_decay,
+                                                            .adamw = hyper->adamw != 0}));
+  });
+}
+
 tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr) {
   if (adam == nullptr) return Invalid("tierd_adam_set_lr: NULL optimizer");
   if (!(lr >= 0)) return Invalid("tierd_adam_set_lr: lr must be >= 0");

@@ -109,6 +109,16 @@ absl::Status ValidateGroupName(const std::string& name) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
+  if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
+      !(h.eps > 0) || !(h.weight_decay >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
+        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct OffloadedAdam::Impl {
@@ -133,10 +143,11 @@ struct OffloadedAdam::Impl {
   bool resumed = false;
   int64_t steps = 0;
   double lr = 0;
+  std::vector<AdamHyperparameters> hyper;  // each group's
 
   // The step in progress (the driving thread's; the worker reads it while the step runs).
   bool in_step = false;
-  kernels::AdamOptions step_options;
+  std::vector<kernels::AdamOptions> step_options;  // each group's, this step
   std::vector<bool> given;
   // The order the groups came in last step (the order the read-ahead expects), and this step's.
   std::vector<size_t> expected_order, step_order;
@@ -443,7 +454,7 @@ struct OffloadedAdam::Impl {
                      : static_cast<char*>(w.out) + shard.first * out_bytes,
           .out_type = ToDType(w.out_type),
           .n = shard.n};
-      kernels::AdamStep({&t, 1}, step_options, steps + 1, *pool);
+      kernels::AdamStep({&t, 1}, step_options[w.group], steps + 1, *pool);
       if (out32 != nullptr) std::memcpy(out32 + shard.first, p, shard.n * 4);
       const absl::Time t2 = absl::Now();
       delta->state_wait += t1 - t0;
@@ -621,12 +632,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   }
   if (options.name.empty()) return absl::InvalidArgumentError("the optimizer needs a name");
   const AdamHyperparameters& h = options.hyper;
-  if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
-      !(h.eps > 0) || !(h.weight_decay >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
-        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
-  }
+  if (absl::Status s = ValidateHyperparameters(h); !s.ok()) return s;
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -645,6 +651,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
         3 * shard_bytes, " or lower shard_params"));
   }
   for (const ParamGroup& g : specs) impl->groups.push_back({.spec = g});
+  impl->hyper.assign(specs.size(), h);
 
   ClientOptions client_options = options.client;
   if (client_options.client_name.empty()) client_options.client_name = "optimizer " + options.name;
@@ -667,19 +674,48 @@ bool OffloadedAdam::initialized(size_t group) const {
   return group < impl_->groups.size() && impl_->groups[group].initialized;
 }
 Client& OffloadedAdam::client() { return *impl_->client; }
-void OffloadedAdam::SetLearningRate(double lr) { impl_->lr = lr; }
+void OffloadedAdam::SetLearningRate(double lr) {
+  impl_->lr = lr;
+  for (AdamHyperparameters& h : impl_->hyper) h.lr = lr;
+}
 double OffloadedAdam::learning_rate() const { return impl_->lr; }
 
+absl::Status OffloadedAdam::SetGroupHyperparameters(size_t group,
+                                                    const AdamHyperparameters& hyper) {
+  if (group >= impl_->groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", impl_->groups.size()));
+  }
+  if (absl::Status s = ValidateHyperparameters(hyper); !s.ok()) return s;
+  impl_->hyper[group] = hyper;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedAdam::SetStepsTaken(int64_t steps) {
+  Impl& d = *impl_;
+  if (d.in_step) return absl::FailedPreconditionError("SetStepsTaken during a step");
+  if (steps < 0) return absl::InvalidArgumentError(absl::StrCat("steps ", steps, " < 0"));
+  d.steps = steps;
+  return d.WriteMeta(false);
+}
+
 absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> values) {
+  return SetState(group, values, {}, {});
+}
+
+absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values,
+                                     std::span<const float> m, std::span<const float> v) {
   Impl& d = *impl_;
   if (group >= d.groups.size()) {
     return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
   }
-  if (d.in_step) return absl::FailedPreconditionError("SetParams during a step");
+  if (d.in_step) return absl::FailedPreconditionError("SetState during a step");
   Group& g = d.groups[group];
-  if (values.size() != g.spec.params) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
-                                                   " parameters, not ", values.size()));
+  for (size_t n : {values.size(), m.empty() ? g.spec.params : m.size(),
+                   v.empty() ? g.spec.params : v.size()}) {
+    if (n != g.spec.params) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", g.spec.name, "' has ", g.spec.params, " parameters, not ", n));
+    }
   }
   if (absl::Status s = d.DropAhead(); !s.ok()) return s;
   for (const Shard& s : g.shards) {
@@ -687,8 +723,10 @@ absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> value
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
     char* base = static_cast<char*>(*data);
+    std::memset(base, 0, s.bytes());  // m and v start at zero unless given
     std::memcpy(base, values.data() + s.first, s.n * 4);
-    std::memset(base + s.n * 4, 0, s.bytes() - s.n * 4);  // m and v start at zero
+    if (!m.empty()) std::memcpy(base + s.region, m.data() + s.first, s.n * 4);
+    if (!v.empty()) std::memcpy(base + 2 * s.region, v.data() + s.first, s.n * 4);
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
   }
@@ -698,11 +736,18 @@ absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> value
 }
 
 absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
+  return GetState(group, Part::kParams, out);
+}
+
+absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> out) {
   Impl& d = *impl_;
   if (group >= d.groups.size()) {
     return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
   }
-  if (d.in_step) return absl::FailedPreconditionError("GetParams during a step");
+  if (part != Part::kParams && part != Part::kM && part != Part::kV) {
+    return absl::InvalidArgumentError("GetState: part is not params, m or v");
+  }
+  if (d.in_step) return absl::FailedPreconditionError("GetState during a step");
   const Group& g = d.groups[group];
   if (out.size() != g.spec.params) {
     return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
@@ -720,7 +765,8 @@ absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
     }
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kRead);
     if (!data.ok()) return data.status();
-    std::memcpy(out.data() + s.first, *data, s.n * 4);
+    std::memcpy(out.data() + s.first,
+                static_cast<const char*>(*data) + static_cast<int>(part) * s.region, s.n * 4);
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (!read_ahead) {
       if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
@@ -736,14 +782,16 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
   if (!(grad_scale > 0) || grad_scale == INFINITY) {
     return absl::InvalidArgumentError(absl::StrCat("grad_scale ", grad_scale, " is not > 0"));
   }
-  const AdamHyperparameters& h = d.options.hyper;
-  d.step_options = {.lr = d.lr,
-                    .beta1 = h.beta1,
-                    .beta2 = h.beta2,
-                    .eps = h.eps,
-                    .weight_decay = h.weight_decay,
-                    .decoupled = h.adamw,
-                    .grad_scale = grad_scale};
+  d.step_options.clear();
+  for (const AdamHyperparameters& h : d.hyper) {
+    d.step_options.push_back({.lr = h.lr,
+                              .beta1 = h.beta1,
+                              .beta2 = h.beta2,
+                              .eps = h.eps,
+                              .weight_decay = h.weight_decay,
+                              .decoupled = h.adamw,
+                              .grad_scale = grad_scale});
+  }
   if (absl::Status s = d.WriteMeta(true); !s.ok()) return s;
   d.in_step = true;
   d.step_start = absl::Now();

@@ -270,6 +270,63 @@ TEST_F(OptimizerTest, AGroupWithNonFiniteGradientsIsLeftAsItWas) {
   ExpectParams(*opt, "group 1 skipped");
 }
 
+// A checkpoint's round trip: the whole state read out of one optimizer and loaded into another
+// (scratch, with another group's hyperparameters and a step count set) steps on identically to
+// the in-memory reference with those hyperparameters.
+TEST_F(OptimizerTest, StateExportedAndLoadedElsewhereStepsOnWithEachGroupsHyperparameters) {
+  auto first = Create(Options("model/first"));
+  ASSERT_NE(first, nullptr);
+  ASSERT_NO_FATAL_FAILURE(SetAll(*first));
+  auto grads = Gradients(1, 1.0f);
+  ASSERT_TRUE(first->BeginStep().ok());
+  for (size_t g : {1, 0}) {
+    ASSERT_TRUE(first->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+  }
+  ASSERT_TRUE(first->FinishStep().ok());
+  ReferenceStep(grads, 1, 1.0f, {0, 1});
+
+  OffloadedAdamOptions o = Options("model/second");
+  o.persistent = false;
+  auto second = Create(o);
+  ASSERT_NE(second, nullptr);
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    std::vector<float> p(kGroups[g].params), m(p.size()), v(p.size());
+    ASSERT_TRUE(first->GetState(g, OffloadedAdam::Part::kParams, p).ok());
+    ASSERT_TRUE(first->GetState(g, OffloadedAdam::Part::kM, m).ok());
+    ASSERT_TRUE(first->GetState(g, OffloadedAdam::Part::kV, v).ok());
+    for (size_t i = 0; i < p.size(); i += 991) {
+      ASSERT_EQ(m[i], m_[g][i]) << "group " << g << " m " << i;
+      ASSERT_EQ(v[i], v_[g][i]) << "group " << g << " v " << i;
+    }
+    ASSERT_TRUE(second->SetState(g, p, m, v).ok());
+  }
+  ASSERT_TRUE(second->SetStepsTaken(1).ok());
+  const AdamHyperparameters other{.lr = 3e-3, .beta1 = 0.8, .weight_decay = 0.0};
+  ASSERT_TRUE(second->SetGroupHyperparameters(1, other).ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      second->SetGroupHyperparameters(0, {.beta2 = 1.0})));  // refused, nothing changed
+  EXPECT_TRUE(absl::IsOutOfRange(second->SetGroupHyperparameters(2, other)));
+
+  grads = Gradients(2, 1.0f);
+  ASSERT_TRUE(second->BeginStep().ok());
+  for (size_t g : {1, 0}) {
+    ASSERT_TRUE(second->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+  }
+  auto stats = second->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->step, 2);
+  ReferenceStep(grads, 2, 1.0f, {0});
+  static kernels::ThreadPool pool(1, false);
+  const kernels::AdamTensor t{.param = params_[1].data(),
+                              .m = m_[1].data(),
+                              .v = v_[1].data(),
+                              .grad = grads[1].data(),
+                              .grad_type = kernels::DType::kBF16,
+                              .n = kGroups[1].params};
+  kernels::AdamStep({&t, 1}, {.lr = 3e-3, .beta1 = 0.8, .weight_decay = 0.0}, 2, pool);
+  ExpectParams(*second, "loaded state, group 1 with its own hyperparameters");
+}
+
 TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
   OffloadedAdamOptions small = Options();
   small.host_budget_bytes = 1 << 20;

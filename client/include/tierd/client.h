@@ -14,7 +14,10 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 2 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step) */
+#define TIERD_C_ABI_VERSION 3
+/* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
+ * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps) and per-group
+ *    hyperparameters (tierd_adam_set_group_hyper) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -107,8 +110,7 @@ tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* size
 #define TIERD_OPEN_MUST_EXIST 2
 #define TIERD_OPEN_SHARED 4
 tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64_t size,
-                                  int home_tier, int persistent, int open,
-                                  tierd_chunk_id* out_id);
+                                  int home_tier, int persistent, int open, tierd_chunk_id* out_id);
 tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 
 /* Pins n chunks in tier. out_ptrs[i] receives chunk i's address in this process: a host address
@@ -237,8 +239,22 @@ uint64_t tierd_adam_state_bytes(const tierd_adam* adam);
 /* A group's fp32 master weights (n must be its parameter count); set_params zeroes m and v. */
 tierd_status tierd_adam_set_params(tierd_adam* adam, size_t group, const float* values, uint64_t n);
 tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, uint64_t n);
-/* From the next step on. */
+/* Parts of a group's state. */
+#define TIERD_ADAM_PARAMS 0
+#define TIERD_ADAM_M 1
+#define TIERD_ADAM_V 2
+/* Reads one part (n must be the group's parameter count). */
+tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, float* out, uint64_t n);
+/* Sets a group's weights, m and v at once (m or v NULL: zero); loading a checkpoint. */
+tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
+                                  const float* m, const float* v, uint64_t n);
+/* The count of steps taken (the next step's bias correction uses steps + 1). */
+tierd_status tierd_adam_set_steps(tierd_adam* adam, int64_t steps);
+/* From the next step on: every group's learning rate. */
 tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr);
+/* From the next step on: one group's hyperparameters. */
+tierd_status tierd_adam_set_group_hyper(tierd_adam* adam, size_t group,
+                                        const tierd_adam_hyper* hyper);
 tierd_status tierd_adam_begin_step(tierd_adam* adam, float grad_scale);
 /* Queues a group's step and returns; grad and out (may be NULL) must stay valid until
  * tierd_adam_finish_step returns. */

@@ -114,9 +114,22 @@ class OffloadedAdam {
   absl::Status SetParams(size_t group, std::span<const float> values);
   // Reads a group's fp32 master weights.
   absl::Status GetParams(size_t group, std::span<float> out);
-  // Takes effect from the next BeginStep (learning-rate schedules).
+  // Sets a group's whole state: weights, first and second moments (each of its params values;
+  // empty m or v: zero). What a checkpoint loads.
+  absl::Status SetState(size_t group, std::span<const float> params, std::span<const float> m,
+                        std::span<const float> v);
+  // Reads one part of a group's state (a checkpoint's export).
+  enum class Part : int { kParams = 0, kM = 1, kV = 2 };
+  absl::Status GetState(size_t group, Part part, std::span<float> out);
+  // Sets the count of steps taken (the bias correction's step is the next one): loading a
+  // checkpoint taken elsewhere. Not during a step.
+  absl::Status SetStepsTaken(int64_t steps);
+  // Takes effect from the next BeginStep (learning-rate schedules): every group's rate.
   void SetLearningRate(double lr);
   double learning_rate() const;
+  // One group's hyperparameters, from the next BeginStep (a framework's parameter groups each
+  // have their own); SetLearningRate later overrides their lr again.
+  absl::Status SetGroupHyperparameters(size_t group, const AdamHyperparameters& hyper);
 
   // Starts a step. Gradients arrive multiplied by grad_scale (loss scaling; 1 for none).
   absl::Status BeginStep(float grad_scale = 1.0f);
