@@ -2,7 +2,8 @@
 
 Pure Python over the client library's C ABI (libtierd_client.so.0, found beside this package, in
 a source checkout's build/, or installed), so it needs no compiler and works with any Python >= 3.9
-and any torch. `python3 -m tierd status` is a quick check.
+and any torch. `python3 -m tierd status` is a quick check. `tierd.torch` (imported on its own, so
+that `import tierd` needs no torch) has OffloadedAdamW, an AdamW whose state lives in tierd.
 """
 from .client import (Access, Acquisition, ChunkSet, Client, Completion, SessionStats, Tier,
                      TierdError, TierUsage, connect)

@@ -30,6 +30,31 @@ class SessionStats(ctypes.Structure):
                 ("schedule_steps", ctypes.c_uint32), ("tracing", ctypes.c_int32)]
 
 
+FLOAT32, BFLOAT16, FLOAT16 = 0, 1, 2
+ADAM_PARAMS, ADAM_M, ADAM_V = 0, 1, 2
+
+
+class AdamHyper(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double),
+                ("adamw", ctypes.c_int32)]
+
+
+class AdamOptions(ctypes.Structure):
+    _fields_ = [("socket_dir", ctypes.c_char_p), ("name", ctypes.c_char_p),
+                ("home_tier", ctypes.c_int32), ("persistent", ctypes.c_int32),
+                ("reset", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
+                ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper)]
+
+
+class AdamStepStats(ctypes.Structure):
+    _fields_ = [("step", ctypes.c_int64), ("wall_ns", ctypes.c_uint64),
+                ("compute_ns", ctypes.c_uint64), ("state_wait_ns", ctypes.c_uint64),
+                ("write_wait_ns", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
+                ("skipped_groups", ctypes.c_uint32)]
+
+
 def library_path():
     """Where libtierd_client.so.0 is: $TIERD_CLIENT_LIB, beside this package, the source tree's
     build/ (when the package is used from a checkout), else the name for the dynamic loader's own
@@ -79,4 +104,31 @@ def load_library():
     lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
+    lib.tierd_abi_version.restype = ctypes.c_int
+    _bind_optimizer(lib)
     return lib
+
+
+def _bind_optimizer(lib):
+    p, u64, fp = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p
+    lib.tierd_adam_options_init.argtypes = [ctypes.POINTER(AdamOptions)]
+    lib.tierd_adam_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
+                                      ctypes.POINTER(u64), ctypes.POINTER(AdamOptions),
+                                      ctypes.POINTER(p)]
+    lib.tierd_adam_destroy.argtypes = [p]
+    lib.tierd_adam_resumed.argtypes = [p]
+    lib.tierd_adam_steps_taken.argtypes = [p]
+    lib.tierd_adam_steps_taken.restype = ctypes.c_int64
+    lib.tierd_adam_initialized.argtypes = [p, ctypes.c_size_t]
+    lib.tierd_adam_state_bytes.argtypes = [p]
+    lib.tierd_adam_state_bytes.restype = u64
+    lib.tierd_adam_set_params.argtypes = [p, ctypes.c_size_t, fp, u64]
+    lib.tierd_adam_get_params.argtypes = [p, ctypes.c_size_t, fp, u64]
+    lib.tierd_adam_get_state.argtypes = [p, ctypes.c_size_t, ctypes.c_int, fp, u64]
+    lib.tierd_adam_set_state.argtypes = [p, ctypes.c_size_t, fp, fp, fp, u64]
+    lib.tierd_adam_set_steps.argtypes = [p, ctypes.c_int64]
+    lib.tierd_adam_set_lr.argtypes = [p, ctypes.c_double]
+    lib.tierd_adam_set_group_hyper.argtypes = [p, ctypes.c_size_t, ctypes.POINTER(AdamHyper)]
+    lib.tierd_adam_begin_step.argtypes = [p, ctypes.c_float]
+    lib.tierd_adam_step_group.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int]
+    lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(AdamStepStats)]

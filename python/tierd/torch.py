@@ -1,0 +1,500 @@
+"""tierd for PyTorch: an AdamW whose fp32 master weights and moments live in the node's tierd.
+
+    import tierd.torch
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                                     name="run-42", host_budget_bytes=2 << 30)
+    for batch in data:
+        loss = model(batch).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+OffloadedAdamW is a torch.optim.Optimizer with torch.optim.AdamW's constructor, parameter groups
+and state_dict format (loadable into and from a plain AdamW). The model keeps its own weights
+(fp32, bf16 or fp16, on the CPU or a GPU); the optimizer keeps fp32 master weights, exp_avg and
+exp_avg_sq in daemon chunks at home on NVMe or in the host tier, streamed through a bounded host
+budget by the client library's fused CPU kernels, and writes the new weights back into the model
+after each step.
+
+`overlap_backward=True` hands gradients to the optimizer as backward produces them (copied off the
+GPU on a side stream) and, when neither clipping nor a finiteness check must see every gradient
+first, steps each bucket of parameters while backward still runs. Then the gradients are taken as
+they were when produced: change them (clip, unscale) only through the optimizer's own
+`max_grad_norm` and `step(grad_scale=...)`.
+"""
+import ctypes
+import math
+import time
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+
+from . import _abi
+from .client import Tier, TierdError, _check, _library, connect
+
+__all__ = ["OffloadedAdamW"]
+
+_DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16, torch.float16: _abi.FLOAT16}
+_DEFAULT_BUCKET_PARAMS = 4 << 20
+
+
+class _Bucket:
+    """Parameters of one torch parameter group, of one dtype and device, stepped as one tierd
+    group: a flat gradient buffer filled as backward produces them and a flat buffer the kernel
+    writes the new weights into."""
+
+    def __init__(self, index: int, group: int, params: List[torch.Tensor], pin: bool):
+        self.index = index
+        self.group = group
+        self.name = f"g{group}.{index}"
+        self.params = params
+        self.offsets = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.grad = torch.zeros(n, dtype=self.dtype, pin_memory=pin)
+        self.out = torch.empty(n, dtype=self.dtype, pin_memory=pin)
+        self.arrived = 0          # params whose final gradient of this step is in `grad`
+        self.event = None         # the side stream's copies, when the model is on a GPU
+        self.launched = False     # given to the optimizer this step
+
+    def slices(self, flat: torch.Tensor):
+        for p, off in zip(self.params, self.offsets):
+            yield p, flat[off:off + p.numel()]
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW with its state in tierd. Arguments as AdamW's (amsgrad, maximize and
+    capturable are refused), and:
+
+    name: persistent state under this name (resumed when it exists: the model's weights are then
+        set from the optimizer's master weights); None: scratch state, freed on close().
+    home: "nvme" or "host" for the state's home tier; None: NVMe when the state is larger than
+        host_budget_bytes and the daemon has NVMe, else host.
+    host_budget_bytes: host-tier bytes the state streams through.
+    max_grad_norm: clip gradients to this global L2 norm (exactly as
+        torch.nn.utils.clip_grad_norm_); the norm is in `last_grad_norm`.
+    skip_nonfinite: a step whose gradients hold an inf or NaN changes nothing (for fp16 loss
+        scaling); counted in `skipped_steps`.
+    overlap_backward: take gradients as backward produces them (see the module's text).
+    accumulation_steps: backward passes per step when overlap_backward is on.
+    bucket_params: parameters per bucket (the unit stepped during backward).
+    socket_dir: the daemon's socket directory ($TIERD_SOCKET_DIR, else /run/tierd).
+    threads: kernel threads (0: one per CPU this process may use).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 name: Optional[str] = None, home: Optional[str] = None,
+                 host_budget_bytes: int = 1 << 30, max_grad_norm: Optional[float] = None,
+                 skip_nonfinite: bool = False, overlap_backward: bool = False,
+                 accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
+                 socket_dir: Optional[str] = None, threads: int = 0):
+        if amsgrad:
+            raise ValueError("OffloadedAdamW does not implement amsgrad (its fused kernels keep "
+                             "exp_avg and exp_avg_sq only): use torch.optim.AdamW for amsgrad")
+        if maximize or capturable or differentiable:
+            raise ValueError("OffloadedAdamW does not support maximize, capturable or "
+                             "differentiable")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 < eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, not {max_grad_norm}")
+        if accumulation_steps < 1 or bucket_params < 1:
+            raise ValueError("accumulation_steps and bucket_params must be >= 1")
+        if home not in (None, "host", "nvme"):
+            raise ValueError(f"home must be 'host', 'nvme' or None, not {home!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, foreach=foreach, capturable=False,
+                        differentiable=False, fused=fused)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.overlap_backward = overlap_backward
+        self.accumulation_steps = accumulation_steps
+        self.last_grad_norm: Optional[float] = None
+        self.last_stats: Dict[str, float] = {}
+        self.skipped_steps = 0
+        self._handle = ctypes.c_void_p()
+        self._hooks = []
+        self._begun = False
+        self._pending_copy = None  # the last step's copies into GPU weights
+        self._early = 0  # buckets given to the optimizer during this step's backward
+
+        self._buckets = self._make_buckets(bucket_params)
+        state_bytes = 12 * sum(b.numel for b in self._buckets)
+        if home is None:
+            home = "host"
+            if state_bytes > host_budget_bytes:
+                with connect(socket_dir, "optimizer-probe") as c:
+                    if c.tier_usage(Tier.NVME).configured:
+                        home = "nvme"
+        self.home = home
+        self._open(name, socket_dir, home, host_budget_bytes, threads)
+        if overlap_backward:
+            self._install_hooks()
+
+    # ---- construction ----
+
+    def _make_buckets(self, bucket_params: int) -> List[_Bucket]:
+        buckets = []  # (torch group, params)
+        # Backward produces the last parameters' gradients first: buckets in reverse order, so
+        # that the optimizer's read-ahead expects them in the order they will come.
+        for gi in reversed(range(len(self.param_groups))):
+            current: List[torch.Tensor] = []
+            size = 0
+            for p in reversed(self.param_groups[gi]["params"]):
+                if p.dtype not in _DTYPES:
+                    raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; "
+                                    "float32, bfloat16 and float16 are supported")
+                if current and (p.dtype != current[0].dtype or p.device != current[0].device
+                                or size + p.numel() > bucket_params):
+                    buckets.append((gi, current))
+                    current, size = [], 0
+                current.append(p)
+                size += p.numel()
+            if current:
+                buckets.append((gi, current))
+        return [_Bucket(i, gi, params, pin=params[0].is_cuda)
+                for i, (gi, params) in enumerate(buckets)]
+
+    def _open(self, name, socket_dir, home, host_budget_bytes, threads):
+        lib = _library()
+        options = _abi.AdamOptions()
+        lib.tierd_adam_options_init(ctypes.byref(options))
+        if socket_dir:
+            options.socket_dir = socket_dir.encode()
+        self.persistent = name is not None
+        options.name = (name or f"scratch-{id(self):x}").encode()
+        options.persistent = 1 if self.persistent else 0
+        options.home_tier = _abi.TIER_NVME if home == "nvme" else _abi.TIER_HOST
+        options.check_finite = 0  # the whole step is checked here, before any group is stepped
+        options.threads = threads
+        options.host_budget_bytes = host_budget_bytes
+        d = self.defaults
+        options.hyper = _abi.AdamHyper(d["lr"], d["betas"][0], d["betas"][1], d["eps"],
+                                       d["weight_decay"], 1)
+        n = len(self._buckets)
+        names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._buckets])
+        sizes = (ctypes.c_uint64 * n)(*[b.numel for b in self._buckets])
+        _check(lib.tierd_adam_create(n, names, sizes, ctypes.byref(options),
+                                     ctypes.byref(self._handle)))
+        self.resumed = bool(lib.tierd_adam_resumed(self._handle))
+        for b in self._buckets:
+            if not lib.tierd_adam_initialized(self._handle, b.index):
+                flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32)
+                                  for p in b.params])
+                _check(lib.tierd_adam_set_params(self._handle, b.index,
+                                                 ctypes.c_void_p(flat.data_ptr()), b.numel))
+            elif self.resumed:
+                master = self._read(b, _abi.ADAM_PARAMS)
+                with torch.no_grad():
+                    for p, values in b.slices(master):
+                        p.copy_(values.view_as(p))
+
+    @torch.enable_grad()
+    def _install_hooks(self):
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                if not p.requires_grad:
+                    continue
+                if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        lambda param, b=b, i=i: self._on_grad(b, i)))
+                else:  # torch 1.13: a hook on the parameter's gradient accumulator
+                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    handle = acc.register_hook(lambda *_, b=b, i=i: self._on_grad(b, i))
+                    self._hooks.append((acc, handle))
+        self._counts = {id(p): 0 for b in self._buckets for p in b.params}
+
+    # ---- gradients in ----
+
+    def _on_grad(self, b: _Bucket, i: int):
+        p = b.params[i]
+        key = id(p)
+        self._counts[key] += 1
+        if self._counts[key] < self.accumulation_steps or b.launched:
+            return
+        self._copy_grad(b, i)
+        b.arrived += 1
+        if b.arrived == len(b.params) and self._steps_early():
+            self._launch(b)
+            self._early += 1
+
+    def _copy_grad(self, b: _Bucket, i: int):
+        p, off = b.params[i], b.offsets[i]
+        dst = b.grad[off:off + p.numel()]
+        if p.grad is None:
+            dst.zero_()
+        elif p.grad.is_cuda:
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(stream):
+                dst.copy_(p.grad.detach().reshape(-1), non_blocking=True)
+                p.grad.record_stream(stream)
+                b.event = torch.cuda.Event()
+                b.event.record(stream)
+        else:
+            dst.copy_(p.grad.detach().reshape(-1))
+
+    def _side_stream(self):
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(self._buckets[0].device)
+        return self._stream
+
+    def _steps_early(self) -> bool:
+        return self.max_grad_norm is None and not self.skip_nonfinite
+
+    def _begin(self, grad_scale: float):
+        lib = _library()
+        if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
+            self._pending_copy.synchronize()
+            self._pending_copy = None
+        for b in self._buckets:
+            g = self.param_groups[b.group]
+            hyper = _abi.AdamHyper(g["lr"], g["betas"][0], g["betas"][1], g["eps"],
+                                   g["weight_decay"], 1)
+            _check(lib.tierd_adam_set_group_hyper(self._handle, b.index, ctypes.byref(hyper)))
+        _check(lib.tierd_adam_begin_step(self._handle, grad_scale))
+        self._begun = True
+
+    def _launch(self, b: _Bucket):
+        if not self._begun:
+            self._begin(1.0)
+        if b.event is not None:
+            b.event.synchronize()
+        _check(_library().tierd_adam_step_group(
+            self._handle, b.index, ctypes.c_void_p(b.grad.data_ptr()), _DTYPES[b.dtype],
+            ctypes.c_void_p(b.out.data_ptr()), _DTYPES[b.dtype]))
+        b.launched = True
+
+    # ---- the step ----
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: float = 1.0):
+        """Applies the step. `grad_scale`: the gradients are multiplied by it (fp16 loss scaling);
+        they are unscaled, then clipped, as GradScaler.unscale_ and clip_grad_norm_ would."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        if not grad_scale > 0 or math.isinf(grad_scale):
+            raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
+        if self._begun and grad_scale != 1.0:
+            self._abandon()
+            raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
+                               "loss scaling with overlap_backward needs skip_nonfinite=True")
+        # Gradients not handed over during backward are taken now.
+        todo = []
+        for b in self._buckets:
+            if b.launched:
+                continue
+            if b.arrived < len(b.params):
+                if all(p.grad is None for p in b.params):
+                    continue  # no gradient this step: left as it is
+                for i in range(len(b.params)):
+                    self._copy_grad(b, i)
+            todo.append(b)
+        for b in todo:
+            if b.event is not None:
+                b.event.synchronize()
+        if grad_scale != 1.0:  # as GradScaler.unscale_: times the fp32 reciprocal
+            inv = torch.tensor(grad_scale, dtype=torch.float64).reciprocal().float()
+            for b in todo:
+                b.grad.mul_(inv)
+        if self.max_grad_norm is not None or self.skip_nonfinite:
+            norm = self._grad_norm(todo)
+            self.last_grad_norm = float(norm)
+            if self.skip_nonfinite and not math.isfinite(self.last_grad_norm):
+                self.skipped_steps += 1
+                self._end_step()
+                self.last_stats = {"skipped": 1.0, "tail_s": time.perf_counter() - start}
+                return loss
+            if self.max_grad_norm is not None:
+                coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                for b in todo:
+                    b.grad.mul_(coef)
+        if not self._begun:
+            self._begin(1.0)
+        for b in todo:
+            self._launch(b)
+        early = self._early
+        stats = _abi.AdamStepStats()
+        try:
+            _check(_library().tierd_adam_finish_step(self._handle, ctypes.byref(stats)))
+        finally:
+            self._end_step()
+        self._write_weights()
+        self.last_stats = {
+            "step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
+            "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
+            "write_wait_s": stats.write_wait_ns / 1e9, "state_bytes": float(stats.state_bytes),
+            "buckets": float(len(self._buckets)), "buckets_during_backward": float(early),
+            "tail_s": time.perf_counter() - start}
+        return loss
+
+    def _grad_norm(self, buckets: List[_Bucket]) -> torch.Tensor:
+        # As clip_grad_norm_: each gradient's 2-norm, then the norm of those.
+        norms = [torch.norm(g, 2.0) for b in buckets for _, g in b.slices(b.grad)]
+        if not norms:
+            return torch.zeros(())
+        return torch.norm(torch.stack(norms), 2.0)
+
+    def _write_weights(self):
+        for b in self._buckets:
+            if not b.launched:
+                continue
+            for p, values in b.slices(b.out):
+                p.copy_(values.view_as(p), non_blocking=p.is_cuda)
+        if any(b.device.type == "cuda" for b in self._buckets):
+            self._pending_copy = torch.cuda.Event()
+            self._pending_copy.record()
+        for b in self._buckets:
+            b.launched = False
+
+    def _end_step(self):
+        self._begun = False
+        self._early = 0
+        for b in self._buckets:
+            b.arrived = 0
+            b.event = None
+        if self.overlap_backward:
+            for key in self._counts:
+                self._counts[key] = 0
+
+    def _abandon(self):
+        """Finishes a step begun during backward without applying more (after an error)."""
+        if self._begun:
+            try:
+                _check(_library().tierd_adam_finish_step(self._handle, None))
+            finally:
+                self._end_step()
+                for b in self._buckets:
+                    b.launched = False
+
+    # ---- state ----
+
+    @property
+    def steps_taken(self) -> int:
+        return int(_library().tierd_adam_steps_taken(self._handle))
+
+    @property
+    def state_bytes(self) -> int:
+        return int(_library().tierd_adam_state_bytes(self._handle))
+
+    def _read(self, b: _Bucket, part: int) -> torch.Tensor:
+        out = torch.empty(b.numel, dtype=torch.float32)
+        _check(_library().tierd_adam_get_state(self._handle, b.index, part,
+                                               ctypes.c_void_p(out.data_ptr()), b.numel))
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch.optim.AdamW's format (exp_avg, exp_avg_sq and step per parameter, as fp32 CPU
+        tensors), plus `master` (the fp32 master weights) for parameters kept in another dtype."""
+        if self._begun:
+            raise RuntimeError("state_dict during a step")
+        index = {}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append(packed)
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        steps = self.steps_taken
+        if steps > 0:
+            for b in self._buckets:
+                m, v = self._read(b, _abi.ADAM_M), self._read(b, _abi.ADAM_V)
+                master = self._read(b, _abi.ADAM_PARAMS) if b.dtype != torch.float32 else None
+                for i, p in enumerate(b.params):
+                    off, n = b.offsets[i], p.numel()
+                    entry = {"step": torch.tensor(float(steps)),
+                             "exp_avg": m[off:off + n].view_as(p).clone(),
+                             "exp_avg_sq": v[off:off + n].view_as(p).clone()}
+                    if master is not None:
+                        entry["master"] = master[off:off + n].view_as(p).clone()
+                    state[index[id(p)]] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state_dict of this class or of torch.optim.AdamW (the model's weights must be
+        loaded first: they become the master weights unless the state carries `master`)."""
+        if self._begun:
+            raise RuntimeError("load_state_dict during a step")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"])
+                for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
+        if any(s.get("amsgrad") for s in saved_groups):
+            raise ValueError("loaded state dict is of an amsgrad AdamW, which this optimizer "
+                             "does not implement")
+        by_param = {}
+        for s, g in zip(saved_groups, self.param_groups):
+            for saved_id, p in zip(s["params"], g["params"]):
+                by_param[id(p)] = state_dict["state"].get(saved_id, {})
+        steps = {int(torch.as_tensor(e["step"]).item()) for e in by_param.values() if "step" in e}
+        if len(steps) > 1:
+            raise ValueError(f"parameters were stepped different numbers of times: {sorted(steps)}"
+                             "; OffloadedAdamW steps every parameter together")
+        lib = _library()
+        for b in self._buckets:
+            parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+            for p in b.params:
+                entry = by_param[id(p)]
+                for key in parts:
+                    value = entry.get(key)
+                    if value is None:
+                        value = p.detach() if key == "master" else torch.zeros_like(
+                            p, dtype=torch.float32)
+                    if value.shape != p.shape:
+                        raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
+                                         f"parameter of shape {tuple(p.shape)}")
+                    parts[key].append(value.reshape(-1).to("cpu", torch.float32))
+            flat = {k: torch.cat(v) for k, v in parts.items()}
+            _check(lib.tierd_adam_set_state(
+                self._handle, b.index, ctypes.c_void_p(flat["master"].data_ptr()),
+                ctypes.c_void_p(flat["exp_avg"].data_ptr()),
+                ctypes.c_void_p(flat["exp_avg_sq"].data_ptr()), b.numel))
+        _check(lib.tierd_adam_set_steps(self._handle, steps.pop() if steps else 0))
+        for s, g in zip(saved_groups, self.param_groups):
+            for key, value in s.items():
+                if key != "params":
+                    g[key] = tuple(value) if key == "betas" else value
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Ends the optimizer's session (scratch state is freed; persistent state stays)."""
+        for h in self._hooks:
+            (h[1] if isinstance(h, tuple) else h).remove()
+        self._hooks = []
+        if self._handle:
+            try:
+                self._abandon()
+            except TierdError:
+                pass
+            _library().tierd_adam_destroy(self._handle)
+            self._handle = ctypes.c_void_p()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (f"OffloadedAdamW({len(self._buckets)} buckets, {self.home} home, "
+                f"{'persistent' if self.persistent else 'scratch'})")

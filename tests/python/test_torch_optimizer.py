@@ -1,0 +1,248 @@
+"""tierd.torch.OffloadedAdamW against torch.optim.AdamW on the same model, seed and data, through a
+real daemon: state in the host tier and streamed from NVMe, gradients taken at step() and during
+backward, clipping that triggers, accumulation, loss scaling, a skipped non-finite step, state_dict
+both ways, and resuming by name after the daemon restarts."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from test_c_abi import daemon  # noqa: F401 (fixture)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import tierd  # noqa: E402
+import tierd.torch  # noqa: E402
+
+STEPS = 50
+BUDGET = 1 << 20  # the model's state is 2.9 MB: streamed through a third of it
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(64, 96), torch.nn.Flatten(), torch.nn.Linear(8 * 96, 256),
+        torch.nn.GELU(), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64))
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, 64, (16, 8), generator=g) for _ in range(n)]
+    return [(x, x[:, 2]) for x in xs]  # learnable: the loss must fall
+
+
+def loss_of(m, x, y):
+    return torch.nn.functional.cross_entropy(m(x), y)
+
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def train(m, opt, data, micro=1, clip=None, scale=1.0, poison=None, reference=False):
+    """Trains and returns the losses. `reference`: opt is a torch AdamW, clipped and skipped here
+    the way a torch training loop does it."""
+    losses = []
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            loss = loss_of(m, xs, ys) / micro
+            (loss * scale).backward()
+            total += float(loss)
+        losses.append(total)
+        if poison == step:
+            next(iter(m.parameters())).grad[0, 0] = float("inf")
+        if reference:
+            grads = [p.grad for p in m.parameters()]
+            if scale != 1.0:
+                for g in grads:
+                    g.mul_(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+            finite = all(torch.isfinite(g).all() for g in grads)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if poison is None or finite:
+                opt.step()
+        else:
+            opt.step(grad_scale=scale)
+    return losses
+
+
+def assert_same_training(ref_losses, losses, ref_model, got_model):
+    # fp32 evaluations of one formula in another order: within rounding, step after step.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0] * 0.9, "the loss did not fall"
+    for (name, a), b in zip(ref_model.named_parameters(), got_model.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def offloaded(m, daemon, **kwargs):  # noqa: F811
+    options = dict(HYPER, socket_dir=daemon, host_budget_bytes=BUDGET, threads=2)
+    options.update(kwargs)
+    return tierd.torch.OffloadedAdamW(m.parameters(), **options)
+
+
+@pytest.mark.parametrize("home,overlap", [("host", False), ("nvme", False), ("nvme", True)])
+def test_trains_as_torch_adamw_does(daemon, home, overlap):  # noqa: F811
+    data = batches(STEPS)
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, reference=True)
+    m = model()
+    opt = offloaded(m, daemon, home=home, overlap_backward=overlap, bucket_params=40_000)
+    try:
+        assert opt.home == home and opt.state_bytes >= 12 * sum(p.numel() for p in m.parameters())
+        losses = train(m, opt, data)
+        assert opt.steps_taken == STEPS
+        assert opt.last_stats["state_bytes"] == opt.state_bytes
+        # During backward, every bucket but the last to arrive was stepped already.
+        assert opt.last_stats["buckets_during_backward"] == (
+            opt.last_stats["buckets"] if overlap else 0)
+        assert opt.last_stats["buckets"] == 3
+    finally:
+        opt.close()
+    assert_same_training(ref_losses, losses, ref, m)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_clipping_that_triggers_and_accumulation(daemon, overlap):  # noqa: F811
+    data = batches(STEPS, seed=2)
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, micro=2,
+                       clip=0.5, reference=True)
+    m = model()
+    opt = offloaded(m, daemon, home="nvme", max_grad_norm=0.5, overlap_backward=overlap,
+                    accumulation_steps=2)
+    try:
+        losses = train(m, opt, data, micro=2)
+        assert opt.last_grad_norm > 0.5  # it clipped
+    finally:
+        opt.close()
+    assert_same_training(ref_losses, losses, ref, m)
+
+
+def test_loss_scaling_and_a_skipped_non_finite_step(daemon):  # noqa: F811
+    data = batches(20, seed=3)
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, scale=1024.0,
+                       poison=7, reference=True)
+    m = model()
+    opt = offloaded(m, daemon, home="nvme", skip_nonfinite=True)
+    try:
+        losses = train(m, opt, data, scale=1024.0, poison=7)
+        assert opt.skipped_steps == 1 and opt.steps_taken == 19
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for a, b in zip(ref.parameters(), m.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_round_trips_with_torch_adamw_both_ways(daemon):  # noqa: F811
+    data = batches(20, seed=4)
+    # Uninterrupted: torch's AdamW for 20 steps.
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, reference=True)
+
+    # torch for 7 steps, tierd for 7 (loaded from torch's state_dict), torch again for 6.
+    m = model()
+    first = torch.optim.AdamW(m.parameters(), **HYPER)
+    losses = train(m, first, data[:7], reference=True)
+    opt = offloaded(m, daemon, home="nvme")
+    try:
+        opt.load_state_dict(first.state_dict())
+        assert opt.steps_taken == 7
+        losses += train(m, opt, data[7:14])
+        exported = opt.state_dict()
+    finally:
+        opt.close()
+    assert set(exported["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert float(exported["state"][0]["step"]) == 14
+    last = torch.optim.AdamW(m.parameters(), **HYPER)
+    last.load_state_dict(exported)
+    losses += train(m, last, data[14:], reference=True)
+    assert_same_training(ref_losses, losses, ref, m)
+
+
+def test_bad_arguments_are_refused_clearly(daemon):  # noqa: F811
+    m = model()
+    with pytest.raises(ValueError, match="amsgrad"):
+        tierd.torch.OffloadedAdamW(m.parameters(), amsgrad=True, socket_dir=daemon)
+    with pytest.raises(TypeError, match="float64"):
+        tierd.torch.OffloadedAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))],
+                                   socket_dir=daemon)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        tierd.torch.OffloadedAdamW(m.parameters(), max_grad_norm=0.0, socket_dir=daemon)
+    opt = offloaded(m, daemon, home="host")
+    try:
+        with pytest.raises(ValueError, match="grad_scale"):
+            opt.step(grad_scale=float("inf"))
+        other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]).state_dict()
+        with pytest.raises(ValueError, match="parameter groups"):
+            opt.load_state_dict(other)
+    finally:
+        opt.close()
+
+
+def test_a_live_name_is_not_shared_by_accident(daemon):  # noqa: F811
+    m = model()
+    opt = offloaded(m, daemon, home="nvme", name="pytest/lease")
+    try:
+        with pytest.raises(tierd.TierdError) as held:
+            offloaded(model(), daemon, home="nvme", name="pytest/lease")
+        assert str(os.getpid()) in held.value.message, held.value.message
+        train(m, opt, batches(2))  # the holder is unharmed
+        assert opt.steps_taken == 2
+    finally:
+        opt.close()
+
+
+def start_daemon(root):
+    log = open(os.path.join(root, "daemon.log"), "a")
+    proc = subprocess.Popen(
+        [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
+         "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
+         f"--nvme_regions={root}/nvme.region:64MiB", "--nvme_stripe_unit=1MiB", "--device=none",
+         "--probe_bytes=0"], stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(root, "tierd.sock")):
+        assert proc.poll() is None, open(log.name).read()
+        assert time.monotonic() < deadline, "tierd did not start"
+        time.sleep(0.02)
+    return proc
+
+
+def stop_daemon(proc, root):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, open(os.path.join(root, "daemon.log")).read()
+
+
+def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
+    data = batches(12, seed=5)
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, reference=True)
+    with tempfile.TemporaryDirectory(prefix="tierd-resume-") as root:
+        proc = start_daemon(root)
+        try:
+            m = model()
+            opt = offloaded(m, root, home="nvme", name="pytest/run-42")
+            assert not opt.resumed
+            losses = train(m, opt, data[:6])
+            opt.close()
+        finally:
+            stop_daemon(proc, root)
+        proc = start_daemon(root)
+        try:
+            m = model(seed=99)  # a fresh process: other initial weights
+            opt = offloaded(m, root, home="nvme", name="pytest/run-42")
+            try:
+                assert opt.resumed and opt.steps_taken == 6
+                losses += train(m, opt, data[6:])
+            finally:
+                opt.close()
+        finally:
+            stop_daemon(proc, root)
+    assert_same_training(ref_losses, losses, ref, m)
