@@ -356,6 +356,22 @@ tierd_status tierd_chunk_count(tierd_client* client, uint64_t* out) {
   });
 }
 
+tierd_status tierd_path_bytes(tierd_client* client, const char* path, uint64_t* bytes) {
+  if (client == nullptr || path == nullptr || bytes == nullptr) {
+    return Invalid("tierd_path_bytes: NULL argument");
+  }
+  return Guard([&] {
+    absl::StatusOr<tierd::NodeInfo> info = client->client->GetNodeInfo();
+    if (!info.ok()) return Fail(info.status());
+    const tierd::PathStatus* p = info->path(path);
+    if (p == nullptr) {
+      return Fail(absl::NotFoundError(absl::StrCat("the daemon has no path '", path, "'")));
+    }
+    *bytes = p->bytes;
+    return TIERD_OK;
+  });
+}
+
 }  // extern "C"
 
 extern "C" {
@@ -420,7 +436,8 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                           .beta2 = d.hyper.beta2,
                                           .eps = d.hyper.eps,
                                           .weight_decay = d.hyper.weight_decay,
-                                          .adamw = d.hyper.adamw ? 1 : 0}};
+                                          .adamw = d.hyper.adamw ? 1 : 0},
+                                .open_mode = static_cast<int32_t>(d.open)};
 }
 
 tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
@@ -434,6 +451,10 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
   if (options->home_tier != TIERD_TIER_HOST && options->home_tier != TIERD_TIER_NVME) {
     return Invalid("tierd_adam_create: home_tier must be TIERD_TIER_HOST or TIERD_TIER_NVME");
   }
+  if (options->open_mode < TIERD_ADAM_CREATE_OR_OPEN || options->open_mode > TIERD_ADAM_OPEN) {
+    return Invalid(
+        "tierd_adam_create: open_mode must be TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN");
+  }
   return Guard([&] {
     std::vector<tierd::ParamGroup> groups;
     for (size_t g = 0; g < n_groups; ++g) {
@@ -446,6 +467,7 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
     o.home = static_cast<tierd::Tier>(options->home_tier);
     o.persistent = options->persistent != 0;
     o.reset = options->reset != 0;
+    o.open = static_cast<tierd::OffloadedAdamOptions::Open>(options->open_mode);
     o.threads = options->threads;
     o.check_finite = options->check_finite != 0;
     o.host_budget_bytes = options->host_budget_bytes;

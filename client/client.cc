@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "client/cuda_session.h"
 #include "common/completion_page.h"
 #include "common/cuda_driver.h"
@@ -119,7 +121,30 @@ void AddIds(Repeated* out, std::span<const ChunkId> ids) {
 }  // namespace
 
 struct Client::Impl {
-  ~Impl() { StopWatcher(); }
+  ~Impl() {
+    StopWatcher();
+    EndSession();
+  }
+
+  // Ends the session and waits (boundedly) until the daemon has: it closes its end of the session
+  // socket only after the session's chunks and leases are gone, so a name this session held can
+  // be opened again as soon as the client is destroyed.
+  void EndSession() {
+    if (!session_socket) return;
+    if (shutdown(session_socket.get(), SHUT_WR) != 0) return;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (;;) {
+      const int64_t left = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (left <= 0) return;
+      pollfd p{session_socket.get(), POLLIN, 0};
+      const int n = poll(&p, 1, static_cast<int>(left));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0 || (p.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) return;
+      char byte;
+      const ssize_t got = recv(session_socket.get(), &byte, 1, MSG_DONTWAIT);
+      if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) return;  // closed
+    }
+  }
 
   ClientOptions options;
   UniqueFd session_socket;

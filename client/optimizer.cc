@@ -493,6 +493,16 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       if (c.name == meta_name) found_meta = &c;
       stale.push_back(c.id);
     }
+    if (options.open == OffloadedAdamOptions::Open::kOpen && found_meta == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("optimizer state '", options.name, "' does not exist: nothing to resume"));
+    }
+    if (options.open == OffloadedAdamOptions::Open::kCreate && found_meta != nullptr &&
+        !options.reset) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("optimizer state '", options.name,
+                       "' exists already: open it to resume, or reset it to start afresh"));
+    }
     if (found_meta != nullptr && !options.reset) {
       absl::StatusOr<std::vector<ChunkId>> opened =
           client->AllocateIds(std::vector<ChunkSpec>{{.size = found_meta->size,
@@ -631,6 +641,9 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
     return absl::InvalidArgumentError("the optimizer's state lives on the host or NVMe tier");
   }
   if (options.name.empty()) return absl::InvalidArgumentError("the optimizer needs a name");
+  if (options.reset && options.open == OffloadedAdamOptions::Open::kOpen) {
+    return absl::InvalidArgumentError("reset discards the state that open would resume");
+  }
   const AdamHyperparameters& h = options.hyper;
   if (absl::Status s = ValidateHyperparameters(h); !s.ok()) return s;
 

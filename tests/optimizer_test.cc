@@ -327,6 +327,33 @@ TEST_F(OptimizerTest, StateExportedAndLoadedElsewhereStepsOnWithEachGroupsHyperp
   ExpectParams(*second, "loaded state, group 1 with its own hyperparameters");
 }
 
+TEST_F(OptimizerTest, CreatingAnExistingNameOrOpeningAMissingOneIsRefused) {
+  OffloadedAdamOptions open = Options("model/typo");
+  open.open = OffloadedAdamOptions::Open::kOpen;
+  auto missing = OffloadedAdam::Create(kGroups, open);
+  ASSERT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
+  EXPECT_NE(missing.status().message().find("nothing to resume"), std::string::npos);
+  {
+    OffloadedAdamOptions create = Options();
+    create.open = OffloadedAdamOptions::Open::kCreate;
+    auto opt = Create(create);
+    ASSERT_NE(opt, nullptr);
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+  }
+  OffloadedAdamOptions create = Options();
+  create.open = OffloadedAdamOptions::Open::kCreate;
+  auto exists = OffloadedAdam::Create(kGroups, create);
+  ASSERT_TRUE(absl::IsAlreadyExists(exists.status())) << exists.status();
+  OffloadedAdamOptions resume = Options();
+  resume.open = OffloadedAdamOptions::Open::kOpen;
+  auto opt = Create(resume);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->resumed());
+  ExpectParams(*opt, "opened, untouched by the refused create");
+  resume.reset = true;
+  EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(kGroups, resume).status()));
+}
+
 TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
   OffloadedAdamOptions small = Options();
   small.host_budget_bytes = 1 << 20;

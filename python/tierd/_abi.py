@@ -45,7 +45,11 @@ class AdamOptions(ctypes.Structure):
                 ("home_tier", ctypes.c_int32), ("persistent", ctypes.c_int32),
                 ("reset", ctypes.c_int32), ("threads", ctypes.c_int32),
                 ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
-                ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper)]
+                ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper),
+                ("open_mode", ctypes.c_int32)]
+
+
+ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
 
 
 class AdamStepStats(ctypes.Structure):
@@ -93,6 +97,7 @@ def load_library():
     lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
     lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
     lib.tierd_chunk_count.argtypes = [p, u64p]
+    lib.tierd_path_bytes.argtypes = [p, ctypes.c_char_p, u64p]
     lib.tierd_device_info.argtypes = [p, ctypes.c_char_p, ctypes.c_size_t,
                                       ctypes.POINTER(ctypes.c_int), u64p]
     lib.tierd_cuda_device.argtypes = [p, ctypes.POINTER(ctypes.c_int)]

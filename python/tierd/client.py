@@ -269,6 +269,13 @@ class Client:
         return TierUsage(Tier(tier), bool(u.configured), u.capacity_bytes, u.used_bytes,
                          u.free_bytes, u.largest_free_bytes)
 
+    def path_bytes(self, path: str) -> int:
+        """Bytes the daemon has moved over `path` since it started, all sessions together:
+        "host_to_nvme", "nvme_to_host", "host_to_device" or "device_to_host"."""
+        out = ctypes.c_uint64()
+        _check(_library().tierd_path_bytes(self._handle, path.encode(), ctypes.byref(out)))
+        return out.value
+
     def device(self) -> dict:
         """The daemon's device tier: {"uuid", "emulated", "memory_bytes"}."""
         uuid = ctypes.create_string_buffer(64)

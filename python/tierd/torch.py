@@ -73,6 +73,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     name: persistent state under this name (resumed when it exists: the model's weights are then
         set from the optimizer's master weights); None: scratch state, freed on close().
+    resume: with a name, True opens existing state only (TierdError NOT_FOUND when there is
+        none: a mistyped resume never starts afresh), False creates only (ALREADY_EXISTS when
+        state of that name exists), None does either.
+    reset: with a name, discards state of that name and starts afresh.
     home: "nvme" or "host" for the state's home tier; None: NVMe when the state is larger than
         host_budget_bytes and the daemon has NVMe, else host.
     host_budget_bytes: host-tier bytes the state streams through.
@@ -91,7 +95,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
-                 name: Optional[str] = None, home: Optional[str] = None,
+                 name: Optional[str] = None, resume: Optional[bool] = None,
+                 reset: bool = False, home: Optional[str] = None,
                  host_budget_bytes: int = 1 << 30, max_grad_norm: Optional[float] = None,
                  skip_nonfinite: bool = False, overlap_backward: bool = False,
                  accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
@@ -142,7 +147,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     if c.tier_usage(Tier.NVME).configured:
                         home = "nvme"
         self.home = home
-        self._open(name, socket_dir, home, host_budget_bytes, threads)
+        if name is None and (resume or reset):
+            raise ValueError("resume and reset need a name")
+        self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
         if overlap_backward:
             self._install_hooks()
 
@@ -170,7 +177,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return [_Bucket(i, gi, params, pin=params[0].is_cuda)
                 for i, (gi, params) in enumerate(buckets)]
 
-    def _open(self, name, socket_dir, home, host_budget_bytes, threads):
+    def _open(self, name, socket_dir, home, host_budget_bytes, threads, resume, reset):
         lib = _library()
         options = _abi.AdamOptions()
         lib.tierd_adam_options_init(ctypes.byref(options))
@@ -179,6 +186,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.persistent = name is not None
         options.name = (name or f"scratch-{id(self):x}").encode()
         options.persistent = 1 if self.persistent else 0
+        options.reset = 1 if reset else 0
+        options.open_mode = {None: _abi.ADAM_CREATE_OR_OPEN, True: _abi.ADAM_OPEN,
+                             False: _abi.ADAM_CREATE}[resume]
         options.home_tier = _abi.TIER_NVME if home == "nvme" else _abi.TIER_HOST
         options.check_finite = 0  # the whole step is checked here, before any group is stepped
         options.threads = threads

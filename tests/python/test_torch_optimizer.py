@@ -228,16 +228,28 @@ def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
         proc = start_daemon(root)
         try:
             m = model()
-            opt = offloaded(m, root, home="nvme", name="pytest/run-42")
+            opt = offloaded(m, root, home="nvme", name="pytest/run-42", resume=False)
             assert not opt.resumed
             losses = train(m, opt, data[:6])
+            with tierd.connect(root) as c:  # the state went down to NVMe and came back up
+                assert c.path_bytes("host_to_nvme") >= 6 * opt.state_bytes
+                assert c.path_bytes("nvme_to_host") >= 5 * (opt.state_bytes - BUDGET)
+                with pytest.raises(tierd.TierdError) as unknown:
+                    c.path_bytes("nvme_to_moon")
+                assert unknown.value.code_name == "NOT_FOUND"
             opt.close()
         finally:
             stop_daemon(proc, root)
         proc = start_daemon(root)
         try:
             m = model(seed=99)  # a fresh process: other initial weights
-            opt = offloaded(m, root, home="nvme", name="pytest/run-42")
+            with pytest.raises(tierd.TierdError) as typo:
+                offloaded(m, root, home="nvme", name="pytest/run-24", resume=True)
+            assert typo.value.code_name == "NOT_FOUND"
+            with pytest.raises(tierd.TierdError) as exists:
+                offloaded(m, root, home="nvme", name="pytest/run-42", resume=False)
+            assert exists.value.code_name == "ALREADY_EXISTS"
+            opt = offloaded(m, root, home="nvme", name="pytest/run-42", resume=True)
             try:
                 assert opt.resumed and opt.steps_taken == 6
                 losses += train(m, opt, data[6:])

@@ -16,8 +16,8 @@ extern "C" {
 
 #define TIERD_C_ABI_VERSION 3
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
- * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps) and per-group
- *    hyperparameters (tierd_adam_set_group_hyper) */
+ * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
+ *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -175,6 +175,10 @@ tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight);
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);
 /* Number of chunks this session can see. */
 tierd_status tierd_chunk_count(tierd_client* client, uint64_t* out);
+/* Bytes the daemon has moved over a path since it started, all sessions together: path is
+ * "host_to_nvme", "nvme_to_host", "host_to_device" or "device_to_host".
+ * NOT_FOUND for a path the daemon does not have. */
+tierd_status tierd_path_bytes(tierd_client* client, const char* path, uint64_t* bytes);
 
 /* ---- Optimizer (tierd/optimizer.hpp has the full description) ---- */
 
@@ -212,7 +216,11 @@ typedef struct tierd_adam_options {
   uint64_t host_budget_bytes;
   uint64_t shard_params; /* parameters per state chunk, 0: chosen from the budget */
   tierd_adam_hyper hyper;
+  int32_t open_mode; /* persistent state: TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN */
 } tierd_adam_options;
+#define TIERD_ADAM_CREATE_OR_OPEN 0
+#define TIERD_ADAM_CREATE 1 /* ALREADY_EXISTS when state of this name exists */
+#define TIERD_ADAM_OPEN 2   /* NOT_FOUND when none does (resuming) */
 
 typedef struct tierd_adam_step_stats {
   int64_t step; /* the step just taken, counting from 1 across resumptions */

@@ -67,6 +67,10 @@ struct OffloadedAdamOptions {
   bool persistent = true;
   // Discard persistent state found under `name` and start afresh (SetParams needed again).
   bool reset = false;
+  // Persistent state: kCreate fails (ALREADY_EXISTS) when state of this name exists, kOpen
+  // (resume) fails (NOT_FOUND) when none does; kCreateOrOpen resumes what it finds.
+  enum class Open : int { kCreateOrOpen = 0, kCreate = 1, kOpen = 2 };
+  Open open = Open::kCreateOrOpen;
   // Host-tier bytes the state may occupy at once (its read-ahead and write-back included).
   uint64_t host_budget_bytes = 1ull << 30;
   // Parameters per state chunk (12 bytes each). 0: chosen so that the budget holds 24 chunks, at
