@@ -9,7 +9,7 @@ packages=(
   libabsl-dev libspdlog-dev libfmt-dev liburing-dev libtomlplusplus-dev
   libxxhash-dev libsystemd-dev libcivetweb-dev prometheus systemd
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-pytest python3-torch python3-numpy python3-yaml
+  python3 python3-pytest python3-torch python3-numpy python3-yaml python3-tqdm
   fio patchelf
 )
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make demo`: starts tierd with its built-in defaults (sockets under ./var/run), runs the demo
-# client against it, stops the daemon with SIGTERM and prints a summary.
+# `make demo`: starts tierd with its built-in defaults (sockets under ./var/run), trains a small
+# GPT with its optimizer state in tierd (examples/train_gpt.py), then resumes that training from
+# the state tierd kept, stops the daemon with SIGTERM and prints a summary. The C++ example client
+# (build/examples/tierd-demo var/run) is not part of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -35,8 +37,16 @@ for _ in $(seq 600); do  # pinning a large pool takes a while on a slow machine
 done
 
 echo "== tierd running (pid $daemon), sockets in $socket_dir, log in $log"
+python=python3
+[[ -x /usr/bin/python3 ]] && python=/usr/bin/python3  # Debian's, with python3-torch
+export TIERD_CLIENT_LIB="$build/client/libtierd_client.so.0" PYTHONPATH=python
 status=0
-"$build/examples/tierd-demo" "$socket_dir" || status=$?
+"$python" examples/train_gpt.py --socket-dir "$socket_dir" --fresh --steps "${DEMO_STEPS:-40}" \
+  || status=$?
+if [[ $status -eq 0 ]]; then
+  echo "== resuming the same training from the state tierd kept"
+  "$python" examples/train_gpt.py --socket-dir "$socket_dir" --resume --steps 5 || status=$?
+fi
 
 kill -TERM "$daemon"
 daemon_status=0

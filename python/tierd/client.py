@@ -33,6 +33,8 @@ class TierdError(Exception):
     def __init__(self, code: int, message: str):
         self.code = code
         self.code_name = _CODE_NAMES.get(code, str(code))
+        if message.startswith(self.code_name + ": "):  # the library's words may carry the code
+            message = message[len(self.code_name) + 2:]
         self.message = message
         super().__init__(f"{self.code_name}: {message}")
 

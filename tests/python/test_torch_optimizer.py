@@ -258,3 +258,25 @@ def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
         finally:
             stop_daemon(proc, root)
     assert_same_training(ref_losses, losses, ref, m)
+
+
+def test_the_example_trains_a_gpt_and_resumes_it(daemon):  # noqa: F811
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                           "train_gpt.py")
+    small = ["--socket-dir", daemon, "--name", "pytest/gpt", "--layers", "1", "--d-model", "64",
+             "--ctx", "32", "--steps", "10", "--warmup", "2"]
+
+    def run(*extra):
+        return subprocess.run([sys.executable, example, *small, *extra], capture_output=True,
+                              text=True, timeout=240)
+
+    first = run("--fresh")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "new state 'pytest/gpt'" in first.stdout and "at home on nvme" in first.stdout
+    assert "saved at step 10" in first.stdout
+    again = run()  # neither --resume nor --fresh: the existing state is not touched
+    assert again.returncode == 2 and "--resume continues it" in again.stderr, again.stderr
+    resumed = run("--resume", "--steps", "2")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed 'pytest/gpt' at step 10" in resumed.stdout
+    assert "steps 11-12" in resumed.stdout

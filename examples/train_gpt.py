@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Trains a small GPT on the licence texts every Debian system ships, with its optimizer state in tierd.
+
+The model is a plain-torch decoder (byte tokens, pre-LayerNorm blocks, tied embeddings). Its AdamW
+state (fp32 master weights, exp_avg, exp_avg_sq: 12 bytes per parameter) lives in the node's
+tierd under a name, at home on NVMe and streamed through a host budget a quarter of its size; the
+step of each bucket of parameters overlaps backward. Each step prints the loss, tokens/s, the
+step's time, the optimizer's tail after backward and the bytes moved to and from NVMe. The state
+is persistent: `--resume` continues from the last finished step, weights included.
+
+    PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --fresh
+    PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --resume --steps 10
+"""
+import argparse
+import glob
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import tierd
+except ImportError:  # run from a source checkout without PYTHONPATH
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import tierd
+import tierd.torch  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # python3-tqdm is optional: plain lines instead of a bar
+    tqdm = None
+
+TEXTS = "/usr/share/common-licenses/*"  # base-files: on every Debian system
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, ctx: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.register_buffer("mask", torch.full((ctx, ctx), float("-inf")).triu(1),
+                             persistent=False)
+
+    def attend(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads) + self.mask[:t, :t]
+        y = F.softmax(att, dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x):
+        x = x + self.attend(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, ctx: int, vocab: int = 256):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(Block(d, heads, ctx) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln(x) @ self.tok.weight.t()  # tied: the embedding is the output layer
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def load_text() -> torch.Tensor:
+    data = b"".join(open(p, "rb").read() for p in sorted(glob.glob(TEXTS)) if os.path.isfile(p))
+    if len(data) < 10_000:
+        sys.exit(f"train_gpt: too little text under {TEXTS} ({len(data)} bytes)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batch(data, step, args, device):
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resumable: by step
+    starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g)
+    x = torch.stack([data[s:s + args.ctx] for s in starts])
+    y = torch.stack([data[s + 1:s + 1 + args.ctx] for s in starts])
+    return x.to(device), y.to(device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket-dir", default=os.environ.get("TIERD_SOCKET_DIR"))
+    ap.add_argument("--name", default="train-gpt", help="the optimizer state's name in tierd")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the state of --name")
+    mode.add_argument("--fresh", action="store_true", help="discard the state of --name first")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--max-grad-norm", type=float, default=0.0,
+                    help="clip to this global norm (0: off; on, the step waits for backward)")
+    ap.add_argument("--host-budget", type=int, default=0,
+                    help="host bytes the state streams through (0: a quarter of the state)")
+    ap.add_argument("--home", choices=["nvme", "host"], default="nvme")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    data = load_text()
+    model = GPT(args.layers, args.d_model, args.heads, args.ctx).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * params
+    budget = args.host_budget or max(state_bytes // 4, 4 << 20)
+    try:
+        opt = tierd.torch.OffloadedAdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+            name=args.name, resume=True if args.resume else (None if args.fresh else False),
+            reset=args.fresh, home=args.home, host_budget_bytes=budget,
+            max_grad_norm=args.max_grad_norm or None, overlap_backward=True,
+            bucket_params=max(params // 16, 1 << 16), socket_dir=args.socket_dir)
+    except tierd.TierdError as e:
+        hint = {"ALREADY_EXISTS": " (--resume continues it, --fresh discards it)",
+                "NOT_FOUND": " (run without --resume to start it)"}.get(e.code_name, "")
+        print(f"train_gpt: {e}{hint}", file=sys.stderr)
+        return 2
+    first = opt.steps_taken
+    print(f"train_gpt: {params / 1e6:.2f} M parameters, {len(data) / 1e3:.0f} kB of text; "
+          f"optimizer state {state_bytes / 2**20:.1f} MiB at home on {opt.home}, host budget "
+          f"{budget / 2**20:.1f} MiB; " +
+          (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
+
+    client = tierd.connect(args.socket_dir, "train_gpt")
+    moved = lambda: (client.path_bytes("nvme_to_host"), client.path_bytes("host_to_nvme"))  # noqa: E731
+    steps = range(first + 1, first + args.steps + 1)
+    bar = tqdm(steps, unit="step", dynamic_ncols=True) if tqdm and sys.stderr.isatty() else steps
+    say = tqdm.write if tqdm and bar is not steps else print
+    losses, times, tails = [], [], []
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = args.lr * min(1.0, step / args.warmup)
+        x, y = batch(data, step, args, device)
+        before = moved()
+        t0 = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        after = moved()
+        losses.append(loss.item())
+        times.append(dt)
+        tails.append(opt.last_stats["tail_s"])
+        say(f"step {step:4d}  loss {losses[-1]:.4f}  {x.numel() / dt:8.0f} tok/s  "
+            f"step {dt * 1e3:6.0f} ms  optimizer tail {tails[-1] * 1e3:5.0f} ms "
+            f"({int(opt.last_stats['buckets_during_backward'])}/"
+            f"{int(opt.last_stats['buckets'])} buckets during backward)  "
+            f"NVMe read {(after[0] - before[0]) / 2**20:5.1f} MiB "
+            f"write {(after[1] - before[1]) / 2**20:5.1f} MiB")
+    client.close()
+    if args.save:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.save)
+    opt.close()
+
+    if not losses:
+        return 0
+    n = max(1, len(losses) // 4)
+    head, tail = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+    print(f"train_gpt: steps {first + 1}-{first + len(losses)}: loss {head:.3f} -> {tail:.3f} "
+          f"(mean of first and last {n}), median step {steady * 1e3:.0f} ms, optimizer tail "
+          f"{sorted(tails)[len(tails) // 2] * 1e3:.0f} ms; state '{args.name}' saved at step "
+          f"{first + len(losses)} (--resume continues)")
+    if len(losses) >= 8 and not tail < head:
+        print("train_gpt: the loss did not fall", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
