@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The training step of examples/train_gpt.py's model: tierd offload beside torch in memory.
+
+One run, side by side on the same model, data and seed:
+  tierd:  tierd.torch.OffloadedAdamW, state at home on NVMe, a host budget a quarter of the state,
+          each bucket stepped during backward;
+  torch:  torch.optim.AdamW (foreach), everything in the process's memory.
+Blocks of steps alternate between the two so that drift of the machine hits both alike. Prints
+the median step of each, their ratio, and the optimizer's tail after backward as a share of the
+tierd step. Starts its own daemon (the build's, NVMe region in a temporary directory).
+
+    bench/train_step.py [--build build] [--steps 24] [--layers 4 --d-model 192 --ctx 64 --batch 8]
+"""
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--steps", type=int, default=24, help="steps of each, after one warm-up")
+    ap.add_argument("--block", type=int, default=4, help="steps of one before switching")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    os.environ.setdefault("TIERD_CLIENT_LIB",
+                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    import tierd.torch
+    import train_gpt
+
+    root = tempfile.mkdtemp(prefix="tierd-train-bench-")
+    log = open(os.path.join(root, "daemon.log"), "w")
+    daemon = subprocess.Popen(
+        [os.path.join(args.build, "daemon", "tierd"), f"--socket_dir={root}",
+         f"--state_dir={root}/state", "--host_capacity=512MiB", "--lock_memory=false",
+         f"--nvme_regions={root}/nvme.region:1GiB", "--device=none"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(root, "tierd.sock")):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                sys.exit("train_step: tierd did not start: " + open(log.name).read())
+            time.sleep(0.05)
+        device = torch.device(args.device)
+        data = train_gpt.load_text()
+
+        def make():
+            torch.manual_seed(1)
+            return train_gpt.GPT(args.layers, args.d_model, args.heads, args.ctx).to(device)
+
+        m_tierd, m_torch = make(), make()
+        params = sum(p.numel() for p in m_tierd.parameters())
+        budget = max(12 * params // 4, 1 << 20)  # at least the three shards a window needs
+        opt_tierd = tierd.torch.OffloadedAdamW(
+            m_tierd.parameters(), lr=1e-3, weight_decay=0.1, home="nvme",
+            host_budget_bytes=budget, overlap_backward=True,
+            bucket_params=max(params // 16, 1 << 16), socket_dir=root)
+        opt_torch = torch.optim.AdamW(m_torch.parameters(), lr=1e-3, weight_decay=0.1)
+        runs = {"tierd": (m_tierd, opt_tierd, [], []), "torch": (m_torch, opt_torch, [], [])}
+
+        class Shape:
+            seed, ctx, batch = 1, args.ctx, args.batch
+
+        while min(len(r[2]) for r in runs.values()) < args.steps + 1:
+            for name, (model, opt, times, tails) in runs.items():
+                for _ in range(args.block):
+                    x, y = train_gpt.batch(data, len(times), Shape, device)  # same data
+                    t0 = time.perf_counter()
+                    model(x, y).backward()
+                    t1 = time.perf_counter()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t2 = time.perf_counter()
+                    times.append(t2 - t0)
+                    tails.append(t2 - t1)
+        opt_tierd.close()
+        med = {n: statistics.median(r[2][1:]) for n, r in runs.items()}
+        tail = {n: statistics.median(r[3][1:]) for n, r in runs.items()}
+        print(f"train_step: {params / 1e6:.2f} M parameters, {args.batch}x{args.ctx} tokens, "
+              f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} torch "
+              f"thread(s); tierd state {12 * params / 2**20:.1f} MiB on NVMe through a "
+              f"{budget / 2**20:.1f} MiB host budget; {args.steps} steps each after a warm-up")
+        for n in runs:
+            print(f"  {n:6s} median step {med[n] * 1e3:7.1f} ms   optimizer after backward "
+                  f"{tail[n] * 1e3:6.1f} ms ({100 * tail[n] / med[n]:4.1f} % of the step)")
+        print(f"  tierd / torch: {med['tierd'] / med['torch']:.3f}x")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
