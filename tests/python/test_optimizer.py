@@ -10,31 +10,14 @@ import pytest
 import torch
 
 from test_c_abi import OK, TIER_NVME, daemon, lib, load_library  # noqa: F401 (fixtures)
+from tierd import _abi  # noqa: E402 (test_c_abi put python/ on the path)
 
 FLOAT32, BFLOAT16 = 0, 1
 DATA_LOSS, FAILED_PRECONDITION = 15, 9
 
 
-class AdamHyper(ctypes.Structure):
-    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double),
-                ("beta2", ctypes.c_double), ("eps", ctypes.c_double),
-                ("weight_decay", ctypes.c_double),
-                ("adamw", ctypes.c_int32)]
-
-
-class AdamOptions(ctypes.Structure):
-    _fields_ = [("socket_dir", ctypes.c_char_p), ("name", ctypes.c_char_p),
-                ("home_tier", ctypes.c_int32), ("persistent", ctypes.c_int32),
-                ("reset", ctypes.c_int32), ("threads", ctypes.c_int32),
-                ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
-                ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper)]
-
-
-class StepStats(ctypes.Structure):
-    _fields_ = [("step", ctypes.c_int64), ("wall_ns", ctypes.c_uint64),
-                ("compute_ns", ctypes.c_uint64), ("state_wait_ns", ctypes.c_uint64),
-                ("write_wait_ns", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
-                ("skipped_groups", ctypes.c_uint32)]
+# The structures as the package declares them (a copy here once fell behind the header).
+AdamHyper, AdamOptions, StepStats = _abi.AdamHyper, _abi.AdamOptions, _abi.AdamStepStats
 
 
 def bind(lib):
