@@ -735,11 +735,14 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
     if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
+    // Each of p, m and v: the shard's values (m and v zero unless given), the page's tail zero.
     char* base = static_cast<char*>(*data);
-    std::memset(base, 0, s.bytes());  // m and v start at zero unless given
-    std::memcpy(base, values.data() + s.first, s.n * 4);
-    if (!m.empty()) std::memcpy(base + s.region, m.data() + s.first, s.n * 4);
-    if (!v.empty()) std::memcpy(base + 2 * s.region, v.data() + s.first, s.n * 4);
+    for (std::span<const float> part : {values, m, v}) {
+      const uint64_t copied = part.empty() ? 0 : s.n * 4;
+      if (copied != 0) std::memcpy(base, part.data() + s.first, copied);
+      std::memset(base + copied, 0, s.region - copied);
+      base += s.region;
+    }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
   }
