@@ -116,6 +116,9 @@ def load_library():
 
 def _bind_optimizer(lib):
     p, u64, fp = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p
+    lib.tierd_cpu_adam_step.argtypes = [fp, fp, fp, p, ctypes.c_int, p, ctypes.c_int, u64,
+                                        ctypes.POINTER(AdamHyper), ctypes.c_float,
+                                        ctypes.c_int64, ctypes.c_int]
     lib.tierd_adam_options_init.argtypes = [ctypes.POINTER(AdamOptions)]
     lib.tierd_adam_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
                                       ctypes.POINTER(u64), ctypes.POINTER(AdamOptions),

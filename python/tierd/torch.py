@@ -25,7 +25,7 @@ they were when produced: change them (clip, unscale) only through the optimizer'
 import ctypes
 import math
 import time
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -36,6 +36,12 @@ __all__ = ["OffloadedAdamW"]
 
 _DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16, torch.float16: _abi.FLOAT16}
 _DEFAULT_BUCKET_PARAMS = 4 << 20
+
+
+def _hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
+    """A parameter group's (or the defaults') hyperparameters for the C ABI: AdamW's decay."""
+    return _abi.AdamHyper(group["lr"], group["betas"][0], group["betas"][1], group["eps"],
+                          group["weight_decay"], 1)
 
 
 class _Bucket:
@@ -193,9 +199,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         options.check_finite = 0  # the whole step is checked here, before any group is stepped
         options.threads = threads
         options.host_budget_bytes = host_budget_bytes
-        d = self.defaults
-        options.hyper = _abi.AdamHyper(d["lr"], d["betas"][0], d["betas"][1], d["eps"],
-                                       d["weight_decay"], 1)
+        options.hyper = _hyper(self.defaults)
         n = len(self._buckets)
         names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._buckets])
         sizes = (ctypes.c_uint64 * n)(*[b.numel for b in self._buckets])
@@ -273,9 +277,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._pending_copy.synchronize()
             self._pending_copy = None
         for b in self._buckets:
-            g = self.param_groups[b.group]
-            hyper = _abi.AdamHyper(g["lr"], g["betas"][0], g["betas"][1], g["eps"],
-                                   g["weight_decay"], 1)
+            hyper = _hyper(self.param_groups[b.group])
             _check(lib.tierd_adam_set_group_hyper(self._handle, b.index, ctypes.byref(hyper)))
         _check(lib.tierd_adam_begin_step(self._handle, grad_scale))
         self._begun = True

@@ -20,25 +20,36 @@ def ids_array(values):
     return (ctypes.c_uint64 * len(values))(*values)
 
 
+def start_daemon(root, *flags):
+    """A daemon with its sockets, state and a 96 MiB NVMe region file in `root` (its log there,
+    appended to across restarts), once its socket is there."""
+    log = open(os.path.join(root, "daemon.log"), "a")
+    proc = subprocess.Popen(
+        [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
+         "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
+         f"--nvme_regions={root}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB", *flags],
+        stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(root, "tierd.sock")):
+        assert proc.poll() is None, open(log.name).read()
+        assert time.monotonic() < deadline, "tierd did not start"
+        time.sleep(0.02)
+    return proc
+
+
+def stop_daemon(proc, root):
+    """SIGTERM, and a clean exit."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, open(os.path.join(root, "daemon.log")).read()
+
+
 @pytest.fixture(scope="module")
 def daemon():
     with tempfile.TemporaryDirectory(prefix="tierd-py-") as socket_dir:
-        log = open(os.path.join(socket_dir, "daemon.log"), "w")
-        proc = subprocess.Popen(
-            [os.environ["TIERD_BIN"], f"--socket_dir={socket_dir}", "--host_capacity=32MiB",
-             "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={socket_dir}/state",
-             f"--nvme_regions={socket_dir}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB",
-             "--device=emulated", "--device_capacity=32MiB", "--device_segment_size=16MiB",
-             "--metrics_listen=127.0.0.1:0"],
-            stdout=log, stderr=log)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(os.path.join(socket_dir, "tierd.sock")):
-            assert proc.poll() is None, open(log.name).read()
-            assert time.monotonic() < deadline, "tierd did not start"
-            time.sleep(0.02)
+        proc = start_daemon(socket_dir, "--device=emulated", "--device_capacity=32MiB",
+                            "--device_segment_size=16MiB", "--metrics_listen=127.0.0.1:0")
         yield socket_dir
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, open(log.name).read()
+        stop_daemon(proc, socket_dir)
 
 
 @pytest.fixture

@@ -16,29 +16,9 @@ FLOAT32, BFLOAT16 = 0, 1
 DATA_LOSS, FAILED_PRECONDITION = 15, 9
 
 
-# The structures as the package declares them (a copy here once fell behind the header).
+# The structures as the package declares them, bound by its load_library (the `lib` fixture): a
+# copy here once fell behind the header.
 AdamHyper, AdamOptions, StepStats = _abi.AdamHyper, _abi.AdamOptions, _abi.AdamStepStats
-
-
-def bind(lib):
-    p, u64 = ctypes.c_void_p, ctypes.c_uint64
-    lib.tierd_cpu_adam_step.argtypes = [p, p, p, p, ctypes.c_int, p, ctypes.c_int, u64,
-                                        ctypes.POINTER(AdamHyper), ctypes.c_float, ctypes.c_int64,
-                                        ctypes.c_int]
-    lib.tierd_adam_options_init.argtypes = [ctypes.POINTER(AdamOptions)]
-    lib.tierd_adam_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
-                                      ctypes.POINTER(u64), ctypes.POINTER(AdamOptions),
-                                      ctypes.POINTER(p)]
-    lib.tierd_adam_destroy.argtypes = [p]
-    lib.tierd_adam_resumed.argtypes = [p]
-    lib.tierd_adam_steps_taken.argtypes = [p]
-    lib.tierd_adam_steps_taken.restype = ctypes.c_int64
-    lib.tierd_adam_set_params.argtypes = [p, ctypes.c_size_t, p, u64]
-    lib.tierd_adam_get_params.argtypes = [p, ctypes.c_size_t, p, u64]
-    lib.tierd_adam_begin_step.argtypes = [p, ctypes.c_float]
-    lib.tierd_adam_step_group.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int]
-    lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(StepStats)]
-    return lib
 
 
 def ptr(t):
@@ -54,7 +34,6 @@ def assert_close(got, want, what):
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_cpu_adam_step_matches_torch(lib, adamw, grad_dtype):
-    bind(lib)
     torch.manual_seed(3)
     n = 100_003  # vector tails
     lr, betas, eps, wd, scale = 1e-2, (0.9, 0.999), 1e-8, 0.05, 128.0
@@ -81,7 +60,6 @@ def test_cpu_adam_step_matches_torch(lib, adamw, grad_dtype):
 
 
 def test_cpu_adam_step_rejects_bad_arguments(lib):
-    bind(lib)
     x = torch.zeros(8)
     hyper = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1)
     assert lib.tierd_cpu_adam_step(ptr(x), ptr(x), ptr(x), ptr(x), 7, None, 0, 8,
@@ -93,7 +71,6 @@ def test_cpu_adam_step_rejects_bad_arguments(lib):
 
 
 def test_offloaded_adam_matches_torch_adamw(lib, daemon):
-    bind(lib)
     torch.manual_seed(5)
     sizes = [300_001, 200_000]  # 6 MB of state against a 2 MiB host budget
     names = (ctypes.c_char_p * 2)(b"w1", b"w2")

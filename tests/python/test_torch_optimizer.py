@@ -3,16 +3,14 @@ real daemon: state in the host tier and streamed from NVMe, gradients taken at s
 backward, clipping that triggers, accumulation, loss scaling, a skipped non-finite step, state_dict
 both ways, and resuming by name after the daemon restarts."""
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 import torch
 
-from test_c_abi import daemon  # noqa: F401 (fixture)
+from test_c_abi import daemon, start_daemon, stop_daemon  # noqa: F401 (daemon: a fixture)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import tierd  # noqa: E402
@@ -200,32 +198,12 @@ def test_a_live_name_is_not_shared_by_accident(daemon):  # noqa: F811
         opt.close()
 
 
-def start_daemon(root):
-    log = open(os.path.join(root, "daemon.log"), "a")
-    proc = subprocess.Popen(
-        [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
-         "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
-         f"--nvme_regions={root}/nvme.region:64MiB", "--nvme_stripe_unit=1MiB", "--device=none",
-         "--probe_bytes=0"], stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(root, "tierd.sock")):
-        assert proc.poll() is None, open(log.name).read()
-        assert time.monotonic() < deadline, "tierd did not start"
-        time.sleep(0.02)
-    return proc
-
-
-def stop_daemon(proc, root):
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, open(os.path.join(root, "daemon.log")).read()
-
-
 def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
     data = batches(12, seed=5)
     ref = model()
     ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, reference=True)
     with tempfile.TemporaryDirectory(prefix="tierd-resume-") as root:
-        proc = start_daemon(root)
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
         try:
             m = model()
             opt = offloaded(m, root, home="nvme", name="pytest/run-42", resume=False)
@@ -240,7 +218,7 @@ def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
             opt.close()
         finally:
             stop_daemon(proc, root)
-        proc = start_daemon(root)
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
         try:
             m = model(seed=99)  # a fresh process: other initial weights
             with pytest.raises(tierd.TierdError) as typo:
