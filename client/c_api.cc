@@ -2,20 +2,47 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "dlpack/dlpack.h"
 #include "kernels/cpu_adam.h"
 #include "tierd/client.h"
 #include "tierd/client.hpp"
 #include "tierd/optimizer.hpp"
 
+namespace {
+
+// The chunks this handle holds acquired and the DLPack views of them that are alive. Shared with
+// the views, whose deleters may run on any thread, after tierd_close included.
+struct ViewTable {
+  struct Held {
+    uint32_t pins = 0;   // acquisitions through this handle not yet released
+    uint32_t views = 0;  // DLPack tensors viewing the chunk
+    // Where the latest acquisition in each tier put it (index: tierd tier).
+    struct Place {
+      char* data = nullptr;
+      uint64_t size = 0;
+      bool host_accessible = true;
+    } place[4];
+  };
+  absl::Mutex mu;
+  absl::flat_hash_map<tierd::ChunkId, Held> held ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace
+
+// The session is shared with the DLPack views of its chunks: a view keeps it (and the mappings
+// its pointer is in) open after tierd_close until the view's deleter runs.
 struct tierd_client {
-  std::unique_ptr<tierd::Client> client;
+  std::shared_ptr<tierd::Client> client;
+  std::shared_ptr<ViewTable> views = std::make_shared<ViewTable>();
 };
 
 struct tierd_adam {
@@ -148,7 +175,21 @@ tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64
 
 tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* ids) {
   if (client == nullptr || (n > 0 && ids == nullptr)) return Invalid("tierd_free: NULL argument");
-  return Guard([&] { return Done(client->client->Free(Ids(n, ids))); });
+  return Guard([&] {
+    absl::MutexLock lock(&client->views->mu);
+    auto& held = client->views->held;
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it != held.end() && it->second.views > 0) {
+        return Fail(absl::FailedPreconditionError(
+            absl::StrCat("tierd_free: chunk ", ids[i], " has ", it->second.views,
+                         " live DLPack view(s); drop the tensors viewing it first")));
+      }
+    }
+    if (absl::Status s = client->client->Free(Ids(n, ids)); !s.ok()) return Fail(s);
+    for (size_t i = 0; i < n; ++i) held.erase(ids[i]);  // freeing drops the session's pins
+    return TIERD_OK;
+  });
 }
 
 tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
@@ -162,9 +203,17 @@ tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id*
     absl::StatusOr<tierd::Acquired> acquired = client->client->AcquireIds(
         Ids(n, ids), static_cast<tierd::Tier>(tier), static_cast<tierd::AccessMode>(access));
     if (!acquired.ok()) return Fail(acquired.status());
+    absl::MutexLock lock(&client->views->mu);
     for (size_t i = 0; i < n; ++i) {
-      out_ptrs[i] = acquired->chunks[i].data;
-      if (out_sizes != nullptr) out_sizes[i] = acquired->chunks[i].size;
+      const tierd::AcquiredChunk& chunk = acquired->chunks[i];
+      out_ptrs[i] = chunk.data;
+      if (out_sizes != nullptr) out_sizes[i] = chunk.size;
+      ViewTable::Held& held = client->views->held[chunk.id];
+      held.pins += 1;
+      const int t = static_cast<int>(chunk.tier);
+      if (t >= 0 && t < 4) {
+        held.place[t] = {static_cast<char*>(chunk.data), chunk.size, chunk.host_accessible};
+      }
     }
     *out_ready = Token(acquired->ready);
     return TIERD_OK;
@@ -175,7 +224,153 @@ tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id*
   if (client == nullptr || (n > 0 && ids == nullptr)) {
     return Invalid("tierd_release: NULL argument");
   }
-  return Guard([&] { return Done(client->client->Release(Ids(n, ids))); });
+  return Guard([&] {
+    // Held across the call so that no view is taken of a chunk while it is being released.
+    absl::MutexLock lock(&client->views->mu);
+    auto& held = client->views->held;
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it != held.end() && it->second.views > 0 && it->second.pins <= 1) {
+        return Fail(absl::FailedPreconditionError(
+            absl::StrCat("tierd_release: chunk ", ids[i], " has ", it->second.views,
+                         " live DLPack view(s); drop the tensors viewing it first")));
+      }
+    }
+    if (absl::Status s = client->client->Release(Ids(n, ids)); !s.ok()) return Fail(s);
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it == held.end()) continue;
+      if (it->second.pins > 0) --it->second.pins;
+      if (it->second.pins == 0 && it->second.views == 0) held.erase(it);
+    }
+    return TIERD_OK;
+  });
+}
+
+namespace {
+
+// What a DLPack view owns: the tensor handed out, its shape and strides, and references that keep
+// the session and the view count alive until the consumer calls the deleter.
+struct ViewContext {
+  DLManagedTensor tensor{};
+  int64_t shape[TIERD_DLPACK_MAX_DIMS] = {};
+  int64_t strides[TIERD_DLPACK_MAX_DIMS] = {};
+  std::shared_ptr<tierd::Client> client;
+  std::shared_ptr<ViewTable> views;
+  tierd::ChunkId id = 0;
+};
+
+void DeleteView(DLManagedTensor* self) {
+  if (self == nullptr) return;
+  auto* context = static_cast<ViewContext*>(self->manager_ctx);
+  {
+    absl::MutexLock lock(&context->views->mu);
+    auto it = context->views->held.find(context->id);
+    if (it != context->views->held.end() && it->second.views > 0) {
+      --it->second.views;
+      if (it->second.pins == 0 && it->second.views == 0) context->views->held.erase(it);
+    }
+  }
+  // The last reference to a closed handle's session ends it here.
+  delete context;
+}
+
+bool ValidDLType(int code, int bits) {
+  switch (code) {
+    case kDLInt:
+    case kDLUInt:
+      return bits == 8 || bits == 16 || bits == 32 || bits == 64;
+    case kDLFloat:
+      return bits == 16 || bits == 32 || bits == 64;
+    case kDLBfloat:
+      return bits == 16;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+tierd_status tierd_chunk_dlpack(tierd_client* client, tierd_chunk_id id, int tier, uint64_t offset,
+                                int dl_code, int dl_bits, int ndim, const int64_t* shape,
+                                DLManagedTensor** out) {
+  if (out != nullptr) *out = nullptr;
+  if (client == nullptr || out == nullptr || (ndim > 0 && shape == nullptr)) {
+    return Invalid("tierd_chunk_dlpack: NULL client, shape or out");
+  }
+  if (tier != TIERD_TIER_HOST && tier != TIERD_TIER_DEVICE) {
+    return Invalid("tierd_chunk_dlpack: views are of the host or device tier");
+  }
+  if (ndim < 0 || ndim > TIERD_DLPACK_MAX_DIMS) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("tierd_chunk_dlpack: ndim ", ndim, " outside 0..", TIERD_DLPACK_MAX_DIMS)));
+  }
+  if (!ValidDLType(dl_code, dl_bits)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "tierd_chunk_dlpack: unsupported DLPack type (code ", dl_code, ", bits ", dl_bits, ")")));
+  }
+  return Guard([&]() -> tierd_status {
+    const uint64_t item = static_cast<uint64_t>(dl_bits) / 8;
+    uint64_t elements = 1;
+    for (int d = 0; d < ndim; ++d) {
+      if (shape[d] < 0) return Invalid("tierd_chunk_dlpack: negative dimension");
+      const auto extent = static_cast<uint64_t>(shape[d]);
+      if (extent != 0 && elements > UINT64_MAX / extent) {
+        return Invalid("tierd_chunk_dlpack: shape overflows");
+      }
+      elements *= extent;
+    }
+    if (elements > UINT64_MAX / item) return Invalid("tierd_chunk_dlpack: shape overflows");
+    const uint64_t bytes = elements * item;
+    if (offset % item != 0) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("tierd_chunk_dlpack: offset ", offset, " is not a multiple of ", item)));
+    }
+
+    auto context = std::make_unique<ViewContext>();
+    absl::MutexLock lock(&client->views->mu);
+    auto it = client->views->held.find(id);
+    const ViewTable::Held::Place* place =
+        it == client->views->held.end() || it->second.pins == 0 ? nullptr : &it->second.place[tier];
+    if (place == nullptr || place->data == nullptr) {
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("tierd_chunk_dlpack: chunk ", id, " is not acquired in the ",
+                       tier == TIERD_TIER_HOST ? "host" : "device", " tier by this session")));
+    }
+    if (offset > place->size || bytes > place->size - offset) {
+      return Fail(
+          absl::OutOfRangeError(absl::StrCat("tierd_chunk_dlpack: ", bytes, " bytes at offset ",
+                                             offset, " run past chunk ", id, "'s ", place->size)));
+    }
+    DLDevice device{kDLCPU, 0};
+    if (!place->host_accessible) {
+      absl::StatusOr<int> ordinal = client->client->CudaDevice();
+      if (!ordinal.ok()) return Fail(ordinal.status());
+      device = {kDLCUDA, *ordinal};
+    }
+    int64_t stride = 1;
+    for (int d = ndim - 1; d >= 0; --d) {
+      context->shape[d] = shape[d];
+      context->strides[d] = stride;
+      stride *= std::max<int64_t>(shape[d], 1);
+    }
+    DLTensor& t = context->tensor.dl_tensor;
+    t.data = place->data + offset;
+    t.device = device;
+    t.ndim = ndim;
+    t.dtype = {static_cast<uint8_t>(dl_code), static_cast<uint8_t>(dl_bits), 1};
+    t.shape = context->shape;
+    t.strides = context->strides;
+    t.byte_offset = 0;
+    context->client = client->client;
+    context->views = client->views;
+    context->id = id;
+    context->tensor.manager_ctx = context.get();
+    context->tensor.deleter = DeleteView;
+    it->second.views += 1;
+    *out = &context.release()->tensor;
+    return TIERD_OK;
+  });
 }
 
 tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,

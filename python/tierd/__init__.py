@@ -5,8 +5,8 @@ a source checkout's build/, or installed), so it needs no compiler and works wit
 and any torch. `python3 -m tierd status` is a quick check. `tierd.torch` (imported on its own, so
 that `import tierd` needs no torch) has OffloadedAdamW, an AdamW whose state lives in tierd.
 """
-from .client import (Access, Acquisition, ChunkSet, Client, Completion, SessionStats, Tier,
-                     TierdError, TierUsage, connect)
+from .client import (Access, Acquisition, ChunkSet, Client, Completion, DLPackView, SessionStats,
+                     Tier, TierdError, TierUsage, connect)
 
-__all__ = ["Access", "Acquisition", "ChunkSet", "Client", "Completion", "SessionStats", "Tier",
-           "TierdError", "TierUsage", "connect"]
+__all__ = ["Access", "Acquisition", "ChunkSet", "Client", "Completion", "DLPackView",
+           "SessionStats", "Tier", "TierdError", "TierUsage", "connect"]

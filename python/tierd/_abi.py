@@ -59,6 +59,37 @@ class AdamStepStats(ctypes.Structure):
                 ("skipped_groups", ctypes.c_uint32)]
 
 
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.CFUNCTYPE(None, ctypes.c_void_p))]
+
+
+# DLPack type codes (dlpack.h) and the dtypes the views take, by numpy/torch name.
+DL_INT, DL_UINT, DL_FLOAT, DL_BFLOAT = 0, 1, 2, 4
+DL_CPU, DL_CUDA = 1, 2
+DL_TYPES = {
+    "float32": (DL_FLOAT, 32), "float16": (DL_FLOAT, 16), "float64": (DL_FLOAT, 64),
+    "bfloat16": (DL_BFLOAT, 16), "int8": (DL_INT, 8), "int16": (DL_INT, 16),
+    "int32": (DL_INT, 32), "int64": (DL_INT, 64), "uint8": (DL_UINT, 8),
+    "uint16": (DL_UINT, 16), "uint32": (DL_UINT, 32), "uint64": (DL_UINT, 64),
+}
+DLPACK_MAX_DIMS = 16
+
+
 def library_path():
     """Where libtierd_client.so.0 is: $TIERD_CLIENT_LIB, beside this package, the source tree's
     build/ (when the package is used from a checkout), else the name for the dynamic loader's own
@@ -110,6 +141,9 @@ def load_library():
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
     lib.tierd_abi_version.restype = ctypes.c_int
+    lib.tierd_chunk_dlpack.argtypes = [p, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64,
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(p)]
     _bind_optimizer(lib)
     return lib
 

@@ -137,6 +137,52 @@ class ChunkSet:
         self.free()
 
 
+# PyCapsule by hand (ctypes.pythonapi holds the GIL): the DLPack protocol hands consumers a capsule
+# named "dltensor"; one that renames it has taken the tensor, and calls its deleter when done.
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+# The capsule keeps a pointer to its name: it must live as long as the module.
+_DLTENSOR = ctypes.create_string_buffer(b"dltensor")
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _delete_unconsumed(capsule):
+    # The capsule's address, not the object: it is being destroyed and must not be referenced.
+    if _capsule_is_valid(capsule, _DLTENSOR):
+        pointer = _capsule_pointer(capsule, _DLTENSOR)
+        _abi.DLManagedTensor.from_address(pointer).deleter(pointer)
+
+
+class DLPackView:
+    """A zero-copy view of part of an acquired chunk for any DLPack consumer:
+    `torch.utils.dlpack.from_dlpack(view)`, `numpy.from_dlpack(view)` (once). While the consumer's
+    tensor lives, the chunk cannot be released or freed (TierdError FAILED_PRECONDITION), and
+    closing the client leaves its session open until the tensor is gone."""
+
+    def __init__(self, managed: int):
+        tensor = _abi.DLManagedTensor.from_address(managed).dl_tensor
+        self._device = (int(tensor.device.device_type), int(tensor.device.device_id))
+        self._capsule = _capsule_new(managed, _DLTENSOR, ctypes.cast(_delete_unconsumed,
+                                                                     ctypes.c_void_p))
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, stream=None):
+        """The capsule; a view is consumed once."""
+        if self._capsule is None:
+            raise BufferError("this DLPack view was already consumed")
+        capsule, self._capsule = self._capsule, None
+        return capsule
+
+
 class Acquisition:
     """Chunks held in one tier: their addresses there, valid until released. A context manager:
     released on exit. `ready` completes when the bytes are in place."""
@@ -160,7 +206,34 @@ class Acquisition:
         self.ready.wait()
         return memoryview((ctypes.c_char * self.sizes[i]).from_address(self.pointers[i])).cast("B")
 
+    def dlpack(self, i: int, dtype: str = "uint8", shape: Optional[Sequence[int]] = None,
+               offset: int = 0) -> DLPackView:
+        """A zero-copy view of chunk i's bytes from `offset` as `dtype` ("float32", "bfloat16",
+        "int64", ...) of `shape` (default: as many elements as fit), for
+        torch.utils.dlpack.from_dlpack or numpy.from_dlpack. Waits for the bytes first. Host
+        chunks are CPU tensors; device chunks are CUDA tensors on the daemon's GPU."""
+        if self._released:
+            raise TierdError(9, "the acquisition was released")
+        if dtype not in _abi.DL_TYPES:
+            raise TierdError(3, f"dtype {dtype!r} is not one of {sorted(_abi.DL_TYPES)}")
+        code, bits = _abi.DL_TYPES[dtype]
+        if shape is None:
+            shape = [max(self.sizes[i] - offset, 0) // (bits // 8)]
+        shape = [int(d) for d in shape]
+        if len(shape) > _abi.DLPACK_MAX_DIMS:
+            raise TierdError(3, f"at most {_abi.DLPACK_MAX_DIMS} dimensions")
+        self.ready.wait()
+        dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        managed = ctypes.c_void_p()
+        tier = _abi.TIER_HOST if self._host else _abi.TIER_DEVICE
+        _check(_library().tierd_chunk_dlpack(self._client._handle, self.ids[i], tier, int(offset),
+                                             code, bits, len(shape), dims,
+                                             ctypes.byref(managed)))
+        return DLPackView(managed.value)
+
     def release(self) -> None:
+        """Releases the chunks; refused (TierdError FAILED_PRECONDITION, nothing released) while a
+        tensor made from dlpack() still views one of them."""
         if not self._released and self._client._handle:
             n, ids = _ids(self.ids)
             _check(_library().tierd_release(self._client._handle, n, ids))

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 3
+#define TIERD_C_ABI_VERSION 4
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes */
@@ -92,7 +92,8 @@ const char* tierd_last_error(void);
 /* Opens a session. socket_dir may be NULL ($TIERD_SOCKET_DIR, else /run/tierd); client_name may
  * be NULL. */
 tierd_status tierd_connect(const char* socket_dir, const char* client_name, tierd_client** out);
-/* Ends the session: the daemon releases its pins and frees its scratch chunks. NULL is a no-op. */
+/* Ends the session: the daemon releases its pins and frees its scratch chunks (once the last
+ * DLPack view of them is deleted, when some are alive). NULL is a no-op. */
 void tierd_close(tierd_client* client);
 uint64_t tierd_session_id(const tierd_client* client);
 
@@ -121,6 +122,21 @@ tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id*
                            int access, void** out_ptrs, uint64_t* out_sizes,
                            tierd_completion* out_ready);
 tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id* ids);
+
+/* ---- Zero-copy views (DLPack; include <dlpack/dlpack.h> to use the result) ---- */
+struct DLManagedTensor;
+#define TIERD_DLPACK_MAX_DIMS 16
+/* A DLPack tensor viewing, without a copy, bytes of a chunk this handle holds acquired in tier
+ * (TIERD_TIER_HOST, or TIERD_TIER_DEVICE: kDLCUDA memory on the daemon's GPU, kDLCPU with the
+ * emulated device): offset bytes in, ndim dimensions of shape[] elements of DLPack type
+ * (dl_code, dl_bits), e.g. (kDLFloat, 32), row-major. Wait for the acquisition's ready token
+ * before reading. The view holds the acquisition: tierd_release of the chunk's last pin and
+ * tierd_free fail with FAILED_PRECONDITION while it lives, and after tierd_close the session
+ * stays open (its chunks and mappings in place) until the last view is deleted. Hand *out to a
+ * consumer (torch.utils.dlpack.from_dlpack) or call (*out)->deleter(*out); any thread may. */
+tierd_status tierd_chunk_dlpack(tierd_client* client, tierd_chunk_id id, int tier, uint64_t offset,
+                                int dl_code, int dl_bits, int ndim, const int64_t* shape,
+                                struct DLManagedTensor** out);
 
 /* Brings chunks into tier without pinning them; their reads are due priority milliseconds
  * before now (after, when negative), against this session's other I/O. */
