@@ -351,6 +351,14 @@ class Client:
         _check(_library().tierd_path_bytes(self._handle, path.encode(), ctypes.byref(out)))
         return out.value
 
+    def cuda_device(self) -> int:
+        """The daemon's GPU as this process's CUDA ordinal. From this call on, the host segments
+        the session maps are registered with CUDA (page-locked), so copies between them and the
+        GPU are DMA."""
+        ordinal = ctypes.c_int()
+        _check(_library().tierd_cuda_device(self._handle, ctypes.byref(ordinal)))
+        return ordinal.value
+
     def device(self) -> dict:
         """The daemon's device tier: {"uuid", "emulated", "memory_bytes"}."""
         uuid = ctypes.create_string_buffer(64)

@@ -21,6 +21,9 @@ GPU on a side stream) and, when neither clipping nor a finiteness check must see
 first, steps each bucket of parameters while backward still runs. Then the gradients are taken as
 they were when produced: change them (clip, unscale) only through the optimizer's own
 `max_grad_norm` and `step(grad_scale=...)`.
+
+`offload_activations(...)` (tierd/activations.py) keeps the tensors autograd saves for backward in
+tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy.
 """
 import ctypes
 import math
@@ -31,9 +34,11 @@ import torch
 import torch.utils.dlpack
 
 from . import _abi
+from .activations import ActivationOffload, ActivationStats, offload_activations
 from .client import Acquisition, Tier, TierdError, _check, _library, connect
 
-__all__ = ["OffloadedAdamW", "as_tensor"]
+__all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "as_tensor",
+           "offload_activations"]
 
 _DL_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64",
              torch.bfloat16: "bfloat16", torch.int8: "int8", torch.int16: "int16",
