@@ -13,12 +13,8 @@ tierd step. Starts its own daemon (the build's, NVMe region in a temporary direc
 """
 import argparse
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -26,6 +22,8 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tierd_daemon  # noqa: E402
 
 
 def main():
@@ -45,18 +43,7 @@ def main():
     import tierd.torch
     import train_gpt
 
-    root = tempfile.mkdtemp(prefix="tierd-train-bench-")
-    log = open(os.path.join(root, "daemon.log"), "w")
-    daemon = subprocess.Popen(
-        [os.path.join(args.build, "daemon", "tierd"), f"--socket_dir={root}",
-         f"--state_dir={root}/state", "--host_capacity=512MiB", "--lock_memory=false",
-         f"--nvme_regions={root}/nvme.region:1GiB", "--device=none"], stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(root, "tierd.sock")):
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                sys.exit("train_step: tierd did not start: " + open(log.name).read())
-            time.sleep(0.05)
+    with tierd_daemon.daemon(args.build) as root:
         device = torch.device(args.device)
         data = train_gpt.load_text()
 
@@ -102,10 +89,6 @@ def main():
             print(f"  {n:6s} median step {med[n] * 1e3:7.1f} ms   optimizer after backward "
                   f"{tail[n] * 1e3:6.1f} ms ({100 * tail[n] / med[n]:4.1f} % of the step)")
         print(f"  tierd / torch: {med['tierd'] / med['torch']:.3f}x")
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

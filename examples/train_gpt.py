@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Trains a small GPT on the licence texts every Debian system ships, with its optimizer state in tierd.
+"""Trains a small GPT on the licence texts every Debian system ships, with its optimizer state and
+activations in tierd.
 
 The model is a plain-torch decoder (byte tokens, pre-LayerNorm blocks, tied embeddings). Its AdamW
 state (fp32 master weights, exp_avg, exp_avg_sq: 12 bytes per parameter) lives in the node's
 tierd under a name, at home on NVMe and streamed through a host budget a quarter of its size; the
-step of each bucket of parameters overlaps backward. Each step prints the loss, tokens/s, the
-step's time, the optimizer's tail after backward and the bytes moved to and from NVMe. The state
-is persistent: `--resume` continues from the last finished step, weights included.
+step of each bucket of parameters overlaps backward. The tensors autograd saves for backward go
+into tierd chunks during forward (host memory up to --activation-budget, NVMe past it) and come
+back in backward's order. Each step prints the loss, tokens/s, the step's time, the optimizer's
+tail after backward and the bytes moved to and from NVMe. The state is persistent: `--resume`
+continues from the last finished step, weights included.
 
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --fresh
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --resume --steps 10
@@ -118,6 +121,10 @@ def main():
     ap.add_argument("--host-budget", type=int, default=0,
                     help="host bytes the state streams through (0: a quarter of the state)")
     ap.add_argument("--home", choices=["nvme", "host"], default="nvme")
+    ap.add_argument("--activations", choices=["tierd", "memory"], default="tierd",
+                    help="where saved activations wait for backward")
+    ap.add_argument("--activation-budget", type=int, default=8 << 20,
+                    help="host bytes for activations; the rest go to NVMe")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
@@ -149,6 +156,10 @@ def main():
           (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
 
     client = tierd.connect(args.socket_dir, "train_gpt")
+    offload = None
+    if args.activations == "tierd":
+        offload = tierd.torch.offload_activations(client=client, min_bytes=1 << 16,
+                                                  host_budget_bytes=args.activation_budget)
     moved = lambda: (client.path_bytes("nvme_to_host"), client.path_bytes("host_to_nvme"))  # noqa: E731
     steps = range(first + 1, first + args.steps + 1)
     bar = tqdm(steps, unit="step", dynamic_ncols=True) if tqdm and sys.stderr.isatty() else steps
@@ -160,7 +171,11 @@ def main():
         x, y = batch(data, step, args, device)
         before = moved()
         t0 = time.perf_counter()
-        loss = model(x, y)
+        if offload is not None:
+            with offload:
+                loss = model(x, y)
+        else:
+            loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -177,6 +192,15 @@ def main():
             f"{int(opt.last_stats['buckets'])} buckets during backward)  "
             f"NVMe read {(after[0] - before[0]) / 2**20:5.1f} MiB "
             f"write {(after[1] - before[1]) / 2**20:5.1f} MiB")
+    if offload is not None:
+        a, n_steps = offload.stats, max(len(times), 1)
+        print(f"train_gpt: activations: {a.stored / n_steps:.0f} tensors a step in tierd "
+              f"({a.stored_bytes / n_steps / 2**20:.1f} MiB; {a.deduplicated / n_steps:.0f} saved "
+              f"twice stored once; {a.kept / n_steps:.0f} small or parameters kept), "
+              f"{a.nvme_written_bytes / n_steps / 2**20:.1f} MiB a step to NVMe and back in "
+              f"{a.slabs} slabs; pack {a.pack_seconds / n_steps * 1e3:.1f} ms, unpack "
+              f"{a.unpack_seconds / n_steps * 1e3:.1f} ms a step")
+        offload.close()
     client.close()
     if args.save:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.save)

@@ -252,6 +252,7 @@ def test_the_example_trains_a_gpt_and_resumes_it(daemon):  # noqa: F811
     assert first.returncode == 0, first.stdout + first.stderr
     assert "new state 'pytest/gpt'" in first.stdout and "at home on nvme" in first.stdout
     assert "saved at step 10" in first.stdout
+    assert "tensors a step in tierd" in first.stdout  # activations offloaded too
     again = run()  # neither --resume nor --fresh: the existing state is not touched
     assert again.returncode == 2 and "--resume continues it" in again.stderr, again.stderr
     resumed = run("--resume", "--steps", "2")

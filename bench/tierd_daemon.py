@@ -1,0 +1,32 @@
+"""A throwaway daemon for the Python benchmarks: the build's tierd, its sockets, state and a 1 GiB
+NVMe region file in a temporary directory, stopped and removed on exit."""
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+@contextlib.contextmanager
+def daemon(build: str, host_capacity: str = "512MiB"):
+    """Yields the socket directory once the daemon listens."""
+    root = tempfile.mkdtemp(prefix="tierd-bench-")
+    log = open(os.path.join(root, "daemon.log"), "w")
+    proc = subprocess.Popen(
+        [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
+         f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
+         f"--nvme_regions={root}/nvme.region:1GiB", "--device=none"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(root, "tierd.sock")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit("tierd did not start: " + open(log.name).read())
+            time.sleep(0.05)
+        yield root
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
