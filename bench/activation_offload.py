@@ -91,7 +91,7 @@ def main():
             torch.cuda.synchronize()
         return time.perf_counter() - t0, [p.grad.clone() for p in model.parameters()]
 
-    with tierd_daemon.daemon(args.build, host_capacity="1GiB") as root:
+    with tierd_daemon.daemon(args.build, host_capacity="1GiB", device=args.device) as root:
         # How many bytes a forward saves decides the NVMe run's budget.
         probe = tierd.torch.offload_activations(socket_dir=root, min_bytes=MIN_BYTES)
         step(probe, 0)

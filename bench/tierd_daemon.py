@@ -11,14 +11,16 @@ import time
 
 
 @contextlib.contextmanager
-def daemon(build: str, host_capacity: str = "512MiB"):
-    """Yields the socket directory once the daemon listens."""
+def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu"):
+    """Yields the socket directory once the daemon listens. With a CUDA `device` the daemon has
+    its GPU tier, and clients can register its host memory with CUDA for DMA."""
+    backend = "cuda" if str(device).startswith("cuda") else "none"
     root = tempfile.mkdtemp(prefix="tierd-bench-")
     log = open(os.path.join(root, "daemon.log"), "w")
     proc = subprocess.Popen(
         [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
          f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
-         f"--nvme_regions={root}/nvme.region:1GiB", "--device=none"], stdout=log, stderr=log)
+         f"--nvme_regions={root}/nvme.region:1GiB", f"--device={backend}"], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(root, "tierd.sock")):

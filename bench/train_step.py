@@ -43,7 +43,7 @@ def main():
     import tierd.torch
     import train_gpt
 
-    with tierd_daemon.daemon(args.build) as root:
+    with tierd_daemon.daemon(args.build, device=args.device) as root:
         device = torch.device(args.device)
         data = train_gpt.load_text()
 

@@ -247,8 +247,13 @@ class ActivationOffload:
     def _side_stream(self, device):
         if self._stream is None:
             if not self._cuda_ready:
-                self._client.cuda_device()  # registers the host segments for DMA
                 self._cuda_ready = True
+                try:
+                    self._client.cuda_device()  # registers the host segments for DMA
+                except TierdError as e:  # e.g. a daemon without the GPU: copies are staged
+                    import warnings
+                    warnings.warn(f"offload_activations: host segments not registered with "
+                                  f"CUDA, copies to and from the GPU are staged ({e})")
             self._stream = torch.cuda.Stream(device)
         return self._stream
 

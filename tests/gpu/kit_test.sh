@@ -34,7 +34,7 @@ done
 
 # The run itself, from the unpacked kit, with a clean environment.
 env -i PATH=/usr/bin:/bin HOME="$work" "$kit/tests/gpu/run.sh" --device=emulated \
-  --out="$work/out" environment gpu-tests pcie torch >"$work/run.log" 2>&1 ||
+  --out="$work/out" environment gpu-tests pcie torch torch-train >"$work/run.log" 2>&1 ||
   { cat "$work/run.log"; fail "run.sh failed"; }
 cat "$work/out/summary.json"
 python3 - "$work/out" <<'PY'
@@ -43,6 +43,7 @@ out = sys.argv[1]
 steps = {s["step"]: s["result"] for s in json.load(open(f"{out}/summary.json"))}
 assert [steps.get(s) for s in ("environment", "gpu-tests", "pcie")] == ["passed"] * 3, steps
 assert steps.get("torch") in ("skipped", "passed"), steps  # skipped without a GPU
+assert steps.get("torch-train") in ("skipped", "passed"), steps
 figures = [json.loads(l) for l in open(f"{out}/pcie.json") if l.startswith("{")]
 ops = {f["op"] for f in figures}
 assert {"h2d", "d2h", "nvme_to_device"} <= ops, ops

@@ -24,11 +24,15 @@ for b in "${binaries[@]}"; do
 done
 client=$(readlink -f "$build/client/libtierd_client.so.0")
 objcopy --strip-debug "$client" "$kit/client/libtierd_client.so.0"
-cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$kit/tests/gpu/"
+cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$src/tests/gpu/torch_train.py" \
+  "$kit/tests/gpu/"
 cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
 mkdir -p "$kit/python/tierd"
 cp "$src"/python/tierd/*.py "$kit/python/tierd/"
-cp "$src/bench/adam_torch.py" "$kit/bench/"
+cp "$src/bench/adam_torch.py" "$src/bench/train_step.py" "$src/bench/activation_offload.py" \
+  "$src/bench/tierd_daemon.py" "$kit/bench/"
+mkdir -p "$kit/examples"
+cp "$src/examples/train_gpt.py" "$kit/examples/"
 
 # Every library the binaries load, by the paths this machine resolves them to.
 host_provided='^(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
