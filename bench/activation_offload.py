@@ -11,7 +11,6 @@ over `memory` per saved tensor it moved. Gradients of all four are checked equal
 
     bench/activation_offload.py [--build build] [--steps 16] [--layers 4 --d-model 192 ...]
 """
-import argparse
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tierd_daemon  # noqa: E402
+import benchlib  # noqa: E402
 
 MIN_BYTES = 1 << 16
 
@@ -53,19 +52,7 @@ class CopyHooks:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--steps", type=int, default=16, help="steps of each, after one warm-up")
-    ap.add_argument("--block", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=192)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-    os.environ.setdefault("TIERD_CLIENT_LIB",
-                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    args = benchlib.arguments(__doc__.split("\n\n")[0], steps=16)
     import tierd.torch
     import train_gpt
 
@@ -91,7 +78,7 @@ def main():
             torch.cuda.synchronize()
         return time.perf_counter() - t0, [p.grad.clone() for p in model.parameters()]
 
-    with tierd_daemon.daemon(args.build, host_capacity="1GiB", device=args.device) as root:
+    with benchlib.daemon(args.build, host_capacity="1GiB", device=args.device) as root:
         # How many bytes a forward saves decides the NVMe run's budget.
         probe = tierd.torch.offload_activations(socket_dir=root, min_bytes=MIN_BYTES)
         step(probe, 0)

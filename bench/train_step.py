@@ -11,7 +11,6 @@ tierd step. Starts its own daemon (the build's, NVMe region in a temporary direc
 
     bench/train_step.py [--build build] [--steps 24] [--layers 4 --d-model 192 --ctx 64 --batch 8]
 """
-import argparse
 import os
 import statistics
 import sys
@@ -23,27 +22,15 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tierd_daemon  # noqa: E402
+import benchlib  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
-    ap.add_argument("--steps", type=int, default=24, help="steps of each, after one warm-up")
-    ap.add_argument("--block", type=int, default=4, help="steps of one before switching")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=192)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-    os.environ.setdefault("TIERD_CLIENT_LIB",
-                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    args = benchlib.arguments(__doc__.split("\n\n")[0], steps=24)
     import tierd.torch
     import train_gpt
 
-    with tierd_daemon.daemon(args.build, device=args.device) as root:
+    with benchlib.daemon(args.build, device=args.device) as root:
         device = torch.device(args.device)
         data = train_gpt.load_text()
 

@@ -30,7 +30,7 @@ cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
 mkdir -p "$kit/python/tierd"
 cp "$src"/python/tierd/*.py "$kit/python/tierd/"
 cp "$src/bench/adam_torch.py" "$src/bench/train_step.py" "$src/bench/activation_offload.py" \
-  "$src/bench/tierd_daemon.py" "$kit/bench/"
+  "$src/bench/benchlib.py" "$kit/bench/"
 mkdir -p "$kit/examples"
 cp "$src/examples/train_gpt.py" "$kit/examples/"
 

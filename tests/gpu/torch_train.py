@@ -29,12 +29,12 @@ def main():
         print("torch_train: torch sees no GPU")
         return 77
     import tierd.torch
-    import tierd_daemon
+    import benchlib
     import train_gpt
 
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     cuda = torch.device("cuda")
-    with tierd_daemon.daemon(args.build, host_capacity="2GiB", device="cuda") as root:
+    with benchlib.daemon(args.build, host_capacity="2GiB", device="cuda") as root:
         # Activations: gradients equal the run without offload, slabs through NVMe.
         torch.manual_seed(1)
         model = train_gpt.GPT(2, 128, 4, 64).to(cuda)

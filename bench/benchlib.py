@@ -1,5 +1,7 @@
-"""A throwaway daemon for the Python benchmarks: the build's tierd, its sockets, state and a 1 GiB
-NVMe region file in a temporary directory, stopped and removed on exit."""
+"""What the Python benchmarks share: their command line (the example GPT's shape) and a throwaway
+daemon (the build's tierd, its sockets, state and a 1 GiB NVMe region file in a temporary
+directory, stopped and removed on exit)."""
+import argparse
 import contextlib
 import os
 import shutil
@@ -8,6 +10,27 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def arguments(doc: str, steps: int) -> argparse.Namespace:
+    """The benchmarks' flags, parsed; the build's client library is the one the package loads."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--steps", type=int, default=steps, help="steps of each, after one warm-up")
+    ap.add_argument("--block", type=int, default=4, help="steps of one before switching")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=192)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    os.environ.setdefault("TIERD_CLIENT_LIB",
+                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    return args
 
 
 @contextlib.contextmanager
