@@ -34,6 +34,21 @@ struct ViewTable {
   };
   absl::Mutex mu;
   absl::flat_hash_map<tierd::ChunkId, Held> held ABSL_GUARDED_BY(mu);
+
+  // FAILED_PRECONDITION naming the first of ids that a live view holds. A release drops one
+  // acquisition (`last_pin_only`: refused only for the last); a free drops them all.
+  absl::Status RefuseViewed(const char* what, size_t n, const tierd_chunk_id* ids,
+                            bool last_pin_only) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it != held.end() && it->second.views > 0 && (!last_pin_only || it->second.pins <= 1)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(what, ": chunk ", ids[i], " has ", it->second.views,
+                         " live DLPack view(s); drop the tensors viewing it first"));
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace
@@ -178,13 +193,9 @@ tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* id
   return Guard([&] {
     absl::MutexLock lock(&client->views->mu);
     auto& held = client->views->held;
-    for (size_t i = 0; i < n; ++i) {
-      auto it = held.find(ids[i]);
-      if (it != held.end() && it->second.views > 0) {
-        return Fail(absl::FailedPreconditionError(
-            absl::StrCat("tierd_free: chunk ", ids[i], " has ", it->second.views,
-                         " live DLPack view(s); drop the tensors viewing it first")));
-      }
+    if (absl::Status s = client->views->RefuseViewed("tierd_free", n, ids, /*last_pin_only=*/false);
+        !s.ok()) {
+      return Fail(s);
     }
     if (absl::Status s = client->client->Free(Ids(n, ids)); !s.ok()) return Fail(s);
     for (size_t i = 0; i < n; ++i) held.erase(ids[i]);  // freeing drops the session's pins
@@ -228,13 +239,10 @@ tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id*
     // Held across the call so that no view is taken of a chunk while it is being released.
     absl::MutexLock lock(&client->views->mu);
     auto& held = client->views->held;
-    for (size_t i = 0; i < n; ++i) {
-      auto it = held.find(ids[i]);
-      if (it != held.end() && it->second.views > 0 && it->second.pins <= 1) {
-        return Fail(absl::FailedPreconditionError(
-            absl::StrCat("tierd_release: chunk ", ids[i], " has ", it->second.views,
-                         " live DLPack view(s); drop the tensors viewing it first")));
-      }
+    if (absl::Status s =
+            client->views->RefuseViewed("tierd_release", n, ids, /*last_pin_only=*/true);
+        !s.ok()) {
+      return Fail(s);
     }
     if (absl::Status s = client->client->Release(Ids(n, ids)); !s.ok()) return Fail(s);
     for (size_t i = 0; i < n; ++i) {

@@ -22,6 +22,7 @@ without offload.
 """
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -251,7 +252,6 @@ class ActivationOffload:
                 try:
                     self._client.cuda_device()  # registers the host segments for DMA
                 except TierdError as e:  # e.g. a daemon without the GPU: copies are staged
-                    import warnings
                     warnings.warn(f"offload_activations: host segments not registered with "
                                   f"CUDA, copies to and from the GPU are staged ({e})")
             self._stream = torch.cuda.Stream(device)
@@ -272,8 +272,7 @@ class ActivationOffload:
         if slab is None:
             return None
         self._settle(slab)
-        slab.held = self._client.acquire(slab.chunks, Tier.HOST, Access.OVERWRITE)
-        slab.buf = torch.utils.dlpack.from_dlpack(slab.held.dlpack(0, "uint8", [slab.size]))
+        self._hold(slab, Access.OVERWRITE)
         slab.used = slab.handles = slab.unpacked = 0
         slab.in_host = True
         slab.on_nvme = False
@@ -293,7 +292,6 @@ class ActivationOffload:
                 raise
             if not self._too_big_warned:  # a tensor larger than the daemon's largest chunk
                 self._too_big_warned = True
-                import warnings
                 warnings.warn(f"offload_activations: a {size}-byte saved tensor stays in the "
                               f"process ({e.message})")
             return None
@@ -309,12 +307,7 @@ class ActivationOffload:
         NVMe-home slab goes down once read_ahead later ones are waiting in host memory."""
         if slab.held is None:
             return
-        if slab.copies is not None:
-            slab.copies.synchronize()
-            slab.copies = None
-        slab.buf = None
-        slab.held.release()
-        slab.held = None
+        self._let_go(slab)
         forward = slab.forward
         waiting = [s for s in forward.slabs if s.home == Tier.NVME and s.in_host and
                    s.held is None and s.moving is None]
@@ -326,6 +319,21 @@ class ActivationOffload:
         slab.in_host = False
         slab.on_nvme = True
         self.stats.nvme_written_bytes += slab.size  # the daemon moves whole chunks
+
+    def _hold(self, slab: _Slab, access: Access) -> None:
+        """Acquires a slab in host memory and views it as bytes (once they are in place)."""
+        slab.held = self._client.acquire(slab.chunks, Tier.HOST, access)
+        slab.buf = torch.utils.dlpack.from_dlpack(slab.held.dlpack(0, "uint8", [slab.size]))
+
+    def _let_go(self, slab: _Slab) -> None:
+        """Waits for the GPU's copies into or out of a slab, drops the view and releases it."""
+        if slab.copies is not None:
+            slab.copies.synchronize()
+            slab.copies = None
+        slab.buf = None
+        if slab.held is not None:
+            slab.held.release()
+            slab.held = None
 
     def _settle(self, slab: _Slab) -> None:
         if slab.moving is not None:
@@ -366,10 +374,8 @@ class ActivationOffload:
         self._settle(slab)
         if not slab.in_host:
             self.stats.nvme_read_bytes += slab.size
-        slab.held = self._client.acquire(slab.chunks, Tier.HOST, Access.READ)
+        self._hold(slab, Access.READ)
         slab.in_host = True
-        slab.held.ready.wait()
-        slab.buf = torch.utils.dlpack.from_dlpack(slab.held.dlpack(0, "uint8", [slab.size]))
         forward = slab.forward
         if forward is None:
             return
@@ -385,13 +391,7 @@ class ActivationOffload:
         """Backward has taken every tensor of the slab: let it go. One brought back from NVMe
         drops its (clean) host copy; one never written down stays: writing bytes no one will read
         again would only cost the drive, and the next forward overwrites them."""
-        if slab.copies is not None:
-            slab.copies.synchronize()
-            slab.copies = None
-        slab.buf = None
-        if slab.held is not None:
-            slab.held.release()
-            slab.held = None
+        self._let_go(slab)
         if slab.on_nvme and slab.in_host:
             slab.moving = self._client.evict(slab.chunks, Tier.NVME)
             slab.in_host = False

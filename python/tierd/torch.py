@@ -40,19 +40,14 @@ from .client import Acquisition, Tier, TierdError, _check, _library, connect
 __all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "as_tensor",
            "offload_activations"]
 
-_DL_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64",
-             torch.bfloat16: "bfloat16", torch.int8: "int8", torch.int16: "int16",
-             torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
-
 
 def as_tensor(acquisition: Acquisition, i: int, dtype: torch.dtype = torch.uint8,
               shape: Optional[List[int]] = None, offset: int = 0) -> torch.Tensor:
     """A torch tensor viewing chunk i of an acquisition without a copy (DLPack): CPU memory for a
     host chunk, CUDA memory for a device chunk. The chunk cannot be released while the tensor (or
     any view of its storage) lives."""
-    if dtype not in _DL_NAMES:
-        raise TierdError(3, f"dtype {dtype} has no DLPack view here")
-    return torch.utils.dlpack.from_dlpack(acquisition.dlpack(i, _DL_NAMES[dtype], shape, offset))
+    name = str(dtype).replace("torch.", "")  # torch.float32 -> "float32", as the views name them
+    return torch.utils.dlpack.from_dlpack(acquisition.dlpack(i, name, shape, offset))
 
 _DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16, torch.float16: _abi.FLOAT16}
 _DEFAULT_BUCKET_PARAMS = 4 << 20
