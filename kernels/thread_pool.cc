@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
+
 namespace tierd::kernels {
 namespace {
 
@@ -46,11 +48,17 @@ ThreadPool::~ThreadPool() {
   for (std::thread& t : threads_) t.join();
 }
 
-void ThreadPool::RunOnAll(const std::function<void(int)>& fn) {
+void ThreadPool::Run(int workers, const std::function<void(int)>& fn) {
+  workers = std::clamp(workers, 1, size_);
+  if (workers == 1) {  // nothing to wake
+    fn(0);
+    return;
+  }
   {
     absl::MutexLock lock(&mu_);
     job_ = &fn;
-    pending_ = size_ - 1;
+    active_ = workers;
+    pending_ = workers - 1;
     ++generation_;
   }
   fn(0);
@@ -67,13 +75,17 @@ void ThreadPool::Worker(int index, int cpu) {
     const std::function<void(int)>* job;
     {
       absl::MutexLock lock(&mu_);
+      // A job for fewer workers leaves this one asleep (its `seen` stays behind, harmlessly: the
+      // next job that includes it has a newer generation still).
       struct Wait {
         ThreadPool* pool;
         uint64_t seen;
-      } wait{this, seen};
+        int index;
+      } wait{this, seen, index};
       mu_.Await(absl::Condition(
           +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return w->pool->stopping_ || w->pool->generation_ != w->seen;
+            return w->pool->stopping_ ||
+                   (w->pool->generation_ != w->seen && w->index < w->pool->active_);
           },
           &wait));
       if (stopping_) return;

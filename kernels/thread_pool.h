@@ -22,9 +22,11 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return size_; }
-  // Runs fn(i) for every worker i in [0, size()), the caller as worker 0, and returns when all
-  // have returned. Not reentrant: one job at a time.
-  void RunOnAll(const std::function<void(int)>& fn);
+  // Runs fn(i) for every worker i in [0, workers) (clamped to [1, size()]), the caller as worker
+  // 0, and returns when all have returned; the other workers stay asleep. Not reentrant: one job
+  // at a time.
+  void Run(int workers, const std::function<void(int)>& fn);
+  void RunOnAll(const std::function<void(int)>& fn) { Run(size_, fn); }
 
  private:
   void Worker(int index, int cpu);
@@ -34,6 +36,7 @@ class ThreadPool {
   absl::Mutex mu_;
   const std::function<void(int)>* job_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;  // workers of the current job
   int pending_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };

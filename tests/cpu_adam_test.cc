@@ -2,6 +2,8 @@
 // running CPU has, every gradient type and both weight-decay forms, over several steps.
 #include "kernels/cpu_adam.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -85,8 +87,9 @@ std::vector<float> Gradients(size_t n, DType type, std::mt19937& rng, std::vecto
 
 TEST_P(CpuAdamTest, MatchesAFloat64ReferenceOverSeveralSteps) {
   const Case c = GetParam();
-  // Sizes that leave vector tails, in two tensors stepped together.
-  const std::vector<size_t> sizes = {100'003, 4'099};
+  // Sizes that leave vector tails, in two tensors stepped together, large enough that the job is
+  // shared by all three workers (one per 64 Ki elements), one share crossing the tensors' border.
+  const std::vector<size_t> sizes = {200'003, 4'099};
   std::mt19937 rng(42);
   std::uniform_real_distribution<float> magnitude(0.5f, 1.5f);
   std::bernoulli_distribution negative(0.5);
@@ -187,6 +190,23 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamTest, testing::ValuesIn([] {
                            return cases;
                          }()),
                          Name);
+
+TEST(ThreadPoolTest, AJobWakesOnlyTheWorkersItAsksFor) {
+  ThreadPool pool(4, false);
+  ASSERT_EQ(pool.size(), 4);
+  // Jobs of every width, in an order that leaves workers behind by several generations and then
+  // needs them again: each job runs exactly its workers, each once.
+  for (int round = 0; round < 200; ++round) {
+    const int asked = (round * 7) % 6;  // 0..5: clamped to 1..4
+    std::vector<std::atomic<int>> ran(4);
+    pool.Run(asked, [&](int w) { ran[static_cast<size_t>(w)].fetch_add(1); });
+    const int expected = std::clamp(asked, 1, 4);
+    for (int w = 0; w < 4; ++w) {
+      EXPECT_EQ(ran[static_cast<size_t>(w)].load(), w < expected ? 1 : 0)
+          << "round " << round << ", worker " << w << ", asked " << asked;
+    }
+  }
+}
 
 TEST(HalfConversionTest, RoundTripsAndRoundsToNearestEven) {
   for (float x : {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 6.103515625e-05f, 5.9604645e-08f}) {
