@@ -7,13 +7,19 @@
         loss.backward()                 # saved tensors come back, read ahead in backward's order
 
 Saved tensors of at least `min_bytes` are packed into slabs: chunks of `slab_bytes` filled one
-after another, so that a saved tensor costs no call to the daemon (a slab costs one acquisition
-and one release; it is allocated once and reused by every later forward). Slabs are at home in the
-host tier up to `host_budget_bytes`, beyond it on NVMe: those are written down once full, all but
-the last `read_ahead`, which backward needs first. Backward unpacks in reverse order; the first
-tensor it needs from a slab brings that slab in and asks for the next `read_ahead` slabs, so NVMe
+after another, so that a saved tensor costs no call to the daemon; a slab is allocated once and
+reused by every later forward. Slabs are at home in the host tier up to `host_budget_bytes`: those
+stay acquired (and viewed) from their first forward until `close()`, so a step costs no call to
+the daemon for them at all. Slabs beyond the budget are at home on NVMe and cost one acquisition
+and one release per forward and per backward: they are written down once full, all but the last
+`read_ahead`, which backward needs first. Backward unpacks in reverse order; the first tensor it
+needs from an NVMe slab brings that slab in and asks for the next `read_ahead` slabs, so NVMe
 reads run ahead of backward. Unpacking copies a tensor out of its slab (onto the GPU when it came
-from there), so a slab is released as soon as backward has taken all of its tensors.
+from there), so an NVMe slab is released as soon as backward has taken all of its tensors.
+
+On a GPU, tensors are copied out on a side stream that waits for the compute stream, and backward's
+stream waits for those copies (an event, not the host) before reading a slab; the host waits for
+the copies only before releasing an NVMe slab to the daemon.
 
 A tensor saved twice in one forward (the same memory, unchanged, alive in between) is stored once.
 Parameters, views of parameters, tensors that are not contiguous or are of another layout stay
@@ -63,7 +69,7 @@ class _Slab:
         self.size = size
         self.home = home
         self.used = 0
-        self.held = None       # the Acquisition while written or read
+        self.held = None       # the Acquisition while written or read (always, for host slabs)
         self.buf = None        # a uint8 tensor over the whole slab while held
         self.handles = 0       # saved tensors in it this forward (one stored twice counts twice)
         self.unpacked = 0      # of them, taken by backward at least once
@@ -71,7 +77,7 @@ class _Slab:
         self.in_host = True    # False once written down to NVMe
         self.on_nvme = False   # its bytes of this forward are on NVMe (host copies are clean)
         self.moving = None     # the eviction or read-ahead in flight
-        self.copies = None     # a CUDA event after the last copy in or out
+        self.copies = None     # a CUDA event after the last copy in (or, NVMe slabs, out)
         self.forward = None    # the forward it holds tensors of
 
 
@@ -180,6 +186,7 @@ class ActivationOffload:
                 raise RuntimeError("offload_activations: a graph still holds saved tensors; run "
                                    "or drop its backward first")
             for slab in self._slabs:
+                self._let_go(slab, keep=False)
                 self._settle(slab)
                 slab.chunks.free()
             self._slabs = []
@@ -321,12 +328,20 @@ class ActivationOffload:
         self.stats.nvme_written_bytes += slab.size  # the daemon moves whole chunks
 
     def _hold(self, slab: _Slab, access: Access) -> None:
-        """Acquires a slab in host memory and views it as bytes (once they are in place)."""
+        """Acquires a slab in host memory and views it as bytes (once they are in place); a host
+        slab acquired before still is."""
+        if slab.held is not None:
+            return
+        if slab.home == Tier.HOST:
+            access = Access.WRITE  # kept for every later forward and backward
         slab.held = self._client.acquire(slab.chunks, Tier.HOST, access)
         slab.buf = torch.utils.dlpack.from_dlpack(slab.held.dlpack(0, "uint8", [slab.size]))
 
-    def _let_go(self, slab: _Slab) -> None:
-        """Waits for the GPU's copies into or out of a slab, drops the view and releases it."""
+    def _let_go(self, slab: _Slab, keep: bool = True) -> None:
+        """Waits for the GPU's copies into or out of a slab, drops the view and releases it; a
+        host slab is kept (unless `keep` is False): nothing to wait for or release."""
+        if keep and slab.home == Tier.HOST:
+            return
         if slab.copies is not None:
             slab.copies.synchronize()
             slab.copies = None
@@ -354,9 +369,18 @@ class ActivationOffload:
             src = slab.buf[entry.offset:entry.offset + entry.nbytes]
             dst = out.view(-1).view(torch.uint8)
             if out.is_cuda:
-                dst.copy_(src, non_blocking=True)
-                slab.copies = torch.cuda.Event()
-                slab.copies.record(torch.cuda.current_stream(out.device))
+                stream = torch.cuda.current_stream(out.device)
+                if slab.home == Tier.HOST:
+                    # The side stream's copies in come first (on the GPU; the next forward's
+                    # copies in wait for this stream in turn).
+                    if slab.copies is not None:
+                        stream.wait_event(slab.copies)
+                        slab.copies = None
+                    dst.copy_(src, non_blocking=True)
+                else:  # copies out that must end before the slab is released
+                    dst.copy_(src, non_blocking=True)
+                    slab.copies = torch.cuda.Event()
+                    slab.copies.record(stream)
             else:
                 dst.copy_(src)
             del src, dst

@@ -44,7 +44,8 @@ def test_gradients_equal_the_run_without_offload(daemon, budget):  # noqa: F811
     model = GPT(layers=2, d=64, heads=4, ctx=32)
     data = batches(3)
     plain = gradients(model, data)
-    offload = tierd.torch.offload_activations(socket_dir=daemon, min_bytes=4096,
+    client = tierd.connect(daemon, "activations-test")
+    offload = tierd.torch.offload_activations(client=client, min_bytes=4096,
                                               host_budget_bytes=budget, slab_bytes=1 << 18,
                                               read_ahead=1)
     offloaded = gradients(model, data, offload)
@@ -61,10 +62,17 @@ def test_gradients_equal_the_run_without_offload(daemon, budget):  # noqa: F811
         assert s.nvme_written_bytes > 0 and s.nvme_read_bytes == s.nvme_written_bytes
     else:
         assert s.nvme_written_bytes == 0 and s.nvme_read_bytes == 0
-    # Later forwards reuse the first one's slabs: no call to the daemon per saved tensor.
+    # Later forwards reuse the first one's slabs: no call to the daemon per saved tensor, and
+    # none at all for host slabs (they stay acquired); NVMe slabs are acquired again each pass.
+    acquired = client.stats()
     gradients(model, data, offload)
     assert offload.stats.slabs == slabs
+    after = client.stats()
+    again = (after.acquired_ready + after.acquired_waited) - (acquired.acquired_ready +
+                                                               acquired.acquired_waited)
+    assert again == 0 if budget else again >= 2 * slabs
     offload.close()
+    client.close()
 
 
 def test_a_tensor_saved_twice_is_stored_once(daemon):  # noqa: F811
