@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -129,6 +130,7 @@ struct OffloadedAdam::Impl {
     }
     if (worker.joinable()) worker.join();
     (void)WaitWrites(0);
+    for (const auto& [id, data] : kept) (void)client->Release({&id, 1});
   }
 
   OffloadedAdamOptions options;
@@ -178,6 +180,10 @@ struct OffloadedAdam::Impl {
   };
   std::deque<Ahead> ahead;
   std::deque<CompletionToken> writes;
+  // Host-home state: each shard pinned by its first step and kept until the optimizer is
+  // destroyed, so a step makes no call to the daemon for it (an NVMe home streams its shards
+  // through the budget instead: pinned and released each step). The worker's while a step runs.
+  absl::flat_hash_map<ChunkId, void*> kept;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
   std::string ShardName(size_t g, size_t s) const {
@@ -348,6 +354,14 @@ struct OffloadedAdam::Impl {
     return a->chunks[0].data;
   }
 
+  // A host-home shard's bytes, pinned for writing the first time it is asked for and kept.
+  absl::StatusOr<void*> Keep(ChunkId id) {
+    if (auto it = kept.find(id); it != kept.end()) return it->second;
+    absl::StatusOr<void*> data = Pin(id, AccessMode::kWrite);
+    if (data.ok()) kept.emplace(id, *data);
+    return data;
+  }
+
   absl::Status WriteMeta(bool step_running) {
     if (!options.persistent) return absl::OkStatus();
     absl::StatusOr<void*> data = Pin(meta, AccessMode::kOverwrite);
@@ -434,8 +448,9 @@ struct OffloadedAdam::Impl {
         if (!waited.ok()) return waited.status();
         delta->write_wait += *waited;
       }
-      absl::StatusOr<void*> data =
-          Pin(shard.id, AccessMode::kWrite, [&] { return ReadAhead(w.group, k + 1, 1); });
+      absl::StatusOr<void*> data = nvme_home() ? Pin(shard.id, AccessMode::kWrite,
+                                                     [&] { return ReadAhead(w.group, k + 1, 1); })
+                                               : Keep(shard.id);
       if (!data.ok()) {
         return absl::Status(data.status().code(),
                             absl::StrCat("optimizer state of group '", group.spec.name, "', shard ",
@@ -460,8 +475,10 @@ struct OffloadedAdam::Impl {
       delta->state_wait += t1 - t0;
       delta->compute += t2 - t1;
       delta->state_bytes += shard.bytes();
-      if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
-      if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+      if (nvme_home()) {
+        if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
+        if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+      }
       absl::MutexLock lock(&mu);
       shard_time += absl::Now() - t0;
       ++shards_stepped;

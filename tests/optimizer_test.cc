@@ -165,6 +165,55 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
   ExpectParams(*opt, "after 3 steps");
 }
 
+TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
+  OffloadedAdamOptions o = Options();
+  o.home = Tier::kHost;
+  o.host_budget_bytes = 4 * kBudget;
+  auto opt = Create(o);
+  ASSERT_NE(opt, nullptr);
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+  auto acquisitions = [&] {
+    auto s = opt->client().GetSessionStats();
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? s->acquired_ready + s->acquired_waited : 0;
+  };
+  uint64_t after_first = 0;
+  for (int step = 1; step <= 3; ++step) {
+    auto grads = Gradients(step, 1.0f);
+    std::vector<std::vector<uint16_t>> out;
+    for (const ParamGroup& g : kGroups) out.emplace_back(g.params);
+    ASSERT_TRUE(opt->BeginStep(1.0f).ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16, out[g].data(),
+                                 ScalarType::kBFloat16)
+                      .ok());
+    }
+    auto stats = opt->FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    ReferenceStep(grads, step, 1.0f, {0, 1});
+    if (step == 1) after_first = acquisitions();
+  }
+  // Steps 2 and 3 reused the first step's pins (the state's own bytes, nothing copied aside):
+  // each acquired only the meta chunk, to mark the step begun and finished (persistent state).
+  EXPECT_EQ(acquisitions(), after_first + 2 * 2);
+  ExpectParams(*opt, "after 3 steps on pinned host state");
+  // New state written through SetState lands in the same bytes the kept pins step.
+  for (float& x : params_[0]) x *= 0.5f;
+  ASSERT_TRUE(opt->SetState(0, params_[0], m_[0], v_[0]).ok());
+  auto grads = Gradients(4, 1.0f);
+  std::vector<std::vector<uint16_t>> out;
+  for (const ParamGroup& g : kGroups) out.emplace_back(g.params);
+  ASSERT_TRUE(opt->BeginStep(1.0f).ok());
+  for (size_t g : {1, 0}) {
+    ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16, out[g].data(),
+                               ScalarType::kBFloat16)
+                    .ok());
+  }
+  ASSERT_TRUE(opt->FinishStep().ok());
+  ReferenceStep(grads, 4, 1.0f, {0, 1});
+  ExpectParams(*opt, "a step after SetState");
+}
+
 TEST_F(OptimizerTest, ResumesItsStateAfterTheProcessAndTheDaemonStop) {
   {
     auto opt = Create(Options());
