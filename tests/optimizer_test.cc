@@ -177,9 +177,9 @@ TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
     EXPECT_TRUE(s.ok()) << s.status();
     return s.ok() ? s->acquired_ready + s->acquired_waited : 0;
   };
-  uint64_t after_first = 0;
-  for (int step = 1; step <= 3; ++step) {
-    auto grads = Gradients(step, 1.0f);
+  // A step of both groups, last group first (as backward gives them), beside the reference.
+  auto step = [&](int n) {
+    auto grads = Gradients(n, 1.0f);
     std::vector<std::vector<uint16_t>> out;
     for (const ParamGroup& g : kGroups) out.emplace_back(g.params);
     ASSERT_TRUE(opt->BeginStep(1.0f).ok());
@@ -190,9 +190,12 @@ TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
     }
     auto stats = opt->FinishStep();
     ASSERT_TRUE(stats.ok()) << stats.status();
-    ReferenceStep(grads, step, 1.0f, {0, 1});
-    if (step == 1) after_first = acquisitions();
-  }
+    ReferenceStep(grads, n, 1.0f, {0, 1});
+  };
+  ASSERT_NO_FATAL_FAILURE(step(1));
+  const uint64_t after_first = acquisitions();
+  ASSERT_NO_FATAL_FAILURE(step(2));
+  ASSERT_NO_FATAL_FAILURE(step(3));
   // Steps 2 and 3 reused the first step's pins (the state's own bytes, nothing copied aside):
   // each acquired only the meta chunk, to mark the step begun and finished (persistent state).
   EXPECT_EQ(acquisitions(), after_first + 2 * 2);
@@ -200,17 +203,7 @@ TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
   // New state written through SetState lands in the same bytes the kept pins step.
   for (float& x : params_[0]) x *= 0.5f;
   ASSERT_TRUE(opt->SetState(0, params_[0], m_[0], v_[0]).ok());
-  auto grads = Gradients(4, 1.0f);
-  std::vector<std::vector<uint16_t>> out;
-  for (const ParamGroup& g : kGroups) out.emplace_back(g.params);
-  ASSERT_TRUE(opt->BeginStep(1.0f).ok());
-  for (size_t g : {1, 0}) {
-    ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16, out[g].data(),
-                               ScalarType::kBFloat16)
-                    .ok());
-  }
-  ASSERT_TRUE(opt->FinishStep().ok());
-  ReferenceStep(grads, 4, 1.0f, {0, 1});
+  ASSERT_NO_FATAL_FAILURE(step(4));
   ExpectParams(*opt, "a step after SetState");
 }
 
