@@ -1496,6 +1496,15 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
     for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
     h.pinned = state.pins.size();
   }
+  // Persistent chunks are the tenant's, but held by the live sessions with a lease on them.
+  for (const auto& [id, lease] : leases_) {
+    for (SessionId holder : lease.holders) {
+      auto it = out.find(holder);
+      if (it == out.end()) continue;
+      ++it->second.chunks;
+      it->second.bytes += chunks_.at(id).size;
+    }
+  }
   return out;
 }
 

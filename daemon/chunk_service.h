@@ -103,6 +103,7 @@ struct DrainResult {
   uint64_t pinned = 0;             // left there, acquired
 };
 
+// What a session holds: its scratch chunks and the persistent chunks it has a lease on.
 struct SessionHoldings {
   uint64_t chunks = 0, bytes = 0, pinned = 0;
 };
@@ -251,7 +252,7 @@ class ChunkService {
 
   struct SessionState {
     std::string description;  // "session 3 (uid 1000, pid 42, trainer)", for lease errors
-    std::set<ChunkId> owned;  // non-persistent and opened persistent
+    std::set<ChunkId> owned;  // non-persistent (persistent ones held are in leases_)
     struct Pins {
       uint32_t count = 0;   // Acquires not yet released
       uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)

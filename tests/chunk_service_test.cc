@@ -219,6 +219,10 @@ TEST_F(ChunkServiceTest, SessionsThatBothAskToShareAPersistentChunkShareIt) {
   auto opened = service_->Allocate(*alice2_, open_shared);
   ASSERT_TRUE(opened.ok()) << opened.status();
   EXPECT_EQ((*opened)[0], made[0]);
+  // Each holder's holdings count it (as tierctl status shows them).
+  const std::map<SessionId, SessionHoldings> held = service_->Holdings();
+  EXPECT_EQ(held.at(alice_->id).chunks, 1u);
+  EXPECT_EQ(held.at(alice2_->id).bytes, 4096u);
   // Neither can free it while the other holds it.
   EXPECT_TRUE(absl::IsFailedPrecondition(service_->Free(*alice_, made)));
   service_->CloseSession(*alice_);
