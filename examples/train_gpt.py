@@ -13,6 +13,13 @@ continues from the last finished step, weights included.
 
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --fresh
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --resume --steps 10
+
+Under torchrun it trains data parallel: each rank a session of the node's tierd, computing on its
+share of every batch (--batch is the global batch) and keeping and stepping its share of the
+optimizer state (ZeRO-1); the losses are those of one process with the whole batch.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --socket-dir var/run --fresh
+    (python3 -m tierd.torchrun ... where torch 1.13's torchrun fails on Python 3.11)
 """
 import argparse
 import glob
@@ -92,9 +99,11 @@ def load_text() -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def batch(data, step, args, device):
+def batch(data, step, args, device, rank=0, world=1):
+    """This rank's share of the step's global batch."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # resumable: by step
     starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g)
+    starts = starts.chunk(world)[rank]
     x = torch.stack([data[s:s + args.ctx] for s in starts])
     y = torch.stack([data[s + 1:s + 1 + args.ctx] for s in starts])
     return x.to(device), y.to(device)
@@ -130,8 +139,19 @@ def main():
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
     args = ap.parse_args()
 
-    torch.manual_seed(args.seed)
+    rank, world, dist = 0, int(os.environ.get("WORLD_SIZE", "1")), None
     device = torch.device(args.device)
+    if world > 1:  # under torchrun
+        import torch.distributed as dist
+        if args.batch % world:
+            sys.exit(f"train_gpt: --batch {args.batch} is not a multiple of the {world} ranks")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
     data = load_text()
     model = GPT(args.layers, args.d_model, args.heads, args.ctx).to(device)
     params = sum(p.numel() for p in model.parameters())
@@ -150,25 +170,31 @@ def main():
         print(f"train_gpt: {e}{hint}", file=sys.stderr)
         return 2
     first = opt.steps_taken
-    print(f"train_gpt: {params / 1e6:.2f} M parameters, {len(data) / 1e3:.0f} kB of text; "
-          f"optimizer state {state_bytes / 2**20:.1f} MiB at home on {opt.home}, host budget "
-          f"{budget / 2**20:.1f} MiB; " +
-          (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
+    say(f"train_gpt: {params / 1e6:.2f} M parameters, {len(data) / 1e3:.0f} kB of text; "
+        f"optimizer state {state_bytes / 2**20:.1f} MiB at home on {opt.home}, host budget "
+        f"{budget / 2**20:.1f} MiB; " +
+        (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
+    if world > 1:
+        say(f"train_gpt: {world} ranks, each computing on {args.batch // world} of the "
+            f"{args.batch} sequences a step and stepping its {opt.state_bytes / 2**20:.1f} MiB "
+            f"share of the state")
 
-    client = tierd.connect(args.socket_dir, "train_gpt")
+    client = tierd.connect(args.socket_dir, f"train_gpt rank {rank}" if world > 1 else "train_gpt")
     offload = None
     if args.activations == "tierd":
         offload = tierd.torch.offload_activations(client=client, min_bytes=1 << 16,
                                                   host_budget_bytes=args.activation_budget)
     moved = lambda: (client.path_bytes("nvme_to_host"), client.path_bytes("host_to_nvme"))  # noqa: E731
     steps = range(first + 1, first + args.steps + 1)
-    bar = tqdm(steps, unit="step", dynamic_ncols=True) if tqdm and sys.stderr.isatty() else steps
-    say = tqdm.write if tqdm and bar is not steps else print
+    bar = steps
+    if tqdm and sys.stderr.isatty() and rank == 0:
+        bar = tqdm(steps, unit="step", dynamic_ncols=True)
+        say = tqdm.write
     losses, times, tails = [], [], []
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, step / args.warmup)
-        x, y = batch(data, step, args, device)
+        x, y = batch(data, step, args, device, rank, world)
         before = moved()
         t0 = time.perf_counter()
         if offload is not None:
@@ -183,10 +209,14 @@ def main():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         after = moved()
+        loss = loss.detach()
+        if world > 1:  # the mean over ranks: the loss of the whole batch
+            dist.all_reduce(loss)
+            loss /= world
         losses.append(loss.item())
         times.append(dt)
         tails.append(opt.last_stats["tail_s"])
-        say(f"step {step:4d}  loss {losses[-1]:.4f}  {x.numel() / dt:8.0f} tok/s  "
+        say(f"step {step:4d}  loss {losses[-1]:.4f}  {x.numel() * world / dt:8.0f} tok/s  "
             f"step {dt * 1e3:6.0f} ms  optimizer tail {tails[-1] * 1e3:5.0f} ms "
             f"({int(opt.last_stats['buckets_during_backward'])}/"
             f"{int(opt.last_stats['buckets'])} buckets during backward)  "
@@ -194,29 +224,37 @@ def main():
             f"write {(after[1] - before[1]) / 2**20:5.1f} MiB")
     if offload is not None:
         a, n_steps = offload.stats, max(len(times), 1)
-        print(f"train_gpt: activations: {a.stored / n_steps:.0f} tensors a step in tierd "
-              f"({a.stored_bytes / n_steps / 2**20:.1f} MiB; {a.deduplicated / n_steps:.0f} saved "
-              f"twice stored once; {a.kept / n_steps:.0f} small or parameters kept), "
-              f"{a.nvme_written_bytes / n_steps / 2**20:.1f} MiB a step to NVMe and back in "
-              f"{a.slabs} slabs; pack {a.pack_seconds / n_steps * 1e3:.1f} ms, unpack "
-              f"{a.unpack_seconds / n_steps * 1e3:.1f} ms a step")
+        say(f"train_gpt: activations: {a.stored / n_steps:.0f} tensors a step in tierd "
+            f"({a.stored_bytes / n_steps / 2**20:.1f} MiB; {a.deduplicated / n_steps:.0f} saved "
+            f"twice stored once; {a.kept / n_steps:.0f} small or parameters kept), "
+            f"{a.nvme_written_bytes / n_steps / 2**20:.1f} MiB a step to NVMe and back in "
+            f"{a.slabs} slabs; pack {a.pack_seconds / n_steps * 1e3:.1f} ms, unpack "
+            f"{a.unpack_seconds / n_steps * 1e3:.1f} ms a step")
         offload.close()
     client.close()
     if args.save:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.save)
+        state = opt.state_dict()
+        if world > 1:  # each rank holds its parameters' state: the union is the whole
+            shards = [None] * world
+            dist.all_gather_object(shards, state["state"])
+            state["state"] = {k: v for shard in shards for k, v in shard.items()}
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": state}, args.save)
     opt.close()
+    if world > 1:
+        dist.destroy_process_group()
 
     if not losses:
         return 0
     n = max(1, len(losses) // 4)
     head, tail = sum(losses[:n]) / n, sum(losses[-n:]) / n
     steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    print(f"train_gpt: steps {first + 1}-{first + len(losses)}: loss {head:.3f} -> {tail:.3f} "
-          f"(mean of first and last {n}), median step {steady * 1e3:.0f} ms, optimizer tail "
-          f"{sorted(tails)[len(tails) // 2] * 1e3:.0f} ms; state '{args.name}' saved at step "
-          f"{first + len(losses)} (--resume continues)")
+    say(f"train_gpt: steps {first + 1}-{first + len(losses)}: loss {head:.3f} -> {tail:.3f} "
+        f"(mean of first and last {n}), median step {steady * 1e3:.0f} ms, optimizer tail "
+        f"{sorted(tails)[len(tails) // 2] * 1e3:.0f} ms; state '{args.name}' saved at step "
+        f"{first + len(losses)} (--resume continues)")
     if len(losses) >= 8 and not tail < head:
-        print("train_gpt: the loss did not fall", file=sys.stderr)
+        say("train_gpt: the loss did not fall", file=sys.stderr)
         return 1
     return 0
 

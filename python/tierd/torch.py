@@ -27,13 +27,14 @@ tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy
 """
 import ctypes
 import math
+import os
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.utils.dlpack
 
-from . import _abi
+from . import _abi, _shard
 from .activations import ActivationOffload, ActivationStats, offload_activations
 from .client import Acquisition, Tier, TierdError, _check, _library, connect
 
@@ -62,12 +63,15 @@ def _hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
 class _Bucket:
     """Parameters of one torch parameter group, of one dtype and device, stepped as one tierd
     group: a flat gradient buffer filled as backward produces them and a flat buffer the kernel
-    writes the new weights into."""
+    writes the new weights into. Sharded over ranks, each buffer has one more element (see
+    _shard.py) and the bucket is stepped by its owner, at `slot` in that rank's tierd state."""
 
     def __init__(self, index: int, group: int, params: List[torch.Tensor], pin: bool):
         self.index = index
         self.group = group
         self.name = f"g{group}.{index}"
+        self.owner = 0
+        self.slot: Optional[int] = index
         self.params = params
         self.offsets = []
         n = 0
@@ -77,9 +81,12 @@ class _Bucket:
         self.numel = n
         self.dtype = params[0].dtype
         self.device = params[0].device
-        self.grad = torch.zeros(n, dtype=self.dtype, pin_memory=pin)
-        self.out = torch.empty(n, dtype=self.dtype, pin_memory=pin)
+        self.grad_ext = torch.zeros(n + 1, dtype=self.dtype, pin_memory=pin)
+        self.out_ext = torch.zeros(n + 1, dtype=self.dtype, pin_memory=pin)
+        self.grad = self.grad_ext[:n]
+        self.out = self.out_ext[:n]
         self.arrived = 0          # params whose final gradient of this step is in `grad`
+        self.present = False      # some parameter had a gradient this step
         self.event = None         # the side stream's copies, when the model is on a GPU
         self.launched = False     # given to the optimizer this step
 
@@ -110,6 +117,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     bucket_params: parameters per bucket (the unit stepped during backward).
     socket_dir: the daemon's socket directory ($TIERD_SOCKET_DIR, else /run/tierd).
     threads: kernel threads (0: one per CPU this process may use).
+    process_group: data-parallel ranks to shard the state over, ZeRO-1 style: each rank keeps
+        and steps its share of the buckets, gradients are averaged over the ranks (as DDP does;
+        the model need not be wrapped in DDP) and the new weights are broadcast. None: torch's
+        default group when torch.distributed is initialised with more than one rank (torchrun),
+        else no sharding. With a name, rank r of n keeps its share as "<name>.rank<r>of<n>":
+        resume with as many ranks. state_dict() then holds this rank's parameters only.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -121,7 +134,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  host_budget_bytes: int = 1 << 30, max_grad_norm: Optional[float] = None,
                  skip_nonfinite: bool = False, overlap_backward: bool = False,
                  accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
-                 socket_dir: Optional[str] = None, threads: int = 0):
+                 socket_dir: Optional[str] = None, threads: int = 0, process_group=None):
         if amsgrad:
             raise ValueError("OffloadedAdamW does not implement amsgrad (its fused kernels keep "
                              "exp_avg and exp_avg_sq only): use torch.optim.AdamW for amsgrad")
@@ -160,7 +173,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._early = 0  # buckets given to the optimizer during this step's backward
 
         self._buckets = self._make_buckets(bucket_params)
-        state_bytes = 12 * sum(b.numel for b in self._buckets)
+        self._comm = _shard.Comm.create(process_group)
+        if self._comm is not None:
+            self._comm.assign(self._buckets)
+        self._owned = [b for b in self._buckets if b.slot is not None]
+        state_bytes = 12 * sum(b.numel for b in self._owned)
         if home is None:
             home = "host"
             if state_bytes > host_budget_bytes:
@@ -171,6 +188,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if name is None and (resume or reset):
             raise ValueError("resume and reset need a name")
         self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
+        if self._comm is not None:
+            try:
+                self._comm.agree("whether the state was resumed", int(self.resumed))
+                self._comm.agree("the steps taken", self.steps_taken)
+            except RuntimeError:
+                self.close()
+                raise
+            self._comm.share_params(self._buckets)
         if overlap_backward:
             self._install_hooks()
 
@@ -205,7 +230,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if socket_dir:
             options.socket_dir = socket_dir.encode()
         self.persistent = name is not None
-        options.name = (name or f"scratch-{id(self):x}").encode()
+        name = name or f"scratch-{os.getpid()}-{id(self):x}"
+        if self._comm is not None:
+            name = f"{name}.rank{self._comm.rank}of{self._comm.world}"
+        self.state_name = name
+        options.name = name.encode()
         options.persistent = 1 if self.persistent else 0
         options.reset = 1 if reset else 0
         options.open_mode = {None: _abi.ADAM_CREATE_OR_OPEN, True: _abi.ADAM_OPEN,
@@ -215,17 +244,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
         options.threads = threads
         options.host_budget_bytes = host_budget_bytes
         options.hyper = _hyper(self.defaults)
-        n = len(self._buckets)
-        names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._buckets])
-        sizes = (ctypes.c_uint64 * n)(*[b.numel for b in self._buckets])
+        n = len(self._owned)
+        names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._owned])
+        sizes = (ctypes.c_uint64 * n)(*[b.numel for b in self._owned])
         _check(lib.tierd_adam_create(n, names, sizes, ctypes.byref(options),
                                      ctypes.byref(self._handle)))
         self.resumed = bool(lib.tierd_adam_resumed(self._handle))
-        for b in self._buckets:
-            if not lib.tierd_adam_initialized(self._handle, b.index):
+        for b in self._owned:
+            if not lib.tierd_adam_initialized(self._handle, b.slot):
                 flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32)
                                   for p in b.params])
-                _check(lib.tierd_adam_set_params(self._handle, b.index,
+                _check(lib.tierd_adam_set_params(self._handle, b.slot,
                                                  ctypes.c_void_p(flat.data_ptr()), b.numel))
             elif self.resumed:
                 master = self._read(b, _abi.ADAM_PARAMS)
@@ -258,9 +287,20 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return
         self._copy_grad(b, i)
         b.arrived += 1
-        if b.arrived == len(b.params) and self._steps_early():
-            self._launch(b)
-            self._early += 1
+        complete = b.arrived == len(b.params)
+        if complete:
+            b.present = True
+        if self._comm is None:
+            if complete and self._steps_early():
+                self._launch(b)
+                self._early += 1
+            return
+        if complete:
+            self._comm.reduce_ready(self._buckets)
+        if self._steps_early():  # this rank's buckets whose gradients are summed by now
+            for owned in self._comm.reduced(self._owned, wait=False):
+                self._launch(owned)
+                self._early += 1
 
     def _copy_grad(self, b: _Bucket, i: int):
         p, off = b.params[i], b.offsets[i]
@@ -291,9 +331,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
             self._pending_copy.synchronize()
             self._pending_copy = None
-        for b in self._buckets:
+        for b in self._owned:
             hyper = _hyper(self.param_groups[b.group])
-            _check(lib.tierd_adam_set_group_hyper(self._handle, b.index, ctypes.byref(hyper)))
+            _check(lib.tierd_adam_set_group_hyper(self._handle, b.slot, ctypes.byref(hyper)))
         _check(lib.tierd_adam_begin_step(self._handle, grad_scale))
         self._begun = True
 
@@ -303,7 +343,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if b.event is not None:
             b.event.synchronize()
         _check(_library().tierd_adam_step_group(
-            self._handle, b.index, ctypes.c_void_p(b.grad.data_ptr()), _DTYPES[b.dtype],
+            self._handle, b.slot, ctypes.c_void_p(b.grad.data_ptr()), _DTYPES[b.dtype],
             ctypes.c_void_p(b.out.data_ptr()), _DTYPES[b.dtype]))
         b.launched = True
 
@@ -320,7 +360,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         start = time.perf_counter()
         if not grad_scale > 0 or math.isinf(grad_scale):
             raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
-        if self._begun and grad_scale != 1.0:
+        if grad_scale != 1.0 and self.overlap_backward and self._steps_early():
             self._abandon()
             raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
                                "loss scaling with overlap_backward needs skip_nonfinite=True")
@@ -330,11 +370,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if b.launched:
                 continue
             if b.arrived < len(b.params):
-                if all(p.grad is None for p in b.params):
+                b.present = any(p.grad is not None for p in b.params)
+                if not b.present and self._comm is None:
                     continue  # no gradient this step: left as it is
                 for i in range(len(b.params)):
                     self._copy_grad(b, i)
             todo.append(b)
+        if self._comm is not None:  # summed into their owners: this rank steps its own
+            self._comm.reduce_ready(self._buckets, force=True)
+            todo = list(self._comm.reduced([b for b in todo if b.slot is not None], wait=True))
         for b in todo:
             if b.event is not None:
                 b.event.synchronize()
@@ -359,6 +403,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for b in todo:
             self._launch(b)
         early = self._early
+        reduces_early = self._comm.early if self._comm is not None else 0
         stats = _abi.AdamStepStats()
         try:
             _check(_library().tierd_adam_finish_step(self._handle, ctypes.byref(stats)))
@@ -369,21 +414,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
             "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
             "write_wait_s": stats.write_wait_ns / 1e9, "state_bytes": float(stats.state_bytes),
-            "buckets": float(len(self._buckets)), "buckets_during_backward": float(early),
+            "buckets": float(len(self._owned)), "buckets_during_backward": float(early),
+            "reduces_during_backward": float(reduces_early),
             "tail_s": time.perf_counter() - start}
         return loss
 
     def _grad_norm(self, buckets: List[_Bucket]) -> torch.Tensor:
         # As clip_grad_norm_: each gradient's 2-norm, then the norm of those.
         norms = [torch.norm(g, 2.0) for b in buckets for _, g in b.slices(b.grad)]
+        if self._comm is not None:
+            return self._comm.grad_norm(norms)
         if not norms:
             return torch.zeros(())
         return torch.norm(torch.stack(norms), 2.0)
 
     def _write_weights(self):
-        for b in self._buckets:
-            if not b.launched:
-                continue
+        if self._pending_copy is not None:  # `out` buffers are written again below
+            self._pending_copy.synchronize()
+            self._pending_copy = None
+        new = [b for b in self._buckets if b.launched]
+        if self._comm is not None:
+            new = self._comm.broadcast_weights(self._buckets)
+        for b in new:
             for p, values in b.slices(b.out):
                 p.copy_(values.view_as(p), non_blocking=p.is_cuda)
         if any(b.device.type == "cuda" for b in self._buckets):
@@ -395,8 +447,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _end_step(self):
         self._begun = False
         self._early = 0
+        if self._comm is not None:
+            self._comm.end_step()
         for b in self._buckets:
             b.arrived = 0
+            b.present = False
             b.event = None
         if self.overlap_backward:
             for key in self._counts:
@@ -424,13 +479,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _read(self, b: _Bucket, part: int) -> torch.Tensor:
         out = torch.empty(b.numel, dtype=torch.float32)
-        _check(_library().tierd_adam_get_state(self._handle, b.index, part,
+        _check(_library().tierd_adam_get_state(self._handle, b.slot, part,
                                                ctypes.c_void_p(out.data_ptr()), b.numel))
         return out
 
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim.AdamW's format (exp_avg, exp_avg_sq and step per parameter, as fp32 CPU
-        tensors), plus `master` (the fp32 master weights) for parameters kept in another dtype."""
+        tensors), plus `master` (the fp32 master weights) for parameters kept in another dtype.
+        Sharded over ranks, `state` holds this rank's parameters: the union of the ranks' `state`
+        dicts is the whole (each rank's can be loaded back into the rank that owns it, or the
+        union into every rank)."""
         if self._begun:
             raise RuntimeError("state_dict during a step")
         index = {}
@@ -442,7 +500,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         steps = self.steps_taken
         if steps > 0:
-            for b in self._buckets:
+            for b in self._owned:
                 m, v = self._read(b, _abi.ADAM_M), self._read(b, _abi.ADAM_V)
                 master = self._read(b, _abi.ADAM_PARAMS) if b.dtype != torch.float32 else None
                 for i, p in enumerate(b.params):
@@ -457,7 +515,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state_dict of this class or of torch.optim.AdamW (the model's weights must be
-        loaded first: they become the master weights unless the state carries `master`)."""
+        loaded first: they become the master weights unless the state carries `master`).
+        Sharded over ranks, each rank loads the parameters it owns."""
         if self._begun:
             raise RuntimeError("load_state_dict during a step")
         saved_groups = state_dict["param_groups"]
@@ -468,16 +527,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if any(s.get("amsgrad") for s in saved_groups):
             raise ValueError("loaded state dict is of an amsgrad AdamW, which this optimizer "
                              "does not implement")
+        owned = {id(p) for b in self._owned for p in b.params}
         by_param = {}
         for s, g in zip(saved_groups, self.param_groups):
             for saved_id, p in zip(s["params"], g["params"]):
-                by_param[id(p)] = state_dict["state"].get(saved_id, {})
+                if id(p) in owned:
+                    by_param[id(p)] = state_dict["state"].get(saved_id, {})
         steps = {int(torch.as_tensor(e["step"]).item()) for e in by_param.values() if "step" in e}
         if len(steps) > 1:
             raise ValueError(f"parameters were stepped different numbers of times: {sorted(steps)}"
                              "; OffloadedAdamW steps every parameter together")
         lib = _library()
-        for b in self._buckets:
+        for b in self._owned:
             parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
             for p in b.params:
                 entry = by_param[id(p)]
@@ -492,7 +553,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     parts[key].append(value.reshape(-1).to("cpu", torch.float32))
             flat = {k: torch.cat(v) for k, v in parts.items()}
             _check(lib.tierd_adam_set_state(
-                self._handle, b.index, ctypes.c_void_p(flat["master"].data_ptr()),
+                self._handle, b.slot, ctypes.c_void_p(flat["master"].data_ptr()),
                 ctypes.c_void_p(flat["exp_avg"].data_ptr()),
                 ctypes.c_void_p(flat["exp_avg_sq"].data_ptr()), b.numel))
         _check(lib.tierd_adam_set_steps(self._handle, steps.pop() if steps else 0))

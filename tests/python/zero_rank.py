@@ -1,0 +1,81 @@
+"""One rank of test_torch_zero.py, started by torchrun: trains test_torch_optimizer's model on its
+share of each global batch with OffloadedAdamW sharded over the ranks, and rank 0 saves the mean
+loss of each step, the final weights and `tierctl status` while every rank's session was open.
+
+    zero_rank.py SOCKET_DIR OUT [--home H] [--overlap] [--clip C] [--poison STEP] [--steps N]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_torch_optimizer import BUDGET, HYPER, batches, loss_of, model  # noqa: E402
+
+import tierd.torch  # noqa: E402 (PYTHONPATH)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("socket_dir")
+    ap.add_argument("out")
+    ap.add_argument("--home", default="nvme")
+    ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--clip", type=float)
+    ap.add_argument("--poison", type=int)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = model(seed=rank)  # different on each rank: the optimizer starts them from its owners'
+    opt = tierd.torch.OffloadedAdamW(
+        m.parameters(), **HYPER, socket_dir=args.socket_dir, host_budget_bytes=BUDGET, threads=1,
+        home=args.home, name="pytest/zero", reset=True, overlap_backward=args.overlap,
+        max_grad_norm=args.clip, skip_nonfinite=args.poison is not None, bucket_params=40_000)
+    initial = [p.detach().clone() for p in m.parameters()]  # the owners' weights, on every rank
+    dist.barrier()
+    status = None
+    if rank == 0 and os.environ.get("TIERCTL_BIN"):
+        status = json.loads(subprocess.run(
+            [os.environ["TIERCTL_BIN"], f"--socket_dir={args.socket_dir}", "--json", "status"],
+            check=True, capture_output=True, text=True).stdout)
+    dist.barrier()
+
+    losses, norms = [], []
+    for step, (x, y) in enumerate(batches(args.steps, seed=6)):
+        opt.zero_grad()
+        loss = loss_of(m, x.chunk(world)[rank], y.chunk(world)[rank])
+        mean = loss.detach().clone()
+        if args.poison == step and rank == 1:  # one rank's gradient is not finite
+            loss = loss + next(iter(m.parameters()))[0, 0] * float("inf")
+        loss.backward()
+        opt.step()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+        norms.append(opt.last_grad_norm)
+    shard = opt.state_dict()["state"]
+    result = {"losses": losses, "norms": norms, "skipped": opt.skipped_steps,
+              "steps": opt.steps_taken, "owned": sorted(shard), "state_name": opt.state_name,
+              "buckets": opt.last_stats.get("buckets"),
+              "stepped_during_backward": opt.last_stats.get("buckets_during_backward"),
+              "reduced_during_backward": opt.last_stats.get("reduces_during_backward")}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    weights = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(weights, flat)
+    if rank == 0:
+        torch.save({"ranks": gathered, "status": status, "weights_of_ranks": weights,
+                    "initial": initial,
+                    "params": [p.detach().clone() for p in m.parameters()]}, args.out)
+    opt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
