@@ -28,6 +28,15 @@ install(CODE "set(TIERD_SOURCE_DIR \"${PROJECT_SOURCE_DIR}\")
   set(TIERD_BINARY_DIR \"${PROJECT_BINARY_DIR}\")")
 install(SCRIPT cmake/InstallService.cmake)
 
+# The Python package (pure Python over the C ABI, which it loads from the library directory).
+# Relative to the prefix: under /usr (the .deb), where Debian's python3 finds packages of the
+# system; under another prefix, put <prefix>/lib/python3/dist-packages on PYTHONPATH.
+set(TIERD_PYTHON_DIR lib/python3/dist-packages CACHE STRING
+  "Where the tierd Python package is installed, relative to the prefix")
+install(DIRECTORY python/tierd DESTINATION ${TIERD_PYTHON_DIR}
+  FILES_MATCHING PATTERN "*.py" PATTERN __pycache__ EXCLUDE)
+install(FILES examples/train_gpt.py DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples)
+
 # For the monitoring host: dashboards, scrape config and alert rules.
 install(DIRECTORY dashboards/ DESTINATION ${CMAKE_INSTALL_DATADIR}/tierd/dashboards
   FILES_MATCHING PATTERN "*.json" PATTERN "README.md")

@@ -21,9 +21,14 @@ def main(argv=None) -> int:
     try:
         with connect(args.socket_dir, "python -m tierd") as client:
             print(f"session {client.session_id}")
-            device = client.device()
-            print(f"device  {device['uuid']}{' (emulated)' if device['emulated'] else ''}, "
-                  f"{_size(device['memory_bytes'])}")
+            try:
+                device = client.device()
+                print(f"device  {device['uuid']}{' (emulated)' if device['emulated'] else ''}, "
+                      f"{_size(device['memory_bytes'])}")
+            except TierdError as e:
+                if e.code_name != "NOT_FOUND":
+                    raise
+                print(f"device  none ({e.message})")  # a daemon without a device tier
             for tier in Tier:
                 u = client.tier_usage(tier)
                 if not u.configured:

@@ -16,7 +16,9 @@ for f in usr/bin/tierd usr/bin/tierctl usr/bin/tierd-bench usr/include/tierd/cli
          usr/include/tierd/optimizer.hpp usr/lib/systemd/system/tierd.service \
          usr/lib/sysusers.d/tierd.conf etc/tierd/tierd.toml \
          usr/share/tierd/dashboards/tierd-overview.json usr/share/tierd/dashboards/tierd-detail.json \
-         usr/share/tierd/prometheus/prometheus.yml usr/share/tierd/prometheus/tierd-rules.yml; do
+         usr/share/tierd/prometheus/prometheus.yml usr/share/tierd/prometheus/tierd-rules.yml \
+         usr/lib/python3/dist-packages/tierd/__init__.py usr/lib/python3/dist-packages/tierd/torch.py \
+         usr/share/doc/tierd/examples/train_gpt.py; do
   [[ -e $root/$f ]] || fail "cmake --install did not install /$f"
 done
 config=$(find "$root/usr/lib" -name tierdConfig.cmake)
@@ -61,6 +63,19 @@ for _ in $(seq 300); do [[ -S $work/run/tierd.sock ]] && break; sleep 0.1; done
 [[ -S $work/run/tierd.sock ]] || { cat "$work/daemon.log"; fail "the installed daemon did not start"; }
 LD_LIBRARY_PATH=$libdir "$root/usr/bin/tierctl" --socket_dir="$work/run" health ||
   fail "the installed tierctl finds the installed daemon unhealthy"
+# The installed Python package, away from the source tree, loads the installed library (found by
+# the dynamic loader) and talks to the installed daemon; tierd.torch imports.
+py() { (cd "$work" && env -u TIERD_CLIENT_LIB PYTHONPATH="$root/usr/lib/python3/dist-packages" \
+  LD_LIBRARY_PATH="$libdir" /usr/bin/python3 "$@"); }
+where=$(py -c 'import tierd, tierd._abi as a; print(tierd.__file__, a.library_path())')
+[[ $where == "$root/usr/lib/python3/dist-packages/tierd/__init__.py libtierd_client.so.0" ]] ||
+  fail "the installed package is not the one imported, or it does not load the installed library: $where"
+status=$(py -m tierd status --socket-dir "$work/run") ||
+  fail "python3 -m tierd status from the installed package failed"
+grep -q "^host " <<<"$status" || fail "python3 -m tierd status shows no host tier: $status"
+if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  py -c 'import tierd.torch' || fail "the installed tierd.torch does not import"
+fi
 kill -TERM $pid; wait $pid || { cat "$work/daemon.log"; fail "the installed daemon did not stop cleanly"; }
 
 # 6. The .deb.
@@ -69,7 +84,8 @@ kill -TERM $pid; wait $pid || { cat "$work/daemon.log"; fail "the installed daem
 deb=$(ls "$work"/deb/tierd_*.deb)
 contents=$(dpkg-deb -c "$deb")
 for f in ./usr/bin/tierd ./usr/bin/tierctl ./usr/lib/systemd/system/tierd.service \
-         ./etc/tierd/tierd.toml ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf; do
+         ./etc/tierd/tierd.toml ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf \
+         ./usr/lib/python3/dist-packages/tierd/torch.py; do
   grep -q " $f\$" <<<"$contents" || fail ".deb lacks $f"
 done
 info=$(dpkg-deb -I "$deb")
