@@ -397,6 +397,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   HelloRequest hello{};
   hello.header = MakeHeader(SessionMessageType::kHello);
   CopyString(hello.client_name, options.client_name);
+  std::string job = options.job;
+  if (const char* env = std::getenv("TIERD_JOB"); job.empty() && env != nullptr) job = env;
+  if (job.size() > static_cast<size_t>(kMaxJobBytes)) {  // CopyString would cut it short
+    return absl::InvalidArgumentError(
+        absl::StrCat("job label of ", job.size(), " bytes; at most ", kMaxJobBytes));
+  }
+  CopyString(hello.job, job);
   if (absl::Status s = SendWithFds(impl->session_socket.get(), &hello, sizeof(hello), {});
       !s.ok()) {
     return s;
@@ -620,7 +627,7 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
   for (const pb::SessionInfo& x : resp.session_list()) {
     info.session_list.push_back({x.id(), x.client_name(), x.uid(), x.pid(),
                                  absl::FromUnixSeconds(x.opened_unix_seconds()), x.chunks(),
-                                 x.bytes(), x.pinned_chunks()});
+                                 x.bytes(), x.pinned_chunks(), x.job(), x.moved_bytes()});
   }
   info.sessions = resp.sessions();
   info.chunks = resp.chunks();

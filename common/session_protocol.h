@@ -3,6 +3,7 @@
 // session. Protocol: docs/sessions.md.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace tierd {
@@ -11,6 +12,9 @@ inline constexpr uint32_t kSessionMagic = 0x54495244;  // "TIRD"
 inline constexpr uint16_t kSessionProtocolVersion = 1;
 inline constexpr int kSessionTokenBytes = 32;
 inline constexpr int kMaxSegmentsPerHello = 64;
+// A job label: 1 to 63 of [A-Za-z0-9._:/-]; at most this many distinct jobs have sessions at once.
+inline constexpr int kMaxJobBytes = 63;
+inline constexpr int kMaxLiveJobs = 64;
 
 enum class SessionMessageType : uint16_t {
   kHello = 1,       // client → daemon: open a session
@@ -28,7 +32,11 @@ struct SessionMessageHeader {
 struct HelloRequest {
   SessionMessageHeader header;
   char client_name[64];  // for logs; NUL-terminated
+  // The job the session belongs to (metrics and tierctl attribute its chunks and traffic to it);
+  // NUL-terminated, empty for none. A client older than the field sends the message without it.
+  char job[kMaxJobBytes + 1];
 };
+inline constexpr size_t kHelloRequestWithoutJob = offsetof(HelloRequest, job);
 
 struct SegmentDescriptor {
   uint32_t segment;

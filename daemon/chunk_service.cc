@@ -108,8 +108,24 @@ void ChunkService::MoveStarted(Path path, const ChunkMeta& chunk) {
   move_started_[chunk.id] = now;
 }
 
+ChunkService::SessionState& ChunkService::StateOf(const Session& session) {
+  auto [it, made] = sessions_.try_emplace(session.id);
+  if (made) {
+    it->second.description = session.Describe();
+    it->second.job = session.job;
+    if (!session.job.empty()) ++jobs_[session.job].sessions;
+  }
+  return it->second;
+}
+
 void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   const uint64_t bytes = chunk.size;
+  // The traffic is the holder's: a scratch chunk's session, a persistent one's first lease.
+  if (auto holder = sessions_.find(chunk.owner); holder != sessions_.end()) {
+    SessionState& state = holder->second;
+    state.moved[static_cast<int>(path)] += bytes;
+    if (!state.job.empty()) jobs_[state.job].moved[static_cast<int>(path)] += bytes;
+  }
   PathMeter& m = paths_[static_cast<int>(path)];
   m.queued_bytes -= std::min(m.queued_bytes, bytes);
   m.window_bytes += bytes;
@@ -1078,8 +1094,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     result[i] = found.id;
   }
 
-  SessionState& state = sessions_[session.id];
-  if (state.description.empty()) state.description = session.Describe();
+  SessionState& state = StateOf(session);
   const uint64_t fresh = std::count(result.begin(), result.end(), ChunkId{0});
   if (absl::Status s = ledger_.CheckChunks(tenant, state.owned.size(), fresh); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("Allocate: ", s.message()));
@@ -1244,7 +1259,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   AcquireResult result;
   result.ready = batch->token;
   result.locations.reserve(ids.size());
-  SessionState& state = sessions_[session.id];
+  SessionState& state = StateOf(session);
   if (waited_for_room) {
     const absl::Duration stalled = absl::Now() - arrived;
     state.stats.stall[static_cast<int>(tier)] += stalled;
@@ -1273,7 +1288,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   if (session.ended) return Ended(session);
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
-  SessionState& state = sessions_[session.id];
+  SessionState& state = StateOf(session);
   for (const ChunkMeta* chunk : *chunks) {
     if (!state.pins.contains(chunk->id)) {
       return absl::FailedPreconditionError(
@@ -1495,6 +1510,7 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
     h.chunks = state.owned.size();
     for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
     h.pinned = state.pins.size();
+    for (uint64_t b : state.moved) h.moved_bytes += b;
   }
   // Persistent chunks are the tenant's, but held by the live sessions with a lease on them.
   for (const auto& [id, lease] : leases_) {
@@ -1505,6 +1521,13 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
       it->second.bytes += chunks_.at(id).size;
     }
   }
+  return out;
+}
+
+std::map<std::string, std::array<uint64_t, kPaths>> ChunkService::JobTraffic() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::array<uint64_t, kPaths>> out;
+  for (const auto& [job, j] : jobs_) out[job] = j.moved;
   return out;
 }
 
@@ -1569,6 +1592,9 @@ size_t ChunkService::CloseSession(const Session& session) {
   if (it == sessions_.end()) return 0;
   SessionState state = std::move(it->second);
   sessions_.erase(it);
+  if (auto job = jobs_.find(state.job); job != jobs_.end() && --job->second.sessions == 0) {
+    jobs_.erase(job);
+  }
   if (state.planned()) --schedules_;
   ledger_.AddScheduleAccesses(session.peer.uid, -static_cast<int64_t>(state.schedule_accesses));
   for (const auto& [id, pins] : state.pins) {
@@ -1630,7 +1656,7 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   const uint64_t size = std::max<uint64_t>(accesses, request.steps.size());
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
-  SessionState& state = sessions_[session.id];
+  SessionState& state = StateOf(session);
   const uint32_t uid = session.peer.uid;
   if (absl::Status s = ledger_.CheckSchedule(uid, state.schedule_accesses, size, "SetSchedule");
       !s.ok()) {
@@ -1673,7 +1699,7 @@ absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t w
                                                    " (the daemon's planner.max_session_weight)"));
   }
   if (session.ended) return Ended(session);
-  sessions_[session.id].weight = weight;
+  StateOf(session).weight = weight;
   return absl::OkStatus();
 }
 

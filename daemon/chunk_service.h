@@ -106,6 +106,7 @@ struct DrainResult {
 // What a session holds: its scratch chunks and the persistent chunks it has a lease on.
 struct SessionHoldings {
   uint64_t chunks = 0, bytes = 0, pinned = 0;
+  uint64_t moved_bytes = 0;  // of its chunks, over every path, while it held them
 };
 
 // Whether the session's user may act on every session's chunks: root, or the daemon's own user.
@@ -198,6 +199,9 @@ class ChunkService {
                                     uint32_t page_size) const;
   // What each open session holds, by session id.
   std::map<SessionId, SessionHoldings> Holdings() const;
+  // Bytes moved on each path of chunks held by sessions of each declared job, since the job's
+  // first session here did anything; a job is forgotten when its last session ends.
+  std::map<std::string, std::array<uint64_t, kPaths>> JobTraffic() const;
   void set_max_bandwidth_weight(uint32_t max) {
     absl::MutexLock lock(&mu_);
     max_weight_ = max;
@@ -252,7 +256,9 @@ class ChunkService {
 
   struct SessionState {
     std::string description;  // "session 3 (uid 1000, pid 42, trainer)", for lease errors
-    std::set<ChunkId> owned;  // non-persistent (persistent ones held are in leases_)
+    std::string job;          // as the session declared it; empty: none
+    std::array<uint64_t, kPaths> moved{};  // bytes of the chunks it holds, by path
+    std::set<ChunkId> owned;               // non-persistent (persistent ones held are in leases_)
     struct Pins {
       uint32_t count = 0;   // Acquires not yet released
       uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
@@ -285,6 +291,14 @@ class ChunkService {
     } trace;
     bool planned() const { return steps != nullptr || trace.steps > 0; }
   };
+  // The session's state, made on its first request.
+  SessionState& StateOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per declared job: its sessions with state here, and the bytes their chunks moved.
+  struct Job {
+    uint32_t sessions = 0;
+    std::array<uint64_t, kPaths> moved{};
+  };
+  absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
   // Makes `steps` the session's schedule, its step times unknown yet.
   // `size` is what it counts against the limits (its accesses, or steps if more).
   void InstallSchedule(SessionState& state, const Session& session,

@@ -261,6 +261,38 @@ std::string RenderMetrics(const MetricsSources& src) {
     }
   }
 
+  // Jobs: what the sessions of each declared job hold and moved, so that one job's traffic on a
+  // shared node can be told from another's (at most kMaxLiveJobs jobs: a bounded label).
+  const absl::flat_hash_map<std::string, uint32_t> sessions_by_job = src.sessions->CountByJob();
+  std::map<std::string, SessionHoldings> held_by_job;
+  const std::map<SessionId, SessionHoldings> holdings = src.chunks->Holdings();
+  for (const std::shared_ptr<Session>& s : src.sessions->All()) {
+    if (s->job.empty()) continue;
+    SessionHoldings& j = held_by_job[s->job];
+    if (auto h = holdings.find(s->id); h != holdings.end()) {
+      j.chunks += h->second.chunks;
+      j.bytes += h->second.bytes;
+    }
+  }
+  auto job_label = [](const std::string& job) { return Labels{{"job_name", job}}; };
+  w.Family("tierd_job_sessions", Type::kGauge, "Sessions open in each declared job.");
+  for (const auto& [job, n] : sessions_by_job) w.Sample(job_label(job), n);
+  w.Family("tierd_job_chunks", Type::kGauge,
+           "Chunks the sessions of each job hold (scratch, and persistent ones they hold a lease "
+           "on).");
+  for (const auto& [job, h] : held_by_job) w.Sample(job_label(job), static_cast<double>(h.chunks));
+  w.Family("tierd_job_bytes", Type::kGauge, "Bytes of the chunks the sessions of each job hold.");
+  for (const auto& [job, h] : held_by_job) w.Sample(job_label(job), static_cast<double>(h.bytes));
+  w.Family("tierd_job_moved_bytes_total", Type::kCounter,
+           "Bytes of each job's chunks moved between tiers, by path (from the job's first "
+           "session's first request; a job is forgotten when its last session ends).");
+  for (const auto& [job, moved] : src.chunks->JobTraffic()) {
+    for (int p = 0; p < kPaths; ++p) {
+      w.Sample({{"job_name", job}, {"path", PathName(static_cast<Path>(p))}},
+               static_cast<double>(moved[p]));
+    }
+  }
+
   // The API.
   w.Family("tierd_requests_total", Type::kCounter,
            "API requests by operation and gRPC status code (code!=\"OK\" are errors).");

@@ -379,6 +379,7 @@ class TierdService final : public pb::Tierd::Service {
         pb::SessionInfo* info = resp->add_session_list();
         info->set_id(s->id);
         info->set_client_name(s->client_name);
+        info->set_job(s->job);
         info->set_uid(s->peer.uid);
         info->set_pid(static_cast<uint32_t>(s->peer.pid));
         info->set_opened_unix_seconds(absl::ToUnixSeconds(s->opened));
@@ -386,6 +387,7 @@ class TierdService final : public pb::Tierd::Service {
           info->set_chunks(h->second.chunks);
           info->set_bytes(h->second.bytes);
           info->set_pinned_chunks(h->second.pinned);
+          info->set_moved_bytes(h->second.moved_bytes);
         }
       }
     }

@@ -19,14 +19,33 @@ std::string Session::TokenHex() const {
 
 std::string Session::Describe() const {
   return absl::StrCat("session ", id, " (uid ", peer.uid, ", pid ", peer.pid,
-                      client_name.empty() ? "" : ", ", client_name, ")");
+                      client_name.empty() ? "" : ", ", client_name, job.empty() ? "" : ", job ",
+                      job, ")");
+}
+
+absl::Status ValidateJob(absl::string_view job) {
+  if (job.size() > static_cast<size_t>(kMaxJobBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job label of ", job.size(), " bytes; at most ", kMaxJobBytes));
+  }
+  for (char c : job) {
+    if (!absl::ascii_isalnum(c) && c != '.' && c != '_' && c != ':' && c != '/' && c != '-') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job label '", absl::CHexEscape(job),
+                       "' has a character outside letters, digits and \"._:/-\""));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredentials& peer,
-                                                               absl::string_view client_name) {
+                                                               absl::string_view client_name,
+                                                               absl::string_view job) {
+  if (absl::Status s = ValidateJob(job); !s.ok()) return s;
   auto session = std::make_shared<Session>();
   session->peer = peer;
   session->client_name = std::string(client_name);
+  session->job = std::string(job);
   session->opened = absl::Now();
   size_t filled = 0;
   while (filled < session->token.size()) {
@@ -43,12 +62,18 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredent
         "uid ", peer.uid, " already has ", open, " sessions open, the most one user may have ",
         "(limits.sessions_per_uid); close some first"));
   }
+  if (!job.empty() && !per_job_.contains(job) && per_job_.size() >= kMaxLiveJobs) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(per_job_.size(), " jobs have sessions open, the most a node labels at once; ",
+                     "join one of them or declare no job"));
+  }
   session->id = next_id_++;
   absl::StatusOr<std::unique_ptr<CompletionRing>> ring = CompletionRing::Create(session->id);
   if (!ring.ok()) return ring.status();
   session->completions = std::move(*ring);
   sessions_[session->id] = session;
   ++per_uid_[peer.uid];
+  if (!job.empty()) ++per_job_[job];
   return session;
 }
 
@@ -97,6 +122,9 @@ std::shared_ptr<Session> SessionRegistry::Close(SessionId id) {
   if (auto n = per_uid_.find(session->peer.uid); n != per_uid_.end() && --n->second == 0) {
     per_uid_.erase(n);
   }
+  if (auto n = per_job_.find(session->job); n != per_job_.end() && --n->second == 0) {
+    per_job_.erase(n);
+  }
   return session;
 }
 
@@ -111,6 +139,11 @@ std::vector<std::shared_ptr<Session>> SessionRegistry::All() const {
 absl::flat_hash_map<uint32_t, uint32_t> SessionRegistry::CountByUid() const {
   absl::MutexLock lock(&mu_);
   return per_uid_;
+}
+
+absl::flat_hash_map<std::string, uint32_t> SessionRegistry::CountByJob() const {
+  absl::MutexLock lock(&mu_);
+  return per_job_;
 }
 
 size_t SessionRegistry::size() const {

@@ -180,7 +180,8 @@ bool SessionBroker::Serve(Connection& conn) {
   std::vector<UniqueFd> ignored;  // clients have no reason to send fds; they are closed
   absl::StatusOr<size_t> got = ReceiveWithFds(conn.fd.get(), &msg, sizeof(msg), &ignored);
   if (!got.ok() || *got == 0) return false;  // error or orderly close
-  if (*got == sizeof(HelloRequest) && ValidHeader(msg.header, SessionMessageType::kHello)) {
+  if ((*got == sizeof(HelloRequest) || *got == kHelloRequestWithoutJob) &&
+      ValidHeader(msg.header, SessionMessageType::kHello)) {
     return Hello(conn, msg.hello);
   }
   if (*got == sizeof(MapSegmentRequest) &&
@@ -202,7 +203,9 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   std::string name(request.client_name, strnlen(request.client_name, sizeof(request.client_name)));
-  absl::StatusOr<std::shared_ptr<Session>> session = sessions_->Open(conn.peer, name);
+  // Zeroed by the union when an older client sent no job.
+  std::string job(request.job, strnlen(request.job, sizeof(request.job)));
+  absl::StatusOr<std::shared_ptr<Session>> session = sessions_->Open(conn.peer, name, job);
   if (!session.ok()) {
     reply.status_code = static_cast<int32_t>(session.status().code());
     CopyString(reply.message, session.status().message());

@@ -25,6 +25,7 @@ import argparse
 import glob
 import math
 import os
+import re
 import sys
 import time
 
@@ -139,6 +140,8 @@ def main():
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
     args = ap.parse_args()
 
+    # The sessions of this run (every rank's) are one job in tierctl status and the metrics.
+    os.environ.setdefault("TIERD_JOB", re.sub(r"[^A-Za-z0-9._:/-]", "_", args.name)[:63])
     rank, world, dist = 0, int(os.environ.get("WORLD_SIZE", "1")), None
     device = torch.device(args.device)
     if world > 1:  # under torchrun

@@ -389,6 +389,38 @@ TEST_F(HostileClientTest, RunningOutOfFileDescriptorsNeitherSpinsNorFloodsTheLog
   ExpectServed(late);
 }
 
+// A hello's job field is the client's bytes: one without a terminating NUL or with characters a
+// label cannot hold is refused with the reason; a hello without the field (a client older than
+// it) opens a session with no job. The daemon serves on.
+TEST_F(HostileClientTest, HelloJobLabelsAreCheckedAndOlderHellosStillWork) {
+  Start();
+  auto hello = [&](const HelloRequest& request, size_t bytes) {
+    auto sock = ConnectSeqpacket(daemon_->socket_dir() + "/tierd.session.sock");
+    EXPECT_TRUE(sock.ok()) << sock.status();
+    HelloReply reply{};
+    std::vector<UniqueFd> fds;
+    EXPECT_TRUE(SendWithFds(sock->get(), &request, bytes, {}).ok());
+    EXPECT_TRUE(ReceiveWithFds(sock->get(), &reply, sizeof(reply), &fds).ok());
+    return reply;
+  };
+  HelloRequest request{};
+  request.header = MakeHeader(SessionMessageType::kHello);
+  std::memset(request.job, 'j', sizeof(request.job));  // no NUL: 64 bytes
+  HelloReply reply = hello(request, sizeof(request));
+  EXPECT_EQ(reply.status_code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  EXPECT_NE(std::string(reply.message).find("job label of 64 bytes"), std::string::npos)
+      << reply.message;
+  std::memset(request.job, 0, sizeof(request.job));
+  std::strcpy(request.job, "a\x7f{b=\"c\"}");
+  reply = hello(request, sizeof(request));
+  EXPECT_EQ(reply.status_code, static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+  std::strcpy(request.job, "old-client-never-sends-this");
+  reply = hello(request, kHelloRequestWithoutJob);
+  EXPECT_EQ(reply.status_code, 0) << reply.message;
+  EXPECT_NE(reply.session_id, 0u);
+  ExpectServed(Open());
+}
+
 // One user cannot take every connection or session of the node.
 TEST_F(HostileClientTest, ConnectionsAndSessionsPerUserAreLimited) {
   ConfigFile config("[limits]\nconnections_per_uid = 6\nsessions_per_uid = 3\n");

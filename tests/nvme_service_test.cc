@@ -154,6 +154,40 @@ TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   EXPECT_EQ(faults_->seen(IoKind::kSync), 0u);
 }
 
+TEST_F(NvmeServiceTest, TrafficIsCountedToTheHoldingSessionAndItsJob) {
+  auto trainer = *sessions_.Open({1000, 1000, 7}, "trainer", "run-42");
+  auto other = *sessions_.Open({1000, 1000, 8}, "other", "run-43");
+  MapPage(*trainer);
+  MapPage(*other);
+  auto mine = Alloc(*trainer, {1 << 20, 1 << 20});
+  std::vector<ChunkRequest> p = {{.size = 1 << 20, .name = "run-42/m", .persistent = true}};
+  auto kept = *service_->Allocate(*trainer, p);
+  auto theirs = Alloc(*other, {1 << 20});
+  Write(*trainer, mine, 1);
+  Write(*trainer, kept, 2);
+  Write(*other, theirs, 3);
+  std::vector<ChunkId> all = mine;
+  all.push_back(kept[0]);
+  ASSERT_TRUE(Wait(*trainer, service_->Evict(*trainer, all, TierKind::kNvme)).ok());
+  ASSERT_TRUE(Wait(*trainer, service_->Prefetch(*trainer, mine, TierKind::kHost, 0)).ok());
+  ASSERT_TRUE(Wait(*other, service_->Evict(*other, theirs, TierKind::kNvme)).ok());
+
+  const std::map<std::string, std::array<uint64_t, kPaths>> jobs = service_->JobTraffic();
+  const auto down = static_cast<int>(Path::kHostToNvme), up = static_cast<int>(Path::kNvmeToHost);
+  EXPECT_EQ(jobs.at("run-42")[down], 3u << 20);  // its persistent chunk too: it holds the lease
+  EXPECT_EQ(jobs.at("run-42")[up], 2u << 20);
+  EXPECT_EQ(jobs.at("run-43")[down], 1u << 20);
+  EXPECT_EQ(jobs.at("run-43")[up], 0u);
+  const std::map<SessionId, SessionHoldings> h = service_->Holdings();
+  EXPECT_EQ(h.at(trainer->id).moved_bytes, 5u << 20);
+  EXPECT_EQ(h.at(trainer->id).chunks, 3u);
+  EXPECT_EQ(h.at(other->id).moved_bytes, 1u << 20);
+  // A job is forgotten with its last session (the metrics series ends).
+  service_->CloseSession(*other);
+  EXPECT_FALSE(service_->JobTraffic().contains("run-43"));
+  EXPECT_TRUE(service_->JobTraffic().contains("run-42"));
+}
+
 // A chunk the daemon moved below the host tier (room for another, a quota, a drain) cannot be
 // evicted to the host: the caller cannot have seen that coming, so it is the chunk's state that is
 // wrong, not the request, and nothing changes.

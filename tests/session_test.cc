@@ -26,6 +26,40 @@ TEST(SessionTest, AnotherSessionsTokenDoesNotAuthenticate) {
       registry.Authenticate(absl::StrCat(a->id, ":", b->TokenHex())).status()));
 }
 
+TEST(SessionTest, JobLabelsAreValidatedCountedAndBoundedInNumber) {
+  SessionRegistry registry;
+  auto a = registry.Open({1000, 1000, 11}, "rank0", "run-42/lr_3e-4:v1.2");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ((*a)->job, "run-42/lr_3e-4:v1.2");
+  EXPECT_NE((*a)->Describe().find("job run-42/lr_3e-4:v1.2"), std::string::npos);
+  for (const std::string& bad : {std::string("two words"), std::string("x\n"),
+                                 std::string("job{a=\"b\"}"), std::string(kMaxJobBytes + 1, 'j')}) {
+    absl::Status s = registry.Open({1000, 1000, 12}, "bad", bad).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << bad << ": " << s;
+  }
+  EXPECT_TRUE(registry.Open({1000, 1000, 12}, "longest", std::string(kMaxJobBytes, 'j')).ok());
+  auto b = *registry.Open({1000, 1000, 13}, "rank1", "run-42/lr_3e-4:v1.2");
+  auto none = *registry.Open({1000, 1000, 14}, "tierctl");
+  EXPECT_EQ(registry.CountByJob().at("run-42/lr_3e-4:v1.2"), 2u);
+  EXPECT_EQ(registry.CountByJob().size(), 2u);  // sessions without a job are in none
+
+  // At most kMaxLiveJobs distinct jobs at once; a live job still takes sessions.
+  std::vector<std::shared_ptr<Session>> held;
+  for (int i = 2; i < kMaxLiveJobs; ++i) {
+    held.push_back(*registry.Open({1000, 1000, 20}, "", absl::StrCat("job-", i)));
+  }
+  absl::Status full = registry.Open({1000, 1000, 21}, "", "one-too-many").status();
+  EXPECT_TRUE(absl::IsResourceExhausted(full)) << full;
+  EXPECT_TRUE(registry.Open({1000, 1000, 22}, "", "job-2").ok());
+  registry.Close(held.back()->id);  // its job's only session: the job is gone
+  EXPECT_TRUE(registry.Open({1000, 1000, 21}, "", "one-too-many").ok());
+  registry.Close((*a)->id);
+  EXPECT_EQ(registry.CountByJob().at("run-42/lr_3e-4:v1.2"), 1u);
+  registry.Close(b->id);
+  EXPECT_FALSE(registry.CountByJob().contains("run-42/lr_3e-4:v1.2"));
+  (void)none;
+}
+
 TEST(SessionTest, MalformedCredentialsAreDenied) {
   SessionRegistry registry;
   auto a = *registry.Open({1000, 1000, 11}, "a");

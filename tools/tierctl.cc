@@ -292,13 +292,15 @@ class Tierctl {
           static_cast<unsigned long long>(l.schedule_accesses_per_session), l.trace_steps);
     }
     if (!n.session_list.empty()) {
-      std::printf("\n%-8s %-20s %7s %8s %8s %12s %7s  %s\n", "SESSION", "CLIENT", "UID", "PID",
-                  "CHUNKS", "BYTES", "PINNED", "OPENED");
+      std::printf("\n%-8s %-20s %-16s %7s %8s %8s %12s %7s %12s  %s\n", "SESSION", "CLIENT", "JOB",
+                  "UID", "PID", "CHUNKS", "BYTES", "PINNED", "MOVED", "OPENED");
       for (const SessionSummary& s : n.session_list) {
-        std::printf("%-8llu %-20s %7u %8u %8llu %12s %7llu  %s\n",
-                    static_cast<unsigned long long>(s.id), s.client_name.c_str(), s.uid, s.pid,
+        std::printf("%-8llu %-20s %-16s %7u %8u %8llu %12s %7llu %12s  %s\n",
+                    static_cast<unsigned long long>(s.id), s.client_name.c_str(),
+                    s.job.empty() ? "-" : s.job.c_str(), s.uid, s.pid,
                     static_cast<unsigned long long>(s.chunks), FormatSize(s.bytes).c_str(),
                     static_cast<unsigned long long>(s.pinned_chunks),
+                    FormatSize(s.moved_bytes).c_str(),
                     absl::FormatTime("%Y-%m-%d %H:%M:%S", s.opened, absl::LocalTimeZone()).c_str());
       }
     }
@@ -354,11 +356,12 @@ class Tierctl {
           ",\"probed_bytes_per_second\":", p.probed_bytes_per_second, "}"));
     }
     for (const SessionSummary& s : n.session_list) {
-      sessions.push_back(absl::StrCat("{\"id\":", s.id, ",\"client_name\":", Quote(s.client_name),
-                                      ",\"uid\":", s.uid, ",\"pid\":", s.pid,
-                                      ",\"opened_unix_seconds\":", absl::ToUnixSeconds(s.opened),
-                                      ",\"chunks\":", s.chunks, ",\"bytes\":", s.bytes,
-                                      ",\"pinned_chunks\":", s.pinned_chunks, "}"));
+      sessions.push_back(absl::StrCat(
+          "{\"id\":", s.id, ",\"client_name\":", Quote(s.client_name),
+          ",\"job\":", s.job.empty() ? "null" : Quote(s.job), ",\"moved_bytes\":", s.moved_bytes,
+          ",\"uid\":", s.uid, ",\"pid\":", s.pid,
+          ",\"opened_unix_seconds\":", absl::ToUnixSeconds(s.opened), ",\"chunks\":", s.chunks,
+          ",\"bytes\":", s.bytes, ",\"pinned_chunks\":", s.pinned_chunks, "}"));
     }
     std::printf(
         "{\"hostname\":%s,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u,\"chunks\":%llu,"

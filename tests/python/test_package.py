@@ -106,3 +106,57 @@ def test_the_library_is_found_beside_the_package(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import tierd._abi as a; print(a.library_path())"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == str(tmp_path / "tierd" / "libtierd_client.so.0"), out.stderr
+
+
+def test_jobs_are_attributed_in_tierctl_status_and_metrics(tmp_path, monkeypatch):
+    """Two jobs on one daemon ($TIERD_JOB): tierctl status and /metrics tell their chunks and
+    traffic apart; a malformed job label is refused at connect, naming the rule."""
+    import json
+    import re
+    import urllib.request
+    from test_c_abi import start_daemon, stop_daemon
+    root = str(tmp_path)
+    proc = start_daemon(root, "--device=none", "--probe_bytes=0", "--metrics_listen=127.0.0.1:0")
+    try:
+        clients = {}
+        for job, n in (("run-a", 2), ("sweep/run-b", 1)):
+            monkeypatch.setenv("TIERD_JOB", job)
+            c = clients[job] = tierd.connect(root, f"trainer {job}")
+            chunks = c.allocate([1 << 20] * n)
+            with c.acquire(chunks, tierd.Tier.HOST, tierd.Access.OVERWRITE) as views:
+                for i in range(n):
+                    views.memoryview(i)[:] = b"\x01" * (1 << 20)
+            c.evict(chunks, tierd.Tier.NVME).wait(timeout=30)
+        monkeypatch.setenv("TIERD_JOB", "two words")
+        with pytest.raises(tierd.TierdError) as bad:
+            tierd.connect(root, "bad job")
+        assert bad.value.code_name == "INVALID_ARGUMENT" and "job label" in bad.value.message
+        monkeypatch.delenv("TIERD_JOB")
+
+        out = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={root}", "--json",
+                              "status", "--sample=0"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        sessions = {s["client_name"]: s for s in json.loads(out.stdout)["session_list"]}
+        a, b = sessions["trainer run-a"], sessions["trainer sweep/run-b"]
+        assert (a["job"], a["chunks"], a["moved_bytes"]) == ("run-a", 2, 2 << 20)
+        assert (b["job"], b["chunks"], b["moved_bytes"]) == ("sweep/run-b", 1, 1 << 20)
+        assert sessions["tierctl"]["job"] is None
+        table = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={root}", "status",
+                                "--sample=0"], capture_output=True, text=True, timeout=60).stdout
+        assert re.search(r"trainer run-a\s+run-a\s", table), table
+
+        url = re.search(r"serving metrics on (http://\S+)",
+                        open(os.path.join(root, "daemon.log")).read()).group(1)
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        for job, n in (("run-a", 2), ("sweep/run-b", 1)):
+            assert f'tierd_job_sessions{{job_name="{job}"}} 1' in text
+            assert f'tierd_job_chunks{{job_name="{job}"}} {n}' in text
+            assert f'tierd_job_bytes{{job_name="{job}"}} {n << 20}' in text
+            assert (f'tierd_job_moved_bytes_total{{job_name="{job}",path="host_to_nvme"}} '
+                    f'{n << 20}') in text
+        clients.pop("sweep/run-b").close()
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'job_name="sweep/run-b"' not in text and 'job_name="run-a"' in text
+        clients.pop("run-a").close()
+    finally:
+        stop_daemon(proc, root)

@@ -79,7 +79,7 @@ def test_two_ranks_train_as_one_process_does(daemon, tmp_path, options):  # noqa
     clients = {s["client_name"]: s for s in got["status"]["session_list"]}
     for r in range(2):
         session = clients[f"optimizer pytest/zero.rank{r}of2"]
-        assert session["chunks"] > 0 and session["bytes"] > 0
+        assert session["chunks"] > 0 and session["bytes"] > 0 and session["job"] == "pytest-zero"
 
     # The same training as one process: within fp32 rounding, step after step.
     torch.testing.assert_close(torch.tensor(got["ranks"][0]["losses"]), torch.tensor(ref_losses),

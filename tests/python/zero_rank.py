@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
 
+    os.environ["TIERD_JOB"] = "pytest-zero"  # both ranks' sessions: one job
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     m = model(seed=rank)  # different on each rank: the optimizer starts them from its owners'

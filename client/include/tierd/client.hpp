@@ -33,6 +33,9 @@ struct ClientOptions {
   std::string socket_dir;
   // Shown in the daemon's logs.
   std::string client_name;
+  // The job this session belongs to: tierctl status and the daemon's metrics attribute its chunks
+  // and traffic to it (1 to 63 of letters, digits and "._:/-"). Empty: $TIERD_JOB, else none.
+  std::string job;
   // Deadline of each RPC.
   absl::Duration rpc_timeout = absl::Seconds(60);
   // Once this process uses the daemon's GPU through the client (device-tier chunks, StreamWait,
@@ -108,6 +111,8 @@ struct SessionSummary {
   uint64_t chunks = 0;  // owned (or opened persistent)
   uint64_t bytes = 0;
   uint64_t pinned_chunks = 0;
+  std::string job;           // declared by the session (ClientOptions::job); empty: none
+  uint64_t moved_bytes = 0;  // its chunks' bytes moved between tiers while it held them
 };
 
 // One user's holdings against its quotas and limits (the caller's own, or every user's for an
