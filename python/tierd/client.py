@@ -372,5 +372,6 @@ class Client:
 
 def connect(socket_dir: Optional[str] = None, name: Optional[str] = None) -> Client:
     """A session with the node's daemon: `socket_dir`, else $TIERD_SOCKET_DIR, else the client
-    library's default (/run/tierd)."""
+    library's default (/run/tierd). The session belongs to the job named by $TIERD_JOB, if set
+    (tierctl status and the daemon's metrics attribute its chunks and traffic to it)."""
     return Client(socket_dir, name)
