@@ -11,6 +11,7 @@ over `memory` per saved tensor it moved. Gradients of all four are checked equal
 
     bench/activation_offload.py [--build build] [--steps 16] [--layers 4 --d-model 192 ...]
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -68,11 +69,8 @@ def main():
         x, y = train_gpt.batch(data, i, Shape, device)
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        if context is None:
+        with context if context is not None else contextlib.nullcontext():
             loss = model(x, y)
-        else:
-            with context:
-                loss = model(x, y)
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -22,6 +22,7 @@ optimizer state (ZeRO-1); the losses are those of one process with the whole bat
     (python3 -m tierd.torchrun ... where torch 1.13's torchrun fails on Python 3.11)
 """
 import argparse
+import contextlib
 import glob
 import math
 import os
@@ -200,10 +201,7 @@ def main():
         x, y = batch(data, step, args, device, rank, world)
         before = moved()
         t0 = time.perf_counter()
-        if offload is not None:
-            with offload:
-                loss = model(x, y)
-        else:
+        with offload if offload is not None else contextlib.nullcontext():
             loss = model(x, y)
         loss.backward()
         opt.step()

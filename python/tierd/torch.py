@@ -429,12 +429,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return torch.norm(torch.stack(norms), 2.0)
 
     def _write_weights(self):
-        if self._pending_copy is not None:  # `out` buffers are written again below
-            self._pending_copy.synchronize()
-            self._pending_copy = None
-        new = [b for b in self._buckets if b.launched]
+        # The last step's copies out of `out` were waited for in _begin, before this step wrote it.
         if self._comm is not None:
             new = self._comm.broadcast_weights(self._buckets)
+        else:
+            new = [b for b in self._buckets if b.launched]
         for b in new:
             for p, values in b.slices(b.out):
                 p.copy_(values.view_as(p), non_blocking=p.is_cuda)

@@ -1,5 +1,6 @@
 """tierd.torch.offload_activations against a real daemon: saved tensors go into tierd chunks (host
 and NVMe) and come back bit for bit, so gradients equal those of the run without offload."""
+import contextlib
 import gc
 import os
 import sys
@@ -22,11 +23,8 @@ def gradients(model, batches, offload=None):
     out = []
     for x, y in batches:
         model.zero_grad(set_to_none=True)
-        if offload is None:
+        with offload if offload is not None else contextlib.nullcontext():
             loss = model(x, y)
-        else:
-            with offload:
-                loss = model(x, y)
         loss.backward()
         out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
     return out
