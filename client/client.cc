@@ -109,6 +109,7 @@ ChunkInfo FromProto(const pb::ChunkInfo& c) {
   info.moving = c.state() == pb::CHUNK_STATE_MOVING;
   info.pins = c.pins();
   info.owner_session = c.owner_session();
+  info.lost = c.lost();
   return info;
 }
 

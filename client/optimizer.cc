@@ -487,10 +487,18 @@ struct OffloadedAdam::Impl {
   }
 
   absl::Status Open(std::span<const ParamGroup> specs);
+  absl::Status Lost(const absl::Status& s) const;
 };
 
 OffloadedAdam::OffloadedAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OffloadedAdam::~OffloadedAdam() = default;
+
+// State at home in memory that the daemon lost in a crash: what the caller can do about it.
+absl::Status OffloadedAdam::Impl::Lost(const absl::Status& s) const {
+  if (!absl::IsDataLoss(s)) return s;
+  return absl::DataLossError(absl::StrCat("optimizer state '", options.name, "': ", s.message(),
+                                          " (reset starts afresh; a checkpoint resumes)"));
+}
 
 absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
   const std::string prefix = options.name + "/";
@@ -528,7 +536,7 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
                                                       .persistent = true,
                                                       .open_existing = true,
                                                       .must_exist = true}});
-      if (!opened.ok()) return opened.status();
+      if (!opened.ok()) return Lost(opened.status());
       meta = (*opened)[0];
       absl::StatusOr<void*> data = Pin(meta, AccessMode::kRead);
       if (!data.ok()) return data.status();
@@ -607,7 +615,7 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
         {.size = meta_size, .home = options.home, .name = meta_name, .persistent = true});
   }
   absl::StatusOr<std::vector<ChunkId>> ids = client->AllocateIds(chunk_specs);
-  if (!ids.ok()) return ids.status();
+  if (!ids.ok()) return Lost(ids.status());
   size_t i = 0;
   for (Group& group : groups) {
     for (Shard& s : group.shards) s.id = (*ids)[i++];

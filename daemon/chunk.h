@@ -56,8 +56,14 @@ struct ChunkMeta {
   TierSet resident;   // tiers holding a valid copy (a subset of allocated)
   TierSet dirty;      // tiers whose copy is newer than the home tier's
   bool persistent = false;
-  bool written = false;   // the NVMe space has held data (else reading it yields zeros)
-  bool doomed = false;    // freed while moving: destroyed when the move settles
+  bool written = false;  // the NVMe space has held data (else reading it yields zeros)
+  bool doomed = false;   // freed while moving: destroyed when the move settles
+  // Persistent and at home in memory (created with a host or device home): written to NVMe at a
+  // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
+  // and a daemon that restarts without having written it down recovers it `lost`.
+  bool memory_home = false;
+  bool marked = false;    // the index records that the current version is in memory
+  bool lost = false;      // recovered without its current version: opening it is DATA_LOSS
   uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
   uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
   std::array<Placement, kTierKinds> placement{};  // valid where resident (or reserved)

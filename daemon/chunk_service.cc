@@ -11,6 +11,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/device.h"
@@ -65,6 +66,8 @@ struct ChunkService::Batch {
   absl::Mutex mu;
   size_t remaining ABSL_GUARDED_BY(mu) = 1;  // the issuer's own reference, dropped last
   absl::Status status ABSL_GUARDED_BY(mu);
+  // For the daemon's own batches (no session): called with the result instead.
+  std::function<void(const absl::Status&)> on_done;
 
   void Add() {
     absl::MutexLock lock(&mu);
@@ -79,6 +82,7 @@ struct ChunkService::Batch {
       result = status;
     }
     if (session != nullptr) session->completions->Complete(token, result);
+    if (on_done) on_done(result);
   }
   absl::Status Status() {
     absl::MutexLock lock(&mu);
@@ -175,6 +179,7 @@ ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
   chunk.resident.insert(home.tier);
   chunk.placement[static_cast<int>(home.tier)] = home;
   chunk.persistent = persistent;
+  chunk.memory_home = persistent && home.tier != TierKind::kNvme;
   chunk.name = name;
   if (!name.empty()) names_[NameKey(tenant, name)] = id;
   if (persistent) persistent_[tenant].insert(id);
@@ -186,18 +191,34 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
   size_t recovered = 0;
   for (const IndexEntry& e : entries) {
     Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
-    if (nvme_ == nullptr || !nvme_->Claim(p)) {
+    const bool has_copy = e.reserved != 0;
+    if (has_copy && (nvme_ == nullptr || !nvme_->Claim(p))) {
       spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
                     e.name, e.tenant);
       continue;
     }
     // Counted against the user's quota and chunk limit, which they may now exceed: that blocks new
     // allocations, never the recovery of what was stored.
-    ledger_.AddBytes(e.tenant, TierKind::kNvme, p.size);
+    if (has_copy) ledger_.AddBytes(e.tenant, TierKind::kNvme, p.size);
     ledger_.AddChunks(e.tenant, 1);
     ChunkMeta& chunk = Insert(e.tenant, /*owner=*/0, e.chunk_size, p, e.name, /*persistent=*/true);
-    chunk.written = true;
+    chunk.memory_home = e.memory_home;
     chunk.checksum = e.checksum;
+    chunk.written = has_copy;
+    if (!has_copy) chunk.allocated = TierSet();
+    if (e.in_memory || !has_copy) {
+      // Its current version was in memory when the daemon stopped without writing it down: what
+      // NVMe holds (if anything) is older. Kept, named, until its owner frees it.
+      chunk.lost = true;
+      chunk.marked = true;
+      chunk.resident = TierSet();
+      spdlog::error(
+          "persistent chunk '{}' of uid {} was lost: its current version was in memory when the "
+          "daemon stopped without a clean shutdown; opening it fails with DATA_LOSS until it is "
+          "freed",
+          e.name, e.tenant);
+      continue;
+    }
     ++recovered;
   }
   return recovered;
@@ -364,7 +385,7 @@ absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier
 void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
                            SessionId session, std::optional<Access> pin, absl::Time deadline) {
   if (chunk.state == ChunkState::kReady && chunk.resident.contains(tier)) {
-    if (pin) Apply(chunk, tier, *pin, session);
+    if (pin) Apply(chunk, tier, *pin, session, batch);
     return;
   }
   batch->Add();
@@ -407,7 +428,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       waiters_[chunk.id].push_back(std::move(w));
     } else if (chunk.resident.contains(w.tier)) {
       if (w.pin) {
-        Apply(chunk, w.tier, *w.pin, w.session);
+        Apply(chunk, w.tier, *w.pin, w.session, w.batch);
         if (auto state = sessions_.find(w.session); state != sessions_.end()) {
           state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
         }
@@ -695,9 +716,11 @@ void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
   RetryQueuedFetches();
 }
 
-void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session) {
+void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
+                         const std::shared_ptr<Batch>& batch) {
   ApplyAccess(chunk, tier, access);
   if (!Writes(access)) return;
+  if (NeedsMark(chunk)) Mark(chunk, batch);
   auto state = sessions_.find(session);
   if (state == sessions_.end()) return;
   auto pins = state->second.pins.find(chunk.id);
@@ -705,6 +728,101 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
   if (pins == state->second.pins.end() || pins->second.writes >= pins->second.count) return;
   ++pins->second.writes;
   ++chunk.writers;
+}
+
+void ChunkService::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
+  IndexEntry e{chunk.tenant,         chunk.name,        chunk.size, 0, 0, chunk.checksum,
+               /*memory_home=*/true, /*in_memory=*/true};
+  if (chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
+    e.offset = chunk.placement[kNvme].offset;  // the older version stays where it is
+    e.reserved = chunk.placement[kNvme].size;
+  }
+  batch->Add();
+  nvme_->Persist(std::move(e), [this, id = chunk.id, batch](absl::Status s) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = chunks_.find(id); s.ok() && it != chunks_.end()) it->second.marked = true;
+    }
+    if (!s.ok()) {
+      s = absl::Status(s.code(),
+                       absl::StrCat("chunk ", id,
+                                    ": could not record in the NVMe index that its current "
+                                    "version is in memory (a crash must report it lost, not "
+                                    "return an older one): ",
+                                    s.message()));
+    }
+    batch->Done(s);
+  });
+}
+
+size_t ChunkService::WriteDownForStop() {
+  constexpr size_t kNamed = 16;  // chunks named in the log; the rest are counted
+  auto batch = std::make_shared<Batch>();
+  absl::Notification written;
+  batch->on_done = [&written](const absl::Status&) { written.Notify(); };
+  std::vector<ChunkId> ids;
+  uint64_t bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [tenant, set] : persistent_) {
+      for (ChunkId id : set) {
+        ChunkMeta& chunk = chunks_.at(id);
+        const bool in_memory =
+            chunk.state == ChunkState::kMoving ||
+            (!chunk.resident.empty() && !chunk.resident.contains(TierKind::kNvme));
+        if (chunk.lost || !in_memory) continue;
+        ids.push_back(id);
+        bytes += chunk.size;
+        if (nvme_ == nullptr) continue;
+        if (absl::Status s = CheckEvictable(chunk, TierKind::kNvme); !s.ok()) {
+          batch->Add();
+          batch->Done(s);
+          continue;
+        }
+        EvictOne(chunk, TierKind::kNvme, /*keep_source=*/false, batch, /*session=*/0);
+      }
+    }
+  }
+  if (ids.empty()) {
+    batch->Done(absl::OkStatus());
+    return 0;
+  }
+  if (nvme_ == nullptr) {
+    spdlog::warn(
+        "{} persistent chunks ({}) lived in host memory only (no NVMe tier): lost with "
+        "this stop",
+        ids.size(), FormatSize(bytes));
+    batch->Done(absl::OkStatus());
+    return ids.size();
+  }
+  spdlog::info(
+      "stopping: writing {} persistent chunks ({}) whose current version is in memory "
+      "to NVMe",
+      ids.size(), FormatSize(bytes));
+  const absl::Time start = absl::Now();
+  batch->Done(absl::OkStatus());
+  written.WaitForNotification();
+  absl::MutexLock lock(&mu_);
+  size_t failed = 0;
+  for (ChunkId id : ids) {
+    auto it = chunks_.find(id);
+    if (it == chunks_.end() || it->second.resident.contains(TierKind::kNvme)) continue;
+    if (++failed <= kNamed) {
+      spdlog::error("persistent chunk '{}' of uid {} could not be written to NVMe: {}",
+                    it->second.name, it->second.tenant,
+                    it->second.marked ? "the next start reports it lost"
+                                      : "the next start finds its previous version");
+    }
+  }
+  if (failed > 0) {
+    spdlog::error("{} of {} persistent chunks could not be written to NVMe ({} named above): {}",
+                  failed, ids.size(), std::min(failed, kNamed), batch->Status().message());
+  } else {
+    spdlog::info("stopping: {} persistent chunks written to NVMe in {:.2f} s", ids.size(),
+                 absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return failed;
 }
 
 void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
@@ -929,8 +1047,10 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   const ChunkId id = chunk.id;
   const Placement nvme = chunk.placement[kNvme];
   std::optional<IndexEntry> entry;
-  if (chunk.persistent)
-    entry = IndexEntry{chunk.tenant, chunk.name, chunk.size, nvme.offset, nvme.size, 0};
+  if (chunk.persistent) {
+    entry = IndexEntry{chunk.tenant, chunk.name, chunk.size,        nvme.offset,
+                       nvme.size,    0,          chunk.memory_home, /*in_memory=*/false};
+  }
   nvme_->Write(
       id, chunk.placement[kHost], nvme, chunk.size,
       [this, id, batch, keep_source, entry, previous](absl::StatusOr<uint64_t> checksum) {
@@ -974,6 +1094,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
   if (checksum.ok()) {
     chunk.written = true;
     chunk.checksum = *checksum;
+    chunk.marked = false;  // the index now names this version
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
@@ -1083,7 +1204,15 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
       return fail(absl::AlreadyExistsError(absl::StrCat(
           "uid ", tenant, " already has ", found.persistent ? "a persistent" : "a scratch",
           " chunk named '", r.name, "' (chunk ", found.id, ")",
-          found.persistent ? "; set open_existing to open it" : "")));
+          found.lost         ? ", lost in a crash; free it first"
+          : found.persistent ? "; set open_existing to open it"
+                             : "")));
+    }
+    if (found.lost) {
+      return fail(absl::DataLossError(absl::StrCat(
+          "persistent chunk '", r.name, "' (chunk ", found.id,
+          ") was lost: its current version was in memory when the daemon stopped without a "
+          "clean shutdown, and NVMe holds no copy of it; free it to create it afresh")));
     }
     if (found.size != r.size) {
       return fail(absl::FailedPreconditionError(absl::StrCat("persistent chunk '", r.name,
@@ -1118,6 +1247,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   }
 
   ledger_.AddChunks(tenant, static_cast<int64_t>(fresh));
+  size_t volatile_persistent = 0;
   for (size_t i = 0; i < requests.size(); ++i) {
     const ChunkRequest& r = requests[i];
     if (result[i] != 0) {  // an opened persistent chunk: this session holds a lease on it too
@@ -1132,9 +1262,16 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
+    if (r.persistent && nvme_ == nullptr) ++volatile_persistent;
     if (r.persistent) leases_[chunk.id] = Lease{{session.id}, r.shared};
     if (!r.persistent) state.owned.insert(chunk.id);
     result[i] = chunk.id;
+  }
+  if (volatile_persistent > 0) {
+    TIERD_LOG_LIMITED(warn,
+                      "{} created {} persistent chunks, but this daemon has no NVMe tier: they "
+                      "live in host memory only and are lost when the daemon stops",
+                      session.Describe(), volatile_persistent);
   }
   return result;
 }
@@ -1147,7 +1284,9 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
     }
   }
   ledger_.AddChunks(chunk.tenant, -1);
-  if (chunk.persistent && chunk.written && nvme_ != nullptr)
+  // A chunk at home in memory may have a record without a copy (or one being written): forgetting
+  // a name the index does not hold costs nothing.
+  if (chunk.persistent && nvme_ != nullptr && (chunk.written || chunk.memory_home))
     nvme_->Forget(chunk.tenant, chunk.name);
   if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
   if (chunk.persistent) {
@@ -1244,8 +1383,14 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
       all_ready = all_ready && CheckPin(*chunk, tier).ok();
     }
   }
+  // A write to a chunk at home in memory whose NVMe copy the index calls current waits for the
+  // index to say otherwise (Mark): the token cannot be completed up front.
+  const bool marks =
+      Writes(access) && std::any_of(chunks->begin(), chunks->end(),
+                                    [this](const ChunkMeta* c)
+                                        ABSL_NO_THREAD_SAFETY_ANALYSIS { return NeedsMark(*c); });
   std::shared_ptr<Batch> batch;
-  if (all_ready) {
+  if (all_ready && !marks) {
     absl::StatusOr<SlotToken> token = session.completions->PostCompleted(absl::OkStatus());
     if (!token.ok()) return token.status();
     batch = std::make_shared<Batch>();

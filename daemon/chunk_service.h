@@ -150,8 +150,13 @@ class ChunkService {
                         Device* device = nullptr);
 
   // Re-creates the persistent chunks found in the NVMe index at start-up (detached, resident on
-  // NVMe). Returns how many were recovered.
+  // NVMe). Returns how many were recovered; those whose current version was in memory when the
+  // daemon stopped without WriteDownForStop are re-created lost (opening them is DATA_LOSS).
   size_t Recover(const std::vector<IndexEntry>& entries);
+  // A clean stop, after every session has ended: writes each persistent chunk whose current
+  // version is only in memory to NVMe (durably, in the index) and waits for it. Without an NVMe
+  // tier it says what is lost. Returns how many could not be written.
+  size_t WriteDownForStop();
 
   absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
                                                 std::span<const ChunkRequest> requests);
@@ -490,8 +495,19 @@ class ChunkService {
   void AfterMove(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An acquisition's access takes effect (its data is there): a write makes that copy the only
-  // valid one and, until released, keeps copies from being made of the chunk.
-  void Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session)
+  // valid one and, until released, keeps copies from being made of the chunk. A write to a chunk
+  // at home in memory that the index calls durable makes `batch` wait for Mark.
+  void Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
+             const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A persistent chunk at home in memory whose index record does not yet say that its current
+  // version is in memory.
+  bool NeedsMark(const ChunkMeta& chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return chunk.persistent && chunk.memory_home && !chunk.marked && !chunk.lost &&
+           nvme_ != nullptr;
+  }
+  // Durably records in the NVMe index that the chunk's current version is in memory (so that a
+  // crash recovers it lost, never older); `batch` completes once that is durable.
+  void Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Retired(const ChunkMeta& chunk);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)

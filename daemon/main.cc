@@ -539,7 +539,8 @@ int Run() {
   sd_notify(0, "STOPPING=1");
   metrics_server.reset();
   rpc->Shutdown(absl::Seconds(5));
-  broker->reset();  // ends every session
+  broker->reset();            // ends every session
+  chunks.WriteDownForStop();  // persistent chunks whose current version is only in memory
   // Transfers in flight settle before the chunk table goes. A move can hand over between the two
   // (NVMe -> GPU pipelining, GPU -> host -> NVMe write-back), so drain both twice.
   for (int round = 0; round < 2; ++round) {

@@ -26,13 +26,15 @@ struct RecordHeader {
   uint64_t generation;
   uint64_t sequence;
   uint32_t tenant;
-  uint32_t reserved0;
+  uint32_t flags;  // kMemoryHome | kInMemory (0 in records written before they existed)
   uint64_t chunk_size;
   uint64_t offset;
   uint64_t reserved;
   uint64_t checksum;
 };
 static_assert(sizeof(RecordHeader) == 64);
+constexpr uint32_t kMemoryHome = 1;
+constexpr uint32_t kInMemory = 2;
 constexpr size_t kMaxName = 255;
 
 uint64_t BlockChecksum(const char* block, uint32_t size) { return XXH3_64bits(block, size - 8); }
@@ -87,7 +89,7 @@ void NvmeIndex::Encode(int type, const IndexEntry& e, uint64_t generation, char*
                  generation,
                  ++sequence_,
                  e.tenant,
-                 0,
+                 (e.memory_home ? kMemoryHome : 0u) | (e.in_memory ? kInMemory : 0u),
                  e.chunk_size,
                  e.offset,
                  e.reserved,
@@ -172,9 +174,14 @@ absl::Status NvmeIndex::Replay() {
       foreign_run = 0;
       tail_ = i + 1;
       sequence_ = std::max(sequence_, h.sequence);
-      IndexEntry e{h.tenant,     std::string(b + sizeof(h), h.name_length),
-                   h.chunk_size, h.offset,
-                   h.reserved,   h.checksum};
+      IndexEntry e{h.tenant,
+                   std::string(b + sizeof(h), h.name_length),
+                   h.chunk_size,
+                   h.offset,
+                   h.reserved,
+                   h.checksum,
+                   (h.flags & kMemoryHome) != 0,
+                   (h.flags & kInMemory) != 0};
       if (h.type == kPut || h.type == kRemove) Apply(h.type, std::move(e));
     }
   }
@@ -186,10 +193,14 @@ absl::Status NvmeIndex::Replay() {
 void NvmeIndex::Apply(int type, IndexEntry e) {
   const std::string key = Key(e.tenant, e.name);
   if (auto it = entries_.find(key); it != entries_.end()) {
-    by_offset_.erase(it->second.offset);
+    if (it->second.reserved != 0) by_offset_.erase(it->second.offset);
     entries_.erase(it);
   }
   if (type != kPut) return;
+  if (e.reserved == 0) {  // no space on NVMe: nothing to overlap
+    entries_[key] = std::move(e);
+    return;
+  }
   // A later record whose space overlaps an earlier entry means that space was freed and reused:
   // the earlier entry is stale.
   const uint64_t begin = e.offset, end = e.offset + e.reserved;

@@ -65,6 +65,7 @@ void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_state(c.state == ChunkState::kMoving ? pb::CHUNK_STATE_MOVING : pb::CHUNK_STATE_READY);
   out->set_pins(c.pins);
   out->set_owner_session(c.owner);
+  out->set_lost(c.lost);
 }
 
 void ToProto(SlotToken token, pb::Completion* out) {

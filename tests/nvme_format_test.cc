@@ -228,6 +228,45 @@ TEST_F(NvmeIndexTest, ALaterRecordOverAnEarlierOnesSpaceDropsTheStaleEntry) {
   EXPECT_TRUE(index->entries().contains(NvmeIndex::Key(1000, "new")));
 }
 
+// A chunk at home in memory may be recorded with no copy on NVMe (reserved 0): such a record names
+// no space, so it neither drops nor is dropped by a record at offset 0, and its flags replay, after
+// compaction too.
+TEST_F(NvmeIndexTest, RecordsWithoutACopyKeepTheirFlagsAndTakeNoSpace) {
+  IndexEntry in_memory{1000, "mem", 8192, 0, 0, 0, /*memory_home=*/true, /*in_memory=*/true};
+  IndexEntry written_down = Entry("down", 0);
+  written_down.memory_home = true;
+  {
+    auto index = *Open(true);
+    ASSERT_TRUE(index->Put(Entry("at-zero", 0)).ok());
+    ASSERT_TRUE(index->Put(in_memory).ok());
+    in_memory.name = "mem2";
+    ASSERT_TRUE(index->Put(in_memory).ok());
+    ASSERT_TRUE(index->Remove(1000, "at-zero").ok());
+    ASSERT_TRUE(index->Put(written_down).ok());
+  }
+  auto check = [](const NvmeIndex& index) {
+    ASSERT_EQ(index.entries().size(), 3u);
+    for (const char* name : {"mem", "mem2"}) {
+      const IndexEntry& e = index.entries().at(NvmeIndex::Key(1000, name));
+      EXPECT_TRUE(e.memory_home && e.in_memory) << name;
+      EXPECT_EQ(e.reserved, 0u) << name;
+    }
+    const IndexEntry& down = index.entries().at(NvmeIndex::Key(1000, "down"));
+    EXPECT_TRUE(down.memory_home);
+    EXPECT_FALSE(down.in_memory);
+    EXPECT_EQ(down.reserved, 4096u);
+  };
+  auto index = *Open(false);
+  check(*index);
+  // Rewritten until the half is compacted into the other.
+  for (size_t i = 0; i < 2 * index->capacity_records(); ++i) {
+    ASSERT_TRUE(index->Put(written_down).ok()) << i;
+  }
+  check(*index);
+  index.reset();
+  check(**Open(false));
+}
+
 // --nvme_reformat writes a fresh index over an old one. Its records (of the same generation, or
 // in the other half under a higher one) came back on the next replay: chunks that no longer exist,
 // naming space that new chunks reuse. (Found by fuzz/nvme_index_fuzz.)

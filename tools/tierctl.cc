@@ -458,7 +458,8 @@ class Tierctl {
             ",\"home\":", Quote(TierName(c->home)), ",\"resident\":[", absl::StrJoin(resident, ","),
             "],\"dirty\":[", absl::StrJoin(dirty, ","),
             "],\"state\":", Quote(c->moving ? "moving" : "ready"), ",\"pins\":", c->pins,
-            ",\"owner_session\":", c->owner_session, "}"));
+            ",\"owner_session\":", c->owner_session, ",\"lost\":", c->lost ? "true" : "false",
+            "}"));
       }
       std::printf("[%s]\n", absl::StrJoin(rows, ",\n ").c_str());
       return 0;
@@ -471,8 +472,11 @@ class Tierctl {
       std::printf("%-10llu %12s %-6s %-18s %-7s %5u %8s  %s\n",
                   static_cast<unsigned long long>(c->id), FormatSize(c->size).c_str(),
                   TierName(c->home), absl::StrJoin(tiers(c->resident), ",").c_str(),
-                  c->moving ? "moving" : "ready", c->pins,
-                  c->owner_session ? absl::StrCat(c->owner_session).c_str() : "-", c->name.c_str());
+                  c->lost     ? "LOST"
+                  : c->moving ? "moving"
+                              : "ready",
+                  c->pins, c->owner_session ? absl::StrCat(c->owner_session).c_str() : "-",
+                  c->name.c_str());
     }
     std::printf("%zu of %zu chunk(s), %s\n", shown.size(), all->size(), FormatSize(bytes).c_str());
     return 0;

@@ -29,6 +29,7 @@ import ctypes
 import math
 import os
 import time
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -100,7 +101,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     capturable are refused), and:
 
     name: persistent state under this name (resumed when it exists: the model's weights are then
-        set from the optimizer's master weights); None: scratch state, freed on close().
+        set from the optimizer's master weights); None: scratch state, freed on close(). At home
+        in the host tier, the daemon writes it to NVMe when it stops cleanly; after a daemon
+        crash it is lost, and resuming it fails with DATA_LOSS (reset=True starts afresh).
     resume: with a name, True opens existing state only (TierdError NOT_FOUND when there is
         none: a mistyped resume never starts afresh), False creates only (ALREADY_EXISTS when
         state of that name exists), None does either.
@@ -178,12 +181,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._comm.assign(self._buckets)
         self._owned = [b for b in self._buckets if b.slot is not None]
         state_bytes = 12 * sum(b.numel for b in self._owned)
+        has_nvme = None
+        if home is None or name is not None:
+            with connect(socket_dir, "optimizer-probe") as c:
+                has_nvme = c.tier_usage(Tier.NVME).configured
         if home is None:
-            home = "host"
-            if state_bytes > host_budget_bytes:
-                with connect(socket_dir, "optimizer-probe") as c:
-                    if c.tier_usage(Tier.NVME).configured:
-                        home = "nvme"
+            home = "nvme" if state_bytes > host_budget_bytes and has_nvme else "host"
+        if name is not None and not has_nvme:
+            warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
+                          "NVMe tier: it lives in host memory only and is lost when the daemon "
+                          "stops", RuntimeWarning, stacklevel=2)
         self.home = home
         if name is None and (resume or reset):
             raise ValueError("resume and reset need a name")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -236,6 +237,75 @@ def test_resumes_by_name_after_the_trainer_and_the_daemon_restart():
         finally:
             stop_daemon(proc, root)
     assert_same_training(ref_losses, losses, ref, m)
+
+
+def test_state_at_home_in_host_memory_survives_a_clean_stop_and_is_lost_in_a_crash():
+    data = batches(12, seed=6)
+    ref = model()
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, reference=True)
+    with tempfile.TemporaryDirectory(prefix="tierd-host-home-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            m = model()
+            opt = offloaded(m, root, home="host", name="pytest/host-run", resume=False)
+            losses = train(m, opt, data[:6])
+            opt.close()
+        finally:
+            stop_daemon(proc, root)  # a clean stop writes the host-home state to NVMe
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            m = model(seed=99)
+            opt = offloaded(m, root, home="host", name="pytest/host-run", resume=True)
+            try:
+                assert opt.resumed and opt.steps_taken == 6
+                losses += train(m, opt, data[6:9])  # written since: only in memory now
+            finally:
+                opt.close()
+        finally:
+            proc.kill()  # a crash: its sockets stay behind
+            proc.wait()
+            for name in ("tierd.sock", "tierd.session.sock"):
+                os.unlink(os.path.join(root, name))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses[:9]), rtol=1e-5,
+                                   atol=0)
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            with pytest.raises(tierd.TierdError) as lost:
+                offloaded(model(), root, home="host", name="pytest/host-run", resume=True)
+            assert lost.value.code_name == "DATA_LOSS"
+            assert "was lost" in str(lost.value) and "reset" in str(lost.value)
+            # Never silently a fresh start: create-or-open refuses too; reset starts afresh.
+            with pytest.raises(tierd.TierdError) as again:
+                offloaded(model(), root, home="host", name="pytest/host-run")
+            assert again.value.code_name == "DATA_LOSS"
+            opt = offloaded(model(), root, home="host", name="pytest/host-run", reset=True)
+            assert not opt.resumed and opt.steps_taken == 0
+            opt.close()
+        finally:
+            stop_daemon(proc, root)
+        assert "was lost" in open(os.path.join(root, "daemon.log")).read()
+
+
+def test_persistent_state_on_a_daemon_without_nvme_says_it_will_not_survive():
+    with tempfile.TemporaryDirectory(prefix="tierd-no-nvme-") as root:
+        log = open(os.path.join(root, "daemon.log"), "a")
+        proc = subprocess.Popen(
+            [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
+             "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
+             "--nvme_regions=none", "--device=none", "--probe_bytes=0"], stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(root, "tierd.sock")):
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    open(log.name).read()
+                time.sleep(0.02)
+            with pytest.warns(RuntimeWarning, match="no NVMe tier"):
+                opt = offloaded(model(), root, name="pytest/volatile")
+            opt.close()
+        finally:
+            stop_daemon(proc, root)
+        text = open(log.name).read()
+        assert "no NVMe tier" in text and "lost with this stop" in text, text
 
 
 def test_the_example_trains_a_gpt_and_resumes_it(daemon):  # noqa: F811

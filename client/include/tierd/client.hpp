@@ -70,6 +70,7 @@ struct ChunkInfo {
   bool moving = false;
   uint32_t pins = 0;
   uint64_t owner_session = 0;
+  bool lost = false;  // lost in a daemon crash (see ChunkInfo.lost in the protocol)
 };
 
 struct RegionStatus {
