@@ -119,6 +119,18 @@ class NvmeServiceTest : public ::testing::Test {
     EXPECT_TRUE(service_->Release(s, ids).ok());
     return ok;
   }
+  // The daemon stops — cleanly (session_ ends, what lives in memory is written down) or by dying —
+  // and starts again from what the drive and the index hold. Returns the chunks recovered.
+  size_t Restart(bool clean) {
+    if (clean) {
+      service_->CloseSession(*session_);
+      EXPECT_EQ(service_->WriteDownForStop(), 0u);
+    }
+    service_.reset();
+    nvme_.reset();
+    OpenTier();
+    return service_->Recover(nvme_->RecoveredEntries());
+  }
   static uint64_t Word(uint64_t seed, ChunkId id, size_t j) {
     return (seed * 0x9E3779B97F4A7C15ull) ^ (id << 32) ^ j;
   }
@@ -867,11 +879,7 @@ TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
   std::vector<ChunkId> written = {ids[0], ids[1]};
   Write(*session_, written, 8);
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, written, TierKind::kNvme)).ok());
-  // The daemon goes away and comes back.
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  EXPECT_EQ(service_->Recover(nvme_->RecoveredEntries()), 2u);
+  EXPECT_EQ(Restart(/*clean=*/false), 2u);  // the daemon goes away and comes back
   auto s2 = *sessions_.Open({1000, 1000, 2}, "after-restart");
   MapPage(*s2);
   std::vector<ChunkRequest> open = {
@@ -906,11 +914,7 @@ TEST_F(NvmeServiceTest, ARewriteThatStopsHalfwayLeavesThePreviousVersionWhole) {
   faults_->FailNext(IoKind::kWrite, EIO);
   const absl::Status failed = Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme));
   ASSERT_FALSE(failed.ok());
-  // The daemon goes away and comes back with what the drive and the index hold.
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  ASSERT_EQ(service_->Recover(nvme_->RecoveredEntries()), 1u);
+  ASSERT_EQ(Restart(/*clean=*/false), 1u);
   auto after = *sessions_.Open({1000, 1000, 2}, "after");
   MapPage(*after);
   r[0].open_existing = true;
@@ -930,12 +934,7 @@ TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryIsWrittenDownAtACleanStopAndComesBac
                                  {.size = 300000, .name = "job/host-meta", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
   Write(*session_, ids, 31);
-  service_->CloseSession(*session_);
-  EXPECT_EQ(service_->WriteDownForStop(), 0u);
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  ASSERT_EQ(service_->Recover(nvme_->RecoveredEntries()), 2u);
+  ASSERT_EQ(Restart(/*clean=*/true), 2u);
   auto after = *sessions_.Open({1000, 1000, 2}, "after");
   MapPage(*after);
   for (ChunkRequest& c : r) c.open_existing = c.must_exist = true;
@@ -963,12 +962,8 @@ TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryWrittenSinceItsLastCopyIsLostInACras
   Write(*session_, ids, 41);
   const std::vector<ChunkId> copied = {ids[0], ids[2]};
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, copied, TierKind::kNvme, true)).ok());
-  Write(*session_, {ids[0]}, 42);  // newer than its copy on NVMe
-  // The daemon dies: no clean stop.
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  EXPECT_EQ(service_->Recover(nvme_->RecoveredEntries()), 1u);  // only job/copied
+  Write(*session_, {ids[0]}, 42);           // newer than its copy on NVMe
+  EXPECT_EQ(Restart(/*clean=*/false), 1u);  // only job/copied
   auto after = *sessions_.Open({1000, 1000, 2}, "after");
   MapPage(*after);
   for (size_t i = 0; i < 2; ++i) {
@@ -1002,10 +997,7 @@ TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryWrittenSinceItsLastCopyIsLostInACras
   auto fresh = service_->Allocate(*after, again);
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   // Freed for good: the index no longer names them after another crash.
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  EXPECT_EQ(service_->Recover(nvme_->RecoveredEntries()), 1u);
+  EXPECT_EQ(Restart(/*clean=*/false), 1u);
   EXPECT_EQ(service_->List(*after, 0, 100).chunks.size(), 1u);
 }
 
@@ -1015,21 +1007,13 @@ TEST_F(NvmeServiceTest, WritingAChunkRestoredFromACleanStopMakesACrashReportItLo
   std::vector<ChunkRequest> r = {{.size = 65536, .name = "job/resumed", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
   Write(*session_, ids, 51);
-  service_->CloseSession(*session_);
-  ASSERT_EQ(service_->WriteDownForStop(), 0u);
-  service_.reset();
-  nvme_.reset();
-  OpenTier();
-  ASSERT_EQ(service_->Recover(nvme_->RecoveredEntries()), 1u);
+  ASSERT_EQ(Restart(/*clean=*/true), 1u);
   auto after = *sessions_.Open({1000, 1000, 2}, "after");
   MapPage(*after);
   r[0].open_existing = true;
   auto reopened = *service_->Allocate(*after, r);
   Write(*after, reopened, 52);
-  service_.reset();  // a crash
-  nvme_.reset();
-  OpenTier();
-  EXPECT_EQ(service_->Recover(nvme_->RecoveredEntries()), 0u);
+  EXPECT_EQ(Restart(/*clean=*/false), 0u);
   auto third = *sessions_.Open({1000, 1000, 3}, "third");
   EXPECT_EQ(service_->Allocate(*third, r).status().code(), absl::StatusCode::kDataLoss);
 }
