@@ -812,7 +812,7 @@ size_t ChunkService::WriteDownForStop() {
       spdlog::error("persistent chunk '{}' of uid {} could not be written to NVMe: {}",
                     it->second.name, it->second.tenant,
                     it->second.marked ? "the next start reports it lost"
-                                      : "the next start finds its previous version");
+                                      : "the next start finds its last copy there, if any");
     }
   }
   if (failed > 0) {
@@ -1212,7 +1212,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
       return fail(absl::DataLossError(absl::StrCat(
           "persistent chunk '", r.name, "' (chunk ", found.id,
           ") was lost: its current version was in memory when the daemon stopped without a "
-          "clean shutdown, and NVMe holds no copy of it; free it to create it afresh")));
+          "clean shutdown (NVMe holds no copy of that version); free it to create it afresh")));
     }
     if (found.size != r.size) {
       return fail(absl::FailedPreconditionError(absl::StrCat("persistent chunk '", r.name,
