@@ -38,6 +38,31 @@ struct Vec {
   static void StoreF16(uint16_t* p, R x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
+  // bf16 state's stochastic rounding (kernels::RoundingBits and ToBF16Stochastic, 8 lanes).
+  using I = __m256i;
+  static I RoundingBits(uint32_t i, uint32_t seed) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i)), lanes);
+    h = _mm256_add_epi32(_mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x9e3779b1u))),
+                         _mm256_set1_epi32(static_cast<int>(seed)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x21f0aaad));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x735a2d97));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  }
+  static I High16(I r) { return _mm256_srli_epi32(r, 16); }
+  static void StoreBF16Stochastic(uint16_t* p, R x, I random) {
+    const __m256i bits = _mm256_castps_si256(x);
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_and_si256(random, _mm256_set1_epi32(0xffff)));
+    rounded = _mm256_srli_epi32(rounded, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
   static R Sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R Div(R a, R b) { return _mm256_div_ps(a, b); }

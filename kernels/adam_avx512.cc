@@ -36,6 +36,29 @@ struct Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
+  // bf16 state's stochastic rounding (kernels::RoundingBits and ToBF16Stochastic, 16 lanes).
+  using I = __m512i;
+  static I RoundingBits(uint32_t i, uint32_t seed) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i h = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i)), lanes);
+    h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x9e3779b1u))),
+                         _mm512_set1_epi32(static_cast<int>(seed)));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x21f0aaad));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32(0x735a2d97));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+  }
+  static I High16(I r) { return _mm512_srli_epi32(r, 16); }
+  static void StoreBF16Stochastic(uint16_t* p, R x, I random) {
+    const __m512i bits = _mm512_castps_si512(x);
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_and_si512(random, _mm512_set1_epi32(0xffff)));
+    rounded = _mm512_srli_epi32(rounded, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
   static R Sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R Div(R a, R b) { return _mm512_div_ps(a, b); }

@@ -79,6 +79,10 @@ struct Vec {
   static void StoreF32(float* p, R x) { *p = x; }
   static void StoreBF16(uint16_t* p, R x) { *p = ToBF16(x); }
   static void StoreF16(uint16_t* p, R x) { *p = ToF16(x); }
+  using I = uint32_t;
+  static I RoundingBits(uint32_t i, uint32_t seed) { return kernels::RoundingBits(i, seed); }
+  static I High16(I r) { return r >> 16; }
+  static void StoreBF16Stochastic(uint16_t* p, R x, I random) { *p = ToBF16Stochastic(x, random); }
   static R Sub(R a, R b) { return a - b; }
   static R Mul(R a, R b) { return a * b; }
   static R Div(R a, R b) { return a / b; }

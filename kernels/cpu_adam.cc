@@ -118,6 +118,7 @@ AdamConsts MakeAdamConsts(const AdamOptions& o, int64_t step) {
       .step_size = f(o.lr / bc1),
       .inv_sqrt_bc2 = f(1.0 / std::sqrt(bc2)),
       .eps = f(o.eps),
+      .step = step,
   };
 }
 
@@ -136,6 +137,9 @@ bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa 
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& o, int64_t step,
               ThreadPool& pool, Isa isa) {
   assert(Supported(isa) && step >= 1);
+  for ([[maybe_unused]] const AdamTensor& t : tensors) {
+    assert(t.state_type == DType::kF32 || t.state_type == DType::kBF16);
+  }
   const AdamConsts c = MakeAdamConsts(o, step);
   const AdamIsa& k = Kernels(isa);
   ForAllShares(tensors, pool,

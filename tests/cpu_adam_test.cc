@@ -191,6 +191,166 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamTest, testing::ValuesIn([] {
                          }()),
                          Name);
 
+// bf16 moments (AdamTensor::state_type kBF16), for every instruction set the CPU has.
+class Bf16StateTest : public testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (!Supported(GetParam())) GTEST_SKIP() << IsaName(GetParam()) << " not on this CPU";
+  }
+};
+
+// n elements of each of p (fp32), m and v (bf16) and a bf16 gradient.
+struct Bf16State {
+  std::vector<float> p;
+  std::vector<uint16_t> m, v, g;
+  explicit Bf16State(size_t n) : p(n), m(n), v(n), g(n) {}
+  AdamTensor Tensor(uint32_t seed = 7) {
+    return {.param = p.data(),
+            .m = m.data(),
+            .v = v.data(),
+            .grad = g.data(),
+            .grad_type = DType::kBF16,
+            .n = p.size(),
+            .state_type = DType::kBF16,
+            .seed = seed};
+  }
+};
+
+TEST_P(Bf16StateTest, FollowsAFloat64ReferenceWithinBf16Precision) {
+  const size_t n = 100'003;  // a vector tail; shared by two workers
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 0.01f);
+  Bf16State s(n);
+  Reference ref;
+  for (size_t i = 0; i < n; ++i) {
+    s.p[i] = 1.0f + normal(rng);
+    ref.p.push_back(s.p[i]);
+  }
+  ref.m.assign(n, 0.0);
+  ref.v.assign(n, 0.0);
+  ref.m_size.assign(n, 0.0);
+  ref.v_size.assign(n, 0.0);
+  const AdamOptions o{.lr = 1e-3, .weight_decay = 0.01};
+  ThreadPool pool(2);
+  std::vector<float> grad(n);
+  for (int64_t step = 1; step <= 20; ++step) {
+    for (size_t i = 0; i < n; ++i) {
+      s.g[i] = ToBF16(normal(rng));
+      grad[i] = FromBF16(s.g[i]);
+    }
+    const AdamTensor t = s.Tensor();
+    AdamStep({&t, 1}, o, step, pool, GetParam());
+    ref.Step(grad, o, step);
+    for (size_t i = 0; i < n; ++i) {
+      // Each step rounds m and v once more, to a neighbour less than an ulp (2^-7 of the value)
+      // away; earlier errors decay by beta. m's error is then below 2^-7 / (1 - 0.9) of its
+      // terms' size, v's below 2^-7 per step taken.
+      ASSERT_NEAR(FromBF16(s.m[i]), ref.m[i], ref.m_size[i] / 10) << "step " << step << " at " << i;
+      ASSERT_NEAR(FromBF16(s.v[i]), ref.v[i], ref.v_size[i] * static_cast<double>(step) / 128)
+          << "step " << step << " at " << i;
+      // The weights move by at most lr per step; the moments' errors change the step's size.
+      ASSERT_NEAR(s.p[i], ref.p[i], 0.05 * o.lr * static_cast<double>(step))
+          << "step " << step << " at " << i;
+    }
+  }
+}
+
+TEST_P(Bf16StateTest, RoundingIsUnbiasedWhereRoundingToNearestWouldStall) {
+  // v = 1 and zero gradients: each step multiplies v by 0.999, a change below half a bf16 ulp
+  // (2^-9 below 1), so v rounded to nearest would stay 1 forever. Rounded stochastically it decays
+  // as it should, on average over the elements.
+  const size_t n = 1 << 16;
+  Bf16State s(n);
+  std::fill(s.p.begin(), s.p.end(), 1.0f);
+  std::fill(s.v.begin(), s.v.end(), ToBF16(1.0f));
+  std::fill(s.m.begin(), s.m.end(), ToBF16(0.0f));
+  std::fill(s.g.begin(), s.g.end(), ToBF16(0.0f));
+  ThreadPool pool(2);
+  const AdamOptions o{.lr = 0, .weight_decay = 0};
+  const int steps = 300;
+  for (int step = 1; step <= steps; ++step) {
+    const AdamTensor t = s.Tensor();
+    AdamStep({&t, 1}, o, step, pool, GetParam());
+  }
+  double sum = 0;
+  for (uint16_t x : s.v) sum += FromBF16(x);
+  const double want = std::pow(0.999, steps);  // 0.7407
+  EXPECT_NEAR(sum / n, want, 1e-3) << "round to nearest would leave 1";
+  EXPECT_EQ(s.p, std::vector<float>(n, 1.0f));
+}
+
+TEST_P(Bf16StateTest, AStepIsReproducibleAndEachStepRoundsAfresh) {
+  const size_t n = 70'001;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Bf16State start(n);
+  for (size_t i = 0; i < n; ++i) {
+    start.p[i] = normal(rng);
+    start.m[i] = ToBF16(0.1f * normal(rng));
+    start.v[i] = ToBF16(0.01f + 0.01f * std::abs(normal(rng)));
+    start.g[i] = ToBF16(normal(rng));
+  }
+  const AdamOptions o{.lr = 1e-3};
+  auto run = [&](int threads, int64_t step, uint32_t seed, Isa isa) {
+    Bf16State s = start;
+    ThreadPool pool(threads);
+    const AdamTensor t = s.Tensor(seed);
+    AdamStep({&t, 1}, o, step, pool, isa);
+    return s;
+  };
+  const Bf16State one = run(1, 5, 7, GetParam());
+  const Bf16State three = run(3, 5, 7, GetParam());
+  EXPECT_EQ(one.m, three.m);
+  EXPECT_EQ(one.v, three.v);
+  EXPECT_EQ(one.p, three.p);
+  // Another step (or another tensor's seed) rounds the same values differently.
+  for (const Bf16State& other : {run(1, 6, 7, GetParam()), run(1, 5, 8, GetParam())}) {
+    size_t differ = 0;
+    for (size_t i = 0; i < n; ++i) differ += other.m[i] != one.m[i];
+    EXPECT_GT(differ, n / 10);
+  }
+  // The instruction sets agree with the portable kernel, but where an fp32 result differs in its
+  // last bit (a fused multiply-add) and so rounds differently: in a few elements, by an ulp of
+  // the terms' size (more of the result's own where the terms cancel).
+  const Bf16State portable = run(1, 5, 7, Isa::kPortable);
+  size_t differ = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const float g = FromBF16(start.g[i]);
+    const double m_terms = 0.9 * std::abs(FromBF16(start.m[i])) + 0.1 * std::abs(g);
+    const double v_terms = 0.999 * FromBF16(start.v[i]) + 0.001 * g * g;
+    ASSERT_NEAR(FromBF16(one.m[i]), FromBF16(portable.m[i]), m_terms / 64) << i;
+    ASSERT_NEAR(FromBF16(one.v[i]), FromBF16(portable.v[i]), v_terms / 64) << i;
+    differ += (one.m[i] != portable.m[i]) + (one.v[i] != portable.v[i]);
+  }
+  EXPECT_LT(differ, n / 100);
+}
+
+TEST(Bf16StochasticRoundingTest, RoundsToANeighbourWithTheRightOdds) {
+  // 1 + 1/512 lies a quarter of the way from 1 to the next bf16 (1 + 1/128): rounded up for a
+  // quarter of the random values.
+  const float x = 1.0f + 1.0f / 512;
+  int up = 0;
+  for (uint32_t r = 0; r < 0x10000; ++r) {
+    const uint16_t b = ToBF16Stochastic(x, r);
+    ASSERT_TRUE(b == ToBF16(1.0f) || b == ToBF16(1.0f + 1.0f / 128)) << r;
+    up += b != ToBF16(1.0f);
+  }
+  EXPECT_EQ(up, 0x10000 / 4);
+  for (uint32_t r : {0u, 0xffffu}) {
+    EXPECT_EQ(ToBF16Stochastic(2.0f, r), ToBF16(2.0f));  // exact values stay
+    EXPECT_EQ(ToBF16Stochastic(-2.0f, r), ToBF16(-2.0f));
+    EXPECT_TRUE(std::isnan(FromBF16(ToBF16Stochastic(std::numeric_limits<float>::quiet_NaN(), r))));
+    EXPECT_EQ(FromBF16(ToBF16Stochastic(std::numeric_limits<float>::infinity(), r)),
+              std::numeric_limits<float>::infinity());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, Bf16StateTest,
+                         testing::Values(Isa::kPortable, Isa::kAvx2, Isa::kAvx512),
+                         [](const testing::TestParamInfo<Isa>& info) {
+                           return std::string(IsaName(info.param));
+                         });
+
 TEST(ThreadPoolTest, AJobWakesOnlyTheWorkersItAsksFor) {
   ThreadPool pool(4, false);
   ASSERT_EQ(pool.size(), 4);
