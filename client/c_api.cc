@@ -640,7 +640,8 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                           .eps = d.hyper.eps,
                                           .weight_decay = d.hyper.weight_decay,
                                           .adamw = d.hyper.adamw ? 1 : 0},
-                                .open_mode = static_cast<int32_t>(d.open)};
+                                .open_mode = static_cast<int32_t>(d.open),
+                                .state_dtype = static_cast<int32_t>(d.state_type)};
 }
 
 tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
@@ -657,6 +658,9 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
   if (options->open_mode < TIERD_ADAM_CREATE_OR_OPEN || options->open_mode > TIERD_ADAM_OPEN) {
     return Invalid(
         "tierd_adam_create: open_mode must be TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN");
+  }
+  if (options->state_dtype != TIERD_FLOAT32 && options->state_dtype != TIERD_BFLOAT16) {
+    return Invalid("tierd_adam_create: state_dtype must be TIERD_FLOAT32 or TIERD_BFLOAT16");
   }
   return Guard([&] {
     std::vector<tierd::ParamGroup> groups;
@@ -675,6 +679,7 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
     o.check_finite = options->check_finite != 0;
     o.host_budget_bytes = options->host_budget_bytes;
     o.shard_params = options->shard_params;
+    o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
     o.hyper = {.lr = options->hyper.lr,
                .beta1 = options->hyper.beta1,
                .beta2 = options->hyper.beta2,

@@ -40,7 +40,7 @@ struct MetaHeader {
   uint64_t shard_params;
   int64_t steps;
   uint32_t in_step;
-  uint32_t reserved;
+  uint32_t state_type;  // ScalarType of m and v (0, fp32, in state written before bf16 state)
 };
 struct MetaGroup {
   uint64_t params;
@@ -52,14 +52,25 @@ struct MetaGroup {
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // A state chunk: parameters [first, first + n) of its group, laid out as three page-aligned
-// regions: p, m, v.
+// regions: p (fp32), m and v (fp32 or bf16).
 struct Shard {
   ChunkId id = 0;
   uint64_t first = 0;
   uint64_t n = 0;
-  uint64_t region = 0;  // bytes of each of p, m, v
-  uint64_t bytes() const { return 3 * region; }
+  uint64_t p_region = 0;   // bytes of p
+  uint64_t mv_region = 0;  // bytes of each of m and v
+  uint64_t bytes() const { return p_region + 2 * mv_region; }
+  uint64_t offset(OffloadedAdam::Part part) const {
+    return part == OffloadedAdam::Part::kParams ? 0
+           : part == OffloadedAdam::Part::kM    ? p_region
+                                                : p_region + mv_region;
+  }
 };
+
+// Bytes of state per parameter: fp32 weights, and m and v of `state_type`.
+uint64_t StateBytesPerParam(ScalarType state_type) {
+  return state_type == ScalarType::kBFloat16 ? 8 : 12;
+}
 
 struct Group {
   ParamGroup spec;
@@ -373,7 +384,7 @@ struct OffloadedAdam::Impl {
                  .shard_params = shard_params,
                  .steps = steps,
                  .in_step = step_running ? 1u : 0u,
-                 .reserved = 0};
+                 .state_type = static_cast<uint32_t>(options.state_type)};
     std::memcpy(*data, &h, sizeof(h));
     auto* records = reinterpret_cast<MetaGroup*>(static_cast<char*>(*data) + sizeof(h));
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -457,18 +468,22 @@ struct OffloadedAdam::Impl {
                                          k, ": ", data.status().message()));
       }
       const absl::Time t1 = absl::Now();
-      float* p = static_cast<float*>(*data);
+      char* base = static_cast<char*>(*data);
+      float* p = reinterpret_cast<float*>(base);
       const kernels::AdamTensor t{
           .param = p,
-          .m = p + shard.region / 4,
-          .v = p + 2 * shard.region / 4,
+          .m = base + shard.offset(Part::kM),
+          .v = base + shard.offset(Part::kV),
           .grad = static_cast<const char*>(w.grad) + shard.first * grad_bytes,
           .grad_type = ToDType(w.grad_type),
           .out = w.out == nullptr || out32 != nullptr
                      ? nullptr
                      : static_cast<char*>(w.out) + shard.first * out_bytes,
           .out_type = ToDType(w.out_type),
-          .n = shard.n};
+          .n = shard.n,
+          .state_type = ToDType(options.state_type),
+          // Rounds bf16 state differently in every shard, the same way on every resumption.
+          .seed = static_cast<uint32_t>(w.group << 16) ^ static_cast<uint32_t>(k)};
       kernels::AdamStep({&t, 1}, step_options[w.group], steps + 1, *pool);
       if (out32 != nullptr) std::memcpy(out32 + shard.first, p, shard.n * 4);
       const absl::Time t2 = absl::Now();
@@ -559,6 +574,17 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, " has ", found->groups, " groups, not ", specs.size()));
     }
+    if (found->state_type != static_cast<uint32_t>(options.state_type)) {
+      auto type_name = [](uint32_t t) {
+        return t == static_cast<uint32_t>(ScalarType::kFloat32)    ? "float32"
+               : t == static_cast<uint32_t>(ScalarType::kBFloat16) ? "bfloat16"
+                                                                   : "an unknown type";
+      };
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, " keeps m and v in ", type_name(found->state_type), ", not in ",
+                       type_name(static_cast<uint32_t>(options.state_type)),
+                       ": open it with the state type it was created with"));
+    }
     if (options.shard_params != 0 && options.shard_params != found->shard_params) {
       return absl::FailedPreconditionError(absl::StrCat(
           what, " has ", found->shard_params, " parameters per shard, not ", options.shard_params));
@@ -595,7 +621,8 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       Shard s;
       s.first = first;
       s.n = std::min(shard_params, group.spec.params - first);
-      s.region = RoundUp(s.n * 4, kPage);
+      s.p_region = RoundUp(s.n * 4, kPage);
+      s.mv_region = RoundUp(s.n * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
       ChunkSpec spec{.size = s.bytes(), .home = options.home};
       if (options.persistent) {
         spec.name = ShardName(g, group.shards.size());
@@ -671,17 +698,24 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   }
   const AdamHyperparameters& h = options.hyper;
   if (absl::Status s = ValidateHyperparameters(h); !s.ok()) return s;
+  if (options.state_type != ScalarType::kFloat32 && options.state_type != ScalarType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        "state_type must be float32 or bfloat16 (float16 moments underflow: v is a square)");
+  }
 
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->lr = h.lr;
   uint64_t shard_params = options.shard_params;
   if (shard_params == 0) {
-    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / kAutoShards / 12 / 1024 * 1024,
+    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / kAutoShards /
+                                            StateBytesPerParam(options.state_type) / 1024 * 1024,
                                         kMinShardParams, kMaxAutoShardParams);
   }
   impl->shard_params = shard_params;
-  const uint64_t shard_bytes = 3 * RoundUp(shard_params * 4, kPage);
+  const uint64_t shard_bytes =
+      RoundUp(shard_params * 4, kPage) +
+      2 * RoundUp(shard_params * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
   if (options.home == Tier::kNvme && options.host_budget_bytes < 3 * shard_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "host_budget_bytes ", options.host_budget_bytes, " holds fewer than 3 shards of ",
@@ -761,12 +795,19 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
     // Each of p, m and v: the shard's values (m and v zero unless given), the page's tail zero.
-    char* base = static_cast<char*>(*data);
-    for (std::span<const float> part : {values, m, v}) {
-      const uint64_t copied = part.empty() ? 0 : s.n * 4;
-      if (copied != 0) std::memcpy(base, part.data() + s.first, copied);
-      std::memset(base + copied, 0, s.region - copied);
-      base += s.region;
+    // bf16 moments are rounded to nearest.
+    char* const base = static_cast<char*>(*data);
+    std::memset(base, 0, s.bytes());
+    std::memcpy(base, values.data() + s.first, s.n * 4);
+    for (auto [part, values_of] : {std::pair{Part::kM, m}, std::pair{Part::kV, v}}) {
+      if (values_of.empty()) continue;
+      char* at = base + s.offset(part);
+      if (d.options.state_type == ScalarType::kBFloat16) {
+        uint16_t* out = reinterpret_cast<uint16_t*>(at);
+        for (uint64_t i = 0; i < s.n; ++i) out[i] = kernels::ToBF16(values_of[s.first + i]);
+      } else {
+        std::memcpy(at, values_of.data() + s.first, s.n * 4);
+      }
     }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
@@ -806,8 +847,13 @@ absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> o
     }
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kRead);
     if (!data.ok()) return data.status();
-    std::memcpy(out.data() + s.first,
-                static_cast<const char*>(*data) + static_cast<int>(part) * s.region, s.n * 4);
+    const char* at = static_cast<const char*>(*data) + s.offset(part);
+    if (part != Part::kParams && d.options.state_type == ScalarType::kBFloat16) {
+      const uint16_t* in = reinterpret_cast<const uint16_t*>(at);
+      for (uint64_t i = 0; i < s.n; ++i) out[s.first + i] = kernels::FromBF16(in[i]);
+    } else {
+      std::memcpy(out.data() + s.first, at, s.n * 4);
+    }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (!read_ahead) {
       if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;

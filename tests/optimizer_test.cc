@@ -248,6 +248,103 @@ TEST_F(OptimizerTest, ResumesItsStateAfterTheProcessAndTheDaemonStop) {
   ExpectParams(*opt, "a step after resuming");
 }
 
+TEST_F(OptimizerTest, Bf16MomentsStepAsTheKernelDoesAndResumeOnlyAsBf16) {
+  OffloadedAdamOptions o = Options();
+  o.state_type = ScalarType::kBFloat16;
+  o.shard_params = 64 * 1024;
+  // The reference: the kernel over each shard's bf16 moments, seeded as the optimizer seeds them
+  // (group << 16 ^ shard), so the two agree bit for bit.
+  std::vector<std::vector<uint16_t>> m16, v16;
+  uint64_t state_bytes = 0;
+  for (const ParamGroup& g : kGroups) {
+    m16.emplace_back(g.params, 0);
+    v16.emplace_back(g.params, 0);
+    for (uint64_t first = 0; first < g.params; first += o.shard_params) {
+      const uint64_t n = std::min(o.shard_params, g.params - first);
+      state_bytes += (n * 4 + 4095) / 4096 * 4096 + 2 * ((n * 2 + 4095) / 4096 * 4096);
+    }
+  }
+  kernels::ThreadPool pool(1, false);
+  auto reference_step = [&](const std::vector<std::vector<uint16_t>>& grads, int step) {
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      for (uint64_t first = 0, k = 0; first < kGroups[g].params; first += o.shard_params, ++k) {
+        const kernels::AdamTensor t{.param = params_[g].data() + first,
+                                    .m = m16[g].data() + first,
+                                    .v = v16[g].data() + first,
+                                    .grad = grads[g].data() + first,
+                                    .grad_type = kernels::DType::kBF16,
+                                    .n = std::min(o.shard_params, kGroups[g].params - first),
+                                    .state_type = kernels::DType::kBF16,
+                                    .seed = static_cast<uint32_t>(g << 16 | k)};
+        kernels::AdamStep({&t, 1}, {.lr = 1e-2, .weight_decay = 0.01}, step, pool);
+      }
+    }
+  };
+  auto step = [&](OffloadedAdam& opt, int n) {
+    auto grads = Gradients(n, 1.0f);
+    ASSERT_TRUE(opt.BeginStep().ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt.StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+    }
+    auto stats = opt.FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->state_bytes, state_bytes);
+    reference_step(grads, n);
+  };
+  auto expect_state = [&](OffloadedAdam& opt, const char* when) {
+    for (size_t g = 0; g < kGroups.size(); ++g) {
+      std::vector<float> p(kGroups[g].params), m(kGroups[g].params), v(kGroups[g].params);
+      ASSERT_TRUE(opt.GetState(g, OffloadedAdam::Part::kParams, p).ok());
+      ASSERT_TRUE(opt.GetState(g, OffloadedAdam::Part::kM, m).ok());
+      ASSERT_TRUE(opt.GetState(g, OffloadedAdam::Part::kV, v).ok());
+      for (size_t i = 0; i < p.size(); ++i) {
+        ASSERT_EQ(p[i], params_[g][i]) << when << ", group " << g << ", parameter " << i;
+        ASSERT_EQ(m[i], kernels::FromBF16(m16[g][i])) << when << ", group " << g << ", m " << i;
+        ASSERT_EQ(v[i], kernels::FromBF16(v16[g][i])) << when << ", group " << g << ", v " << i;
+      }
+    }
+  };
+  {
+    auto opt = Create(o);
+    ASSERT_NE(opt, nullptr);
+    EXPECT_EQ(opt->state_bytes(), state_bytes);  // two thirds of fp32 moments' 12 bytes a param
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+    for (int n = 1; n <= 2; ++n) ASSERT_NO_FATAL_FAILURE(step(*opt, n));
+    ASSERT_NO_FATAL_FAILURE(expect_state(*opt, "after 2 steps"));
+  }
+  daemon_->Kill();
+  ASSERT_TRUE(daemon_->Restart().ok()) << daemon_->Log();
+
+  OffloadedAdamOptions as_f32 = o;
+  as_f32.state_type = ScalarType::kFloat32;
+  auto refused = OffloadedAdam::Create(kGroups, as_f32);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("keeps m and v in bfloat16, not in float32"),
+            std::string::npos)
+      << refused.status();
+  o.state_type = ScalarType::kFloat16;
+  auto f16 = OffloadedAdam::Create(kGroups, o);
+  EXPECT_EQ(f16.status().code(), absl::StatusCode::kInvalidArgument) << f16.status();
+  o.state_type = ScalarType::kBFloat16;
+
+  auto opt = Create(o);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->resumed());
+  ASSERT_NO_FATAL_FAILURE(expect_state(*opt, "resumed"));
+  ASSERT_NO_FATAL_FAILURE(step(*opt, 3));
+  ASSERT_NO_FATAL_FAILURE(expect_state(*opt, "a step after resuming"));
+
+  // A checkpoint's fp32 moments load rounded to nearest bf16.
+  std::vector<float> m(kGroups[1].params, 1.0f + 1.0f / 512), v(kGroups[1].params, 3.0f);
+  ASSERT_TRUE(opt->SetState(1, params_[1], m, v).ok());
+  std::vector<float> got(kGroups[1].params);
+  ASSERT_TRUE(opt->GetState(1, OffloadedAdam::Part::kM, got).ok());
+  EXPECT_EQ(got, std::vector<float>(got.size(), 1.0f));
+  ASSERT_TRUE(opt->GetState(1, OffloadedAdam::Part::kV, got).ok());
+  EXPECT_EQ(got, v);
+}
+
 TEST_F(OptimizerTest, RefusesStateOfOtherGroupsUnlessReset) {
   {
     auto opt = Create(Options());

@@ -46,7 +46,7 @@ class AdamOptions(ctypes.Structure):
                 ("reset", ctypes.c_int32), ("threads", ctypes.c_int32),
                 ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
                 ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper),
-                ("open_mode", ctypes.c_int32)]
+                ("open_mode", ctypes.c_int32), ("state_dtype", ctypes.c_int32)]
 
 
 ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
@@ -104,8 +104,20 @@ def library_path():
     return LIBRARY
 
 
+# The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
+# structures such as AdamOptions differently, so it is refused rather than misread.
+ABI_VERSION = 5
+
+
 def load_library():
-    lib = ctypes.CDLL(library_path())
+    path = library_path()
+    lib = ctypes.CDLL(path)
+    lib.tierd_abi_version.restype = ctypes.c_int
+    found = lib.tierd_abi_version()
+    if found != ABI_VERSION:
+        raise ImportError(f"{path} implements the tierd C ABI version {found}; this package "
+                          f"needs version {ABI_VERSION}: install the library and the package of "
+                          "one release")
     p = ctypes.c_void_p
     u64p = ctypes.POINTER(ctypes.c_uint64)
     lib.tierd_last_error.restype = ctypes.c_char_p
@@ -140,7 +152,6 @@ def load_library():
     lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
-    lib.tierd_abi_version.restype = ctypes.c_int
     lib.tierd_chunk_dlpack.argtypes = [p, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(p)]

@@ -165,6 +165,48 @@ def test_state_dict_round_trips_with_torch_adamw_both_ways(daemon):  # noqa: F81
     assert_same_training(ref_losses, losses, ref, m)
 
 
+def test_bf16_moments_train_as_fp32_does_with_two_thirds_of_the_state(daemon):  # noqa: F811
+    data = batches(STEPS)
+    ref = model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    ref_losses = train(ref, ref_opt, data, reference=True)
+    m = model()
+    params = sum(p.numel() for p in m.parameters())
+    opt = offloaded(m, daemon, home="nvme", state_dtype=torch.bfloat16, overlap_backward=True,
+                    name="pytest/bf16")
+    try:
+        assert "bf16 moments" in repr(opt)
+        assert 8 * params <= opt.state_bytes < 9 * params  # fp32 moments: 12 bytes a parameter
+        losses = train(m, opt, data)
+        exported = opt.state_dict()
+    finally:
+        opt.close()
+    # Not bit for bit: the moments carry 8 significant bits. Step for step within a percent of
+    # fp32's loss, and the moments within a few bf16 ulps of fp32's, exported as fp32 tensors.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=0)
+    assert losses[-1] < losses[0] * 0.9, "the loss did not fall"
+    ref_state = ref_opt.state_dict()["state"]
+    for i, p in enumerate(m.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got, want = exported["state"][i][key], ref_state[i][key]
+            assert got.dtype == torch.float32 and got.shape == p.shape
+            assert torch.equal(got, got.bfloat16().float()), "not bf16 values"
+            assert (got - want).norm() <= 0.03 * want.norm(), (i, key)
+
+    # Resumed only as what it is.
+    with pytest.raises(tierd.TierdError) as other:
+        offloaded(model(), daemon, home="nvme", name="pytest/bf16", resume=True)
+    assert "keeps m and v in bfloat16" in other.value.message, other.value.message
+    again = offloaded(model(), daemon, home="nvme", name="pytest/bf16", resume=True,
+                      state_dtype=torch.bfloat16)
+    try:
+        assert again.steps_taken == STEPS
+    finally:
+        again.close()
+        offloaded(model(), daemon, home="nvme", name="pytest/bf16", reset=True,
+                  state_dtype=torch.bfloat16).close()
+
+
 def test_bad_arguments_are_refused_clearly(daemon):  # noqa: F811
     m = model()
     with pytest.raises(ValueError, match="amsgrad"):
@@ -174,6 +216,8 @@ def test_bad_arguments_are_refused_clearly(daemon):  # noqa: F811
                                    socket_dir=daemon)
     with pytest.raises(ValueError, match="max_grad_norm"):
         tierd.torch.OffloadedAdamW(m.parameters(), max_grad_norm=0.0, socket_dir=daemon)
+    with pytest.raises(ValueError, match="state_dtype"):
+        tierd.torch.OffloadedAdamW(m.parameters(), state_dtype=torch.float16, socket_dir=daemon)
     opt = offloaded(m, daemon, home="host")
     try:
         with pytest.raises(ValueError, match="grad_scale"):

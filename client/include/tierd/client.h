@@ -14,10 +14,11 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 4
+#define TIERD_C_ABI_VERSION 5
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
- *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes */
+ *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
+ * 5: tierd_adam_options.state_dtype (bf16 moments) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -233,6 +234,7 @@ typedef struct tierd_adam_options {
   uint64_t shard_params; /* parameters per state chunk, 0: chosen from the budget */
   tierd_adam_hyper hyper;
   int32_t open_mode; /* persistent state: TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN */
+  int32_t state_dtype; /* m and v: TIERD_FLOAT32, or TIERD_BFLOAT16 (rounded stochastically) */
 } tierd_adam_options;
 #define TIERD_ADAM_CREATE_OR_OPEN 0
 #define TIERD_ADAM_CREATE 1 /* ALREADY_EXISTS when state of this name exists */
@@ -267,7 +269,7 @@ tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, u
 #define TIERD_ADAM_PARAMS 0
 #define TIERD_ADAM_M 1
 #define TIERD_ADAM_V 2
-/* Reads one part (n must be the group's parameter count). */
+/* Reads one part (n must be the group's parameter count), in fp32 whatever the state dtype. */
 tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, float* out, uint64_t n);
 /* Sets a group's weights, m and v at once (m or v NULL: zero); loading a checkpoint. */
 tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,

@@ -73,9 +73,13 @@ struct OffloadedAdamOptions {
   Open open = Open::kCreateOrOpen;
   // Host-tier bytes the state may occupy at once (its read-ahead and write-back included).
   uint64_t host_budget_bytes = 1ull << 30;
-  // Parameters per state chunk (12 bytes each). 0: chosen so that the budget holds 24 chunks, at
-  // most 4 Mi parameters (48 MiB).
+  // Parameters per state chunk (12 bytes each, 8 with bf16 moments). 0: chosen so that the budget
+  // holds 24 chunks, at most 4 Mi parameters.
   uint64_t shard_params = 0;
+  // The moments m and v: kFloat32, or kBFloat16 (a third less state to store and move each step;
+  // rounded stochastically, see kernels/adam_types.h). The master weights stay fp32. Persistent
+  // state is reopened with the type it was created with.
+  ScalarType state_type = ScalarType::kFloat32;
   // Kernel threads (0: one per CPU this process may use).
   int threads = 0;
   // Check each group's gradients before applying them; a group with an infinite or NaN gradient
@@ -98,8 +102,8 @@ class OffloadedAdam {
  public:
   // Opens a session and allocates (or opens) the state; resumed state starts coming up at once.
   // INVALID_ARGUMENT for bad groups or options (naming them); FAILED_PRECONDITION when persistent
-  // state of that name has other groups; DATA_LOSS when its last step did not finish (the state
-  // is partly updated: resume from a checkpoint, or set `reset`).
+  // state of that name has other groups or another state type; DATA_LOSS when its last step did not
+  // finish (the state is partly updated: resume from a checkpoint, or set `reset`).
   static absl::StatusOr<std::unique_ptr<OffloadedAdam>> Create(std::span<const ParamGroup> groups,
                                                                const OffloadedAdamOptions& options);
   ~OffloadedAdam();
@@ -110,7 +114,7 @@ class OffloadedAdam {
   int64_t steps_taken() const;
   size_t group_count() const;
   uint64_t shard_params() const;
-  uint64_t state_bytes() const;  // of all groups (12 bytes per parameter, chunk-rounded)
+  uint64_t state_bytes() const;  // of all groups (12 or 8 bytes per parameter, page-rounded)
   bool initialized(size_t group) const;
   Client& client();
 
@@ -119,10 +123,10 @@ class OffloadedAdam {
   // Reads a group's fp32 master weights.
   absl::Status GetParams(size_t group, std::span<float> out);
   // Sets a group's whole state: weights, first and second moments (each of its params values;
-  // empty m or v: zero). What a checkpoint loads.
+  // empty m or v: zero; rounded to nearest for bf16 moments). What a checkpoint loads.
   absl::Status SetState(size_t group, std::span<const float> params, std::span<const float> m,
                         std::span<const float> v);
-  // Reads one part of a group's state (a checkpoint's export).
+  // Reads one part of a group's state (a checkpoint's export), in fp32 whatever the state type.
   enum class Part : int { kParams = 0, kM = 1, kV = 2 };
   absl::Status GetState(size_t group, Part part, std::span<float> out);
   // Sets the count of steps taken (the bias correction's step is the next one): loading a
