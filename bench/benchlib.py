@@ -15,8 +15,9 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def arguments(doc: str, steps: int) -> argparse.Namespace:
-    """The benchmarks' flags, parsed; the build's client library is the one the package loads."""
+def arguments(doc: str, steps: int, **defaults) -> argparse.Namespace:
+    """The benchmarks' flags, parsed (`defaults` overrides the model's default shape); the build's
+    client library is the one the package loads."""
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
     ap.add_argument("--steps", type=int, default=steps, help="steps of each, after one warm-up")
@@ -27,6 +28,7 @@ def arguments(doc: str, steps: int) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cpu")
+    ap.set_defaults(**defaults)
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))

@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--host-budget", type=int, default=0,
                     help="host bytes the state streams through (0: a quarter of the state)")
     ap.add_argument("--home", choices=["nvme", "host"], default="nvme")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the optimizer's moments (bfloat16: 8 bytes of state a parameter, not 12)")
     ap.add_argument("--activations", choices=["tierd", "memory"], default="tierd",
                     help="where saved activations wait for backward")
     ap.add_argument("--activation-budget", type=int, default=8 << 20,
@@ -159,7 +161,8 @@ def main():
     data = load_text()
     model = GPT(args.layers, args.d_model, args.heads, args.ctx).to(device)
     params = sum(p.numel() for p in model.parameters())
-    state_bytes = 12 * params
+    state_dtype = getattr(torch, args.state_dtype)
+    state_bytes = (8 if state_dtype == torch.bfloat16 else 12) * params
     budget = args.host_budget or max(state_bytes // 4, 4 << 20)
     try:
         opt = tierd.torch.OffloadedAdamW(
@@ -167,6 +170,7 @@ def main():
             name=args.name, resume=True if args.resume else (None if args.fresh else False),
             reset=args.fresh, home=args.home, host_budget_bytes=budget,
             max_grad_norm=args.max_grad_norm or None, overlap_backward=True,
+            state_dtype=state_dtype,
             bucket_params=max(params // 16, 1 << 16), socket_dir=args.socket_dir)
     except tierd.TierdError as e:
         hint = {"ALREADY_EXISTS": " (--resume continues it, --fresh discards it)",
