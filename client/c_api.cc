@@ -575,6 +575,14 @@ tierd_status tierd_path_bytes(tierd_client* client, const char* path, uint64_t* 
   });
 }
 
+tierd_status tierd_adam_abandon_step(tierd_adam* adam) {
+  if (adam == nullptr) return Invalid("tierd_adam_abandon_step: NULL optimizer");
+  return Guard([&] {
+    absl::Status s = adam->adam->AbandonStep();
+    return s.ok() ? TIERD_OK : Fail(s);
+  });
+}
+
 }  // extern "C"
 
 extern "C" {
@@ -641,7 +649,8 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                           .weight_decay = d.hyper.weight_decay,
                                           .adamw = d.hyper.adamw ? 1 : 0},
                                 .open_mode = static_cast<int32_t>(d.open),
-                                .state_dtype = static_cast<int32_t>(d.state_type)};
+                                .state_dtype = static_cast<int32_t>(d.state_type),
+                                .speculative = d.speculative ? 1 : 0};
 }
 
 tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
@@ -680,6 +689,7 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
     o.host_budget_bytes = options->host_budget_bytes;
     o.shard_params = options->shard_params;
     o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
+    o.speculative = options->speculative != 0;
     o.hyper = {.lr = options->hyper.lr,
                .beta1 = options->hyper.beta1,
                .beta2 = options->hyper.beta2,

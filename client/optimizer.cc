@@ -39,22 +39,27 @@ struct MetaHeader {
   uint32_t groups;
   uint64_t shard_params;
   int64_t steps;
-  uint32_t in_step;
+  uint32_t in_step;     // 0, or the step running: kInPlace or kSpeculative
   uint32_t state_type;  // ScalarType of m and v (0, fp32, in state written before bf16 state)
 };
 struct MetaGroup {
   uint64_t params;
   uint32_t initialized;
-  uint32_t reserved;
+  uint32_t version;  // which of the group's two versions is its state (0 in state of one version)
   char name[kMaxGroupName];
 };
+// MetaHeader::in_step: a step that rewrites the state in place (interrupted, the state is partly
+// updated), or one that writes the other version only (interrupted, the state is as it was).
+constexpr uint32_t kInPlace = 1;
+constexpr uint32_t kSpeculative = 2;
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 // A state chunk: parameters [first, first + n) of its group, laid out as three page-aligned
 // regions: p (fp32), m and v (fp32 or bf16).
 struct Shard {
-  ChunkId id = 0;
+  ChunkId id = 0;     // the chunk holding the state
+  ChunkId other = 0;  // speculative: the other version's chunk, which a step writes
   uint64_t first = 0;
   uint64_t n = 0;
   uint64_t p_region = 0;   // bytes of p
@@ -76,6 +81,7 @@ struct Group {
   ParamGroup spec;
   std::vector<Shard> shards;
   bool initialized = false;
+  uint32_t version = 0;  // of the chunks `id` names: 0 "<name>/<group>/<shard>", 1 "...<shard>.1"
 };
 
 struct Work {
@@ -197,8 +203,8 @@ struct OffloadedAdam::Impl {
   absl::flat_hash_map<ChunkId, void*> kept;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
-  std::string ShardName(size_t g, size_t s) const {
-    return absl::StrCat(options.name, "/", groups[g].spec.name, "/", s);
+  std::string ShardName(size_t g, size_t s, uint32_t version) const {
+    return absl::StrCat(options.name, "/", groups[g].spec.name, "/", s, version == 1 ? ".1" : "");
   }
 
   // Waits until at most `keep` write-backs are in flight. Returns the time waited.
@@ -265,13 +271,13 @@ struct OffloadedAdam::Impl {
     return absl::OkStatus();
   }
 
-  // Makes room in the budget for one more shard on the host: waits for the oldest write-backs, or
-  // gives up the furthest read-ahead when none is in flight. Returns the time waited.
-  absl::StatusOr<absl::Duration> MakeRoom() {
+  // Makes room in the budget for `in_hand` shards on the host: waits for the oldest write-backs,
+  // or gives up the furthest read-ahead when none is in flight. Returns the time waited.
+  absl::StatusOr<absl::Duration> MakeRoom(size_t in_hand = 1) {
     if (!nvme_home()) return absl::ZeroDuration();
     if (absl::Status s = ReapWrites(); !s.ok()) return s;
     absl::Duration waited;
-    while (ahead.size() + writes.size() + 1 > slots) {
+    while (ahead.size() + writes.size() + in_hand > slots && !(ahead.empty() && writes.empty())) {
       if (writes.empty()) {
         const ChunkId id = ahead.back().id;
         TakeAhead(id);
@@ -383,13 +389,16 @@ struct OffloadedAdam::Impl {
                  .groups = static_cast<uint32_t>(groups.size()),
                  .shard_params = shard_params,
                  .steps = steps,
-                 .in_step = step_running ? 1u : 0u,
+                 .in_step = !step_running         ? 0u
+                            : options.speculative ? kSpeculative
+                                                  : kInPlace,
                  .state_type = static_cast<uint32_t>(options.state_type)};
     std::memcpy(*data, &h, sizeof(h));
     auto* records = reinterpret_cast<MetaGroup*>(static_cast<char*>(*data) + sizeof(h));
     for (size_t g = 0; g < groups.size(); ++g) {
       records[g].params = groups[g].spec.params;
       records[g].initialized = groups[g].initialized ? 1 : 0;
+      records[g].version = groups[g].version;
       std::memcpy(records[g].name, groups[g].spec.name.data(), groups[g].spec.name.size());
     }
     if (absl::Status s = client->Release({&meta, 1}); !s.ok()) return s;
@@ -451,6 +460,13 @@ struct OffloadedAdam::Impl {
       }
     }
     float* out32 = w.out_type == ScalarType::kFloat32 ? static_cast<float*>(w.out) : nullptr;
+    // A speculative step reads the state's version and writes the other: two shards in hand.
+    const bool speculative = options.speculative;
+    const size_t in_hand = speculative ? 2 : 1;
+    auto failed = [&](size_t k, const absl::Status& s) {
+      return absl::Status(s.code(), absl::StrCat("optimizer state of group '", group.spec.name,
+                                                 "', shard ", k, ": ", s.message()));
+    };
     for (size_t k = 0; k < group.shards.size(); ++k) {
       const Shard& shard = group.shards[k];
       const absl::Time t0 = absl::Now();
@@ -459,16 +475,27 @@ struct OffloadedAdam::Impl {
         if (!waited.ok()) return waited.status();
         delta->write_wait += *waited;
       }
-      absl::StatusOr<void*> data = nvme_home() ? Pin(shard.id, AccessMode::kWrite,
-                                                     [&] { return ReadAhead(w.group, k + 1, 1); })
-                                               : Keep(shard.id);
-      if (!data.ok()) {
-        return absl::Status(data.status().code(),
-                            absl::StrCat("optimizer state of group '", group.spec.name, "', shard ",
-                                         k, ": ", data.status().message()));
+      absl::StatusOr<void*> data =
+          nvme_home() ? Pin(shard.id, speculative ? AccessMode::kRead : AccessMode::kWrite,
+                            [&] { return ReadAhead(w.group, k + 1, in_hand); })
+                      : Keep(shard.id);
+      if (!data.ok()) return failed(k, data.status());
+      char* base = static_cast<char*>(*data);
+      if (speculative) {
+        absl::StatusOr<absl::Duration> waited = MakeRoom(in_hand);
+        absl::StatusOr<void*> to =
+            waited.ok()
+                ? (nvme_home() ? Pin(shard.other, AccessMode::kOverwrite) : Keep(shard.other))
+                : waited.status();
+        if (!to.ok()) {
+          if (nvme_home()) (void)client->Release({&shard.id, 1});
+          return failed(k, to.status());
+        }
+        delta->write_wait += *waited;
+        std::memcpy(*to, base, shard.bytes());
+        base = static_cast<char*>(*to);
       }
       const absl::Time t1 = absl::Now();
-      char* base = static_cast<char*>(*data);
       float* p = reinterpret_cast<float*>(base);
       const kernels::AdamTensor t{
           .param = p,
@@ -490,9 +517,13 @@ struct OffloadedAdam::Impl {
       delta->state_wait += t1 - t0;
       delta->compute += t2 - t1;
       delta->state_bytes += shard.bytes();
-      if (nvme_home()) {
+      if (nvme_home()) {  // the version read is clean: dropped, not written
         if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
         if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+        if (speculative) {
+          if (absl::Status s = client->Release({&shard.other, 1}); !s.ok()) return s;
+          if (absl::Status s = WriteBack(shard.other); !s.ok()) return s;
+        }
       }
       absl::MutexLock lock(&mu);
       shard_time += absl::Now() - t0;
@@ -598,7 +629,15 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
                          " parameters, not '", specs[g].name, "' of ", specs[g].params));
       }
     }
-    if (found->in_step != 0) {
+    for (size_t g = 0; g < specs.size(); ++g) {
+      if (records[g].version > 1) {
+        return absl::DataLossError(absl::StrCat(
+            what, ": its meta chunk is not one this library wrote (set reset to start afresh)"));
+      }
+    }
+    // A speculative step wrote only the versions that were not yet the state: stopped during
+    // one, the state is that of the step before.
+    if (found->in_step != 0 && found->in_step != kSpeculative) {
       return absl::DataLossError(absl::StrCat(
           what, ": step ", found->steps + 1,
           " did not finish (the process or daemon stopped during it), so the state is partly "
@@ -607,7 +646,10 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
     shard_params = found->shard_params;
     steps = found->steps;
     resumed = true;
-    for (size_t g = 0; g < specs.size(); ++g) groups[g].initialized = records[g].initialized != 0;
+    for (size_t g = 0; g < specs.size(); ++g) {
+      groups[g].initialized = records[g].initialized != 0;
+      groups[g].version = records[g].version;
+    }
   }
   if (!stale.empty()) {  // reset, or chunks left by a Create that never wrote its meta
     if (absl::Status s = client->Free(stale); !s.ok()) return s;
@@ -625,13 +667,22 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
       s.mv_region = RoundUp(s.n * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
       ChunkSpec spec{.size = s.bytes(), .home = options.home};
       if (options.persistent) {
-        spec.name = ShardName(g, group.shards.size());
+        spec.name = ShardName(g, group.shards.size(), group.version);
         spec.persistent = true;
         // Resuming, every shard must already be there: never a fresh zeroed one.
         spec.open_existing = resumed;
         spec.must_exist = resumed;
       }
       spec.tags = {"optimizer"};
+      if (options.speculative) {  // the other version: whatever it holds is overwritten
+        ChunkSpec other = spec;
+        if (options.persistent) {
+          other.name = ShardName(g, group.shards.size(), group.version ^ 1);
+          other.open_existing = true;
+          other.must_exist = false;
+        }
+        chunk_specs.push_back(std::move(other));
+      }
       chunk_specs.push_back(std::move(spec));
       group.shards.push_back(s);
       state_bytes += s.bytes();
@@ -645,7 +696,10 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
   if (!ids.ok()) return Lost(ids.status());
   size_t i = 0;
   for (Group& group : groups) {
-    for (Shard& s : group.shards) s.id = (*ids)[i++];
+    for (Shard& s : group.shards) {
+      if (options.speculative) s.other = (*ids)[i++];
+      s.id = (*ids)[i++];
+    }
   }
   if (options.persistent && meta == 0) {
     meta = (*ids)[i];
@@ -716,11 +770,13 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   const uint64_t shard_bytes =
       RoundUp(shard_params * 4, kPage) +
       2 * RoundUp(shard_params * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
-  if (options.home == Tier::kNvme && options.host_budget_bytes < 3 * shard_bytes) {
+  // The shards in hand (two for a speculative step), one read ahead and one written back.
+  const uint64_t min_shards = options.speculative ? 4 : 3;
+  if (options.home == Tier::kNvme && options.host_budget_bytes < min_shards * shard_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "host_budget_bytes ", options.host_budget_bytes, " holds fewer than 3 shards of ",
-        shard_params, " parameters (", shard_bytes, " bytes each): raise it to at least ",
-        3 * shard_bytes, " or lower shard_params"));
+        "host_budget_bytes ", options.host_budget_bytes, " holds fewer than ", min_shards,
+        " shards of ", shard_params, " parameters (", shard_bytes,
+        " bytes each): raise it to at least ", min_shards * shard_bytes, " or lower shard_params"));
   }
   for (const ParamGroup& g : specs) impl->groups.push_back({.spec = g});
   impl->hyper.assign(specs.size(), h);
@@ -921,6 +977,33 @@ absl::Status OffloadedAdam::StepGroup(size_t group, const void* grad, ScalarType
   return absl::OkStatus();
 }
 
+absl::Status OffloadedAdam::AbandonStep() {
+  Impl& d = *impl_;
+  if (!d.in_step) return absl::FailedPreconditionError("AbandonStep without BeginStep");
+  if (!d.options.speculative) {
+    return absl::FailedPreconditionError(
+        "AbandonStep: the optimizer is not speculative, so its steps update the state in place");
+  }
+  {
+    absl::MutexLock lock(&d.mu);
+    d.mu.Await(absl::Condition(
+        +[](Impl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->outstanding == 0; },
+        &d));
+  }
+  absl::Status dropped = d.DropAhead();
+  absl::StatusOr<absl::Duration> drained = d.WaitWrites(0);
+  d.in_step = false;
+  {
+    absl::MutexLock lock(&d.mu);
+    d.started.assign(d.groups.size(), false);
+  }
+  // Nothing the step wrote is the state; the meta chunk says no step is running.
+  if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
+  if (!dropped.ok()) return dropped;
+  if (!drained.ok()) return drained.status();
+  return d.ReadAhead(std::string::npos, 0, 0);
+}
+
 absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   Impl& d = *impl_;
   if (!d.in_step) return absl::FailedPreconditionError("FinishStep without BeginStep");
@@ -946,6 +1029,16 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   if (!dropped.ok()) return dropped;
   if (!drained.ok()) return drained.status();
   stats.write_wait += absl::Now() - t0;
+  if (d.options.speculative) {  // the versions written become the state
+    for (size_t g = 0; g < d.groups.size(); ++g) {
+      if (!d.given[g] || std::find(stats.skipped_groups.begin(), stats.skipped_groups.end(), g) !=
+                             stats.skipped_groups.end()) {
+        continue;
+      }
+      d.groups[g].version ^= 1;
+      for (Shard& s : d.groups[g].shards) std::swap(s.id, s.other);
+    }
+  }
   ++d.steps;
   if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
   // The next step is expected in this one's order; its first shards come up while the caller

@@ -390,6 +390,99 @@ TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
   EXPECT_TRUE(OffloadedAdam::Create(kGroups, reset).ok());
 }
 
+TEST_F(OptimizerTest, ASpeculativeStepCanBeAbandonedAndLeavesTheStateAsItWas) {
+  OffloadedAdamOptions o = Options();
+  o.speculative = true;
+  auto opt = Create(o);
+  ASSERT_NE(opt, nullptr);
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+  auto step = [&](int n, float scale, bool finish) {
+    auto grads = Gradients(n, scale);
+    ASSERT_TRUE(opt->BeginStep(scale).ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+    }
+    if (!finish) {
+      absl::Status abandoned = opt->AbandonStep();
+      ASSERT_TRUE(abandoned.ok()) << abandoned;
+      return;
+    }
+    auto stats = opt->FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->step, n);
+    ReferenceStep(grads, n, scale, {0, 1});
+  };
+  ASSERT_NO_FATAL_FAILURE(step(1, 1.0f, true));
+  ExpectParams(*opt, "a speculative step finished");
+  // Step 2 taken with gradients that turn out wrong (scaled by 8, say), abandoned, and taken again.
+  ASSERT_NO_FATAL_FAILURE(step(2, 8.0f, false));
+  EXPECT_EQ(opt->steps_taken(), 1);
+  ExpectParams(*opt, "a step abandoned");
+  std::vector<float> m(kGroups[0].params);
+  ASSERT_TRUE(opt->GetState(0, OffloadedAdam::Part::kM, m).ok());
+  for (size_t i = 0; i < m.size(); i += 101) ASSERT_EQ(m[i], m_[0][i]) << "m " << i;
+  ASSERT_NO_FATAL_FAILURE(step(2, 1.0f, true));
+  ASSERT_NO_FATAL_FAILURE(step(3, 1.0f, true));
+  ExpectParams(*opt, "two steps after the abandoned one");
+
+  // Each shard has its two versions.
+  auto chunks = opt->client().ListChunks();
+  ASSERT_TRUE(chunks.ok()) << chunks.status();
+  size_t first = 0, second = 0;
+  for (const ChunkInfo& c : *chunks) {
+    if (c.name.starts_with("model/adam/embed/")) (c.name.ends_with(".1") ? second : first)++;
+  }
+  EXPECT_GT(first, 1u);
+  EXPECT_EQ(first, second);
+
+  OffloadedAdamOptions in_place = Options("model/in-place");
+  auto plain = Create(in_place);
+  ASSERT_NE(plain, nullptr);
+  ASSERT_TRUE(plain->BeginStep().ok());
+  EXPECT_EQ(plain->AbandonStep().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(opt->AbandonStep().code(), absl::StatusCode::kFailedPrecondition);  // no step begun
+}
+
+TEST_F(OptimizerTest, ASpeculativeStepInterruptedLeavesTheStepBeforeIt) {
+  OffloadedAdamOptions o = Options();
+  o.speculative = true;
+  {
+    auto grads = Gradients(2, 1.0f);  // outlives the step the optimizer's destruction ends
+    auto opt = Create(o);
+    ASSERT_NE(opt, nullptr);
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+    auto first = Gradients(1, 1.0f);
+    ASSERT_TRUE(opt->BeginStep().ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt->StepGroup(g, first[g].data(), ScalarType::kBFloat16).ok());
+    }
+    ASSERT_TRUE(opt->FinishStep().ok());
+    ReferenceStep(first, 1, 1.0f, {0, 1});
+    ASSERT_TRUE(opt->BeginStep().ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+    }
+    // The process stops here, its second step written in part or whole to the other versions.
+  }
+  daemon_->Kill();
+  ASSERT_TRUE(daemon_->Restart().ok()) << daemon_->Log();
+  auto opt = Create(o);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->resumed());
+  EXPECT_EQ(opt->steps_taken(), 1);
+  ExpectParams(*opt, "resumed after an interrupted speculative step");
+  auto grads = Gradients(2, 1.0f);
+  ASSERT_TRUE(opt->BeginStep().ok());
+  for (size_t g : {1, 0}) {
+    ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+  }
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->step, 2);
+  ReferenceStep(grads, 2, 1.0f, {0, 1});
+  ExpectParams(*opt, "step 2 taken again");
+}
+
 TEST_F(OptimizerTest, AGroupWithNonFiniteGradientsIsLeftAsItWas) {
   auto opt = Create(Options());
   ASSERT_NE(opt, nullptr);

@@ -18,7 +18,7 @@ extern "C" {
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
- * 5: tierd_adam_options.state_dtype (bf16 moments) */
+ * 5: tierd_adam_options.state_dtype (bf16 moments) and .speculative, tierd_adam_abandon_step */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -233,8 +233,9 @@ typedef struct tierd_adam_options {
   uint64_t host_budget_bytes;
   uint64_t shard_params; /* parameters per state chunk, 0: chosen from the budget */
   tierd_adam_hyper hyper;
-  int32_t open_mode; /* persistent state: TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN */
+  int32_t open_mode;   /* persistent state: TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN */
   int32_t state_dtype; /* m and v: TIERD_FLOAT32, or TIERD_BFLOAT16 (rounded stochastically) */
+  int32_t speculative; /* two versions of the state: a step can be abandoned */
 } tierd_adam_options;
 #define TIERD_ADAM_CREATE_OR_OPEN 0
 #define TIERD_ADAM_CREATE 1 /* ALREADY_EXISTS when state of this name exists */
@@ -287,6 +288,8 @@ tierd_status tierd_adam_begin_step(tierd_adam* adam, float grad_scale);
 tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* grad, int grad_dtype,
                                    void* out, int out_dtype);
 tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
+/* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */
+tierd_status tierd_adam_abandon_step(tierd_adam* adam);
 
 #ifdef __cplusplus
 }

@@ -82,6 +82,12 @@ struct OffloadedAdamOptions {
   ScalarType state_type = ScalarType::kFloat32;
   // Kernel threads (0: one per CPU this process may use).
   int threads = 0;
+  // Keep two versions of each shard: a step reads the state's version and writes the other, which
+  // becomes the state when the step finishes. A step can then be abandoned after groups were
+  // stepped (AbandonStep: stepping speculatively, before the gradients' global norm is known), and
+  // a step interrupted by a crash leaves the state as it was before it. Twice the state's space
+  // in its home tier (and in the host budget, two shards in hand); the same bytes moved a step.
+  bool speculative = false;
   // Check each group's gradients before applying them; a group with an infinite or NaN gradient
   // is left as it was and reported in the step's stats (the caller lowers its loss scale).
   bool check_finite = true;
@@ -103,7 +109,8 @@ class OffloadedAdam {
   // Opens a session and allocates (or opens) the state; resumed state starts coming up at once.
   // INVALID_ARGUMENT for bad groups or options (naming them); FAILED_PRECONDITION when persistent
   // state of that name has other groups or another state type; DATA_LOSS when its last step did not
-  // finish (the state is partly updated: resume from a checkpoint, or set `reset`).
+  // finish and was not speculative (the state is partly updated: resume from a checkpoint, or set
+  // `reset`).
   static absl::StatusOr<std::unique_ptr<OffloadedAdam>> Create(std::span<const ParamGroup> groups,
                                                                const OffloadedAdamOptions& options);
   ~OffloadedAdam();
@@ -146,6 +153,10 @@ class OffloadedAdam {
   // kFloat32). Both must stay valid until FinishStep returns. Each group once per step.
   absl::Status StepGroup(size_t group, const void* grad, ScalarType grad_type, void* out = nullptr,
                          ScalarType out_type = ScalarType::kBFloat16);
+  // Speculative optimizers: waits for the queued groups and discards what they computed, leaving
+  // every group's state as it was at BeginStep; the step is not counted (begin it again to redo
+  // it). FAILED_PRECONDITION outside a step or when not speculative.
+  absl::Status AbandonStep();
   // Waits for every queued group and for their state to reach its home tier, and records the step
   // as finished. Groups not given this step are left as they were. The first error of the step,
   // if any (the step is then not counted, and the state of the groups it reached is updated).
