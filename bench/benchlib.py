@@ -45,7 +45,8 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu"):
     proc = subprocess.Popen(
         [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
          f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
-         f"--nvme_regions={root}/nvme.region:1GiB", f"--device={backend}"], stdout=log, stderr=log)
+         f"--nvme_regions={root}/nvme.region:1GiB", f"--device={backend}",
+         "--metrics_listen=127.0.0.1:0"], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(root, "tierd.sock")):

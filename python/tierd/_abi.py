@@ -46,7 +46,8 @@ class AdamOptions(ctypes.Structure):
                 ("reset", ctypes.c_int32), ("threads", ctypes.c_int32),
                 ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
                 ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper),
-                ("open_mode", ctypes.c_int32), ("state_dtype", ctypes.c_int32)]
+                ("open_mode", ctypes.c_int32), ("state_dtype", ctypes.c_int32),
+                ("speculative", ctypes.c_int32)]
 
 
 ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
@@ -185,3 +186,4 @@ def _bind_optimizer(lib):
     lib.tierd_adam_begin_step.argtypes = [p, ctypes.c_float]
     lib.tierd_adam_step_group.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int]
     lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(AdamStepStats)]
+    lib.tierd_adam_abandon_step.argtypes = [p]

@@ -17,10 +17,13 @@ budget by the client library's fused CPU kernels, and writes the new weights bac
 after each step.
 
 `overlap_backward=True` hands gradients to the optimizer as backward produces them (copied off the
-GPU on a side stream) and, when neither clipping nor a finiteness check must see every gradient
-first, steps each bucket of parameters while backward still runs. Then the gradients are taken as
-they were when produced: change them (clip, unscale) only through the optimizer's own
-`max_grad_norm` and `step(grad_scale=...)`.
+GPU on a side stream) and steps each bucket of parameters while backward still runs. The gradients
+are taken as they were when produced: change them (clip, unscale) only through the optimizer's own
+`max_grad_norm`, `skip_nonfinite` and `step(grad_scale=...)`. With clipping or skipping, those
+buckets are stepped speculatively (as if the step would neither clip nor skip, at the last step's
+loss scale) into a second version of the state; `step()` then checks the global norm and keeps
+the speculative result when it is exactly what the clipped or skipped step gives, or abandons it
+and steps again from the first version (`rolled_back_steps`): the result is always torch's.
 
 `offload_activations(...)` (tierd/activations.py) keeps the tensors autograd saves for backward in
 tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy.
@@ -179,6 +182,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         self.last_stats: Dict[str, float] = {}
         self.skipped_steps = 0
+        # Buckets stepped during backward, before the global norm is known, into a second version
+        # of the state (kept, or abandoned at step()); the loss scale they assumed.
+        self._speculate = overlap_backward and (max_grad_norm is not None or skip_nonfinite)
+        self._spec_scale = 1.0
+        self.rolled_back_steps = 0
         self._handle = ctypes.c_void_p()
         self._hooks = []
         self._begun = False
@@ -196,8 +204,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if home is None or name is not None:
             with connect(socket_dir, "optimizer-probe") as c:
                 has_nvme = c.tier_usage(Tier.NVME).configured
-        if home is None:
-            home = "nvme" if state_bytes > host_budget_bytes and has_nvme else "host"
+        if home is None:  # speculating, the state has two versions
+            held = state_bytes * (2 if self._speculate else 1)
+            home = "nvme" if held > host_budget_bytes and has_nvme else "host"
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
                           "NVMe tier: it lives in host memory only and is lost when the daemon "
@@ -262,6 +271,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         options.threads = threads
         options.host_budget_bytes = host_budget_bytes
         options.state_dtype = _DTYPES[self.state_dtype]
+        options.speculative = 1 if self._speculate else 0
         options.hyper = _hyper(self.defaults)
         n = len(self._owned)
         names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._owned])
@@ -343,7 +353,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return self._stream
 
     def _steps_early(self) -> bool:
-        return self.max_grad_norm is None and not self.skip_nonfinite
+        return self._speculate or (self.max_grad_norm is None and not self.skip_nonfinite)
 
     def _begin(self, grad_scale: float):
         lib = _library()
@@ -357,8 +367,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._begun = True
 
     def _launch(self, b: _Bucket):
-        if not self._begun:
-            self._begin(1.0)
+        if not self._begun:  # during backward: speculating, at the last step's loss scale
+            self._begin(self._spec_scale if self._speculate else 1.0)
         if b.event is not None:
             b.event.synchronize()
         _check(_library().tierd_adam_step_group(
@@ -379,7 +389,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         start = time.perf_counter()
         if not grad_scale > 0 or math.isinf(grad_scale):
             raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
-        if grad_scale != 1.0 and self.overlap_backward and self._steps_early():
+        if grad_scale != 1.0 and self.overlap_backward and not self._speculate:
             self._abandon()
             raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
                                "loss scaling with overlap_backward needs skip_nonfinite=True")
@@ -401,22 +411,45 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for b in todo:
             if b.event is not None:
                 b.event.synchronize()
-        if grad_scale != 1.0:  # as GradScaler.unscale_: times the fp32 reciprocal
-            inv = torch.tensor(grad_scale, dtype=torch.float64).reciprocal().float()
-            for b in todo:
-                b.grad.mul_(inv)
-        if self.max_grad_norm is not None or self.skip_nonfinite:
-            norm = self._grad_norm(todo)
+        # As GradScaler.unscale_: times the fp32 reciprocal.
+        inv = torch.tensor(grad_scale, dtype=torch.float64).reciprocal().float()
+        checks = self.max_grad_norm is not None or self.skip_nonfinite
+        rolled_back, norm = False, None
+        if checks and self._speculate:
+            # One norm on every rank (a collective when sharded), of the gradients unscaled and
+            # before anything changes them: it decides for every rank alike.
+            norm = self._grad_norm(self._stepped() + todo, None if grad_scale == 1.0 else inv)
             self.last_grad_norm = float(norm)
-            if self.skip_nonfinite and not math.isfinite(self.last_grad_norm):
-                self.skipped_steps += 1
-                self._end_step()
-                self.last_stats = {"skipped": 1.0, "tail_s": time.perf_counter() - start}
-                return loss
-            if self.max_grad_norm is not None:
-                coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            if self._begun and not self._speculation_holds(norm, grad_scale):
+                # Discard the buckets stepped during backward and step them all again, exactly.
+                # (When the speculation holds, the rest are stepped as those were.)
+                _check(_library().tierd_adam_abandon_step(self._handle))
+                self._begun = False
+                self._early = 0
+                todo = self._stepped() + todo
                 for b in todo:
-                    b.grad.mul_(coef)
+                    b.launched = False
+                self.rolled_back_steps += 1
+                rolled_back = True
+        self._spec_scale = grad_scale
+        if not self._begun:  # nothing stepped yet: unscale, skip or clip, then step
+            if grad_scale != 1.0:
+                for b in todo:
+                    b.grad.mul_(inv)
+            if checks:
+                if norm is None:
+                    norm = self._grad_norm(todo)
+                self.last_grad_norm = float(norm)
+                if self.skip_nonfinite and not math.isfinite(self.last_grad_norm):
+                    self.skipped_steps += 1
+                    self._end_step()
+                    self.last_stats = {"skipped": 1.0, "rolled_back": float(rolled_back),
+                                       "tail_s": time.perf_counter() - start}
+                    return loss
+                if self.max_grad_norm is not None:
+                    coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                    for b in todo:
+                        b.grad.mul_(coef)
         if not self._begun:
             self._begin(1.0)
         for b in todo:
@@ -434,13 +467,31 @@ class OffloadedAdamW(torch.optim.Optimizer):
             "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
             "write_wait_s": stats.write_wait_ns / 1e9, "state_bytes": float(stats.state_bytes),
             "buckets": float(len(self._owned)), "buckets_during_backward": float(early),
-            "reduces_during_backward": float(reduces_early),
+            "reduces_during_backward": float(reduces_early), "rolled_back": float(rolled_back),
             "tail_s": time.perf_counter() - start}
         return loss
 
-    def _grad_norm(self, buckets: List[_Bucket]) -> torch.Tensor:
-        # As clip_grad_norm_: each gradient's 2-norm, then the norm of those.
-        norms = [torch.norm(g, 2.0) for b in buckets for _, g in b.slices(b.grad)]
+    def _stepped(self) -> List[_Bucket]:
+        """The buckets given to the optimizer this step (during backward)."""
+        return [b for b in (self._buckets if self._comm is None else self._owned) if b.launched]
+
+    def _speculation_holds(self, norm: torch.Tensor, grad_scale: float) -> bool:
+        """Whether the buckets stepped during backward were stepped as the whole step's gradients
+        (of global norm `norm`, unscaled) say they must be: at this loss scale, neither clipped
+        (a coefficient of exactly 1, as clip_grad_norm_ computes it) nor skipped."""
+        if grad_scale != self._spec_scale or not math.isfinite(float(norm)):
+            return False  # another scale; or skipped, or clipped by a non-finite norm
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            return float(coef) == 1.0
+        return True
+
+    def _grad_norm(self, buckets: List[_Bucket], inv: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+        # As clip_grad_norm_: each gradient's 2-norm, then the norm of those (of the gradients
+        # times `inv` when given, as unscaling them would make them).
+        norms = [torch.norm(g if inv is None else g * inv, 2.0)
+                 for b in buckets for _, g in b.slices(b.grad)]
         if self._comm is not None:
             return self._comm.grad_norm(norms)
         if not norms:
@@ -476,10 +527,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._counts[key] = 0
 
     def _abandon(self):
-        """Finishes a step begun during backward without applying more (after an error)."""
+        """Ends a step begun during backward without applying more (after an error): abandoned
+        when speculative, else finished with what it applied."""
         if self._begun:
             try:
-                _check(_library().tierd_adam_finish_step(self._handle, None))
+                if self._speculate:
+                    _check(_library().tierd_adam_abandon_step(self._handle))
+                else:
+                    _check(_library().tierd_adam_finish_step(self._handle, None))
             finally:
                 self._end_step()
                 for b in self._buckets:

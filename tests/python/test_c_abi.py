@@ -22,12 +22,14 @@ def ids_array(values):
 
 def start_daemon(root, *flags):
     """A daemon with its sockets, state and a 96 MiB NVMe region file in `root` (its log there,
-    appended to across restarts), once its socket is there."""
+    appended to across restarts), once its socket is there. Its metrics on a port of its own: the
+    default port may be a running tierd's."""
     log = open(os.path.join(root, "daemon.log"), "a")
     proc = subprocess.Popen(
         [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
          "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
-         f"--nvme_regions={root}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB", *flags],
+         f"--nvme_regions={root}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB",
+         "--metrics_listen=127.0.0.1:0", *flags],
         stdout=log, stderr=log)
     deadline = time.monotonic() + 30
     while not os.path.exists(os.path.join(root, "tierd.sock")):

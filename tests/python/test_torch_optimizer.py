@@ -47,13 +47,20 @@ def train(m, opt, data, micro=1, clip=None, scale=1.0, poison=None, reference=Fa
     for step, (x, y) in enumerate(data):
         opt.zero_grad()
         total = 0.0
+        poisoned = None
+        if poison == step:  # an inf in one gradient, as backward produces it
+            def bad(g):
+                g = g.clone()
+                g[0, 0] = float("inf")
+                return g
+            poisoned = next(iter(m.parameters())).register_hook(bad)
         for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
             loss = loss_of(m, xs, ys) / micro
             (loss * scale).backward()
             total += float(loss)
+        if poisoned is not None:
+            poisoned.remove()
         losses.append(total)
-        if poison == step:
-            next(iter(m.parameters())).grad[0, 0] = float("inf")
         if reference:
             grads = [p.grad for p in m.parameters()]
             if scale != 1.0:
@@ -105,33 +112,48 @@ def test_trains_as_torch_adamw_does(daemon, home, overlap):  # noqa: F811
     assert_same_training(ref_losses, losses, ref, m)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_clipping_that_triggers_and_accumulation(daemon, overlap):  # noqa: F811
+# Global norms run from 8.8 down to 0.8 over the 50 steps: clipped at 0.5 every step, at 5.0 for
+# the first twenty or so.
+@pytest.mark.parametrize("overlap,clip", [(False, 0.5), (True, 0.5), (True, 5.0)])
+def test_clipping_that_triggers_and_accumulation(daemon, overlap, clip):  # noqa: F811
     data = batches(STEPS, seed=2)
     ref = model()
     ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, micro=2,
-                       clip=0.5, reference=True)
+                       clip=clip, reference=True)
     m = model()
-    opt = offloaded(m, daemon, home="nvme", max_grad_norm=0.5, overlap_backward=overlap,
-                    accumulation_steps=2)
+    opt = offloaded(m, daemon, home="nvme", max_grad_norm=clip, overlap_backward=overlap,
+                    accumulation_steps=2, bucket_params=40_000)
     try:
         losses = train(m, opt, data, micro=2)
-        assert opt.last_grad_norm > 0.5  # it clipped
+        if clip == 0.5:
+            assert opt.last_grad_norm > 0.5  # it clipped
+        if overlap:
+            # Stepped during backward every step; discarded and stepped again where it clipped.
+            assert opt.rolled_back_steps == STEPS if clip == 0.5 else \
+                0 < opt.rolled_back_steps < STEPS, opt.rolled_back_steps
+            if clip == 5.0:
+                assert opt.last_stats["rolled_back"] == 0
+                assert opt.last_stats["buckets_during_backward"] == opt.last_stats["buckets"]
     finally:
         opt.close()
     assert_same_training(ref_losses, losses, ref, m)
 
 
-def test_loss_scaling_and_a_skipped_non_finite_step(daemon):  # noqa: F811
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loss_scaling_and_a_skipped_non_finite_step(daemon, overlap):  # noqa: F811
     data = batches(20, seed=3)
     ref = model()
     ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER), data, scale=1024.0,
                        poison=7, reference=True)
     m = model()
-    opt = offloaded(m, daemon, home="nvme", skip_nonfinite=True)
+    opt = offloaded(m, daemon, home="nvme", skip_nonfinite=True, overlap_backward=overlap,
+                    bucket_params=40_000)
     try:
         losses = train(m, opt, data, scale=1024.0, poison=7)
         assert opt.skipped_steps == 1 and opt.steps_taken == 19
+        # Overlapped: the first step was stepped at the scale of none before it (1) and the
+        # poisoned one as if finite: both discarded; the other 18 kept what backward stepped.
+        assert opt.rolled_back_steps == (2 if overlap else 0)
     finally:
         opt.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
