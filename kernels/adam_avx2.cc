@@ -22,18 +22,23 @@ struct Vec {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void StoreF32(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static void StoreBF16(uint16_t* p, R x) {
+  // x's upper 16 bits after adding `addend` to its bits: rounded to nearest even (an addend of
+  // 0x7fff plus the kept part's lowest bit) or stochastically (16 random bits). NaN stays NaN
+  // (quiet): its rounded bits could carry into the exponent's neighbour.
+  static void StoreBF16Adding(uint16_t* p, R x, __m256i addend) {
     const __m256i bits = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-    rounded = _mm256_srli_epi32(rounded, 16);
-    // NaN stays NaN (quiet): its rounded bits could carry into the exponent's neighbour.
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, addend), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
     rounded = _mm256_blendv_epi8(rounded, quiet, nan);
     const __m128i packed =
         _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void StoreBF16(uint16_t* p, R x) {
+    const __m256i lsb =
+        _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), _mm256_set1_epi32(1));
+    StoreBF16Adding(p, x, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
   }
   static void StoreF16(uint16_t* p, R x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
@@ -53,15 +58,7 @@ struct Vec {
   }
   static I High16(I r) { return _mm256_srli_epi32(r, 16); }
   static void StoreBF16Stochastic(uint16_t* p, R x, I random) {
-    const __m256i bits = _mm256_castps_si256(x);
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_and_si256(random, _mm256_set1_epi32(0xffff)));
-    rounded = _mm256_srli_epi32(rounded, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
-    const __m128i packed =
-        _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    StoreBF16Adding(p, x, _mm256_and_si256(random, _mm256_set1_epi32(0xffff)));
   }
   static R Sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm256_mul_ps(a, b); }

@@ -22,15 +22,20 @@ struct Vec {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void StoreF32(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static void StoreBF16(uint16_t* p, R x) {
+  // x's upper 16 bits after adding `addend` to its bits: rounded to nearest even (an addend of
+  // 0x7fff plus the kept part's lowest bit) or stochastically (16 random bits). NaN stays NaN.
+  static void StoreBF16Adding(uint16_t* p, R x, __m512i addend) {
     const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    rounded = _mm512_srli_epi32(rounded, 16);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, addend), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
     rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
+  static void StoreBF16(uint16_t* p, R x) {
+    const __m512i lsb =
+        _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(1));
+    StoreBF16Adding(p, x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   }
   static void StoreF16(uint16_t* p, R x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
@@ -51,13 +56,7 @@ struct Vec {
   }
   static I High16(I r) { return _mm512_srli_epi32(r, 16); }
   static void StoreBF16Stochastic(uint16_t* p, R x, I random) {
-    const __m512i bits = _mm512_castps_si512(x);
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_and_si512(random, _mm512_set1_epi32(0xffff)));
-    rounded = _mm512_srli_epi32(rounded, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+    StoreBF16Adding(p, x, _mm512_and_si512(random, _mm512_set1_epi32(0xffff)));
   }
   static R Sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R Mul(R a, R b) { return _mm512_mul_ps(a, b); }
