@@ -481,6 +481,8 @@ struct OffloadedAdam::Impl {
                       : Keep(shard.id);
       if (!data.ok()) return failed(k, data.status());
       char* base = static_cast<char*>(*data);
+      void* to_data = nullptr;  // speculative: the other version, a copy of this one stepped
+      absl::Duration room_wait;
       if (speculative) {
         absl::StatusOr<absl::Duration> waited = MakeRoom(in_hand);
         absl::StatusOr<void*> to =
@@ -491,11 +493,14 @@ struct OffloadedAdam::Impl {
           if (nvme_home()) (void)client->Release({&shard.id, 1});
           return failed(k, to.status());
         }
-        delta->write_wait += *waited;
-        std::memcpy(*to, base, shard.bytes());
-        base = static_cast<char*>(*to);
+        room_wait = *waited;
+        to_data = *to;
       }
       const absl::Time t1 = absl::Now();
+      if (to_data != nullptr) {
+        std::memcpy(to_data, base, shard.bytes());
+        base = static_cast<char*>(to_data);
+      }
       float* p = reinterpret_cast<float*>(base);
       const kernels::AdamTensor t{
           .param = p,
@@ -514,10 +519,11 @@ struct OffloadedAdam::Impl {
       kernels::AdamStep({&t, 1}, step_options[w.group], steps + 1, *pool);
       if (out32 != nullptr) std::memcpy(out32 + shard.first, p, shard.n * 4);
       const absl::Time t2 = absl::Now();
-      delta->state_wait += t1 - t0;
+      delta->state_wait += t1 - t0 - room_wait;
+      delta->write_wait += room_wait;
       delta->compute += t2 - t1;
       delta->state_bytes += shard.bytes();
-      if (nvme_home()) {  // the version read is clean: dropped, not written
+      if (nvme_home()) {  // down to NVMe; the version a speculative step read is clean: dropped
         if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
         if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
         if (speculative) {

@@ -128,7 +128,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--max-grad-norm", type=float, default=0.0,
-                    help="clip to this global norm (0: off; on, the step waits for backward)")
+                    help="clip to this global norm (0: off; on, a step that clips is stepped "
+                    "during backward, then discarded and taken again)")
     ap.add_argument("--host-budget", type=int, default=0,
                     help="host bytes the state streams through (0: a quarter of the state)")
     ap.add_argument("--home", choices=["nvme", "host"], default="nvme")
@@ -224,7 +225,8 @@ def main():
         say(f"step {step:4d}  loss {losses[-1]:.4f}  {x.numel() * world / dt:8.0f} tok/s  "
             f"step {dt * 1e3:6.0f} ms  optimizer tail {tails[-1] * 1e3:5.0f} ms "
             f"({int(opt.last_stats['buckets_during_backward'])}/"
-            f"{int(opt.last_stats['buckets'])} buckets during backward)  "
+            f"{int(opt.last_stats['buckets'])} buckets during backward"
+            f"{'; clipped: stepped again' if opt.last_stats.get('rolled_back') else ''})  "
             f"NVMe read {(after[0] - before[0]) / 2**20:5.1f} MiB "
             f"write {(after[1] - before[1]) / 2**20:5.1f} MiB")
     if offload is not None:
