@@ -23,6 +23,7 @@
 #include "common/session_protocol.h"
 #include "common/unique_fd.h"
 #include "common/unix_socket.h"
+#include "common/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 
@@ -281,7 +282,7 @@ struct Client::Impl {
                                                             Response*),
                     const Request& request, Response* response, absl::string_view name) const {
     grpc::ClientContext ctx;
-    ctx.AddMetadata("tierd-session", credential);
+    ctx.AddMetadata(kSessionMetadataKey, credential);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.rpc_timeout));
     return FromGrpc((stub.get()->*method)(&ctx, request, response), name);
   }
@@ -386,7 +387,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     const char* env = std::getenv("TIERD_SOCKET_DIR");
     impl->options.socket_dir = env != nullptr && *env != '\0' ? env : "/run/tierd";
   }
-  const std::string session_path = impl->options.socket_dir + "/tierd.session.sock";
+  const std::string session_path = absl::StrCat(impl->options.socket_dir, "/", kSessionSocketName);
   absl::StatusOr<UniqueFd> sock = ConnectSeqpacket(session_path);
   if (!sock.ok()) {
     return absl::UnavailableError(absl::StrCat("cannot reach tierd at ", session_path, ": ",
@@ -453,11 +454,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
 
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(256 << 20);
-  args.SetMaxSendMessageSize(256 << 20);
-  impl->channel =
-      grpc::CreateCustomChannel(absl::StrCat("unix:", impl->options.socket_dir, "/tierd.sock"),
-                                grpc::InsecureChannelCredentials(), args);
+  args.SetMaxReceiveMessageSize(kMaxReplyBytes);
+  args.SetMaxSendMessageSize(kMaxRequestBytes);
+  impl->channel = grpc::CreateCustomChannel(
+      absl::StrCat("unix:", impl->options.socket_dir, "/", kRpcSocketName),
+      grpc::InsecureChannelCredentials(), args);
   impl->stub = pb::Tierd::NewStub(impl->channel);
   if (absl::Status s = impl->StartWatcher(); !s.ok()) return s;
   return std::unique_ptr<Client>(new Client(std::move(impl)));

@@ -27,6 +27,7 @@
 #include "common/sizes.h"
 #include "common/unix_socket.h"
 #include "common/version.h"
+#include "common/wire.h"
 #include "daemon/bandwidth_probe.h"
 #include "daemon/chunk_service.h"
 #include "daemon/config.h"
@@ -329,8 +330,8 @@ int Run() {
     }
     locks.push_back(std::move(*lock));
   }
-  const std::string rpc_path = config->socket_dir + "/tierd.sock";
-  const std::string session_path = config->socket_dir + "/tierd.session.sock";
+  const std::string rpc_path = absl::StrCat(config->socket_dir, "/", kRpcSocketName);
+  const std::string session_path = absl::StrCat(config->socket_dir, "/", kSessionSocketName);
 
   // What this machine made the daemon do without, for status and /metrics.
   Fallbacks fallbacks;
@@ -492,7 +493,7 @@ int Run() {
   constexpr mode_t kSocketMode = 0660;
   UniqueFd session_listener;
   if (absl::Status s =
-          PublishSocket(config->socket_dir, "tierd.session.sock", kSocketMode, socket_gid,
+          PublishSocket(config->socket_dir, kSessionSocketName, kSocketMode, socket_gid,
                         [&](const std::string& path) -> absl::Status {
                           absl::StatusOr<UniqueFd> l = ListenSeqpacket(path, 0600);
                           if (!l.ok()) return l.status();
@@ -512,7 +513,7 @@ int Run() {
   }
   std::unique_ptr<RpcServer> rpc;
   if (absl::Status s = PublishSocket(
-          config->socket_dir, "tierd.sock", kSocketMode, socket_gid,
+          config->socket_dir, kRpcSocketName, kSocketMode, socket_gid,
           [&](const std::string& path) -> absl::Status {
             absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
                 path,

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
 #include "common/version.h"
+#include "common/wire.h"
 #ifdef TIERD_HAVE_CUDA
 #include <cuda.h>
 #endif
@@ -19,12 +20,6 @@ namespace tierd {
 namespace {
 
 namespace pb = ::tierd::v1;
-
-constexpr char kSessionMetadata[] = "tierd-session";
-// What a client may send: a 1M-chunk batch is ~10 MiB. Replies (Stat of a million named chunks)
-// may be larger.
-constexpr int kMaxRequestBytes = 32 << 20;
-constexpr int kMaxReplyBytes = 256 << 20;
 
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -446,11 +441,12 @@ class TierdService final : public pb::Tierd::Service {
 
   absl::StatusOr<std::shared_ptr<Session>> Authenticate(grpc::ServerContext* ctx) const {
     const auto& metadata = ctx->client_metadata();
-    auto it = metadata.find(kSessionMetadata);
+    auto it = metadata.find(kSessionMetadataKey);
     if (it == metadata.end()) {
       return absl::PermissionDeniedError(
-          "no session credential: send '<id>:<token>' from the session socket in the "
-          "'tierd-session' metadata");
+          absl::StrCat("no session credential: send '<id>:<token>' from the session socket in "
+                       "the '",
+                       kSessionMetadataKey, "' metadata"));
     }
     return deps_.sessions->Authenticate(absl::string_view(it->second.data(), it->second.size()));
   }

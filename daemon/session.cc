@@ -9,6 +9,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/wire.h"
 
 namespace tierd {
 
@@ -81,8 +82,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Authenticate(
     absl::string_view credential) const {
   auto denied = [] {
     return absl::PermissionDeniedError(
-        "missing or invalid session credential: open a session on the session socket and send "
-        "'<id>:<token>' in the 'tierd-session' metadata");
+        absl::StrCat("missing or invalid session credential: open a session on the session "
+                     "socket and send '<id>:<token>' in the '",
+                     kSessionMetadataKey, "' metadata"));
   };
   size_t colon = credential.find(':');
   SessionId id = 0;

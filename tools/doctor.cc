@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "common/cuda_driver.h"
 #include "common/sizes.h"
+#include "common/wire.h"
 #include "tierd/client.hpp"
 
 extern char** environ;
@@ -227,7 +228,7 @@ Check Sockets(const std::string& dir) {
         "chmod 0750 " + dir + " (the daemon refuses to start on it as it is)");
   }
   std::string found;
-  for (const char* name : {"tierd.sock", "tierd.session.sock"}) {
+  for (const char* name : {kRpcSocketName, kSessionSocketName}) {
     struct stat s {};
     const std::string path = dir + "/" + name;
     if (stat(path.c_str(), &s) != 0 || !S_ISSOCK(s.st_mode)) {
