@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kMiB = 1 << 20;
@@ -174,4 +174,4 @@ absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* devic
   return out;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

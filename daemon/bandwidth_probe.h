@@ -13,7 +13,7 @@
 #include "daemon/planner.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 // Bytes per second per path (indexed by Path); 0 for a path not probed.
 using PathBandwidth = std::array<double, kPaths>;
@@ -25,4 +25,4 @@ using PathBandwidth = std::array<double, kPaths>;
 absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* device_pool,
                                          Device* device, uint64_t bytes);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier) {
   if (chunk.state == ChunkState::kMoving) {
@@ -77,4 +77,4 @@ void FinishMove(ChunkMeta& chunk, bool ok) {
   }
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

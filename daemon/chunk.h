@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 using ChunkId = uint64_t;
 using SessionId = uint64_t;
@@ -94,4 +94,4 @@ absl::Status BeginMove(ChunkMeta& chunk, TierKind to);
 // its-source copy; on failure the chunk is as it was before.
 void FinishMove(ChunkMeta& chunk, bool ok);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

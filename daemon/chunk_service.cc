@@ -19,7 +19,7 @@
 #include "daemon/nvme_tier.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 absl::Status Ended(const Session& session) {
@@ -2196,4 +2196,4 @@ NodeStats ChunkService::node_stats() const {
   return out;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

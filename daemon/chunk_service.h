@@ -33,7 +33,7 @@
 #include "daemon/tenant_ledger.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct ChunkRequest {
   uint64_t size = 0;
@@ -561,4 +561,4 @@ class ChunkService {
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 absl::StatusOr<std::unique_ptr<CompletionRing>> CompletionRing::Create(uint64_t session_id) {
   UniqueFd fd(memfd_create("tierd-completions", MFD_CLOEXEC));
@@ -90,4 +90,4 @@ size_t CompletionRing::pending() const {
   return pending_count_;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

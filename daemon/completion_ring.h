@@ -14,7 +14,7 @@
 #include "common/completion_page.h"
 #include "common/unique_fd.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class CompletionRing {
  public:
@@ -51,4 +51,4 @@ class CompletionRing {
   uint32_t errors_ ABSL_GUARDED_BY(mu_) = 0;  // error records written
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -14,7 +14,7 @@
 #include "common/sizes.h"
 #include "toml++/toml.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 RegionSpec DefaultRegion(const std::string& state_dir) {
   return RegionSpec{state_dir + "/nvme0.region", 2ull << 30};
@@ -455,4 +455,4 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config) {
   return ApplyToml(text.str(), path, config);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -10,7 +10,7 @@
 #include "daemon/limits.h"
 #include "daemon/nvme_tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct DaemonConfig {
   // [daemon]
@@ -72,4 +72,4 @@ absl::string_view HugePagePolicyName(HugePagePolicy policy);
 absl::Status ValidateLogLevel(absl::string_view level);
 absl::Status ValidateDeviceBackend(absl::string_view backend);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

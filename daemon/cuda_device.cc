@@ -10,7 +10,7 @@
 #include "daemon/device.h"
 #include "daemon/work_queue.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 #ifdef TIERD_HAVE_CUDA
 namespace {
@@ -257,4 +257,4 @@ std::vector<std::unique_ptr<Device>> OpenCudaDevices(std::string* status) {
 
 #endif  // TIERD_HAVE_CUDA
 
-}  // namespace tierd
+}  // namespace tierd::daemon

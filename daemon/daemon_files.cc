@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 absl::Status Errno(absl::string_view what) { return absl::ErrnoToStatus(errno, what); }
@@ -163,4 +163,4 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
   return SyncDirectory(dir.empty() ? "." : dir);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -13,7 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "common/unique_fd.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 // Creates the directory `path` (and its parents) when missing, with exactly `mode`, and checks
 // that it is a directory owned by the daemon's user and writable by nobody else: a directory
@@ -41,4 +41,4 @@ absl::StatusOr<gid_t> ResolveGroup(const std::string& group);
 // and `path` keeps its old contents.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents, mode_t mode);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

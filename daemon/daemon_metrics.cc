@@ -8,7 +8,7 @@
 #include "daemon/nvme_tier.h"
 #include "daemon/session.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 using metrics::Labels;
@@ -131,7 +131,7 @@ std::string RenderMetrics(const MetricsSources& src) {
   const std::string gpu = src.devices != nullptr && !src.devices->devices.empty()
                               ? src.devices->devices.front().uuid
                               : std::string();
-  auto PathLabel = [&gpu](int p) { return tierd::PathLabel(p, gpu); };
+  auto PathLabel = [&gpu](int p) { return daemon::PathLabel(p, gpu); };
   w.Family("tierd_moved_bytes_total", Type::kCounter,
            "Bytes moved between tiers by path: nvme_to_host and host_to_nvme are the drives' read "
            "and write, host_to_device and device_to_host PCIe H2D and D2H.");
@@ -302,4 +302,4 @@ std::string RenderMetrics(const MetricsSources& src) {
   return w.text();
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

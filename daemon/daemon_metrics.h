@@ -10,7 +10,7 @@
 #include "absl/time/time.h"
 #include "daemon/metrics.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class ChunkService;
 class Fallbacks;
@@ -42,4 +42,4 @@ std::string RenderMetrics(const MetricsSources& sources);
 // "OK", "NOT_FOUND", ...: gRPC's names for its status codes, as a bounded label value.
 absl::string_view GrpcCodeName(int code);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -5,7 +5,7 @@
 #include "daemon/log_limiter.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 HostRegistration::HostRegistration(SegmentPool* host, Device* device, Fallbacks* fallbacks)
     : host_(host), device_(device), fallbacks_(fallbacks) {
@@ -57,4 +57,4 @@ void HostRegistration::Remap(uint32_t segment, void* old_base, void* new_base, s
   }
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -16,7 +16,7 @@
 #include "daemon/fallbacks.h"
 #include "daemon/segment_pool.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct DeviceDescription {
   std::string uuid;  // "GPU-…"; devices are named by UUID, never by ordinal
@@ -85,4 +85,4 @@ std::unique_ptr<Device> MakeEmulatedDevice(const EmulatedDeviceOptions& options)
 // GPU, built without CUDA).
 std::vector<std::unique_ptr<Device>> OpenCudaDevices(std::string* status);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

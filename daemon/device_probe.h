@@ -7,11 +7,11 @@
 
 #include "daemon/device.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct DeviceProbe {
   std::vector<DeviceDescription> devices;
   std::string status;  // why the list is empty, when it is
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

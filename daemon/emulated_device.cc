@@ -11,7 +11,7 @@
 #include "daemon/host_memory.h"
 #include "daemon/work_queue.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 // One direction of the link: copies run in submission order on the queue's thread, each taking
@@ -113,4 +113,4 @@ std::unique_ptr<Device> MakeEmulatedDevice(const EmulatedDeviceOptions& options)
   return std::make_unique<EmulatedDevice>(options);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -2,7 +2,7 @@
 
 #include <cassert>
 
-namespace tierd {
+namespace tierd::daemon {
 
 ExtentAllocator::ExtentAllocator(uint64_t capacity, uint64_t alignment)
     : capacity_(capacity), alignment_(alignment), free_bytes_(0) {
@@ -101,4 +101,4 @@ void ExtentAllocator::Erase(std::map<uint64_t, uint64_t>::iterator it) {
   by_offset_.erase(it);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -12,7 +12,7 @@
 #include <set>
 #include <utility>
 
-namespace tierd {
+namespace tierd::daemon {
 
 class ExtentAllocator {
  public:
@@ -52,4 +52,4 @@ class ExtentAllocator {
   std::set<std::pair<uint64_t, uint64_t>> by_size_;  // (size, offset)
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

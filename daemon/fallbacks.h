@@ -11,7 +11,7 @@
 
 #include "absl/synchronization/mutex.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class Fallbacks {
  public:
@@ -36,4 +36,4 @@ class Fallbacks {
   std::map<std::string, std::string> entries_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -18,7 +18,7 @@
 #include "common/sizes.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr int kCapIpcLock = 14;
@@ -156,4 +156,4 @@ std::string MemfdBacking::Describe() const {
                       lock_memory_ ? ", locked" : ", NOT locked");
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

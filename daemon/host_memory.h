@@ -9,7 +9,7 @@
 #include "absl/strings/string_view.h"
 #include "daemon/segment_pool.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 enum class HugePagePolicy { kAuto, kNever, kRequire };
 
@@ -49,4 +49,4 @@ class MemfdBacking final : public SegmentBacking {
   bool decided_ = false;  // the first segment decides between huge and normal pages
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/unique_fd.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kWakeTag = ~0ull;
@@ -394,4 +394,4 @@ absl::Status FaultInjectingBackend::RegisterBuffer(int index, void* base, size_t
   return inner_->RegisterBuffer(index, base, length);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

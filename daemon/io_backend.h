@@ -15,7 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 enum class IoKind : uint8_t { kRead, kWrite, kSync };
 
@@ -101,4 +101,4 @@ class FaultInjectingBackend final : public IoBackend {
   std::unique_ptr<State> state_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct IoEngine::Job {
   std::vector<IoSpan> spans;
@@ -278,4 +278,4 @@ void IoEngine::Finish(Job* job) {
   ++finished_;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "daemon/io_backend.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct IoSpan {
   IoKind kind = IoKind::kRead;
@@ -111,4 +111,4 @@ class IoEngine {
   std::thread thread_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -11,7 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct Limits {
   // Connections on the session socket, with or without a session yet.
@@ -45,4 +45,4 @@ struct Quotas {
   }
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

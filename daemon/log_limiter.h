@@ -17,7 +17,7 @@
 #include "absl/time/time.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class LogLimiter {
  public:
@@ -61,11 +61,11 @@ void LogLimited(LogLimiter& limiter, spdlog::level::level_enum level,
   spdlog::log(level, format, std::forward<Args>(args)...);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon
 
 // One limiter per call site.
-#define TIERD_LOG_LIMITED(severity, ...)                                            \
-  do {                                                                              \
-    static ::tierd::LogLimiter tierd_log_limiter;                                   \
-    ::tierd::LogLimited(tierd_log_limiter, ::spdlog::level::severity, __VA_ARGS__); \
+#define TIERD_LOG_LIMITED(severity, ...)                                                    \
+  do {                                                                                      \
+    static ::tierd::daemon::LogLimiter tierd_log_limiter;                                   \
+    ::tierd::daemon::LogLimited(tierd_log_limiter, ::spdlog::level::severity, __VA_ARGS__); \
   } while (0)

@@ -104,7 +104,7 @@ ABSL_FLAG(std::string, lock_memory, "",
           "true or false: mlock the host tier; false only for development without memlock "
           "rights [host.lock_memory; default true]");
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 absl::StatusOr<DaemonConfig> BuildConfig() {
@@ -556,7 +556,7 @@ int Run() {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -575,5 +575,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tierd: unexpected argument '%s' (see tierd --help)\n", rest[1]);
     return 2;
   }
-  return tierd::Run();
+  return tierd::daemon::Run();
 }

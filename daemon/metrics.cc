@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace tierd::metrics {
+namespace tierd::daemon::metrics {
 
 Histogram::Histogram(std::vector<double> bounds)
     : bounds_(std::move(bounds)), buckets_(new std::atomic<uint64_t>[bounds_.size() + 1]) {
@@ -132,4 +132,4 @@ void Writer::Sample(const Labels& labels, const Histogram::Snapshot& h) {
   Line("_count", labels, static_cast<double>(h.count));
 }
 
-}  // namespace tierd::metrics
+}  // namespace tierd::daemon::metrics

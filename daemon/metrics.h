@@ -20,7 +20,7 @@
 
 #include "absl/synchronization/mutex.h"
 
-namespace tierd::metrics {
+namespace tierd::daemon::metrics {
 
 using Labels = std::vector<std::pair<std::string, std::string>>;
 
@@ -96,4 +96,4 @@ class Writer {
 std::string EscapeLabelValue(absl::string_view value);
 std::string FormatValue(double value);
 
-}  // namespace tierd::metrics
+}  // namespace tierd::daemon::metrics

@@ -8,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 // Splits HOST:PORT (HOST may be [v6]); the port is checked, the host is civetweb's to resolve.
@@ -79,4 +79,4 @@ int MetricsServer::Handle(mg_connection* conn, void* self) {
   return 200;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -12,7 +12,7 @@
 struct mg_context;
 struct mg_connection;
 
-namespace tierd {
+namespace tierd::daemon {
 
 class MetricsServer {
  public:
@@ -40,4 +40,4 @@ class MetricsServer {
   bool loopback_ = false;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

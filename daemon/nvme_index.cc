@@ -13,7 +13,7 @@
 #include "common/fmt_absl.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint32_t kRecordMagic = 0x58444954;  // "TIDX"
@@ -288,4 +288,4 @@ absl::Status NvmeIndex::Compact() {
   return absl::OkStatus();
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -17,7 +17,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/nvme_region.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct IndexEntry {
   uint32_t tenant = 0;
@@ -76,4 +76,4 @@ class NvmeIndex {
   std::map<uint64_t, std::string> by_offset_;  // logical offset -> key, to find stale overlaps
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "common/sizes.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 uint64_t SuperblockChecksum(const Superblock& sb) {
   return XXH3_64bits(&sb, offsetof(Superblock, checksum));
@@ -192,4 +192,4 @@ absl::Status NvmeRegion::WriteSuperblock(Superblock sb) const {
   return Sync();
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

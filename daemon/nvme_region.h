@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 inline constexpr char kRegionMagic[8] = {'T', 'I', 'E', 'R', 'D', 'R', 'G', 'N'};
 inline constexpr uint32_t kRegionFormatVersion = 1;
@@ -103,4 +103,4 @@ class AlignedBuffer {
   size_t size_ = 0;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -20,7 +20,7 @@
 #include "daemon/daemon_files.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 absl::Status Annotate(uint64_t chunk_id, const absl::Status& s) {
@@ -607,4 +607,4 @@ void NvmeTier::Drain() {
       +[](int64_t* n) { return *n == 0; }, &ops_in_flight_));
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -25,7 +25,7 @@
 #include "daemon/tier.h"
 #include "daemon/work_queue.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct NvmeOptions {
   std::vector<RegionSpec> regions;
@@ -177,4 +177,4 @@ class NvmeTier final : public Tier {
 absl::StatusOr<InstanceId> LoadOrCreateInstanceId(const std::string& state_dir);
 std::string InstanceIdHex(const InstanceId& id);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -11,7 +11,7 @@
 #include "absl/time/clock.h"
 #include "daemon/chunk_service.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class PlanLoop {
  public:
@@ -36,4 +36,4 @@ class PlanLoop {
   std::thread thread_;  // last: starts once stop_ exists
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

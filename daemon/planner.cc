@@ -5,7 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr int Index(TierKind t) { return static_cast<int>(t); }
@@ -366,4 +366,4 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   return out;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

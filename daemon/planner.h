@@ -30,7 +30,7 @@
 #include "absl/time/time.h"
 #include "daemon/chunk.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 // The ways a chunk's bytes move, each with its own measured bandwidth.
 enum class Path : uint8_t { kNvmeToHost = 0, kHostToNvme, kHostToDevice, kDeviceToHost };
@@ -113,4 +113,4 @@ const char* PathName(Path path);
 // The path a fetch of `chunk` into `tier` starts on (the one that limits it).
 Path FetchPath(const PlannerChunk& chunk, TierKind tier);
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -16,7 +16,7 @@
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 namespace pb = ::tierd::v1;
@@ -545,4 +545,4 @@ void RpcServer::Shutdown(absl::Duration grace) {
   impl_->server.reset();
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -14,7 +14,7 @@
 #include "daemon/segment_pool.h"
 #include "daemon/session.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct RpcServerDeps {
   SessionRegistry* sessions = nullptr;
@@ -40,4 +40,4 @@ class RpcServer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -20,7 +20,7 @@
 #include "common/sizes.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 absl::string_view TierName(TierKind tier) {
   switch (tier) {
@@ -246,4 +246,4 @@ void* SegmentPool::Address(const Placement& placement) const {
   return static_cast<char*>(s.memory.base) + placement.offset;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

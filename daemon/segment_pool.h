@@ -23,7 +23,7 @@
 #include "daemon/extent_allocator.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 inline constexpr uint32_t kNoTenant = UINT32_MAX;
 inline constexpr uint64_t kSegmentAlignment = 4096;  // O_DIRECT and DMA need page alignment
@@ -117,4 +117,4 @@ class SegmentPool final : public Tier {
   int next_observer_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

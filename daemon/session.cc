@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/wire.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 std::string Session::TokenHex() const {
   return absl::BytesToHexString(
@@ -153,4 +153,4 @@ size_t SessionRegistry::size() const {
   return sessions_.size();
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

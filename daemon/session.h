@@ -21,7 +21,7 @@
 #include "daemon/chunk.h"
 #include "daemon/completion_ring.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 struct PeerCredentials {
   uint32_t uid = 0;
@@ -82,4 +82,4 @@ class SessionRegistry {
   absl::flat_hash_map<SessionId, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

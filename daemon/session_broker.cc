@@ -18,7 +18,7 @@
 #include "daemon/log_limiter.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 template <size_t N>
@@ -286,4 +286,4 @@ void SessionBroker::Close(int fd) {
   TIERD_LOG_LIMITED(info, "{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -17,7 +17,7 @@
 #include "daemon/segment_pool.h"
 #include "daemon/session.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class SessionBroker {
  public:
@@ -69,4 +69,4 @@ class SessionBroker {
   std::thread thread_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/sizes.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 LimitKind QuotaKind(TierKind tier) {
@@ -163,4 +163,4 @@ TenantUsage TenantLedger::UsageOf(uint32_t uid) const {
   return it == usage_.end() ? TenantUsage{} : it->second;
 }
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -17,7 +17,7 @@
 #include "daemon/limits.h"
 #include "daemon/tier.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 // The limits a request can run into, for the refusal counters (tierd_limit_refusals_total).
 enum class LimitKind : uint8_t {
@@ -81,4 +81,4 @@ class TenantLedger {
   absl::flat_hash_map<uint32_t, TenantUsage> usage_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -8,7 +8,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 // Values match tierd.v1.Tier.
 enum class TierKind : uint8_t { kHost = 1, kNvme = 2, kDevice = 3 };
@@ -54,4 +54,4 @@ class Tier {
   virtual std::string Describe() const = 0;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

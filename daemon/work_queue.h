@@ -9,7 +9,7 @@
 
 #include "absl/synchronization/mutex.h"
 
-namespace tierd {
+namespace tierd::daemon {
 
 class WorkQueue {
  public:
@@ -63,4 +63,4 @@ class WorkQueue {
   std::thread thread_;
 };
 
-}  // namespace tierd
+}  // namespace tierd::daemon

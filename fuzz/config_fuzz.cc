@@ -14,13 +14,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   (void)quiet;
   const std::string text(reinterpret_cast<const char*>(data), size);
-  tierd::DaemonConfig config = tierd::DefaultConfig();
-  absl::Status s = tierd::ApplyToml(text, "fuzz.toml", &config);
+  tierd::daemon::DaemonConfig config = tierd::daemon::DefaultConfig();
+  absl::Status s = tierd::daemon::ApplyToml(text, "fuzz.toml", &config);
   if (!s.ok()) {
     // Errors name the document.
     if (s.message().find("fuzz.toml") == absl::string_view::npos) __builtin_trap();
     return 0;
   }
-  (void)tierd::ValidateConfig(config);
+  (void)tierd::daemon::ValidateConfig(config);
   return 0;
 }

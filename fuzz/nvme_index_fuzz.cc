@@ -19,7 +19,7 @@
 #include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kIndexOffset = kRegionHeaderBytes;
@@ -63,10 +63,11 @@ bool Overlapping(const NvmeIndex& index) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tierd;
+  using namespace tierd::daemon;
   NvmeRegion* region = Region();
   auto opened = NvmeIndex::Open(region, kIndexOffset, kIndexBytes, /*fresh=*/true);
   if (!opened.ok()) abort();

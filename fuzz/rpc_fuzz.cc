@@ -29,7 +29,7 @@
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 namespace pb = ::tierd::v1;
@@ -179,10 +179,11 @@ void Settle(Daemon& d) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tierd;
+  using namespace tierd::daemon;
   Daemon& d = TheDaemon();
   auto session = d.sessions->Open(
       {static_cast<uint32_t>(getuid()), static_cast<uint32_t>(getgid()), getpid()}, "fuzz");

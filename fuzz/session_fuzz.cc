@@ -28,7 +28,7 @@
 #include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 struct Daemon {
@@ -68,10 +68,11 @@ Daemon& TheDaemon() {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace tierd;
+  using namespace tierd::daemon;
   Daemon& d = TheDaemon();
   auto sock = ConnectSeqpacket(d.path);
   if (!sock.ok()) abort();

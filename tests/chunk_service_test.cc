@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kSeg = 4 << 20;
@@ -333,4 +333,4 @@ TEST(ChunkTableScaleTest, HoldsAMillionChunks) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

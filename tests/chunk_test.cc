@@ -3,7 +3,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 ChunkMeta HostChunk() {
@@ -91,9 +91,9 @@ TEST(ChunkStateTest, ChunkWithNoValidCopyCannotMove) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 TEST(ChunkStateTest, WriteMakesTheAcquiredCopyTheOnlyValidOne) {
@@ -114,4 +114,4 @@ TEST(ChunkStateTest, WriteMakesTheAcquiredCopyTheOnlyValidOne) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -9,7 +9,7 @@
 #include "daemon/completion_ring.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 // The client's view: a second mapping of the ring's memfd, as a client process has.
@@ -169,4 +169,4 @@ TEST(CompletionTest, InvalidTokensAreRejected) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -2,7 +2,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 TEST(ConfigTest, AppliesEveryKey) {
@@ -261,4 +261,4 @@ TEST(ConfigTest, HugePagePolicyNamesRoundTrip) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

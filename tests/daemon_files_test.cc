@@ -14,7 +14,7 @@
 #include "daemon/nvme_tier.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 class DaemonFilesTest : public ::testing::Test {
@@ -120,4 +120,4 @@ TEST_F(DaemonFilesTest, ALockedDirectoryNamesItsHolder) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

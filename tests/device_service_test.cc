@@ -13,7 +13,7 @@
 #include "daemon/nvme_tier.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kSeg = 16 << 20;
@@ -380,4 +380,4 @@ TEST_F(DeviceServiceTest, EvictIntoTheDeviceIsInvalidAndPinnedDeviceCopiesStay) 
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kAlign = 4096;
@@ -138,9 +138,9 @@ TEST(ExtentAllocatorTest, ChunkMixFragmentationStaysLow) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 TEST(ExtentAllocatorTest, AlignedAllocationsStartOnTheBoundaryAndWasteNothing) {
@@ -163,4 +163,4 @@ TEST(ExtentAllocatorTest, AllocateAtClaimsExactlyTheRecordedExtent) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -10,7 +10,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr size_t kBytes = 8 << 20;
@@ -263,4 +263,4 @@ TEST(IoEngineSqpollTest, SubmissionPollingMovesTheSameBytes) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -7,7 +7,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd::metrics {
+namespace tierd::daemon::metrics {
 namespace {
 
 TEST(MetricsWriterTest, WritesHelpTypeAndSamplesWithEscapedLabels) {
@@ -94,4 +94,4 @@ TEST(MetricsMapsTest, CountersAndHistogramsAreKeptPerLabelSet) {
 }
 
 }  // namespace
-}  // namespace tierd::metrics
+}  // namespace tierd::daemon::metrics

@@ -11,7 +11,7 @@
 #include "daemon/nvme_tier.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 class NvmeFormatTest : public ::testing::Test {
@@ -296,4 +296,4 @@ TEST_F(NvmeIndexTest, MissingHeaderIsDataLoss) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -16,7 +16,7 @@
 #include "daemon/nvme_tier.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kSeg = 16 << 20;
@@ -1261,4 +1261,4 @@ TEST_F(NvmeServiceTest, ConcurrentRandomMovesFromSeveralSessionsMatchAModel) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kMiB = 1 << 20;
@@ -414,4 +414,4 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -8,7 +8,7 @@
 #include "daemon/device.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 constexpr uint64_t kSeg = 4 << 20;
@@ -134,9 +134,9 @@ TEST(SegmentPoolTest, UsageTracksReservations) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 bool Mapped(const void* base, size_t size) {
@@ -252,4 +252,4 @@ TEST(HostRegistrationTest, TheEmulatedDeviceRefusesWhatTheDriverRefuses) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon

@@ -3,7 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
-namespace tierd {
+namespace tierd::daemon {
 namespace {
 
 TEST(SessionTest, TokensAreUniqueAndAuthenticate) {
@@ -86,4 +86,4 @@ TEST(SessionTest, ClosedSessionNoLongerAuthenticates) {
 }
 
 }  // namespace
-}  // namespace tierd
+}  // namespace tierd::daemon
