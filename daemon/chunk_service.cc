@@ -1906,7 +1906,11 @@ void ChunkService::FinishTrace(SessionState& state, const Session& session) {
   // Chunks freed since they were acquired are left out.
   size_t kept = 0;
   for (auto& step : t.recorded) {
-    std::erase_if(step, [&](const ScheduledAccess& a) { return !chunks_.contains(a.id); });
+    size_t live = 0;  // in place, not through a predicate: the lock is checked here
+    for (const ScheduledAccess& a : step) {
+      if (chunks_.contains(a.id)) step[live++] = a;
+    }
+    step.resize(live);
     kept += step.size();
   }
   if (kept == 0) {

@@ -40,7 +40,8 @@ SegmentPool::SegmentPool(TierKind kind, absl::string_view config, uint64_t capac
       config_(config),
       capacity_(capacity),
       segment_size_(segment_size),
-      backing_(std::move(backing)) {}
+      backing_(std::move(backing)),
+      segment_count_(static_cast<uint32_t>(capacity / segment_size)) {}
 
 SegmentPool::~SegmentPool() {
   absl::MutexLock lock(&mu_);
@@ -68,7 +69,7 @@ absl::StatusOr<std::unique_ptr<SegmentPool>> SegmentPool::Create(
   std::unique_ptr<SegmentPool> pool(
       new SegmentPool(kind, config, capacity, segment_size, std::move(backing)));
   absl::MutexLock lock(&pool->mu_);
-  const uint32_t count = static_cast<uint32_t>(capacity / segment_size);
+  const uint32_t count = pool->segment_count_;
   pool->segments_.resize(count);
   for (uint32_t i = 0; i < count; ++i) {
     if (absl::Status s = pool->MapFresh(pool->segments_[i], i); !s.ok()) return s;

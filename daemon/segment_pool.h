@@ -85,7 +85,7 @@ class SegmentPool final : public Tier {
   int AddRemapObserver(RemapObserver observer);
   void RemoveRemapObserver(int id);
 
-  uint32_t segment_count() const { return static_cast<uint32_t>(segments_.size()); }
+  uint32_t segment_count() const { return segment_count_; }
   uint64_t segment_size() const { return segment_size_; }
   SegmentBacking* backing() const { return backing_.get(); }
 
@@ -110,6 +110,8 @@ class SegmentPool final : public Tier {
   const uint64_t capacity_;
   const uint64_t segment_size_;
   const std::unique_ptr<SegmentBacking> backing_;
+  // capacity / segment_size, set at creation: the segments are remapped, never added or removed.
+  const uint32_t segment_count_;
   mutable absl::Mutex mu_;
   std::vector<Segment> segments_ ABSL_GUARDED_BY(mu_);
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
