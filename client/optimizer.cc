@@ -77,6 +77,15 @@ uint64_t StateBytesPerParam(ScalarType state_type) {
   return state_type == ScalarType::kBFloat16 ? 8 : 12;
 }
 
+// The layout of a shard of parameters [first, first + n).
+Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type) {
+  const uint64_t moment_bytes = (StateBytesPerParam(state_type) - 4) / 2;
+  return {.first = first,
+          .n = n,
+          .p_region = RoundUp(n * 4, kPage),
+          .mv_region = RoundUp(n * moment_bytes, kPage)};
+}
+
 struct Group {
   ParamGroup spec;
   std::vector<Shard> shards;
@@ -217,6 +226,25 @@ struct OffloadedAdam::Impl {
       writes.pop_front();
     }
     if (!first.ok()) return first;
+    return absl::Now() - start;
+  }
+
+  // The end of a step, finished or abandoned: waits for the worker to take every queued group,
+  // drops what was read ahead for groups not given and waits for every write-back. Returns the
+  // time the last two took (write wait), or the first error of either.
+  absl::StatusOr<absl::Duration> Settle() {
+    {
+      absl::MutexLock lock(&mu);
+      mu.Await(absl::Condition(
+          +[](Impl* self)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->outstanding == 0; },
+          this));
+    }
+    const absl::Time start = absl::Now();
+    absl::Status dropped = DropAhead();
+    absl::StatusOr<absl::Duration> drained = WaitWrites(0);
+    if (!dropped.ok()) return dropped;
+    if (!drained.ok()) return drained.status();
     return absl::Now() - start;
   }
 
@@ -666,11 +694,8 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
   for (size_t g = 0; g < groups.size(); ++g) {
     Group& group = groups[g];
     for (uint64_t first = 0; first < group.spec.params; first += shard_params) {
-      Shard s;
-      s.first = first;
-      s.n = std::min(shard_params, group.spec.params - first);
-      s.p_region = RoundUp(s.n * 4, kPage);
-      s.mv_region = RoundUp(s.n * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
+      const Shard s =
+          ShardOf(first, std::min(shard_params, group.spec.params - first), options.state_type);
       ChunkSpec spec{.size = s.bytes(), .home = options.home};
       if (options.persistent) {
         spec.name = ShardName(g, group.shards.size(), group.version);
@@ -773,9 +798,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
                                         kMinShardParams, kMaxAutoShardParams);
   }
   impl->shard_params = shard_params;
-  const uint64_t shard_bytes =
-      RoundUp(shard_params * 4, kPage) +
-      2 * RoundUp(shard_params * (StateBytesPerParam(options.state_type) - 4) / 2, kPage);
+  const uint64_t shard_bytes = ShardOf(0, shard_params, options.state_type).bytes();
   // The shards in hand (two for a speculative step), one read ahead and one written back.
   const uint64_t min_shards = options.speculative ? 4 : 3;
   if (options.home == Tier::kNvme && options.host_budget_bytes < min_shards * shard_bytes) {
@@ -990,14 +1013,7 @@ absl::Status OffloadedAdam::AbandonStep() {
     return absl::FailedPreconditionError(
         "AbandonStep: the optimizer is not speculative, so its steps update the state in place");
   }
-  {
-    absl::MutexLock lock(&d.mu);
-    d.mu.Await(absl::Condition(
-        +[](Impl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->outstanding == 0; },
-        &d));
-  }
-  absl::Status dropped = d.DropAhead();
-  absl::StatusOr<absl::Duration> drained = d.WaitWrites(0);
+  absl::StatusOr<absl::Duration> settled = d.Settle();
   d.in_step = false;
   {
     absl::MutexLock lock(&d.mu);
@@ -1005,23 +1021,14 @@ absl::Status OffloadedAdam::AbandonStep() {
   }
   // Nothing the step wrote is the state; the meta chunk says no step is running.
   if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
-  if (!dropped.ok()) return dropped;
-  if (!drained.ok()) return drained.status();
+  if (!settled.ok()) return settled.status();
   return d.ReadAhead(std::string::npos, 0, 0);
 }
 
 absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   Impl& d = *impl_;
   if (!d.in_step) return absl::FailedPreconditionError("FinishStep without BeginStep");
-  {
-    absl::MutexLock lock(&d.mu);
-    d.mu.Await(absl::Condition(
-        +[](Impl* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu) { return self->outstanding == 0; },
-        &d));
-  }
-  const absl::Time t0 = absl::Now();
-  absl::Status dropped = d.DropAhead();  // read ahead for groups not given this step
-  absl::StatusOr<absl::Duration> drained = d.WaitWrites(0);
+  absl::StatusOr<absl::Duration> settled = d.Settle();
   OptimizerStepStats stats;
   absl::Status error;
   {
@@ -1032,9 +1039,8 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   }
   d.in_step = false;
   if (!error.ok()) return error;
-  if (!dropped.ok()) return dropped;
-  if (!drained.ok()) return drained.status();
-  stats.write_wait += absl::Now() - t0;
+  if (!settled.ok()) return settled.status();
+  stats.write_wait += *settled;
   if (d.options.speculative) {  // the versions written become the state
     for (size_t g = 0; g < d.groups.size(); ++g) {
       if (!d.given[g] || std::find(stats.skipped_groups.begin(), stats.skipped_groups.end(), g) !=
