@@ -447,10 +447,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                        "tail_s": time.perf_counter() - start}
                     return loss
                 if self.max_grad_norm is not None:
-                    coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                    coef = self._clip_coefficient(norm)
                     for b in todo:
                         b.grad.mul_(coef)
-        if not self._begun:
             self._begin(1.0)
         for b in todo:
             self._launch(b)
@@ -481,10 +480,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         (a coefficient of exactly 1, as clip_grad_norm_ computes it) nor skipped."""
         if grad_scale != self._spec_scale or not math.isfinite(float(norm)):
             return False  # another scale; or skipped, or clipped by a non-finite norm
-        if self.max_grad_norm is not None:
-            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            return float(coef) == 1.0
-        return True
+        return self.max_grad_norm is None or float(self._clip_coefficient(norm)) == 1.0
+
+    def _clip_coefficient(self, norm: torch.Tensor) -> torch.Tensor:
+        # As clip_grad_norm_ computes it.
+        return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
 
     def _grad_norm(self, buckets: List[_Bucket], inv: Optional[torch.Tensor] = None
                    ) -> torch.Tensor:
