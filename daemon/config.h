@@ -6,9 +6,9 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
-#include "daemon/host_memory.h"
-#include "daemon/limits.h"
-#include "daemon/nvme_tier.h"
+#include "daemon/chunks/limits.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_tier.h"
 
 namespace tierd::daemon {
 

@@ -1,8 +1,8 @@
 // The chunk service's rules: ownership, whole-batch validation, names, and session end.
-#include "daemon/chunk_service.h"
+#include "daemon/chunks/chunk_service.h"
 
-#include "daemon/extent_allocator.h"
-#include "daemon/host_memory.h"
+#include "daemon/tiers/extent_allocator.h"
+#include "daemon/tiers/host_memory.h"
 
 #include "gtest/gtest.h"
 

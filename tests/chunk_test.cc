@@ -1,5 +1,5 @@
 // The chunk state machine (docs/architecture.md, "Chunk states").
-#include "daemon/chunk.h"
+#include "daemon/chunks/chunk.h"
 
 #include "gtest/gtest.h"
 

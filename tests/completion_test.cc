@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "common/completion_page.h"
-#include "daemon/completion_ring.h"
+#include "daemon/chunks/completion_ring.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -1,5 +1,5 @@
 // The daemon's own directories, locks and state files.
-#include "daemon/daemon_files.h"
+#include "daemon/util/daemon_files.h"
 
 #include <signal.h>
 #include <sys/resource.h>
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "daemon/nvme_tier.h"
+#include "daemon/tiers/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

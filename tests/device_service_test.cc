@@ -7,10 +7,10 @@
 #include <cstring>
 #include <filesystem>
 
-#include "daemon/chunk_service.h"
-#include "daemon/device.h"
-#include "daemon/host_memory.h"
-#include "daemon/nvme_tier.h"
+#include "daemon/chunks/chunk_service.h"
+#include "daemon/tiers/device.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

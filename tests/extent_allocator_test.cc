@@ -1,4 +1,4 @@
-#include "daemon/extent_allocator.h"
+#include "daemon/tiers/extent_allocator.h"
 
 #include <map>
 #include <random>

@@ -1,5 +1,5 @@
 // The I/O engine on real io_uring over an O_DIRECT file, with faults injected at the backend seam.
-#include "daemon/io_engine.h"
+#include "daemon/io/io_engine.h"
 
 #include <fcntl.h>
 #include <unistd.h>

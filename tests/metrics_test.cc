@@ -1,5 +1,5 @@
-// The Prometheus text exposition the daemon writes (daemon/metrics.h).
-#include "daemon/metrics.h"
+// The Prometheus text exposition the daemon writes (daemon/util/metrics.h).
+#include "daemon/util/metrics.h"
 
 #include <cmath>
 #include <thread>

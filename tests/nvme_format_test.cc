@@ -5,10 +5,10 @@
 
 #include <filesystem>
 
-#include "daemon/host_memory.h"
-#include "daemon/nvme_index.h"
-#include "daemon/nvme_region.h"
-#include "daemon/nvme_tier.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_index.h"
+#include "daemon/tiers/nvme_region.h"
+#include "daemon/tiers/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

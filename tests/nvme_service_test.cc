@@ -11,9 +11,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/chunk_service.h"
-#include "daemon/host_memory.h"
-#include "daemon/nvme_tier.h"
+#include "daemon/chunks/chunk_service.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -1,5 +1,5 @@
-// The planner's decisions, given capacities, bandwidths and schedules (daemon/planner.h).
-#include "daemon/planner.h"
+// The planner's decisions, given capacities, bandwidths and schedules (daemon/planner/planner.h).
+#include "daemon/planner/planner.h"
 
 #include <algorithm>
 #include <random>

@@ -1,4 +1,4 @@
-#include "daemon/session.h"
+#include "daemon/chunks/session.h"
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"

@@ -1,0 +1,548 @@
+#include "daemon/api/rpc_server.h"
+
+#include <unistd.h>
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/fmt_absl.h"
+#include "common/version.h"
+#include "common/wire.h"
+#ifdef TIERD_HAVE_CUDA
+#include <cuda.h>
+#endif
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/support/server_interceptor.h"
+#include "spdlog/spdlog.h"
+#include "tierd/v1/tierd.grpc.pb.h"
+
+namespace tierd::daemon {
+namespace {
+
+namespace pb = ::tierd::v1;
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::StatusOr<TierKind> FromProto(pb::Tier tier, bool allow_unspecified = true) {
+  switch (tier) {
+    case pb::TIER_UNSPECIFIED:
+      if (allow_unspecified) return TierKind::kHost;
+      break;
+    case pb::TIER_HOST:
+      return TierKind::kHost;
+    case pb::TIER_NVME:
+      return TierKind::kNvme;
+    case pb::TIER_DEVICE:
+      return TierKind::kDevice;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown tier ", static_cast<int>(tier)));
+}
+
+pb::Tier ToProto(TierKind tier) { return static_cast<pb::Tier>(static_cast<int>(tier)); }
+
+void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
+  out->set_chunk_id(c.id);
+  out->set_size_bytes(c.size);
+  out->set_name(c.name);
+  out->set_persistent(c.persistent);
+  for (const std::string& tag : c.tags) out->add_tags(tag);
+  out->set_home_tier(ToProto(c.home));
+  for (int t = 1; t < kTierKinds; ++t) {
+    if (c.resident.contains(static_cast<TierKind>(t)))
+      out->add_resident_tiers(static_cast<pb::Tier>(t));
+    if (c.dirty.contains(static_cast<TierKind>(t))) out->add_dirty_tiers(static_cast<pb::Tier>(t));
+  }
+  out->set_state(c.state == ChunkState::kMoving ? pb::CHUNK_STATE_MOVING : pb::CHUNK_STATE_READY);
+  out->set_pins(c.pins);
+  out->set_owner_session(c.owner);
+  out->set_lost(c.lost);
+}
+
+void ToProto(SlotToken token, pb::Completion* out) {
+  out->set_slot(token.slot);
+  out->set_sequence(token.sequence);
+}
+
+template <typename Ids>
+std::span<const ChunkId> Span(const Ids& ids) {
+  return {ids.data(), static_cast<size_t>(ids.size())};
+}
+
+class TierdService final : public pb::Tierd::Service {
+ public:
+  explicit TierdService(RpcServerDeps deps) : deps_(std::move(deps)), started_(absl::Now()) {}
+
+  grpc::Status Allocate(grpc::ServerContext* ctx, const pb::AllocateRequest* req,
+                        pb::AllocateResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    std::vector<ChunkRequest> requests;
+    requests.reserve(req->chunks_size());
+    for (int i = 0; i < req->chunks_size(); ++i) {
+      const pb::ChunkSpec& spec = req->chunks(i);
+      absl::StatusOr<TierKind> home = FromProto(spec.home_tier());
+      if (!home.ok()) {
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("Allocate, chunk #", i, ": ", home.status().message())));
+      }
+      requests.push_back(ChunkRequest{spec.size_bytes(),
+                                      *home,
+                                      spec.name(),
+                                      spec.persistent(),
+                                      {spec.tags().begin(), spec.tags().end()},
+                                      spec.open_existing(),
+                                      spec.must_exist(),
+                                      spec.shared()});
+    }
+    absl::StatusOr<std::vector<ChunkId>> ids = deps_.chunks->Allocate(**session, requests);
+    if (!ids.ok()) return ToGrpc(ids.status());
+    resp->mutable_chunk_ids()->Add(ids->begin(), ids->end());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Free(grpc::ServerContext* ctx, const pb::FreeRequest* req,
+                    pb::FreeResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->Free(**session, Span(req->chunk_ids())));
+  }
+
+  grpc::Status Prefetch(grpc::ServerContext* ctx, const pb::PrefetchRequest* req,
+                        pb::PrefetchResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<SlotToken> token =
+        deps_.chunks->Prefetch(**session, Span(req->chunk_ids()), *tier, req->priority());
+    if (!token.ok()) return ToGrpc(token.status());
+    ToProto(*token, resp->mutable_completion());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Evict(grpc::ServerContext* ctx, const pb::EvictRequest* req,
+                     pb::EvictResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<SlotToken> token =
+        deps_.chunks->Evict(**session, Span(req->chunk_ids()), *tier, req->keep_source());
+    if (!token.ok()) return ToGrpc(token.status());
+    ToProto(*token, resp->mutable_completion());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Acquire(grpc::ServerContext* ctx, const pb::AcquireRequest* req,
+                       pb::AcquireResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier());
+    if (!tier.ok()) return ToGrpc(tier.status());
+    Access access;
+    switch (req->mode()) {
+      case pb::ACCESS_MODE_READ:
+        access = Access::kRead;
+        break;
+      case pb::ACCESS_MODE_WRITE:
+        access = Access::kWrite;
+        break;
+      case pb::ACCESS_MODE_OVERWRITE:
+        access = Access::kOverwrite;
+        break;
+      default:
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("Acquire: access mode ", static_cast<int>(req->mode()),
+                         " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
+    }
+    absl::StatusOr<AcquireResult> result =
+        deps_.chunks->Acquire(**session, Span(req->chunk_ids()), *tier, access);
+    if (!result.ok()) return ToGrpc(result.status());
+    resp->mutable_locations()->Reserve(req->chunk_ids_size());
+    for (int i = 0; i < req->chunk_ids_size(); ++i) {
+      const Placement& p = result->locations[i];
+      pb::ChunkLocation* loc = resp->add_locations();
+      loc->set_chunk_id(req->chunk_ids(i));
+      loc->set_tier(ToProto(p.tier));
+      loc->set_size_bytes(p.size);
+      loc->set_segment(p.segment);
+      loc->set_segment_generation(p.generation);
+      loc->set_offset(p.offset);
+    }
+    ToProto(result->ready, resp->mutable_ready());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SetSchedule(grpc::ServerContext* ctx, const pb::SetScheduleRequest* req,
+                           pb::SetScheduleResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    ScheduleRequest schedule;
+    schedule.steps.reserve(req->steps_size());
+    uint64_t accesses = 0;
+    for (const pb::ScheduleStep& step : req->steps()) {
+      std::vector<ScheduledAccess>& out = schedule.steps.emplace_back();
+      out.reserve(step.accesses_size());
+      for (const pb::StepAccess& a : step.accesses()) {
+        absl::StatusOr<TierKind> tier = FromProto(a.tier());
+        if (!tier.ok()) return ToGrpc(tier.status());
+        Access access = Access::kRead;
+        if (a.mode() == pb::ACCESS_MODE_WRITE) {
+          access = Access::kWrite;
+        } else if (a.mode() == pb::ACCESS_MODE_OVERWRITE) {
+          access = Access::kOverwrite;
+        } else if (a.mode() != pb::ACCESS_MODE_READ && a.mode() != pb::ACCESS_MODE_UNSPECIFIED) {
+          return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+              "SetSchedule: access mode ", static_cast<int>(a.mode()), " of chunk ", a.chunk_id(),
+              " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
+        }
+        out.push_back({a.chunk_id(), *tier, access});
+        ++accesses;
+      }
+    }
+    schedule.quota[static_cast<int>(TierKind::kHost)] = req->host_quota_bytes();
+    schedule.quota[static_cast<int>(TierKind::kDevice)] = req->device_quota_bytes();
+    schedule.trace_steps = req->trace_steps();
+    const uint32_t steps = static_cast<uint32_t>(schedule.steps.size());
+    if (absl::Status s = deps_.chunks->SetSchedule(**session, std::move(schedule)); !s.ok()) {
+      return ToGrpc(s);
+    }
+    resp->set_steps(steps);
+    resp->set_accesses(accesses);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetSessionStats(grpc::ServerContext* ctx, const pb::GetSessionStatsRequest*,
+                               pb::GetSessionStatsResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    const SessionStats stats = deps_.chunks->session_stats(**session);
+    resp->set_acquired_ready(stats.ready);
+    resp->set_acquired_waited(stats.waited);
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      pb::TierStall* stall = resp->add_stalls();
+      stall->set_tier(ToProto(t));
+      stall->set_stall_seconds(absl::ToDoubleSeconds(stats.stall[static_cast<int>(t)]));
+    }
+    resp->set_planner_fetches(stats.planner_fetches);
+    resp->set_planner_drops(stats.planner_drops);
+    resp->set_planner_write_backs(stats.planner_write_backs);
+    resp->set_cursor(stats.cursor);
+    resp->set_schedule_steps(stats.schedule_steps);
+    resp->set_tracing(stats.tracing);
+    resp->set_bandwidth_weight(stats.bandwidth_weight);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SetBandwidthWeight(grpc::ServerContext* ctx,
+                                  const pb::SetBandwidthWeightRequest* req,
+                                  pb::SetBandwidthWeightResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->SetBandwidthWeight(**session, req->weight()));
+  }
+
+  grpc::Status Drain(grpc::ServerContext* ctx, const pb::DrainRequest* req,
+                     pb::DrainResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<TierKind> tier = FromProto(req->tier(), /*allow_unspecified=*/false);
+    if (!tier.ok()) return ToGrpc(tier.status());
+    absl::StatusOr<DrainResult> r = deps_.chunks->Drain(**session, *tier, Span(req->chunk_ids()));
+    if (!r.ok()) return ToGrpc(r.status());
+    ToProto(r->token, resp->mutable_completion());
+    resp->set_chunks(r->chunks);
+    resp->set_bytes(r->bytes);
+    resp->set_pinned_chunks(r->pinned);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Release(grpc::ServerContext* ctx, const pb::ReleaseRequest* req,
+                       pb::ReleaseResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->Release(**session, Span(req->chunk_ids())));
+  }
+
+  grpc::Status Stat(grpc::ServerContext* ctx, const pb::StatRequest* req,
+                    pb::StatResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    absl::StatusOr<std::vector<ChunkMeta>> chunks =
+        deps_.chunks->Stat(**session, Span(req->chunk_ids()));
+    if (!chunks.ok()) return ToGrpc(chunks.status());
+    for (const ChunkMeta& c : *chunks) ToProto(c, resp->add_chunks());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListChunks(grpc::ServerContext* ctx, const pb::ListChunksRequest* req,
+                          pb::ListChunksResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    if (req->page_size() > kMaxPageSize) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("ListChunks: page_size ", req->page_size(), " exceeds ", kMaxPageSize)));
+    }
+    ChunkPage page;
+    if (req->all_sessions()) {
+      absl::StatusOr<ChunkPage> all =
+          deps_.chunks->ListAll(**session, req->page_token(), req->page_size());
+      if (!all.ok()) return ToGrpc(all.status());
+      page = std::move(*all);
+    } else {
+      page = deps_.chunks->List(**session, req->page_token(), req->page_size());
+    }
+    for (const ChunkMeta& c : page.chunks) ToProto(c, resp->add_chunks());
+    resp->set_next_page_token(page.next_page_token);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetNodeInfo(grpc::ServerContext* ctx, const pb::GetNodeInfoRequest* req,
+                           pb::GetNodeInfoResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    resp->set_hostname(host);
+    pb::BuildInfo* build = resp->mutable_build();
+    build->set_version(TIERD_VERSION);
+    build->set_build_type(TIERD_BUILD_TYPE);
+#ifdef TIERD_HAVE_CUDA
+    build->set_cuda(true);
+#endif
+#ifdef TIERD_HAVE_CUDA
+    build->set_cuda_version(absl::StrCat(CUDA_VERSION / 1000, ".", (CUDA_VERSION % 1000) / 10));
+#endif
+    build->set_sanitizer(TIERD_SANITIZER);
+    build->set_compiler(TIERD_COMPILER);
+    for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+      pb::TierInfo* info = resp->add_tiers();
+      info->set_tier(ToProto(kind));
+      Tier* tier = deps_.chunks->tier(kind);
+      info->set_configured(tier != nullptr);
+      if (tier == nullptr) continue;
+      TierUsage usage = tier->Usage();
+      info->set_capacity_bytes(usage.capacity_bytes);
+      info->set_used_bytes(usage.used_bytes);
+      info->set_free_bytes(usage.capacity_bytes - usage.used_bytes);
+      info->set_largest_free_bytes(usage.largest_free_bytes);
+      info->set_detail(tier->Describe());
+      if (kind == TierKind::kNvme && deps_.nvme != nullptr) {
+        info->set_io_backend(IoBackendName(deps_.nvme->io_backend()));
+        for (const RegionStatus& r : deps_.nvme->Regions()) {
+          pb::RegionInfo* region = info->add_regions();
+          region->set_path(r.path);
+          region->set_capacity_bytes(r.capacity_bytes);
+          region->set_used_bytes(r.used_bytes);
+          region->set_free_bytes(r.capacity_bytes - r.used_bytes);
+          region->set_block_size(r.block_size);
+        }
+      }
+    }
+    for (const PathStatus& path : deps_.chunks->path_status()) {
+      pb::PathInfo* info = resp->add_paths();
+      info->set_name(PathName(path.path));
+      info->set_bytes_total(path.bytes);
+      info->set_moves_total(path.moves);
+      info->set_bytes_per_second(path.bytes_per_second);
+      info->set_measured(path.measured);
+      info->set_probed_bytes_per_second(path.probed_bytes_per_second);
+    }
+    for (const DeviceDescription& d : deps_.devices.devices) {
+      pb::DeviceInfo* dev = resp->add_devices();
+      dev->set_uuid(d.uuid);
+      dev->set_name(d.name);
+      dev->set_memory_bytes(d.memory_bytes);
+      dev->set_emulated(d.emulated);
+    }
+    resp->set_device_status(deps_.devices.status);
+    if (deps_.fallbacks != nullptr) {
+      for (const auto& [what, why] : deps_.fallbacks->List()) {
+        pb::Fallback* f = resp->add_fallbacks();
+        f->set_what(what);
+        f->set_why(why);
+      }
+    }
+    resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
+    if (req->list_sessions() && IsOperator(**session)) {
+      const std::map<SessionId, SessionHoldings> holdings = deps_.chunks->Holdings();
+      for (const std::shared_ptr<Session>& s : deps_.sessions->All()) {
+        pb::SessionInfo* info = resp->add_session_list();
+        info->set_id(s->id);
+        info->set_client_name(s->client_name);
+        info->set_job(s->job);
+        info->set_uid(s->peer.uid);
+        info->set_pid(static_cast<uint32_t>(s->peer.pid));
+        info->set_opened_unix_seconds(absl::ToUnixSeconds(s->opened));
+        if (auto h = holdings.find(s->id); h != holdings.end()) {
+          info->set_chunks(h->second.chunks);
+          info->set_bytes(h->second.bytes);
+          info->set_pinned_chunks(h->second.pinned);
+          info->set_moved_bytes(h->second.moved_bytes);
+        }
+      }
+    }
+    AddTenants(**session, resp);
+    resp->set_chunks(deps_.chunks->chunk_count());
+    resp->set_uptime_seconds(absl::ToInt64Seconds(absl::Now() - started_));
+    return grpc::Status::OK;
+  }
+
+ private:
+  // The caller's own user, or every user holding anything for an operator.
+  void AddTenants(const Session& session, pb::GetNodeInfoResponse* resp) const {
+    const Limits limits = deps_.chunks->limits();
+    const Quotas quotas = deps_.chunks->quotas();
+    pb::LimitsInfo* l = resp->mutable_limits();
+    l->set_connections_per_uid(limits.connections_per_uid);
+    l->set_sessions_per_uid(limits.sessions_per_uid);
+    l->set_chunks_per_session(limits.chunks_per_session);
+    l->set_chunks_per_uid(limits.chunks_per_uid);
+    l->set_schedule_accesses_per_session(limits.schedule_accesses_per_session);
+    l->set_schedule_accesses_per_uid(limits.schedule_accesses_per_uid);
+    l->set_trace_steps(limits.trace_steps);
+    std::map<uint32_t, TenantUsage> usage;
+    if (IsOperator(session)) {
+      usage = deps_.chunks->tenant_usage();
+    } else {
+      usage[session.peer.uid] = deps_.chunks->tenant_usage(session.peer.uid);
+    }
+    const absl::flat_hash_map<uint32_t, uint32_t> sessions = deps_.sessions->CountByUid();
+    for (const auto& [uid, n] : sessions) {
+      if (IsOperator(session) || uid == session.peer.uid) usage.try_emplace(uid);
+    }
+    for (const auto& [uid, u] : usage) {
+      pb::TenantInfo* t = resp->add_tenants();
+      t->set_uid(uid);
+      if (auto name = quotas.names.find(uid); name != quotas.names.end()) t->set_user(name->second);
+      if (auto n = sessions.find(uid); n != sessions.end()) t->set_sessions(n->second);
+      t->set_chunks(u.chunks);
+      t->set_schedule_accesses(u.schedule_accesses);
+      for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+        if (deps_.chunks->tier(kind) == nullptr) continue;
+        pb::TenantTier* tier = t->add_tiers();
+        tier->set_tier(ToProto(kind));
+        tier->set_used_bytes(u.bytes[static_cast<int>(kind)]);
+        tier->set_quota_bytes(quotas.For(uid)[static_cast<int>(kind)]);
+      }
+      for (int k = 0; k < kLimitKinds; ++k) {
+        if (u.refusals[k] == 0) continue;
+        pb::LimitRefusals* r = t->add_refusals();
+        r->set_limit(LimitName(static_cast<LimitKind>(k)));
+        r->set_count(u.refusals[k]);
+      }
+    }
+  }
+
+  absl::StatusOr<std::shared_ptr<Session>> Authenticate(grpc::ServerContext* ctx) const {
+    const auto& metadata = ctx->client_metadata();
+    auto it = metadata.find(kSessionMetadataKey);
+    if (it == metadata.end()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("no session credential: send '<id>:<token>' from the session socket in "
+                       "the '",
+                       kSessionMetadataKey, "' metadata"));
+    }
+    return deps_.sessions->Authenticate(absl::string_view(it->second.data(), it->second.size()));
+  }
+
+  RpcServerDeps deps_;
+  absl::Time started_;
+};
+
+}  // namespace
+
+struct RpcServer::Impl {
+  std::unique_ptr<TierdService> service;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// Sees every call: a request that is not a valid message of its method's type is the client's
+// error (INVALID_ARGUMENT, naming the type), not the daemon's (gRPC answers INTERNAL); and, with
+// metrics, counts every request by operation and status code and times it (tierd_requests_total,
+// tierd_request_seconds), errors of any origin included.
+class RequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics)
+      : metrics_(metrics), start_(absl::Now()) {
+    const absl::string_view method = info->method();  // "/tierd.v1.Tierd/Acquire"
+    op_ = std::string(method.substr(method.rfind('/') + 1));
+  }
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    // A request that failed to parse reaches this hook without a message.
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
+        methods->GetRecvMessage() == nullptr) {
+      unparsed_ = true;
+    }
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      grpc::Status status = methods->GetSendStatus();
+      if (unparsed_ && status.error_code() == grpc::StatusCode::INTERNAL) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("the request is not a valid tierd.v1.", op_,
+                                           "Request message (", status.error_message(), ")"));
+        methods->ModifySendStatus(status);
+      }
+      if (metrics_ != nullptr) metrics_->Record(op_, status.error_code(), absl::Now() - start_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  RpcMetrics* metrics_;
+  std::string op_;
+  absl::Time start_;
+  bool unparsed_ = false;
+};
+
+class RequestInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RequestInterceptorFactory(RpcMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new RequestInterceptor(info, metrics_);
+  }
+
+ private:
+  RpcMetrics* metrics_;
+};
+
+absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path,
+                                                            RpcServerDeps deps) {
+  RpcMetrics* metrics = deps.metrics;
+  auto impl = std::make_unique<Impl>();
+  impl->service = std::make_unique<TierdService>(std::move(deps));
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
+  builder.RegisterService(impl->service.get());
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  builder.SetMaxSendMessageSize(kMaxReplyBytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(std::make_unique<RequestInterceptorFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(creators));
+  impl->server = builder.BuildAndStart();
+  if (impl->server == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on unix:", path, " (is the directory writable?)"));
+  }
+  return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
+}
+
+RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RpcServer::~RpcServer() { Shutdown(absl::Seconds(5)); }
+
+void RpcServer::Shutdown(absl::Duration grace) {
+  if (impl_->server == nullptr) return;
+  impl_->server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  impl_->server->Wait();
+  impl_->server.reset();
+}
+
+}  // namespace tierd::daemon

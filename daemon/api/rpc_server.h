@@ -1,0 +1,43 @@
+// The gRPC server on the daemon's Unix socket. The generated API code stays inside rpc_server.cc.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/api/daemon_metrics.h"
+#include "daemon/chunks/chunk_service.h"
+#include "daemon/chunks/session.h"
+#include "daemon/tiers/device_probe.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/segment_pool.h"
+#include "daemon/util/fallbacks.h"
+
+namespace tierd::daemon {
+
+struct RpcServerDeps {
+  SessionRegistry* sessions = nullptr;
+  ChunkService* chunks = nullptr;
+  DeviceProbe devices;
+  NvmeTier* nvme = nullptr;       // for per-region usage; null without an NVMe tier
+  RpcMetrics* metrics = nullptr;  // counts every request when set
+  const Fallbacks* fallbacks = nullptr;
+};
+
+class RpcServer {
+ public:
+  // Serves the API on unix:`path` (bound now; its mode is the caller's to set: PublishSocket).
+  static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const std::string& path,
+                                                          RpcServerDeps deps);
+  ~RpcServer();
+  // Refuses new calls, lets calls in flight finish (up to `grace`), and stops.
+  void Shutdown(absl::Duration grace);
+
+ private:
+  struct Impl;
+  explicit RpcServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tierd::daemon

@@ -1,0 +1,80 @@
+#include "daemon/chunks/chunk.h"
+
+#include <cassert>
+
+#include "absl/strings/str_cat.h"
+
+namespace tierd::daemon {
+
+absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier) {
+  if (chunk.state == ChunkState::kMoving) {
+    return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk.id, " is being moved to ",
+                                                      TierName(chunk.moving_to),
+                                                      "; acquire it once the move completes"));
+  }
+  if (!chunk.resident.contains(tier)) {
+    return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk.id,
+                                                      " is not resident in the ", TierName(tier),
+                                                      " tier; prefetch it first"));
+  }
+  return absl::OkStatus();
+}
+
+void Pin(ChunkMeta& chunk, TierKind tier, Access access) {
+  assert(CheckPin(chunk, tier).ok());
+  Hold(chunk);
+  ApplyAccess(chunk, tier, access);
+}
+
+void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
+
+void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {
+  assert(CheckPin(chunk, tier).ok());
+  if (Writes(access)) {
+    chunk.resident = TierSet();
+    chunk.resident.insert(tier);
+    chunk.dirty = TierSet();
+    if (tier != chunk.home) chunk.dirty.insert(tier);
+  }
+}
+
+void Unpin(ChunkMeta& chunk) {
+  assert(chunk.pins > 0);
+  chunk.pins -= 1;
+}
+
+absl::Status CheckFreeable(const ChunkMeta& chunk) {
+  if (chunk.pins > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("chunk ", chunk.id, " is acquired (", chunk.pins, " pins); release it first"));
+  }
+  if (chunk.state == ChunkState::kMoving) {
+    return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk.id, " is being moved to ",
+                                                      TierName(chunk.moving_to), "; wait for it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BeginMove(ChunkMeta& chunk, TierKind to) {
+  if (chunk.state == ChunkState::kMoving) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("chunk ", chunk.id, " is already being moved to ", TierName(chunk.moving_to)));
+  }
+  if (chunk.resident.empty()) {
+    return absl::DataLossError(absl::StrCat("chunk ", chunk.id, " has no valid copy in any tier"));
+  }
+  chunk.state = ChunkState::kMoving;
+  chunk.moving_to = to;
+  return absl::OkStatus();
+}
+
+void FinishMove(ChunkMeta& chunk, bool ok) {
+  assert(chunk.state == ChunkState::kMoving);
+  chunk.state = ChunkState::kReady;
+  if (ok) {
+    chunk.resident.insert(chunk.moving_to);
+    if (chunk.moving_to == chunk.home) chunk.dirty = TierSet();
+  }
+}
+
+}  // namespace tierd::daemon

@@ -1,0 +1,75 @@
+// A chunk's metadata and the rules of its state machine (docs/architecture.md, "Chunk states").
+// The functions here only check and apply transitions; the caller holds the chunk table's lock.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/planner/planner.h"
+#include "daemon/tiers/tier.h"
+
+namespace tierd::daemon {
+
+enum class ChunkState : uint8_t {
+  kReady = 1,   // no transfer in flight
+  kMoving = 2,  // a transfer to `moving_to` is in flight
+};
+
+struct ChunkMeta {
+  ChunkId id = 0;
+  uint64_t size = 0;
+  SessionId owner = 0;  // the session that allocated or opened it; 0 for a detached persistent one
+  uint32_t tenant = 0;  // uid of the owner
+  uint32_t pins = 0;    // Acquire count over all sessions
+  // Acquisitions for write whose effect has applied (the client may be writing now): no copy is
+  // made from the chunk until they are released, or the copy would miss what is being written.
+  uint32_t writers = 0;
+  ChunkState state = ChunkState::kReady;
+  TierKind home = TierKind::kHost;
+  TierKind moving_to = TierKind::kHost;
+  TierSet allocated;  // tiers where space is reserved (placement valid)
+  TierSet resident;   // tiers holding a valid copy (a subset of allocated)
+  TierSet dirty;      // tiers whose copy is newer than the home tier's
+  bool persistent = false;
+  bool written = false;  // the NVMe space has held data (else reading it yields zeros)
+  bool doomed = false;   // freed while moving: destroyed when the move settles
+  // Persistent and at home in memory (created with a host or device home): written to NVMe at a
+  // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
+  // and a daemon that restarts without having written it down recovers it `lost`.
+  bool memory_home = false;
+  bool marked = false;    // the index records that the current version is in memory
+  bool lost = false;      // recovered without its current version: opening it is DATA_LOSS
+  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
+  std::array<Placement, kTierKinds> placement{};  // valid where resident (or reserved)
+  std::string name;
+  std::vector<std::string> tags;
+};
+
+// The budget the issue sets: the table is built for millions of chunks.
+static_assert(sizeof(ChunkMeta) <= 256, "ChunkMeta must stay within 256 bytes per chunk");
+
+// Acquire(tier, access): the chunk must be resident there and not being moved.
+absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier);
+// REQUIRES: CheckPin(chunk, tier) is OK. Hold, then ApplyAccess.
+void Pin(ChunkMeta& chunk, TierKind tier, Access access);
+// Counts a pin: the chunk is neither freed nor dropped from a tier nor moved out from under it.
+// A pin taken while the chunk is still on its way to the tier holds it there once it arrives.
+void Hold(ChunkMeta& chunk);
+// REQUIRES: the chunk is resident in `tier` and ready. A write makes that copy the only valid one
+// (the others become stale the moment the client may write).
+void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access);
+// Release: REQUIRES pins > 0.
+void Unpin(ChunkMeta& chunk);
+// Free: only a ready chunk nobody has acquired.
+absl::Status CheckFreeable(const ChunkMeta& chunk);
+// Starts a transfer into `to`; the chunk must be ready and have a valid copy to read from.
+absl::Status BeginMove(ChunkMeta& chunk, TierKind to);
+// Finishes the transfer BeginMove started: on success `to` holds a valid, clean-with-respect-to-
+// its-source copy; on failure the chunk is as it was before.
+void FinishMove(ChunkMeta& chunk, bool ok);
+
+}  // namespace tierd::daemon

@@ -1,0 +1,564 @@
+// The daemon's chunk operations, independent of the RPC layer: every batch is validated as a whole
+// before anything changes, so a failed request leaves the daemon as it was.
+//
+// Concurrency: one mutex serializes the chunk table. A batch takes it once, which makes batches
+// atomic with respect to each other and costs ~100 ns per chunk (docs/benchmarks.md); tier
+// reservations take the tier's own lock inside it (lock order: ChunkService, then tier).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/completion_page.h"
+#include "daemon/chunks/chunk.h"
+#include "daemon/chunks/session.h"
+#include "daemon/chunks/tenant_ledger.h"
+#include "daemon/io/io_engine.h"
+#include "daemon/planner/planner.h"
+#include "daemon/tiers/nvme_index.h"
+#include "daemon/tiers/tier.h"
+#include "daemon/util/metrics.h"
+
+namespace tierd::daemon {
+
+struct ChunkRequest {
+  uint64_t size = 0;
+  TierKind home = TierKind::kHost;
+  std::string name;
+  bool persistent = false;
+  std::vector<std::string> tags;
+  bool open_existing = false;
+  bool must_exist = false;  // with open_existing: open only
+  bool shared = false;      // the lease on a persistent chunk may be shared
+};
+
+struct AcquireResult {
+  std::vector<Placement> locations;  // in request order
+  SlotToken ready;                   // completes when every chunk is there
+};
+
+// What a session's acquisitions cost it — how many found their chunks in place, how many waited,
+// and for how long, by the tier they waited for — and what the planner did for it.
+struct SessionStats {
+  uint64_t ready = 0;   // chunks resident when acquired
+  uint64_t waited = 0;  // chunks that had to be brought in (or were on their way)
+  std::array<absl::Duration, kTierKinds> stall{};
+  uint64_t planner_fetches = 0;
+  uint64_t planner_drops = 0;
+  uint64_t planner_write_backs = 0;
+  uint64_t cursor = 0;          // steps started, as last seen
+  uint32_t schedule_steps = 0;  // steps of the schedule in force (declared or traced)
+  bool tracing = false;         // a trace is waiting for or recording its iteration
+  uint32_t bandwidth_weight = 1;
+};
+
+// Node-wide figures for the metrics endpoint: what every session's acquisitions cost and what the
+// planner did (summed since start-up), the chunks by state and residency, and moves in flight.
+struct NodeStats {
+  SessionStats totals;
+  uint64_t chunks_ready = 0, chunks_moving = 0, chunks_pinned = 0, chunks_persistent = 0;
+  std::array<uint64_t, kTierKinds> resident_chunks{}, resident_bytes{};
+  // Space held in each tier by acquired chunks: not reclaimable until they are released.
+  std::array<uint64_t, kTierKinds> pinned_bytes{};
+  std::array<uint64_t, kPaths> in_flight{}, queued_bytes{};
+};
+
+// A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
+// for it in each tier (0: no limit but the tier's).
+struct ScheduleRequest {
+  std::vector<std::vector<ScheduledAccess>> steps;
+  std::array<uint64_t, kTierKinds> quota{};
+  // Trace mode (with no steps): record the session's acquisitions over the next iteration of this
+  // many steps, and use them as its schedule from the iteration after on.
+  uint32_t trace_steps = 0;
+};
+
+// What has moved on one path since start-up, and the planner's estimate of its bandwidth.
+struct PathStatus {
+  Path path = Path::kNvmeToHost;
+  uint64_t bytes = 0;
+  uint64_t moves = 0;
+  double bytes_per_second = 0;
+  bool measured = false;
+  double probed_bytes_per_second = 0;  // what the start-up probe measured (0: not probed)
+};
+
+struct DrainResult {
+  SlotToken token;
+  uint64_t chunks = 0, bytes = 0;  // moving out of the tier
+  uint64_t pinned = 0;             // left there, acquired
+};
+
+// What a session holds: its scratch chunks and the persistent chunks it has a lease on.
+struct SessionHoldings {
+  uint64_t chunks = 0, bytes = 0, pinned = 0;
+  uint64_t moved_bytes = 0;  // of its chunks, over every path, while it held them
+};
+
+// Whether the session's user may act on every session's chunks: root, or the daemon's own user.
+bool IsOperator(const Session& session);
+
+using Schedule = std::vector<std::vector<ScheduledAccess>>;
+
+struct ChunkPage {
+  std::vector<ChunkMeta> chunks;
+  ChunkId next_page_token = 0;
+};
+
+// Limits that keep one request from monopolizing the daemon.
+inline constexpr size_t kMaxBatch = 1'000'000;
+inline constexpr size_t kMaxNameBytes = 255;
+inline constexpr size_t kMaxTags = 16;
+inline constexpr size_t kMaxTagBytes = 128;
+inline constexpr uint32_t kDefaultPageSize = 1000;
+inline constexpr uint32_t kMaxPageSize = 100'000;
+
+// A valid chunk name: 1-255 bytes of [A-Za-z0-9._-/], '/'-separated components that are neither
+// empty nor "." nor "..".
+absl::Status ValidateChunkName(absl::string_view name);
+
+class NvmeTier;
+class Device;
+
+// One unit of a Prefetch's priority: how much sooner its I/O is due than a request made with a
+// priority one lower.
+inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
+
+// When the I/O of a Prefetch made at `now` with `priority` is due.
+absl::Time PrefetchDeadline(absl::Time now, int priority);
+
+class ChunkService {
+ public:
+  // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
+  // `nvme` is the NVMe tier's data path (also tiers[kNvme]), or null.
+  // `device` is the GPU (or emulated one) behind tiers[kDevice], or null.
+  explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr,
+                        Device* device = nullptr);
+
+  // Re-creates the persistent chunks found in the NVMe index at start-up (detached, resident on
+  // NVMe). Returns how many were recovered; those whose current version was in memory when the
+  // daemon stopped without WriteDownForStop are re-created lost (opening them is DATA_LOSS).
+  size_t Recover(const std::vector<IndexEntry>& entries);
+  // A clean stop, after every session has ended: writes each persistent chunk whose current
+  // version is only in memory to NVMe (durably, in the index) and waits for it. Without an NVMe
+  // tier it says what is lost. Returns how many could not be written.
+  size_t WriteDownForStop();
+
+  absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
+                                                std::span<const ChunkRequest> requests);
+  absl::Status Free(const Session& session, std::span<const ChunkId> ids);
+  // Pins the chunks in `tier`. Chunks not there yet are brought in (or, on their way, waited
+  // for): the locations are final at once, and `ready` completes when the last one has arrived.
+  absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
+                                        TierKind tier, Access access);
+  absl::Status Release(const Session& session, std::span<const ChunkId> ids);
+  // Brings the chunks into `tier` without pinning them. Their reads are due `priority` units
+  // before now (see PrefetchDeadline): the session's I/O is served by deadline, so a negative
+  // priority lets I/O asked for later, such as write-backs, go first.
+  absl::StatusOr<SlotToken> Prefetch(const Session& session, std::span<const ChunkId> ids,
+                                     TierKind tier, int priority);
+  absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
+                                  TierKind tier, bool keep_source = false);
+  absl::StatusOr<std::vector<ChunkMeta>> Stat(const Session& session, std::span<const ChunkId> ids);
+  // The session's chunks and its tenant's persistent chunks with id >= page_token, by id.
+  ChunkPage List(const Session& session, ChunkId page_token, uint32_t page_size) const;
+
+  // The session ended: drops its pins, frees its non-persistent chunks and detaches its persistent
+  // ones. Returns the number of chunks freed.
+  size_t CloseSession(const Session& session);
+
+  SessionStats session_stats(const Session& session) const;
+  // The session's schedule in force (declared or traced); empty when it has none.
+  std::vector<std::vector<ScheduledAccess>> schedule(const Session& session) const;
+  std::array<PathStatus, kPaths> path_status() const;
+  // The start-up probe's figures (0: not probed) become the bandwidth estimates.
+  void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second);
+
+  // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
+  // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
+  absl::Status SetSchedule(const Session& session, ScheduleRequest request);
+  // The session's share of NVMe bandwidth against other sessions' (1 .. max_bandwidth_weight).
+  absl::Status SetBandwidthWeight(const Session& session, uint32_t weight);
+
+  // --- Operators' requests (root, or the daemon's own user): PERMISSION_DENIED for others. ---
+  // Moves the chunks' copies out of `tier` (device: to the host; host: to NVMe), whichever session
+  // owns them; every chunk with a copy there when `ids` is empty. Chunks acquired now are left.
+  absl::StatusOr<DrainResult> Drain(const Session& session, TierKind tier,
+                                    std::span<const ChunkId> ids);
+  // Every chunk on the node with id >= page_token, by id.
+  absl::StatusOr<ChunkPage> ListAll(const Session& session, ChunkId page_token,
+                                    uint32_t page_size) const;
+  // What each open session holds, by session id.
+  std::map<SessionId, SessionHoldings> Holdings() const;
+  // Bytes moved on each path of chunks held by sessions of each declared job, since the job's
+  // first session here did anything; a job is forgotten when its last session ends.
+  std::map<std::string, std::array<uint64_t, kPaths>> JobTraffic() const;
+  void set_max_bandwidth_weight(uint32_t max) {
+    absl::MutexLock lock(&mu_);
+    max_weight_ = max;
+  }
+  // What one user or session may hold (daemon/chunks/limits.h). Before any session opens.
+  void set_limits(const Limits& limits, const Quotas& quotas) {
+    absl::MutexLock lock(&mu_);
+    ledger_.Configure(limits, quotas);
+  }
+  // What each user holds, against its limits and quotas.
+  std::map<uint32_t, TenantUsage> tenant_usage() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.Usage();
+  }
+  TenantUsage tenant_usage(uint32_t uid) const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.UsageOf(uid);
+  }
+  Limits limits() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.limits();
+  }
+  Quotas quotas() const {
+    absl::MutexLock lock(&mu_);
+    return ledger_.quotas();
+  }
+  // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
+  // (daemon/planner/planner.h, without holding the service's lock) and starts the moves that still
+  // make sense. Returns how many it started.
+  size_t PlanRound(absl::Time now);
+  bool has_schedules() const;
+  size_t chunk_count() const;
+  NodeStats node_stats() const;
+  // How long each move took, start to settle, by path (the daemon's transfer latency).
+  metrics::Histogram::Snapshot transfer_seconds(Path path) const {
+    return transfer_seconds_[static_cast<int>(path)].Read();
+  }
+  // How long acquisitions whose chunk was not in place waited for it to arrive, by tier.
+  metrics::Histogram::Snapshot acquire_wait_seconds(TierKind tier) const {
+    return acquire_wait_seconds_[static_cast<int>(tier)].Read();
+  }
+  Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
+
+ private:
+  // The live sessions holding a lease on a persistent chunk (its creator or openers; several only
+  // when every one of them asked to share). Kept beside the table: few chunks are persistent.
+  struct Lease {
+    std::vector<SessionId> holders;
+    bool shared = false;
+  };
+  absl::flat_hash_map<ChunkId, Lease> leases_ ABSL_GUARDED_BY(mu_);
+
+  struct SessionState {
+    std::string description;  // "session 3 (uid 1000, pid 42, trainer)", for lease errors
+    std::string job;          // as the session declared it; empty: none
+    std::array<uint64_t, kPaths> moved{};  // bytes of the chunks it holds, by path
+    std::set<ChunkId> owned;               // non-persistent (persistent ones held are in leases_)
+    struct Pins {
+      uint32_t count = 0;   // Acquires not yet released
+      uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
+    };
+    absl::flat_hash_map<ChunkId, Pins> pins;
+    SessionStats stats;
+    // The schedule, when declared: immutable once installed, so that a planning round can read
+    // it without the service's lock.
+    std::shared_ptr<const Session> session;
+    std::shared_ptr<const Schedule> steps;
+    // Every chunk the schedule names, once.
+    std::vector<ChunkId> named;
+    uint64_t schedule_accesses = 0;  // what the schedule counts against the limits
+    std::array<uint64_t, kTierKinds> quota{};
+    uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
+    // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
+    // planner is told (on the short side).
+    std::vector<absl::Duration> step_mean, step_deviation, step_time;
+    uint64_t cursor = 0;
+    absl::Time step_started;
+    // Trace mode: acquisitions made while start < cursor <= start + steps are recorded as step
+    // cursor - 1 - start; once the cursor passes the end, they become the schedule.
+    struct Trace {
+      uint32_t steps = 0;  // 0: not tracing
+      uint64_t start = 0;
+      std::array<uint64_t, kTierKinds> quota{};
+      std::vector<std::vector<ScheduledAccess>> recorded;
+      absl::flat_hash_map<std::pair<uint64_t, ChunkId>, size_t> index;  // (step, tier), chunk
+      size_t accesses = 0;
+    } trace;
+    bool planned() const { return steps != nullptr || trace.steps > 0; }
+  };
+  // The session's state, made on its first request.
+  SessionState& StateOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per declared job: its sessions with state here, and the bytes their chunks moved.
+  struct Job {
+    uint32_t sessions = 0;
+    std::array<uint64_t, kPaths> moved{};
+  };
+  absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
+  // Makes `steps` the session's schedule, its step times unknown yet.
+  // `size` is what it counts against the limits (its accesses, or steps if more).
+  void InstallSchedule(SessionState& state, const Session& session,
+                       std::vector<std::vector<ScheduledAccess>> steps,
+                       const std::array<uint64_t, kTierKinds>& quota, uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Trace mode: records an Acquire at the session's cursor, or installs the trace once the cursor
+  // has passed the traced iteration.
+  void Trace(SessionState& state, const Session& session, std::span<ChunkMeta* const> chunks,
+             TierKind tier, Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishTrace(SessionState& state, const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds the time since the cursor last moved into the step times of the steps it passed.
+  void UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Bandwidth of each path, measured from the moves on it: bytes over the time the path was busy.
+  struct PathMeter {
+    int in_flight = 0;
+    uint64_t queued_bytes = 0;
+    absl::Time window_start;
+    uint64_t window_bytes = 0;
+    double bytes_per_second = 0;  // the estimate; an initial guess until probed or measured
+    bool measured = false;
+    double probed = 0;
+    double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
+    double move_deviation_per_byte = 0;
+    uint64_t bytes_total = 0;
+    uint64_t moves_total = 0;
+  };
+  void MoveStarted(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MoveDone(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
+  // chunks. The pointers stay valid while mu_ is held.
+  absl::StatusOr<std::vector<ChunkMeta*>> Resolve(const Session& session,
+                                                  std::span<const ChunkId> ids)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckTier(TierKind tier, absl::string_view what) const;
+  // REQUIRES: no move of the chunk is in flight (see Retire).
+  void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Creates a chunk resident in its home tier at `home` and indexes its name; the caller records
+  // a scratch chunk in its session's state.
+  ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
+                    const std::string& name, bool persistent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Asynchronous moves. A Batch completes its token when its last chunk settles.
+  struct Batch;
+  // A request waiting for its chunk to arrive in `tier` (or for a move in the way to settle). An
+  // Acquire's waiter holds its pin meanwhile and applies its access on arrival.
+  struct Waiter {
+    std::shared_ptr<Batch> batch;
+    SessionId session;
+    TierKind tier;
+    std::optional<Access> pin;
+    absl::Time since;
+    // An Evict to `tier` that waits for the chunk's move to settle, then evicts it.
+    std::optional<bool> evict_keep_source;
+  };
+  // Why Evict cannot move the chunk down to `tier` now (OK for a chunk that is moving: it waits).
+  absl::Status CheckEvictable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves a settled chunk down to `tier` for `batch`, dropping the copies above unless
+  // keep_source. REQUIRES: CheckEvictable(chunk, tier) is OK and the chunk is not moving.
+  void EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                    const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for a chunk that may be moving: then it is evicted once its move settles.
+  // REQUIRES: CheckEvictable(chunk, tier) is OK.
+  void EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
+                const std::shared_ptr<Batch>& batch, SessionId session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why the chunk cannot be brought into `tier` (no copy, pinned on the device, no data path).
+  absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why Acquire cannot pin the chunk in `tier` with a final location now: it is on its way to
+  // another tier where it has no copy, or it cannot be fetched.
+  // A persistent chunk another live session holds a lease on cannot be opened (unless both share
+  // it) or freed (`verb`: "open" or "free"); the error names the holder.
+  absl::Status CheckLease(const ChunkMeta& chunk, SessionId session, bool shared,
+                          std::string_view verb) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Has `batch` follow the chunk into `tier`: nothing when it is there and ready, a wait when it
+  // is moving, a fetch otherwise. With `pin`, applies the access once it is there.
+  // A fetch it starts is due at `deadline` (an Acquire's: now).
+  void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+               SessionId session, std::optional<Access> pin, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space). Its NVMe
+  // I/O is queued by `deadline` (when the chunk is needed: now, for a request that waits).
+  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StartFetch for a chunk that requests wait on: when the tiers it needs room in are full of
+  // copies that exist nowhere else (dirty), starts writing the least recently used of them down
+  // and queues the fetch until their room is free (OK). Fails only when no room is coming.
+  absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Write-backs that will free room for the chunk in the tiers the fetch (or, for an overwrite,
+  // the landing) needs space in; true when room is on its way (started now or earlier).
+  bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access = Access::kRead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
+  // final. False when room is being made (write-backs, or moves in flight that will leave copies
+  // to drop): wait on room_freed_ and try again. RESOURCE_EXHAUSTED when no room can come. An
+  // overwrite of a chunk not moving needs room only in `tier`.
+  absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
+                                         Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A move of the chunk ended (FinishMove), waking those waiting for room.
+  void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts write-backs that will free `bytes` in `tier` for `tenant`: its own copies when its quota
+  // is what is full there. True when room is on its way.
+  bool MakeRoomIn(TierKind tier, uint64_t bytes, uint32_t tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Bytes the tenant's write-backs in flight for room will free in `tier`.
+  uint64_t RoomComingFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
+  // tier's persistent granule, so that the index of persistent chunks cannot fill first.
+  uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;
+  // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
+  uint64_t FreeFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every reservation and release of a chunk's space goes through these: the tier's, and the
+  // tenant's quota (RESOURCE_EXHAUSTED naming it).
+  // `quota` false: held by the user but not checked against its quota (a rewrite's second copy).
+  absl::StatusOr<Placement> ReserveSpace(TierKind tier, uint32_t tenant, uint64_t size,
+                                         bool quota = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseSpace(uint32_t tenant, const Placement& placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
+  // arrival order.
+  void RetryQueuedFetches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RoomMoveDone(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the requests waiting for the chunk in `tier`.
+  void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
+  // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
+  void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
+  // copy unless keep_source.
+  // The write is due at once: it frees room that the next fetches wait for, and reads queued
+  // ahead of it would wait for that room themselves.
+  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the chunk's NVMe copy into (newly reserved) host memory.
+  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
+  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `previous`: a persistent chunk's durable version, kept until this write's index record commits.
+  void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
+                   const std::optional<Placement>& previous);
+  void SettleRead(ChunkId id, const absl::Status& status);
+  // Space in `tier` for a chunk, dropping clean copies there (valid in a lower tier too, least
+  // recently used first) when the tier is full — only the tenant's own when its quota is what is
+  // full.
+  absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
+  // pieces, each piece going to the GPU as soon as it is read.
+  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
+  // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
+  // the device copy unless keep_source.
+  void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
+                   bool keep_source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
+                    const std::shared_ptr<Batch>& batch);
+  // Drops the copies above `tier` (device above host above NVMe).
+  void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Space for the chunk in `tier` unless it has some; on failure the batch fails, naming the
+  // chunk, and false is returned.
+  bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunk a settling move belongs to.
+  ChunkMeta& Moving(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the chunk moving to `to` as part of the batch. False, failing the batch, for a retired
+  // chunk: no move starts for a chunk on its way out.
+  bool BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A chunk's life ends in one of two ways: Free (which refuses a chunk that moves or is pinned)
+  // destroys it at once; Retire (its session ended) destroys it now when no move is in flight,
+  // else marks it doomed and AfterMove destroys it when the last move settles. Nothing starts a
+  // move of a doomed chunk (BeginBatchMove), and its waiters fail instead of being served.
+  void Retire(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The end of every move, once its effect on the chunk is applied: serves (or, for a doomed
+  // chunk, fails) the requests waiting for it, destroys a doomed chunk, and retries the fetches
+  // queued for room.
+  void AfterMove(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // An acquisition's access takes effect (its data is there): a write makes that copy the only
+  // valid one and, until released, keeps copies from being made of the chunk. A write to a chunk
+  // at home in memory that the index calls durable makes `batch` wait for Mark.
+  void Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
+             const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A persistent chunk at home in memory whose index record does not yet say that its current
+  // version is in memory.
+  bool NeedsMark(const ChunkMeta& chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return chunk.persistent && chunk.memory_home && !chunk.marked && !chunk.lost &&
+           nvme_ != nullptr;
+  }
+  // Durably records in the NVMe index that the chunk's current version is in memory (so that a
+  // crash recovers it lost, never older); `batch` completes once that is durable.
+  void Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status Retired(const ChunkMeta& chunk);
+  absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static std::string NameKey(uint32_t tenant, absl::string_view name);
+
+  const std::array<Tier*, kTierKinds> tiers_;
+  NvmeTier* const nvme_;
+  Device* const device_;
+  mutable absl::Mutex mu_;
+  uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
+  ChunkId next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Node-based: a ChunkMeta never moves, and a million of them cost their own size plus a pointer
+  // slot each rather than a half-empty array of 240-byte slots.
+  absl::node_hash_map<ChunkId, ChunkMeta> chunks_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, ChunkId> names_ ABSL_GUARDED_BY(mu_);  // "uid/name" -> id
+  absl::flat_hash_map<uint32_t, std::set<ChunkId>> persistent_ ABSL_GUARDED_BY(mu_);  // by tenant
+  absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
+  // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
+  absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
+  std::array<PathMeter, kPaths> paths_ ABSL_GUARDED_BY(mu_);
+  SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
+  // 100 us to 13 s, doubling.
+  std::array<metrics::Histogram, kPaths> transfer_seconds_{
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
+  // 10 us to 21 s, doubling.
+  std::array<metrics::Histogram, kTierKinds> acquire_wait_seconds_{
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
+  absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
+  // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
+  // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.
+  struct QueuedFetch {
+    ChunkId id;
+    TierKind tier;
+    absl::Time deadline;
+  };
+  std::deque<QueuedFetch> queued_fetches_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);
+  std::array<uint64_t, kTierKinds> room_coming_ ABSL_GUARDED_BY(mu_){};
+  absl::CondVar room_freed_;  // a move settled, or pins or chunks went
+  uint64_t moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool planning_ ABSL_GUARDED_BY(mu_) = false;  // executing the planner's moves
+  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
+  uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
+  TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tierd::daemon

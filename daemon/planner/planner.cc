@@ -1,0 +1,355 @@
+#include "daemon/planner/planner.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "absl/container/flat_hash_set.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr int Index(TierKind t) { return static_cast<int>(t); }
+constexpr int Index(Path p) { return static_cast<int>(p); }
+
+// A copy in `tier` may be dropped without losing data: a lower tier holds a valid copy too.
+bool HasLowerCopy(const PlannerChunk& c, TierKind tier) {
+  if (tier == TierKind::kDevice) {
+    return c.resident.contains(TierKind::kHost) || c.resident.contains(TierKind::kNvme);
+  }
+  if (tier == TierKind::kHost) return c.resident.contains(TierKind::kNvme);
+  return false;
+}
+
+struct Demand {
+  ChunkId id;
+  TierKind tier;
+  absl::Time when;
+  SessionId session;
+  Access access;  // kOverwrite: room only, nothing to fetch
+};
+
+struct Needs {
+  // The first time each chunk is needed in each tier (key id * kTierKinds + tier).
+  absl::flat_hash_map<uint64_t, Demand> first;
+  // The first time each chunk is written, in any tier: a copy needed only after it is stale by
+  // then (the write's new contents are what that use wants).
+  absl::flat_hash_map<ChunkId, absl::Time> first_write;
+};
+
+// Over one iteration ahead of each cursor. The running step's chunks are needed now.
+Needs NeedTimes(const PlanInput& in) {
+  Needs needs;
+  auto note = [&](const ScheduledAccess& a, absl::Time when, SessionId session) {
+    const uint64_t key = a.id * kTierKinds + Index(a.tier);
+    const Demand d{a.id, a.tier, when, session, a.access};
+    auto [it, inserted] = needs.first.try_emplace(key, d);
+    if (!inserted && when < it->second.when) it->second = d;
+    if (Writes(a.access)) {
+      auto [w, new_write] = needs.first_write.try_emplace(a.id, when);
+      if (!new_write) w->second = std::min(w->second, when);
+    }
+  };
+  for (const SessionPlan& s : in.sessions) {
+    const size_t n = s.steps == nullptr ? 0 : s.steps->size();
+    if (n == 0) continue;
+    auto duration = [&](size_t j) {
+      return s.step_time != nullptr && j < s.step_time->size() ? (*s.step_time)[j]
+                                                               : absl::ZeroDuration();
+    };
+    absl::Time t = in.now;
+    if (s.cursor > 0) {
+      const size_t running = (s.cursor - 1) % n;
+      for (const ScheduledAccess& a : (*s.steps)[running]) note(a, in.now, s.session);
+      t = std::max(in.now, s.step_started + duration(running));
+    }
+    for (size_t d = 0; d < n; ++d) {
+      const size_t j = (s.cursor + d) % n;
+      for (const ScheduledAccess& a : (*s.steps)[j]) note(a, t, s.session);
+      t += duration(j);
+    }
+  }
+  return needs;
+}
+
+}  // namespace
+
+Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
+  if (tier == TierKind::kDevice) {
+    return chunk.resident.contains(TierKind::kHost) ? Path::kHostToDevice : Path::kNvmeToHost;
+  }
+  if (chunk.resident.contains(TierKind::kDevice) && !chunk.resident.contains(TierKind::kNvme)) {
+    return Path::kDeviceToHost;
+  }
+  return Path::kNvmeToHost;
+}
+
+std::vector<PlannedMove> Plan(const PlanInput& in) {
+  std::vector<PlannedMove> out;
+  const Needs all = NeedTimes(in);
+  // A use after the chunk is written elsewhere wants the new contents: no copy serves it now, and
+  // it is no demand yet (it becomes one once the write is done).
+  auto stale_by = [&](const Demand& d) {
+    auto w = all.first_write.find(d.id);
+    return w != all.first_write.end() && w->second < d.when;
+  };
+  absl::flat_hash_map<uint64_t, Demand> needs;
+  for (const auto& [key, d] : all.first) {
+    if (!stale_by(d)) needs.emplace(key, d);
+  }
+
+  // Each chunk's next use in any tier; chunks without one are unscheduled.
+  absl::flat_hash_map<ChunkId, absl::Time> next_use;
+  for (const auto& [key, d] : needs) {
+    auto [it, inserted] = next_use.try_emplace(d.id, d.when);
+    if (!inserted) it->second = std::min(it->second, d.when);
+  }
+  auto next = [&](ChunkId id) {
+    auto it = next_use.find(id);
+    return it == next_use.end() ? absl::InfiniteFuture() : it->second;
+  };
+  // When a copy in `tier` is next needed: by an access there, or as the source of a fetch to the
+  // device (a host copy, while the device has none). A host copy staged for a device access is
+  // not needed again once the device holds the chunk, nor is a copy about to be overwritten.
+  auto need = [&](ChunkId id, TierKind tier) {
+    auto it = needs.find(id * kTierKinds + Index(tier));
+    return it == needs.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
+                                                                        : it->second.when;
+  };
+  auto next_in = [&](const PlannerChunk& c, TierKind tier) {
+    absl::Time when = need(c.id, tier);
+    if (tier == TierKind::kHost && !c.resident.contains(TierKind::kDevice)) {
+      when = std::min(when, need(c.id, TierKind::kDevice));
+    }
+    return when;
+  };
+
+  std::vector<Demand> demands;
+  for (const auto& [key, d] : needs) {
+    auto it = in.chunks.find(d.id);
+    if (it == in.chunks.end()) continue;
+    const PlannerChunk& c = it->second;
+    if (c.resident.contains(d.tier) || c.moving) continue;  // there, or on its way somewhere
+    if (c.pinned) continue;  // in use: its Acquire brings it where it is needed
+    if (c.resident.empty() && d.access != Access::kOverwrite) continue;  // nothing to copy from
+    demands.push_back(d);
+  }
+  std::sort(demands.begin(), demands.end(), [](const Demand& a, const Demand& b) {
+    return a.when != b.when ? a.when < b.when : a.id < b.id;
+  });
+
+  // Victims per tier, in the order they go: unscheduled first (least recently used first), then
+  // the scheduled ones whose next use is furthest away.
+  const bool have_nvme = in.capacity[Index(TierKind::kNvme)] > 0;
+  std::array<std::vector<const PlannerChunk*>, kTierKinds> victims;
+  for (const auto& [id, c] : in.chunks) {
+    if (c.pinned || c.moving) continue;
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (c.resident.contains(t) && (HasLowerCopy(c, t) || t == TierKind::kDevice || have_nvme)) {
+        victims[Index(t)].push_back(&c);
+      }
+    }
+  }
+  for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+    std::vector<const PlannerChunk*>& list = victims[Index(t)];
+    std::sort(list.begin(), list.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
+      const absl::Time na = next_in(*a, t), nb = next_in(*b, t);
+      if (na != nb) return na > nb;  // InfiniteFuture (unscheduled) first
+      if (a->last_use != b->last_use) return a->last_use < b->last_use;
+      return a->id < b->id;
+    });
+  }
+  std::array<size_t, kTierKinds> victim_pos{};
+
+  // Bytes each session holds in each tier, for quotas.
+  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> held;
+  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> quota;
+  for (const SessionPlan& s : in.sessions) quota[s.session] = s.quota;
+  for (const auto& [id, c] : in.chunks) {
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (c.resident.contains(t) || (c.moving && c.moving_to == t))
+        held[c.owner][Index(t)] += c.size;
+    }
+  }
+
+  std::array<int64_t, kTierKinds> free{};
+  for (int t = 0; t < kTierKinds; ++t) free[t] = static_cast<int64_t>(in.free[t]);
+  std::array<bool, kTierKinds> blocked{};  // a demand did not fit: later ones wait (need order)
+  absl::flat_hash_set<ChunkId> written_back;
+  absl::flat_hash_set<uint64_t> dropped;  // id * kTierKinds + tier
+  std::vector<PlannedMove> write_backs;
+
+  struct Accepted {
+    Demand demand;
+    uint64_t size;
+    Path path;
+    std::vector<TierKind> room;
+    std::vector<PlannedMove> drops;
+  };
+  std::vector<Accepted> accepted;
+
+  for (const Demand& d : demands) {
+    const PlannerChunk& c = in.chunks.at(d.id);
+    // A fetch to the device from NVMe stages through host memory: it needs room in both.
+    const bool overwrite = d.access == Access::kOverwrite;
+    std::vector<TierKind> room = {d.tier};
+    if (d.tier == TierKind::kDevice && !overwrite && !c.resident.contains(TierKind::kHost)) {
+      room.push_back(TierKind::kHost);
+    }
+    bool fits = true;
+    for (TierKind t : room) fits = fits && !blocked[Index(t)];
+    const auto q = quota.find(d.session);
+    for (TierKind t : room) {
+      if (q != quota.end() && q->second[Index(t)] != 0 &&
+          held[d.session][Index(t)] + c.size > q->second[Index(t)]) {
+        fits = false;  // over its quota: this session waits for its own copies to go
+      }
+    }
+    if (!fits) continue;
+    std::vector<PlannedMove> drops;
+    std::array<int64_t, kTierKinds> room_left = free;
+    std::array<size_t, kTierKinds> pos = victim_pos;
+    for (TierKind t : room) {
+      const int ti = Index(t);
+      std::vector<const PlannerChunk*>& list = victims[ti];
+      while (room_left[ti] < static_cast<int64_t>(c.size) && pos[ti] < list.size()) {
+        const PlannerChunk* v = list[pos[ti]];
+        if (next_in(*v, t) <= d.when) break;  // needed no later than this one: keep it
+        ++pos[ti];
+        if (v->id == d.id || dropped.contains(v->id * kTierKinds + ti)) continue;
+        if (!HasLowerCopy(*v, t)) {
+          // Dirty: write it down first; its space comes free on a later round.
+          if (written_back.insert(v->id).second) {
+            write_backs.push_back({PlannedMove::Kind::kWriteBack, v->id, t});
+          }
+          continue;
+        }
+        drops.push_back({PlannedMove::Kind::kDrop, v->id, t});
+        room_left[ti] += static_cast<int64_t>(v->size);
+      }
+      if (room_left[ti] < static_cast<int64_t>(c.size)) fits = false;
+    }
+    if (!fits) {
+      for (TierKind t : room) blocked[Index(t)] = true;
+      continue;
+    }
+    for (TierKind t : room) {
+      room_left[Index(t)] -= static_cast<int64_t>(c.size);
+      held[d.session][Index(t)] += c.size;
+    }
+    for (const PlannedMove& m : drops) dropped.insert(m.id * kTierKinds + Index(m.tier));
+    free = room_left;
+    victim_pos = pos;
+    accepted.push_back({d, c.size, FetchPath(c, d.tier), room, std::move(drops)});
+  }
+
+  // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
+  auto seconds = [&](uint64_t bytes, Path p, TierKind tier) {
+    double bw = in.bytes_per_second[Index(p)];
+    double single = in.move_seconds_per_byte[Index(p)];
+    if (tier == TierKind::kDevice && p == Path::kNvmeToHost) {
+      bw = std::min(bw, in.bytes_per_second[Index(Path::kHostToDevice)]);
+      single = std::max(single, in.move_seconds_per_byte[Index(Path::kHostToDevice)]);
+    }
+    if (bw <= 0) return absl::InfiniteDuration();
+    const double streamed = static_cast<double>(bytes) / bw;
+    return absl::Seconds(in.safety * std::max(streamed, single * static_cast<double>(bytes)));
+  };
+  std::vector<bool> start_now(accepted.size(), false);
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    // Room for an overwrite is made now: its victims are needed later than it, and a drop is free.
+    if (accepted[i].demand.access == Access::kOverwrite) start_now[i] = true;
+  }
+  for (int p = 0; p < kPaths; ++p) {
+    std::vector<size_t> on_path;
+    for (size_t i = 0; i < accepted.size(); ++i) {
+      if (Index(accepted[i].path) == p && accepted[i].demand.access != Access::kOverwrite) {
+        on_path.push_back(i);
+      }
+    }
+    // Bytes already in flight hold the path first.
+    const absl::Duration busy =
+        in.bytes_per_second[p] > 0
+            ? absl::Seconds(static_cast<double>(in.queued_bytes[p]) / in.bytes_per_second[p])
+            : absl::ZeroDuration();
+    absl::Time limit = absl::InfiniteFuture();
+    for (auto it = on_path.rbegin(); it != on_path.rend(); ++it) {
+      const Accepted& a = accepted[*it];
+      limit = std::min(limit, a.demand.when);
+      const absl::Duration takes = seconds(a.size, a.path, a.demand.tier);
+      const absl::Time latest_start =
+          takes == absl::InfiniteDuration() ? absl::InfinitePast() : limit - takes;
+      start_now[*it] = latest_start - busy <= in.now + in.lead;
+      limit = latest_start;
+    }
+  }
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    if (!start_now[i]) continue;
+    const Accepted& a = accepted[i];
+    for (const PlannedMove& m : a.drops) out.push_back(m);
+    if (a.demand.access == Access::kOverwrite) continue;  // the Acquire lands in the room
+    out.push_back(
+        {PlannedMove::Kind::kFetch, a.demand.id, a.demand.tier, a.demand.when, a.demand.session});
+    // Free space in pieces: the next victims in line, needed later than this fetch, as spares in
+    // each tier it needs room in (a fetch to the device from NVMe stages through the host).
+    for (TierKind t : a.room) {
+      const int ti = Index(t);
+      if (in.largest_free[ti] >= in.free[ti]) continue;
+      int spares = 0;
+      for (size_t pos = victim_pos[ti]; pos < victims[ti].size() && spares < 4; ++pos) {
+        const PlannerChunk* v = victims[ti][pos];
+        if (next_in(*v, t) <= a.demand.when) break;
+        if (v->id == a.demand.id || !HasLowerCopy(*v, t) ||
+            dropped.contains(v->id * kTierKinds + ti)) {
+          continue;
+        }
+        out.push_back({PlannedMove::Kind::kSpare, v->id, t});
+        dropped.insert(v->id * kTierKinds + ti);
+        ++spares;
+      }
+    }
+  }
+  for (const PlannedMove& m : write_backs) out.push_back(m);
+
+  // Early write-back: dirty copies not needed for a while go down while the path is idle, so that
+  // dropping them later costs nothing. One per path per round.
+  std::array<bool, kPaths> path_used{};
+  for (const PlannedMove& m : write_backs) {
+    path_used[Index(m.tier == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme)] = true;
+  }
+  // The highest copy that exists nowhere below goes one tier down (a device copy already copied to
+  // the host is no longer the only one, even though NVMe's is still older).
+  auto only_copy = [&](const PlannerChunk& c) -> std::optional<TierKind> {
+    if (c.resident.contains(TierKind::kDevice) && !HasLowerCopy(c, TierKind::kDevice)) {
+      return TierKind::kDevice;
+    }
+    if (have_nvme && c.home != TierKind::kHost && c.resident.contains(TierKind::kHost) &&
+        !HasLowerCopy(c, TierKind::kHost)) {
+      return TierKind::kHost;
+    }
+    return std::nullopt;
+  };
+  std::vector<const PlannerChunk*> dirty;
+  for (const auto& [id, c] : in.chunks) {
+    if (c.pinned || c.moving || written_back.contains(id)) continue;
+    if (!only_copy(c)) continue;
+    dirty.push_back(&c);
+  }
+  std::sort(dirty.begin(), dirty.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
+    const absl::Time na = next(a->id), nb = next(b->id);
+    return na != nb ? na > nb : a->id < b->id;
+  });
+  for (const PlannerChunk* c : dirty) {
+    const TierKind from = *only_copy(*c);
+    const Path p = from == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
+    if (path_used[Index(p)] || in.queued_bytes[Index(p)] > 0) continue;
+    const double bw = in.bytes_per_second[Index(p)];
+    const absl::Duration takes =
+        bw > 0 ? absl::Seconds(static_cast<double>(c->size) / bw) : absl::InfiniteDuration();
+    if (next(c->id) - in.now <= 2 * takes + in.lead) continue;  // needed soon: leave it
+    path_used[Index(p)] = true;
+    out.push_back({PlannedMove::Kind::kWriteBack, c->id, from});
+  }
+  return out;
+}
+
+}  // namespace tierd::daemon

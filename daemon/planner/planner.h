@@ -1,0 +1,122 @@
+// The planner: given what each session's schedule will touch next, where every chunk is, how much
+// room each tier has and how fast each path moves bytes, decides which chunks to bring up now,
+// which copies to drop for them and which dirty copies to write back early. A pure function of
+// its input (no clock, no locks, no I/O), so its decisions are tested directly.
+//
+// Policy (docs/schedules.md):
+//  * Need times come from the schedule and the measured step durations: the first future use of
+//    each chunk in each tier, over one iteration ahead.
+//  * Space goes to the demands in order of need (earliest first). A copy is displaced only by a
+//    chunk needed sooner than its own next use (Belady's MIN with a known future); unscheduled
+//    copies go first, least recently used first. A copy's next use is in its own tier (a host
+//    copy also serves a device access while the device holds no copy). Pinned or moving copies
+//    are never displaced; dirty ones are written back first and dropped on a later round.
+//  * An overwrite needs room where it lands, not a fetch: its victims go ahead of it and the
+//    Acquire lands in the room. A copy about to be overwritten is needed by nobody.
+//  * Free space in pieces: each fetch comes with spare victims in every tier it needs room in,
+//    dropped only if the fetch finds no room in one piece; later fetches wait for it.
+//  * Each demand is started as late as is safe: demands sharing a path are laid out backwards
+//    from their deadlines at the path's measured bandwidth (with a safety factor), and a demand
+//    starts once its latest start is within `lead` of now.
+//  * Dirty copies not needed for a while are written back early, when the path down is idle.
+//  * A session never holds more than its quota of a tier through the planner.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
+#include "daemon/tiers/tier.h"
+
+namespace tierd::daemon {
+
+// The vocabulary of schedules, shared with the chunk layer above: chunk and session ids and the
+// ways an acquisition uses a chunk.
+using ChunkId = uint64_t;
+using SessionId = uint64_t;
+
+// How an Acquire uses a chunk. kOverwrite writes every byte before reading any: the old contents
+// are not fetched (the acquired bytes are undefined until written), only room is reserved.
+enum class Access : uint8_t { kRead = 1, kWrite = 2, kOverwrite = 3 };
+
+inline bool Writes(Access a) { return a != Access::kRead; }
+
+struct PlannerChunk {
+  ChunkId id = 0;
+  uint64_t size = 0;
+  SessionId owner = 0;
+  TierKind home = TierKind::kHost;
+  TierSet resident;
+  TierSet dirty;  // copies newer than the home tier's
+  bool moving = false;
+  TierKind moving_to = TierKind::kHost;
+  bool pinned = false;
+  uint64_t last_use = 0;  // larger is more recent
+};
+
+struct ScheduledAccess {
+  ChunkId id = 0;
+  TierKind tier = TierKind::kHost;
+  Access access = Access::kRead;
+};
+
+struct SessionPlan {
+  SessionId session = 0;
+  // One iteration: the steps in order, repeated.
+  const std::vector<std::vector<ScheduledAccess>>* steps = nullptr;
+  // Steps started so far (the cursor); the step running is cursor - 1, the next is cursor.
+  uint64_t cursor = 0;
+  // When the running step started, and how long each step (by index) is expected to take.
+  absl::Time step_started;
+  const std::vector<absl::Duration>* step_time = nullptr;
+  // Bytes of each tier the session may hold through the planner (0: no limit).
+  std::array<uint64_t, kTierKinds> quota{};
+};
+
+struct PlanInput {
+  absl::Time now;
+  std::vector<SessionPlan> sessions;
+  // Every chunk the schedules name, and every chunk holding space in the host and device tiers.
+  absl::flat_hash_map<ChunkId, PlannerChunk> chunks;
+  std::array<uint64_t, kTierKinds> capacity{};
+  std::array<uint64_t, kTierKinds> free{};
+  // The largest reservation each tier can take now. Below `free`, the free space is in pieces: a
+  // fetch that fits by the count may still find no room, so each fetch comes with spare victims.
+  std::array<uint64_t, kTierKinds> largest_free{UINT64_MAX, UINT64_MAX, UINT64_MAX};
+  std::array<double, kPaths> bytes_per_second{};  // measured
+  std::array<uint64_t, kPaths> queued_bytes{};    // already in flight on each path
+  // How long one move has recently taken per byte on each path, latency and queueing included (0:
+  // unknown): a transfer is planned to take at least that long, however fast the path streams.
+  std::array<double, kPaths> move_seconds_per_byte{};
+  // A demand starts once its latest safe start is this close; a little over one planning round.
+  absl::Duration lead = absl::Milliseconds(2);
+  // Transfer times are planned this much longer than measured.
+  double safety = 1.25;
+};
+
+struct PlannedMove {
+  enum class Kind : uint8_t {
+    kFetch,      // bring the chunk into `tier`
+    kDrop,       // drop the (clean, unpinned) copy in `tier` to make room
+    kWriteBack,  // write the dirty copy in `tier` one tier down, keeping it
+    kSpare,      // after a kFetch: drop this clean copy too if the fetch found no room in pieces
+  };
+  Kind kind = Kind::kFetch;
+  ChunkId id = 0;
+  TierKind tier = TierKind::kHost;
+  absl::Time deadline = absl::InfiniteFuture();  // kFetch: when the schedule needs it
+  SessionId session = 0;                         // kFetch: the session whose step needs it
+  bool operator==(const PlannedMove&) const = default;
+};
+
+// The moves to start now, in the order to start them.
+std::vector<PlannedMove> Plan(const PlanInput& input);
+
+// "nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host".
+
+// The path a fetch of `chunk` into `tier` starts on (the one that limits it).
+Path FetchPath(const PlannerChunk& chunk, TierKind tier);
+
+}  // namespace tierd::daemon

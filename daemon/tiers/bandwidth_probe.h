@@ -1,0 +1,27 @@
+// The start-up bandwidth probe: before the daemon serves, it moves a few tens of MiB over each
+// path — host to NVMe and back through the I/O engine, host to device and back through the
+// device's copy engines — so that the planner's first plans use this node's figures instead of
+// guesses. Moves measured later refine them (ChunkService::MoveDone).
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "daemon/tiers/device.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/tier.h"
+
+namespace tierd::daemon {
+
+// Bytes per second per path (indexed by Path); 0 for a path not probed.
+using PathBandwidth = std::array<double, kPaths>;
+
+// Moves up to `bytes` over each path there is: NVMe when `nvme` is set, the device when `device`
+// and `device_pool` are. Uses free space in each tier and gives it back; reads verify what the
+// writes wrote. Fails (saying which path and why) when a move fails. A path without room for the
+// probe (less than 4 MiB free in one of its tiers) is not probed.
+absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* device_pool,
+                                         Device* device, uint64_t bytes);
+
+}  // namespace tierd::daemon
