@@ -25,24 +25,10 @@
 #include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
-#include "common/unix_socket.h"
 #include "common/version.h"
-#include "common/wire.h"
-#include "daemon/api/daemon_metrics.h"
-#include "daemon/api/metrics_server.h"
-#include "daemon/api/rpc_server.h"
-#include "daemon/api/session_broker.h"
-#include "daemon/chunks/chunk_service.h"
-#include "daemon/chunks/plan_loop.h"
-#include "daemon/chunks/session.h"
 #include "daemon/config.h"
-#include "daemon/tiers/bandwidth_probe.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/device_probe.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/daemon.h"
 #include "daemon/util/daemon_files.h"
-#include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -330,203 +316,17 @@ int Run() {
     }
     locks.push_back(std::move(*lock));
   }
-  const std::string rpc_path = absl::StrCat(config->socket_dir, "/", kRpcSocketName);
-  const std::string session_path = absl::StrCat(config->socket_dir, "/", kSessionSocketName);
-
-  // What this machine made the daemon do without, for status and /metrics.
-  Fallbacks fallbacks;
-  absl::StatusOr<std::unique_ptr<SegmentPool>> host = CreateHostPool(config->host);
-  if (!host.ok()) {
-    spdlog::critical("host tier: {}", host.status().message());
+  absl::StatusOr<std::unique_ptr<Daemon>> daemon = Daemon::Create(*config);
+  if (!daemon.ok()) {
+    spdlog::critical("{}", daemon.status().message());
     return kStartupError;
   }
-  if (config->host.huge_pages == HugePagePolicy::kAuto &&
-      !static_cast<const MemfdBacking*>((*host)->backing())->huge_pages()) {
-    fallbacks.Set("host_small_pages",
-                  "no free 2 MiB huge pages for host.capacity: the host tier uses 4 KiB pages "
-                  "(slower to pin, more TLB misses); reserve vm.nr_hugepages");
-  }
-  std::unique_ptr<NvmeTier> nvme;
-  if (!config->nvme.regions.empty()) {
-    absl::StatusOr<InstanceId> instance = LoadOrCreateInstanceId(config->state_dir);
-    if (!instance.ok()) {
-      spdlog::critical("state_dir: {}", instance.status().message());
-      return kStartupError;
-    }
-    absl::StatusOr<std::unique_ptr<NvmeTier>> opened =
-        NvmeTier::Open(config->nvme, *instance, host->get(), config->state_dir);
-    if (!opened.ok()) {
-      spdlog::critical("NVMe tier: {}", opened.status().message());
-      return kStartupError;
-    }
-    nvme = std::move(*opened);
-    if (nvme->io_backend() == IoBackendKind::kThreads &&
-        config->nvme.io_backend != IoBackendKind::kThreads) {
-      fallbacks.Set("nvme_io_threads",
-                    "io_uring is unavailable (see the start-up log): NVMe I/O runs on pread/pwrite "
-                    "threads, with more CPU per byte");
-    }
-  } else {
-    spdlog::info("NVMe tier: none configured (nvme.regions is empty)");
-  }
-  // The device tier: the first GPU (by the CUDA driver, loaded at run time), or an emulated one
-  // when configured, or none.
-  DeviceProbe devices;
-  std::unique_ptr<Device> device;
-  const std::string& backend = config->device.backend;
-  if (backend == "emulated") {
-    // Host memory stands in for the GPU's: it must be there, beside the host tier's.
-    if (absl::Status s = CheckAvailable(
-            config->device.capacity + (config->host.lock_memory ? 0 : config->host.capacity),
-            "device.capacity (the emulated device's memory)");
-        !s.ok()) {
-      spdlog::critical("device tier: {}", s.message());
-      return kStartupError;
-    }
-    device = MakeEmulatedDevice({config->device.capacity, config->device.emulated_gbps,
-                                 absl::Microseconds(config->device.emulated_latency_us)});
-    spdlog::warn("device tier: EMULATED ({}): host memory stands in for GPU memory",
-                 device->description().name);
-  } else if (backend == "auto" || backend == "cuda") {
-    std::vector<std::unique_ptr<Device>> gpus = OpenCudaDevices(&devices.status);
-    if (!gpus.empty()) {
-      device = std::move(gpus[0]);
-      for (size_t i = 1; i < gpus.size(); ++i) {
-        spdlog::warn("GPU {} ({}) is not served: this version serves one GPU per daemon",
-                     gpus[i]->description().uuid, gpus[i]->description().name);
-      }
-    } else if (backend == "cuda") {
-      spdlog::critical("device tier: device.backend is cuda but {}", devices.status);
-      return kStartupError;
-    }
-  } else {
-    devices.status = "device tier disabled (device.backend = none)";
-  }
-  std::unique_ptr<SegmentPool> device_pool;
-  std::unique_ptr<HostRegistration> host_registration;
-  if (device != nullptr) {
-    const DeviceDescription& d = device->description();
-    devices.devices.push_back(d);
-    absl::StatusOr<std::unique_ptr<SegmentPool>> pool =
-        SegmentPool::Create(TierKind::kDevice, "device", config->device.capacity,
-                            config->device.segment_size, device->MakeBacking());
-    if (!pool.ok()) {
-      spdlog::critical("device tier on {}: {}", d.uuid, pool.status().message());
-      return kStartupError;
-    }
-    device_pool = std::move(*pool);
-    // The GPU copies straight from and into the host tier's pinned segments.
-    host_registration = std::make_unique<HostRegistration>(host->get(), device.get(), &fallbacks);
-    spdlog::info("device tier: {} {}: {}", d.uuid, d.name, device_pool->Describe());
-  } else {
-    spdlog::info("device tier: none ({}); serving the host{} tier{}", devices.status,
-                 nvme != nullptr ? " and NVMe" : "", nvme != nullptr ? "s" : "");
-  }
-
-  std::array<Tier*, kTierKinds> tiers{};
-  tiers[static_cast<int>(TierKind::kHost)] = host->get();
-  tiers[static_cast<int>(TierKind::kNvme)] = nvme.get();
-  tiers[static_cast<int>(TierKind::kDevice)] = device_pool.get();
-  ChunkService chunks(tiers, nvme.get(), device.get());
-  chunks.set_limits(config->limits, config->quotas);
-  if (nvme != nullptr) {
-    const size_t recovered = chunks.Recover(nvme->RecoveredEntries());
-    spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);
-  }
-  chunks.set_max_bandwidth_weight(config->planner.max_session_weight);
-  if (config->planner.probe_bytes > 0) {
-    absl::StatusOr<PathBandwidth> probed = ProbePaths(host->get(), nvme.get(), device_pool.get(),
-                                                      device.get(), config->planner.probe_bytes);
-    if (!probed.ok()) {
-      spdlog::critical(
-          "start-up bandwidth probe: {}; check the drive (dmesg) or start without the probe "
-          "(planner.probe_bytes = 0)",
-          probed.status().message());
-      return kStartupError;
-    }
-    std::string figures;
-    for (int p = 0; p < kPaths; ++p) {
-      if ((*probed)[p] <= 0) continue;
-      absl::StrAppend(&figures, figures.empty() ? "" : ", ", PathName(static_cast<Path>(p)), " ",
-                      absl::StrFormat("%.2f", (*probed)[p] / 1e9), " GB/s");
-    }
-    spdlog::info("start-up bandwidth probe: {}", figures.empty() ? "no path probed" : figures);
-    chunks.SeedBandwidth(*probed);
-  }
-  SessionRegistry sessions(config->limits.sessions_per_uid);
-  // Stops before the chunk service and the tiers it plans for.
-  PlanLoop planner(&chunks, absl::Milliseconds(1));
-
-  // The metrics endpoint comes up before the sockets: a daemon that cannot serve its metrics
-  // stops before any client has connected to it.
-  RpcMetrics rpc_metrics;
-  std::unique_ptr<MetricsServer> metrics_server;
-  if (!config->metrics.listen.empty()) {
-    const MetricsSources sources{.chunks = &chunks,
-                                 .nvme = nvme.get(),
-                                 .sessions = &sessions,
-                                 .devices = &devices,
-                                 .rpc = &rpc_metrics,
-                                 .fallbacks = &fallbacks,
-                                 .started = absl::Now()};
-    absl::StatusOr<std::unique_ptr<MetricsServer>> m =
-        MetricsServer::Start(config->metrics.listen, [sources] { return RenderMetrics(sources); });
-    if (!m.ok()) {
-      spdlog::critical(
-          "metrics: {} (set metrics.listen / --metrics_listen; \"none\" or an empty "
-          "metrics.listen for no endpoint)",
-          m.status().message());
-      return kStartupError;
-    }
-    metrics_server = std::move(*m);
-    if (!metrics_server->loopback()) {
-      spdlog::warn(
-          "metrics: {} is reachable from other hosts; the figures name users, chunks and "
-          "devices. Bind it to 127.0.0.1 unless a firewall guards it",
-          metrics_server->address());
-    }
-    spdlog::info("serving metrics on {}", metrics_server->url());
-  }
-
-  // From here on a signal shuts down in order: the sockets it publishes are removed again.
+  // From here on a signal shuts down in order: the sockets the daemon publishes are removed again.
   signals.Serving();
-  constexpr mode_t kSocketMode = 0660;
-  UniqueFd session_listener;
-  if (absl::Status s =
-          PublishSocket(config->socket_dir, kSessionSocketName, kSocketMode, socket_gid,
-                        [&](const std::string& path) -> absl::Status {
-                          absl::StatusOr<UniqueFd> l = ListenSeqpacket(path, 0600);
-                          if (!l.ok()) return l.status();
-                          session_listener = std::move(*l);
-                          return absl::OkStatus();
-                        });
-      !s.ok()) {
-    spdlog::critical("session socket: {}", s.message());
+  if (absl::Status s = (*daemon)->Serve(socket_gid); !s.ok()) {
+    spdlog::critical("{}", s.message());
     return kStartupError;
   }
-  absl::StatusOr<std::unique_ptr<SessionBroker>> broker =
-      SessionBroker::Start(std::move(session_listener), &sessions, &chunks, host->get(),
-                           device_pool.get(), devices, config->limits.connections_per_uid);
-  if (!broker.ok()) {
-    spdlog::critical("session socket: {}", broker.status().message());
-    return kStartupError;
-  }
-  std::unique_ptr<RpcServer> rpc;
-  if (absl::Status s = PublishSocket(
-          config->socket_dir, kRpcSocketName, kSocketMode, socket_gid,
-          [&](const std::string& path) -> absl::Status {
-            absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
-                path,
-                RpcServerDeps{&sessions, &chunks, devices, nvme.get(), &rpc_metrics, &fallbacks});
-            if (!r.ok()) return r.status();
-            rpc = std::move(*r);
-            return absl::OkStatus();
-          });
-      !s.ok()) {
-    spdlog::critical("gRPC socket: {}", s.message());
-    return kStartupError;
-  }
-  spdlog::info("serving gRPC on unix:{} and sessions on {}", rpc_path, session_path);
   sd_notify(0, "READY=1\nSTATUS=serving");
 
   // Wait for SIGTERM/SIGINT, pinging the systemd watchdog when it is enabled.
@@ -538,19 +338,7 @@ int Run() {
       });
   spdlog::info("received {}; shutting down", sig);
   sd_notify(0, "STOPPING=1");
-  metrics_server.reset();
-  rpc->Shutdown(absl::Seconds(5));
-  broker->reset();            // ends every session
-  chunks.WriteDownForStop();  // persistent chunks whose current version is only in memory
-  // Transfers in flight settle before the chunk table goes. A move can hand over between the two
-  // (NVMe -> GPU pipelining, GPU -> host -> NVMe write-back), so drain both twice.
-  for (int round = 0; round < 2; ++round) {
-    if (device != nullptr) device->Drain();
-    if (nvme != nullptr) nvme->Drain();
-  }
-  host_registration.reset();
-  unlink(rpc_path.c_str());
-  unlink(session_path.c_str());
+  (*daemon)->Stop();
   spdlog::info("tierd stopped");
   return 0;
 }

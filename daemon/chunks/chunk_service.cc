@@ -101,6 +101,31 @@ ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, 
   paths_[static_cast<int>(Path::kDeviceToHost)].bytes_per_second = 20e9;
 }
 
+std::shared_ptr<void> ChunkService::BeginTierOp() {
+  {
+    absl::MutexLock lock(&ops_mu_);
+    ++tier_ops_;
+  }
+  return std::shared_ptr<void>(this, [](void* service) {
+    auto* self = static_cast<ChunkService*>(service);
+    absl::MutexLock lock(&self->ops_mu_);
+    --self->tier_ops_;
+  });
+}
+
+template <typename F>
+auto ChunkService::Tracked(F callback) {
+  return [op = BeginTierOp(), callback = std::move(callback)](auto&&... args) mutable {
+    callback(std::forward<decltype(args)>(args)...);
+  };
+}
+
+void ChunkService::WaitForIdle() {
+  absl::MutexLock lock(&ops_mu_);
+  ops_mu_.Await(absl::Condition(
+      +[](uint64_t* ops) { return *ops == 0; }, &tier_ops_));
+}
+
 void ChunkService::MoveStarted(Path path, const ChunkMeta& chunk) {
   const absl::Time now = absl::Now();
   PathMeter& m = paths_[static_cast<int>(path)];
@@ -739,21 +764,23 @@ void ChunkService::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
     e.reserved = chunk.placement[kNvme].size;
   }
   batch->Add();
-  nvme_->Persist(std::move(e), [this, id = chunk.id, batch](absl::Status s) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (auto it = chunks_.find(id); s.ok() && it != chunks_.end()) it->second.marked = true;
-    }
-    if (!s.ok()) {
-      s = absl::Status(s.code(),
-                       absl::StrCat("chunk ", id,
-                                    ": could not record in the NVMe index that its current "
-                                    "version is in memory (a crash must report it lost, not "
-                                    "return an older one): ",
-                                    s.message()));
-    }
-    batch->Done(s);
-  });
+  nvme_->Persist(std::move(e), Tracked([this, id = chunk.id, batch](absl::Status s) {
+                   {
+                     absl::MutexLock lock(&mu_);
+                     if (auto it = chunks_.find(id); s.ok() && it != chunks_.end())
+                       it->second.marked = true;
+                   }
+                   if (!s.ok()) {
+                     s = absl::Status(
+                         s.code(),
+                         absl::StrCat("chunk ", id,
+                                      ": could not record in the NVMe index that its current "
+                                      "version is in memory (a crash must report it lost, not "
+                                      "return an older one): ",
+                                      s.message()));
+                   }
+                   batch->Done(s);
+                 }));
 }
 
 size_t ChunkService::WriteDownForStop() {
@@ -851,25 +878,26 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
   char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
   char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
   if (from_host) {
-    device_->CopyToDevice(dev, host, chunk.size, [this, id, batch](absl::Status s) {
-      SettleToDevice(id, s, /*host_filled=*/false);
-      batch->Done(s);
-    });
+    device_->CopyToDevice(dev, host, chunk.size, Tracked([this, id, batch](absl::Status s) {
+                            SettleToDevice(id, s, /*host_filled=*/false);
+                            batch->Done(s);
+                          }));
     return;
   }
   if (!chunk.written) {  // never written: zeros on both
     nvme_->ZeroFill(chunk.placement[kHost], chunk.size,
-                    [this, id, batch, dev, host, size = chunk.size](absl::Status s) {
+                    Tracked([this, id, batch, dev, host, size = chunk.size](absl::Status s) {
                       if (!s.ok()) {
                         SettleToDevice(id, s, /*host_filled=*/true);
                         batch->Done(s);
                         return;
                       }
-                      device_->CopyToDevice(dev, host, size, [this, id, batch](absl::Status s2) {
-                        SettleToDevice(id, s2, /*host_filled=*/true);
-                        batch->Done(s2);
-                      });
-                    });
+                      device_->CopyToDevice(dev, host, size,
+                                            Tracked([this, id, batch](absl::Status s2) {
+                                              SettleToDevice(id, s2, /*host_filled=*/true);
+                                              batch->Done(s2);
+                                            }));
+                    }));
     return;
   }
   // NVMe -> host -> GPU, pipelined: each piece goes to the GPU as soon as it has been read.
@@ -895,30 +923,32 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
   constexpr uint64_t kPiece = 4 << 20;
   nvme_->ReadPieces(
       id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum, kPiece,
-      [this, pipe, dev, host, finish_if_done, size = chunk.size](uint64_t off, uint64_t len) {
+      Tracked([this, pipe, dev, host, finish_if_done, size = chunk.size](uint64_t off,
+                                                                         uint64_t len) {
         len = std::min(len, size - std::min(size, off));  // the last piece ends at the chunk's end
         if (len == 0) return;
         {
           absl::MutexLock lock(&pipe->mu);
           ++pipe->copies_pending;
         }
-        device_->CopyToDevice(dev + off, host + off, len, [pipe, finish_if_done](absl::Status s) {
-          {
-            absl::MutexLock lock(&pipe->mu);
-            --pipe->copies_pending;
-            if (pipe->status.ok() && !s.ok()) pipe->status = s;
-          }
-          finish_if_done();
-        });
-      },
-      [pipe, finish_if_done](absl::Status s) {
+        device_->CopyToDevice(dev + off, host + off, len,
+                              Tracked([pipe, finish_if_done](absl::Status s) {
+                                {
+                                  absl::MutexLock lock(&pipe->mu);
+                                  --pipe->copies_pending;
+                                  if (pipe->status.ok() && !s.ok()) pipe->status = s;
+                                }
+                                finish_if_done();
+                              }));
+      }),
+      Tracked([pipe, finish_if_done](absl::Status s) {
         {
           absl::MutexLock lock(&pipe->mu);
           pipe->reads_done = true;
           if (pipe->status.ok() && !s.ok()) pipe->status = s;
         }
         finish_if_done();
-      },
+      }),
       OrderFor(chunk, deadline));
 }
 
@@ -949,10 +979,10 @@ void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   const ChunkId id = chunk.id;
   device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
                       tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
-                      [this, id, batch, then_nvme, keep_source](absl::Status s) {
+                      Tracked([this, id, batch, then_nvme, keep_source](absl::Status s) {
                         SettleToHost(id, s, then_nvme, keep_source, batch);
                         batch->Done(s);
-                      });
+                      }));
 }
 
 void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
@@ -982,10 +1012,10 @@ void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& bat
   if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
   if (chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   const ChunkId id = chunk.id;
-  auto done = [this, id, batch](absl::Status s) {
+  auto done = Tracked([this, id, batch](absl::Status s) {
     SettleRead(id, s);
     batch->Done(s);
-  };
+  });
   if (!chunk.written) {
     nvme_->ZeroFill(chunk.placement[kHost], chunk.size, std::move(done));
   } else {
@@ -1053,7 +1083,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   }
   nvme_->Write(
       id, chunk.placement[kHost], nvme, chunk.size,
-      [this, id, batch, keep_source, entry, previous](absl::StatusOr<uint64_t> checksum) {
+      Tracked([this, id, batch, keep_source, entry, previous](absl::StatusOr<uint64_t> checksum) {
         if (!checksum.ok() || !entry) {
           SettleWrite(id, checksum, keep_source, previous);
           batch->Done(checksum.status());
@@ -1062,15 +1092,16 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
         // A persistent chunk is durable once the index says where it is.
         IndexEntry e = *entry;
         e.checksum = *checksum;
-        nvme_->Persist(e, [this, id, batch, keep_source, checksum, previous](absl::Status s) {
-          if (s.ok()) {
-            SettleWrite(id, checksum, keep_source, previous);
-          } else {
-            SettleWrite(id, s, keep_source, previous);
-          }
-          batch->Done(s);
-        });
-      },
+        nvme_->Persist(e,
+                       Tracked([this, id, batch, keep_source, checksum, previous](absl::Status s) {
+                         if (s.ok()) {
+                           SettleWrite(id, checksum, keep_source, previous);
+                         } else {
+                           SettleWrite(id, s, keep_source, previous);
+                         }
+                         batch->Done(s);
+                       }));
+      }),
       OrderFor(chunk, absl::Now()), /*durable=*/chunk.persistent);
 }
 

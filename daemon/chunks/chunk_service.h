@@ -157,6 +157,10 @@ class ChunkService {
   // version is only in memory to NVMe (durably, in the index) and waits for it. Without an NVMe
   // tier it says what is lost. Returns how many could not be written.
   size_t WriteDownForStop();
+  // Waits until every operation the service handed to a tier (NVMe I/O, index records, device
+  // copies) has called back and let its callback go. With no session left to start more, nothing
+  // calls into the service afterwards: the daemon's shutdown can destroy it.
+  void WaitForIdle();
 
   absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
                                                 std::span<const ChunkRequest> requests);
@@ -514,6 +518,14 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);
 
+  // Wraps a callback handed to a tier so that WaitForIdle waits for it: it counts from here until
+  // the tier has run it and let it go (copies included). A move that hands over from one tier to
+  // another (NVMe -> GPU, GPU -> host -> NVMe) wraps each hop, so the count never passes zero
+  // between them.
+  template <typename F>
+  auto Tracked(F callback);
+  std::shared_ptr<void> BeginTierOp();
+
   const std::array<Tier*, kTierKinds> tiers_;
   NvmeTier* const nvme_;
   Device* const device_;
@@ -559,6 +571,9 @@ class ChunkService {
   size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
+  // Tier operations whose callbacks are alive (Tracked); a lock of its own, taken last.
+  absl::Mutex ops_mu_;
+  uint64_t tier_ops_ ABSL_GUARDED_BY(ops_mu_) = 0;
 };
 
 }  // namespace tierd::daemon
