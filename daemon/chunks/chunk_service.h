@@ -4,6 +4,13 @@
 // Concurrency: one mutex serializes the chunk table. A batch takes it once, which makes batches
 // atomic with respect to each other and costs ~100 ns per chunk (docs/benchmarks.md); tier
 // reservations take the tier's own lock inside it (lock order: ChunkService, then tier).
+//
+// The class is one lock and one table, but its code is in files by concern: chunk_service.cc (the
+// client operations: validation and the batch), chunk_service_moves.cc (moves between tiers and
+// the requests waiting on them), chunk_service_room.cc (space and room making),
+// chunk_service_schedules.cc (schedules, traces and the planning round),
+// chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
+// chunk_service_operators.cc (operators' requests and node figures). PathMeter meters the paths.
 #pragma once
 
 #include <array>
@@ -25,6 +32,7 @@
 #include "absl/time/time.h"
 #include "common/completion_page.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/io/io_engine.h"
@@ -85,16 +93,6 @@ struct ScheduleRequest {
   // Trace mode (with no steps): record the session's acquisitions over the next iteration of this
   // many steps, and use them as its schedule from the iteration after on.
   uint32_t trace_steps = 0;
-};
-
-// What has moved on one path since start-up, and the planner's estimate of its bandwidth.
-struct PathStatus {
-  Path path = Path::kNvmeToHost;
-  uint64_t bytes = 0;
-  uint64_t moves = 0;
-  double bytes_per_second = 0;
-  bool measured = false;
-  double probed_bytes_per_second = 0;  // what the start-up probe measured (0: not probed)
 };
 
 struct DrainResult {
@@ -188,9 +186,11 @@ class ChunkService {
   SessionStats session_stats(const Session& session) const;
   // The session's schedule in force (declared or traced); empty when it has none.
   std::vector<std::vector<ScheduledAccess>> schedule(const Session& session) const;
-  std::array<PathStatus, kPaths> path_status() const;
+  std::array<PathStatus, kPaths> path_status() const { return meter_.Status(); }
   // The start-up probe's figures (0: not probed) become the bandwidth estimates.
-  void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second);
+  void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second) {
+    meter_.Seed(bytes_per_second);
+  }
 
   // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
   // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
@@ -246,7 +246,7 @@ class ChunkService {
   NodeStats node_stats() const;
   // How long each move took, start to settle, by path (the daemon's transfer latency).
   metrics::Histogram::Snapshot transfer_seconds(Path path) const {
-    return transfer_seconds_[static_cast<int>(path)].Read();
+    return meter_.transfer_seconds(path);
   }
   // How long acquisitions whose chunk was not in place waited for it to arrive, by tier.
   metrics::Histogram::Snapshot acquire_wait_seconds(TierKind tier) const {
@@ -323,20 +323,7 @@ class ChunkService {
   void UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Bandwidth of each path, measured from the moves on it: bytes over the time the path was busy.
-  struct PathMeter {
-    int in_flight = 0;
-    uint64_t queued_bytes = 0;
-    absl::Time window_start;
-    uint64_t window_bytes = 0;
-    double bytes_per_second = 0;  // the estimate; an initial guess until probed or measured
-    bool measured = false;
-    double probed = 0;
-    double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
-    double move_deviation_per_byte = 0;
-    uint64_t bytes_total = 0;
-    uint64_t moves_total = 0;
-  };
+  // Meter the move on `path` (and count it as the holder's traffic).
   void MoveStarted(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MoveDone(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -540,21 +527,14 @@ class ChunkService {
   absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
   absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
-  std::array<PathMeter, kPaths> paths_ ABSL_GUARDED_BY(mu_);
+  PathMeter meter_;                           // thread-safe; its lock is taken after mu_
   SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
-  // 100 us to 13 s, doubling.
-  std::array<metrics::Histogram, kPaths> transfer_seconds_{
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
   // 10 us to 21 s, doubling.
   std::array<metrics::Histogram, kTierKinds> acquire_wait_seconds_{
       metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
-  absl::flat_hash_map<ChunkId, absl::Time> move_started_ ABSL_GUARDED_BY(mu_);
   // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
   // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.
   struct QueuedFetch {

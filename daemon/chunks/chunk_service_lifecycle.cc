@@ -1,0 +1,259 @@
+// ChunkService: a chunk's birth and end (created, recovered from the index, freed, retired with
+// its session), and the daemon's stop (writing persistent chunks down, waiting for the tiers).
+
+#include "daemon/chunks/chunk_service.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "common/fmt_absl.h"
+#include "common/sizes.h"
+#include "daemon/chunks/chunk_service_internal.h"
+#include "daemon/tiers/device.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "daemon/util/log_limiter.h"
+#include "spdlog/spdlog.h"
+
+namespace tierd::daemon {
+
+std::shared_ptr<void> ChunkService::BeginTierOp() {
+  {
+    absl::MutexLock lock(&ops_mu_);
+    ++tier_ops_;
+  }
+  return std::shared_ptr<void>(this, [](void* service) {
+    auto* self = static_cast<ChunkService*>(service);
+    absl::MutexLock lock(&self->ops_mu_);
+    --self->tier_ops_;
+  });
+}
+
+void ChunkService::WaitForIdle() {
+  absl::MutexLock lock(&ops_mu_);
+  ops_mu_.Await(absl::Condition(
+      +[](uint64_t* ops) { return *ops == 0; }, &tier_ops_));
+}
+
+ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
+                                const Placement& home, const std::string& name, bool persistent) {
+  const ChunkId id = next_id_++;
+  ChunkMeta& chunk = chunks_[id];
+  chunk.id = id;
+  chunk.size = size;
+  chunk.owner = owner;
+  chunk.tenant = tenant;
+  chunk.home = home.tier;
+  chunk.allocated.insert(home.tier);
+  chunk.resident.insert(home.tier);
+  chunk.placement[static_cast<int>(home.tier)] = home;
+  chunk.persistent = persistent;
+  chunk.memory_home = persistent && home.tier != TierKind::kNvme;
+  chunk.name = name;
+  if (!name.empty()) names_[NameKey(tenant, name)] = id;
+  if (persistent) persistent_[tenant].insert(id);
+  return chunk;
+}
+
+size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
+  absl::MutexLock lock(&mu_);
+  size_t recovered = 0;
+  for (const IndexEntry& e : entries) {
+    Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
+    const bool has_copy = e.reserved != 0;
+    if (has_copy && (nvme_ == nullptr || !nvme_->Claim(p))) {
+      spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
+                    e.name, e.tenant);
+      continue;
+    }
+    // Counted against the user's quota and chunk limit, which they may now exceed: that blocks new
+    // allocations, never the recovery of what was stored.
+    if (has_copy) ledger_.AddBytes(e.tenant, TierKind::kNvme, p.size);
+    ledger_.AddChunks(e.tenant, 1);
+    ChunkMeta& chunk = Insert(e.tenant, /*owner=*/0, e.chunk_size, p, e.name, /*persistent=*/true);
+    chunk.memory_home = e.memory_home;
+    chunk.checksum = e.checksum;
+    chunk.written = has_copy;
+    if (!has_copy) chunk.allocated = TierSet();
+    if (e.in_memory || !has_copy) {
+      // Its current version was in memory when the daemon stopped without writing it down: what
+      // NVMe holds (if anything) is older. Kept, named, until its owner frees it.
+      chunk.lost = true;
+      chunk.marked = true;
+      chunk.resident = TierSet();
+      spdlog::error(
+          "persistent chunk '{}' of uid {} was lost: its current version was in memory when the "
+          "daemon stopped without a clean shutdown; opening it fails with DATA_LOSS until it is "
+          "freed",
+          e.name, e.tenant);
+      continue;
+    }
+    ++recovered;
+  }
+  return recovered;
+}
+
+absl::Status ChunkService::Retired(const ChunkMeta& chunk) {
+  return absl::AbortedError(absl::StrCat(
+      "chunk ", chunk.id, " was freed while it moved (its session ended); it is gone"));
+}
+
+void ChunkService::Retire(ChunkMeta& chunk) {
+  if (chunk.state == ChunkState::kMoving) {
+    chunk.doomed = true;  // AfterMove destroys it
+    return;
+  }
+  FailAllWaiters(chunk.id, Retired(chunk));
+  Destroy(chunk);
+}
+
+size_t ChunkService::WriteDownForStop() {
+  constexpr size_t kNamed = 16;  // chunks named in the log; the rest are counted
+  auto batch = std::make_shared<Batch>();
+  absl::Notification written;
+  batch->on_done = [&written](const absl::Status&) { written.Notify(); };
+  std::vector<ChunkId> ids;
+  uint64_t bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [tenant, set] : persistent_) {
+      for (ChunkId id : set) {
+        ChunkMeta& chunk = chunks_.at(id);
+        const bool in_memory =
+            chunk.state == ChunkState::kMoving ||
+            (!chunk.resident.empty() && !chunk.resident.contains(TierKind::kNvme));
+        if (chunk.lost || !in_memory) continue;
+        ids.push_back(id);
+        bytes += chunk.size;
+        if (nvme_ == nullptr) continue;
+        if (absl::Status s = CheckEvictable(chunk, TierKind::kNvme); !s.ok()) {
+          batch->Add();
+          batch->Done(s);
+          continue;
+        }
+        EvictOne(chunk, TierKind::kNvme, /*keep_source=*/false, batch, /*session=*/0);
+      }
+    }
+  }
+  if (ids.empty()) {
+    batch->Done(absl::OkStatus());
+    return 0;
+  }
+  if (nvme_ == nullptr) {
+    spdlog::warn(
+        "{} persistent chunks ({}) lived in host memory only (no NVMe tier): lost with "
+        "this stop",
+        ids.size(), FormatSize(bytes));
+    batch->Done(absl::OkStatus());
+    return ids.size();
+  }
+  spdlog::info(
+      "stopping: writing {} persistent chunks ({}) whose current version is in memory "
+      "to NVMe",
+      ids.size(), FormatSize(bytes));
+  const absl::Time start = absl::Now();
+  batch->Done(absl::OkStatus());
+  written.WaitForNotification();
+  absl::MutexLock lock(&mu_);
+  size_t failed = 0;
+  for (ChunkId id : ids) {
+    auto it = chunks_.find(id);
+    if (it == chunks_.end() || it->second.resident.contains(TierKind::kNvme)) continue;
+    if (++failed <= kNamed) {
+      spdlog::error("persistent chunk '{}' of uid {} could not be written to NVMe: {}",
+                    it->second.name, it->second.tenant,
+                    it->second.marked ? "the next start reports it lost"
+                                      : "the next start finds its last copy there, if any");
+    }
+  }
+  if (failed > 0) {
+    spdlog::error("{} of {} persistent chunks could not be written to NVMe ({} named above): {}",
+                  failed, ids.size(), std::min(failed, kNamed), batch->Status().message());
+  } else {
+    spdlog::info("stopping: {} persistent chunks written to NVMe in {:.2f} s", ids.size(),
+                 absl::ToDoubleSeconds(absl::Now() - start));
+  }
+  return failed;
+}
+
+void ChunkService::Destroy(ChunkMeta& chunk) {
+  assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
+  for (int t = 1; t < kTierKinds; ++t) {
+    if (chunk.allocated.contains(static_cast<TierKind>(t))) {
+      ReleaseSpace(chunk.tenant, chunk.placement[t]);
+    }
+  }
+  ledger_.AddChunks(chunk.tenant, -1);
+  // A chunk at home in memory may have a record without a copy (or one being written): forgetting
+  // a name the index does not hold costs nothing.
+  if (chunk.persistent && nvme_ != nullptr && (chunk.written || chunk.memory_home))
+    nvme_->Forget(chunk.tenant, chunk.name);
+  if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
+  if (chunk.persistent) {
+    auto it = persistent_.find(chunk.tenant);
+    it->second.erase(chunk.id);
+    if (it->second.empty()) persistent_.erase(it);
+  } else if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
+    it->second.owned.erase(chunk.id);
+  }
+  meter_.Forget(chunk.id);
+  leases_.erase(chunk.id);
+  chunks_.erase(chunk.id);
+}
+
+size_t ChunkService::CloseSession(const Session& session) {
+  absl::MutexLock lock(&mu_);
+  session.ended = true;
+  auto it = sessions_.find(session.id);
+  if (it == sessions_.end()) return 0;
+  SessionState state = std::move(it->second);
+  sessions_.erase(it);
+  if (auto job = jobs_.find(state.job); job != jobs_.end() && --job->second.sessions == 0) {
+    jobs_.erase(job);
+  }
+  if (state.planned()) --schedules_;
+  ledger_.AddScheduleAccesses(session.peer.uid, -static_cast<int64_t>(state.schedule_accesses));
+  for (const auto& [id, pins] : state.pins) {
+    if (auto w = waiters_.find(id); w != waiters_.end()) {
+      std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
+      if (w->second.empty()) waiters_.erase(w);
+    }
+    ChunkMeta& chunk = chunks_.at(id);
+    for (uint32_t i = 0; i < pins.count; ++i) Unpin(chunk);
+    chunk.writers -= pins.writes;
+  }
+  size_t freed = 0;
+  for (ChunkId id : state.owned) {
+    ChunkMeta& chunk = chunks_.at(id);
+    assert(chunk.pins == 0);  // only its owner can pin a scratch chunk
+    ++freed;
+    Retire(chunk);
+  }
+  if (auto p = persistent_.find(session.peer.uid); p != persistent_.end()) {
+    for (ChunkId id : p->second) {
+      ChunkMeta& chunk = chunks_.at(id);
+      auto lease = leases_.find(id);
+      if (lease == leases_.end()) continue;
+      std::erase(lease->second.holders, session.id);
+      if (lease->second.holders.empty()) {
+        leases_.erase(lease);
+        chunk.owner = 0;
+      } else {
+        chunk.owner = lease->second.holders.front();
+      }
+    }
+  }
+  RetryQueuedFetches();
+  room_freed_.SignalAll();
+  return freed;
+}
+
+}  // namespace tierd::daemon

@@ -1,0 +1,228 @@
+// ChunkService: space in the tiers. Reservations go through the tier and the tenant's quota; a
+// full tier makes room by dropping clean copies, or by writing dirty ones down while the fetches
+// that need the room queue for it.
+
+#include "daemon/chunks/chunk_service.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
+#include "common/fmt_absl.h"
+#include "common/sizes.h"
+#include "daemon/chunks/chunk_service_internal.h"
+#include "daemon/tiers/device.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "daemon/util/log_limiter.h"
+#include "spdlog/spdlog.h"
+
+namespace tierd::daemon {
+
+absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t tenant, uint64_t size,
+                                                     bool quota) {
+  absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
+  if (!p.ok()) return p;
+  if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
+      !s.ok()) {
+    tier(kind)->Unreserve(*p);
+    return s;
+  }
+  ledger_.AddBytes(tenant, kind, p->size);
+  return p;
+}
+
+void ChunkService::ReleaseSpace(uint32_t tenant, const Placement& placement) {
+  tier(placement.tier)->Unreserve(placement);
+  ledger_.RemoveBytes(tenant, placement.tier, placement.size);
+}
+
+absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
+  for (;;) {
+    // When the tenant's quota is what is full, only its own copies make room for it.
+    const uint64_t needed = AlignUp(size, kSegmentAlignment);
+    const bool quota_full = ledger_.Headroom(tenant, tier) < needed;
+    if (quota_full && planning_) return ledger_.CheckBytes(tenant, tier, needed);
+    absl::StatusOr<Placement> p =
+        quota_full ? absl::ResourceExhaustedError("over quota") : ReserveSpace(tier, tenant, size);
+    if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
+    // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
+    // costs nothing to drop). A linear scan; the planner replaces this policy.
+    ChunkMeta* victim = nullptr;
+    for (auto& [id, c] : chunks_) {
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c, tier)) continue;
+      if (quota_full && c.tenant != tenant) continue;
+      if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
+    }
+    if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
+    DropCopy(*victim, tier);
+  }
+}
+
+uint64_t ChunkService::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
+  if (t != TierKind::kNvme || !persistent || nvme_ == nullptr) return size;
+  return std::max(size, nvme_->persistent_granule());
+}
+
+uint64_t ChunkService::FreeFor(uint32_t tenant, TierKind t) const {
+  const TierUsage u = tier(t)->Usage();
+  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+  return std::min(free, ledger_.Headroom(tenant, t));
+}
+
+absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
+  absl::Status started = StartFetch(chunk, tier, deadline);
+  if (started.ok() || !absl::IsResourceExhausted(started)) return started;
+  if (!MakeRoomFor(chunk, tier)) return started;
+  for (const QueuedFetch& q : queued_fetches_) {
+    if (q.id == chunk.id && q.tier == tier) return absl::OkStatus();
+  }
+  queued_fetches_.push_back({chunk.id, tier, deadline});
+  return absl::OkStatus();
+}
+absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks,
+                                                     TierKind tier, Access access) {
+  // Held meanwhile, so that room for one is never made by dropping another.
+  for (ChunkMeta* c : chunks) Hold(*c);
+  absl::StatusOr<bool> reserved = true;
+  std::vector<std::pair<ChunkMeta*, TierKind>> made;  // given back if the Acquire fails
+  for (ChunkMeta* c : chunks) {
+    if (c->resident.contains(tier)) continue;
+    if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
+    for (TierKind t : RoomNeeded(*c, tier, access)) {
+      absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, SpaceIn(t, c->size, c->persistent));
+      if (p.ok()) {
+        c->placement[static_cast<int>(t)] = *p;
+        c->allocated.insert(t);
+        made.emplace_back(c, t);
+      } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier, access)) {
+        reserved = false;  // wait for the room being made
+      } else {
+        reserved = absl::Status(p.status().code(),
+                                absl::StrCat("chunk ", c->id, ": ", p.status().message()));
+      }
+      if (!p.ok()) break;
+    }
+    if (!reserved.ok() || !*reserved) break;
+  }
+  if (!reserved.ok()) {
+    for (auto [c, t] : made) DropCopy(*c, t);  // space only: nothing had arrived there
+  }
+  for (ChunkMeta* c : chunks) Unpin(*c);
+  return reserved;
+}
+
+bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access) {
+  const std::vector<TierKind> needs = RoomNeeded(chunk, tier, access);
+  bool coming = false;
+  bool tried = false;
+  for (TierKind t : needs) {
+    if (FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[static_cast<int>(t)] == 0) continue;
+    tried = true;
+    coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
+  }
+  if (!tried) {  // enough bytes free but not in one piece: free some more
+    for (TierKind t : needs) coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
+  }
+  return coming;
+}
+
+uint64_t ChunkService::RoomComingFor(uint32_t tenant, TierKind t) const {
+  uint64_t coming = 0;
+  for (const auto& [id, freed] : room_moves_) {
+    auto it = chunks_.find(id);
+    if (freed == t && it != chunks_.end() && it->second.tenant == tenant) {
+      coming += it->second.size;
+    }
+  }
+  return coming;
+}
+
+bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
+  const int k = static_cast<int>(t);
+  // When the tenant's quota, not the tier, is what is full, only its own copies make its room.
+  const bool own = ledger_.Headroom(tenant, t) < AlignUp(bytes, kSegmentAlignment);
+  const uint64_t free = FreeFor(tenant, t);
+  uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[k];
+  if (coming > 0 && free + coming >= bytes) return true;
+  // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
+  const bool can_write_down =
+      t == TierKind::kDevice ? device_ != nullptr : t == TierKind::kHost && nvme_ != nullptr;
+  if (!can_write_down) return coming > 0 || (!own && moves_in_flight_ > 0);
+  // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
+  // of dirty copies.
+  std::vector<ChunkMeta*> dirty;
+  for (auto& [id, c] : chunks_) {
+    if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !c.resident.contains(t) ||
+        CleanIn(c, t) || (own && c.tenant != tenant)) {
+      continue;
+    }
+    dirty.push_back(&c);
+  }
+  std::sort(dirty.begin(), dirty.end(),
+            [](const ChunkMeta* a, const ChunkMeta* b) { return a->last_use < b->last_use; });
+  bool started = false;  // at least one, in case the free bytes are there but not in one piece
+  bool below = false;    // room is being made in the tier below for these to go to
+  for (ChunkMeta* c : dirty) {
+    if (started && free + coming >= bytes) break;
+    auto batch = std::make_shared<Batch>();
+    if (t == TierKind::kDevice) {
+      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
+    } else {
+      StartWrite(*c, batch, /*keep_source=*/false);
+    }
+    batch->Done(absl::OkStatus());
+    if (c->state != ChunkState::kMoving) {
+      // No room below it either: the host's own dirty copies go down to NVMe first, and the
+      // waiter tries again when they have.
+      if (t == TierKind::kDevice && !below) below = MakeRoomIn(TierKind::kHost, c->size, c->tenant);
+      continue;
+    }
+    room_moves_[c->id] = t;
+    room_coming_[k] += c->size;
+    coming += c->size;
+    started = true;
+  }
+  // Moves in flight end as copies that can be dropped or written down, or free what they leave
+  // (other tenants' moves free nothing under this one's quota).
+  return coming > 0 || (!own && moves_in_flight_ > 0) || below;
+}
+
+void ChunkService::RoomMoveDone(ChunkId id) {
+  auto it = room_moves_.find(id);
+  if (it == room_moves_.end()) return;
+  uint64_t& coming = room_coming_[static_cast<int>(it->second)];
+  coming -= std::min(coming, chunks_.at(id).size);
+  room_moves_.erase(it);
+}
+
+void ChunkService::RetryQueuedFetches() {
+  while (!queued_fetches_.empty()) {
+    const QueuedFetch q = queued_fetches_.front();
+    auto it = chunks_.find(q.id);
+    auto w = waiters_.find(q.id);
+    const bool waited_for = w != waiters_.end() &&
+                            std::any_of(w->second.begin(), w->second.end(), [&](const Waiter& x) {
+                              return x.tier == q.tier && !x.evict_keep_source;
+                            });
+    // Gone, given up on, or on its way by another move (whose end wakes its waiters).
+    if (it == chunks_.end() || !waited_for || it->second.state != ChunkState::kReady ||
+        it->second.resident.contains(q.tier)) {
+      queued_fetches_.pop_front();
+      continue;
+    }
+    absl::Status s = StartFetch(it->second, q.tier, q.deadline);
+    if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
+    queued_fetches_.pop_front();
+    if (!s.ok()) FailWaiters(q.id, q.tier, s);
+  }
+}
+
+}  // namespace tierd::daemon

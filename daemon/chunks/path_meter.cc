@@ -1,0 +1,109 @@
+#include "daemon/chunks/path_meter.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace tierd::daemon {
+
+PathMeter::PathMeter() {
+  meters_[static_cast<int>(Path::kNvmeToHost)].bytes_per_second = 2e9;
+  meters_[static_cast<int>(Path::kHostToNvme)].bytes_per_second = 1.5e9;
+  meters_[static_cast<int>(Path::kHostToDevice)].bytes_per_second = 20e9;
+  meters_[static_cast<int>(Path::kDeviceToHost)].bytes_per_second = 20e9;
+}
+
+void PathMeter::Started(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  Meter& m = meters_[static_cast<int>(path)];
+  if (m.in_flight++ == 0) {
+    m.window_start = now;
+    m.window_bytes = 0;
+  }
+  m.queued_bytes += bytes;
+  m.started[id] = now;
+}
+
+void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  Meter& m = meters_[static_cast<int>(path)];
+  m.queued_bytes -= std::min(m.queued_bytes, bytes);
+  m.window_bytes += bytes;
+  m.bytes_total += bytes;
+  ++m.moves_total;
+  m.in_flight = std::max(m.in_flight - 1, 0);
+  // How long one move took (the transfer-latency histogram) and, per byte, latency and queueing
+  // included: mean and mean deviation, as TCP estimates round trips (plans use mean + 4
+  // deviations).
+  double took = -1;
+  if (auto started = m.started.find(id); started != m.started.end()) {
+    took = absl::ToDoubleSeconds(now - started->second);
+    m.started.erase(started);
+  }
+  if (took >= 0) transfer_seconds_[static_cast<int>(path)].Observe(took);
+  if (took >= 0 && bytes > 0) {
+    const double sample = took / static_cast<double>(bytes);
+    if (m.move_seconds_per_byte == 0) {
+      m.move_seconds_per_byte = sample;
+      m.move_deviation_per_byte = sample / 2;
+    } else {
+      m.move_deviation_per_byte =
+          0.75 * m.move_deviation_per_byte + 0.25 * std::abs(sample - m.move_seconds_per_byte);
+      m.move_seconds_per_byte = 0.875 * m.move_seconds_per_byte + 0.125 * sample;
+    }
+  }
+  // A sample per busy period, or every 20 ms of a long one; short ones say more about latency.
+  const absl::Duration busy = now - m.window_start;
+  if ((m.in_flight == 0 && busy >= absl::Milliseconds(1)) || busy >= absl::Milliseconds(20)) {
+    const double sample = static_cast<double>(m.window_bytes) / absl::ToDoubleSeconds(busy);
+    m.bytes_per_second = m.measured ? 0.7 * m.bytes_per_second + 0.3 * sample : sample;
+    m.measured = true;
+    m.window_start = now;
+    m.window_bytes = 0;
+  }
+}
+
+void PathMeter::Forget(ChunkId id) {
+  absl::MutexLock lock(&mu_);
+  for (Meter& m : meters_) m.started.erase(id);
+}
+
+void PathMeter::Seed(const std::array<double, kPaths>& bytes_per_second) {
+  absl::MutexLock lock(&mu_);
+  for (int p = 0; p < kPaths; ++p) {
+    if (bytes_per_second[p] <= 0) continue;
+    meters_[p].probed = bytes_per_second[p];
+    meters_[p].bytes_per_second = bytes_per_second[p];
+    meters_[p].measured = true;
+  }
+}
+
+std::array<PathStatus, kPaths> PathMeter::Status() const {
+  absl::MutexLock lock(&mu_);
+  std::array<PathStatus, kPaths> out;
+  for (int p = 0; p < kPaths; ++p) {
+    const Meter& m = meters_[p];
+    out[p] = PathStatus{.path = static_cast<Path>(p),
+                        .bytes = m.bytes_total,
+                        .moves = m.moves_total,
+                        .bytes_per_second = m.bytes_per_second,
+                        .measured = m.measured,
+                        .probed_bytes_per_second = m.probed};
+  }
+  return out;
+}
+
+std::array<PathLoad, kPaths> PathMeter::Load() const {
+  absl::MutexLock lock(&mu_);
+  std::array<PathLoad, kPaths> out;
+  for (int p = 0; p < kPaths; ++p) {
+    const Meter& m = meters_[p];
+    out[p] =
+        PathLoad{.bytes_per_second = m.bytes_per_second,
+                 .queued_bytes = m.queued_bytes,
+                 .in_flight = m.in_flight,
+                 .slow_seconds_per_byte = m.move_seconds_per_byte + 4 * m.move_deviation_per_byte};
+  }
+  return out;
+}
+
+}  // namespace tierd::daemon

@@ -1,0 +1,90 @@
+// What moves on each path between the tiers (NVMe -> host, host -> NVMe, host -> device,
+// device -> host): bytes and moves since start-up, the bandwidth measured over the time the path
+// was busy, and how long one move takes per byte. The planner reads the estimates; the metrics
+// endpoint reads the totals and the transfer-latency histogram.
+//
+// Thread-safe, with a lock of its own that is taken last (after ChunkService's).
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/planner/planner.h"
+#include "daemon/tiers/tier.h"
+#include "daemon/util/metrics.h"
+
+namespace tierd::daemon {
+
+// What has moved on one path since start-up, and the estimate of its bandwidth.
+struct PathStatus {
+  Path path = Path::kNvmeToHost;
+  uint64_t bytes = 0;
+  uint64_t moves = 0;
+  double bytes_per_second = 0;
+  bool measured = false;
+  double probed_bytes_per_second = 0;  // what the start-up probe measured (0: not probed)
+};
+
+// A path's load now, and what one move on it is expected to take.
+struct PathLoad {
+  double bytes_per_second = 0;
+  uint64_t queued_bytes = 0;  // of the moves in flight
+  int in_flight = 0;
+  // One move's duration over its size, latency and queueing included, on the long side (mean + 4
+  // mean deviations); 0 until a move has settled.
+  double slow_seconds_per_byte = 0;
+};
+
+class PathMeter {
+ public:
+  // The first guesses (a datacenter NVMe drive, a PCIe 4.0 x16 link) stand until the start-up
+  // probe (Seed) or the first moves on a path replace them.
+  PathMeter();
+
+  // A move of `bytes` of chunk `id` started on `path` at `now`, or settled there. A chunk has at
+  // most one move in flight on each path.
+  void Started(Path path, ChunkId id, uint64_t bytes, absl::Time now);
+  void Done(Path path, ChunkId id, uint64_t bytes, absl::Time now);
+  // The chunk is gone: forgets a start whose move will never be reported done.
+  void Forget(ChunkId id);
+  // The start-up probe's figures (0: not probed) become the estimates.
+  void Seed(const std::array<double, kPaths>& bytes_per_second);
+
+  std::array<PathStatus, kPaths> Status() const;
+  std::array<PathLoad, kPaths> Load() const;
+  // How long each move took, start to settle (the daemon's transfer latency).
+  metrics::Histogram::Snapshot transfer_seconds(Path path) const {
+    return transfer_seconds_[static_cast<int>(path)].Read();
+  }
+
+ private:
+  struct Meter {
+    int in_flight = 0;
+    uint64_t queued_bytes = 0;
+    absl::Time window_start;
+    uint64_t window_bytes = 0;
+    double bytes_per_second = 0;  // the estimate
+    bool measured = false;
+    double probed = 0;
+    double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
+    double move_deviation_per_byte = 0;
+    uint64_t bytes_total = 0;
+    uint64_t moves_total = 0;
+    absl::flat_hash_map<ChunkId, absl::Time> started;
+  };
+
+  mutable absl::Mutex mu_;
+  std::array<Meter, kPaths> meters_ ABSL_GUARDED_BY(mu_);
+  // 100 us to 13 s, doubling.
+  std::array<metrics::Histogram, kPaths> transfer_seconds_{
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
+};
+
+}  // namespace tierd::daemon
