@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config ccache clang libclang-rt-14-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev liburing-dev libtomlplusplus-dev
-  libxxhash-dev libsystemd-dev libcivetweb-dev libdlpack-dev prometheus systemd
+  libxxhash-dev libsystemd-dev libcivetweb-dev libdlpack-dev prometheus-cpp-dev prometheus systemd
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-pytest python3-torch python3-numpy python3-yaml python3-tqdm
   fio patchelf

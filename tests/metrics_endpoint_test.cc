@@ -148,8 +148,8 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
   EXPECT_GE(s["tierd_nvme_read_bytes_total{region=\"" + region + "\"}"], mib4);
   EXPECT_EQ(s["tierd_sessions"], 1);
   EXPECT_GE(s["tierd_chunks{state=\"ready\"}"] + s["tierd_chunks{state=\"moving\"}"], kChunks);
-  EXPECT_EQ(s["tierd_requests_total{op=\"Free\",code=\"NOT_FOUND\"}"], 1);
-  EXPECT_EQ(s["tierd_requests_total{op=\"Allocate\",code=\"OK\"}"], 1);
+  EXPECT_EQ(s["tierd_requests_total{code=\"NOT_FOUND\",op=\"Free\"}"], 1);
+  EXPECT_EQ(s["tierd_requests_total{code=\"OK\",op=\"Allocate\"}"], 1);
   EXPECT_GE(s["tierd_request_seconds_count{op=\"Acquire\"}"], 1);
   EXPECT_EQ(s["tierd_tier_capacity_bytes{tier=\"host\"}"], 64 << 20);
   EXPECT_NE(r.body.find("\ntierd_build_info{version=\""), std::string::npos);

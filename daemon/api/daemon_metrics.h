@@ -5,10 +5,14 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
+#include <vector>
 
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "daemon/util/metrics.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 
 namespace tierd::daemon {
 
@@ -18,12 +22,18 @@ class NvmeTier;
 class SessionRegistry;
 struct DeviceProbe;
 
-// Counted by the gRPC server for every request (daemon/api/rpc_server.cc).
-struct RpcMetrics {
+// Counted by the gRPC server for every request (daemon/api/rpc_server.cc): tierd_requests_total
+// by operation and status code, tierd_request_seconds by operation. Thread-safe.
+class RpcMetrics {
+ public:
+  RpcMetrics();
   void Record(absl::string_view op, int grpc_code, absl::Duration took);
-  metrics::CounterMap requests;  // op, code
-  // 25 us to 0.8 s, doubling.
-  metrics::HistogramMap seconds{metrics::ExponentialBuckets(25e-6, 2, 16)};  // op
+  std::vector<prometheus::MetricFamily> Collect() const { return registry_.Collect(); }
+
+ private:
+  prometheus::Registry registry_;
+  prometheus::Family<prometheus::Counter>& requests_;   // op, code
+  prometheus::Family<prometheus::Histogram>& seconds_;  // op
 };
 
 struct MetricsSources {

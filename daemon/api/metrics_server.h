@@ -1,6 +1,7 @@
 // The daemon's /metrics endpoint: a small HTTP server (civetweb, the server prometheus-cpp's pull
-// exposer is built on) that answers GET /metrics with the text exposition `collect` renders at
-// that moment. One endpoint per node, for all sessions; loopback by default.
+// exposer is built on) that answers GET and HEAD /metrics with the text exposition `collect`
+// renders at that moment (prometheus-cpp's serializer; docs/dependencies.md says why not its
+// exposer). One endpoint per node, for all sessions; loopback by default.
 #pragma once
 
 #include <functional>

@@ -245,12 +245,12 @@ class ChunkService {
   size_t chunk_count() const;
   NodeStats node_stats() const;
   // How long each move took, start to settle, by path (the daemon's transfer latency).
-  metrics::Histogram::Snapshot transfer_seconds(Path path) const {
+  prometheus::ClientMetric transfer_seconds(Path path) const {
     return meter_.transfer_seconds(path);
   }
   // How long acquisitions whose chunk was not in place waited for it to arrive, by tier.
-  metrics::Histogram::Snapshot acquire_wait_seconds(TierKind tier) const {
-    return acquire_wait_seconds_[static_cast<int>(tier)].Read();
+  prometheus::ClientMetric acquire_wait_seconds(TierKind tier) const {
+    return acquire_wait_seconds_[static_cast<int>(tier)].Collect();
   }
   Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
 
@@ -530,11 +530,11 @@ class ChunkService {
   PathMeter meter_;                           // thread-safe; its lock is taken after mu_
   SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
   // 10 us to 21 s, doubling.
-  std::array<metrics::Histogram, kTierKinds> acquire_wait_seconds_{
-      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
+  std::array<prometheus::Histogram, kTierKinds> acquire_wait_seconds_{
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
   // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
   // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.
   struct QueuedFetch {

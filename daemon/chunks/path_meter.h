@@ -57,8 +57,8 @@ class PathMeter {
   std::array<PathStatus, kPaths> Status() const;
   std::array<PathLoad, kPaths> Load() const;
   // How long each move took, start to settle (the daemon's transfer latency).
-  metrics::Histogram::Snapshot transfer_seconds(Path path) const {
-    return transfer_seconds_[static_cast<int>(path)].Read();
+  prometheus::ClientMetric transfer_seconds(Path path) const {
+    return transfer_seconds_[static_cast<int>(path)].Collect();
   }
 
  private:
@@ -80,11 +80,11 @@ class PathMeter {
   mutable absl::Mutex mu_;
   std::array<Meter, kPaths> meters_ ABSL_GUARDED_BY(mu_);
   // 100 us to 13 s, doubling.
-  std::array<metrics::Histogram, kPaths> transfer_seconds_{
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      metrics::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
+  std::array<prometheus::Histogram, kPaths> transfer_seconds_{
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
+      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
 };
 
 }  // namespace tierd::daemon

@@ -6,8 +6,8 @@
 #
 # The binaries keep the build tree's relative layout (the tests find the daemon by it), stripped of
 # debug information. Every shared library they load comes along in lib/ — Debian's own gRPC,
-# protobuf, abseil, spdlog, fmt, liburing, civetweb, toml++, xxhash and their dependencies — except
-# glibc, libstdc++ and libgcc_s, which the host provides. RUNPATHs are $ORIGIN-relative, so the
+# protobuf, abseil, spdlog, fmt, liburing, civetweb, prometheus-cpp, toml++, xxhash and their
+# dependencies — except glibc, libstdc++ and libgcc_s, which the host provides. RUNPATHs are $ORIGIN-relative, so the
 # unpacked kit works from any folder.
 set -euo pipefail
 build=$(cd "$1" && pwd)
