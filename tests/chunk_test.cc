@@ -18,8 +18,10 @@ ChunkMeta HostChunk() {
 TEST(ChunkStateTest, ReadyResidentChunkCanBePinnedAndUnpinned) {
   ChunkMeta c = HostChunk();
   ASSERT_TRUE(CheckPin(c, TierKind::kHost).ok());
-  Pin(c, TierKind::kHost, Access::kRead);
-  Pin(c, TierKind::kHost, Access::kRead);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kRead);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kRead);
   EXPECT_EQ(c.pins, 2u);
   Unpin(c);
   Unpin(c);
@@ -37,20 +39,23 @@ TEST(ChunkStateTest, WriteAboveTheHomeTierMarksThatCopyDirty) {
   ChunkMeta c = HostChunk();
   c.home = TierKind::kNvme;
   c.resident.insert(TierKind::kNvme);
-  Pin(c, TierKind::kHost, Access::kWrite);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kWrite);
   EXPECT_TRUE(c.dirty.contains(TierKind::kHost));
   EXPECT_FALSE(c.dirty.contains(TierKind::kNvme));
 }
 
 TEST(ChunkStateTest, WriteToTheHomeCopyIsNotDirty) {
   ChunkMeta c = HostChunk();
-  Pin(c, TierKind::kHost, Access::kWrite);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kWrite);
   EXPECT_TRUE(c.dirty.empty());
 }
 
 TEST(ChunkStateTest, FreeWhilePinnedIsRefused) {
   ChunkMeta c = HostChunk();
-  Pin(c, TierKind::kHost, Access::kRead);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kRead);
   absl::Status s = CheckFreeable(c);
   EXPECT_TRUE(absl::IsFailedPrecondition(s));
   EXPECT_NE(s.message().find("acquired"), std::string::npos);
@@ -102,7 +107,8 @@ TEST(ChunkStateTest, WriteMakesTheAcquiredCopyTheOnlyValidOne) {
   c.home = TierKind::kNvme;
   c.resident.insert(TierKind::kNvme);
   c.resident.insert(TierKind::kHost);
-  Pin(c, TierKind::kHost, Access::kWrite);
+  Hold(c);
+  ApplyAccess(c, TierKind::kHost, Access::kWrite);
   EXPECT_TRUE(c.resident.contains(TierKind::kHost));
   EXPECT_FALSE(c.resident.contains(TierKind::kNvme));  // stale from now on
   Unpin(c);

@@ -861,14 +861,14 @@ TEST_F(NvmeServiceTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInstallsT
   const SessionStats stats = service_->session_stats(*session_);
   EXPECT_FALSE(stats.tracing);
   EXPECT_EQ(stats.schedule_steps, 3u);
-  EXPECT_TRUE(service_->has_schedules());
   // Both at once is refused; clearing ends it all.
   ScheduleRequest both;
   both.trace_steps = 2;
   both.steps = {{ScheduledAccess{ids[0], TierKind::kHost, Access::kRead}}};
   EXPECT_TRUE(absl::IsInvalidArgument(service_->SetSchedule(*session_, both)));
   ASSERT_TRUE(service_->SetSchedule(*session_, {}).ok());
-  EXPECT_FALSE(service_->has_schedules());
+  EXPECT_TRUE(service_->schedule(*session_).empty());
+  EXPECT_EQ(service_->session_stats(*session_).schedule_steps, 0u);
 }
 
 TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {

@@ -20,12 +20,6 @@ absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier) {
   return absl::OkStatus();
 }
 
-void Pin(ChunkMeta& chunk, TierKind tier, Access access) {
-  assert(CheckPin(chunk, tier).ok());
-  Hold(chunk);
-  ApplyAccess(chunk, tier, access);
-}
-
 void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
 
 void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {

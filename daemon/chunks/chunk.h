@@ -54,8 +54,6 @@ static_assert(sizeof(ChunkMeta) <= 256, "ChunkMeta must stay within 256 bytes pe
 
 // Acquire(tier, access): the chunk must be resident there and not being moved.
 absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier);
-// REQUIRES: CheckPin(chunk, tier) is OK. Hold, then ApplyAccess.
-void Pin(ChunkMeta& chunk, TierKind tier, Access access);
 // Counts a pin: the chunk is neither freed nor dropped from a tier nor moved out from under it.
 // A pin taken while the chunk is still on its way to the tier holds it there once it arrives.
 void Hold(ChunkMeta& chunk);

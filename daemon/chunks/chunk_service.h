@@ -241,7 +241,6 @@ class ChunkService {
   // (daemon/planner/planner.h, without holding the service's lock) and starts the moves that still
   // make sense. Returns how many it started.
   size_t PlanRound(absl::Time now);
-  bool has_schedules() const;
   size_t chunk_count() const;
   NodeStats node_stats() const;
   // How long each move took, start to settle, by path (the daemon's transfer latency).

@@ -180,11 +180,6 @@ void ChunkService::FinishTrace(SessionState& state, const Session& session) {
   InstallSchedule(state, session, std::move(t.recorded), t.quota, size);
 }
 
-bool ChunkService::has_schedules() const {
-  absl::MutexLock lock(&mu_);
-  return schedules_ > 0;
-}
-
 void ChunkService::UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now) {
   if (cursor == state.cursor) return;
   // The cursor's pace gives the step times: the time since the last advance, spread over the
