@@ -146,6 +146,12 @@ class ChunkService {
   // `device` is the GPU (or emulated one) behind tiers[kDevice], or null.
   explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr,
                         Device* device = nullptr);
+  // Waits (WaitForIdle) until the tiers have let go of every callback handed to them: the last
+  // one's release touches the service. REQUIRES: the tiers outlive the service and run what they
+  // were handed.
+  ~ChunkService();
+  ChunkService(const ChunkService&) = delete;
+  ChunkService& operator=(const ChunkService&) = delete;
 
   // Re-creates the persistent chunks found in the NVMe index at start-up (detached, resident on
   // NVMe). Returns how many were recovered; those whose current version was in memory when the

@@ -37,6 +37,8 @@ std::shared_ptr<void> ChunkService::BeginTierOp() {
   });
 }
 
+ChunkService::~ChunkService() { WaitForIdle(); }
+
 void ChunkService::WaitForIdle() {
   absl::MutexLock lock(&ops_mu_);
   ops_mu_.Await(absl::Condition(
