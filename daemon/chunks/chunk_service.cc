@@ -43,8 +43,9 @@ absl::Status ValidateChunkName(absl::string_view name) {
   return absl::OkStatus();
 }
 
-ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, Device* device)
-    : tiers_(tiers), nvme_(nvme), device_(device) {
+ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, Device* device,
+                           const Clock& clock)
+    : tiers_(tiers), nvme_(nvme), device_(device), clock_(clock) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
@@ -286,8 +287,8 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   absl::MutexLock lock(&mu_);
   // When a tier the chunks must come into is full of copies that exist nowhere else, this waits
   // (the lock released) while the oldest of them are written down, then validates again.
-  const absl::Time arrived = absl::Now();
-  const absl::Time give_up = arrived + absl::Minutes(1);
+  const absl::Time arrived = clock_.Now();
+  const absl::Time give_up = absl::Now() + absl::Minutes(1);  // real time: a condition wait
   absl::StatusOr<std::vector<ChunkMeta*>> chunks;
   bool all_ready;
   bool waited_for_room = false;
@@ -347,7 +348,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   result.locations.reserve(ids.size());
   SessionState& state = StateOf(session);
   if (waited_for_room) {
-    const absl::Duration stalled = absl::Now() - arrived;
+    const absl::Duration stalled = clock_.Now() - arrived;
     state.stats.stall[static_cast<int>(tier)] += stalled;
     totals_.stall[static_cast<int>(tier)] += stalled;
   }
@@ -358,7 +359,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     const bool ready = CheckPin(*chunk, tier).ok();
     ++(ready ? state.stats.ready : state.stats.waited);
     ++(ready ? totals_.ready : totals_.waited);
-    BringIn(*chunk, tier, batch, session.id, access, absl::Now());
+    BringIn(*chunk, tier, batch, session.id, access, clock_.Now());
     // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
     // move it joined.
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
@@ -421,7 +422,7 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
-  const absl::Time due = PrefetchDeadline(absl::Now(), priority);
+  const absl::Time due = PrefetchDeadline(clock_.Now(), priority);
   for (ChunkMeta* chunk : *chunks) {
     // A chunk on its way anywhere is waited for, then fetched if it did not land in `tier`.
     BringIn(*chunk, tier, *batch, session.id, std::nullopt, due);
@@ -507,7 +508,7 @@ void ChunkService::EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
     // On its way somewhere (a planner write-back, a fetch): evicted once the move settles.
     batch->Add();
     waiters_[chunk.id].push_back(
-        Waiter{batch, session, tier, std::nullopt, absl::Now(), keep_source});
+        Waiter{batch, session, tier, std::nullopt, clock_.Now(), keep_source});
     return;
   }
   EvictSettled(chunk, tier, keep_source, batch);

@@ -39,6 +39,7 @@
 #include "daemon/planner/planner.h"
 #include "daemon/tiers/nvme_index.h"
 #include "daemon/tiers/tier.h"
+#include "daemon/util/clock.h"
 #include "daemon/util/metrics.h"
 
 namespace tierd::daemon {
@@ -144,8 +145,9 @@ class ChunkService {
   // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
   // `nvme` is the NVMe tier's data path (also tiers[kNvme]), or null.
   // `device` is the GPU (or emulated one) behind tiers[kDevice], or null.
+  // `clock` is what step times, stalls and move durations are measured with.
   explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr,
-                        Device* device = nullptr);
+                        Device* device = nullptr, const Clock& clock = Clock::Real());
   // Waits (WaitForIdle) until the tiers have let go of every callback handed to them: the last
   // one's release touches the service. REQUIRES: the tiers outlive the service and run what they
   // were handed.
@@ -521,6 +523,7 @@ class ChunkService {
   const std::array<Tier*, kTierKinds> tiers_;
   NvmeTier* const nvme_;
   Device* const device_;
+  const Clock& clock_;
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkId next_id_ ABSL_GUARDED_BY(mu_) = 1;

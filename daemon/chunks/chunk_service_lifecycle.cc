@@ -161,7 +161,7 @@ size_t ChunkService::WriteDownForStop() {
       "stopping: writing {} persistent chunks ({}) whose current version is in memory "
       "to NVMe",
       ids.size(), FormatSize(bytes));
-  const absl::Time start = absl::Now();
+  const absl::Time start = clock_.Now();
   batch->Done(absl::OkStatus());
   written.WaitForNotification();
   absl::MutexLock lock(&mu_);
@@ -181,7 +181,7 @@ size_t ChunkService::WriteDownForStop() {
                   failed, ids.size(), std::min(failed, kNamed), batch->Status().message());
   } else {
     spdlog::info("stopping: {} persistent chunks written to NVMe in {:.2f} s", ids.size(),
-                 absl::ToDoubleSeconds(absl::Now() - start));
+                 absl::ToDoubleSeconds(clock_.Now() - start));
   }
   return failed;
 }

@@ -27,7 +27,7 @@
 namespace tierd::daemon {
 
 void ChunkService::MoveStarted(Path path, const ChunkMeta& chunk) {
-  meter_.Started(path, chunk.id, chunk.size, absl::Now());
+  meter_.Started(path, chunk.id, chunk.size, clock_.Now());
 }
 
 void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
@@ -37,7 +37,7 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
     state.moved[static_cast<int>(path)] += chunk.size;
     if (!state.job.empty()) jobs_[state.job].moved[static_cast<int>(path)] += chunk.size;
   }
-  meter_.Done(path, chunk.id, chunk.size, absl::Now());
+  meter_.Done(path, chunk.id, chunk.size, clock_.Now());
 }
 
 void ChunkService::DropCopy(ChunkMeta& chunk, TierKind tier) {
@@ -118,7 +118,7 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
     return;
   }
   batch->Add();
-  waiters_[chunk.id].push_back(Waiter{batch, session, tier, pin, absl::Now()});
+  waiters_[chunk.id].push_back(Waiter{batch, session, tier, pin, clock_.Now()});
   if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
   // An Acquire's space was reserved up front (its location is final); other requests may queue
   // for room.
@@ -139,7 +139,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
   if (it == waiters_.end()) return;
   std::vector<Waiter> waiting = std::move(it->second);
   waiters_.erase(it);
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_.Now();
   for (Waiter& w : waiting) {
     if (w.evict_keep_source) {
       if (chunk.state == ChunkState::kMoving) {  // an earlier waiter started a move
@@ -553,7 +553,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
                          batch->Done(s);
                        }));
       }),
-      OrderFor(chunk, absl::Now()), /*durable=*/chunk.persistent);
+      OrderFor(chunk, clock_.Now()), /*durable=*/chunk.persistent);
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,

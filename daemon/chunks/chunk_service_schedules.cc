@@ -117,7 +117,7 @@ void ChunkService::InstallSchedule(SessionState& state, const Session& session,
   state.step_mean.assign(n, absl::ZeroDuration());
   state.step_deviation.assign(n, absl::ZeroDuration());
   state.cursor = session.completions->cursor();
-  state.step_started = absl::Now();
+  state.step_started = clock_.Now();
   state.stats.schedule_steps = static_cast<uint32_t>(n);
 }
 

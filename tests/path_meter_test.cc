@@ -1,0 +1,81 @@
+// PathMeter: the bandwidth and move-latency estimates the planner plans with, measured from moves
+// at times the test chooses (the clock seam: daemon/util/clock.h).
+#include "daemon/chunks/path_meter.h"
+
+#include "daemon/util/clock.h"
+#include "gtest/gtest.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+TEST(PathMeterTest, StartsFromItsGuessesAndTheProbeReplacesThem) {
+  PathMeter meter;
+  const auto before = meter.Status();
+  EXPECT_FALSE(before[static_cast<int>(Path::kNvmeToHost)].measured);
+  EXPECT_GT(before[static_cast<int>(Path::kNvmeToHost)].bytes_per_second, 0);
+  meter.Seed({3e9, 0, 0, 0});
+  const auto after = meter.Status();
+  EXPECT_EQ(after[static_cast<int>(Path::kNvmeToHost)].bytes_per_second, 3e9);
+  EXPECT_EQ(after[static_cast<int>(Path::kNvmeToHost)].probed_bytes_per_second, 3e9);
+  EXPECT_TRUE(after[static_cast<int>(Path::kNvmeToHost)].measured);
+  // A path the probe did not measure keeps its guess.
+  EXPECT_EQ(after[static_cast<int>(Path::kHostToNvme)].bytes_per_second,
+            before[static_cast<int>(Path::kHostToNvme)].bytes_per_second);
+}
+
+TEST(PathMeterTest, ABusyPeriodMeasuresBytesOverTheTimeThePathWasBusy) {
+  FakeClock clock;
+  PathMeter meter;
+  // Two 8 MiB moves overlapping on one path over 10 ms: 16 MiB in 10 ms.
+  meter.Started(Path::kHostToNvme, 1, 8 * kMiB, clock.Now());
+  meter.Started(Path::kHostToNvme, 2, 8 * kMiB, clock.Now());
+  EXPECT_EQ(meter.Load()[static_cast<int>(Path::kHostToNvme)].in_flight, 2);
+  EXPECT_EQ(meter.Load()[static_cast<int>(Path::kHostToNvme)].queued_bytes, 16 * kMiB);
+  clock.Advance(absl::Milliseconds(5));
+  meter.Done(Path::kHostToNvme, 1, 8 * kMiB, clock.Now());
+  clock.Advance(absl::Milliseconds(5));
+  meter.Done(Path::kHostToNvme, 2, 8 * kMiB, clock.Now());
+  const PathStatus s = meter.Status()[static_cast<int>(Path::kHostToNvme)];
+  EXPECT_TRUE(s.measured);
+  EXPECT_DOUBLE_EQ(s.bytes_per_second, 16.0 * kMiB / 0.010);
+  EXPECT_EQ(s.bytes, 16 * kMiB);
+  EXPECT_EQ(s.moves, 2u);
+  const PathLoad load = meter.Load()[static_cast<int>(Path::kHostToNvme)];
+  EXPECT_EQ(load.in_flight, 0);
+  EXPECT_EQ(load.queued_bytes, 0u);
+  // The slow estimate of one move is above the mean it has seen (5 ms and 10 ms per 8 MiB).
+  EXPECT_GT(load.slow_seconds_per_byte, 0.005 / (8.0 * kMiB));
+  const prometheus::ClientMetric h = meter.transfer_seconds(Path::kHostToNvme);
+  EXPECT_EQ(h.histogram.sample_count, 2u);
+  EXPECT_NEAR(h.histogram.sample_sum, 0.015, 1e-9);
+}
+
+// A chunk streamed NVMe -> host -> device moves on two paths at once: each path times its own.
+TEST(PathMeterTest, OneChunkMovingOnTwoPathsIsTimedOnEach) {
+  FakeClock clock;
+  PathMeter meter;
+  meter.Started(Path::kNvmeToHost, 7, kMiB, clock.Now());
+  clock.Advance(absl::Milliseconds(1));
+  meter.Started(Path::kHostToDevice, 7, kMiB, clock.Now());
+  clock.Advance(absl::Milliseconds(3));
+  meter.Done(Path::kNvmeToHost, 7, kMiB, clock.Now());
+  meter.Done(Path::kHostToDevice, 7, kMiB, clock.Now());
+  EXPECT_NEAR(meter.transfer_seconds(Path::kNvmeToHost).histogram.sample_sum, 0.004, 1e-9);
+  EXPECT_NEAR(meter.transfer_seconds(Path::kHostToDevice).histogram.sample_sum, 0.003, 1e-9);
+}
+
+TEST(PathMeterTest, AForgottenChunksMoveIsNotTimed) {
+  FakeClock clock;
+  PathMeter meter;
+  meter.Started(Path::kDeviceToHost, 3, kMiB, clock.Now());
+  meter.Forget(3);
+  clock.Advance(absl::Seconds(1));
+  meter.Done(Path::kDeviceToHost, 3, kMiB, clock.Now());
+  EXPECT_EQ(meter.transfer_seconds(Path::kDeviceToHost).histogram.sample_count, 0u);
+  EXPECT_EQ(meter.Status()[static_cast<int>(Path::kDeviceToHost)].moves, 1u);
+}
+
+}  // namespace
+}  // namespace tierd::daemon
