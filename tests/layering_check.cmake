@@ -12,7 +12,7 @@ execute_process(COMMAND ${COMPILER} -std=c++20 -fsyntax-only ${flags} ${source}
 if(rc EQUAL 0)
   message(FATAL_ERROR "the ${LAYER} layer can include ${HEADER}, a header of a layer above it")
 endif()
-if(NOT err MATCHES "No such file")
+if(NOT err MATCHES "No such file|file not found")  # GCC, clang
   message(FATAL_ERROR "compiling an include of ${HEADER} failed for another reason:\n${err}")
 endif()
 message(STATUS "the ${LAYER} layer cannot include ${HEADER}")
