@@ -2,16 +2,19 @@
 
 #include <pwd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <variant>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/sizes.h"
+#include "daemon/config_keys.h"
 #include "toml++/toml.h"
 
 namespace tierd::daemon {
@@ -120,45 +123,6 @@ absl::StatusOr<uint64_t> GetSize(absl::string_view source, const toml::node& nod
   return KeyError(source, node, key, "must be a size: bytes, or a string such as \"64MiB\"");
 }
 
-absl::StatusOr<uint64_t> GetCount(absl::string_view source, const toml::node& node,
-                                  absl::string_view key, uint64_t max) {
-  const auto* i = node.as_integer();
-  if (i == nullptr || i->get() < 1 || static_cast<uint64_t>(i->get()) > max) {
-    return KeyError(source, node, key, absl::StrCat("must be an integer from 1 to ", max));
-  }
-  return static_cast<uint64_t>(i->get());
-}
-
-absl::Status ApplyLimit(absl::string_view source, const toml::node& node, const std::string& key,
-                        Limits* limits) {
-  struct Key {
-    const char* name;
-    uint64_t max;
-    uint64_t* wide;
-    uint32_t* narrow;
-  };
-  const Key keys[] = {
-      {"limits.connections_per_uid", 1'000'000, nullptr, &limits->connections_per_uid},
-      {"limits.sessions_per_uid", 1'000'000, nullptr, &limits->sessions_per_uid},
-      {"limits.chunks_per_session", 100'000'000, &limits->chunks_per_session, nullptr},
-      {"limits.chunks_per_uid", 100'000'000, &limits->chunks_per_uid, nullptr},
-      {"limits.schedule_accesses_per_session", 100'000'000, &limits->schedule_accesses_per_session,
-       nullptr},
-      {"limits.schedule_accesses_per_uid", 100'000'000, &limits->schedule_accesses_per_uid,
-       nullptr},
-      {"limits.trace_steps", 10'000'000, nullptr, &limits->trace_steps},
-  };
-  for (const Key& k : keys) {
-    if (key != k.name) continue;
-    absl::StatusOr<uint64_t> v = GetCount(source, node, key, k.max);
-    if (!v.ok()) return v.status();
-    if (k.wide != nullptr) *k.wide = *v;
-    if (k.narrow != nullptr) *k.narrow = static_cast<uint32_t>(*v);
-    return absl::OkStatus();
-  }
-  return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
-}
-
 // quota.host / quota.device / quota.nvme, or the same keys of a user's quota: bytes, 0 for none.
 absl::StatusOr<std::pair<TierKind, uint64_t>> GetTierBytes(absl::string_view source,
                                                            const toml::node& node,
@@ -228,6 +192,67 @@ absl::Status ApplyUserQuotas(absl::string_view source, const toml::node& node,
   return absl::OkStatus();
 }
 
+// Reads `node` as the value of `key`, by the type of the field the key sets.
+absl::StatusOr<ConfigValue> ReadToml(absl::string_view source, const toml::node& node,
+                                     const ConfigKey& key) {
+  DaemonConfig scratch;  // only to learn the field's type
+  const ConfigField field = key.field(scratch);
+  const std::string name(key.key);
+  if (std::holds_alternative<bool*>(field)) {
+    if (const auto* b = node.as_boolean()) return ConfigValue(b->get());
+    return KeyError(source, node, name, "must be true or false");
+  }
+  if (std::holds_alternative<double*>(field)) {
+    if (std::optional<double> v = node.value<double>()) return ConfigValue(*v);
+    return KeyError(source, node, name, "must be a positive number");
+  }
+  if (std::holds_alternative<uint64_t*>(field) && key.bytes) {
+    absl::StatusOr<uint64_t> v = GetSize(source, node, name);
+    if (!v.ok()) return v.status();
+    return ConfigValue(*v);
+  }
+  if (std::holds_alternative<uint64_t*>(field) || std::holds_alternative<uint32_t*>(field) ||
+      std::holds_alternative<int64_t*>(field)) {
+    const auto* i = node.as_integer();
+    // A negative integer is as wrong as a string; the store's message gives the range.
+    if (i == nullptr || i->get() < 0) return ConfigValue(std::string());
+    return ConfigValue(static_cast<uint64_t>(i->get()));
+  }
+  if (std::holds_alternative<std::vector<RegionSpec>*>(field)) {
+    const toml::array* list = node.as_array();
+    if (list == nullptr) {
+      return KeyError(source, node, name,
+                      "must be an array of tables: [{ path = \"...\", size = \"800GiB\" }]");
+    }
+    std::vector<RegionSpec> regions;
+    for (const toml::node& item : *list) {
+      const toml::table* t = item.as_table();
+      if (t == nullptr || !t->contains("path")) {
+        return KeyError(source, item, name, "each region needs a path (and a size)");
+      }
+      for (auto&& [k, v] : *t) {
+        if (k.str() != "path" && k.str() != "size") {
+          return KeyError(source, v, name,
+                          absl::StrCat("unknown region key '", std::string(k.str()), "'"));
+        }
+      }
+      absl::StatusOr<std::string> path = GetString(source, *t->get("path"), name + ".path");
+      if (!path.ok()) return path.status();
+      uint64_t size = 0;
+      if (const toml::node* sz = t->get("size")) {
+        absl::StatusOr<uint64_t> v = GetSize(source, *sz, name + ".size");
+        if (!v.ok()) return v.status();
+        size = *v;
+      }
+      regions.push_back({*path, size});
+    }
+    return ConfigValue(std::move(regions));
+  }
+  absl::StatusOr<std::string> text = GetString(source, node, name);
+  if (!text.ok()) return text.status();
+  return ConfigValue(*std::move(text));
+}
+
 }  // namespace
 
 absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
@@ -241,160 +266,44 @@ absl::Status ApplyToml(absl::string_view toml_text, absl::string_view source,
                                                    e.source().begin.column, ": ",
                                                    std::string(e.description())));
   }
+  // The sections are those of the keys, in the table's order.
+  std::vector<absl::string_view> sections;
+  for (const ConfigKey& k : ConfigKeys()) {
+    if (k.key.empty()) continue;
+    const absl::string_view section = k.key.substr(0, k.key.find('.'));
+    if (std::find(sections.begin(), sections.end(), section) == sections.end()) {
+      sections.push_back(section);
+    }
+  }
   for (auto&& [section_key, section_node] : root) {
     const std::string section(section_key.str());
     const toml::table* table = section_node.as_table();
-    if (table == nullptr || (section != "daemon" && section != "host" && section != "nvme" &&
-                             section != "device" && section != "planner" && section != "metrics" &&
-                             section != "limits" && section != "quota")) {
+    if (table == nullptr ||
+        std::find(sections.begin(), sections.end(), section) == sections.end()) {
       return KeyError(source, section_node, section,
-                      "unknown section (known: [daemon], [host], [nvme], [device], [planner], "
-                      "[metrics], [limits], [quota])");
+                      absl::StrCat("unknown section (known: ",
+                                   absl::StrJoin(sections, ", ",
+                                                 [](std::string* out, absl::string_view s) {
+                                                   absl::StrAppend(out, "[", s, "]");
+                                                 }),
+                                   ")"));
     }
     for (auto&& [key_name, node] : *table) {
-      const std::string key = absl::StrCat(section, ".", std::string(key_name.str()));
-      if (key == "daemon.socket_dir") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        if (v->empty()) return KeyError(source, node, key, "must not be empty");
-        config->socket_dir = *v;
-      } else if (key == "daemon.state_dir") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        if (v->empty()) return KeyError(source, node, key, "must not be empty");
-        // The default region follows the state directory unless regions are given.
-        const bool default_region =
-            config->nvme.regions.size() == 1 &&
-            config->nvme.regions[0].path == DefaultRegion(config->state_dir).path;
-        config->state_dir = *v;
-        if (default_region) config->nvme.regions = {DefaultRegion(config->state_dir)};
-      } else if (key == "nvme.regions") {
-        const toml::array* list = node.as_array();
-        if (list == nullptr) {
-          return KeyError(source, node, key,
-                          "must be an array of tables: [{ path = \"...\", size = \"800GiB\" }]");
+      const std::string name = absl::StrCat(section, ".", std::string(key_name.str()));
+      const ConfigKey* key = FindConfigKey(name);
+      if (key == nullptr) {
+        return KeyError(source, node, name, "unknown key (see docs/configuration.md)");
+      }
+      if (std::holds_alternative<Quotas*>(key->field(*config))) {
+        if (absl::Status s = ApplyUserQuotas(source, node, name, &config->quotas); !s.ok()) {
+          return s;
         }
-        std::vector<RegionSpec> regions;
-        for (const toml::node& item : *list) {
-          const toml::table* t = item.as_table();
-          if (t == nullptr || !t->contains("path")) {
-            return KeyError(source, item, key, "each region needs a path (and a size)");
-          }
-          for (auto&& [k, v] : *t) {
-            if (k.str() != "path" && k.str() != "size") {
-              return KeyError(source, v, key,
-                              absl::StrCat("unknown region key '", std::string(k.str()), "'"));
-            }
-          }
-          absl::StatusOr<std::string> path = GetString(source, *t->get("path"), key + ".path");
-          if (!path.ok()) return path.status();
-          uint64_t size = 0;
-          if (const toml::node* sz = t->get("size")) {
-            absl::StatusOr<uint64_t> v = GetSize(source, *sz, key + ".size");
-            if (!v.ok()) return v.status();
-            size = *v;
-          }
-          regions.push_back({*path, size});
-        }
-        config->nvme.regions = std::move(regions);
-      } else if (key == "nvme.stripe_unit" || key == "nvme.io_size" || key == "nvme.index_size") {
-        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
-        if (!v.ok()) return v.status();
-        (key == "nvme.stripe_unit" ? config->nvme.stripe_unit
-         : key == "nvme.io_size"   ? config->nvme.io_size
-                                   : config->nvme.index_size) = *v;
-      } else if (key == "nvme.queue_depth") {
-        const auto* i = node.as_integer();
-        if (i == nullptr || i->get() < 1 || i->get() > 4096) {
-          return KeyError(source, node, key, "must be an integer from 1 to 4096");
-        }
-        config->nvme.queue_depth = static_cast<uint32_t>(i->get());
-      } else if (key == "nvme.io_backend") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(*v);
-        if (!kind.ok()) return KeyError(source, node, key, kind.status().message());
-        config->nvme.io_backend = *kind;
-      } else if (key == "nvme.sqpoll") {
-        const auto* b = node.as_boolean();
-        if (b == nullptr) return KeyError(source, node, key, "must be true or false");
-        config->nvme.sqpoll = b->get();
-      } else if (key == "device.backend") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        if (absl::Status st = ValidateDeviceBackend(*v); !st.ok()) {
-          return KeyError(source, node, key, st.message());
-        }
-        config->device.backend = *v;
-      } else if (key == "device.capacity" || key == "device.segment_size") {
-        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
-        if (!v.ok()) return v.status();
-        (key == "device.capacity" ? config->device.capacity : config->device.segment_size) = *v;
-      } else if (key == "device.emulated_gbps") {
-        std::optional<double> v = node.value<double>();
-        if (!v || *v <= 0) return KeyError(source, node, key, "must be a positive number");
-        config->device.emulated_gbps = *v;
-      } else if (key == "device.emulated_latency_us") {
-        const auto* i = node.as_integer();
-        if (i == nullptr || i->get() < 0) {
-          return KeyError(source, node, key, "must be a non-negative integer");
-        }
-        config->device.emulated_latency_us = i->get();
-      } else if (key == "daemon.socket_group") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        config->socket_group = *v;
-      } else if (key == "daemon.log_level") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        if (absl::Status s = ValidateLogLevel(*v); !s.ok()) {
-          return KeyError(source, node, key, s.message());
-        }
-        config->log_level = *v;
-      } else if (key == "host.capacity") {
-        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
-        if (!v.ok()) return v.status();
-        config->host.capacity = *v;
-      } else if (key == "host.segment_size") {
-        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
-        if (!v.ok()) return v.status();
-        config->host.segment_size = *v;
-      } else if (key == "host.huge_pages") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        absl::StatusOr<HugePagePolicy> policy = ParseHugePagePolicy(*v);
-        if (!policy.ok()) return KeyError(source, node, key, policy.status().message());
-        config->host.huge_pages = *policy;
-      } else if (key == "planner.probe_bytes") {
-        absl::StatusOr<uint64_t> v = GetSize(source, node, key);
-        if (!v.ok()) return v.status();
-        config->planner.probe_bytes = *v;
-      } else if (key == "planner.max_session_weight") {
-        const auto* i = node.as_integer();
-        if (i == nullptr || i->get() < 1 || i->get() > 1000) {
-          return KeyError(source, node, key, "must be an integer from 1 to 1000");
-        }
-        config->planner.max_session_weight = static_cast<uint32_t>(i->get());
-      } else if (key == "metrics.listen") {
-        absl::StatusOr<std::string> v = GetString(source, node, key);
-        if (!v.ok()) return v.status();
-        config->metrics.listen = *v;
-      } else if (section == "limits") {
-        if (absl::Status st = ApplyLimit(source, node, key, &config->limits); !st.ok()) return st;
-      } else if (key == "quota.users") {
-        if (absl::Status st = ApplyUserQuotas(source, node, key, &config->quotas); !st.ok()) {
-          return st;
-        }
-      } else if (section == "quota") {
-        absl::StatusOr<std::pair<TierKind, uint64_t>> q = GetTierBytes(source, node, key);
-        if (!q.ok()) return q.status();
-        config->quotas.per_uid[static_cast<int>(q->first)] = q->second;
-      } else if (key == "host.lock_memory") {
-        const auto* b = node.as_boolean();
-        if (b == nullptr) return KeyError(source, node, key, "must be true or false");
-        config->host.lock_memory = b->get();
-      } else {
-        return KeyError(source, node, key, "unknown key (see docs/configuration.md)");
+        continue;
+      }
+      absl::StatusOr<ConfigValue> value = ReadToml(source, node, *key);
+      if (!value.ok()) return value.status();
+      if (absl::Status s = StoreConfigValue(*key, *std::move(value), config); !s.ok()) {
+        return KeyError(source, node, name, s.message());
       }
     }
   }

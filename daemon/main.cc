@@ -14,198 +14,18 @@
 #include <thread>
 #include <tuple>
 
-#include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
-#include "common/sizes.h"
 #include "common/version.h"
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/util/daemon_files.h"
 #include "spdlog/spdlog.h"
 
-ABSL_FLAG(std::string, config, "",
-          "TOML config file (see docs/configuration.md); flags override it");
-ABSL_FLAG(std::string, socket_dir, "",
-          "directory for tierd.sock and tierd.session.sock [daemon.socket_dir; default "
-          "$RUNTIME_DIRECTORY under systemd, else var/run]");
-ABSL_FLAG(std::string, socket_group, "",
-          "group allowed to connect; sockets are mode 0660 [daemon.socket_group]");
-ABSL_FLAG(std::string, log_level, "",
-          "trace, debug, info, warn, error, critical or off [daemon.log_level; default info]");
-ABSL_FLAG(std::string, host_capacity, "",
-          "pinned host memory to own, e.g. 64GiB [host.capacity; default 1GiB]");
-ABSL_FLAG(std::string, host_segment_size, "",
-          "size of each shared memfd segment, also the largest chunk [host.segment_size; default "
-          "256MiB]");
-ABSL_FLAG(std::string, huge_pages, "",
-          "2 MiB huge pages for the host tier: auto, never or require [host.huge_pages; default "
-          "auto]");
-
-ABSL_FLAG(std::string, state_dir, "",
-          "directory for the instance id and the default NVMe region [daemon.state_dir; default "
-          "$STATE_DIRECTORY under systemd, else var/lib]");
-ABSL_FLAG(
-    std::string, nvme_regions, "",
-    "NVMe regions as PATH:SIZE[,PATH:SIZE...] (files are created and preallocated; SIZE 0 "
-    "for a whole block device), or 'none' [nvme.regions; default STATE_DIR/nvme0.region:2GiB]");
-ABSL_FLAG(std::string, nvme_stripe_unit, "",
-          "bytes per region before striping moves to the next [nvme.stripe_unit; default 1MiB]");
-ABSL_FLAG(std::string, nvme_io_size, "",
-          "largest single I/O, at most the stripe unit [nvme.io_size; default 1MiB]");
-ABSL_FLAG(int32_t, nvme_queue_depth, 0, "I/Os in flight [nvme.queue_depth; default 32]");
-ABSL_FLAG(bool, nvme_sqpoll, false, "kernel-side submission polling [nvme.sqpoll]");
-ABSL_FLAG(std::string, nvme_io_backend, "",
-          "io_uring, threads (pread/pwrite) or auto: io_uring unless it is unavailable "
-          "[nvme.io_backend; default auto]");
-ABSL_FLAG(bool, nvme_reformat, false,
-          "format the NVMe regions even if they hold data (discards their persistent chunks)");
-ABSL_FLAG(std::string, device, "",
-          "device tier backend: auto (a GPU when present), cuda, emulated (host memory standing in "
-          "for a GPU, for tests and demos) or none [device.backend; default auto]");
-ABSL_FLAG(std::string, device_capacity, "", "device pool per GPU [device.capacity; default 8GiB]");
-ABSL_FLAG(std::string, device_segment_size, "",
-          "size of each device pool allocation, also the largest device chunk "
-          "[device.segment_size; default 256MiB]");
-ABSL_FLAG(
-    double, emulated_gbps, 0,
-    "emulated device: copy bandwidth per direction in GB/s [device.emulated_gbps; default 24]");
-ABSL_FLAG(std::string, probe_bytes, "",
-          "bytes moved over each path at start-up to measure its bandwidth; 0 for no probe "
-          "[planner.probe_bytes; default 64MiB]");
-ABSL_FLAG(std::string, metrics_listen, "",
-          "HOST:PORT of the Prometheus endpoint, GET /metrics (port 0: any free one); none for "
-          "no endpoint [metrics.listen; default 127.0.0.1:9477]");
-ABSL_FLAG(int32_t, max_session_weight, 0,
-          "the largest bandwidth weight a session may ask for [planner.max_session_weight; "
-          "default 16]");
-ABSL_FLAG(std::string, lock_memory, "",
-          "true or false: mlock the host tier; false only for development without memlock "
-          "rights [host.lock_memory; default true]");
-
 namespace tierd::daemon {
 namespace {
-
-absl::StatusOr<DaemonConfig> BuildConfig() {
-  DaemonConfig config = DefaultConfig();
-  if (std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
-    if (absl::Status s = ApplyTomlFile(path, &config); !s.ok()) return s;
-  }
-  if (!absl::GetFlag(FLAGS_socket_dir).empty()) config.socket_dir = absl::GetFlag(FLAGS_socket_dir);
-  if (!absl::GetFlag(FLAGS_socket_group).empty())
-    config.socket_group = absl::GetFlag(FLAGS_socket_group);
-  if (!absl::GetFlag(FLAGS_log_level).empty()) {
-    config.log_level = absl::GetFlag(FLAGS_log_level);
-    if (absl::Status s = ValidateLogLevel(config.log_level); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--log_level: ", s.message()));
-    }
-  }
-  if (!absl::GetFlag(FLAGS_host_capacity).empty()) {
-    absl::StatusOr<uint64_t> v = ParseSize(absl::GetFlag(FLAGS_host_capacity));
-    if (!v.ok())
-      return absl::InvalidArgumentError(absl::StrCat("--host_capacity: ", v.status().message()));
-    config.host.capacity = *v;
-  }
-  if (!absl::GetFlag(FLAGS_host_segment_size).empty()) {
-    absl::StatusOr<uint64_t> v = ParseSize(absl::GetFlag(FLAGS_host_segment_size));
-    if (!v.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--host_segment_size: ", v.status().message()));
-    }
-    config.host.segment_size = *v;
-  }
-  if (!absl::GetFlag(FLAGS_huge_pages).empty()) {
-    absl::StatusOr<HugePagePolicy> v = ParseHugePagePolicy(absl::GetFlag(FLAGS_huge_pages));
-    if (!v.ok())
-      return absl::InvalidArgumentError(absl::StrCat("--huge_pages: ", v.status().message()));
-    config.host.huge_pages = *v;
-  }
-  if (std::string v = absl::GetFlag(FLAGS_state_dir); !v.empty()) {
-    const bool default_region = config.nvme.regions.size() == 1 &&
-                                config.nvme.regions[0].path == DefaultRegion(config.state_dir).path;
-    config.state_dir = v;
-    if (default_region) config.nvme.regions = {DefaultRegion(v)};
-  }
-  if (std::string v = absl::GetFlag(FLAGS_nvme_regions); !v.empty()) {
-    absl::StatusOr<std::vector<RegionSpec>> regions = ParseRegionList(v);
-    if (!regions.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--nvme_regions: ", regions.status().message()));
-    }
-    config.nvme.regions = *regions;
-  }
-  for (auto [flag, value, target] :
-       {std::tuple{"--nvme_stripe_unit", absl::GetFlag(FLAGS_nvme_stripe_unit),
-                   &config.nvme.stripe_unit},
-        std::tuple{"--nvme_io_size", absl::GetFlag(FLAGS_nvme_io_size), &config.nvme.io_size}}) {
-    if (value.empty()) continue;
-    absl::StatusOr<uint64_t> v = ParseSize(value);
-    if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", v.status().message()));
-    *target = *v;
-  }
-  if (int32_t depth = absl::GetFlag(FLAGS_nvme_queue_depth); depth != 0) {
-    if (depth < 1 || depth > 4096) {
-      return absl::InvalidArgumentError("--nvme_queue_depth must be 1 to 4096");
-    }
-    config.nvme.queue_depth = static_cast<uint32_t>(depth);
-  }
-  if (absl::GetFlag(FLAGS_nvme_sqpoll)) config.nvme.sqpoll = true;
-  if (std::string v = absl::GetFlag(FLAGS_nvme_io_backend); !v.empty()) {
-    absl::StatusOr<IoBackendKind> kind = ParseIoBackendKind(v);
-    if (!kind.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--nvme_io_backend: ", kind.status().message()));
-    }
-    config.nvme.io_backend = *kind;
-  }
-  config.nvme.reformat = absl::GetFlag(FLAGS_nvme_reformat);
-  if (std::string v = absl::GetFlag(FLAGS_device); !v.empty()) {
-    if (absl::Status s = ValidateDeviceBackend(v); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--device: ", s.message()));
-    }
-    config.device.backend = v;
-  }
-  for (auto [flag, value, target] :
-       {std::tuple{"--device_capacity", absl::GetFlag(FLAGS_device_capacity),
-                   &config.device.capacity},
-        std::tuple{"--device_segment_size", absl::GetFlag(FLAGS_device_segment_size),
-                   &config.device.segment_size},
-        std::tuple{"--probe_bytes", absl::GetFlag(FLAGS_probe_bytes),
-                   &config.planner.probe_bytes}}) {
-    if (value.empty()) continue;
-    absl::StatusOr<uint64_t> v = ParseSize(value);
-    if (!v.ok()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", v.status().message()));
-    *target = *v;
-  }
-  if (double gbps = absl::GetFlag(FLAGS_emulated_gbps); gbps != 0) {
-    if (gbps < 0) return absl::InvalidArgumentError("--emulated_gbps must be positive");
-    config.device.emulated_gbps = gbps;
-  }
-  if (int32_t w = absl::GetFlag(FLAGS_max_session_weight); w != 0) {
-    if (w < 1 || w > 1000) {
-      return absl::InvalidArgumentError("--max_session_weight must be from 1 to 1000");
-    }
-    config.planner.max_session_weight = static_cast<uint32_t>(w);
-  }
-  if (std::string v = absl::GetFlag(FLAGS_metrics_listen); !v.empty()) {
-    config.metrics.listen = v == "none" ? "" : v;
-  }
-  if (std::string v = absl::GetFlag(FLAGS_lock_memory); !v.empty()) {
-    if (v != "true" && v != "false") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--lock_memory must be true or false, not '", v, "'"));
-    }
-    config.host.lock_memory = v == "true";
-  }
-  return config;
-}
 
 // Signals: SIGTERM and SIGINT are blocked in every thread and taken by one thread of their own.
 // Before the daemon serves, a signal ends the start-up at once (nothing has been handed out; a
@@ -270,11 +90,8 @@ class SignalWatcher {
 constexpr int kConfigError = 2;
 constexpr int kStartupError = 1;
 
-int Run() {
-  absl::StatusOr<DaemonConfig> config = BuildConfig();
-  if (config.ok()) {
-    if (absl::Status s = ValidateConfig(*config); !s.ok()) config = s;
-  }
+int Run(const CommandLine& line) {
+  absl::StatusOr<DaemonConfig> config = BuildConfig(line);
   if (!config.ok()) {
     std::fprintf(stderr, "tierd: %s\n", std::string(config.status().message()).c_str());
     return kConfigError;
@@ -347,21 +164,19 @@ int Run() {
 }  // namespace tierd::daemon
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "the tierd daemon: owns pinned host memory, NVMe regions and a GPU memory pool, and moves "
-      "tensor chunks between them for the training processes that share it.\n\nUsage: tierd "
-      "[--config FILE] [flags]\n"
-      "Flags override the config file; each flag names its config key in [brackets].");
-  absl::SetFlagsUsageConfig(
-      {.contains_helpshort_flags =
-           [](absl::string_view f) { return f.find("daemon/main") != absl::string_view::npos; },
-       .contains_help_flags =
-           [](absl::string_view f) { return f.find("daemon/main") != absl::string_view::npos; },
-       .version_string = [] { return std::string("tierd " TIERD_VERSION "\n"); }});
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
-  if (rest.size() > 1) {
-    std::fprintf(stderr, "tierd: unexpected argument '%s' (see tierd --help)\n", rest[1]);
-    return 2;
+  absl::StatusOr<tierd::daemon::CommandLine> line =
+      tierd::daemon::ParseCommandLine(absl::MakeConstSpan(argv, argc));
+  if (!line.ok()) {
+    std::fprintf(stderr, "tierd: %s\n", std::string(line.status().message()).c_str());
+    return tierd::daemon::kConfigError;
   }
-  return tierd::daemon::Run();
+  if (line->help) {
+    std::fputs(tierd::daemon::UsageText().c_str(), stdout);
+    return 0;
+  }
+  if (line->version) {
+    std::printf("tierd %s\n", TIERD_VERSION);
+    return 0;
+  }
+  return tierd::daemon::Run(*line);
 }

@@ -1,9 +1,30 @@
 #include "daemon/config.h"
 
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "daemon/config_keys.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {
 namespace {
+
+std::string ReadSourceFile(const std::string& path) {
+  std::ifstream in(TIERD_SOURCE_DIR "/" + path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<DaemonConfig> FromArgs(std::vector<const char*> args) {
+  args.insert(args.begin(), "tierd");
+  absl::StatusOr<CommandLine> line = ParseCommandLine(args);
+  if (!line.ok()) return line.status();
+  return BuildConfig(*line);
+}
 
 TEST(ConfigTest, AppliesEveryKey) {
   DaemonConfig c = DefaultConfig();
@@ -233,18 +254,17 @@ TEST(ConfigTest, ShippedExampleConfigLoads) {
   EXPECT_EQ(c.host.capacity, 1ull << 30);
   EXPECT_EQ(c.nvme.stripe_unit, 1u << 20);
   EXPECT_EQ(c.nvme.queue_depth, 32u);
-  // Its values are the built-in defaults, as it says.
+  // Its values are the built-in defaults, as it says, and it names every key of the file.
   const DaemonConfig defaults = DefaultConfig();
-  EXPECT_EQ(c.nvme.index_size, defaults.nvme.index_size);
-  EXPECT_EQ(c.nvme.io_backend, defaults.nvme.io_backend);
-  EXPECT_EQ(c.limits.connections_per_uid, defaults.limits.connections_per_uid);
-  EXPECT_EQ(c.limits.sessions_per_uid, defaults.limits.sessions_per_uid);
-  EXPECT_EQ(c.limits.chunks_per_session, defaults.limits.chunks_per_session);
-  EXPECT_EQ(c.limits.chunks_per_uid, defaults.limits.chunks_per_uid);
-  EXPECT_EQ(c.limits.schedule_accesses_per_session, defaults.limits.schedule_accesses_per_session);
-  EXPECT_EQ(c.limits.schedule_accesses_per_uid, defaults.limits.schedule_accesses_per_uid);
-  EXPECT_EQ(c.limits.trace_steps, defaults.limits.trace_steps);
-  EXPECT_EQ(c.quotas.per_uid, defaults.quotas.per_uid);
+  const std::string text = ReadSourceFile("deploy/tierd.toml");
+  for (const ConfigKey& key : ConfigKeys()) {
+    if (key.key.empty()) continue;
+    EXPECT_EQ(ShowConfigValue(key, c), ShowConfigValue(key, defaults)) << key.key;
+    const absl::string_view name = key.key.substr(key.key.find('.') + 1);
+    const std::string spelled =
+        key.key == "quota.users" ? "[[quota.users]]" : absl::StrCat(name, " =");
+    EXPECT_NE(text.find(spelled), std::string::npos) << key.key << " is not in deploy/tierd.toml";
+  }
   EXPECT_TRUE(c.quotas.by_uid.empty());
 }
 
@@ -257,6 +277,163 @@ TEST(ConfigTest, MissingFileIsNotFound) {
 TEST(ConfigTest, HugePagePolicyNamesRoundTrip) {
   for (auto p : {HugePagePolicy::kAuto, HugePagePolicy::kNever, HugePagePolicy::kRequire}) {
     EXPECT_EQ(*ParseHugePagePolicy(HugePagePolicyName(p)), p);
+  }
+}
+
+// Flags go through the same table as the file: the same parsers, ranges and messages.
+TEST(ConfigFlagsTest, EveryFormAbseilTakes) {
+  absl::StatusOr<DaemonConfig> c = FromArgs(
+      {"--host_capacity=2GiB", "--nvme_queue_depth", "64", "-log_level=debug", "--nvme_sqpoll",
+       "--nolock_memory", "--emulated_gbps=12.5", "--metrics_listen=none",
+       "--nvme_regions=/a:1GiB,/b:0", "--huge_pages", "never", "--nvme_io_backend=threads"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->host.capacity, 2ull << 30);
+  EXPECT_EQ(c->nvme.queue_depth, 64u);
+  EXPECT_EQ(c->log_level, "debug");
+  EXPECT_TRUE(c->nvme.sqpoll);
+  EXPECT_FALSE(c->host.lock_memory);
+  EXPECT_DOUBLE_EQ(c->device.emulated_gbps, 12.5);
+  EXPECT_EQ(c->metrics.listen, "");
+  ASSERT_EQ(c->nvme.regions.size(), 2u);
+  EXPECT_EQ(c->nvme.regions[1].path, "/b");
+  EXPECT_EQ(c->host.huge_pages, HugePagePolicy::kNever);
+  EXPECT_EQ(c->nvme.io_backend, IoBackendKind::kThreads);
+  absl::StatusOr<DaemonConfig> off = FromArgs({"--nvme_sqpoll=true", "--nvme_sqpoll=false"});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->nvme.sqpoll);  // the last one wins
+}
+
+TEST(ConfigFlagsTest, FlagsOverrideTheFile) {
+  const std::string path = testing::TempDir() + "/flags_override.toml";
+  std::ofstream(path) << "[host]\ncapacity = \"4GiB\"\nsegment_size = \"128MiB\"\n"
+                         "[nvme]\nsqpoll = true\n[daemon]\nstate_dir = \"/srv/t\"\n";
+  absl::StatusOr<DaemonConfig> c =
+      FromArgs({"--config", path.c_str(), "--host_capacity=512MiB", "--nonvme_sqpoll"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->host.capacity, 512ull << 20);      // the flag
+  EXPECT_EQ(c->host.segment_size, 128ull << 20);  // the file
+  EXPECT_FALSE(c->nvme.sqpoll);                   // a flag may turn off what the file turned on
+  EXPECT_EQ(c->nvme.regions[0].path, "/srv/t/nvme0.region");  // follows the file's state_dir
+  absl::StatusOr<DaemonConfig> moved = FromArgs({"--config", path.c_str(), "--state_dir=/x"});
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->nvme.regions[0].path, "/x/nvme0.region");
+  absl::StatusOr<DaemonConfig> named =
+      FromArgs({"--nvme_regions=/r:1GiB", "--state_dir=/y"});  // named regions stay
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->nvme.regions[0].path, "/r");
+}
+
+TEST(ConfigFlagsTest, BadFlagsNameThemselves) {
+  for (auto [args, why] : std::vector<std::pair<std::vector<const char*>, const char*>>{
+           {{"--frobnicate"}, "unknown flag --frobnicate"},
+           {{"--nofrobnicate"}, "unknown flag --nofrobnicate"},
+           {{"--nohost_capacity"}, "unknown flag --nohost_capacity"},  // not true/false
+           {{"stray"}, "unexpected argument 'stray'"},
+           {{"--host_capacity"}, "--host_capacity needs a value"},
+           {{"--host_capacity=lots"}, "--host_capacity: "},
+           {{"--nvme_queue_depth=0"}, "--nvme_queue_depth: must be an integer from 1 to 4096"},
+           {{"--nvme_queue_depth=-3"}, "--nvme_queue_depth: must be an integer from 1 to 4096"},
+           {{"--max_session_weight=1001"}, "--max_session_weight: must be an integer from 1"},
+           {{"--emulated_gbps=0"}, "--emulated_gbps: must be a positive number"},
+           {{"--emulated_gbps=nan"}, "--emulated_gbps: must be a positive number"},
+           {{"--lock_memory=yes"}, "--lock_memory: must be true or false"},
+           {{"--log_level=loud"}, "--log_level: log_level must be one of"},
+           {{"--device=tpu"}, "--device: device backend must be auto, cuda, emulated or none"},
+           {{"--huge_pages=sometimes"}, "--huge_pages: huge_pages must be"},
+           {{"--socket_dir="}, "--socket_dir: must not be empty"},
+           {{"--nvme_regions=/a"}, "--nvme_regions: NVMe region '/a' is not PATH:SIZE"},
+           {{"--config=/nonexistent/tierd.toml"}, "cannot read config file"},
+           {{"--host_capacity=24MiB", "--host_segment_size=16MiB"}, "host.capacity"}}) {
+    absl::StatusOr<DaemonConfig> c = FromArgs(args);
+    ASSERT_FALSE(c.ok()) << args[0];
+    EXPECT_NE(c.status().message().find(why), std::string::npos) << c.status();
+  }
+}
+
+TEST(ConfigFlagsTest, HelpAndVersionAreNotConfiguration) {
+  std::vector<const char*> args = {"tierd", "--help"};
+  absl::StatusOr<CommandLine> help = ParseCommandLine(args);
+  ASSERT_TRUE(help.ok());
+  EXPECT_TRUE(help->help);
+  args = {"tierd", "--version"};
+  EXPECT_TRUE(ParseCommandLine(args)->version);
+  // The help names every flag with its key and the default the daemon really has.
+  const std::string usage = UsageText();
+  const DaemonConfig defaults = DefaultConfig();
+  for (const ConfigKey& key : ConfigKeys()) {
+    if (key.flag.empty()) continue;
+    EXPECT_NE(usage.find(absl::StrCat("--", key.flag)), std::string::npos) << key.flag;
+    if (!key.key.empty()) {
+      EXPECT_NE(usage.find(absl::StrCat("[", key.key, ";")), std::string::npos) << key.key;
+    }
+  }
+  EXPECT_NE(usage.find("[host.capacity; default 1GiB]"), std::string::npos) << usage;
+}
+
+// Each key's value, spelled as a flag would, reads back to the same value.
+TEST(ConfigKeysTest, EveryValueRoundTripsThroughItsFlagSpelling) {
+  DaemonConfig c = DefaultConfig();
+  ASSERT_TRUE(ApplyToml(R"(
+[host]
+capacity = 3221225472
+segment_size = "1536KiB"
+[nvme]
+regions = [ { path = "/a", size = "1GiB" }, { path = "/b" } ]
+io_size = 4097
+[device]
+emulated_gbps = 0.125
+)",
+                        "r.toml", &c)
+                  .ok());
+  for (const ConfigKey& key : ConfigKeys()) {
+    const std::string shown = ShowConfigValue(key, c);
+    if (key.key == "quota.users") continue;
+    absl::StatusOr<ConfigValue> value = ReadConfigText(key, shown);
+    ASSERT_TRUE(value.ok()) << key.key << key.flag << " '" << shown << "': " << value.status();
+    DaemonConfig d = c;
+    ASSERT_TRUE(StoreConfigValue(key, *value, &d).ok()) << key.key << key.flag;
+    EXPECT_EQ(ShowConfigValue(key, d), shown) << key.key << key.flag;
+  }
+  EXPECT_EQ(SizeText(3ull << 30), "3GiB");
+  EXPECT_EQ(SizeText(1536 << 10), "1536KiB");
+  EXPECT_EQ(SizeText(4097), "4097");
+}
+
+// docs/configuration.md has a row for every key: its key, its flag and, where the default does not
+// depend on the node, the built-in default.
+TEST(ConfigKeysTest, TheDocumentationListsEveryKeyWithItsDefault) {
+  const std::string doc = ReadSourceFile("docs/configuration.md");
+  std::vector<std::vector<std::string>> rows;
+  for (absl::string_view line : absl::StrSplit(doc, '\n')) {
+    if (!absl::ConsumePrefix(&line, "| ")) continue;
+    rows.push_back(absl::StrSplit(line, " | "));
+  }
+  const DaemonConfig defaults = DefaultConfig();
+  for (const ConfigKey& key : ConfigKeys()) {
+    const std::string key_cell = absl::StrCat("`", key.key, "`");
+    const std::string flag_cell = absl::StrCat("`--", key.flag);
+    const std::vector<std::string>* row = nullptr;
+    for (const auto& r : rows) {
+      if (r.size() < 3) continue;
+      const bool same_key = key.key.empty()
+                                ? r[0] == "—" && absl::StartsWith(r[1], flag_cell)
+                                : r[0].find(key_cell) != std::string::npos ||
+                                      (key.key == "quota.users" && r[0] == "`[[quota.users]]`");
+      if (same_key) row = &r;
+    }
+    ASSERT_NE(row, nullptr) << (key.key.empty() ? key.flag : key.key)
+                            << " has no row in docs/configuration.md";
+    if (key.flag.empty()) {
+      EXPECT_EQ((*row)[1], "—") << key.key;
+    } else {
+      EXPECT_TRUE(absl::StartsWith((*row)[1], flag_cell)) << key.key << ": " << (*row)[1];
+    }
+    if (key.default_note.empty()) {
+      const std::string shown = absl::StrCat("`", ShowConfigValue(key, defaults), "`");
+      EXPECT_TRUE(absl::StartsWith((*row)[2], shown))
+          << (key.key.empty() ? key.flag : key.key) << ": the docs say " << (*row)[2]
+          << ", the daemon " << shown;
+    }
   }
 }
 
