@@ -192,8 +192,6 @@ class ChunkService {
   size_t CloseSession(const Session& session);
 
   SessionStats session_stats(const Session& session) const;
-  // The session's schedule in force (declared or traced); empty when it has none.
-  std::vector<std::vector<ScheduledAccess>> schedule(const Session& session) const;
   std::array<PathStatus, kPaths> path_status() const { return meter_.Status(); }
   // The start-up probe's figures (0: not probed) become the bandwidth estimates.
   void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second) {

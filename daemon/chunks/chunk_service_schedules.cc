@@ -385,11 +385,4 @@ SessionStats ChunkService::session_stats(const Session& session) const {
   return stats;
 }
 
-std::vector<std::vector<ScheduledAccess>> ChunkService::schedule(const Session& session) const {
-  absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session.id);
-  if (it == sessions_.end() || it->second.steps == nullptr) return {};
-  return *it->second.steps;
-}
-
 }  // namespace tierd::daemon
