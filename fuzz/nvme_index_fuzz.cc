@@ -32,6 +32,7 @@ NvmeRegion* Region() {
     auto r =
         NvmeRegion::Open({absl::StrCat(dir, "/region"), kIndexOffset + kIndexBytes + (1 << 20)});
     if (!r.ok()) abort();
+    AttachOwnEngine(**r).release();  // lives as long as the region: the whole run
     return r->release();
   }();
   return region;

@@ -3,8 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <filesystem>
 
+#include "daemon/io/io_backend.h"
 #include "daemon/tiers/host_memory.h"
 #include "daemon/tiers/nvme_index.h"
 #include "daemon/tiers/nvme_region.h"
@@ -60,6 +62,7 @@ TEST_F(NvmeFormatTest, BlankRegionsAreFormattedAndReopen) {
   ASSERT_TRUE(again.ok()) << again.status();
   auto region = NvmeRegion::Open({dir_ + "/r1", 0});
   ASSERT_TRUE(region.ok());
+  auto engine = AttachOwnEngine(**region);
   auto sb = (*region)->ReadSuperblock();
   ASSERT_TRUE(sb.ok() && sb->has_value());
   EXPECT_EQ((*sb)->region_index, 1u);
@@ -100,6 +103,7 @@ TEST_F(NvmeFormatTest, ABlankRegionBesideFormattedOnesIsRefused) {
 TEST_F(NvmeFormatTest, OlderFormatVersionIsRefused) {
   ASSERT_TRUE(Open(Options(1)).ok());
   auto region = *NvmeRegion::Open({dir_ + "/r0", 0});
+  auto engine = AttachOwnEngine(*region);
   Superblock sb = **region->ReadSuperblock();
   sb.version = 0;
   ASSERT_TRUE(region->WriteSuperblock(sb).ok());
@@ -114,6 +118,24 @@ TEST_F(NvmeFormatTest, DamagedSuperblockIsDataLoss) {
   close(fd);
   auto damaged = Open(Options(1));
   EXPECT_TRUE(absl::IsDataLoss(damaged.status())) << damaged.status();
+}
+
+// Superblocks are read through the tier's I/O seam: a drive that fails the read stops the start
+// with the cause and the region, and formats nothing.
+TEST_F(NvmeFormatTest, ASuperblockThatCannotBeReadStopsTheStartWithTheCause) {
+  ASSERT_TRUE(Open(Options(2)).ok());
+  NvmeOptions o = Options(2);
+  o.wrap_backend = [](std::unique_ptr<IoBackend> inner) {
+    auto faulty = std::make_unique<FaultInjectingBackend>(std::move(inner));
+    faulty->FailNextIn(IoKind::kRead, 1, 0, 4096, EIO);
+    return faulty;
+  };
+  auto failed = Open(o);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("Input/output error"), std::string::npos)
+      << failed.status();
+  EXPECT_NE(failed.status().message().find(dir_ + "/r1"), std::string::npos) << failed.status();
+  EXPECT_TRUE(Open(Options(2)).ok());  // nothing was written over
 }
 
 TEST_F(NvmeFormatTest, StripedChunksSpreadOverAllRegions) {
@@ -141,6 +163,7 @@ class NvmeIndexTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     region_ = std::move(*NvmeRegion::Open({dir_ + "/r", 8 << 20}));
+    engine_ = AttachOwnEngine(*region_);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
   // 64 KiB of index: two halves of 32 KiB = 8 blocks of 4 KiB, or 64 of 512 B.
@@ -153,6 +176,7 @@ class NvmeIndexTest : public ::testing::Test {
 
   std::string dir_;
   std::unique_ptr<NvmeRegion> region_;
+  std::unique_ptr<IoEngine> engine_;  // after the region: goes first
 };
 
 TEST_F(NvmeIndexTest, PutsAndRemovesReplayAfterReopen) {

@@ -300,6 +300,13 @@ struct FaultInjectingBackend::State {
   int fail_errno[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
   int short_count[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
   uint64_t seen[3] ABSL_GUARDED_BY(mu) = {0, 0, 0};
+  struct Aimed {
+    IoKind kind;
+    uint32_t file;
+    uint64_t begin, end;
+    int err;
+  };
+  std::vector<Aimed> aimed ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> offsets ABSL_GUARDED_BY(mu);
   absl::Duration delay ABSL_GUARDED_BY(mu);
   // Engine thread only:
@@ -315,6 +322,12 @@ void FaultInjectingBackend::FailNext(IoKind kind, int err, int count) {
   absl::MutexLock lock(&state_->mu);
   state_->fail_count[static_cast<int>(kind)] = count;
   state_->fail_errno[static_cast<int>(kind)] = err;
+}
+
+void FaultInjectingBackend::FailNextIn(IoKind kind, uint32_t file, uint64_t begin, uint64_t end,
+                                       int err) {
+  absl::MutexLock lock(&state_->mu);
+  state_->aimed.push_back({kind, file, begin, end, err});
 }
 
 void FaultInjectingBackend::ShortenNext(IoKind kind, int count) {
@@ -347,6 +360,14 @@ absl::Status FaultInjectingBackend::Submit(std::span<const IoRequest> requests) 
       const int k = static_cast<int>(r.kind);
       ++state_->seen[k];
       if (r.kind != IoKind::kSync) state_->offsets.push_back(r.offset);
+      auto aimed = std::find_if(state_->aimed.begin(), state_->aimed.end(), [&](const auto& a) {
+        return a.kind == r.kind && a.file == r.file && r.offset >= a.begin && r.offset < a.end;
+      });
+      if (aimed != state_->aimed.end()) {
+        state_->synthesized.push_back({r.tag, -aimed->err});
+        state_->aimed.erase(aimed);
+        continue;
+      }
       if (state_->fail_count[k] > 0) {
         --state_->fail_count[k];
         state_->synthesized.push_back({r.tag, -state_->fail_errno[k]});

@@ -80,6 +80,9 @@ class FaultInjectingBackend final : public IoBackend {
 
   // The next `count` requests of `kind` fail with -err without reaching the device.
   void FailNext(IoKind kind, int err, int count = 1);
+  // The next request of `kind` on `file` that starts in [begin, end) fails with -err: a fault aimed
+  // at one area (a region's index, its superblock) whatever else is in flight.
+  void FailNextIn(IoKind kind, uint32_t file, uint64_t begin, uint64_t end, int err);
   // The next `count` requests of `kind` move only half their bytes (a short transfer).
   void ShortenNext(IoKind kind, int count = 1);
   // Every completion is held back this long.

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 
 namespace tierd::daemon {
 
@@ -102,6 +103,20 @@ void IoEngine::Run(std::vector<IoSpan> spans, Callback done, IoOrder order) {
     incoming_.push_back(std::move(job));
   }
   backend_->Wake();
+}
+
+absl::Status IoEngine::RunAndWait(std::vector<IoSpan> spans, IoOrder order) {
+  absl::Notification done;
+  absl::Status status;
+  Run(
+      std::move(spans),
+      [&](absl::Status s) {
+        status = std::move(s);
+        done.Notify();
+      },
+      order);
+  done.WaitForNotification();
+  return status;
 }
 
 void IoEngine::Drain() {

@@ -73,6 +73,10 @@ class IoEngine {
 
   // Runs the spans; `done` runs on the engine thread and must not block.
   void Run(std::vector<IoSpan> spans, Callback done, IoOrder order = {});
+  // Runs the spans and waits for them: for metadata (superblocks, the index), so that it goes
+  // through the same backend, and the same fault injection, as the data. REQUIRES: not on the
+  // engine thread (not from a callback).
+  absl::Status RunAndWait(std::vector<IoSpan> spans, IoOrder order = {});
   // Waits until every job submitted so far has called back.
   void Drain();
 

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/io/io_engine.h"
 
 namespace tierd::daemon {
 
@@ -71,8 +72,15 @@ class NvmeRegion {
   // Writes the superblock and makes it durable (start-up only: synchronous).
   absl::Status WriteSuperblock(Superblock sb) const;
 
-  // Synchronous, block-aligned I/O for start-up and the index (REQUIRES: aligned buffer, offset
-  // and length).
+  // The engine that does this region's I/O, and the region's file index in it. REQUIRES: before
+  // any of the I/O below, and the engine outlives the region's use.
+  void Attach(IoEngine* engine, uint32_t file) {
+    engine_ = engine;
+    file_ = file;
+  }
+  // Synchronous, block-aligned I/O for start-up and the index, through the attached engine, so
+  // that its backend's fault injection reaches it too. REQUIRES: not on the engine's thread;
+  // aligned buffer, offset and length.
   absl::Status ReadAt(uint64_t offset, void* buffer, size_t length) const;
   absl::Status WriteAt(uint64_t offset, const void* buffer, size_t length) const;
   absl::Status Sync() const;
@@ -84,9 +92,16 @@ class NvmeRegion {
   uint64_t bytes_ = 0;
   bool block_device_ = false;
   bool locked_ = false;
+  IoEngine* engine_ = nullptr;
+  uint32_t file_ = 0;
   std::pair<uint64_t, uint64_t>
       identity_{};  // (st_dev, st_ino) of a file; (0, st_rdev) of a device
 };
+
+// Attaches to `region` an engine of its own (a small pool of pread/pwrite threads) and returns it:
+// for tools and tests that read or write one region's metadata outside a tier. The engine must
+// outlive the region's I/O.
+std::unique_ptr<IoEngine> AttachOwnEngine(NvmeRegion& region);
 
 // An aligned heap buffer for O_DIRECT.
 class AlignedBuffer {

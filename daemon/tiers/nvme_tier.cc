@@ -166,6 +166,46 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
         "-byte direct I/O; the host tier allocates in 4 KiB units, so at most 4096 is supported"));
   }
   tier->block_ = std::max<uint32_t>(tier->block_, 512);
+  // The engine first: the superblocks and the index are read and written through it, as the
+  // data is, so that a fault injected into the backend reaches them too.
+  std::vector<int> fds;
+  std::vector<std::string> names;
+  for (const auto& region : tier->regions_) {
+    fds.push_back(region->fd());
+    names.push_back(region->path());
+  }
+  const uint32_t segments = host->segment_count();
+  std::unique_ptr<IoBackend> b;
+  if (options.io_backend != IoBackendKind::kThreads) {
+    absl::StatusOr<std::unique_ptr<IoBackend>> uring = MakeUringBackend(
+        fds, UringOptions{options.queue_depth, std::max<uint32_t>(segments, 1), options.sqpoll});
+    if (uring.ok()) {
+      b = std::move(*uring);
+      tier->io_backend_ = IoBackendKind::kUring;
+    } else if (options.io_backend == IoBackendKind::kUring) {
+      return absl::Status(uring.status().code(),
+                          absl::StrCat("nvme.io_backend is io_uring, but ",
+                                       uring.status().message(), "; set it to auto or threads"));
+    } else {
+      spdlog::warn(
+          "NVMe: io_uring is unavailable ({}): a container's seccomp profile (Docker's default), "
+          "gVisor or an old kernel refuses it. Using {} threads of pread/pwrite instead, which "
+          "costs CPU per I/O; allow io_uring_setup/io_uring_enter/io_uring_register for the "
+          "daemon, or set nvme.io_backend = \"threads\" to say this is intended",
+          uring.status().message(), std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
+    }
+  }
+  if (b == nullptr) {
+    b = MakeThreadPoolBackend(fds, options.queue_depth,
+                              std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
+    tier->io_backend_ = IoBackendKind::kThreads;
+  }
+  if (options.wrap_backend) b = options.wrap_backend(std::move(b));
+  tier->engine_ = std::make_unique<IoEngine>(std::move(b), IoEngineOptions{options.io_size, names});
+  tier->worker_ = std::make_unique<WorkQueue>();
+  for (uint32_t i = 0; i < tier->regions_.size(); ++i) {
+    tier->regions_[i]->Attach(tier->engine_.get(), i);
+  }
   const uint32_t n = static_cast<uint32_t>(tier->regions_.size());
   uint64_t index_bytes = 0;
   if (options.index_size != 0) {
@@ -299,41 +339,6 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
   tier->persistent_granule_ = AlignUp((tier->capacity_ + live - 1) / live, 4096);
   for (const auto& [key, entry] : tier->index_->entries()) tier->recovered_.push_back(entry);
 
-  std::vector<int> fds;
-  std::vector<std::string> names;
-  for (const auto& region : tier->regions_) {
-    fds.push_back(region->fd());
-    names.push_back(region->path());
-  }
-  const uint32_t segments = host->segment_count();
-  std::unique_ptr<IoBackend> b;
-  if (options.io_backend != IoBackendKind::kThreads) {
-    absl::StatusOr<std::unique_ptr<IoBackend>> uring = MakeUringBackend(
-        fds, UringOptions{options.queue_depth, std::max<uint32_t>(segments, 1), options.sqpoll});
-    if (uring.ok()) {
-      b = std::move(*uring);
-      tier->io_backend_ = IoBackendKind::kUring;
-    } else if (options.io_backend == IoBackendKind::kUring) {
-      return absl::Status(uring.status().code(),
-                          absl::StrCat("nvme.io_backend is io_uring, but ",
-                                       uring.status().message(), "; set it to auto or threads"));
-    } else {
-      spdlog::warn(
-          "NVMe: io_uring is unavailable ({}): a container's seccomp profile (Docker's default), "
-          "gVisor or an old kernel refuses it. Using {} threads of pread/pwrite instead, which "
-          "costs CPU per I/O; allow io_uring_setup/io_uring_enter/io_uring_register for the "
-          "daemon, or set nvme.io_backend = \"threads\" to say this is intended",
-          uring.status().message(), std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
-    }
-  }
-  if (b == nullptr) {
-    b = MakeThreadPoolBackend(fds, options.queue_depth,
-                              std::min<uint32_t>(options.queue_depth, kMaxIoThreads));
-    tier->io_backend_ = IoBackendKind::kThreads;
-  }
-  if (options.wrap_backend) b = options.wrap_backend(std::move(b));
-  tier->engine_ = std::make_unique<IoEngine>(std::move(b), IoEngineOptions{options.io_size, names});
-  tier->worker_ = std::make_unique<WorkQueue>();
   {
     absl::MutexLock lock(&tier->mu_);
     tier->registered_.assign(segments, false);
