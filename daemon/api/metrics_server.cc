@@ -1,12 +1,19 @@
 #include "daemon/api/metrics_server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace tierd::daemon {
 namespace {
@@ -55,12 +62,53 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   mg_server_port bound[2] = {};
   const int n = mg_get_server_ports(server->ctx_, 2, bound);
   server->address_ = absl::StrCat(host, ":", n > 0 ? bound[0].port : port);
+  server->port_ = n > 0 ? bound[0].port : port;
+  server->ipv6_ = host.front() == '[';
+  if (!server->ipv6_ && host != "0.0.0.0") server->knock_host_ = host == "localhost" ? "" : host;
   server->loopback_ = absl::StartsWith(host, "127.") || host == "[::1]" || host == "localhost";
   return server;
 }
 
 MetricsServer::~MetricsServer() {
-  if (ctx_ != nullptr) mg_stop(ctx_);
+  if (ctx_ == nullptr) return;
+  // civetweb's accept loop polls its socket in quanta of two seconds and sees the stop request
+  // only when a poll returns, so mg_stop alone takes up to two seconds (every daemon stop, every
+  // test's daemon). A connection made after the request makes the poll return at once.
+  std::atomic<bool> stopped{false};
+  std::thread stopper([this, &stopped] {
+    mg_stop(ctx_);
+    stopped.store(true);
+  });
+  while (!stopped.load()) {
+    Knock();
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  stopper.join();
+}
+
+void MetricsServer::Knock() const {
+  sockaddr_storage addr{};
+  socklen_t length = 0;
+  if (ipv6_) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(static_cast<uint16_t>(port_));
+    a->sin6_addr = in6addr_loopback;
+    length = sizeof(*a);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(static_cast<uint16_t>(port_));
+    // A listener on one address is reached there; one on every address through loopback.
+    if (knock_host_.empty() || inet_pton(AF_INET, knock_host_.c_str(), &a->sin_addr) != 1) {
+      a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    }
+    length = sizeof(*a);
+  }
+  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return;
+  (void)connect(fd, reinterpret_cast<sockaddr*>(&addr), length);  // in progress is enough
+  close(fd);
 }
 
 int MetricsServer::Handle(mg_connection* conn, void* self) {

@@ -34,11 +34,16 @@ class MetricsServer {
  private:
   MetricsServer() = default;
   static int Handle(mg_connection* conn, void* self);
+  // Opens and closes a connection to the listener, which wakes its accept loop.
+  void Knock() const;
 
   std::function<std::string()> collect_;
   mg_context* ctx_ = nullptr;
   std::string address_;
   bool loopback_ = false;
+  int port_ = 0;
+  bool ipv6_ = false;
+  std::string knock_host_;  // the IPv4 address listened on; empty: loopback
 };
 
 }  // namespace tierd::daemon
