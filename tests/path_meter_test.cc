@@ -66,16 +66,5 @@ TEST(PathMeterTest, OneChunkMovingOnTwoPathsIsTimedOnEach) {
   EXPECT_NEAR(meter.transfer_seconds(Path::kHostToDevice).histogram.sample_sum, 0.003, 1e-9);
 }
 
-TEST(PathMeterTest, AForgottenChunksMoveIsNotTimed) {
-  FakeClock clock;
-  PathMeter meter;
-  meter.Started(Path::kDeviceToHost, 3, kMiB, clock.Now());
-  meter.Forget(3);
-  clock.Advance(absl::Seconds(1));
-  meter.Done(Path::kDeviceToHost, 3, kMiB, clock.Now());
-  EXPECT_EQ(meter.transfer_seconds(Path::kDeviceToHost).histogram.sample_count, 0u);
-  EXPECT_EQ(meter.Status()[static_cast<int>(Path::kDeviceToHost)].moves, 1u);
-}
-
 }  // namespace
 }  // namespace tierd::daemon

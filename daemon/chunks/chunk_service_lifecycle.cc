@@ -206,7 +206,6 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   } else if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
     it->second.owned.erase(chunk.id);
   }
-  meter_.Forget(chunk.id);
   leases_.erase(chunk.id);
   chunks_.erase(chunk.id);
 }

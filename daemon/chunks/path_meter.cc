@@ -62,11 +62,6 @@ void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
   }
 }
 
-void PathMeter::Forget(ChunkId id) {
-  absl::MutexLock lock(&mu_);
-  for (Meter& m : meters_) m.started.erase(id);
-}
-
 void PathMeter::Seed(const std::array<double, kPaths>& bytes_per_second) {
   absl::MutexLock lock(&mu_);
   for (int p = 0; p < kPaths; ++p) {

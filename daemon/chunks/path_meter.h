@@ -46,11 +46,10 @@ class PathMeter {
   PathMeter();
 
   // A move of `bytes` of chunk `id` started on `path` at `now`, or settled there. A chunk has at
-  // most one move in flight on each path.
+  // most one move in flight on each path, and every start is reported done (a chunk is destroyed
+  // only once its moves have settled), so no start outlives its chunk.
   void Started(Path path, ChunkId id, uint64_t bytes, absl::Time now);
   void Done(Path path, ChunkId id, uint64_t bytes, absl::Time now);
-  // The chunk is gone: forgets a start whose move will never be reported done.
-  void Forget(ChunkId id);
   // The start-up probe's figures (0: not probed) become the estimates.
   void Seed(const std::array<double, kPaths>& bytes_per_second);
 
