@@ -195,8 +195,7 @@ absl::Status ApplyUserQuotas(absl::string_view source, const toml::node& node,
 // Reads `node` as the value of `key`, by the type of the field the key sets.
 absl::StatusOr<ConfigValue> ReadToml(absl::string_view source, const toml::node& node,
                                      const ConfigKey& key) {
-  DaemonConfig scratch;  // only to learn the field's type
-  const ConfigField field = key.field(scratch);
+  const ConfigField field = FieldTypeOf(key);
   const std::string name(key.key);
   if (std::holds_alternative<bool*>(field)) {
     if (const auto* b = node.as_boolean()) return ConfigValue(b->get());
@@ -211,11 +210,9 @@ absl::StatusOr<ConfigValue> ReadToml(absl::string_view source, const toml::node&
     if (!v.ok()) return v.status();
     return ConfigValue(*v);
   }
-  if (std::holds_alternative<uint64_t*>(field) || std::holds_alternative<uint32_t*>(field) ||
-      std::holds_alternative<int64_t*>(field)) {
+  if (IsIntegerField(field)) {
     const auto* i = node.as_integer();
-    // A negative integer is as wrong as a string; the store's message gives the range.
-    if (i == nullptr || i->get() < 0) return ConfigValue(std::string());
+    if (i == nullptr || i->get() < 0) return KeyError(source, node, name, RangeText(key));
     return ConfigValue(static_cast<uint64_t>(i->get()));
   }
   if (std::holds_alternative<std::vector<RegionSpec>*>(field)) {

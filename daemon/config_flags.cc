@@ -12,15 +12,11 @@
 namespace tierd::daemon {
 namespace {
 
-bool IsBool(const ConfigKey& key) {
-  DaemonConfig scratch;  // only to learn the field's type
-  return std::holds_alternative<bool*>(key.field(scratch));
-}
+bool IsBool(const ConfigKey& key) { return std::holds_alternative<bool*>(FieldTypeOf(key)); }
 
 std::string Metavar(const ConfigKey& key) {
   if (!key.metavar.empty()) return std::string(key.metavar);
-  DaemonConfig scratch;
-  const ConfigField field = key.field(scratch);
+  const ConfigField field = FieldTypeOf(key);
   if (key.bytes) return "SIZE";
   if (std::holds_alternative<double*>(field)) return "NUMBER";
   if (std::holds_alternative<std::string*>(field)) return "TEXT";

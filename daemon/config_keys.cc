@@ -215,7 +215,16 @@ constexpr ConfigKey kKeys[] = {
      .default_note = "none"},
 };
 
-bool IsInteger(const ConfigField& field) {
+}  // namespace
+
+absl::Span<const ConfigKey> ConfigKeys() { return kKeys; }
+
+ConfigField FieldTypeOf(const ConfigKey& key) {
+  static DaemonConfig* const scratch = new DaemonConfig();  // never written through
+  return key.field(*scratch);
+}
+
+bool IsIntegerField(const ConfigField& field) {
   return std::holds_alternative<uint64_t*>(field) || std::holds_alternative<uint32_t*>(field) ||
          std::holds_alternative<int64_t*>(field);
 }
@@ -227,10 +236,6 @@ std::string RangeText(const ConfigKey& key) {
   }
   return absl::StrCat("must be an integer from ", key.min, " to ", key.max);
 }
-
-}  // namespace
-
-absl::Span<const ConfigKey> ConfigKeys() { return kKeys; }
 
 const ConfigKey* FindConfigKey(absl::string_view key) {
   for (const ConfigKey& k : kKeys) {
@@ -247,8 +252,7 @@ const ConfigKey* FindConfigFlag(absl::string_view flag) {
 }
 
 absl::StatusOr<ConfigValue> ReadConfigText(const ConfigKey& key, absl::string_view text) {
-  DaemonConfig scratch;  // only to learn the field's type
-  const ConfigField field = key.field(scratch);
+  const ConfigField field = FieldTypeOf(key);
   if (std::holds_alternative<bool*>(field)) {
     if (text == "true" || text == "1") return ConfigValue(true);
     if (text == "false" || text == "0") return ConfigValue(false);
@@ -259,7 +263,7 @@ absl::StatusOr<ConfigValue> ReadConfigText(const ConfigKey& key, absl::string_vi
     if (!size.ok()) return size.status();
     return ConfigValue(*size);
   }
-  if (IsInteger(field)) {
+  if (IsIntegerField(field)) {
     uint64_t v = 0;
     if (!absl::SimpleAtoi(text, &v)) {
       return absl::InvalidArgumentError(absl::StrCat(RangeText(key), ", not '", text, "'"));
@@ -287,7 +291,7 @@ absl::StatusOr<ConfigValue> ReadConfigText(const ConfigKey& key, absl::string_vi
 
 absl::Status StoreConfigValue(const ConfigKey& key, ConfigValue value, DaemonConfig* config) {
   const ConfigField field = key.field(*config);
-  if (IsInteger(field)) {
+  if (IsIntegerField(field)) {
     const uint64_t* v = std::get_if<uint64_t>(&value);
     const uint64_t max = std::holds_alternative<uint32_t*>(field)  ? UINT32_MAX
                          : std::holds_alternative<int64_t*>(field) ? INT64_MAX

@@ -49,6 +49,14 @@ struct ConfigKey {
 
 absl::Span<const ConfigKey> ConfigKeys();
 
+// The type of the field `key` sets, as a pointer into a config nobody reads: only which
+// alternative it holds means anything.
+ConfigField FieldTypeOf(const ConfigKey& key);
+bool IsIntegerField(const ConfigField& field);
+
+// What an integer key takes, as an error says it: "must be an integer from 1 to 4096".
+std::string RangeText(const ConfigKey& key);
+
 // The key named `key` in the file, or the flag named `flag`; null when there is none.
 const ConfigKey* FindConfigKey(absl::string_view key);
 const ConfigKey* FindConfigFlag(absl::string_view flag);
