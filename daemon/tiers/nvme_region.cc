@@ -142,30 +142,25 @@ absl::Status NvmeRegion::Lock() {
 // Metadata goes before queued data: a persist waits on its index record.
 constexpr IoOrder kMetadataOrder{.deadline = absl::InfinitePast()};
 
-absl::Status NvmeRegion::ReadAt(uint64_t offset, void* buffer, size_t length) const {
+absl::Status NvmeRegion::Run(IoSpan span) const {
   if (engine_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("NVMe region '", path_, "' has no engine"));
   }
-  return engine_->RunAndWait(
-      {IoSpan{IoKind::kRead, file_, offset, static_cast<char*>(buffer), length}}, kMetadataOrder);
+  span.file = file_;
+  return engine_->RunAndWait({span}, kMetadataOrder);
+}
+
+absl::Status NvmeRegion::ReadAt(uint64_t offset, void* buffer, size_t length) const {
+  return Run({IoKind::kRead, 0, offset, static_cast<char*>(buffer), length});
 }
 
 absl::Status NvmeRegion::WriteAt(uint64_t offset, const void* buffer, size_t length) const {
-  if (engine_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("NVMe region '", path_, "' has no engine"));
-  }
   // The engine's spans carry one pointer for both directions; a write only reads through it.
-  char* bytes = const_cast<char*>(static_cast<const char*>(buffer));
-  return engine_->RunAndWait({IoSpan{IoKind::kWrite, file_, offset, bytes, length}},
-                             kMetadataOrder);
+  return Run(
+      {IoKind::kWrite, 0, offset, const_cast<char*>(static_cast<const char*>(buffer)), length});
 }
 
-absl::Status NvmeRegion::Sync() const {
-  if (engine_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("NVMe region '", path_, "' has no engine"));
-  }
-  return engine_->RunAndWait({IoSpan{IoKind::kSync, file_}}, kMetadataOrder);
-}
+absl::Status NvmeRegion::Sync() const { return Run({IoKind::kSync}); }
 
 std::unique_ptr<IoEngine> AttachOwnEngine(NvmeRegion& region) {
   const int fd = region.fd();

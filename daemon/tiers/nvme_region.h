@@ -86,6 +86,9 @@ class NvmeRegion {
   absl::Status Sync() const;
 
  private:
+  // Runs `span` on this region's file through the engine and waits for it.
+  absl::Status Run(IoSpan span) const;
+
   UniqueFd fd_;
   std::string path_;
   uint32_t block_size_ = 4096;
