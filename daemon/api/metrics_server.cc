@@ -64,7 +64,7 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   server->address_ = absl::StrCat(host, ":", n > 0 ? bound[0].port : port);
   server->port_ = n > 0 ? bound[0].port : port;
   server->ipv6_ = host.front() == '[';
-  if (!server->ipv6_ && host != "0.0.0.0") server->knock_host_ = host == "localhost" ? "" : host;
+  server->knock_host_ = host;
   server->loopback_ = absl::StartsWith(host, "127.") || host == "[::1]" || host == "localhost";
   return server;
 }
@@ -99,8 +99,10 @@ void MetricsServer::Knock() const {
     auto* a = reinterpret_cast<sockaddr_in*>(&addr);
     a->sin_family = AF_INET;
     a->sin_port = htons(static_cast<uint16_t>(port_));
-    // A listener on one address is reached there; one on every address through loopback.
-    if (knock_host_.empty() || inet_pton(AF_INET, knock_host_.c_str(), &a->sin_addr) != 1) {
+    // A listener on one address is reached there; one on every address (0.0.0.0) or on a name
+    // (localhost) through loopback.
+    if (inet_pton(AF_INET, knock_host_.c_str(), &a->sin_addr) != 1 ||
+        a->sin_addr.s_addr == htonl(INADDR_ANY)) {
       a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     }
     length = sizeof(*a);

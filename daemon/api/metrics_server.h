@@ -43,7 +43,7 @@ class MetricsServer {
   bool loopback_ = false;
   int port_ = 0;
   bool ipv6_ = false;
-  std::string knock_host_;  // the IPv4 address listened on; empty: loopback
+  std::string knock_host_;  // the host listened on (IPv4)
 };
 
 }  // namespace tierd::daemon
