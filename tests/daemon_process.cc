@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -45,19 +46,40 @@ bool BlockIoUring() {
          prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
 }
 
+// This process's environment with `overrides` ("NAME=value") replacing or adding entries.
+std::vector<std::string> Environment(const std::vector<std::string>& overrides) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('=') + 1);
+    const bool overridden = std::any_of(overrides.begin(), overrides.end(),
+                                        [&](const std::string& o) { return o.starts_with(name); });
+    if (!overridden) env.push_back(entry);
+  }
+  env.insert(env.end(), overrides.begin(), overrides.end());
+  return env;
+}
+
+std::vector<char*> Pointers(const std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (const std::string& s : strings) pointers.push_back(const_cast<char*>(s.c_str()));
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
 pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path,
-            bool without_io_uring = false) {
+            bool without_io_uring = false, const std::vector<std::string>& env_overrides = {}) {
+  const std::vector<std::string> env_strings = Environment(env_overrides);
+  std::vector<char*> env = Pointers(env_strings);
+  std::vector<char*> args = Pointers(argv);
   if (without_io_uring) {
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
     const pid_t pid = fork();
     if (pid != 0) return pid;
     const int out = open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(out, 1);
     dup2(out, 2);
     if (!BlockIoUring()) _exit(126);
-    execv(args[0], args.data());
+    execve(args[0], args.data(), env.data());
     _exit(127);
   }
   posix_spawn_file_actions_t actions;
@@ -65,11 +87,8 @@ pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path
   posix_spawn_file_actions_addopen(&actions, 1, output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                    0644);
   posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
   pid_t pid = -1;
-  int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  int err = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), env.data());
   posix_spawn_file_actions_destroy(&actions);
   return err == 0 ? pid : -1;
 }
@@ -121,13 +140,14 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
   argv.insert(argv.end(), options.args.begin(), options.args.end());
   daemon->argv_ = std::move(argv);
   daemon->without_io_uring_ = options.without_io_uring;
+  daemon->env_ = options.env;
   daemon->start_timeout_ = options.start_timeout;
   if (absl::Status s = daemon->Launch(); !s.ok()) return s;
   return daemon;
 }
 
 absl::Status DaemonProcess::Launch() {
-  pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_);
+  pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_, env_);
   if (pid_ < 0) return absl::InternalError("cannot spawn " + argv_[0]);
   const absl::Time deadline = absl::Now() + start_timeout_;
   while (absl::Now() < deadline) {

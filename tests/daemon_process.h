@@ -24,6 +24,8 @@ struct DaemonOptions {
   // How long start-up may take before Start gives up: pinning host memory runs at well under
   // 1 GB/s on some machines, so daemons with gigabytes of host capacity need longer.
   absl::Duration start_timeout = absl::Seconds(30);
+  // "NAME=value" entries set in the daemon's environment, over the test's own.
+  std::vector<std::string> env;
 };
 
 class DaemonProcess {
@@ -52,6 +54,7 @@ class DaemonProcess {
   std::string dir_;
   std::vector<std::string> argv_;
   bool without_io_uring_ = false;
+  std::vector<std::string> env_;
   absl::Duration start_timeout_ = absl::Seconds(30);
   pid_t pid_ = -1;
 };
