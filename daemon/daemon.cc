@@ -135,8 +135,9 @@ absl::Status OpenTiers(const DaemonConfig& config, DaemonParts& d) {
 }
 
 absl::Status ProbeBandwidth(const DaemonConfig& config, DaemonParts& d) {
-  absl::StatusOr<PathBandwidth> probed = ProbePaths(d.host.get(), d.nvme.get(), d.device_pool.get(),
-                                                    d.device.get(), config.planner.probe_bytes);
+  absl::StatusOr<PathBandwidth> probed =
+      ProbePaths(NodeTiers(d.host.get(), d.nvme.get(), d.device_pool.get(), d.device.get()),
+                 config.planner.probe_bytes);
   if (!probed.ok()) {
     return absl::Status(probed.status().code(),
                         absl::StrCat("start-up bandwidth probe: ", probed.status().message(),
@@ -194,11 +195,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   DaemonParts& d = *daemon->parts_;
   if (absl::Status s = OpenTiers(config, d); !s.ok()) return s;
 
-  std::array<Tier*, kTierKinds> tiers{};
-  tiers[static_cast<int>(TierKind::kHost)] = d.host.get();
-  tiers[static_cast<int>(TierKind::kNvme)] = d.nvme.get();
-  tiers[static_cast<int>(TierKind::kDevice)] = d.device_pool.get();
-  d.chunks = std::make_unique<ChunkService>(tiers, d.nvme.get(), d.device.get());
+  d.chunks = std::make_unique<ChunkService>(
+      NodeTiers(d.host.get(), d.nvme.get(), d.device_pool.get(), d.device.get()));
   d.chunks->set_limits(config.limits, config.quotas);
   d.chunks->set_max_bandwidth_weight(config.planner.max_session_weight);
   if (d.nvme != nullptr) {

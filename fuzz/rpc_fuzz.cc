@@ -63,11 +63,8 @@ Daemon& TheDaemon() {
     d->device = MakeEmulatedDevice({.memory_bytes = 32 << 20, .gbps = 100});
     d->device_pool = std::move(*SegmentPool::Create(TierKind::kDevice, "device", 32 << 20, 16 << 20,
                                                     d->device->MakeBacking()));
-    std::array<Tier*, kTierKinds> tiers{};
-    tiers[static_cast<int>(TierKind::kHost)] = d->host.get();
-    tiers[static_cast<int>(TierKind::kNvme)] = d->nvme.get();
-    tiers[static_cast<int>(TierKind::kDevice)] = d->device_pool.get();
-    d->chunks = std::make_unique<ChunkService>(tiers, d->nvme.get(), d->device.get());
+    d->chunks = std::make_unique<ChunkService>(
+        NodeTiers(d->host.get(), d->nvme.get(), d->device_pool.get(), d->device.get()));
     Limits limits;
     limits.chunks_per_session = 128;
     limits.chunks_per_uid = 256;

@@ -51,9 +51,7 @@ Daemon& TheDaemon() {
                                 .lock_memory = false});
     if (!host.ok()) abort();
     d->host = std::move(*host);
-    std::array<Tier*, kTierKinds> tiers{};
-    tiers[static_cast<int>(TierKind::kHost)] = d->host.get();
-    d->chunks = std::make_unique<ChunkService>(tiers);
+    d->chunks = std::make_unique<ChunkService>(NodeTiers(d->host.get()));
     d->sessions = std::make_unique<SessionRegistry>(/*sessions_per_uid=*/64);
     // A segment of this tenant, so that map requests can succeed too.
     auto listener = ListenSeqpacket(d->path, 0600);

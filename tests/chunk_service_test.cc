@@ -19,9 +19,7 @@ class ChunkServiceTest : public testing::Test {
                       .huge_pages = HugePagePolicy::kNever,
                       .lock_memory = false};
     pool_ = std::move(*CreateHostPool(o));
-    std::array<Tier*, kTierKinds> tiers{};
-    tiers[static_cast<int>(TierKind::kHost)] = pool_.get();
-    service_ = std::make_unique<ChunkService>(tiers);
+    service_ = std::make_unique<ChunkService>(NodeTiers(pool_.get()));
     alice_ = *sessions_.Open({1000, 1000, 1}, "alice");
     alice2_ = *sessions_.Open({1000, 1000, 2}, "alice-second-rank");
     bob_ = *sessions_.Open({2000, 2000, 3}, "bob");
@@ -304,9 +302,7 @@ class AddressSpaceTier final : public Tier {
 
 TEST(ChunkTableScaleTest, HoldsAMillionChunks) {
   AddressSpaceTier tier;
-  std::array<Tier*, kTierKinds> tiers{};
-  tiers[static_cast<int>(TierKind::kHost)] = &tier;
-  ChunkService service(tiers);
+  ChunkService service(NodeTiers(&tier));
   SessionRegistry sessions;
   auto session = *sessions.Open({1000, 1000, 1}, "scale");
   constexpr size_t kBatch = 100'000;

@@ -74,11 +74,8 @@ class DeviceServiceTest : public ::testing::Test {
     owned_device_.reset(device_);
     device_pool_ = std::move(
         *SegmentPool::Create(TierKind::kDevice, "device", 2 * kSeg, kSeg, device_->MakeBacking()));
-    std::array<Tier*, kTierKinds> tiers{};
-    tiers[static_cast<int>(TierKind::kHost)] = host_.get();
-    tiers[static_cast<int>(TierKind::kNvme)] = nvme_.get();
-    tiers[static_cast<int>(TierKind::kDevice)] = device_pool_.get();
-    service_ = std::make_unique<ChunkService>(tiers, nvme_.get(), device_);
+    service_ = std::make_unique<ChunkService>(
+        NodeTiers(host_.get(), nvme_.get(), device_pool_.get(), device_));
     session_ = *sessions_.Open({1000, 1000, 1}, "gpu-rank");
     void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                    session_->completions->fd(), 0);

@@ -63,10 +63,7 @@ class NvmeServiceTest : public ::testing::Test {
     auto tier = NvmeTier::Open(o, id, host_.get());
     ASSERT_TRUE(tier.ok()) << tier.status();
     nvme_ = std::move(*tier);
-    std::array<Tier*, kTierKinds> tiers{};
-    tiers[static_cast<int>(TierKind::kHost)] = host_.get();
-    tiers[static_cast<int>(TierKind::kNvme)] = nvme_.get();
-    service_ = std::make_unique<ChunkService>(tiers, nvme_.get());
+    service_ = std::make_unique<ChunkService>(NodeTiers(host_.get(), nvme_.get()));
   }
 
   void MapPage(const Session& s) {

@@ -15,8 +15,6 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -43,9 +41,8 @@ absl::Status ValidateChunkName(absl::string_view name) {
   return absl::OkStatus();
 }
 
-ChunkService::ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme, Device* device,
-                           const Clock& clock)
-    : tiers_(tiers), nvme_(nvme), device_(device), clock_(clock) {
+ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
+    : tiers_(tiers.tier), hops_(tiers.hop), index_(tiers.index), clock_(clock) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
@@ -229,7 +226,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
-    if (r.persistent && nvme_ == nullptr) ++volatile_persistent;
+    if (r.persistent && index_ == nullptr) ++volatile_persistent;
     if (r.persistent) leases_[chunk.id] = Lease{{session.id}, r.shared};
     if (!r.persistent) state.owned.insert(chunk.id);
     result[i] = chunk.id;

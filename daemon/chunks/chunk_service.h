@@ -37,6 +37,7 @@
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/io/io_engine.h"
 #include "daemon/planner/planner.h"
+#include "daemon/tiers/hop.h"
 #include "daemon/tiers/nvme_index.h"
 #include "daemon/tiers/tier.h"
 #include "daemon/util/clock.h"
@@ -130,9 +131,6 @@ inline constexpr uint32_t kMaxPageSize = 100'000;
 // empty nor "." nor "..".
 absl::Status ValidateChunkName(absl::string_view name);
 
-class NvmeTier;
-class Device;
-
 // One unit of a Prefetch's priority: how much sooner its I/O is due than a request made with a
 // priority one lower.
 inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
@@ -142,12 +140,10 @@ absl::Time PrefetchDeadline(absl::Time now, int priority);
 
 class ChunkService {
  public:
-  // `tiers[k]` is the tier of kind k, or null where that tier is not configured. Host must exist.
-  // `nvme` is the NVMe tier's data path (also tiers[kNvme]), or null.
-  // `device` is the GPU (or emulated one) behind tiers[kDevice], or null.
+  // `tiers`: the tiers by kind, the hops between them and the index of persistent chunks, null
+  // where the node has none (NodeTiers assembles them); the host tier must exist.
   // `clock` is what step times, stalls and move durations are measured with.
-  explicit ChunkService(std::array<Tier*, kTierKinds> tiers, NvmeTier* nvme = nullptr,
-                        Device* device = nullptr, const Clock& clock = Clock::Real());
+  explicit ChunkService(const Tiers& tiers, const Clock& clock = Clock::Real());
   // Waits (WaitForIdle) until the tiers have let go of every callback handed to them: the last
   // one's release touches the service. REQUIRES: the tiers outlive the service and run what they
   // were handed.
@@ -499,7 +495,7 @@ class ChunkService {
   // version is in memory.
   bool NeedsMark(const ChunkMeta& chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return chunk.persistent && chunk.memory_home && !chunk.marked && !chunk.lost &&
-           nvme_ != nullptr;
+           index_ != nullptr;
   }
   // Durably records in the NVMe index that the chunk's current version is in memory (so that a
   // crash recovers it lost, never older); `batch` completes once that is durable.
@@ -510,17 +506,24 @@ class ChunkService {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);
 
-  // Wraps a callback handed to a tier so that WaitForIdle waits for it: it counts from here until
-  // the tier has run it and let it go (copies included). A move that hands over from one tier to
-  // another (NVMe -> GPU, GPU -> host -> NVMe) wraps each hop, so the count never passes zero
-  // between them.
+  // Wraps a callback handed to a hop or the index so that WaitForIdle waits for it: it counts
+  // from here until the hop has run it and let it go (copies included). A route over two hops
+  // holds its one callback until the last piece has crossed both; a move that starts another as
+  // it settles (device -> host -> NVMe) starts it before its own callback returns, so the count
+  // never passes zero between them.
   template <typename F>
   auto Tracked(F callback);
   std::shared_ptr<void> BeginTierOp();
 
+  // The hop on `path`, or null where the node has none.
+  Hop* hop(Path path) const { return hops_[static_cast<int>(path)]; }
+  // A copy of the chunk from its copy in `from` to its space in `to` (a read of a chunk never
+  // written fills zeros).
+  HopJob JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const;
+
   const std::array<Tier*, kTierKinds> tiers_;
-  NvmeTier* const nvme_;
-  Device* const device_;
+  const std::array<Hop*, kPaths> hops_;
+  PersistentIndex* const index_;
   const Clock& clock_;
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;

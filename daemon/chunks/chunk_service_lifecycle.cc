@@ -18,8 +18,6 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -71,7 +69,7 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
   for (const IndexEntry& e : entries) {
     Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
     const bool has_copy = e.reserved != 0;
-    if (has_copy && (nvme_ == nullptr || !nvme_->Claim(p))) {
+    if (has_copy && (index_ == nullptr || !index_->Claim(p))) {
       spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
                     e.name, e.tenant);
       continue;
@@ -135,7 +133,7 @@ size_t ChunkService::WriteDownForStop() {
         if (chunk.lost || !in_memory) continue;
         ids.push_back(id);
         bytes += chunk.size;
-        if (nvme_ == nullptr) continue;
+        if (hop(Path::kHostToNvme) == nullptr) continue;
         if (absl::Status s = CheckEvictable(chunk, TierKind::kNvme); !s.ok()) {
           batch->Add();
           batch->Done(s);
@@ -149,7 +147,7 @@ size_t ChunkService::WriteDownForStop() {
     batch->Done(absl::OkStatus());
     return 0;
   }
-  if (nvme_ == nullptr) {
+  if (hop(Path::kHostToNvme) == nullptr) {
     spdlog::warn(
         "{} persistent chunks ({}) lived in host memory only (no NVMe tier): lost with "
         "this stop",
@@ -196,8 +194,8 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   ledger_.AddChunks(chunk.tenant, -1);
   // A chunk at home in memory may have a record without a copy (or one being written): forgetting
   // a name the index does not hold costs nothing.
-  if (chunk.persistent && nvme_ != nullptr && (chunk.written || chunk.memory_home))
-    nvme_->Forget(chunk.tenant, chunk.name);
+  if (chunk.persistent && index_ != nullptr && (chunk.written || chunk.memory_home))
+    index_->Forget(chunk.tenant, chunk.name);
   if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
   if (chunk.persistent) {
     auto it = persistent_.find(chunk.tenant);

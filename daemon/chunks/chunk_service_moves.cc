@@ -1,6 +1,7 @@
 // ChunkService: the moves between tiers. Each starts with the chunk marked moving and its space
-// reserved, hands its I/O to a tier with a callback (Tracked), and settles under the service's
-// lock: the copies change, the path is metered, and the requests waiting for the chunk are served.
+// reserved, hands the copy to its route of hops with a callback (Tracked), and settles under the
+// service's lock: the copies change, the path is metered, and the requests waiting for the chunk
+// are served.
 
 #include "daemon/chunks/chunk_service.h"
 
@@ -19,8 +20,6 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -69,7 +68,8 @@ absl::Status ChunkService::CheckFetchable(const ChunkMeta& chunk, TierKind tier)
     return absl::FailedPreconditionError(absl::StrCat(
         "chunk ", chunk.id, " is acquired on the device; release it before copying it out"));
   }
-  if (!from_device && !chunk.resident.contains(TierKind::kHost) && nvme_ == nullptr) {
+  if (!from_device && !chunk.resident.contains(TierKind::kHost) &&
+      hop(Path::kNvmeToHost) == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "chunk ", chunk.id, ": this daemon has no data path into the ", TierName(tier), " tier"));
   }
@@ -81,6 +81,19 @@ IoOrder ChunkService::OrderFor(const ChunkMeta& chunk, absl::Time deadline) cons
   return IoOrder{.deadline = deadline,
                  .flow = chunk.owner,
                  .weight = it == sessions_.end() ? 1 : it->second.weight};
+}
+
+HopJob ChunkService::JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const {
+  const Placement& source = chunk.placement[static_cast<int>(from)];
+  const Placement& target = chunk.placement[static_cast<int>(to)];
+  return HopJob{.chunk_id = chunk.id,
+                .from = source,
+                .to = target,
+                .from_address = tier(from)->Address(source),
+                .to_address = tier(to)->Address(target),
+                .size = chunk.size,
+                .checksum = chunk.checksum,
+                .zeros = from == TierKind::kNvme && !chunk.written};
 }
 
 absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
@@ -284,23 +297,23 @@ void ChunkService::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
     e.reserved = chunk.placement[kNvme].size;
   }
   batch->Add();
-  nvme_->Persist(std::move(e), Tracked([this, id = chunk.id, batch](absl::Status s) {
-                   {
-                     absl::MutexLock lock(&mu_);
-                     if (auto it = chunks_.find(id); s.ok() && it != chunks_.end())
-                       it->second.marked = true;
-                   }
-                   if (!s.ok()) {
-                     s = absl::Status(
-                         s.code(),
-                         absl::StrCat("chunk ", id,
-                                      ": could not record in the NVMe index that its current "
-                                      "version is in memory (a crash must report it lost, not "
-                                      "return an older one): ",
-                                      s.message()));
-                   }
-                   batch->Done(s);
-                 }));
+  index_->Persist(std::move(e), Tracked([this, id = chunk.id, batch](absl::Status s) {
+                    {
+                      absl::MutexLock lock(&mu_);
+                      if (auto it = chunks_.find(id); s.ok() && it != chunks_.end())
+                        it->second.marked = true;
+                    }
+                    if (!s.ok()) {
+                      s = absl::Status(
+                          s.code(),
+                          absl::StrCat("chunk ", id,
+                                       ": could not record in the NVMe index that its current "
+                                       "version is in memory (a crash must report it lost, not "
+                                       "return an older one): ",
+                                       s.message()));
+                    }
+                    batch->Done(s);
+                  }));
 }
 
 void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
@@ -313,9 +326,6 @@ void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
 
 void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
                                  absl::Time deadline) {
-  constexpr int kHost = static_cast<int>(TierKind::kHost);
-  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
-  constexpr int kDev = static_cast<int>(TierKind::kDevice);
   const bool from_host = chunk.resident.contains(TierKind::kHost);
   // Without a host copy, the chunk's host space stages it on the way from NVMe.
   if (!EnsureSpace(chunk, TierKind::kHost, batch) ||
@@ -325,82 +335,21 @@ void ChunkService::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>&
   if (!BeginBatchMove(chunk, TierKind::kDevice, batch)) return;
   MoveStarted(Path::kHostToDevice, chunk);
   if (!from_host && chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
-  const ChunkId id = chunk.id;
-  char* host = static_cast<char*>(tier(TierKind::kHost)->Address(chunk.placement[kHost]));
-  char* dev = static_cast<char*>(tier(TierKind::kDevice)->Address(chunk.placement[kDev]));
+  auto settle = Tracked([this, id = chunk.id, batch, from_host](absl::Status s, uint64_t) {
+    SettleToDevice(id, s, /*host_filled=*/!from_host);
+    batch->Done(s);
+  });
+  const HopJob to_device = JobFor(chunk, TierKind::kHost, TierKind::kDevice);
   if (from_host) {
-    device_->CopyToDevice(dev, host, chunk.size, Tracked([this, id, batch](absl::Status s) {
-                            SettleToDevice(id, s, /*host_filled=*/false);
-                            batch->Done(s);
-                          }));
+    hop(Path::kHostToDevice)->Copy(to_device, std::move(settle));
     return;
   }
-  if (!chunk.written) {  // never written: zeros on both
-    nvme_->ZeroFill(chunk.placement[kHost], chunk.size,
-                    Tracked([this, id, batch, dev, host, size = chunk.size](absl::Status s) {
-                      if (!s.ok()) {
-                        SettleToDevice(id, s, /*host_filled=*/true);
-                        batch->Done(s);
-                        return;
-                      }
-                      device_->CopyToDevice(dev, host, size,
-                                            Tracked([this, id, batch](absl::Status s2) {
-                                              SettleToDevice(id, s2, /*host_filled=*/true);
-                                              batch->Done(s2);
-                                            }));
-                    }));
-    return;
-  }
-  // NVMe -> host -> GPU, pipelined: each piece goes to the GPU as soon as it has been read.
-  struct Pipeline {
-    absl::Mutex mu;
-    size_t copies_pending = 0;
-    bool reads_done = false;
-    bool settled = false;  // the last copy and the end of the reads can race to settle
-    absl::Status status;
-  };
-  auto pipe = std::make_shared<Pipeline>();
-  auto finish_if_done = [this, id, batch, pipe]() {
-    absl::Status status;
-    {
-      absl::MutexLock lock(&pipe->mu);
-      if (!pipe->reads_done || pipe->copies_pending > 0 || pipe->settled) return;
-      pipe->settled = true;
-      status = pipe->status;
-    }
-    SettleToDevice(id, status, /*host_filled=*/true);
-    batch->Done(status);
-  };
+  // NVMe -> host -> GPU: each piece goes on to the GPU as soon as it has been read.
   constexpr uint64_t kPiece = 4 << 20;
-  nvme_->ReadPieces(
-      id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum, kPiece,
-      Tracked([this, pipe, dev, host, finish_if_done, size = chunk.size](uint64_t off,
-                                                                         uint64_t len) {
-        len = std::min(len, size - std::min(size, off));  // the last piece ends at the chunk's end
-        if (len == 0) return;
-        {
-          absl::MutexLock lock(&pipe->mu);
-          ++pipe->copies_pending;
-        }
-        device_->CopyToDevice(dev + off, host + off, len,
-                              Tracked([pipe, finish_if_done](absl::Status s) {
-                                {
-                                  absl::MutexLock lock(&pipe->mu);
-                                  --pipe->copies_pending;
-                                  if (pipe->status.ok() && !s.ok()) pipe->status = s;
-                                }
-                                finish_if_done();
-                              }));
-      }),
-      Tracked([pipe, finish_if_done](absl::Status s) {
-        {
-          absl::MutexLock lock(&pipe->mu);
-          pipe->reads_done = true;
-          if (pipe->status.ok() && !s.ok()) pipe->status = s;
-        }
-        finish_if_done();
-      }),
-      OrderFor(chunk, deadline));
+  HopJob read = JobFor(chunk, TierKind::kNvme, TierKind::kHost);
+  read.order = OrderFor(chunk, deadline);
+  CopyAlong(hop(Path::kNvmeToHost), read, hop(Path::kHostToDevice), to_device, kPiece,
+            std::move(settle));
 }
 
 void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
@@ -422,18 +371,16 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
 
 void ChunkService::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
                                bool then_nvme, bool keep_source) {
-  constexpr int kHost = static_cast<int>(TierKind::kHost);
-  constexpr int kDev = static_cast<int>(TierKind::kDevice);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
   if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
   MoveStarted(Path::kDeviceToHost, chunk);
-  const ChunkId id = chunk.id;
-  device_->CopyToHost(tier(TierKind::kHost)->Address(chunk.placement[kHost]),
-                      tier(TierKind::kDevice)->Address(chunk.placement[kDev]), chunk.size,
-                      Tracked([this, id, batch, then_nvme, keep_source](absl::Status s) {
-                        SettleToHost(id, s, then_nvme, keep_source, batch);
-                        batch->Done(s);
-                      }));
+  hop(Path::kDeviceToHost)
+      ->Copy(
+          JobFor(chunk, TierKind::kDevice, TierKind::kHost),
+          Tracked([this, id = chunk.id, batch, then_nvme, keep_source](absl::Status s, uint64_t) {
+            SettleToHost(id, s, then_nvme, keep_source, batch);
+            batch->Done(s);
+          }));
 }
 
 void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
@@ -457,22 +404,16 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
 
 void ChunkService::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
                              absl::Time deadline) {
-  constexpr int kHost = static_cast<int>(TierKind::kHost);
-  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
   if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
   if (chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
-  const ChunkId id = chunk.id;
-  auto done = Tracked([this, id, batch](absl::Status s) {
-    SettleRead(id, s);
-    batch->Done(s);
-  });
-  if (!chunk.written) {
-    nvme_->ZeroFill(chunk.placement[kHost], chunk.size, std::move(done));
-  } else {
-    nvme_->Read(id, chunk.placement[kHost], chunk.placement[kNvme], chunk.size, chunk.checksum,
-                std::move(done), OrderFor(chunk, deadline));
-  }
+  HopJob read = JobFor(chunk, TierKind::kNvme, TierKind::kHost);
+  read.order = OrderFor(chunk, deadline);
+  hop(Path::kNvmeToHost)
+      ->Copy(read, Tracked([this, id = chunk.id, batch](absl::Status s, uint64_t) {
+               SettleRead(id, s);
+               batch->Done(s);
+             }));
 }
 
 void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
@@ -490,7 +431,6 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
 
 void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
                               bool keep_source) {
-  constexpr int kHost = static_cast<int>(TierKind::kHost);
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
     if (!keep_source) DropAbove(chunk, TierKind::kNvme);
@@ -525,35 +465,21 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
     return;
   }
   MoveStarted(Path::kHostToNvme, chunk);
-  const ChunkId id = chunk.id;
-  const Placement nvme = chunk.placement[kNvme];
-  std::optional<IndexEntry> entry;
+  HopJob write = JobFor(chunk, TierKind::kHost, TierKind::kNvme);
+  write.order = OrderFor(chunk, clock_.Now());
+  write.durable = chunk.persistent;
   if (chunk.persistent) {
-    entry = IndexEntry{chunk.tenant, chunk.name, chunk.size,        nvme.offset,
-                       nvme.size,    0,          chunk.memory_home, /*in_memory=*/false};
+    // A persistent chunk is durable once the index says where it is.
+    write.commit = IndexEntry{chunk.tenant,  chunk.name, chunk.size,        write.to.offset,
+                              write.to.size, 0,          chunk.memory_home, /*in_memory=*/false};
   }
-  nvme_->Write(
-      id, chunk.placement[kHost], nvme, chunk.size,
-      Tracked([this, id, batch, keep_source, entry, previous](absl::StatusOr<uint64_t> checksum) {
-        if (!checksum.ok() || !entry) {
-          SettleWrite(id, checksum, keep_source, previous);
-          batch->Done(checksum.status());
-          return;
-        }
-        // A persistent chunk is durable once the index says where it is.
-        IndexEntry e = *entry;
-        e.checksum = *checksum;
-        nvme_->Persist(e,
-                       Tracked([this, id, batch, keep_source, checksum, previous](absl::Status s) {
-                         if (s.ok()) {
-                           SettleWrite(id, checksum, keep_source, previous);
-                         } else {
-                           SettleWrite(id, s, keep_source, previous);
-                         }
-                         batch->Done(s);
-                       }));
-      }),
-      OrderFor(chunk, clock_.Now()), /*durable=*/chunk.persistent);
+  hop(Path::kHostToNvme)
+      ->Copy(write, Tracked([this, id = chunk.id, batch, keep_source, previous](absl::Status s,
+                                                                                uint64_t checksum) {
+               SettleWrite(id, s.ok() ? absl::StatusOr<uint64_t>(checksum) : s, keep_source,
+                           previous);
+               batch->Done(s);
+             }));
 }
 
 void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum,

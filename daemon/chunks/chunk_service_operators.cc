@@ -18,8 +18,6 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -50,7 +48,7 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
   const TierKind below = tier == TierKind::kDevice ? TierKind::kHost : TierKind::kNvme;
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
-  if (below == TierKind::kNvme && nvme_ == nullptr) {
+  if (below == TierKind::kNvme && hop(Path::kHostToNvme) == nullptr) {
     return absl::FailedPreconditionError(
         "Drain: this daemon has no NVMe tier to move the host tier's chunks into");
   }

@@ -19,8 +19,7 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/segment_pool.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -67,8 +66,8 @@ absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant
 }
 
 uint64_t ChunkService::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
-  if (t != TierKind::kNvme || !persistent || nvme_ == nullptr) return size;
-  return std::max(size, nvme_->persistent_granule());
+  if (t != TierKind::kNvme || !persistent || index_ == nullptr) return size;
+  return std::max(size, index_->persistent_granule());
 }
 
 uint64_t ChunkService::FreeFor(uint32_t tenant, TierKind t) const {
@@ -153,8 +152,8 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[k];
   if (coming > 0 && free + coming >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
-  const bool can_write_down =
-      t == TierKind::kDevice ? device_ != nullptr : t == TierKind::kHost && nvme_ != nullptr;
+  const Path down = t == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
+  const bool can_write_down = t != TierKind::kNvme && hop(down) != nullptr;
   if (!can_write_down) return coming > 0 || (!own && moves_in_flight_ > 0);
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.

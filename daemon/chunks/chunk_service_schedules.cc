@@ -18,8 +18,6 @@
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
@@ -356,10 +354,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
         if (c.pins > 0) break;
         auto batch = std::make_shared<Batch>();
         if (m.tier == TierKind::kDevice) {
-          if (device_ == nullptr || !c.resident.contains(TierKind::kDevice)) break;
+          if (hop(Path::kDeviceToHost) == nullptr || !c.resident.contains(TierKind::kDevice)) break;
           StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
         } else {
-          if (nvme_ == nullptr || !c.resident.contains(TierKind::kHost)) break;
+          if (hop(Path::kHostToNvme) == nullptr || !c.resident.contains(TierKind::kHost)) break;
           StartWrite(c, batch, /*keep_source=*/true);
         }
         batch->Done(absl::OkStatus());

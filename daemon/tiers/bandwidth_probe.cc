@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <future>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -44,85 +45,58 @@ class Scratch {
   std::vector<Placement> placements_;
 };
 
-absl::Status ProbeNvme(Tier* host, NvmeTier* nvme, const std::vector<Placement>& buffers,
-                       uint64_t piece, uint32_t tenant, PathBandwidth* out) {
-  Scratch space(nvme, tenant);
-  std::vector<Placement> on_nvme;
+// Copies each buffer out to `far` (host -> far) and back (far -> host), timing each direction;
+// the way back reads into zeroed buffers and, from NVMe, verifies the checksums the way out made.
+absl::Status ProbeOutAndBack(const Tiers& tiers, TierKind far, Path out, Path back,
+                             const std::vector<Placement>& buffers, uint64_t piece, uint32_t tenant,
+                             PathBandwidth* rates) {
+  Tier* host = tiers.tier[static_cast<int>(TierKind::kHost)];
+  Tier* there = tiers.tier[static_cast<int>(far)];
+  Scratch space(there, tenant);
+  std::vector<HopJob> jobs;
   for (size_t i = 0; i < buffers.size(); ++i) {
     absl::StatusOr<Placement> p = space.Reserve(piece);
     if (!p.ok()) return absl::OkStatus();  // no room: the path is not probed
-    on_nvme.push_back(*p);
+    jobs.push_back(HopJob{.from = buffers[i],
+                          .to = *p,
+                          .from_address = host->Address(buffers[i]),
+                          .to_address = there->Address(*p),
+                          .size = piece,
+                          .durable = true});
   }
-  const uint64_t total = piece * buffers.size();
-
-  std::vector<std::promise<absl::StatusOr<uint64_t>>> wrote(buffers.size());
-  absl::Time start = absl::Now();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    nvme->Write(0, buffers[i], on_nvme[i], piece,
-                [&wrote, i](absl::StatusOr<uint64_t> sum) { wrote[i].set_value(sum); });
-  }
-  std::vector<uint64_t> checksums;
-  for (auto& w : wrote) {
-    absl::StatusOr<uint64_t> sum = w.get_future().get();
-    if (!sum.ok()) return sum.status();
-    checksums.push_back(*sum);
-  }
-  (*out)[static_cast<int>(Path::kHostToNvme)] = Rate(total, absl::Now() - start);
-
-  for (const Placement& b : buffers) std::memset(host->Address(b), 0, piece);
-  std::vector<std::promise<absl::Status>> read(buffers.size());
-  start = absl::Now();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    nvme->Read(0, buffers[i], on_nvme[i], piece, checksums[i],
-               [&read, i](absl::Status s) { read[i].set_value(s); });
-  }
-  for (auto& r : read) {  // each read verified its checksum
-    if (absl::Status s = r.get_future().get(); !s.ok()) return s;
-  }
-  (*out)[static_cast<int>(Path::kNvmeToHost)] = Rate(total, absl::Now() - start);
-  return absl::OkStatus();
-}
-
-absl::Status ProbeDevice(Tier* host, Tier* pool, Device* device,
-                         const std::vector<Placement>& buffers, uint64_t piece, uint32_t tenant,
-                         PathBandwidth* out) {
-  Scratch space(pool, tenant);
-  std::vector<void*> on_device;
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    absl::StatusOr<Placement> p = space.Reserve(piece);
-    if (!p.ok()) return absl::OkStatus();  // no room: the path is not probed
-    on_device.push_back(pool->Address(*p));
-  }
-  const uint64_t total = piece * buffers.size();
-  auto copy_all = [&](bool to_device) -> absl::StatusOr<double> {
-    std::vector<std::promise<absl::Status>> copied(buffers.size());
+  // Runs every job over `hop` at once; the checksums the hop computed, in job order.
+  auto run = [&](Path path) -> absl::StatusOr<std::vector<uint64_t>> {
+    std::vector<std::promise<std::pair<absl::Status, uint64_t>>> done(jobs.size());
     const absl::Time start = absl::Now();
-    for (size_t i = 0; i < buffers.size(); ++i) {
-      auto done = [&copied, i](absl::Status s) { copied[i].set_value(s); };
-      if (to_device) {
-        device->CopyToDevice(on_device[i], host->Address(buffers[i]), piece, done);
-      } else {
-        device->CopyToHost(host->Address(buffers[i]), on_device[i], piece, done);
-      }
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      tiers.hop[static_cast<int>(path)]->Copy(jobs[i], [&done, i](absl::Status s, uint64_t sum) {
+        done[i].set_value({s, sum});
+      });
     }
-    for (auto& c : copied) {
-      if (absl::Status s = c.get_future().get(); !s.ok()) return s;
+    std::vector<uint64_t> sums;
+    for (auto& d : done) {
+      auto [s, sum] = d.get_future().get();
+      if (!s.ok()) return s;
+      sums.push_back(sum);
     }
-    return Rate(total, absl::Now() - start);
+    (*rates)[static_cast<int>(path)] = Rate(piece * jobs.size(), absl::Now() - start);
+    return sums;
   };
-  absl::StatusOr<double> h2d = copy_all(true);
-  if (!h2d.ok()) return h2d.status();
-  absl::StatusOr<double> d2h = copy_all(false);
-  if (!d2h.ok()) return d2h.status();
-  (*out)[static_cast<int>(Path::kHostToDevice)] = *h2d;
-  (*out)[static_cast<int>(Path::kDeviceToHost)] = *d2h;
-  return absl::OkStatus();
+  absl::StatusOr<std::vector<uint64_t>> sums = run(out);
+  if (!sums.ok()) return sums.status();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    std::memset(jobs[i].from_address, 0, piece);
+    std::swap(jobs[i].from, jobs[i].to);
+    std::swap(jobs[i].from_address, jobs[i].to_address);
+    jobs[i].checksum = (*sums)[i];
+  }
+  return run(back).status();
 }
 
 }  // namespace
 
-absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* device_pool,
-                                         Device* device, uint64_t bytes) {
+absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes) {
+  Tier* host = tiers.tier[static_cast<int>(TierKind::kHost)];
   PathBandwidth out{};
   const uint32_t tenant = getuid();  // the daemon's own: recycled before a client's chunks use it
   const uint64_t piece =
@@ -156,20 +130,23 @@ absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* devic
     }
     return run(p, &out);
   };
-  if (nvme != nullptr) {
-    absl::Status s = probe(Path::kHostToNvme, Path::kNvmeToHost, [&](uint64_t p, PathBandwidth* r) {
-      return ProbeNvme(host, nvme, buffers, p, tenant, r);
-    });
-    if (!s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("probing the NVMe tier: ", s.message()));
+  struct Far {
+    TierKind tier;
+    Path out, back;
+    const char* what;
+  };
+  for (const Far& f :
+       {Far{TierKind::kNvme, Path::kHostToNvme, Path::kNvmeToHost, "the NVMe tier"},
+        Far{TierKind::kDevice, Path::kHostToDevice, Path::kDeviceToHost, "the device"}}) {
+    if (tiers.tier[static_cast<int>(f.tier)] == nullptr ||
+        tiers.hop[static_cast<int>(f.out)] == nullptr ||
+        tiers.hop[static_cast<int>(f.back)] == nullptr) {
+      continue;
     }
-  }
-  if (device != nullptr && device_pool != nullptr) {
-    absl::Status s =
-        probe(Path::kHostToDevice, Path::kDeviceToHost, [&](uint64_t p, PathBandwidth* r) {
-          return ProbeDevice(host, device_pool, device, buffers, p, tenant, r);
-        });
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("probing the device: ", s.message()));
+    absl::Status s = probe(f.out, f.back, [&](uint64_t p, PathBandwidth* r) {
+      return ProbeOutAndBack(tiers, f.tier, f.out, f.back, buffers, p, tenant, r);
+    });
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("probing ", f.what, ": ", s.message()));
   }
   return out;
 }

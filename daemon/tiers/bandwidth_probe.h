@@ -8,8 +8,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/hop.h"
 #include "daemon/tiers/tier.h"
 
 namespace tierd::daemon {
@@ -17,11 +16,10 @@ namespace tierd::daemon {
 // Bytes per second per path (indexed by Path); 0 for a path not probed.
 using PathBandwidth = std::array<double, kPaths>;
 
-// Moves up to `bytes` over each path there is: NVMe when `nvme` is set, the device when `device`
-// and `device_pool` are. Uses free space in each tier and gives it back; reads verify what the
+// Moves up to `bytes` over each path there is (a tier with hops both ways), through the hops the
+// chunk service will use. Uses free space in each tier and gives it back; reads verify what the
 // writes wrote. Fails (saying which path and why) when a move fails. A path without room for the
 // probe (less than 4 MiB free in one of its tiers) is not probed.
-absl::StatusOr<PathBandwidth> ProbePaths(Tier* host, NvmeTier* nvme, Tier* device_pool,
-                                         Device* device, uint64_t bytes);
+absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes);
 
 }  // namespace tierd::daemon

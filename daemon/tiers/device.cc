@@ -7,6 +7,15 @@
 
 namespace tierd::daemon {
 
+void DeviceHop::Copy(const HopJob& job, Done done) {
+  auto called_back = [done = std::move(done)](absl::Status s) { done(std::move(s), 0); };
+  if (path_ == Path::kHostToDevice) {
+    device_->CopyToDevice(job.to_address, job.from_address, job.size, std::move(called_back));
+  } else {
+    device_->CopyToHost(job.to_address, job.from_address, job.size, std::move(called_back));
+  }
+}
+
 HostRegistration::HostRegistration(SegmentPool* host, Device* device, Fallbacks* fallbacks)
     : host_(host), device_(device), fallbacks_(fallbacks) {
   // The pool calls the observer with its lock held, so calls never overlap.

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/tiers/hop.h"
 #include "daemon/tiers/segment_pool.h"
 #include "daemon/util/fallbacks.h"
 
@@ -25,10 +26,35 @@ struct DeviceDescription {
   bool emulated = false;
 };
 
+class Device;
+
+// A copy between host and device memory on one of the device's streams: the hops the chunk service
+// routes chunks to and from the GPU over.
+class DeviceHop final : public Hop {
+ public:
+  DeviceHop(Device* device, Path path) : device_(device), path_(path) {}
+  Path path() const override { return path_; }
+  void Copy(const HopJob& job, Done done) override;
+
+ private:
+  Device* const device_;
+  const Path path_;
+};
+
 class Device {
  public:
   using Callback = std::function<void(absl::Status)>;
+  Device() = default;
   virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  // The device's hop on `path` (host to device, device to host); null on the other paths.
+  Hop* hop(Path path) {
+    if (path == Path::kHostToDevice) return &to_device_;
+    if (path == Path::kDeviceToHost) return &to_host_;
+    return nullptr;
+  }
 
   virtual const DeviceDescription& description() const = 0;
   // The memory the device pool's segments are made of (exportable to clients as fds).
@@ -46,6 +72,10 @@ class Device {
                           Callback done) = 0;
   // Waits until every copy issued so far has called back.
   virtual void Drain() = 0;
+
+ private:
+  DeviceHop to_device_{this, Path::kHostToDevice};
+  DeviceHop to_host_{this, Path::kDeviceToHost};
 };
 
 // Keeps every segment of the host tier registered with `device` while it lives: registers each

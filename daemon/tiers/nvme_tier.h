@@ -19,6 +19,7 @@
 #include "daemon/io/io_engine.h"
 #include "daemon/io/work_queue.h"
 #include "daemon/tiers/extent_allocator.h"
+#include "daemon/tiers/hop.h"
 #include "daemon/tiers/host_memory.h"
 #include "daemon/tiers/nvme_index.h"
 #include "daemon/tiers/nvme_region.h"
@@ -51,7 +52,7 @@ struct RegionStatus {
 
 using InstanceId = std::array<uint8_t, 16>;
 
-class NvmeTier final : public Tier {
+class NvmeTier final : public Tier, public PersistentIndex {
  public:
   // Opens and locks the regions; formats them when all are blank (or `reformat`); refuses a region
   // listed twice or locked by another process, and regions of another instance, another set,
@@ -75,12 +76,66 @@ class NvmeTier final : public Tier {
   TierUsage Usage() const override;
   std::string Describe() const override;
 
-  // Claims the space of a recovered persistent chunk. False if it overlaps another.
-  bool Claim(const Placement& placement);
+  bool Claim(const Placement& placement) override;
   // Persistent chunks found in the index at start-up.
   std::vector<IndexEntry> RecoveredEntries() const;
 
   using StatusCallback = std::function<void(absl::Status)>;
+  // The index of persistent chunks (PersistentIndex): records a chunk durably / removes it.
+  void Persist(IndexEntry entry, StatusCallback done) override;
+  void Forget(uint32_t tenant, std::string name) override;
+  // The tier's hop on `path`: reads into host memory and writes from it (then records the job's
+  // index entry); null on the GPU's paths. The tier's chunk I/O goes through these.
+  Hop* hop(Path path) {
+    if (path == Path::kNvmeToHost) return &read_hop_;
+    if (path == Path::kHostToNvme) return &write_hop_;
+    return nullptr;
+  }
+  // Waits until every request made so far has called back.
+  void Drain();
+
+  std::vector<RegionStatus> Regions() const;
+  uint64_t stripe_unit() const { return stripe_unit_; }
+  uint64_t io_size() const { return engine_->io_size(); }
+  uint32_t queue_depth() const { return engine_->queue_depth(); }
+  uint32_t block_size() const { return block_; }
+  IoEngineStats stats() const { return engine_->stats(); }
+  // The least NVMe space a persistent chunk takes: the volume over the live records the index can
+  // hold with room to spare for its log, so that persistent chunks run out of space (and their
+  // owners into their quotas) before the index runs out of records, however small they are.
+  uint64_t persistent_granule() const override { return persistent_granule_; }
+  size_t index_records() const { return index_records_; }
+  // Chunk reads whose bytes failed their checksum (refused with DATA_LOSS), since start-up.
+  uint64_t checksum_failures() const { return checksum_failures_.load(std::memory_order_relaxed); }
+  IoBackend* backend() const { return engine_->backend(); }
+  // io_uring, or the threads it fell back to (or was told to use).
+  IoBackendKind io_backend() const { return io_backend_; }
+
+ private:
+  class ReadHop final : public Hop {
+   public:
+    explicit ReadHop(NvmeTier* tier) : tier_(tier) {}
+    Path path() const override { return Path::kNvmeToHost; }
+    void Copy(const HopJob& job, Done done) override;
+    void CopyInPieces(const HopJob& job, uint64_t piece, OnPiece on_piece, Done done) override;
+
+   private:
+    NvmeTier* const tier_;
+  };
+  class WriteHop final : public Hop {
+   public:
+    explicit WriteHop(NvmeTier* tier) : tier_(tier) {}
+    Path path() const override { return Path::kHostToNvme; }
+    void Copy(const HopJob& job, Done done) override;
+
+   private:
+    NvmeTier* const tier_;
+  };
+
+  NvmeTier() = default;
+
+  // The hops' I/O.
+  //
   // Writes `size` bytes of the host copy at `host` to `nvme`, then, if `durable`, makes them
   // durable (a flush shared with the writes finished meanwhile); calls back (not on the caller's
   // thread) with the chunk's checksum. A scratch chunk's copy need not survive a power loss (the
@@ -103,31 +158,6 @@ class NvmeTier final : public Tier {
                   StatusCallback done, IoOrder order = {});
   // Fills a host copy with zeros (a chunk whose NVMe space was never written reads as zeros).
   void ZeroFill(const Placement& host, uint64_t size, StatusCallback done);
-  // Records a persistent chunk in the index (durably) / removes it.
-  void Persist(IndexEntry entry, StatusCallback done);
-  void Forget(uint32_t tenant, std::string name);
-  // Waits until every request made so far has called back.
-  void Drain();
-
-  std::vector<RegionStatus> Regions() const;
-  uint64_t stripe_unit() const { return stripe_unit_; }
-  uint64_t io_size() const { return engine_->io_size(); }
-  uint32_t queue_depth() const { return engine_->queue_depth(); }
-  uint32_t block_size() const { return block_; }
-  IoEngineStats stats() const { return engine_->stats(); }
-  // The least NVMe space a persistent chunk takes: the volume over the live records the index can
-  // hold with room to spare for its log, so that persistent chunks run out of space (and their
-  // owners into their quotas) before the index runs out of records, however small they are.
-  uint64_t persistent_granule() const { return persistent_granule_; }
-  size_t index_records() const { return index_records_; }
-  // Chunk reads whose bytes failed their checksum (refused with DATA_LOSS), since start-up.
-  uint64_t checksum_failures() const { return checksum_failures_.load(std::memory_order_relaxed); }
-  IoBackend* backend() const { return engine_->backend(); }
-  // io_uring, or the threads it fell back to (or was told to use).
-  IoBackendKind io_backend() const { return io_backend_; }
-
- private:
-  NvmeTier() = default;
   // The spans that move the logical range [offset, offset+length) to or from `buffer`.
   std::vector<IoSpan> Spans(IoKind kind, uint64_t offset, uint64_t length, char* buffer,
                             int32_t buffer_index) const;
@@ -171,6 +201,8 @@ class NvmeTier final : public Tier {
   std::unique_ptr<IoEngine> engine_;
   std::unique_ptr<WorkQueue> worker_;  // checksums, index commits, callbacks
   std::atomic<uint64_t> checksum_failures_{0};
+  ReadHop read_hop_{this};
+  WriteHop write_hop_{this};
 };
 
 // The node's tierd instance id, kept in `state_dir`/instance_id (created on first start).
