@@ -42,7 +42,11 @@ absl::Status ValidateChunkName(absl::string_view name) {
 }
 
 ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
-    : tiers_(tiers.tier), hops_(tiers.hop), index_(tiers.index), clock_(clock) {
+    : tiers_(tiers.tier),
+      hops_(tiers.hop),
+      index_(tiers.index),
+      clock_(clock),
+      room_(chunks_, ledger_, tiers, *this) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
@@ -197,12 +201,12 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   std::vector<Placement> placements(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     if (result[i] != 0) continue;
-    absl::StatusOr<Placement> p =
-        ReserveSpace(requests[i].home, tenant,
-                     SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
+    absl::StatusOr<Placement> p = room_.ReserveSpace(
+        requests[i].home, tenant,
+        room_.SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
     if (!p.ok()) {
       for (size_t j = 0; j < i; ++j) {
-        if (result[j] == 0) ReleaseSpace(tenant, placements[j]);
+        if (result[j] == 0) room_.ReleaseSpace(tenant, placements[j]);
       }
       return absl::Status(p.status().code(),
                           absl::StrCat("Allocate, chunk #", i, ": ", p.status().message()));
@@ -271,7 +275,7 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
     if (absl::Status s = CheckLease(*chunk, session.id, false, "free"); !s.ok()) return s;
   }
   for (ChunkMeta* chunk : *chunks) Destroy(*chunk);
-  RetryQueuedFetches();
+  room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return absl::OkStatus();
 }
@@ -301,7 +305,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
       if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
     }
     if (all_ready) break;
-    absl::StatusOr<bool> reserved = ReserveForAcquire(*chunks, tier, access);
+    absl::StatusOr<bool> reserved = room_.ReserveForAcquire(*chunks, tier, access);
     if (!reserved.ok()) return reserved.status();
     if (*reserved) break;
     if (absl::Now() >= give_up) {
@@ -391,7 +395,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
     if (pins.count == 0) state.pins.erase(it);
   }
   // Released copies may be what waiting fetches need dropped.
-  RetryQueuedFetches();
+  room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return absl::OkStatus();
 }
@@ -465,7 +469,7 @@ void ChunkService::EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_sourc
     if (device_only_above) {
       StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
     } else if (!keep_source) {
-      DropCopy(chunk, TierKind::kDevice);  // the host copy is current
+      room_.DropCopy(chunk, TierKind::kDevice);  // the host copy is current
     }
     return;
   }

@@ -7,10 +7,11 @@
 //
 // The class is one lock and one table, but its code is in files by concern: chunk_service.cc (the
 // client operations: validation and the batch), chunk_service_moves.cc (moves between tiers and
-// the requests waiting on them), chunk_service_room.cc (space and room making),
-// chunk_service_schedules.cc (schedules, traces and the planning round),
-// chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
-// chunk_service_operators.cc (operators' requests and node figures). PathMeter meters the paths.
+// the requests waiting on them), chunk_service_schedules.cc (schedules, traces and the planning
+// round), chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
+// chunk_service_operators.cc (operators' requests and node figures). Two parts are classes of
+// their own, held under the lock: RoomMaker (space, and room made when a tier is full) and
+// PathMeter (the paths' bandwidth, under a lock of its own).
 #pragma once
 
 #include <array>
@@ -33,6 +34,7 @@
 #include "common/completion_page.h"
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/path_meter.h"
+#include "daemon/chunks/room_maker.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/io/io_engine.h"
@@ -138,7 +140,7 @@ inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
 // When the I/O of a Prefetch made at `now` with `priority` is due.
 absl::Time PrefetchDeadline(absl::Time now, int priority);
 
-class ChunkService {
+class ChunkService : private RoomMaker::Moves {
  public:
   // `tiers`: the tiers by kind, the hops between them and the index of persistent chunks, null
   // where the node has none (NodeTiers assembles them); the host tier must exist.
@@ -147,7 +149,7 @@ class ChunkService {
   // Waits (WaitForIdle) until the tiers have let go of every callback handed to them: the last
   // one's release touches the service. REQUIRES: the tiers outlive the service and run what they
   // were handed.
-  ~ChunkService();
+  ~ChunkService() override;
   ChunkService(const ChunkService&) = delete;
   ChunkService& operator=(const ChunkService&) = delete;
 
@@ -383,50 +385,20 @@ class ChunkService {
   void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
                SessionId session, std::optional<Access> pin, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RoomMaker::Moves, called by room_ with mu_ held.
   // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space). Its NVMe
   // I/O is queued by `deadline` (when the chunk is needed: now, for a request that waits).
-  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
+  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // StartFetch for a chunk that requests wait on: when the tiers it needs room in are full of
-  // copies that exist nowhere else (dirty), starts writing the least recently used of them down
-  // and queues the fetch until their room is free (OK). Fails only when no room is coming.
-  absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Write-backs that will free room for the chunk in the tiers the fetch (or, for an overwrite,
-  // the landing) needs space in; true when room is on its way (started now or earlier).
-  bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access = Access::kRead)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
-  // final. False when room is being made (write-backs, or moves in flight that will leave copies
-  // to drop): wait on room_freed_ and try again. RESOURCE_EXHAUSTED when no room can come. An
-  // overwrite of a chunk not moving needs room only in `tier`.
-  absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
-                                         Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartWriteDown(ChunkMeta& chunk, TierKind tier) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Awaited(ChunkId id, TierKind tier) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t moves_in_flight() const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return moves_in_flight_;
+  }
   // A move of the chunk ended (FinishMove), waking those waiting for room.
   void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Starts write-backs that will free `bytes` in `tier` for `tenant`: its own copies when its quota
-  // is what is full there. True when room is on its way.
-  bool MakeRoomIn(TierKind tier, uint64_t bytes, uint32_t tenant)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Bytes the tenant's write-backs in flight for room will free in `tier`.
-  uint64_t RoomComingFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
-  // tier's persistent granule, so that the index of persistent chunks cannot fill first.
-  uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;
-  // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
-  uint64_t FreeFor(uint32_t tenant, TierKind tier) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every reservation and release of a chunk's space goes through these: the tier's, and the
-  // tenant's quota (RESOURCE_EXHAUSTED naming it).
-  // `quota` false: held by the user but not checked against its quota (a rewrite's second copy).
-  absl::StatusOr<Placement> ReserveSpace(TierKind tier, uint32_t tenant, uint64_t size,
-                                         bool quota = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseSpace(uint32_t tenant, const Placement& placement) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A room-making write-back settled (or room was freed otherwise): retries the queued fetches in
-  // arrival order.
-  void RetryQueuedFetches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RoomMoveDone(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the requests waiting for the chunk in `tier`.
-  void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status)
+  void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
   // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
@@ -447,11 +419,6 @@ class ChunkService {
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
                    const std::optional<Placement>& previous);
   void SettleRead(ChunkId id, const absl::Status& status);
-  // Space in `tier` for a chunk, dropping clean copies there (valid in a lower tier too, least
-  // recently used first) when the tier is full — only the tenant's own when its quota is what is
-  // full.
-  absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
   // pieces, each piece going to the GPU as soon as it is read.
   void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
@@ -465,7 +432,6 @@ class ChunkService {
                     const std::shared_ptr<Batch>& batch);
   // Drops the copies above `tier` (device above host above NVMe).
   void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropCopy(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Space for the chunk in `tier` unless it has some; on failure the batch fails, naming the
   // chunk, and false is returned.
   bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch)
@@ -544,22 +510,13 @@ class ChunkService {
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
-  // Fetches waiting for room that write-backs are making, in arrival order; the write-backs in
-  // flight for room (chunk -> the tier it frees) and the bytes they will free, by tier.
-  struct QueuedFetch {
-    ChunkId id;
-    TierKind tier;
-    absl::Time deadline;
-  };
-  std::deque<QueuedFetch> queued_fetches_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<ChunkId, TierKind> room_moves_ ABSL_GUARDED_BY(mu_);
-  std::array<uint64_t, kTierKinds> room_coming_ ABSL_GUARDED_BY(mu_){};
   absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint64_t moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  bool planning_ ABSL_GUARDED_BY(mu_) = false;  // executing the planner's moves
-  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;   // sessions with a schedule or a trace
+  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with a schedule or a trace
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
+  // Space, and room made on demand, in the tiers (over chunks_ and ledger_).
+  RoomMaker room_ ABSL_GUARDED_BY(mu_);
   // Tier operations whose callbacks are alive (Tracked); a lock of its own, taken last.
   absl::Mutex ops_mu_;
   uint64_t tier_ops_ ABSL_GUARDED_BY(ops_mu_) = 0;

@@ -188,7 +188,7 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
   for (int t = 1; t < kTierKinds; ++t) {
     if (chunk.allocated.contains(static_cast<TierKind>(t))) {
-      ReleaseSpace(chunk.tenant, chunk.placement[t]);
+      room_.ReleaseSpace(chunk.tenant, chunk.placement[t]);
     }
   }
   ledger_.AddChunks(chunk.tenant, -1);
@@ -250,7 +250,7 @@ size_t ChunkService::CloseSession(const Session& session) {
       }
     }
   }
-  RetryQueuedFetches();
+  room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return freed;
 }

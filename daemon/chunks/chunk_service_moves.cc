@@ -39,17 +39,9 @@ void ChunkService::MoveDone(Path path, const ChunkMeta& chunk) {
   meter_.Done(path, chunk.id, chunk.size, clock_.Now());
 }
 
-void ChunkService::DropCopy(ChunkMeta& chunk, TierKind tier) {
-  const int t = static_cast<int>(tier);
-  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[t]);
-  chunk.allocated.erase(tier);
-  chunk.resident.erase(tier);
-  chunk.dirty.erase(tier);
-}
-
 void ChunkService::DropAbove(ChunkMeta& chunk, TierKind tier) {
   for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
-    if (Rank(above) > Rank(tier) && chunk.allocated.contains(above)) DropCopy(chunk, above);
+    if (Rank(above) > Rank(tier) && chunk.allocated.contains(above)) room_.DropCopy(chunk, above);
   }
 }
 
@@ -117,6 +109,25 @@ absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Tim
   return started;
 }
 
+void ChunkService::StartWriteDown(ChunkMeta& chunk, TierKind tier) {
+  // Whoever needs the room waits for it to be freed (a queued fetch, an Acquire on room_freed_);
+  // the write-down itself reports to no one.
+  auto batch = std::make_shared<Batch>();
+  if (tier == TierKind::kDevice) {
+    StartToHost(chunk, batch, /*then_nvme=*/false, /*keep_source=*/false);
+  } else {
+    StartWrite(chunk, batch, /*keep_source=*/false);
+  }
+  batch->Done(absl::OkStatus());
+}
+
+bool ChunkService::Awaited(ChunkId id, TierKind tier) const {
+  auto it = waiters_.find(id);
+  return it != waiters_.end() &&
+         std::any_of(it->second.begin(), it->second.end(),
+                     [&](const Waiter& w) { return w.tier == tier && !w.evict_keep_source; });
+}
+
 absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
   if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
   if (chunk.state == ChunkState::kMoving && chunk.moving_to == tier) return absl::OkStatus();
@@ -136,7 +147,7 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
   // An Acquire's space was reserved up front (its location is final); other requests may queue
   // for room.
   if (absl::Status s =
-          pin ? StartFetch(chunk, tier, deadline) : FetchOrQueue(chunk, tier, deadline);
+          pin ? StartFetch(chunk, tier, deadline) : room_.FetchOrQueue(chunk, tier, deadline);
       !s.ok()) {
     // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
     std::vector<Waiter>& w = waiters_[chunk.id];
@@ -190,7 +201,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       waiters_[chunk.id].push_back(std::move(w));
     } else {
       // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
-      if (absl::Status f = FetchOrQueue(chunk, w.tier, now); !f.ok()) {
+      if (absl::Status f = room_.FetchOrQueue(chunk, w.tier, now); !f.ok()) {
         w.batch->Done(f);
       } else {
         waiters_[chunk.id].push_back(std::move(w));
@@ -223,7 +234,7 @@ bool ChunkService::EnsureSpace(ChunkMeta& chunk, TierKind tier,
                                const std::shared_ptr<Batch>& batch) {
   if (chunk.allocated.contains(tier)) return true;
   absl::StatusOr<Placement> p =
-      ReserveIn(tier, chunk.tenant, SpaceIn(tier, chunk.size, chunk.persistent));
+      room_.ReserveIn(tier, chunk.tenant, room_.SpaceIn(tier, chunk.size, chunk.persistent));
   if (!p.ok()) {
     batch->Add();
     batch->Done(absl::Status(p.status().code(),
@@ -271,7 +282,7 @@ void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
   } else {
     WakeWaiters(chunk, moved);
   }
-  RetryQueuedFetches();
+  room_.RetryQueuedFetches();
 }
 
 void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
@@ -361,8 +372,8 @@ void ChunkService::SettleToDevice(ChunkId id, const absl::Status& status, bool h
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
   } else {
-    DropCopy(chunk, TierKind::kDevice);
-    if (host_filled) DropCopy(chunk, TierKind::kHost);
+    room_.DropCopy(chunk, TierKind::kDevice);
+    if (host_filled) room_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
   chunk.last_use = ++use_clock_;
@@ -390,15 +401,15 @@ void ChunkService::SettleToHost(ChunkId id, const absl::Status& status, bool the
   Settled(chunk, status.ok());
   MoveDone(Path::kDeviceToHost, chunk);
   if (!status.ok()) {
-    DropCopy(chunk, TierKind::kHost);
+    room_.DropCopy(chunk, TierKind::kHost);
   } else if (chunk.doomed) {
     // Destroyed below.
   } else if (then_nvme) {
     StartWrite(chunk, batch, keep_source);  // drops host and device copies once durable
   } else if (!keep_source && chunk.pins == 0) {
-    DropCopy(chunk, TierKind::kDevice);
+    room_.DropCopy(chunk, TierKind::kDevice);
   }
-  RoomMoveDone(id);
+  room_.MoveDone(id);
   AfterMove(chunk, status);
 }
 
@@ -422,7 +433,7 @@ void ChunkService::SettleRead(ChunkId id, const absl::Status& status) {
   Settled(chunk, status.ok());
   if (chunk.written) MoveDone(Path::kNvmeToHost, chunk);
   if (!status.ok()) {
-    DropCopy(chunk, TierKind::kHost);
+    room_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
   chunk.last_use = ++use_clock_;
@@ -441,8 +452,8 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   std::optional<Placement> previous;
   if (chunk.persistent && chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
     // Briefly two copies: the second is not held against the user's quota.
-    absl::StatusOr<Placement> fresh = ReserveSpace(
-        TierKind::kNvme, chunk.tenant, SpaceIn(TierKind::kNvme, chunk.size, true), false);
+    absl::StatusOr<Placement> fresh = room_.ReserveSpace(
+        TierKind::kNvme, chunk.tenant, room_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
     if (!fresh.ok()) {
       batch->Add();
       batch->Done(
@@ -459,7 +470,7 @@ void ChunkService::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& ba
   if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
   if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) {
     if (previous) {
-      ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
+      room_.ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
       chunk.placement[kNvme] = *previous;
     }
     return;
@@ -493,9 +504,9 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     // Committed: the previous version's space is free. Not: the new one's, and the previous
     // version stays what the index (and the chunk) name.
     if (checksum.ok()) {
-      ReleaseSpace(chunk.tenant, *previous);
+      room_.ReleaseSpace(chunk.tenant, *previous);
     } else {
-      ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
+      room_.ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
       chunk.placement[kNvme] = *previous;
     }
   }
@@ -506,7 +517,7 @@ void ChunkService::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& check
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
-  RoomMoveDone(id);
+  room_.MoveDone(id);
   AfterMove(chunk, checksum.status());
 }
 

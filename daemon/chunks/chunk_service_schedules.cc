@@ -289,7 +289,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
     return full;
   };
   // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
-  planning_ = true;
+  room_.set_planning(true);
   for (const PlannedMove& m : moves) {
     if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();
     auto it = chunks_.find(m.id);
@@ -302,7 +302,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
     switch (m.kind) {
       case PlannedMove::Kind::kDrop:
         if (c.pins > 0 || !CleanIn(c, m.tier)) break;
-        DropCopy(c, m.tier);
+        room_.DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
         ++totals_.planner_drops;
         break;
@@ -334,7 +334,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         ChunkMeta& fetch = chunks_.at(unplaced->first);
         // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
         if (!no_room(fetch, unplaced->second).contains(m.tier)) break;
-        DropCopy(c, m.tier);
+        room_.DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
         ++totals_.planner_drops;
         if (fetch.state != ChunkState::kReady || !no_room(fetch, unplaced->second).empty() ||
@@ -370,7 +370,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
       }
     }
   }
-  planning_ = false;
+  room_.set_planning(false);
   return started;
 }
 

@@ -1,32 +1,17 @@
-// ChunkService: space in the tiers. Reservations go through the tier and the tenant's quota; a
-// full tier makes room by dropping clean copies, or by writing dirty ones down while the fetches
-// that need the room queue for it.
-
-#include "daemon/chunks/chunk_service.h"
-
-#include <unistd.h>
+#include "daemon/chunks/room_maker.h"
 
 #include <algorithm>
-#include <cassert>
-#include <cmath>
+#include <vector>
 
-#include "absl/container/flat_hash_set.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
-#include "absl/synchronization/notification.h"
-#include "common/fmt_absl.h"
 #include "common/sizes.h"
 #include "daemon/chunks/chunk_service_internal.h"
 #include "daemon/tiers/segment_pool.h"
-#include "daemon/util/log_limiter.h"
-#include "spdlog/spdlog.h"
 
 namespace tierd::daemon {
 
-absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t tenant, uint64_t size,
-                                                     bool quota) {
+absl::StatusOr<Placement> RoomMaker::ReserveSpace(TierKind kind, uint32_t tenant, uint64_t size,
+                                                  bool quota) {
   absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
   if (!p.ok()) return p;
   if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
@@ -38,12 +23,20 @@ absl::StatusOr<Placement> ChunkService::ReserveSpace(TierKind kind, uint32_t ten
   return p;
 }
 
-void ChunkService::ReleaseSpace(uint32_t tenant, const Placement& placement) {
+void RoomMaker::ReleaseSpace(uint32_t tenant, const Placement& placement) {
   tier(placement.tier)->Unreserve(placement);
   ledger_.RemoveBytes(tenant, placement.tier, placement.size);
 }
 
-absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
+void RoomMaker::DropCopy(ChunkMeta& chunk, TierKind tier) {
+  const int t = static_cast<int>(tier);
+  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[t]);
+  chunk.allocated.erase(tier);
+  chunk.resident.erase(tier);
+  chunk.dirty.erase(tier);
+}
+
+absl::StatusOr<Placement> RoomMaker::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
   for (;;) {
     // When the tenant's quota is what is full, only its own copies make room for it.
     const uint64_t needed = AlignUp(size, kSegmentAlignment);
@@ -65,19 +58,19 @@ absl::StatusOr<Placement> ChunkService::ReserveIn(TierKind tier, uint32_t tenant
   }
 }
 
-uint64_t ChunkService::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
-  if (t != TierKind::kNvme || !persistent || index_ == nullptr) return size;
-  return std::max(size, index_->persistent_granule());
+uint64_t RoomMaker::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
+  if (t != TierKind::kNvme || !persistent || tiers_.index == nullptr) return size;
+  return std::max(size, tiers_.index->persistent_granule());
 }
 
-uint64_t ChunkService::FreeFor(uint32_t tenant, TierKind t) const {
+uint64_t RoomMaker::FreeFor(uint32_t tenant, TierKind t) const {
   const TierUsage u = tier(t)->Usage();
   const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
   return std::min(free, ledger_.Headroom(tenant, t));
 }
 
-absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
-  absl::Status started = StartFetch(chunk, tier, deadline);
+absl::Status RoomMaker::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
+  absl::Status started = moves_.StartFetch(chunk, tier, deadline);
   if (started.ok() || !absl::IsResourceExhausted(started)) return started;
   if (!MakeRoomFor(chunk, tier)) return started;
   for (const QueuedFetch& q : queued_fetches_) {
@@ -86,8 +79,9 @@ absl::Status ChunkService::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::T
   queued_fetches_.push_back({chunk.id, tier, deadline});
   return absl::OkStatus();
 }
-absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const> chunks,
-                                                     TierKind tier, Access access) {
+
+absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
+                                                  Access access) {
   // Held meanwhile, so that room for one is never made by dropping another.
   for (ChunkMeta* c : chunks) Hold(*c);
   absl::StatusOr<bool> reserved = true;
@@ -118,7 +112,7 @@ absl::StatusOr<bool> ChunkService::ReserveForAcquire(std::span<ChunkMeta* const>
   return reserved;
 }
 
-bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access) {
+bool RoomMaker::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access) {
   const std::vector<TierKind> needs = RoomNeeded(chunk, tier, access);
   bool coming = false;
   bool tried = false;
@@ -133,7 +127,7 @@ bool ChunkService::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access acc
   return coming;
 }
 
-uint64_t ChunkService::RoomComingFor(uint32_t tenant, TierKind t) const {
+uint64_t RoomMaker::RoomComingFor(uint32_t tenant, TierKind t) const {
   uint64_t coming = 0;
   for (const auto& [id, freed] : room_moves_) {
     auto it = chunks_.find(id);
@@ -144,7 +138,7 @@ uint64_t ChunkService::RoomComingFor(uint32_t tenant, TierKind t) const {
   return coming;
 }
 
-bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
+bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   const int k = static_cast<int>(t);
   // When the tenant's quota, not the tier, is what is full, only its own copies make its room.
   const bool own = ledger_.Headroom(tenant, t) < AlignUp(bytes, kSegmentAlignment);
@@ -153,8 +147,8 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   if (coming > 0 && free + coming >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const Path down = t == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
-  const bool can_write_down = t != TierKind::kNvme && hop(down) != nullptr;
-  if (!can_write_down) return coming > 0 || (!own && moves_in_flight_ > 0);
+  const bool can_write_down = t != TierKind::kNvme && tiers_.hop[static_cast<int>(down)] != nullptr;
+  if (!can_write_down) return coming > 0 || (!own && moves_.moves_in_flight() > 0);
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
   std::vector<ChunkMeta*> dirty;
@@ -171,13 +165,7 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   bool below = false;    // room is being made in the tier below for these to go to
   for (ChunkMeta* c : dirty) {
     if (started && free + coming >= bytes) break;
-    auto batch = std::make_shared<Batch>();
-    if (t == TierKind::kDevice) {
-      StartToHost(*c, batch, /*then_nvme=*/false, /*keep_source=*/false);
-    } else {
-      StartWrite(*c, batch, /*keep_source=*/false);
-    }
-    batch->Done(absl::OkStatus());
+    moves_.StartWriteDown(*c, t);
     if (c->state != ChunkState::kMoving) {
       // No room below it either: the host's own dirty copies go down to NVMe first, and the
       // waiter tries again when they have.
@@ -191,10 +179,10 @@ bool ChunkService::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   }
   // Moves in flight end as copies that can be dropped or written down, or free what they leave
   // (other tenants' moves free nothing under this one's quota).
-  return coming > 0 || (!own && moves_in_flight_ > 0) || below;
+  return coming > 0 || (!own && moves_.moves_in_flight() > 0) || below;
 }
 
-void ChunkService::RoomMoveDone(ChunkId id) {
+void RoomMaker::MoveDone(ChunkId id) {
   auto it = room_moves_.find(id);
   if (it == room_moves_.end()) return;
   uint64_t& coming = room_coming_[static_cast<int>(it->second)];
@@ -202,25 +190,20 @@ void ChunkService::RoomMoveDone(ChunkId id) {
   room_moves_.erase(it);
 }
 
-void ChunkService::RetryQueuedFetches() {
+void RoomMaker::RetryQueuedFetches() {
   while (!queued_fetches_.empty()) {
     const QueuedFetch q = queued_fetches_.front();
     auto it = chunks_.find(q.id);
-    auto w = waiters_.find(q.id);
-    const bool waited_for = w != waiters_.end() &&
-                            std::any_of(w->second.begin(), w->second.end(), [&](const Waiter& x) {
-                              return x.tier == q.tier && !x.evict_keep_source;
-                            });
     // Gone, given up on, or on its way by another move (whose end wakes its waiters).
-    if (it == chunks_.end() || !waited_for || it->second.state != ChunkState::kReady ||
-        it->second.resident.contains(q.tier)) {
+    if (it == chunks_.end() || !moves_.Awaited(q.id, q.tier) ||
+        it->second.state != ChunkState::kReady || it->second.resident.contains(q.tier)) {
       queued_fetches_.pop_front();
       continue;
     }
-    absl::Status s = StartFetch(it->second, q.tier, q.deadline);
+    absl::Status s = moves_.StartFetch(it->second, q.tier, q.deadline);
     if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
     queued_fetches_.pop_front();
-    if (!s.ok()) FailWaiters(q.id, q.tier, s);
+    if (!s.ok()) moves_.FailWaiters(q.id, q.tier, s);
   }
 }
 
