@@ -71,4 +71,9 @@ void FinishMove(ChunkMeta& chunk, bool ok) {
   }
 }
 
+absl::Status Retired(const ChunkMeta& chunk) {
+  return absl::AbortedError(absl::StrCat(
+      "chunk ", chunk.id, " was freed while it moved (its session ended); it is gone"));
+}
+
 }  // namespace tierd::daemon

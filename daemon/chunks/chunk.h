@@ -66,6 +66,8 @@ void Unpin(ChunkMeta& chunk);
 absl::Status CheckFreeable(const ChunkMeta& chunk);
 // Starts a transfer into `to`; the chunk must be ready and have a valid copy to read from.
 absl::Status BeginMove(ChunkMeta& chunk, TierKind to);
+// What a request about a retired chunk learns: freed while it moved (its session ended).
+absl::Status Retired(const ChunkMeta& chunk);
 // Finishes the transfer BeginMove started: on success `to` holds a valid, clean-with-respect-to-
 // its-source copy; on failure the chunk is as it was before.
 void FinishMove(ChunkMeta& chunk, bool ok);

@@ -46,7 +46,8 @@ ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
       hops_(tiers.hop),
       index_(tiers.index),
       clock_(clock),
-      room_(chunks_, ledger_, tiers, *this) {
+      room_(chunks_, ledger_, tiers, *this),
+      mover_(mu_, chunks_, room_, tiers, meter_, clock_, *this) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
 
@@ -60,7 +61,7 @@ ChunkService::SessionState& ChunkService::StateOf(const Session& session) {
   return it->second;
 }
 
-absl::StatusOr<std::shared_ptr<ChunkService::Batch>> ChunkService::NewBatch(
+absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(
     const Session& session) {
   absl::StatusOr<SlotToken> token = session.completions->Post();
   if (!token.ok()) return token.status();
@@ -467,16 +468,16 @@ void ChunkService::EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_sourc
   if (tier == TierKind::kHost) {
     if (!chunk.resident.contains(TierKind::kDevice)) return;
     if (device_only_above) {
-      StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
+      mover_.StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
     } else if (!keep_source) {
       room_.DropCopy(chunk, TierKind::kDevice);  // the host copy is current
     }
     return;
   }
   if (device_only_above && !chunk.resident.contains(TierKind::kNvme)) {
-    StartToHost(chunk, batch, /*then_nvme=*/true, keep_source);
+    mover_.StartToHost(chunk, batch, /*then_nvme=*/true, keep_source);
   } else {
-    StartWrite(chunk, batch, keep_source);
+    mover_.StartWrite(chunk, batch, keep_source);
   }
 }
 

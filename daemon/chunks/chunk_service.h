@@ -5,13 +5,14 @@
 // atomic with respect to each other and costs ~100 ns per chunk (docs/benchmarks.md); tier
 // reservations take the tier's own lock inside it (lock order: ChunkService, then tier).
 //
-// The class is one lock and one table, but its code is in files by concern: chunk_service.cc (the
-// client operations: validation and the batch), chunk_service_moves.cc (moves between tiers and
-// the requests waiting on them), chunk_service_schedules.cc (schedules, traces and the planning
-// round), chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
-// chunk_service_operators.cc (operators' requests and node figures). Two parts are classes of
-// their own, held under the lock: RoomMaker (space, and room made when a tier is full) and
-// PathMeter (the paths' bandwidth, under a lock of its own).
+// The class is one lock and one table, its code in files by concern: chunk_service.cc (the client
+// operations: validation and the batch), chunk_service_moves.cc (the requests waiting on moves),
+// chunk_service_schedules.cc (schedules, traces and the planning round),
+// chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
+// chunk_service_operators.cc (operators' requests and node figures). Three parts are classes of
+// their own: the Mover (the moves over routes of hops; it settles under the service's lock and
+// reports each settled move back), the RoomMaker (space, and room made when a tier is full; held
+// under the lock) and the PathMeter (the paths' bandwidth, under a lock of its own).
 #pragma once
 
 #include <array>
@@ -33,6 +34,7 @@
 #include "absl/time/time.h"
 #include "common/completion_page.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/room_maker.h"
 #include "daemon/chunks/session.h"
@@ -140,7 +142,9 @@ inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
 // When the I/O of a Prefetch made at `now` with `priority` is due.
 absl::Time PrefetchDeadline(absl::Time now, int priority);
 
-class ChunkService : private RoomMaker::Moves {
+struct Batch;
+
+class ChunkService : private RoomMaker::Moves, private Mover::Listener {
  public:
   // `tiers`: the tiers by kind, the hops between them and the index of persistent chunks, null
   // where the node has none (NodeTiers assembles them); the host tier must exist.
@@ -326,10 +330,6 @@ class ChunkService : private RoomMaker::Moves {
   void UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Meter the move on `path` (and count it as the holder's traffic).
-  void MoveStarted(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MoveDone(Path path, const ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
   // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
   // chunks. The pointers stay valid while mu_ is held.
   absl::StatusOr<std::vector<ChunkMeta*>> Resolve(const Session& session,
@@ -343,8 +343,6 @@ class ChunkService : private RoomMaker::Moves {
   ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
                     const std::string& name, bool persistent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Asynchronous moves. A Batch completes its token when its last chunk settles.
-  struct Batch;
   // A request waiting for its chunk to arrive in `tier` (or for a move in the way to settle). An
   // Acquire's waiter holds its pin meanwhile and applies its access on arrival.
   struct Waiter {
@@ -393,59 +391,32 @@ class ChunkService : private RoomMaker::Moves {
   void StartWriteDown(ChunkMeta& chunk, TierKind tier) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Awaited(ChunkId id, TierKind tier) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t moves_in_flight() const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return moves_in_flight_;
+    return mover_.in_flight();
   }
-  // A move of the chunk ended (FinishMove), waking those waiting for room.
-  void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Mover::Listener, called by mover_ with mu_ held.
+  // Wakes those waiting for room and serves (or, for a doomed chunk, fails) the requests waiting
+  // for the chunk; a doomed chunk is destroyed once no move of it is left.
+  void MoveSettled(ChunkMeta& chunk, const absl::Status& moved) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts the move as the holder's traffic: a scratch chunk's session, a persistent one's first
+  // lease, and the session's job.
+  void Moved(Path path, const ChunkMeta& chunk) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Used(ChunkMeta& chunk) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    chunk.last_use = ++use_clock_;
+  }
   // Fails the requests waiting for the chunk in `tier`.
   void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
   // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes the chunk's host copy to NVMe (if the NVMe copy is not current), then drops the host
-  // copy unless keep_source.
-  // The write is due at once: it frees room that the next fetches wait for, and reads queued
-  // ahead of it would wait for that room themselves.
-  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reads the chunk's NVMe copy into (newly reserved) host memory.
-  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
-  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `previous`: a persistent chunk's durable version, kept until this write's index record commits.
-  void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
-                   const std::optional<Placement>& previous);
-  void SettleRead(ChunkId id, const absl::Status& status);
-  // Copies the chunk to the device: from its host copy, or from NVMe through host memory in
-  // pieces, each piece going to the GPU as soon as it is read.
-  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
-  // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
-  // the device copy unless keep_source.
-  void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                   bool keep_source) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
-                    const std::shared_ptr<Batch>& batch);
-  // Drops the copies above `tier` (device above host above NVMe).
-  void DropAbove(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Space for the chunk in `tier` unless it has some; on failure the batch fails, naming the
-  // chunk, and false is returned.
-  bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The chunk a settling move belongs to.
-  ChunkMeta& Moving(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the chunk moving to `to` as part of the batch. False, failing the batch, for a retired
-  // chunk: no move starts for a chunk on its way out.
-  bool BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch)
+  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A chunk's life ends in one of two ways: Free (which refuses a chunk that moves or is pinned)
   // destroys it at once; Retire (its session ended) destroys it now when no move is in flight,
   // else marks it doomed and AfterMove destroys it when the last move settles. Nothing starts a
-  // move of a doomed chunk (BeginBatchMove), and its waiters fail instead of being served.
+  // move of a doomed chunk (the Mover refuses), and its waiters fail instead of being served.
   void Retire(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The end of every move, once its effect on the chunk is applied: serves (or, for a doomed
   // chunk, fails) the requests waiting for it, destroys a doomed chunk, and retries the fetches
@@ -454,7 +425,7 @@ class ChunkService : private RoomMaker::Moves {
   void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An acquisition's access takes effect (its data is there): a write makes that copy the only
   // valid one and, until released, keeps copies from being made of the chunk. A write to a chunk
-  // at home in memory that the index calls durable makes `batch` wait for Mark.
+  // at home in memory that the index calls durable makes `batch` wait for the Mover's Mark.
   void Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
              const std::shared_ptr<Batch>& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A persistent chunk at home in memory whose index record does not yet say that its current
@@ -463,29 +434,12 @@ class ChunkService : private RoomMaker::Moves {
     return chunk.persistent && chunk.memory_home && !chunk.marked && !chunk.lost &&
            index_ != nullptr;
   }
-  // Durably records in the NVMe index that the chunk's current version is in memory (so that a
-  // crash recovers it lost, never older); `batch` completes once that is durable.
-  void Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static absl::Status Retired(const ChunkMeta& chunk);
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static std::string NameKey(uint32_t tenant, absl::string_view name);
 
-  // Wraps a callback handed to a hop or the index so that WaitForIdle waits for it: it counts
-  // from here until the hop has run it and let it go (copies included). A route over two hops
-  // holds its one callback until the last piece has crossed both; a move that starts another as
-  // it settles (device -> host -> NVMe) starts it before its own callback returns, so the count
-  // never passes zero between them.
-  template <typename F>
-  auto Tracked(F callback);
-  std::shared_ptr<void> BeginTierOp();
-
   // The hop on `path`, or null where the node has none.
   Hop* hop(Path path) const { return hops_[static_cast<int>(path)]; }
-  // A copy of the chunk from its copy in `from` to its space in `to` (a read of a chunk never
-  // written fills zeros).
-  HopJob JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const;
 
   const std::array<Tier*, kTierKinds> tiers_;
   const std::array<Hop*, kPaths> hops_;
@@ -510,16 +464,16 @@ class ChunkService : private RoomMaker::Moves {
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
-  absl::CondVar room_freed_;  // a move settled, or pins or chunks went
-  uint64_t moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::CondVar room_freed_;                   // a move settled, or pins or chunks went
   size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with a schedule or a trace
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
   // Space, and room made on demand, in the tiers (over chunks_ and ledger_).
   RoomMaker room_ ABSL_GUARDED_BY(mu_);
-  // Tier operations whose callbacks are alive (Tracked); a lock of its own, taken last.
-  absl::Mutex ops_mu_;
-  uint64_t tier_ops_ ABSL_GUARDED_BY(ops_mu_) = 0;
+  // The moves: not guarded by mu_ as a whole (WaitForIdle runs without it), but every other call
+  // is made with mu_ held, and it settles under mu_. Declared last: destroyed first, once the
+  // last callback handed to a hop has let go.
+  Mover mover_;
 };
 
 }  // namespace tierd::daemon

@@ -1,5 +1,4 @@
-// What the files of ChunkService share and nothing outside daemon/chunks/ needs: the batch a
-// request's moves complete, the wrapper that counts a tier's callbacks, and small helpers.
+// What the files of ChunkService share and nothing outside daemon/chunks/ needs: small helpers.
 #pragma once
 
 #include <functional>
@@ -9,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/chunks/batch.h"
 #include "daemon/chunks/chunk_service.h"
 
 namespace tierd::daemon {
@@ -24,45 +24,6 @@ inline absl::Status CheckBatch(size_t n, absl::string_view what) {
         absl::StrCat(what, ": a batch holds at most ", kMaxBatch, " chunks, not ", n));
   }
   return absl::OkStatus();
-}
-
-// A batch of asynchronous moves sharing one completion token. Holds the session so that its
-// completion page outlives the moves.
-struct ChunkService::Batch {
-  std::shared_ptr<const Session> session;
-  SlotToken token;
-  absl::Mutex mu;
-  size_t remaining ABSL_GUARDED_BY(mu) = 1;  // the issuer's own reference, dropped last
-  absl::Status status ABSL_GUARDED_BY(mu);
-  // For the daemon's own batches (no session): called with the result instead.
-  std::function<void(const absl::Status&)> on_done;
-
-  void Add() {
-    absl::MutexLock lock(&mu);
-    ++remaining;
-  }
-  void Done(const absl::Status& s) {
-    absl::Status result;
-    {
-      absl::MutexLock lock(&mu);
-      if (status.ok() && !s.ok()) status = s;
-      if (--remaining > 0) return;
-      result = status;
-    }
-    if (session != nullptr) session->completions->Complete(token, result);
-    if (on_done) on_done(result);
-  }
-  absl::Status Status() {
-    absl::MutexLock lock(&mu);
-    return status;
-  }
-};
-
-template <typename F>
-auto ChunkService::Tracked(F callback) {
-  return [op = BeginTierOp(), callback = std::move(callback)](auto&&... args) mutable {
-    callback(std::forward<decltype(args)>(args)...);
-  };
 }
 
 // Tiers from fastest to slowest.

@@ -23,25 +23,9 @@
 
 namespace tierd::daemon {
 
-std::shared_ptr<void> ChunkService::BeginTierOp() {
-  {
-    absl::MutexLock lock(&ops_mu_);
-    ++tier_ops_;
-  }
-  return std::shared_ptr<void>(this, [](void* service) {
-    auto* self = static_cast<ChunkService*>(service);
-    absl::MutexLock lock(&self->ops_mu_);
-    --self->tier_ops_;
-  });
-}
-
 ChunkService::~ChunkService() { WaitForIdle(); }
 
-void ChunkService::WaitForIdle() {
-  absl::MutexLock lock(&ops_mu_);
-  ops_mu_.Await(absl::Condition(
-      +[](uint64_t* ops) { return *ops == 0; }, &tier_ops_));
-}
+void ChunkService::WaitForIdle() { mover_.WaitForIdle(); }
 
 ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
                                 const Placement& home, const std::string& name, bool persistent) {
@@ -99,11 +83,6 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
     ++recovered;
   }
   return recovered;
-}
-
-absl::Status ChunkService::Retired(const ChunkMeta& chunk) {
-  return absl::AbortedError(absl::StrCat(
-      "chunk ", chunk.id, " was freed while it moved (its session ended); it is gone"));
 }
 
 void ChunkService::Retire(ChunkMeta& chunk) {

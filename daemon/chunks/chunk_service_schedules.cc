@@ -355,10 +355,10 @@ size_t ChunkService::PlanRound(absl::Time now) {
         auto batch = std::make_shared<Batch>();
         if (m.tier == TierKind::kDevice) {
           if (hop(Path::kDeviceToHost) == nullptr || !c.resident.contains(TierKind::kDevice)) break;
-          StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
+          mover_.StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
         } else {
           if (hop(Path::kHostToNvme) == nullptr || !c.resident.contains(TierKind::kHost)) break;
-          StartWrite(c, batch, /*keep_source=*/true);
+          mover_.StartWrite(c, batch, /*keep_source=*/true);
         }
         batch->Done(absl::OkStatus());
         if (c.state == ChunkState::kMoving) {

@@ -1,0 +1,219 @@
+// The Mover on its own, over real tiers and hops (a host pool, an NVMe region in a file, the
+// emulated GPU), with a listener that records what it is told in place of the chunk service.
+#include "daemon/chunks/mover.h"
+
+#include <filesystem>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "daemon/chunks/batch.h"
+#include "daemon/tiers/device.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "gtest/gtest.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr uint64_t kSeg = 8 << 20;
+constexpr uint64_t kChunk = (6 << 20) + 4096;  // more than one 4 MiB piece of a streamed route
+
+class RecordingListener final : public Mover::Listener {
+ public:
+  explicit RecordingListener(absl::Mutex& mu) : mu_(mu) {}
+  void MoveSettled(ChunkMeta& chunk, const absl::Status& moved) override {
+    mu_.AssertHeld();
+    settled.emplace_back(chunk.id, moved);
+  }
+  void Moved(Path path, const ChunkMeta&) override {
+    mu_.AssertHeld();
+    paths.push_back(path);
+  }
+  void Used(ChunkMeta& chunk) override { chunk.last_use = ++uses; }
+  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const override {
+    return IoOrder{.deadline = deadline, .flow = chunk.owner};
+  }
+
+  std::vector<std::pair<ChunkId, absl::Status>> settled;
+  std::vector<Path> paths;
+  uint64_t uses = 0;
+
+ private:
+  absl::Mutex& mu_;
+};
+
+// The tiers here never fill: a write-down would be a test error.
+class NoWriteDowns final : public RoomMaker::Moves {
+ public:
+  absl::Status StartFetch(ChunkMeta&, TierKind, absl::Time) override {
+    ADD_FAILURE() << "fetch for room";
+    return absl::InternalError("unexpected");
+  }
+  void StartWriteDown(ChunkMeta&, TierKind) override { ADD_FAILURE() << "write-down"; }
+  bool Awaited(ChunkId, TierKind) const override { return false; }
+  void FailWaiters(ChunkId, TierKind, const absl::Status&) override {}
+  uint64_t moves_in_flight() const override { return 0; }
+};
+
+class MoverTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-mover-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    host_ = std::move(*CreateHostPool({.capacity = 8 * kSeg,
+                                       .segment_size = kSeg,
+                                       .huge_pages = HugePagePolicy::kNever,
+                                       .lock_memory = false}));
+    NvmeOptions o;
+    o.regions = {{dir_ + "/r0", 256 << 20}};
+    o.index_size = 1 << 20;
+    nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
+    device_ = MakeEmulatedDevice({.memory_bytes = 8 * kSeg, .gbps = 8.0});
+    device_pool_ = std::move(
+        *SegmentPool::Create(TierKind::kDevice, "device", 8 * kSeg, kSeg, device_->MakeBacking()));
+    const Tiers tiers = NodeTiers(host_.get(), nvme_.get(), device_pool_.get(), device_.get());
+    room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, no_write_downs_);
+    mover_ = std::make_unique<Mover>(mu_, chunks_, *room_, tiers, meter_, Clock::Real(), listener_);
+  }
+  void TearDown() override {
+    mover_.reset();  // waits for the last callback
+    room_.reset();
+    nvme_.reset();
+    device_->Drain();
+    device_pool_.reset();
+    device_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // A chunk whose only copy is in host memory, filled with a pattern of `seed`.
+  ChunkMeta& HostChunk(uint8_t seed) {
+    absl::MutexLock lock(&mu_);
+    ChunkMeta& c = chunks_[next_id_];
+    c.id = next_id_++;
+    c.owner = 7;
+    c.tenant = 1000;
+    c.size = kChunk;
+    const Placement p = *room_->ReserveSpace(TierKind::kHost, c.tenant, kChunk);
+    c.placement[static_cast<int>(TierKind::kHost)] = p;
+    c.allocated.insert(TierKind::kHost);
+    c.resident.insert(TierKind::kHost);
+    auto* bytes = static_cast<uint8_t*>(host_->Address(p));
+    for (uint64_t i = 0; i < kChunk; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + seed);
+    return c;
+  }
+
+  bool Holds(const ChunkMeta& c, TierKind tier, uint8_t seed) {
+    Tier* t = tier == TierKind::kHost ? static_cast<Tier*>(host_.get()) : device_pool_.get();
+    auto* bytes = static_cast<const uint8_t*>(t->Address(c.placement[static_cast<int>(tier)]));
+    for (uint64_t i = 0; i < kChunk; ++i) {
+      if (bytes[i] != static_cast<uint8_t>(i * 7 + seed)) return false;
+    }
+    return true;
+  }
+
+  // Runs `start` (with the lock held) for a batch and returns what the batch completed with.
+  template <typename F>
+  absl::Status Move(F start) {
+    absl::Notification done;
+    absl::Status result;
+    auto batch = std::make_shared<Batch>();
+    batch->on_done = [&](const absl::Status& s) {
+      result = s;
+      done.Notify();
+    };
+    {
+      absl::MutexLock lock(&mu_);
+      start(batch);
+    }
+    batch->Done(absl::OkStatus());  // the issuer's reference
+    done.WaitForNotification();
+    return result;
+  }
+
+  std::string dir_;
+  std::unique_ptr<SegmentPool> host_;
+  std::unique_ptr<NvmeTier> nvme_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<SegmentPool> device_pool_;
+  absl::Mutex mu_;
+  absl::node_hash_map<ChunkId, ChunkMeta> chunks_;
+  TenantLedger ledger_;
+  PathMeter meter_;
+  NoWriteDowns no_write_downs_;
+  RecordingListener listener_{mu_};
+  std::unique_ptr<RoomMaker> room_;
+  std::unique_ptr<Mover> mover_;
+  ChunkId next_id_ = 1;
+};
+
+TEST_F(MoverTest, AMoveToTheDeviceSettlesUnderTheLockAndIsReportedOnce) {
+  ChunkMeta& c = HostChunk(3);
+  ASSERT_TRUE(Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); }).ok());
+  mover_->WaitForIdle();
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(c.state, ChunkState::kReady);
+  EXPECT_TRUE(c.resident.contains(TierKind::kDevice));
+  EXPECT_TRUE(c.resident.contains(TierKind::kHost));  // copied, not moved away
+  EXPECT_TRUE(Holds(c, TierKind::kDevice, 3));
+  ASSERT_EQ(listener_.settled.size(), 1u);
+  EXPECT_TRUE(listener_.settled[0].second.ok());
+  EXPECT_EQ(listener_.paths, std::vector<Path>{Path::kHostToDevice});
+  EXPECT_EQ(c.last_use, 1u);
+  EXPECT_EQ(mover_->in_flight(), 0u);
+}
+
+TEST_F(MoverTest, AChunkOnlyOnNvmeStreamsToTheDeviceThroughItsHostSpace) {
+  ChunkMeta& c = HostChunk(9);
+  ASSERT_TRUE(Move([&](auto batch) { mover_->StartWrite(c, batch, /*keep_source=*/false); }).ok());
+  {
+    absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(c.resident.contains(TierKind::kNvme));
+    EXPECT_FALSE(c.allocated.contains(TierKind::kHost));  // written down: the host copy went
+  }
+  ASSERT_TRUE(Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); }).ok());
+  mover_->WaitForIdle();
+  absl::MutexLock lock(&mu_);
+  EXPECT_TRUE(Holds(c, TierKind::kDevice, 9));
+  EXPECT_TRUE(Holds(c, TierKind::kHost, 9));  // the staging copy counts too
+  EXPECT_TRUE(c.resident.contains(TierKind::kHost));
+  EXPECT_EQ(listener_.paths,
+            (std::vector<Path>{Path::kHostToNvme, Path::kHostToDevice, Path::kNvmeToHost}));
+  EXPECT_EQ(listener_.settled.size(), 2u);
+}
+
+TEST_F(MoverTest, ARetiredChunkStartsNoMoveAndItsBatchSaysWhy) {
+  ChunkMeta& c = HostChunk(1);
+  {
+    absl::MutexLock lock(&mu_);
+    c.doomed = true;
+  }
+  absl::Status s = Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); });
+  EXPECT_TRUE(absl::IsAborted(s)) << s;
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(c.state, ChunkState::kReady);
+  EXPECT_TRUE(listener_.settled.empty());
+  EXPECT_EQ(mover_->in_flight(), 0u);
+}
+
+TEST_F(MoverTest, WaitForIdleReturnsOnlyOnceEveryMoveHasSettled) {
+  std::vector<ChunkMeta*> chunks;
+  for (uint8_t i = 0; i < 6; ++i) chunks.push_back(&HostChunk(i));
+  auto batch = std::make_shared<Batch>();
+  {
+    absl::MutexLock lock(&mu_);
+    for (ChunkMeta* c : chunks) mover_->StartToDevice(*c, batch, absl::Now());
+    EXPECT_EQ(mover_->in_flight(), chunks.size());
+  }
+  batch->Done(absl::OkStatus());
+  mover_->WaitForIdle();
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(listener_.settled.size(), chunks.size());
+  EXPECT_EQ(mover_->in_flight(), 0u);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    EXPECT_TRUE(Holds(*chunks[i], TierKind::kDevice, static_cast<uint8_t>(i))) << i;
+  }
+}
+
+}  // namespace
+}  // namespace tierd::daemon
