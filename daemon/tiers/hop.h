@@ -57,8 +57,8 @@ class Hop {
 };
 
 // Carries a chunk over two hops in a row, each piece of the first going on over the second as soon
-// as it has landed (NVMe -> host -> GPU); `first.to` is `second.from`. `done` runs once, when the
-// last piece is across both or one has failed (the first error), with the first hop's checksum.
+// as it has landed (NVMe -> host -> GPU); `first.to` is `second.from`. `done` runs once, when
+// every piece has settled on both hops, with the first error (if any) and the first hop's checksum.
 void CopyAlong(Hop* first, const HopJob& first_job, Hop* second, const HopJob& second_job,
                uint64_t piece, Hop::Done done);
 
