@@ -47,6 +47,7 @@ ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
       index_(tiers.index),
       clock_(clock),
       room_(chunks_, ledger_, tiers, *this),
+      schedules_(chunks_, ledger_, clock_),
       mover_(mu_, chunks_, room_, tiers, meter_, clock_, *this) {
   assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
 }
@@ -61,8 +62,7 @@ ChunkService::SessionState& ChunkService::StateOf(const Session& session) {
   return it->second;
 }
 
-absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(
-    const Session& session) {
+absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& session) {
   absl::StatusOr<SlotToken> token = session.completions->Post();
   if (!token.ok()) return token.status();
   auto batch = std::make_shared<Batch>();
@@ -367,7 +367,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
   }
   batch->Done(absl::OkStatus());  // the issuer's reference
-  if (state.trace.steps > 0) Trace(state, session, *chunks, tier, access);
+  schedules_.Record(session, *chunks, tier, access);
   return result;
 }
 

@@ -7,12 +7,13 @@
 //
 // The class is one lock and one table, its code in files by concern: chunk_service.cc (the client
 // operations: validation and the batch), chunk_service_moves.cc (the requests waiting on moves),
-// chunk_service_schedules.cc (schedules, traces and the planning round),
+// chunk_service_schedules.cc (a schedule's validation and the planning round),
 // chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
-// chunk_service_operators.cc (operators' requests and node figures). Three parts are classes of
+// chunk_service_operators.cc (operators' requests and node figures). Four parts are classes of
 // their own: the Mover (the moves over routes of hops; it settles under the service's lock and
-// reports each settled move back), the RoomMaker (space, and room made when a tier is full; held
-// under the lock) and the PathMeter (the paths' bandwidth, under a lock of its own).
+// reports each settled move back), the RoomMaker (space, and room made when a tier is full) and
+// Schedules (schedules, traces, step times), both held under the lock, and the PathMeter (the
+// paths' bandwidth, under a lock of its own).
 #pragma once
 
 #include <array>
@@ -37,6 +38,7 @@
 #include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/room_maker.h"
+#include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/io/io_engine.h"
@@ -91,16 +93,6 @@ struct NodeStats {
   std::array<uint64_t, kPaths> in_flight{}, queued_bytes{};
 };
 
-// A session's schedule: the steps of one iteration (repeated), and the room the planner may fill
-// for it in each tier (0: no limit but the tier's).
-struct ScheduleRequest {
-  std::vector<std::vector<ScheduledAccess>> steps;
-  std::array<uint64_t, kTierKinds> quota{};
-  // Trace mode (with no steps): record the session's acquisitions over the next iteration of this
-  // many steps, and use them as its schedule from the iteration after on.
-  uint32_t trace_steps = 0;
-};
-
 struct DrainResult {
   SlotToken token;
   uint64_t chunks = 0, bytes = 0;  // moving out of the tier
@@ -115,8 +107,6 @@ struct SessionHoldings {
 
 // Whether the session's user may act on every session's chunks: root, or the daemon's own user.
 bool IsOperator(const Session& session);
-
-using Schedule = std::vector<std::vector<ScheduledAccess>>;
 
 struct ChunkPage {
   std::vector<ChunkMeta> chunks;
@@ -280,32 +270,8 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
       uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
     };
     absl::flat_hash_map<ChunkId, Pins> pins;
-    SessionStats stats;
-    // The schedule, when declared: immutable once installed, so that a planning round can read
-    // it without the service's lock.
-    std::shared_ptr<const Session> session;
-    std::shared_ptr<const Schedule> steps;
-    // Every chunk the schedule names, once.
-    std::vector<ChunkId> named;
-    uint64_t schedule_accesses = 0;  // what the schedule counts against the limits
-    std::array<uint64_t, kTierKinds> quota{};
+    SessionStats stats;   // its schedule's figures are in schedules_
     uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
-    // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
-    // planner is told (on the short side).
-    std::vector<absl::Duration> step_mean, step_deviation, step_time;
-    uint64_t cursor = 0;
-    absl::Time step_started;
-    // Trace mode: acquisitions made while start < cursor <= start + steps are recorded as step
-    // cursor - 1 - start; once the cursor passes the end, they become the schedule.
-    struct Trace {
-      uint32_t steps = 0;  // 0: not tracing
-      uint64_t start = 0;
-      std::array<uint64_t, kTierKinds> quota{};
-      std::vector<std::vector<ScheduledAccess>> recorded;
-      absl::flat_hash_map<std::pair<uint64_t, ChunkId>, size_t> index;  // (step, tier), chunk
-      size_t accesses = 0;
-    } trace;
-    bool planned() const { return steps != nullptr || trace.steps > 0; }
   };
   // The session's state, made on its first request.
   SessionState& StateOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -315,20 +281,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
     std::array<uint64_t, kPaths> moved{};
   };
   absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
-  // Makes `steps` the session's schedule, its step times unknown yet.
-  // `size` is what it counts against the limits (its accesses, or steps if more).
-  void InstallSchedule(SessionState& state, const Session& session,
-                       std::vector<std::vector<ScheduledAccess>> steps,
-                       const std::array<uint64_t, kTierKinds>& quota, uint64_t size)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Trace mode: records an Acquire at the session's cursor, or installs the trace once the cursor
-  // has passed the traced iteration.
-  void Trace(SessionState& state, const Session& session, std::span<ChunkMeta* const> chunks,
-             TierKind tier, Access access) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishTrace(SessionState& state, const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Folds the time since the cursor last moved into the step times of the steps it passed.
-  void UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
   // chunks. The pointers stay valid while mu_ is held.
@@ -464,12 +416,13 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
       prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
-  absl::CondVar room_freed_;                   // a move settled, or pins or chunks went
-  size_t schedules_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with a schedule or a trace
+  absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
   // Space, and room made on demand, in the tiers (over chunks_ and ledger_).
   RoomMaker room_ ABSL_GUARDED_BY(mu_);
+  // The sessions' schedules and traces, and the planner's input they make.
+  Schedules schedules_ ABSL_GUARDED_BY(mu_);
   // The moves: not guarded by mu_ as a whole (WaitForIdle runs without it), but every other call
   // is made with mu_ held, and it settles under mu_. Declared last: destroyed first, once the
   // last callback handed to a hop has let go.

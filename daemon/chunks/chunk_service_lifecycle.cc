@@ -197,8 +197,7 @@ size_t ChunkService::CloseSession(const Session& session) {
   if (auto job = jobs_.find(state.job); job != jobs_.end() && --job->second.sessions == 0) {
     jobs_.erase(job);
   }
-  if (state.planned()) --schedules_;
-  ledger_.AddScheduleAccesses(session.peer.uid, -static_cast<int64_t>(state.schedule_accesses));
+  schedules_.End(session);
   for (const auto& [id, pins] : state.pins) {
     if (auto w = waiters_.find(id); w != waiters_.end()) {
       std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });

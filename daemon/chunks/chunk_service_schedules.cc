@@ -1,5 +1,5 @@
-// ChunkService: schedules (declared or traced), the step times measured from a session's cursor,
-// and the planning round that turns them into moves (daemon/planner/planner.h plans; this runs).
+// ChunkService: schedules as clients declare them (validated here, kept by Schedules) and the
+// planning round that turns them into moves (daemon/planner/planner.h plans; this runs its moves).
 
 #include "daemon/chunks/chunk_service.h"
 
@@ -43,17 +43,10 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
       if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
     }
   }
-  // What the schedule costs the planner every round: its accesses, or its steps if more.
-  const uint64_t size = std::max<uint64_t>(accesses, request.steps.size());
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
-  SessionState& state = StateOf(session);
-  const uint32_t uid = session.peer.uid;
-  if (absl::Status s = ledger_.CheckSchedule(uid, state.schedule_accesses, size, "SetSchedule");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ledger_.CheckTrace(uid, request.trace_steps); !s.ok()) return s;
+  StateOf(session);
+  if (absl::Status s = schedules_.CheckLimits(session, request); !s.ok()) return s;
   std::vector<ChunkId> ids;
   {
     absl::flat_hash_set<ChunkId> seen;
@@ -66,19 +59,7 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids); !chunks.ok()) {
     return chunks.status();
   }
-  const bool had = state.planned();
-  InstallSchedule(state, session, std::move(request.steps), request.quota, size);
-  state.trace = {};
-  if (request.trace_steps > 0) {
-    // From the next iteration boundary: the first step number that is a multiple of the length.
-    const uint64_t n = request.trace_steps;
-    state.trace.steps = request.trace_steps;
-    state.trace.start = (session.completions->cursor() + n - 1) / n * n;
-    state.trace.quota = request.quota;
-    state.trace.recorded.resize(n);
-  }
-  schedules_ += (state.planned() ? 1 : 0) - (had ? 1 : 0);
-  state.stats.tracing = state.trace.steps > 0;
+  schedules_.Set(session, std::move(request));
   return absl::OkStatus();
 }
 
@@ -94,156 +75,22 @@ absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t w
   return absl::OkStatus();
 }
 
-void ChunkService::InstallSchedule(SessionState& state, const Session& session,
-                                   std::vector<std::vector<ScheduledAccess>> steps,
-                                   const std::array<uint64_t, kTierKinds>& quota, uint64_t size) {
-  ledger_.AddScheduleAccesses(
-      session.peer.uid, static_cast<int64_t>(size) - static_cast<int64_t>(state.schedule_accesses));
-  state.schedule_accesses = size;
-  state.session = session.shared_from_this();
-  state.named.clear();
-  absl::flat_hash_set<ChunkId> seen;
-  for (const auto& step : steps) {
-    for (const ScheduledAccess& a : step) {
-      if (seen.insert(a.id).second) state.named.push_back(a.id);
-    }
-  }
-  const size_t n = steps.size();
-  state.steps = n == 0 ? nullptr : std::make_shared<const Schedule>(std::move(steps));
-  state.quota = quota;
-  state.step_time.assign(n, absl::ZeroDuration());
-  state.step_mean.assign(n, absl::ZeroDuration());
-  state.step_deviation.assign(n, absl::ZeroDuration());
-  state.cursor = session.completions->cursor();
-  state.step_started = clock_.Now();
-  state.stats.schedule_steps = static_cast<uint32_t>(n);
-}
-
-void ChunkService::Trace(SessionState& state, const Session& session,
-                         std::span<ChunkMeta* const> chunks, TierKind tier, Access access) {
-  SessionState::Trace& t = state.trace;
-  const uint64_t cursor = session.completions->cursor();
-  if (cursor > t.start + t.steps) {
-    FinishTrace(state, session);
-    return;
-  }
-  if (cursor <= t.start) return;  // the traced iteration has not begun
-  const uint64_t step = cursor - 1 - t.start;
-  for (ChunkMeta* c : chunks) {
-    const std::pair<uint64_t, ChunkId> key{step * kTierKinds + static_cast<int>(tier), c->id};
-    auto [it, inserted] = t.index.try_emplace(key, t.recorded[step].size());
-    if (inserted) {
-      if (t.accesses == ledger_.limits().schedule_accesses_per_session) {  // as a declared one
-        t.index.erase(it);
-        continue;
-      }
-      t.recorded[step].push_back({c->id, tier, access});
-      ++t.accesses;
-    } else if (Writes(access) && t.recorded[step][it->second].access == Access::kRead) {
-      t.recorded[step][it->second].access = Access::kWrite;  // read, then written: a write
-    }
-  }
-}
-
-void ChunkService::FinishTrace(SessionState& state, const Session& session) {
-  SessionState::Trace t = std::move(state.trace);
-  state.trace = {};
-  state.stats.tracing = false;
-  // Chunks freed since they were acquired are left out.
-  size_t kept = 0;
-  for (auto& step : t.recorded) {
-    size_t live = 0;  // in place, not through a predicate: the lock is checked here
-    for (const ScheduledAccess& a : step) {
-      if (chunks_.contains(a.id)) step[live++] = a;
-    }
-    step.resize(live);
-    kept += step.size();
-  }
-  if (kept == 0) {
-    TIERD_LOG_LIMITED(info, "{}: the traced iteration acquired nothing; no schedule",
-                      session.Describe());
-    --schedules_;
-    return;
-  }
-  const uint64_t size = std::max<uint64_t>(kept, t.steps);
-  if (absl::Status s = ledger_.CheckSchedule(session.peer.uid, state.schedule_accesses, size,
-                                             "the traced schedule");
-      !s.ok()) {
-    TIERD_LOG_LIMITED(warn, "{}: {}; not installed", session.Describe(), s.message());
-    --schedules_;
-    return;
-  }
-  TIERD_LOG_LIMITED(info, "{}: traced schedule of {} steps, {} accesses", session.Describe(),
-                    t.steps, kept);
-  InstallSchedule(state, session, std::move(t.recorded), t.quota, size);
-}
-
-void ChunkService::UpdateStepTimes(SessionState& state, uint64_t cursor, absl::Time now) {
-  if (cursor == state.cursor) return;
-  // The cursor's pace gives the step times: the time since the last advance, spread over the
-  // steps it covered, into a moving average per step. The cursor is whatever the client wrote: a
-  // jump of any size updates each step of the iteration at most once.
-  if (cursor > state.cursor && state.cursor > 0) {
-    const uint64_t passed = cursor - state.cursor;
-    const absl::Duration each = (now - state.step_started) / static_cast<double>(passed);
-    const uint64_t n = state.step_time.size();
-    const uint64_t updates = std::min<uint64_t>(passed, n);
-    for (uint64_t i = 0; i < updates; ++i) {
-      const size_t j = (cursor - 1 - updates + i) % n;
-      absl::Duration& mean = state.step_mean[j];
-      absl::Duration& dev = state.step_deviation[j];
-      if (mean == absl::ZeroDuration()) {
-        mean = each;
-        dev = each / 4;
-      } else {
-        dev = 0.75 * dev + 0.25 * absl::AbsDuration(each - mean);
-        mean = 0.875 * mean + 0.125 * each;
-      }
-      // Planned as a short step: data early by a little is cheap, late is a stall.
-      state.step_time[j] = std::max(absl::ZeroDuration(), mean - 2 * dev);
-    }
-  }
-  state.cursor = cursor;
-  state.step_started = now;
-}
-
 size_t ChunkService::PlanRound(absl::Time now) {
   // The planner's input is taken under the lock; the plan is computed without it (other tenants'
   // requests go on meanwhile), and its moves are checked again against the table as they start.
   PlanInput in;
   in.now = now;
-  std::vector<std::shared_ptr<const Schedule>> schedules;  // alive while the plan is computed
-  std::vector<std::vector<absl::Duration>> step_times;
+  Schedules::Round round;  // alive while the plan is computed: the plans point into it
   {
     absl::MutexLock lock(&mu_);
-    if (schedules_ == 0) return 0;
-    schedules.reserve(sessions_.size());
-    step_times.reserve(sessions_.size());
-    absl::flat_hash_set<ChunkId> named;
-    for (auto& [id, state] : sessions_) {
-      if (state.trace.steps > 0 &&
-          state.session->completions->cursor() > state.trace.start + state.trace.steps) {
-        FinishTrace(state, *state.session);
-      }
-      if (state.steps == nullptr) continue;
-      const uint64_t cursor = state.session->completions->cursor();
-      UpdateStepTimes(state, cursor, now);
-      state.stats.cursor = cursor;
-      schedules.push_back(state.steps);
-      step_times.push_back(state.step_time);
-      in.sessions.push_back(SessionPlan{.session = id,
-                                        .steps = schedules.back().get(),
-                                        .cursor = cursor,
-                                        .step_started = state.step_started,
-                                        .step_time = &step_times.back(),
-                                        .quota = state.quota});
-      named.insert(state.named.begin(), state.named.end());
-    }
+    if (schedules_.count() == 0) return 0;
+    schedules_.Collect(now, &round);
+    in.sessions = std::move(round.sessions);
     // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
     for (auto& [id, c] : chunks_) {
       const bool holds =
           c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
-      if (!holds && !named.contains(id)) continue;
+      if (!holds && !round.named.contains(id)) continue;
       in.chunks[id] = PlannerChunk{.id = id,
                                    .size = c.size,
                                    .owner = c.owner,
@@ -380,6 +227,10 @@ SessionStats ChunkService::session_stats(const Session& session) const {
   if (it == sessions_.end()) return SessionStats{};
   SessionStats stats = it->second.stats;
   stats.bandwidth_weight = it->second.weight;
+  const Schedules::Figures figures = schedules_.FiguresOf(session.id);
+  stats.cursor = figures.cursor;
+  stats.schedule_steps = figures.steps;
+  stats.tracing = figures.tracing;
   return stats;
 }
 

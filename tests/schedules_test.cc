@@ -1,0 +1,150 @@
+// Schedules on their own: real sessions with their completion pages (the cursor is what the client
+// writes there), a real ledger, a fake clock. The service's end-to-end trace and planner tests are
+// in nvme_service_test.
+#include "daemon/chunks/schedules.h"
+
+#include <sys/mman.h>
+
+#include "gtest/gtest.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr uint32_t kUid = 1000;
+
+class SchedulesTest : public ::testing::Test {
+ protected:
+  SchedulesTest() : schedules_(chunks_, ledger_, clock_) {
+    session_ = *sessions_.Open({kUid, kUid, 1}, "trainer");
+    void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                   session_->completions->fd(), 0);
+    page_ = static_cast<CompletionPage*>(p);
+    for (ChunkId id = 1; id <= 4; ++id) chunks_[id].id = id;
+  }
+  ~SchedulesTest() override { munmap(page_, kCompletionPageBytes); }
+
+  void Cursor(uint64_t steps_started) { page_->header.cursor.store(steps_started); }
+  ScheduleRequest Steps(std::vector<std::vector<ChunkId>> steps) {
+    ScheduleRequest r;
+    for (const auto& step : steps) {
+      auto& out = r.steps.emplace_back();
+      for (ChunkId id : step) out.push_back({id, TierKind::kHost, Access::kRead});
+    }
+    return r;
+  }
+  Schedules::Round Collect() {
+    Schedules::Round round;
+    schedules_.Collect(clock_.Now(), &round);
+    return round;
+  }
+
+  absl::node_hash_map<ChunkId, ChunkMeta> chunks_;
+  TenantLedger ledger_;
+  FakeClock clock_;
+  Schedules schedules_;
+  SessionRegistry sessions_;
+  std::shared_ptr<Session> session_;
+  CompletionPage* page_ = nullptr;
+};
+
+TEST_F(SchedulesTest, StepTimesFollowTheCursorsPaceOnTheShortSide) {
+  Cursor(1);
+  schedules_.Set(*session_, Steps({{1}, {2}}));
+  for (uint64_t c = 2; c <= 9; ++c) {  // every step takes 100 ms
+    clock_.Advance(absl::Milliseconds(100));
+    Cursor(c);
+    Collect();
+  }
+  Schedules::Round round = Collect();
+  ASSERT_EQ(round.sessions.size(), 1u);
+  const SessionPlan& plan = round.sessions[0];
+  EXPECT_EQ(plan.cursor, 9u);
+  ASSERT_EQ(plan.step_time->size(), 2u);
+  for (absl::Duration t : *plan.step_time) {
+    // Below the pace (planned short), and converging on it as the deviation decays.
+    EXPECT_LT(t, absl::Milliseconds(100));
+    EXPECT_GT(t, absl::Milliseconds(50));
+  }
+  EXPECT_EQ(round.named, (absl::flat_hash_set<ChunkId>{1, 2}));
+  EXPECT_EQ(schedules_.FiguresOf(session_->id).steps, 2u);
+}
+
+TEST_F(SchedulesTest, AJumpOfTheCursorUpdatesEachStepOnceAtMost) {
+  Cursor(1);
+  schedules_.Set(*session_, Steps({{1}, {2}, {3}}));
+  clock_.Advance(absl::Seconds(30));
+  Cursor(1'000'001);  // a client's cursor is any number it writes
+  Schedules::Round round = Collect();
+  ASSERT_EQ(round.sessions.size(), 1u);
+  for (absl::Duration t : *round.sessions[0].step_time) {
+    EXPECT_GE(t, absl::ZeroDuration());
+    EXPECT_LT(t, absl::Milliseconds(1));  // 30 s over a million steps
+  }
+}
+
+TEST_F(SchedulesTest, ATraceBecomesTheScheduleOnceItsIterationHasPassed) {
+  Cursor(1);
+  ScheduleRequest trace;
+  trace.trace_steps = 2;  // from step 2, the next multiple of 2
+  schedules_.Set(*session_, trace);
+  EXPECT_EQ(schedules_.count(), 1u);
+  EXPECT_TRUE(schedules_.FiguresOf(session_->id).tracing);
+  ChunkMeta* one = &chunks_[1];
+  ChunkMeta* two = &chunks_[2];
+  ChunkMeta* three = &chunks_[3];
+  schedules_.Record(*session_, {&one, 1}, TierKind::kHost, Access::kRead);  // before it: ignored
+  Cursor(3);                                                                // step 2
+  schedules_.Record(*session_, {&two, 1}, TierKind::kHost, Access::kRead);
+  schedules_.Record(*session_, {&two, 1}, TierKind::kHost, Access::kWrite);  // read, then written
+  Cursor(4);                                                                 // step 3
+  schedules_.Record(*session_, {&three, 1}, TierKind::kDevice, Access::kRead);
+  EXPECT_TRUE(Collect().sessions.empty());  // still recording
+  Cursor(5);
+  Schedules::Round round = Collect();
+  ASSERT_EQ(round.sessions.size(), 1u);
+  const Schedule& steps = *round.sessions[0].steps;
+  ASSERT_EQ(steps.size(), 2u);
+  ASSERT_EQ(steps[0].size(), 1u);
+  EXPECT_EQ(steps[0][0].id, 2u);
+  EXPECT_EQ(steps[0][0].access, Access::kWrite);
+  ASSERT_EQ(steps[1].size(), 1u);
+  EXPECT_EQ(steps[1][0].id, 3u);
+  EXPECT_EQ(steps[1][0].tier, TierKind::kDevice);
+  EXPECT_FALSE(schedules_.FiguresOf(session_->id).tracing);
+  EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 2u);
+}
+
+TEST_F(SchedulesTest, ATracedChunkFreedBeforeTheEndIsLeftOutAndAnEmptyTraceInstallsNothing) {
+  ScheduleRequest trace;
+  trace.trace_steps = 1;
+  schedules_.Set(*session_, trace);
+  Cursor(1);
+  ChunkMeta* four = &chunks_[4];
+  schedules_.Record(*session_, {&four, 1}, TierKind::kHost, Access::kRead);
+  chunks_.erase(4);  // freed
+  Cursor(2);
+  EXPECT_TRUE(Collect().sessions.empty());
+  EXPECT_EQ(schedules_.count(), 0u);
+  EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 0u);
+}
+
+TEST_F(SchedulesTest, ReplacingAScheduleCountsOnlyTheNewOneAndTheEndGivesItBack) {
+  Limits limits;
+  limits.schedule_accesses_per_session = 3;
+  ledger_.Configure(limits, {});
+  schedules_.Set(*session_, Steps({{1, 2}, {3}}));
+  EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 3u);
+  // Another of three replaces it: the held three do not count twice.
+  EXPECT_TRUE(schedules_.CheckLimits(*session_, Steps({{1}, {2}, {3}})).ok());
+  absl::Status over = schedules_.CheckLimits(*session_, Steps({{1, 2, 3, 4}}));
+  EXPECT_TRUE(absl::IsResourceExhausted(over)) << over;
+  schedules_.Set(*session_, Steps({{4}}));
+  EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 1u);
+  schedules_.End(*session_);
+  EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 0u);
+  EXPECT_EQ(schedules_.count(), 0u);
+  EXPECT_TRUE(Collect().sessions.empty());
+}
+
+}  // namespace
+}  // namespace tierd::daemon
