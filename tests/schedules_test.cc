@@ -114,6 +114,24 @@ TEST_F(SchedulesTest, ATraceBecomesTheScheduleOnceItsIterationHasPassed) {
   EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 2u);
 }
 
+// A round that installs a trace plans it as of the round's own time: a running step started
+// later than the round's `now` would put the new schedule's every deadline late.
+TEST_F(SchedulesTest, ATraceInstalledByARoundStartsAtTheRoundsTime) {
+  ScheduleRequest trace;
+  trace.trace_steps = 1;
+  schedules_.Set(*session_, trace);
+  Cursor(1);
+  ChunkMeta* one = &chunks_[1];
+  schedules_.Record(*session_, {&one, 1}, TierKind::kHost, Access::kRead);
+  Cursor(2);
+  const absl::Time round_time = clock_.Now();
+  clock_.Advance(absl::Milliseconds(50));  // the round took its time before it got the lock
+  Schedules::Round round;
+  schedules_.Collect(round_time, &round);
+  ASSERT_EQ(round.sessions.size(), 1u);
+  EXPECT_EQ(round.sessions[0].step_started, round_time);
+}
+
 TEST_F(SchedulesTest, ATracedChunkFreedBeforeTheEndIsLeftOutAndAnEmptyTraceInstallsNothing) {
   ScheduleRequest trace;
   trace.trace_steps = 1;

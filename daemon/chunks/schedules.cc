@@ -34,7 +34,7 @@ void Schedules::Set(const Session& session, ScheduleRequest request) {
   Entry& entry = entries_[session.id];
   const bool had = entry.planned();
   const uint64_t size = SizeOf(request);
-  Install(entry, session, std::move(request.steps), request.quota, size);
+  Install(entry, session, std::move(request.steps), request.quota, size, clock_.Now());
   entry.trace = {};
   if (request.trace_steps > 0) {
     // From the next iteration boundary: the first step number that is a multiple of the length.
@@ -56,7 +56,8 @@ void Schedules::End(const Session& session) {
 }
 
 void Schedules::Install(Entry& entry, const Session& session, Schedule steps,
-                        const std::array<uint64_t, kTierKinds>& quota, uint64_t size) {
+                        const std::array<uint64_t, kTierKinds>& quota, uint64_t size,
+                        absl::Time now) {
   ledger_.AddScheduleAccesses(session.peer.uid,
                               static_cast<int64_t>(size) - static_cast<int64_t>(entry.accesses));
   entry.accesses = size;
@@ -75,7 +76,7 @@ void Schedules::Install(Entry& entry, const Session& session, Schedule steps,
   entry.step_mean.assign(n, absl::ZeroDuration());
   entry.step_deviation.assign(n, absl::ZeroDuration());
   entry.cursor = session.completions->cursor();
-  entry.step_started = clock_.Now();
+  entry.step_started = now;
 }
 
 void Schedules::Record(const Session& session, std::span<ChunkMeta* const> chunks, TierKind tier,
@@ -86,7 +87,7 @@ void Schedules::Record(const Session& session, std::span<ChunkMeta* const> chunk
   Entry::Trace& t = entry.trace;
   const uint64_t cursor = session.completions->cursor();
   if (cursor > t.start + t.steps) {
-    FinishTrace(entry, session);
+    FinishTrace(entry, session, clock_.Now());
     return;
   }
   if (cursor <= t.start) return;  // the traced iteration has not begun
@@ -107,7 +108,7 @@ void Schedules::Record(const Session& session, std::span<ChunkMeta* const> chunk
   }
 }
 
-void Schedules::FinishTrace(Entry& entry, const Session& session) {
+void Schedules::FinishTrace(Entry& entry, const Session& session, absl::Time now) {
   Entry::Trace t = std::move(entry.trace);
   entry.trace = {};
   // Chunks freed since they were acquired are left out.
@@ -132,7 +133,7 @@ void Schedules::FinishTrace(Entry& entry, const Session& session) {
   }
   TIERD_LOG_LIMITED(info, "{}: traced schedule of {} steps, {} accesses", session.Describe(),
                     t.steps, kept);
-  Install(entry, session, std::move(t.recorded), t.quota, size);
+  Install(entry, session, std::move(t.recorded), t.quota, size, now);
 }
 
 void Schedules::UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now) {
@@ -171,7 +172,9 @@ void Schedules::Collect(absl::Time now, Round* round) {
   for (auto& [id, entry] : entries_) {
     if (entry.trace.steps > 0 &&
         entry.session->completions->cursor() > entry.trace.start + entry.trace.steps) {
-      FinishTrace(entry, *entry.session);
+      // As of the round's own time: a running step that started after the round's `now` would
+      // put every deadline of the new schedule late by the difference.
+      FinishTrace(entry, *entry.session, now);
     }
     if (entry.steps == nullptr) continue;
     const uint64_t cursor = entry.session->completions->cursor();

@@ -106,11 +106,12 @@ class Schedules {
     } trace;
     bool planned() const { return steps != nullptr || trace.steps > 0; }
   };
-  // Makes `steps` the session's schedule, its step times unknown yet. `size` is what it counts
-  // against the limits (its accesses, or steps if more).
+  // Makes `steps` the session's schedule, its step times unknown yet and its running step started
+  // at `now`. `size` is what it counts against the limits (its accesses, or steps if more).
   void Install(Entry& entry, const Session& session, Schedule steps,
-               const std::array<uint64_t, kTierKinds>& quota, uint64_t size);
-  void FinishTrace(Entry& entry, const Session& session);
+               const std::array<uint64_t, kTierKinds>& quota, uint64_t size, absl::Time now);
+  // Installs the recorded trace as of `now` (a planning round's time, when the round finishes it).
+  void FinishTrace(Entry& entry, const Session& session, absl::Time now);
   // Folds the time since the cursor last moved into the step times of the steps it passed.
   void UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now);
 
