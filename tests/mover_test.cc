@@ -89,10 +89,8 @@ class MoverTest : public ::testing::Test {
   // A chunk whose only copy is in host memory, filled with a pattern of `seed`.
   ChunkMeta& HostChunk(uint8_t seed) {
     absl::MutexLock lock(&mu_);
-    ChunkMeta& c = chunks_[next_id_];
-    c.id = next_id_++;
+    ChunkMeta& c = chunks_.Insert(1000, "", /*persistent=*/false);
     c.owner = 7;
-    c.tenant = 1000;
     c.size = kChunk;
     const Placement p = *room_->ReserveSpace(TierKind::kHost, c.tenant, kChunk);
     c.placement[static_cast<int>(TierKind::kHost)] = p;
@@ -137,14 +135,13 @@ class MoverTest : public ::testing::Test {
   std::unique_ptr<Device> device_;
   std::unique_ptr<SegmentPool> device_pool_;
   absl::Mutex mu_;
-  absl::node_hash_map<ChunkId, ChunkMeta> chunks_;
+  ChunkTable chunks_;
   TenantLedger ledger_;
   PathMeter meter_;
   NoWriteDowns no_write_downs_;
   RecordingListener listener_{mu_};
   std::unique_ptr<RoomMaker> room_;
   std::unique_ptr<Mover> mover_;
-  ChunkId next_id_ = 1;
 };
 
 TEST_F(MoverTest, AMoveToTheDeviceSettlesUnderTheLockAndIsReportedOnce) {

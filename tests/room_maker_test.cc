@@ -65,9 +65,7 @@ class RoomMakerTest : public testing::Test {
   // A chunk filling one host segment: `clean` also has a (nominal) NVMe copy, else its host copy
   // is the only one.
   ChunkMeta& HostChunk(uint32_t tenant, uint64_t last_use, bool clean) {
-    ChunkMeta& c = chunks_[next_id_];
-    c.id = next_id_++;
-    c.tenant = tenant;
+    ChunkMeta& c = chunks_.Insert(tenant, "", /*persistent=*/false);
     c.size = kSeg;
     c.last_use = last_use;
     absl::StatusOr<Placement> p = room_->ReserveSpace(TierKind::kHost, tenant, kSeg);
@@ -86,9 +84,7 @@ class RoomMakerTest : public testing::Test {
 
   // A chunk whose only copy is on NVMe.
   ChunkMeta& NvmeChunk(uint32_t tenant) {
-    ChunkMeta& c = chunks_[next_id_];
-    c.id = next_id_++;
-    c.tenant = tenant;
+    ChunkMeta& c = chunks_.Insert(tenant, "", /*persistent=*/false);
     c.size = kSeg;
     c.allocated.insert(TierKind::kNvme);
     c.resident.insert(TierKind::kNvme);
@@ -103,12 +99,11 @@ class RoomMakerTest : public testing::Test {
   };
 
   std::unique_ptr<SegmentPool> host_;
-  absl::node_hash_map<ChunkId, ChunkMeta> chunks_;
+  ChunkTable chunks_;
   TenantLedger ledger_;
   RecordedMoves moves_;
   UnusedHop unused_hop_;
   std::unique_ptr<RoomMaker> room_;
-  ChunkId next_id_ = 1;
 };
 
 TEST_F(RoomMakerTest, AFullTierDropsTheLeastRecentlyUsedCleanCopyAndNothingElse) {

@@ -19,7 +19,7 @@ class SchedulesTest : public ::testing::Test {
     void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                    session_->completions->fd(), 0);
     page_ = static_cast<CompletionPage*>(p);
-    for (ChunkId id = 1; id <= 4; ++id) chunks_[id].id = id;
+    for (int i = 0; i < 4; ++i) chunks_.Insert(kUid, "", /*persistent=*/false);  // ids 1 to 4
   }
   ~SchedulesTest() override { munmap(page_, kCompletionPageBytes); }
 
@@ -38,7 +38,7 @@ class SchedulesTest : public ::testing::Test {
     return round;
   }
 
-  absl::node_hash_map<ChunkId, ChunkMeta> chunks_;
+  ChunkTable chunks_;
   TenantLedger ledger_;
   FakeClock clock_;
   Schedules schedules_;
@@ -89,9 +89,9 @@ TEST_F(SchedulesTest, ATraceBecomesTheScheduleOnceItsIterationHasPassed) {
   schedules_.Set(*session_, trace);
   EXPECT_EQ(schedules_.count(), 1u);
   EXPECT_TRUE(schedules_.FiguresOf(session_->id).tracing);
-  ChunkMeta* one = &chunks_[1];
-  ChunkMeta* two = &chunks_[2];
-  ChunkMeta* three = &chunks_[3];
+  ChunkMeta* one = &chunks_.at(1);
+  ChunkMeta* two = &chunks_.at(2);
+  ChunkMeta* three = &chunks_.at(3);
   schedules_.Record(*session_, {&one, 1}, TierKind::kHost, Access::kRead);  // before it: ignored
   Cursor(3);                                                                // step 2
   schedules_.Record(*session_, {&two, 1}, TierKind::kHost, Access::kRead);
@@ -121,7 +121,7 @@ TEST_F(SchedulesTest, ATraceInstalledByARoundStartsAtTheRoundsTime) {
   trace.trace_steps = 1;
   schedules_.Set(*session_, trace);
   Cursor(1);
-  ChunkMeta* one = &chunks_[1];
+  ChunkMeta* one = &chunks_.at(1);
   schedules_.Record(*session_, {&one, 1}, TierKind::kHost, Access::kRead);
   Cursor(2);
   const absl::Time round_time = clock_.Now();
@@ -137,9 +137,9 @@ TEST_F(SchedulesTest, ATracedChunkFreedBeforeTheEndIsLeftOutAndAnEmptyTraceInsta
   trace.trace_steps = 1;
   schedules_.Set(*session_, trace);
   Cursor(1);
-  ChunkMeta* four = &chunks_[4];
+  ChunkMeta* four = &chunks_.at(4);
   schedules_.Record(*session_, {&four, 1}, TierKind::kHost, Access::kRead);
-  chunks_.erase(4);  // freed
+  chunks_.Erase(chunks_.at(4));  // freed
   Cursor(2);
   EXPECT_TRUE(Collect().sessions.empty());
   EXPECT_EQ(schedules_.count(), 0u);

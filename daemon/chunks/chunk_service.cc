@@ -71,10 +71,6 @@ absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& ses
   return batch;
 }
 
-std::string ChunkService::NameKey(uint32_t tenant, absl::string_view name) {
-  return absl::StrCat(tenant, "/", name);
-}
-
 absl::Status ChunkService::CheckTier(TierKind tier, absl::string_view what) const {
   if (tiers_[static_cast<int>(tier)] == nullptr) {
     return absl::FailedPreconditionError(
@@ -159,8 +155,8 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
       return fail(absl::InvalidArgumentError(
           absl::StrCat("name '", r.name, "' appears twice in the batch")));
     }
-    auto existing = names_.find(NameKey(tenant, r.name));
-    if (existing == names_.end()) {
+    const ChunkMeta* existing = chunks_.FindByName(tenant, r.name);
+    if (existing == nullptr) {
       if (r.must_exist) {
         return fail(
             absl::NotFoundError(absl::StrCat("uid ", tenant, " has no persistent chunk named '",
@@ -168,7 +164,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
       }
       continue;
     }
-    const ChunkMeta& found = chunks_.at(existing->second);
+    const ChunkMeta& found = *existing;
     if (!(r.open_existing && r.persistent && found.persistent)) {
       return fail(absl::AlreadyExistsError(absl::StrCat(
           "uid ", tenant, " already has ", found.persistent ? "a persistent" : "a scratch",
@@ -535,10 +531,7 @@ ChunkPage ChunkService::List(const Session& session, ChunkId page_token, uint32_
   static const std::set<ChunkId> kNone;
   const std::set<ChunkId>* owned = &kNone;
   if (auto it = sessions_.find(session.id); it != sessions_.end()) owned = &it->second.owned;
-  const std::set<ChunkId>* persistent = &kNone;
-  if (auto it = persistent_.find(session.peer.uid); it != persistent_.end()) {
-    persistent = &it->second;
-  }
+  const std::set<ChunkId>* persistent = &chunks_.PersistentOf(session.peer.uid);
   ChunkPage page;
   auto a = owned->lower_bound(page_token);
   auto b = persistent->lower_bound(page_token);

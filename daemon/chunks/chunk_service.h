@@ -35,6 +35,7 @@
 #include "absl/time/time.h"
 #include "common/completion_page.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/room_maker.h"
@@ -388,7 +389,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   }
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static std::string NameKey(uint32_t tenant, absl::string_view name);
 
   // The hop on `path`, or null where the node has none.
   Hop* hop(Path path) const { return hops_[static_cast<int>(path)]; }
@@ -399,12 +399,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   const Clock& clock_;
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
-  ChunkId next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // Node-based: a ChunkMeta never moves, and a million of them cost their own size plus a pointer
-  // slot each rather than a half-empty array of 240-byte slots.
-  absl::node_hash_map<ChunkId, ChunkMeta> chunks_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, ChunkId> names_ ABSL_GUARDED_BY(mu_);  // "uid/name" -> id
-  absl::flat_hash_map<uint32_t, std::set<ChunkId>> persistent_ ABSL_GUARDED_BY(mu_);  // by tenant
+  ChunkTable chunks_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
   // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
   absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);

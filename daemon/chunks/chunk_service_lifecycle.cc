@@ -29,21 +29,14 @@ void ChunkService::WaitForIdle() { mover_.WaitForIdle(); }
 
 ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
                                 const Placement& home, const std::string& name, bool persistent) {
-  const ChunkId id = next_id_++;
-  ChunkMeta& chunk = chunks_[id];
-  chunk.id = id;
+  ChunkMeta& chunk = chunks_.Insert(tenant, name, persistent);
   chunk.size = size;
   chunk.owner = owner;
-  chunk.tenant = tenant;
   chunk.home = home.tier;
   chunk.allocated.insert(home.tier);
   chunk.resident.insert(home.tier);
   chunk.placement[static_cast<int>(home.tier)] = home;
-  chunk.persistent = persistent;
   chunk.memory_home = persistent && home.tier != TierKind::kNvme;
-  chunk.name = name;
-  if (!name.empty()) names_[NameKey(tenant, name)] = id;
-  if (persistent) persistent_[tenant].insert(id);
   return chunk;
 }
 
@@ -103,7 +96,7 @@ size_t ChunkService::WriteDownForStop() {
   uint64_t bytes = 0;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [tenant, set] : persistent_) {
+    for (const auto& [tenant, set] : chunks_.persistent()) {
       for (ChunkId id : set) {
         ChunkMeta& chunk = chunks_.at(id);
         const bool in_memory =
@@ -175,16 +168,13 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   // a name the index does not hold costs nothing.
   if (chunk.persistent && index_ != nullptr && (chunk.written || chunk.memory_home))
     index_->Forget(chunk.tenant, chunk.name);
-  if (!chunk.name.empty()) names_.erase(NameKey(chunk.tenant, chunk.name));
-  if (chunk.persistent) {
-    auto it = persistent_.find(chunk.tenant);
-    it->second.erase(chunk.id);
-    if (it->second.empty()) persistent_.erase(it);
-  } else if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
-    it->second.owned.erase(chunk.id);
+  if (!chunk.persistent) {
+    if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
+      it->second.owned.erase(chunk.id);
+    }
   }
   leases_.erase(chunk.id);
-  chunks_.erase(chunk.id);
+  chunks_.Erase(chunk);
 }
 
 size_t ChunkService::CloseSession(const Session& session) {
@@ -214,18 +204,16 @@ size_t ChunkService::CloseSession(const Session& session) {
     ++freed;
     Retire(chunk);
   }
-  if (auto p = persistent_.find(session.peer.uid); p != persistent_.end()) {
-    for (ChunkId id : p->second) {
-      ChunkMeta& chunk = chunks_.at(id);
-      auto lease = leases_.find(id);
-      if (lease == leases_.end()) continue;
-      std::erase(lease->second.holders, session.id);
-      if (lease->second.holders.empty()) {
-        leases_.erase(lease);
-        chunk.owner = 0;
-      } else {
-        chunk.owner = lease->second.holders.front();
-      }
+  for (ChunkId id : chunks_.PersistentOf(session.peer.uid)) {
+    ChunkMeta& chunk = chunks_.at(id);
+    auto lease = leases_.find(id);
+    if (lease == leases_.end()) continue;
+    std::erase(lease->second.holders, session.id);
+    if (lease->second.holders.empty()) {
+      leases_.erase(lease);
+      chunk.owner = 0;
+    } else {
+      chunk.owner = lease->second.holders.front();
     }
   }
   room_.RetryQueuedFetches();

@@ -14,10 +14,10 @@
 #include <optional>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/room_maker.h"
 #include "daemon/tiers/hop.h"
@@ -44,8 +44,8 @@ class Mover {
   };
 
   // `mu` guards `chunks`; the Mover settles under it.
-  Mover(absl::Mutex& mu, absl::node_hash_map<ChunkId, ChunkMeta>& chunks, RoomMaker& room,
-        const Tiers& tiers, PathMeter& meter, const Clock& clock, Listener& listener)
+  Mover(absl::Mutex& mu, ChunkTable& chunks, RoomMaker& room, const Tiers& tiers, PathMeter& meter,
+        const Clock& clock, Listener& listener)
       : mu_(mu),
         chunks_(chunks),
         room_(room),
@@ -121,7 +121,7 @@ class Mover {
   std::shared_ptr<void> BeginOp();
 
   absl::Mutex& mu_;
-  absl::node_hash_map<ChunkId, ChunkMeta>& chunks_;
+  ChunkTable& chunks_;
   RoomMaker& room_;
   const Tiers tiers_;
   PathMeter& meter_;

@@ -13,10 +13,10 @@
 #include <span>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/node_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/tiers/hop.h"
 
@@ -42,8 +42,7 @@ class RoomMaker {
   };
 
   // `chunks` and `ledger` are the service's, read and changed under its lock; `tiers` the node's.
-  RoomMaker(absl::node_hash_map<ChunkId, ChunkMeta>& chunks, TenantLedger& ledger,
-            const Tiers& tiers, Moves& moves)
+  RoomMaker(ChunkTable& chunks, TenantLedger& ledger, const Tiers& tiers, Moves& moves)
       : chunks_(chunks), ledger_(ledger), tiers_(tiers), moves_(moves) {}
   RoomMaker(const RoomMaker&) = delete;
   RoomMaker& operator=(const RoomMaker&) = delete;
@@ -95,7 +94,7 @@ class RoomMaker {
   // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
   uint64_t FreeFor(uint32_t tenant, TierKind tier) const;
 
-  absl::node_hash_map<ChunkId, ChunkMeta>& chunks_;
+  ChunkTable& chunks_;
   TenantLedger& ledger_;
   const Tiers tiers_;
   Moves& moves_;

@@ -13,10 +13,10 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/chunks/chunk.h"
+#include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/planner/planner.h"
@@ -40,8 +40,7 @@ class Schedules {
  public:
   // `chunks` (a traced chunk freed since is left out of the schedule) and `ledger` (the users'
   // limits on schedules) are the service's.
-  Schedules(const absl::node_hash_map<ChunkId, ChunkMeta>& chunks, TenantLedger& ledger,
-            const Clock& clock)
+  Schedules(const ChunkTable& chunks, TenantLedger& ledger, const Clock& clock)
       : chunks_(chunks), ledger_(ledger), clock_(clock) {}
   Schedules(const Schedules&) = delete;
   Schedules& operator=(const Schedules&) = delete;
@@ -115,7 +114,7 @@ class Schedules {
   // Folds the time since the cursor last moved into the step times of the steps it passed.
   void UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now);
 
-  const absl::node_hash_map<ChunkId, ChunkMeta>& chunks_;
+  const ChunkTable& chunks_;
   TenantLedger& ledger_;
   const Clock& clock_;
   absl::flat_hash_map<SessionId, Entry> entries_;
