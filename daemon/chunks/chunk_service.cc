@@ -42,14 +42,12 @@ absl::Status ValidateChunkName(absl::string_view name) {
 }
 
 ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
-    : tiers_(tiers.tier),
-      hops_(tiers.hop),
-      index_(tiers.index),
+    : tiers_(tiers),
       clock_(clock),
       room_(chunks_, ledger_, tiers, *this),
       schedules_(chunks_, ledger_, clock_),
       mover_(mu_, chunks_, room_, tiers, meter_, clock_, *this) {
-  assert(tiers_[static_cast<int>(TierKind::kHost)] != nullptr);
+  assert(tier(TierKind::kHost) != nullptr);
 }
 
 ChunkService::SessionState& ChunkService::StateOf(const Session& session) {
@@ -72,7 +70,7 @@ absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& ses
 }
 
 absl::Status ChunkService::CheckTier(TierKind tier, absl::string_view what) const {
-  if (tiers_[static_cast<int>(tier)] == nullptr) {
+  if (tiers_.tier[static_cast<int>(tier)] == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": the ", TierName(tier), " tier is not configured on this node (see ",
                      tier == TierKind::kNvme ? "[nvme]" : "[device]", " in the tierd config)"));
@@ -227,7 +225,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
-    if (r.persistent && index_ == nullptr) ++volatile_persistent;
+    if (r.persistent && tiers_.index == nullptr) ++volatile_persistent;
     if (r.persistent) leases_[chunk.id] = Lease{{session.id}, r.shared};
     if (!r.persistent) state.owned.insert(chunk.id);
     result[i] = chunk.id;

@@ -250,7 +250,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   prometheus::ClientMetric acquire_wait_seconds(TierKind tier) const {
     return acquire_wait_seconds_[static_cast<int>(tier)].Collect();
   }
-  Tier* tier(TierKind kind) const { return tiers_[static_cast<int>(kind)]; }
+  Tier* tier(TierKind kind) const { return tiers_.tier[static_cast<int>(kind)]; }
 
  private:
   // The live sessions holding a lease on a persistent chunk (its creator or openers; several only
@@ -385,17 +385,15 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   // version is in memory.
   bool NeedsMark(const ChunkMeta& chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return chunk.persistent && chunk.memory_home && !chunk.marked && !chunk.lost &&
-           index_ != nullptr;
+           tiers_.index != nullptr;
   }
   absl::StatusOr<std::shared_ptr<Batch>> NewBatch(const Session& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The hop on `path`, or null where the node has none.
-  Hop* hop(Path path) const { return hops_[static_cast<int>(path)]; }
+  Hop* hop(Path path) const { return tiers_.hop[static_cast<int>(path)]; }
 
-  const std::array<Tier*, kTierKinds> tiers_;
-  const std::array<Hop*, kPaths> hops_;
-  PersistentIndex* const index_;
+  const Tiers tiers_;
   const Clock& clock_;
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;

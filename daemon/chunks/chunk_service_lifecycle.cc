@@ -46,7 +46,7 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
   for (const IndexEntry& e : entries) {
     Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
     const bool has_copy = e.reserved != 0;
-    if (has_copy && (index_ == nullptr || !index_->Claim(p))) {
+    if (has_copy && (tiers_.index == nullptr || !tiers_.index->Claim(p))) {
       spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
                     e.name, e.tenant);
       continue;
@@ -166,8 +166,8 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   ledger_.AddChunks(chunk.tenant, -1);
   // A chunk at home in memory may have a record without a copy (or one being written): forgetting
   // a name the index does not hold costs nothing.
-  if (chunk.persistent && index_ != nullptr && (chunk.written || chunk.memory_home))
-    index_->Forget(chunk.tenant, chunk.name);
+  if (chunk.persistent && tiers_.index != nullptr && (chunk.written || chunk.memory_home))
+    tiers_.index->Forget(chunk.tenant, chunk.name);
   if (!chunk.persistent) {
     if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
       it->second.owned.erase(chunk.id);
