@@ -79,11 +79,7 @@ void ChunkService::StartWriteDown(ChunkMeta& chunk, TierKind tier) {
   // Whoever needs the room waits for it to be freed (a queued fetch, an Acquire on room_freed_);
   // the write-down itself reports to no one.
   auto batch = std::make_shared<Batch>();
-  if (tier == TierKind::kDevice) {
-    mover_.StartToHost(chunk, batch, /*then_nvme=*/false, /*keep_source=*/false);
-  } else {
-    mover_.StartWrite(chunk, batch, /*keep_source=*/false);
-  }
+  mover_.StartWriteDown(chunk, tier, batch, /*keep_source=*/false);
   batch->Done(absl::OkStatus());
 }
 

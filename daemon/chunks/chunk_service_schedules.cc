@@ -198,15 +198,15 @@ size_t ChunkService::PlanRound(absl::Time now) {
         break;
       }
       case PlannedMove::Kind::kWriteBack: {
-        if (c.pins > 0) break;
-        auto batch = std::make_shared<Batch>();
-        if (m.tier == TierKind::kDevice) {
-          if (hop(Path::kDeviceToHost) == nullptr || !c.resident.contains(TierKind::kDevice)) break;
-          mover_.StartToHost(c, batch, /*then_nvme=*/false, /*keep_source=*/true);
-        } else {
-          if (hop(Path::kHostToNvme) == nullptr || !c.resident.contains(TierKind::kHost)) break;
-          mover_.StartWrite(c, batch, /*keep_source=*/true);
+        // Down a tier: the device's copy to the host, the host's to NVMe.
+        const bool device = m.tier == TierKind::kDevice;
+        const TierKind from = device ? TierKind::kDevice : TierKind::kHost;
+        if (c.pins > 0 || !c.resident.contains(from) ||
+            hop(device ? Path::kDeviceToHost : Path::kHostToNvme) == nullptr) {
+          break;
         }
+        auto batch = std::make_shared<Batch>();
+        mover_.StartWriteDown(c, from, batch, /*keep_source=*/true);
         batch->Done(absl::OkStatus());
         if (c.state == ChunkState::kMoving) {
           if (stats != nullptr) ++stats->planner_write_backs;

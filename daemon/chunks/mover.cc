@@ -112,6 +112,15 @@ bool Mover::BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<
   return true;
 }
 
+void Mover::StartWriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                           bool keep_source) {
+  if (tier == TierKind::kDevice) {
+    StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
+  } else {
+    StartWrite(chunk, batch, keep_source);
+  }
+}
+
 void Mover::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
   constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   IndexEntry e{chunk.tenant,         chunk.name,        chunk.size, 0, 0, chunk.checksum,

@@ -75,6 +75,10 @@ class Mover {
   // persistent chunk's durable version stays whole until the new one is: the rewrite goes to
   // fresh space and the index record is its commit point.
   void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source);
+  // Writes the chunk's copy in `tier` one tier down: the device's to the host (StartToHost), the
+  // host's to NVMe (StartWrite); drops that copy once written unless keep_source.
+  void StartWriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                      bool keep_source);
   // Durably records in the index that the chunk's current version is in memory (so that a crash
   // recovers it lost, never older); `batch` completes once that is durable.
   void Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch);
