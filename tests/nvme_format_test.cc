@@ -71,6 +71,36 @@ TEST_F(NvmeFormatTest, BlankRegionsAreFormattedAndReopen) {
   EXPECT_EQ((*region)->block_size() % 512, 0u);
 }
 
+// A region whose directory is missing is most often a drive that is not mounted: creating the
+// directory would put a region file the size of the drive on whatever file system holds the
+// mount point.
+TEST_F(NvmeFormatTest, ARegionsMissingDirectoryIsNotCreatedButNamed) {
+  NvmeOptions o = Options(1);
+  o.regions[0].path = dir_ + "/mnt/nvme0/tierd.region";
+  auto tier = Open(o);
+  ASSERT_FALSE(tier.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(tier.status())) << tier.status();
+  EXPECT_NE(tier.status().message().find("directory '" + dir_ + "/mnt/nvme0' does not exist"),
+            std::string::npos)
+      << tier.status();
+  EXPECT_NE(tier.status().message().find("mounted"), std::string::npos) << tier.status();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/mnt"));
+}
+
+// On a first start there is no record of the region set: a region file that cannot be created
+// is an error naming it, not a region "missing" from a set that was never formatted.
+TEST_F(NvmeFormatTest, ARegionThatCannotBeCreatedOnAFirstStartIsAnErrorNotACrash) {
+  NvmeOptions o = Options(1);
+  o.regions[0].path = "/proc/self/tierd-test.region";  // the directory exists; no file can
+  auto tier = NvmeTier::Open(o, InstanceId{}, host_.get(), dir_ + "/state");
+  ASSERT_FALSE(tier.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(tier.status())) << tier.status();
+  EXPECT_NE(
+      tier.status().message().find("cannot create NVMe region '/proc/self/tierd-test.region'"),
+      std::string::npos)
+      << tier.status();
+}
+
 TEST_F(NvmeFormatTest, AnotherInstancesRegionsAreRefused) {
   ASSERT_TRUE(Open(Options(1), 1).ok());
   auto other = Open(Options(1), 2);

@@ -39,8 +39,17 @@ absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& s
     return absl::NotFoundError(absl::StrCat("NVMe region '", spec.path, "' does not exist"));
   }
   if (!exists) {
+    // Never the directory: a missing one is most often a drive that is not mounted, and creating
+    // it would put a region the size of the drive on the file system under the mount point.
+    std::filesystem::path dir = std::filesystem::path(spec.path).parent_path();
+    if (dir.empty()) dir = ".";
     std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(spec.path).parent_path(), ec);
+    if (!std::filesystem::is_directory(dir, ec)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "NVMe region '", spec.path, "': its directory '", dir.string(),
+          "' does not exist. Is the drive mounted there? tierd creates region files, never their "
+          "directories"));
+    }
     if (spec.size == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "NVMe region '", spec.path, "' does not exist; give it a size so it can be created"));
@@ -61,6 +70,10 @@ absl::StatusOr<std::unique_ptr<NvmeRegion>> NvmeRegion::Open(const RegionSpec& s
           absl::StrCat("NVMe region '", spec.path,
                        "': the file system does not support O_DIRECT (tmpfs?); "
                        "put regions on a file system on the NVMe drive, or use the block device"));
+    }
+    if (!exists) {  // the directory is there, but this file system takes no new file (/proc)
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot create NVMe region '", spec.path, "': ", strerror(errno)));
     }
     return absl::ErrnoToStatus(errno, absl::StrCat("opening NVMe region '", spec.path, "'"));
   }

@@ -135,7 +135,8 @@ absl::StatusOr<std::unique_ptr<NvmeTier>> NvmeTier::Open(const NvmeOptions& opti
   for (const RegionSpec& spec : options.regions) {
     absl::StatusOr<std::unique_ptr<NvmeRegion>> region =
         NvmeRegion::Open(spec, /*create=*/!record.has_value() || options.reformat);
-    if (absl::IsNotFound(region.status())) {
+    // NotFound only when the region must exist: a record says the set was formatted.
+    if (absl::IsNotFound(region.status()) && record.has_value()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "NVMe region '", spec.path, "' is missing, but ", LostRegionsFix(state_dir, *record)));
     }
