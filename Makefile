@@ -40,7 +40,7 @@ test-sanitized: configure-sanitized
 # Each fuzz target for FUZZ_SECONDS over its corpus; crashing inputs land in fuzz-crashes/.
 fuzz: configure-sanitized
 	@cmake --build $(SANITIZED) -j $(JOBS) --target fuzz_targets
-	@for f in config nvme_index session rpc; do \
+	@for f in config config_tiers nvme_index session rpc; do \
 	  fuzz/run.sh $(SANITIZED)/fuzz/$${f}_fuzz fuzz/corpus/$$f $(FUZZ_SECONDS) || exit 1; \
 	done
 
