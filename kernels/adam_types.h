@@ -46,6 +46,10 @@ struct AdamTensor {
   size_t n = 0;
   DType state_type = DType::kF32;  // kF32 or kBF16
   uint32_t seed = 0;               // tells tensors' rounding apart (bf16 state)
+  // This tensor's step (from 1), for its bias correction and rounding, when tensors stepped
+  // together have taken different numbers of steps (torch counts steps per parameter); 0: the
+  // step the call is given.
+  int64_t step = 0;
 };
 
 // bf16 and fp16 conversions with round-to-nearest-even, as the kernels do them (out of line, in

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cassert>
 #include <cmath>
+#include <vector>
 
 #include "kernels/adam_impl.h"
 
@@ -137,13 +138,18 @@ bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa 
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& o, int64_t step,
               ThreadPool& pool, Isa isa) {
   assert(Supported(isa) && step >= 1);
-  for ([[maybe_unused]] const AdamTensor& t : tensors) {
+  // Each tensor's constants: its own step's bias correction where it has one.
+  std::vector<AdamConsts> consts;
+  consts.reserve(tensors.size());
+  for (const AdamTensor& t : tensors) {
     assert(t.state_type == DType::kF32 || t.state_type == DType::kBF16);
+    assert(t.step >= 0);
+    consts.push_back(MakeAdamConsts(o, t.step != 0 ? t.step : step));
   }
-  const AdamConsts c = MakeAdamConsts(o, step);
   const AdamIsa& k = Kernels(isa);
-  ForAllShares(tensors, pool,
-               [&](const AdamTensor& t, size_t lo, size_t hi) { k.update(t, lo, hi, c); });
+  ForAllShares(tensors, pool, [&](const AdamTensor& t, size_t lo, size_t hi) {
+    k.update(t, lo, hi, consts[static_cast<size_t>(&t - tensors.data())]);
+  });
 }
 
 void BandwidthPass(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa) {

@@ -24,8 +24,9 @@ bool Supported(Isa isa);
 // the loss scale lowered) rather than applied.
 bool GradientsFinite(std::span<const AdamTensor> tensors, ThreadPool& pool, Isa isa = BestIsa());
 
-// One step (`step` counts from 1, for bias correction) over every tensor, in place.
-// REQUIRES: Supported(isa); step >= 1.
+// One step (`step` counts from 1, for bias correction) over every tensor, in place; a tensor
+// whose own `step` is set uses that one instead.
+// REQUIRES: Supported(isa); step >= 1; each tensor's step is 0 or >= 1.
 void AdamStep(std::span<const AdamTensor> tensors, const AdamOptions& options, int64_t step,
               ThreadPool& pool, Isa isa = BestIsa());
 

@@ -156,6 +156,45 @@ TEST_P(CpuAdamTest, MatchesAFloat64ReferenceOverSeveralSteps) {
   }
 }
 
+// torch counts steps per parameter: tensors stepped in one call, each at its own step, are bit for
+// bit what stepping each alone at that step gives.
+TEST_P(CpuAdamTest, TensorsSteppedTogetherEachTakeTheirOwnStepsBiasCorrection) {
+  const Case c = GetParam();
+  const size_t n = 70'001;
+  std::mt19937 rng(7);
+  std::vector<uint16_t> raw;
+  const std::vector<float> grad = Gradients(n, DType::kF32, rng, &raw);
+  const AdamOptions o{.lr = 1e-2, .weight_decay = 0.1, .decoupled = c.decoupled};
+  ThreadPool pool(3);
+  struct State {
+    std::vector<float> p, m, v;
+  };
+  auto fresh = [&] {
+    return State{std::vector<float>(n, 0.5f), std::vector<float>(n, 0.01f),
+                 std::vector<float>(n, 1e-4f)};
+  };
+  auto tensor = [&](State& s, int64_t step) {
+    return AdamTensor{.param = s.p.data(),
+                      .m = s.m.data(),
+                      .v = s.v.data(),
+                      .grad = grad.data(),
+                      .n = n,
+                      .step = step};
+  };
+  State together[2] = {fresh(), fresh()}, alone[2] = {fresh(), fresh()};
+  const AdamTensor both[2] = {tensor(together[0], 1), tensor(together[1], 40)};
+  AdamStep(both, o, /*step=*/7, pool, c.isa);  // each tensor's own step, not 7
+  AdamTensor first = tensor(alone[0], 0), second = tensor(alone[1], 0);
+  AdamStep({&first, 1}, o, 1, pool, c.isa);
+  AdamStep({&second, 1}, o, 40, pool, c.isa);
+  for (int t = 0; t < 2; ++t) {
+    EXPECT_EQ(together[t].p, alone[t].p) << "tensor " << t;
+    EXPECT_EQ(together[t].m, alone[t].m) << "tensor " << t;
+    EXPECT_EQ(together[t].v, alone[t].v) << "tensor " << t;
+  }
+  EXPECT_NE(together[0].p, together[1].p);  // the two steps' bias corrections differ
+}
+
 TEST_P(CpuAdamTest, ANonFiniteGradientIsFoundWherever) {
   const Case c = GetParam();
   const size_t n = 1'037;
