@@ -653,55 +653,151 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                 .speculative = d.speculative ? 1 : 0};
 }
 
+}  // extern "C"
+
+namespace {
+
+// The optimizer's options from the C struct, or an error naming the field.
+absl::StatusOr<tierd::OffloadedAdamOptions> AdamOptionsFrom(const tierd_adam_options* options,
+                                                            const char* fn) {
+  if (options == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": NULL options"));
+  if (options->home_tier != TIERD_TIER_HOST && options->home_tier != TIERD_TIER_NVME) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": home_tier must be TIERD_TIER_HOST or TIERD_TIER_NVME"));
+  }
+  if (options->open_mode < TIERD_ADAM_CREATE_OR_OPEN || options->open_mode > TIERD_ADAM_OPEN) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": open_mode must be TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN"));
+  }
+  if (options->state_dtype != TIERD_FLOAT32 && options->state_dtype != TIERD_BFLOAT16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": state_dtype must be TIERD_FLOAT32 or TIERD_BFLOAT16"));
+  }
+  tierd::OffloadedAdamOptions o;
+  if (options->socket_dir != nullptr) o.client.socket_dir = options->socket_dir;
+  if (options->name != nullptr) o.name = options->name;
+  o.home = static_cast<tierd::Tier>(options->home_tier);
+  o.persistent = options->persistent != 0;
+  o.reset = options->reset != 0;
+  o.open = static_cast<tierd::OffloadedAdamOptions::Open>(options->open_mode);
+  o.threads = options->threads;
+  o.check_finite = options->check_finite != 0;
+  o.host_budget_bytes = options->host_budget_bytes;
+  o.shard_params = options->shard_params;
+  o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
+  o.speculative = options->speculative != 0;
+  o.hyper = {.lr = options->hyper.lr,
+             .beta1 = options->hyper.beta1,
+             .beta2 = options->hyper.beta2,
+             .eps = options->hyper.eps,
+             .weight_decay = options->hyper.weight_decay,
+             .adamw = options->hyper.adamw != 0};
+  return o;
+}
+
+// The groups of the C structs, or an error naming the one at fault.
+absl::StatusOr<std::vector<tierd::ParamGroup>> GroupsFrom(size_t n, const tierd_adam_group* groups,
+                                                          const char* fn) {
+  if (n > 0 && groups == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": NULL groups"));
+  std::vector<tierd::ParamGroup> out;
+  for (size_t g = 0; g < n; ++g) {
+    if (groups[g].name == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(fn, ": group ", g, " has no name"));
+    }
+    if (groups[g].n_tensors > 0 && groups[g].tensor_params == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(fn, ": group ", g, "'s tensors are NULL"));
+    }
+    out.push_back({groups[g].name, groups[g].params,
+                   std::vector<uint64_t>(groups[g].tensor_params,
+                                         groups[g].tensor_params + groups[g].n_tensors)});
+  }
+  return out;
+}
+
+tierd_status CreateAdam(const std::vector<tierd::ParamGroup>& groups,
+                        const tierd::OffloadedAdamOptions& o, tierd_adam** out) {
+  absl::StatusOr<std::unique_ptr<tierd::OffloadedAdam>> adam =
+      tierd::OffloadedAdam::Create(groups, o);
+  if (!adam.ok()) return Fail(adam.status());
+  *out = new tierd_adam{std::move(*adam)};
+  return TIERD_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
 tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
                                const uint64_t* group_params, const tierd_adam_options* options,
                                tierd_adam** out) {
   if (out == nullptr) return Invalid("tierd_adam_create: out is NULL");
   *out = nullptr;
-  if (options == nullptr || (n_groups > 0 && (group_names == nullptr || group_params == nullptr))) {
+  if (n_groups > 0 && (group_names == nullptr || group_params == nullptr)) {
     return Invalid("tierd_adam_create: NULL argument");
   }
-  if (options->home_tier != TIERD_TIER_HOST && options->home_tier != TIERD_TIER_NVME) {
-    return Invalid("tierd_adam_create: home_tier must be TIERD_TIER_HOST or TIERD_TIER_NVME");
-  }
-  if (options->open_mode < TIERD_ADAM_CREATE_OR_OPEN || options->open_mode > TIERD_ADAM_OPEN) {
-    return Invalid(
-        "tierd_adam_create: open_mode must be TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN");
-  }
-  if (options->state_dtype != TIERD_FLOAT32 && options->state_dtype != TIERD_BFLOAT16) {
-    return Invalid("tierd_adam_create: state_dtype must be TIERD_FLOAT32 or TIERD_BFLOAT16");
-  }
   return Guard([&] {
+    absl::StatusOr<tierd::OffloadedAdamOptions> o = AdamOptionsFrom(options, "tierd_adam_create");
+    if (!o.ok()) return Fail(o.status());
     std::vector<tierd::ParamGroup> groups;
     for (size_t g = 0; g < n_groups; ++g) {
       if (group_names[g] == nullptr) return Invalid("tierd_adam_create: a group name is NULL");
       groups.push_back({group_names[g], group_params[g]});
     }
-    tierd::OffloadedAdamOptions o;
-    if (options->socket_dir != nullptr) o.client.socket_dir = options->socket_dir;
-    if (options->name != nullptr) o.name = options->name;
-    o.home = static_cast<tierd::Tier>(options->home_tier);
-    o.persistent = options->persistent != 0;
-    o.reset = options->reset != 0;
-    o.open = static_cast<tierd::OffloadedAdamOptions::Open>(options->open_mode);
-    o.threads = options->threads;
-    o.check_finite = options->check_finite != 0;
-    o.host_budget_bytes = options->host_budget_bytes;
-    o.shard_params = options->shard_params;
-    o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
-    o.speculative = options->speculative != 0;
-    o.hyper = {.lr = options->hyper.lr,
-               .beta1 = options->hyper.beta1,
-               .beta2 = options->hyper.beta2,
-               .eps = options->hyper.eps,
-               .weight_decay = options->hyper.weight_decay,
-               .adamw = options->hyper.adamw != 0};
-    absl::StatusOr<std::unique_ptr<tierd::OffloadedAdam>> adam =
-        tierd::OffloadedAdam::Create(groups, o);
-    if (!adam.ok()) return Fail(adam.status());
-    *out = new tierd_adam{std::move(*adam)};
-    return TIERD_OK;
+    return CreateAdam(groups, *o, out);
   });
+}
+
+tierd_status tierd_adam_create_groups(size_t n_groups, const tierd_adam_group* groups,
+                                      const tierd_adam_options* options, tierd_adam** out) {
+  if (out == nullptr) return Invalid("tierd_adam_create_groups: out is NULL");
+  *out = nullptr;
+  return Guard([&] {
+    absl::StatusOr<tierd::OffloadedAdamOptions> o =
+        AdamOptionsFrom(options, "tierd_adam_create_groups");
+    if (!o.ok()) return Fail(o.status());
+    absl::StatusOr<std::vector<tierd::ParamGroup>> g =
+        GroupsFrom(n_groups, groups, "tierd_adam_create_groups");
+    if (!g.ok()) return Fail(g.status());
+    return CreateAdam(*g, *o, out);
+  });
+}
+
+tierd_status tierd_adam_add_groups(tierd_adam* adam, size_t n_groups,
+                                   const tierd_adam_group* groups) {
+  if (adam == nullptr) return Invalid("tierd_adam_add_groups: NULL optimizer");
+  return Guard([&] {
+    absl::StatusOr<std::vector<tierd::ParamGroup>> g =
+        GroupsFrom(n_groups, groups, "tierd_adam_add_groups");
+    if (!g.ok()) return Fail(g.status());
+    return Done(adam->adam->AddGroups(*g));
+  });
+}
+
+tierd_status tierd_adam_remove_groups(tierd_adam* adam, size_t n, const size_t* groups) {
+  if (adam == nullptr || (n > 0 && groups == nullptr)) {
+    return Invalid("tierd_adam_remove_groups: NULL argument");
+  }
+  return Guard([&] { return Done(adam->adam->RemoveGroups({groups, n})); });
+}
+
+size_t tierd_adam_group_count(const tierd_adam* adam) {
+  return adam == nullptr ? 0 : adam->adam->group_count();
+}
+
+tierd_status tierd_adam_get_tensor_steps(tierd_adam* adam, size_t group, int64_t* out, size_t n) {
+  if (adam == nullptr || (n > 0 && out == nullptr)) {
+    return Invalid("tierd_adam_get_tensor_steps: NULL argument");
+  }
+  return Guard([&] { return Done(adam->adam->GetTensorSteps(group, {out, n})); });
+}
+
+tierd_status tierd_adam_set_tensor_steps(tierd_adam* adam, size_t group, const int64_t* steps,
+                                         size_t n) {
+  if (adam == nullptr || (n > 0 && steps == nullptr)) {
+    return Invalid("tierd_adam_set_tensor_steps: NULL argument");
+  }
+  return Guard([&] { return Done(adam->adam->SetTensorSteps(group, {steps, n})); });
 }
 
 void tierd_adam_destroy(tierd_adam* adam) {
@@ -803,6 +899,25 @@ tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* g
   return Guard([&] {
     return Done(adam->adam->StepGroup(group, grad, static_cast<tierd::ScalarType>(grad_dtype), out,
                                       static_cast<tierd::ScalarType>(out_dtype)));
+  });
+}
+
+tierd_status tierd_adam_step_tensors(tierd_adam* adam, size_t group, const void* grad,
+                                     int grad_dtype, void* out, int out_dtype, const uint8_t* flags,
+                                     size_t n_flags, const float* weights) {
+  if (adam == nullptr) return Invalid("tierd_adam_step_tensors: NULL optimizer");
+  if (!ValidDType(grad_dtype) || !ValidDType(out_dtype)) {
+    return Invalid("tierd_adam_step_tensors: grad_dtype and out_dtype must be tierd_dtype values");
+  }
+  if (n_flags > 0 && flags == nullptr) return Invalid("tierd_adam_step_tensors: NULL flags");
+  return Guard([&] {
+    return Done(adam->adam->StepGroup(
+        group, tierd::GroupStep{.grad = grad,
+                                .grad_type = static_cast<tierd::ScalarType>(grad_dtype),
+                                .out = out,
+                                .out_type = static_cast<tierd::ScalarType>(out_dtype),
+                                .tensors = {flags, n_flags},
+                                .weights = weights}));
   });
 }
 

@@ -4,17 +4,21 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/optimizer_meta.h"
 #include "kernels/cpu_adam.h"
 
 namespace tierd {
@@ -27,31 +31,8 @@ constexpr uint64_t kPage = 4096;
 constexpr uint64_t kAutoShards = 24;
 constexpr uint64_t kMaxAutoShardParams = 4ull << 20;
 constexpr uint64_t kMinShardParams = 16 * 1024;
-constexpr uint64_t kMetaMagic = 0x316d616472656974ull;  // "tierdam1"
-constexpr uint32_t kMetaVersion = 1;
-constexpr size_t kMaxGroupName = 64;
-
-// The meta chunk: what the state is (to refuse opening it with other groups) and whether its last
-// step finished. Written durably at each step's start and end.
-struct MetaHeader {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t groups;
-  uint64_t shard_params;
-  int64_t steps;
-  uint32_t in_step;     // 0, or the step running: kInPlace or kSpeculative
-  uint32_t state_type;  // ScalarType of m and v (0, fp32, in state written before bf16 state)
-};
-struct MetaGroup {
-  uint64_t params;
-  uint32_t initialized;
-  uint32_t version;  // which of the group's two versions is its state (0 in state of one version)
-  char name[kMaxGroupName];
-};
-// MetaHeader::in_step: a step that rewrites the state in place (interrupted, the state is partly
-// updated), or one that writes the other version only (interrupted, the state is as it was).
-constexpr uint32_t kInPlace = 1;
-constexpr uint32_t kSpeculative = 2;
+constexpr size_t kMaxGroupName = internal::kMaxMetaGroupName;
+constexpr size_t kMaxTensorsPerGroup = 1 << 20;
 
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -64,6 +45,8 @@ struct Shard {
   uint64_t n = 0;
   uint64_t p_region = 0;   // bytes of p
   uint64_t mv_region = 0;  // bytes of each of m and v
+  uint8_t version = 0;     // of the chunk `id` names: 0 "<name>/<group>/<shard>", 1 "...<shard>.1"
+  bool written = false;    // this step wrote it (the worker's while a step runs)
   uint64_t bytes() const { return p_region + 2 * mv_region; }
   uint64_t offset(OffloadedAdam::Part part) const {
     return part == OffloadedAdam::Part::kParams ? 0
@@ -87,18 +70,39 @@ Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type) {
 }
 
 struct Group {
-  ParamGroup spec;
+  ParamGroup spec;                     // spec.tensors always lists the tensors
+  std::vector<uint64_t> tensor_first;  // where each tensor starts in the group
+  std::vector<int64_t> tensor_steps;   // steps each tensor has taken (torch's "step")
   std::vector<Shard> shards;
   bool initialized = false;
-  uint32_t version = 0;  // of the chunks `id` names: 0 "<name>/<group>/<shard>", 1 "...<shard>.1"
 };
+
+// A tensor's elements within one shard: [begin, end) counted from the shard's first.
+struct Piece {
+  size_t tensor;
+  uint64_t begin;
+  uint64_t end;
+  uint8_t flags;
+};
+
+// The parts of `g`'s tensors in shard `s` that `flags` marks (any bit), in order.
+std::vector<Piece> PiecesOf(const Group& g, const Shard& s, std::span<const uint8_t> flags) {
+  std::vector<Piece> pieces;
+  const uint64_t lo = s.first, hi = s.first + s.n;
+  auto it = std::upper_bound(g.tensor_first.begin(), g.tensor_first.end(), lo);
+  size_t t =
+      it == g.tensor_first.begin() ? 0 : static_cast<size_t>(it - g.tensor_first.begin()) - 1;
+  for (; t < g.tensor_first.size() && g.tensor_first[t] < hi; ++t) {
+    const uint64_t begin = std::max(lo, g.tensor_first[t]);
+    const uint64_t end = std::min(hi, g.tensor_first[t] + g.spec.tensors[t]);
+    if (begin < end && flags[t] != 0) pieces.push_back({t, begin - lo, end - lo, flags[t]});
+  }
+  return pieces;
+}
 
 struct Work {
   size_t group;
-  const void* grad;
-  ScalarType grad_type;
-  void* out;
-  ScalarType out_type;
+  GroupStep step;  // step.tensors: one flag per tensor (Impl::step_flags)
 };
 
 size_t ElementBytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
@@ -146,6 +150,40 @@ absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
   return absl::OkStatus();
 }
 
+// A group's name, and its tensors (filled in as one tensor of all its parameters when not given).
+absl::Status ValidateGroup(ParamGroup& g) {
+  if (absl::Status s = ValidateGroupName(g.name); !s.ok()) return s;
+  if (g.tensors.empty()) g.tensors = {g.params};
+  uint64_t sum = 0;
+  for (uint64_t n : g.tensors) {
+    if (n > g.params - sum) break;
+    sum += n;
+  }
+  if (sum != g.params) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "': its ", g.tensors.size(),
+                                                   " tensors' sizes do not add up to its ",
+                                                   g.params, " parameters"));
+  }
+  if (g.tensors.size() > kMaxTensorsPerGroup) {
+    return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "' has ", g.tensors.size(),
+                                                   " tensors; at most ", kMaxTensorsPerGroup));
+  }
+  return absl::OkStatus();
+}
+
+// Groups to add beside `existing`, their tensors filled in: valid, and named once.
+absl::Status ValidateGroups(std::vector<ParamGroup>& specs, const std::vector<Group>& existing) {
+  absl::flat_hash_set<std::string> names;
+  for (const Group& g : existing) names.insert(g.spec.name);
+  for (ParamGroup& g : specs) {
+    if (absl::Status s = ValidateGroup(g); !s.ok()) return s;
+    if (!names.insert(g.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("group name '", g.name, "' appears twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct OffloadedAdam::Impl {
@@ -165,6 +203,15 @@ struct OffloadedAdam::Impl {
   std::vector<Group> groups;
   ChunkId meta = 0;
   uint64_t meta_size = 0;
+  uint64_t meta_generation = 0;  // of the meta chunk: even "<name>/meta", odd "<name>/meta.1"
+  // Groups the state records that this optimizer has not opened: Create was given fewer groups
+  // (a run that adds groups later, as the first run did). Kept in the meta chunk with their
+  // chunks, and resumed by an AddGroups of the same name.
+  struct Recorded {
+    internal::MetaGroupRecord record;
+    bool split_known = true;  // false for format 1, which did not record the tensors
+  };
+  std::vector<Recorded> dormant;
   uint64_t shard_params = 0;
   uint64_t state_bytes = 0;
   size_t slots = 0;  // shards the host budget holds: in hand, read ahead and being written back
@@ -177,6 +224,9 @@ struct OffloadedAdam::Impl {
   bool in_step = false;
   std::vector<kernels::AdamOptions> step_options;  // each group's, this step
   std::vector<bool> given;
+  // Each group's TensorFlags this step (a copy of what StepGroup was given; every tensor stepped
+  // when it was given none), which the worker reads through Work::step.
+  std::vector<std::vector<uint8_t>> step_flags;
   // The order the groups came in last step (the order the read-ahead expects), and this step's.
   std::vector<size_t> expected_order, step_order;
   absl::Time step_start;
@@ -187,6 +237,9 @@ struct OffloadedAdam::Impl {
   bool stopping ABSL_GUARDED_BY(mu) = false;
   absl::Status error ABSL_GUARDED_BY(mu);
   std::vector<bool> started ABSL_GUARDED_BY(mu);  // groups the worker has taken this step
+  // Each group's shards that its last step read or wrote: the read-ahead expects the same of the
+  // next step, so that shards of frozen tensors are not brought up for nothing.
+  std::vector<std::vector<uint8_t>> touched ABSL_GUARDED_BY(mu);
   OptimizerStepStats stats ABSL_GUARDED_BY(mu);
   // The worker's time on shards this step (waiting for them included), and how many it stepped.
   absl::Duration shard_time ABSL_GUARDED_BY(mu);
@@ -212,8 +265,11 @@ struct OffloadedAdam::Impl {
   absl::flat_hash_map<ChunkId, void*> kept;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
+  std::string ShardName(const std::string& group, size_t s, uint32_t version) const {
+    return absl::StrCat(options.name, "/", group, "/", s, version == 1 ? ".1" : "");
+  }
   std::string ShardName(size_t g, size_t s, uint32_t version) const {
-    return absl::StrCat(options.name, "/", groups[g].spec.name, "/", s, version == 1 ? ".1" : "");
+    return ShardName(groups[g].spec.name, s, version);
   }
 
   // Waits until at most `keep` write-backs are in flight. Returns the time waited.
@@ -322,20 +378,18 @@ struct OffloadedAdam::Impl {
   // when g is npos), the groups queued, then the groups not given yet in last step's order.
   std::vector<ChunkId> Expected(size_t g, size_t k, size_t want) {
     std::vector<size_t> order;
-    {
-      absl::MutexLock lock(&mu);
-      for (const Work& w : queue) order.push_back(w.group);
-      for (size_t e : expected_order) {
-        if (e != g && !started[e] && std::find(order.begin(), order.end(), e) == order.end()) {
-          order.push_back(e);
-        }
+    std::vector<ChunkId> ids;
+    absl::MutexLock lock(&mu);
+    for (const Work& w : queue) order.push_back(w.group);
+    for (size_t e : expected_order) {
+      if (e != g && !started[e] && std::find(order.begin(), order.end(), e) == order.end()) {
+        order.push_back(e);
       }
     }
-    std::vector<ChunkId> ids;
-    auto add = [&](size_t group, size_t from) {
+    auto add = [&](size_t group, size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
       if (!groups[group].initialized) return;  // nothing to read yet
       for (size_t i = from; i < groups[group].shards.size() && ids.size() < want; ++i) {
-        ids.push_back(groups[group].shards[i].id);
+        if (touched[group][i]) ids.push_back(groups[group].shards[i].id);
       }
     };
     if (g != std::string::npos) add(g, k);
@@ -407,33 +461,69 @@ struct OffloadedAdam::Impl {
     return data;
   }
 
-  absl::Status WriteMeta(bool step_running) {
-    if (!options.persistent) return absl::OkStatus();
-    absl::StatusOr<void*> data = Pin(meta, AccessMode::kOverwrite);
-    if (!data.ok()) return data.status();
-    std::memset(*data, 0, meta_size);
-    MetaHeader h{.magic = kMetaMagic,
-                 .version = kMetaVersion,
-                 .groups = static_cast<uint32_t>(groups.size()),
-                 .shard_params = shard_params,
-                 .steps = steps,
-                 .in_step = !step_running         ? 0u
-                            : options.speculative ? kSpeculative
-                                                  : kInPlace,
-                 .state_type = static_cast<uint32_t>(options.state_type)};
-    std::memcpy(*data, &h, sizeof(h));
-    auto* records = reinterpret_cast<MetaGroup*>(static_cast<char*>(*data) + sizeof(h));
-    for (size_t g = 0; g < groups.size(); ++g) {
-      records[g].params = groups[g].spec.params;
-      records[g].initialized = groups[g].initialized ? 1 : 0;
-      records[g].version = groups[g].version;
-      std::memcpy(records[g].name, groups[g].spec.name.data(), groups[g].spec.name.size());
+  std::string MetaName(uint64_t generation) const {
+    return absl::StrCat(options.name, "/meta", generation % 2 == 1 ? ".1" : "");
+  }
+
+  // What the meta chunk records of the state as it is now.
+  internal::MetaRecord Record(bool step_running) const {
+    internal::MetaRecord r{.shard_params = shard_params,
+                           .steps = steps,
+                           .in_step = !step_running         ? internal::kNoStep
+                                      : options.speculative ? internal::kSpeculativeStep
+                                                            : internal::kInPlaceStep,
+                           .state_type = static_cast<uint32_t>(options.state_type),
+                           .generation = meta_generation};
+    for (const Group& g : groups) {
+      internal::MetaGroupRecord& out = r.groups.emplace_back();
+      out.name = g.spec.name;
+      out.params = g.spec.params;
+      out.initialized = g.initialized;
+      out.tensors = g.spec.tensors;
+      out.tensor_steps = g.tensor_steps;
+      for (const Shard& sh : g.shards) out.shard_versions.push_back(sh.version);
     }
-    if (absl::Status s = client->Release({&meta, 1}); !s.ok()) return s;
+    for (const Recorded& d : dormant) r.groups.push_back(d.record);
+    return r;
+  }
+
+  // Writes `record` into chunk `id` of `size` bytes, durably at an NVMe home.
+  absl::Status WriteMetaTo(ChunkId id, uint64_t size, const internal::MetaRecord& record) {
+    absl::StatusOr<void*> data = Pin(id, AccessMode::kOverwrite);
+    if (!data.ok()) return data.status();
+    internal::EncodeMeta(record, {static_cast<char*>(*data), size});
+    if (absl::Status s = client->Release({&id, 1}); !s.ok()) return s;
     if (!nvme_home()) return absl::OkStatus();
-    absl::StatusOr<CompletionToken> t = client->EvictIds({&meta, 1}, Tier::kNvme, true);
+    absl::StatusOr<CompletionToken> t = client->EvictIds({&id, 1}, Tier::kNvme, true);
     if (!t.ok()) return t.status();
     return client->Wait(*t);
+  }
+
+  // Records the state in the meta chunk. When the record has outgrown the chunk (groups were
+  // added), a larger one is written under the other meta name, one generation on, before the old
+  // one is freed: a crash in between leaves both, and Open takes the later generation.
+  absl::Status WriteMeta(bool step_running) {
+    if (!options.persistent) return absl::OkStatus();
+    internal::MetaRecord record = Record(step_running);
+    const uint64_t bytes = internal::EncodedMetaSize(record);
+    if (bytes <= meta_size) return WriteMetaTo(meta, meta_size, record);
+    record.generation = meta_generation + 1;
+    const uint64_t size = RoundUp(bytes, kPage);
+    absl::StatusOr<std::vector<ChunkId>> grown =
+        client->AllocateIds(std::vector<ChunkSpec>{{.size = size,
+                                                    .home = options.home,
+                                                    .name = MetaName(record.generation),
+                                                    .persistent = true}});
+    if (!grown.ok()) return grown.status();
+    if (absl::Status s = WriteMetaTo((*grown)[0], size, record); !s.ok()) {
+      (void)client->Free(*grown);
+      return s;
+    }
+    const ChunkId old = meta;
+    meta = (*grown)[0];
+    meta_size = size;
+    meta_generation = record.generation;
+    return client->Free({&old, 1});
   }
 
   void Run() {
@@ -471,12 +561,21 @@ struct OffloadedAdam::Impl {
       if (!error.ok()) return absl::OkStatus();  // the step already failed; leave the rest
     }
     Group& group = groups[w.group];
-    const size_t grad_bytes = ElementBytes(w.grad_type), out_bytes = ElementBytes(w.out_type);
+    const GroupStep& st = w.step;
+    const size_t grad_bytes = ElementBytes(st.grad_type), out_bytes = ElementBytes(st.out_type);
+    const uint64_t moment_bytes = (StateBytesPerParam(options.state_type) - 4) / 2;
     if (options.check_finite) {
+      // The stepped tensors' gradients only: the others' may hold anything.
+      std::vector<kernels::AdamTensor> grads;
+      for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
+        if ((st.tensors[t] & kTensorStep) == 0 || group.spec.tensors[t] == 0) continue;
+        grads.push_back(
+            {.grad = static_cast<const char*>(st.grad) + group.tensor_first[t] * grad_bytes,
+             .grad_type = ToDType(st.grad_type),
+             .n = group.spec.tensors[t]});
+      }
       const absl::Time t0 = absl::Now();
-      const kernels::AdamTensor all{
-          .grad = w.grad, .grad_type = ToDType(w.grad_type), .n = group.spec.params};
-      const bool finite = kernels::GradientsFinite({&all, 1}, *pool);
+      const bool finite = kernels::GradientsFinite(grads, *pool);
       delta->compute += absl::Now() - t0;
       if (!finite) {
         *skipped = true;
@@ -487,7 +586,7 @@ struct OffloadedAdam::Impl {
         return absl::OkStatus();
       }
     }
-    float* out32 = w.out_type == ScalarType::kFloat32 ? static_cast<float*>(w.out) : nullptr;
+    float* out32 = st.out_type == ScalarType::kFloat32 ? static_cast<float*>(st.out) : nullptr;
     // A speculative step reads the state's version and writes the other: two shards in hand.
     const bool speculative = options.speculative;
     const size_t in_hand = speculative ? 2 : 1;
@@ -496,7 +595,14 @@ struct OffloadedAdam::Impl {
                                                  "', shard ", k, ": ", s.message()));
     };
     for (size_t k = 0; k < group.shards.size(); ++k) {
-      const Shard& shard = group.shards[k];
+      Shard& shard = group.shards[k];
+      const std::vector<Piece> pieces = PiecesOf(group, shard, st.tensors);
+      if (pieces.empty()) {  // nothing of it changes: not read, not written
+        if (TakeAhead(shard.id)) {
+          if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+        }
+        continue;
+      }
       const absl::Time t0 = absl::Now();
       if (!TakeAhead(shard.id)) {  // not read ahead (an unexpected order): room for it first
         absl::StatusOr<absl::Duration> waited = MakeRoom();
@@ -530,22 +636,40 @@ struct OffloadedAdam::Impl {
         base = static_cast<char*>(to_data);
       }
       float* p = reinterpret_cast<float*>(base);
-      const kernels::AdamTensor t{
-          .param = p,
-          .m = base + shard.offset(Part::kM),
-          .v = base + shard.offset(Part::kV),
-          .grad = static_cast<const char*>(w.grad) + shard.first * grad_bytes,
-          .grad_type = ToDType(w.grad_type),
-          .out = w.out == nullptr || out32 != nullptr
-                     ? nullptr
-                     : static_cast<char*>(w.out) + shard.first * out_bytes,
-          .out_type = ToDType(w.out_type),
-          .n = shard.n,
-          .state_type = ToDType(options.state_type),
-          // Rounds bf16 state differently in every shard, the same way on every resumption.
-          .seed = static_cast<uint32_t>(w.group << 16) ^ static_cast<uint32_t>(k)};
-      kernels::AdamStep({&t, 1}, step_options[w.group], steps + 1, *pool);
-      if (out32 != nullptr) std::memcpy(out32 + shard.first, p, shard.n * 4);
+      std::vector<kernels::AdamTensor> stepped;
+      for (const Piece& piece : pieces) {
+        const uint64_t at = shard.first + piece.begin, n = piece.end - piece.begin;
+        if (piece.flags & kTensorTakeWeights) {
+          std::memcpy(p + piece.begin, st.weights + at, n * 4);
+        }
+        if ((piece.flags & kTensorStep) == 0) continue;
+        stepped.push_back(
+            {.param = p + piece.begin,
+             .m = base + shard.offset(Part::kM) + piece.begin * moment_bytes,
+             .v = base + shard.offset(Part::kV) + piece.begin * moment_bytes,
+             .grad = static_cast<const char*>(st.grad) + at * grad_bytes,
+             .grad_type = ToDType(st.grad_type),
+             .out = st.out == nullptr || out32 != nullptr
+                        ? nullptr
+                        : static_cast<char*>(st.out) + at * out_bytes,
+             .out_type = ToDType(st.out_type),
+             .n = n,
+             .state_type = ToDType(options.state_type),
+             // Rounds bf16 state differently in every shard and tensor, the same way on every
+             // resumption.
+             .seed = (static_cast<uint32_t>(w.group << 16) ^ static_cast<uint32_t>(k)) +
+                     0x9e3779b9u * static_cast<uint32_t>(piece.tensor),
+             .step = group.tensor_steps[piece.tensor] + 1});
+      }
+      if (!stepped.empty()) kernels::AdamStep(stepped, step_options[w.group], steps + 1, *pool);
+      if (out32 != nullptr) {
+        for (const Piece& piece : pieces) {
+          if ((piece.flags & kTensorStep) == 0) continue;
+          std::memcpy(out32 + shard.first + piece.begin, p + piece.begin,
+                      (piece.end - piece.begin) * 4);
+        }
+      }
+      shard.written = true;
       const absl::Time t2 = absl::Now();
       delta->state_wait += t1 - t0 - room_wait;
       delta->write_wait += room_wait;
@@ -566,7 +690,79 @@ struct OffloadedAdam::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status Open(std::span<const ParamGroup> specs);
+  // Lays out group g's shards (their chunks not yet allocated) and its tensors' offsets.
+  void LayOut(Group& group) {
+    group.tensor_first.clear();
+    uint64_t first = 0;
+    for (uint64_t n : group.spec.tensors) {
+      group.tensor_first.push_back(first);
+      first += n;
+    }
+    group.tensor_steps.resize(group.spec.tensors.size(), 0);
+    group.shards.clear();
+    for (uint64_t at = 0; at < group.spec.params; at += shard_params) {
+      group.shards.push_back(
+          ShardOf(at, std::min(shard_params, group.spec.params - at), options.state_type));
+    }
+  }
+
+  // The chunks of `group`'s shards, in `chunk_specs`: for each shard the other version first
+  // (speculative), then the state's. Resuming, the state's must exist.
+  void SpecifyChunks(size_t g, bool resuming, std::vector<ChunkSpec>* chunk_specs) const {
+    const Group& group = groups[g];
+    for (size_t k = 0; k < group.shards.size(); ++k) {
+      const Shard& s = group.shards[k];
+      ChunkSpec spec{.size = s.bytes(), .home = options.home};
+      if (options.persistent) {
+        spec.name = ShardName(g, k, s.version);
+        spec.persistent = true;
+        spec.open_existing = resuming;
+        spec.must_exist = resuming;  // never a fresh zeroed one
+      }
+      spec.tags = {"optimizer"};
+      if (options.speculative) {  // the other version: whatever it holds is overwritten
+        ChunkSpec other = spec;
+        if (options.persistent) {
+          other.name = ShardName(g, k, s.version ^ 1);
+          other.open_existing = true;
+          other.must_exist = false;
+        }
+        chunk_specs->push_back(std::move(other));
+      }
+      chunk_specs->push_back(std::move(spec));
+    }
+  }
+
+  // Takes the chunk ids SpecifyChunks asked for, from `*next` on.
+  void AssignChunks(Group& group, const std::vector<ChunkId>& ids, size_t* next) const {
+    for (Shard& s : group.shards) {
+      if (options.speculative) s.other = ids[(*next)++];
+      s.id = ids[(*next)++];
+    }
+  }
+
+  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
+  // those being written back share it. Also the bookkeeping sized by the groups.
+  void Resize() {
+    uint64_t largest = 0;
+    state_bytes = 0;
+    for (const Group& group : groups) {
+      for (const Shard& sh : group.shards) {
+        state_bytes += sh.bytes();
+        largest = std::max(largest, sh.bytes());
+      }
+    }
+    if (largest == 0) largest = ShardOf(0, shard_params, options.state_type).bytes();
+    slots = std::max<uint64_t>(1, options.host_budget_bytes / largest);
+    absl::MutexLock lock(&mu);
+    started.assign(groups.size(), false);
+    touched.resize(groups.size());
+    for (size_t g = 0; g < groups.size(); ++g) touched[g].resize(groups[g].shards.size(), 1);
+  }
+
+  absl::Status Open();
+  absl::Status MatchState(const internal::MetaRecord& found, const std::string& what) const;
+  absl::Status Adopt(Group& group, const Recorded& recorded, const std::string& what) const;
   absl::Status Lost(const absl::Status& s) const;
 };
 
@@ -580,98 +776,75 @@ absl::Status OffloadedAdam::Impl::Lost(const absl::Status& s) const {
                                           " (reset starts afresh; a checkpoint resumes)"));
 }
 
-absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
+// Opens (resumes) or creates the state of `groups`, whose specs are validated.
+absl::Status OffloadedAdam::Impl::Open() {
   const std::string prefix = options.name + "/";
-  const std::string meta_name = prefix + "meta";
-  meta_size = RoundUp(sizeof(MetaHeader) + specs.size() * sizeof(MetaGroup), kPage);
+  const std::string what = absl::StrCat("optimizer state '", options.name, "'");
 
-  // Persistent state of this name: resume it (or discard it when asked to).
-  std::vector<ChunkId> stale;
-  const MetaHeader* found = nullptr;
-  std::vector<char> found_bytes;
+  // Persistent state of this name: resume it (or discard it when asked to). The meta chunk is
+  // under one of two names (it is replaced by a larger one under the other when groups are added);
+  // a crash while it was replaced leaves both, and the later generation is the state's.
+  std::vector<ChunkInfo> prefixed;
+  std::optional<internal::MetaRecord> found;
   if (options.persistent) {
     absl::StatusOr<std::vector<ChunkInfo>> all = client->ListChunks();
     if (!all.ok()) return all.status();
-    const ChunkInfo* found_meta = nullptr;
+    std::vector<const ChunkInfo*> metas;
     for (const ChunkInfo& c : *all) {
       if (!c.persistent || !absl::StartsWith(c.name, prefix)) continue;
-      if (c.name == meta_name) found_meta = &c;
-      stale.push_back(c.id);
+      prefixed.push_back(c);
     }
-    if (options.open == OffloadedAdamOptions::Open::kOpen && found_meta == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("optimizer state '", options.name, "' does not exist: nothing to resume"));
+    for (const ChunkInfo& c : prefixed) {
+      if (c.name == MetaName(0) || c.name == MetaName(1)) metas.push_back(&c);
     }
-    if (options.open == OffloadedAdamOptions::Open::kCreate && found_meta != nullptr &&
-        !options.reset) {
+    if (options.open == OffloadedAdamOptions::Open::kOpen && metas.empty()) {
+      return absl::NotFoundError(absl::StrCat(what, " does not exist: nothing to resume"));
+    }
+    if (options.open == OffloadedAdamOptions::Open::kCreate && !metas.empty() && !options.reset) {
       return absl::AlreadyExistsError(
-          absl::StrCat("optimizer state '", options.name,
-                       "' exists already: open it to resume, or reset it to start afresh"));
+          absl::StrCat(what, " exists already: open it to resume, or reset it to start afresh"));
     }
-    if (found_meta != nullptr && !options.reset) {
-      absl::StatusOr<std::vector<ChunkId>> opened =
-          client->AllocateIds(std::vector<ChunkSpec>{{.size = found_meta->size,
-                                                      .home = options.home,
-                                                      .name = meta_name,
-                                                      .persistent = true,
-                                                      .open_existing = true,
-                                                      .must_exist = true}});
-      if (!opened.ok()) return Lost(opened.status());
-      meta = (*opened)[0];
-      absl::StatusOr<void*> data = Pin(meta, AccessMode::kRead);
-      if (!data.ok()) return data.status();
-      found_bytes.assign(static_cast<char*>(*data), static_cast<char*>(*data) + found_meta->size);
-      (void)client->Release({&meta, 1});
-      found = reinterpret_cast<const MetaHeader*>(found_bytes.data());
-      stale.clear();
+    if (!options.reset) {
+      absl::Status first_error;
+      for (const ChunkInfo* c : metas) {
+        absl::StatusOr<std::vector<ChunkId>> opened =
+            client->AllocateIds(std::vector<ChunkSpec>{{.size = c->size,
+                                                        .home = options.home,
+                                                        .name = c->name,
+                                                        .persistent = true,
+                                                        .open_existing = true,
+                                                        .must_exist = true}});
+        if (!opened.ok()) return Lost(opened.status());
+        const ChunkId id = (*opened)[0];
+        absl::StatusOr<void*> data = Pin(id, AccessMode::kRead);
+        if (!data.ok()) return data.status();
+        absl::StatusOr<internal::MetaRecord> record =
+            internal::DecodeMeta({static_cast<const char*>(*data), c->size});
+        (void)client->Release({&id, 1});
+        if (!record.ok()) {
+          if (first_error.ok()) first_error = record.status();
+          continue;
+        }
+        if (!found.has_value() || record->generation > found->generation) {
+          found = std::move(*record);
+          meta = id;
+          meta_size = c->size;
+          meta_generation = found->generation;
+        }
+      }
+      if (!found.has_value() && !first_error.ok()) {
+        return absl::DataLossError(
+            absl::StrCat(what, ": ", first_error.message(), " (set reset to start afresh)"));
+      }
     }
   }
 
-  if (found != nullptr) {
-    const std::string what = absl::StrCat("optimizer state '", options.name, "'");
-    if (found->magic != kMetaMagic || found->version != kMetaVersion ||
-        found_bytes.size() < sizeof(MetaHeader) + found->groups * sizeof(MetaGroup)) {
-      return absl::DataLossError(absl::StrCat(what,
-                                              ": its meta chunk is not one this library "
-                                              "wrote (set reset to start afresh)"));
-    }
-    if (found->groups != specs.size()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, " has ", found->groups, " groups, not ", specs.size()));
-    }
-    if (found->state_type != static_cast<uint32_t>(options.state_type)) {
-      auto type_name = [](uint32_t t) {
-        return t == static_cast<uint32_t>(ScalarType::kFloat32)    ? "float32"
-               : t == static_cast<uint32_t>(ScalarType::kBFloat16) ? "bfloat16"
-                                                                   : "an unknown type";
-      };
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, " keeps m and v in ", type_name(found->state_type), ", not in ",
-                       type_name(static_cast<uint32_t>(options.state_type)),
-                       ": open it with the state type it was created with"));
-    }
-    if (options.shard_params != 0 && options.shard_params != found->shard_params) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          what, " has ", found->shard_params, " parameters per shard, not ", options.shard_params));
-    }
-    const auto* records = reinterpret_cast<const MetaGroup*>(found_bytes.data() + sizeof(*found));
-    for (size_t g = 0; g < specs.size(); ++g) {
-      const std::string name(records[g].name, strnlen(records[g].name, kMaxGroupName));
-      if (name != specs[g].name || records[g].params != specs[g].params) {
-        return absl::FailedPreconditionError(
-            absl::StrCat(what, ": group ", g, " is '", name, "' of ", records[g].params,
-                         " parameters, not '", specs[g].name, "' of ", specs[g].params));
-      }
-    }
-    for (size_t g = 0; g < specs.size(); ++g) {
-      if (records[g].version > 1) {
-        return absl::DataLossError(absl::StrCat(
-            what, ": its meta chunk is not one this library wrote (set reset to start afresh)"));
-      }
-    }
+  std::vector<Recorded> recorded;
+  if (found.has_value()) {
+    if (absl::Status s = MatchState(*found, what); !s.ok()) return s;
     // A speculative step wrote only the versions that were not yet the state: stopped during
     // one, the state is that of the step before.
-    if (found->in_step != 0 && found->in_step != kSpeculative) {
+    if (found->in_step == internal::kInPlaceStep) {
       return absl::DataLossError(absl::StrCat(
           what, ": step ", found->steps + 1,
           " did not finish (the process or daemon stopped during it), so the state is partly "
@@ -680,76 +853,80 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
     shard_params = found->shard_params;
     steps = found->steps;
     resumed = true;
-    for (size_t g = 0; g < specs.size(); ++g) {
-      groups[g].initialized = records[g].initialized != 0;
-      groups[g].version = records[g].version;
+    for (internal::MetaGroupRecord& r : found->groups) {
+      recorded.push_back({std::move(r), found->tensors_known()});
+      if (found->tensors_known()) continue;
+      // Format 1: one tensor at the steps taken, one version for every shard.
+      internal::MetaGroupRecord& old = recorded.back().record;
+      old.tensors = {old.params};
+      old.tensor_steps = {found->steps};
+      old.shard_versions.resize((old.params + shard_params - 1) / shard_params,
+                                old.shard_versions.empty() ? 0 : old.shard_versions[0]);
     }
   }
-  if (!stale.empty()) {  // reset, or chunks left by a Create that never wrote its meta
+  for (size_t g = 0; g < groups.size(); ++g) {
+    LayOut(groups[g]);
+    if (!found.has_value()) continue;
+    auto r = std::find_if(recorded.begin(), recorded.end(),
+                          [&](const Recorded& x) { return x.record.name == groups[g].spec.name; });
+    if (r == recorded.end()) {
+      std::vector<std::string> names;
+      for (const Recorded& x : recorded) names.push_back(x.record.name);
+      return absl::FailedPreconditionError(absl::StrCat(what, " has no group '",
+                                                        groups[g].spec.name, "': its groups are ",
+                                                        absl::StrJoin(names, ", ")));
+    }
+    if (absl::Status s = Adopt(groups[g], *r, what); !s.ok()) return s;
+    recorded.erase(r);
+  }
+  dormant = std::move(recorded);
+
+  // Chunks under the name that are not the state: all of them on reset, or when no meta chunk
+  // was written (a Create that stopped before it); else those of groups that are gone (a stop
+  // while groups were added or removed) and a meta chunk that was replaced.
+  std::vector<ChunkId> stale;
+  absl::flat_hash_set<std::string> wanted;
+  if (found.has_value()) {
+    wanted.insert(MetaName(meta_generation));
+    for (const Group& g : groups) {
+      for (size_t k = 0; k < g.shards.size(); ++k) {
+        wanted.insert(ShardName(g.spec.name, k, 0));
+        wanted.insert(ShardName(g.spec.name, k, 1));
+      }
+    }
+    for (const Recorded& d : dormant) {
+      for (size_t k = 0; k < d.record.shard_versions.size(); ++k) {
+        wanted.insert(ShardName(d.record.name, k, 0));
+        wanted.insert(ShardName(d.record.name, k, 1));
+      }
+    }
+  }
+  for (const ChunkInfo& c : prefixed) {
+    if (!wanted.contains(c.name) && c.id != meta) stale.push_back(c.id);
+  }
+  if (!stale.empty()) {
     if (absl::Status s = client->Free(stale); !s.ok()) return s;
   }
 
-  // Lay the groups out in shards and allocate (or open) their chunks.
+  // Allocate (or open) the shards' chunks, and the meta chunk of new persistent state.
   std::vector<ChunkSpec> chunk_specs;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    Group& group = groups[g];
-    for (uint64_t first = 0; first < group.spec.params; first += shard_params) {
-      const Shard s =
-          ShardOf(first, std::min(shard_params, group.spec.params - first), options.state_type);
-      ChunkSpec spec{.size = s.bytes(), .home = options.home};
-      if (options.persistent) {
-        spec.name = ShardName(g, group.shards.size(), group.version);
-        spec.persistent = true;
-        // Resuming, every shard must already be there: never a fresh zeroed one.
-        spec.open_existing = resumed;
-        spec.must_exist = resumed;
-      }
-      spec.tags = {"optimizer"};
-      if (options.speculative) {  // the other version: whatever it holds is overwritten
-        ChunkSpec other = spec;
-        if (options.persistent) {
-          other.name = ShardName(g, group.shards.size(), group.version ^ 1);
-          other.open_existing = true;
-          other.must_exist = false;
-        }
-        chunk_specs.push_back(std::move(other));
-      }
-      chunk_specs.push_back(std::move(spec));
-      group.shards.push_back(s);
-      state_bytes += s.bytes();
-    }
-  }
+  for (size_t g = 0; g < groups.size(); ++g) SpecifyChunks(g, resumed, &chunk_specs);
   if (options.persistent && meta == 0) {
+    meta_size = RoundUp(internal::EncodedMetaSize(Record(false)), kPage);
     chunk_specs.push_back(
-        {.size = meta_size, .home = options.home, .name = meta_name, .persistent = true});
+        {.size = meta_size, .home = options.home, .name = MetaName(0), .persistent = true});
   }
   absl::StatusOr<std::vector<ChunkId>> ids = client->AllocateIds(chunk_specs);
   if (!ids.ok()) return Lost(ids.status());
   size_t i = 0;
-  for (Group& group : groups) {
-    for (Shard& s : group.shards) {
-      if (options.speculative) s.other = (*ids)[i++];
-      s.id = (*ids)[i++];
-    }
-  }
-  if (options.persistent && meta == 0) {
+  for (Group& group : groups) AssignChunks(group, *ids, &i);
+  Resize();
+  if (options.persistent && !resumed) {
     meta = (*ids)[i];
     if (absl::Status s = WriteMeta(false); !s.ok()) return s;
   }
-
-  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
-  // those being written back share it.
-  uint64_t largest = 0;
-  for (const Group& group : groups) {
-    for (const Shard& sh : group.shards) largest = std::max(largest, sh.bytes());
-  }
-  slots = std::max<uint64_t>(1, options.host_budget_bytes / largest);
   expected_order.resize(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) expected_order[g] = g;
-  {
-    absl::MutexLock lock(&mu);
-    started.assign(groups.size(), false);
-  }
   // Resuming: the first step's state comes up while the caller computes its gradients.
   if (resumed && std::all_of(groups.begin(), groups.end(),
                              [](const Group& group) { return group.initialized; })) {
@@ -758,22 +935,59 @@ absl::Status OffloadedAdam::Impl::Open(std::span<const ParamGroup> specs) {
   return absl::OkStatus();
 }
 
+// Whether recorded state can be this optimizer's: the same type of moments and shard size.
+absl::Status OffloadedAdam::Impl::MatchState(const internal::MetaRecord& found,
+                                             const std::string& what) const {
+  if (found.state_type != static_cast<uint32_t>(options.state_type)) {
+    auto type_name = [](uint32_t t) {
+      return t == static_cast<uint32_t>(ScalarType::kFloat32)    ? "float32"
+             : t == static_cast<uint32_t>(ScalarType::kBFloat16) ? "bfloat16"
+                                                                 : "an unknown type";
+    };
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " keeps m and v in ", type_name(found.state_type), ", not in ",
+                     type_name(static_cast<uint32_t>(options.state_type)),
+                     ": open it with the state type it was created with"));
+  }
+  if (options.shard_params != 0 && options.shard_params != found.shard_params) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " has ", found.shard_params, " parameters per shard, not ", options.shard_params));
+  }
+  return absl::OkStatus();
+}
+
+// Takes a recorded group's state for `group` (laid out), when the record is of its size and
+// tensors.
+absl::Status OffloadedAdam::Impl::Adopt(Group& group, const Recorded& recorded,
+                                        const std::string& what) const {
+  const internal::MetaGroupRecord& r = recorded.record;
+  if (r.params != group.spec.params || (recorded.split_known && r.tensors != group.spec.tensors)) {
+    auto tensors = [](size_t n) { return absl::StrCat(n, n == 1 ? " tensor" : " tensors"); };
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": group '", group.spec.name, "' of ", r.params, " parameters in ",
+                     tensors(r.tensors.size()), ", not of ", group.spec.params, " in ",
+                     tensors(group.spec.tensors.size())));
+  }
+  if (r.shard_versions.size() != group.shards.size()) {
+    return absl::DataLossError(absl::StrCat(what, ": group '", group.spec.name, "' records ",
+                                            r.shard_versions.size(), " shards, not ",
+                                            group.shards.size(), " (set reset to start afresh)"));
+  }
+  group.initialized = r.initialized;
+  if (recorded.split_known) {
+    group.tensor_steps = r.tensor_steps;
+  } else {
+    group.tensor_steps.assign(group.spec.tensors.size(), r.tensor_steps[0]);
+  }
+  for (size_t k = 0; k < group.shards.size(); ++k) group.shards[k].version = r.shard_versions[k];
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
     std::span<const ParamGroup> specs, const OffloadedAdamOptions& options) {
   if (specs.empty()) return absl::InvalidArgumentError("an optimizer needs at least one group");
-  for (size_t g = 0; g < specs.size(); ++g) {
-    if (absl::Status s = ValidateGroupName(specs[g].name); !s.ok()) return s;
-    if (specs[g].params == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", specs[g].name, "' has no parameters"));
-    }
-    for (size_t h = 0; h < g; ++h) {
-      if (specs[h].name == specs[g].name) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("group name '", specs[g].name, "' appears twice"));
-      }
-    }
-  }
+  std::vector<ParamGroup> groups(specs.begin(), specs.end());
+  if (absl::Status s = ValidateGroups(groups, {}); !s.ok()) return s;
   if (options.home != Tier::kHost && options.home != Tier::kNvme) {
     return absl::InvalidArgumentError("the optimizer's state lives on the host or NVMe tier");
   }
@@ -807,15 +1021,15 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
         " shards of ", shard_params, " parameters (", shard_bytes,
         " bytes each): raise it to at least ", min_shards * shard_bytes, " or lower shard_params"));
   }
-  for (const ParamGroup& g : specs) impl->groups.push_back({.spec = g});
-  impl->hyper.assign(specs.size(), h);
+  for (ParamGroup& g : groups) impl->groups.push_back({.spec = std::move(g)});
+  impl->hyper.assign(impl->groups.size(), h);
 
   ClientOptions client_options = options.client;
   if (client_options.client_name.empty()) client_options.client_name = "optimizer " + options.name;
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(client_options);
   if (!client.ok()) return client.status();
   impl->client = std::move(*client);
-  if (absl::Status s = impl->Open(specs); !s.ok()) return s;
+  if (absl::Status s = impl->Open(); !s.ok()) return s;
   impl->pool = std::make_unique<kernels::ThreadPool>(options.threads);
   Impl* raw = impl.get();
   impl->worker = std::thread([raw] { raw->Run(); });
@@ -852,7 +1066,148 @@ absl::Status OffloadedAdam::SetStepsTaken(int64_t steps) {
   if (d.in_step) return absl::FailedPreconditionError("SetStepsTaken during a step");
   if (steps < 0) return absl::InvalidArgumentError(absl::StrCat("steps ", steps, " < 0"));
   d.steps = steps;
+  for (Group& g : d.groups) g.tensor_steps.assign(g.tensor_steps.size(), steps);
   return d.WriteMeta(false);
+}
+
+absl::Status OffloadedAdam::GetTensorSteps(size_t group, std::span<int64_t> out) const {
+  const Impl& d = *impl_;
+  if (group >= d.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
+  }
+  const Group& g = d.groups[group];
+  if (out.size() != g.tensor_steps.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group '", g.spec.name, "' has ", g.tensor_steps.size(), " tensors, not ", out.size()));
+  }
+  std::copy(g.tensor_steps.begin(), g.tensor_steps.end(), out.begin());
+  return absl::OkStatus();
+}
+
+absl::Status OffloadedAdam::SetTensorSteps(size_t group, std::span<const int64_t> steps) {
+  Impl& d = *impl_;
+  if (group >= d.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
+  }
+  if (d.in_step) return absl::FailedPreconditionError("SetTensorSteps during a step");
+  Group& g = d.groups[group];
+  if (steps.size() != g.tensor_steps.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group '", g.spec.name, "' has ", g.tensor_steps.size(), " tensors, not ", steps.size()));
+  }
+  for (int64_t s : steps) {
+    if (s < 0) return absl::InvalidArgumentError(absl::StrCat("a tensor's steps ", s, " < 0"));
+  }
+  g.tensor_steps.assign(steps.begin(), steps.end());
+  return d.WriteMeta(false);
+}
+
+absl::Status OffloadedAdam::AddGroups(std::span<const ParamGroup> specs) {
+  Impl& d = *impl_;
+  if (d.in_step) return absl::FailedPreconditionError("AddGroups during a step");
+  std::vector<ParamGroup> added(specs.begin(), specs.end());
+  if (absl::Status s = ValidateGroups(added, d.groups); !s.ok()) return s;
+  const std::string what = absl::StrCat("optimizer state '", d.options.name, "'");
+  // A group the state records but Create was not given is resumed, not made afresh.
+  std::vector<Group> fresh;
+  std::vector<bool> resuming;
+  std::vector<size_t> taken;  // indexes in d.dormant
+  for (ParamGroup& g : added) {
+    fresh.push_back({.spec = std::move(g)});
+    d.LayOut(fresh.back());
+    auto r = std::find_if(d.dormant.begin(), d.dormant.end(), [&](const Impl::Recorded& x) {
+      return x.record.name == fresh.back().spec.name;
+    });
+    resuming.push_back(r != d.dormant.end());
+    if (r == d.dormant.end()) continue;
+    if (absl::Status s = d.Adopt(fresh.back(), *r, what); !s.ok()) return s;
+    taken.push_back(static_cast<size_t>(r - d.dormant.begin()));
+  }
+  const size_t first = d.groups.size();
+  for (Group& g : fresh) d.groups.push_back(std::move(g));
+  std::vector<ChunkSpec> chunk_specs;
+  for (size_t g = first; g < d.groups.size(); ++g) {
+    d.SpecifyChunks(g, resuming[g - first], &chunk_specs);
+  }
+  absl::StatusOr<std::vector<ChunkId>> ids = d.client->AllocateIds(chunk_specs);
+  if (!ids.ok()) {
+    d.groups.resize(first);
+    return d.Lost(ids.status());
+  }
+  size_t i = 0;
+  for (size_t g = first; g < d.groups.size(); ++g) {
+    d.AssignChunks(d.groups[g], *ids, &i);
+    AdamHyperparameters h = d.options.hyper;
+    h.lr = d.lr;
+    d.hyper.push_back(h);
+    d.expected_order.push_back(g);
+  }
+  std::sort(taken.begin(), taken.end());
+  for (auto it = taken.rbegin(); it != taken.rend(); ++it) {
+    d.dormant.erase(d.dormant.begin() + static_cast<ptrdiff_t>(*it));
+  }
+  d.Resize();
+  return d.WriteMeta(false);
+}
+
+absl::Status OffloadedAdam::RemoveGroups(std::span<const size_t> which) {
+  Impl& d = *impl_;
+  if (d.in_step) return absl::FailedPreconditionError("RemoveGroups during a step");
+  std::vector<bool> removed(d.groups.size(), false);
+  for (size_t g : which) {
+    if (g >= d.groups.size()) {
+      return absl::OutOfRangeError(absl::StrCat("group ", g, " of ", d.groups.size()));
+    }
+    if (removed[g]) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", g, " is named twice"));
+    }
+    removed[g] = true;
+  }
+  // Nothing of theirs stays in the window or pinned; then the meta chunk stops naming them, and
+  // only then are their chunks freed (a stop in between leaves chunks the next Open frees).
+  if (absl::Status s = d.DropAhead(); !s.ok()) return s;
+  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
+  std::vector<ChunkId> freed;
+  std::vector<Group> kept_groups;
+  std::vector<AdamHyperparameters> kept_hyper;
+  std::vector<size_t> index(d.groups.size(), std::string::npos);
+  for (size_t g = 0; g < d.groups.size(); ++g) {
+    if (!removed[g]) {
+      index[g] = kept_groups.size();
+      kept_groups.push_back(std::move(d.groups[g]));
+      kept_hyper.push_back(d.hyper[g]);
+      continue;
+    }
+    for (const Shard& s : d.groups[g].shards) {
+      for (ChunkId id : {s.id, s.other}) {
+        if (id == 0) continue;
+        if (auto it = d.kept.find(id); it != d.kept.end()) {
+          if (absl::Status st = d.client->Release({&id, 1}); !st.ok()) return st;
+          d.kept.erase(it);
+        }
+        freed.push_back(id);
+      }
+    }
+  }
+  d.groups = std::move(kept_groups);
+  d.hyper = std::move(kept_hyper);
+  std::vector<size_t> order;
+  for (size_t g : d.expected_order) {
+    if (index[g] != std::string::npos) order.push_back(index[g]);
+  }
+  d.expected_order = std::move(order);
+  {
+    absl::MutexLock lock(&d.mu);
+    std::vector<std::vector<uint8_t>> touched;
+    for (size_t g = 0; g < index.size(); ++g) {
+      if (index[g] != std::string::npos) touched.push_back(std::move(d.touched[g]));
+    }
+    d.touched = std::move(touched);
+  }
+  d.Resize();
+  if (absl::Status s = d.WriteMeta(false); !s.ok()) return s;
+  if (freed.empty()) return absl::OkStatus();
+  return d.client->Free(freed);
 }
 
 absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> values) {
@@ -968,6 +1323,10 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
   d.in_step = true;
   d.step_start = absl::Now();
   d.given.assign(d.groups.size(), false);
+  d.step_flags.assign(d.groups.size(), {});
+  for (Group& g : d.groups) {
+    for (Shard& s : g.shards) s.written = false;
+  }
   d.step_order.clear();
   absl::MutexLock lock(&d.mu);
   d.started.assign(d.groups.size(), false);
@@ -980,15 +1339,42 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
 
 absl::Status OffloadedAdam::StepGroup(size_t group, const void* grad, ScalarType grad_type,
                                       void* out, ScalarType out_type) {
+  return StepGroup(
+      group, GroupStep{.grad = grad, .grad_type = grad_type, .out = out, .out_type = out_type});
+}
+
+absl::Status OffloadedAdam::StepGroup(size_t group, const GroupStep& step) {
   Impl& d = *impl_;
   if (!d.in_step) return absl::FailedPreconditionError("StepGroup outside BeginStep/FinishStep");
   if (group >= d.groups.size()) {
     return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.groups.size()));
   }
   const Group& g = d.groups[group];
-  if (grad == nullptr) return absl::InvalidArgumentError("StepGroup: no gradients");
-  if (!ValidScalarType(grad_type) || !ValidScalarType(out_type)) {
+  if (!ValidScalarType(step.grad_type) || !ValidScalarType(step.out_type)) {
     return absl::InvalidArgumentError("StepGroup: unknown scalar type");
+  }
+  const size_t tensors = g.spec.tensors.size();
+  if (!step.tensors.empty() && step.tensors.size() != tensors) {
+    return absl::InvalidArgumentError(absl::StrCat("StepGroup: group '", g.spec.name, "' has ",
+                                                   tensors, " tensors, not ", step.tensors.size(),
+                                                   " flags"));
+  }
+  std::vector<uint8_t> flags(tensors, kTensorStep);
+  if (!step.tensors.empty()) flags.assign(step.tensors.begin(), step.tensors.end());
+  bool steps_any = false, takes_any = false;
+  for (size_t t = 0; t < tensors; ++t) {
+    if (flags[t] & ~(kTensorStep | kTensorTakeWeights)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("StepGroup: tensor ", t, " has unknown flags ", flags[t]));
+    }
+    steps_any |= (flags[t] & kTensorStep) != 0 && g.spec.tensors[t] > 0;
+    takes_any |= (flags[t] & kTensorTakeWeights) != 0 && g.spec.tensors[t] > 0;
+  }
+  if (steps_any && step.grad == nullptr) {
+    return absl::InvalidArgumentError("StepGroup: no gradients");
+  }
+  if (takes_any && step.weights == nullptr) {
+    return absl::InvalidArgumentError("StepGroup: weights to take, but no weights");
   }
   if (!g.initialized) {
     return absl::FailedPreconditionError(
@@ -1000,8 +1386,16 @@ absl::Status OffloadedAdam::StepGroup(size_t group, const void* grad, ScalarType
   }
   d.given[group] = true;
   d.step_order.push_back(group);
+  d.step_flags[group] = std::move(flags);
+  std::vector<uint8_t> touched(g.shards.size(), 0);
+  for (size_t k = 0; k < g.shards.size(); ++k) {
+    touched[k] = PiecesOf(g, g.shards[k], d.step_flags[group]).empty() ? 0 : 1;
+  }
+  GroupStep work = step;
+  work.tensors = d.step_flags[group];
   absl::MutexLock lock(&d.mu);
-  d.queue.push_back({group, grad, grad_type, out, out_type});
+  d.touched[group] = std::move(touched);
+  d.queue.push_back({group, work});
   ++d.outstanding;
   return absl::OkStatus();
 }
@@ -1041,14 +1435,20 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   if (!error.ok()) return error;
   if (!settled.ok()) return settled.status();
   stats.write_wait += *settled;
-  if (d.options.speculative) {  // the versions written become the state
-    for (size_t g = 0; g < d.groups.size(); ++g) {
-      if (!d.given[g] || std::find(stats.skipped_groups.begin(), stats.skipped_groups.end(), g) !=
-                             stats.skipped_groups.end()) {
-        continue;
-      }
-      d.groups[g].version ^= 1;
-      for (Shard& s : d.groups[g].shards) std::swap(s.id, s.other);
+  for (size_t g = 0; g < d.groups.size(); ++g) {
+    if (!d.given[g] || std::find(stats.skipped_groups.begin(), stats.skipped_groups.end(), g) !=
+                           stats.skipped_groups.end()) {
+      continue;
+    }
+    Group& group = d.groups[g];
+    for (size_t t = 0; t < group.tensor_steps.size(); ++t) {
+      if (d.step_flags[g][t] & kTensorStep) ++group.tensor_steps[t];
+    }
+    if (!d.options.speculative) continue;
+    for (Shard& s : group.shards) {  // the versions written become the state
+      if (!s.written) continue;
+      s.version ^= 1;
+      std::swap(s.id, s.other);
     }
   }
   ++d.steps;

@@ -3,10 +3,13 @@
 // across optimizers and daemon restarts; torn steps, non-finite gradients and bad input.
 #include "tierd/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_adam.h"
 #include "tests/daemon_process.h"
@@ -586,6 +589,336 @@ TEST_F(OptimizerTest, CreatingAnExistingNameOrOpeningAMissingOneIsRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(kGroups, resume).status()));
 }
 
+// One tensor of a group in memory, stepped with its own step count as the reference.
+struct TensorState {
+  std::vector<float> p, m, v;
+  int64_t steps = 0;
+  void Step(const uint16_t* grad, const kernels::AdamOptions& o) {
+    static kernels::ThreadPool pool(1, false);
+    const kernels::AdamTensor t{.param = p.data(),
+                                .m = m.data(),
+                                .v = v.data(),
+                                .grad = grad,
+                                .grad_type = kernels::DType::kBF16,
+                                .n = p.size()};
+    kernels::AdamStep({&t, 1}, o, ++steps, pool);
+  }
+};
+
+// The state of tensor `t` (of `sizes`) in group `g`, read back from the optimizer.
+void ExpectTensor(OffloadedAdam& opt, size_t g, const std::vector<uint64_t>& sizes, size_t t,
+                  const TensorState& want, bool exact, const std::string& when) {
+  uint64_t first = 0;
+  for (size_t i = 0; i < t; ++i) first += sizes[i];
+  uint64_t params = 0;
+  for (uint64_t n : sizes) params += n;
+  for (auto [part, values] :
+       {std::pair{OffloadedAdam::Part::kParams, &want.p},
+        std::pair{OffloadedAdam::Part::kM, &want.m}, std::pair{OffloadedAdam::Part::kV, &want.v}}) {
+    std::vector<float> got(params);
+    ASSERT_TRUE(opt.GetState(g, part, got).ok());
+    for (size_t i = 0; i < sizes[t]; ++i) {
+      const float w = (*values)[i];
+      if (exact) {
+        ASSERT_EQ(got[first + i], w)
+            << when << ", tensor " << t << ", part " << static_cast<int>(part) << ", element " << i;
+      } else {
+        ASSERT_NEAR(got[first + i], w, 1e-6f * std::fabs(w) + 1e-12f)
+            << when << ", tensor " << t << ", part " << static_cast<int>(part) << ", element " << i;
+      }
+    }
+  }
+}
+
+// torch steps only the parameters that have a gradient, and counts steps per parameter: a tensor
+// left out of a step keeps its weights and moments bit for bit, and is bias-corrected by its own
+// count when it is next stepped. Shards holding only such a tensor are not read at all.
+TEST_F(OptimizerTest, ATensorLeftOutOfAStepIsUntouchedAndKeepsItsOwnStepCount) {
+  const std::vector<uint64_t> sizes = {300001, 200000, 200000};
+  const std::vector<ParamGroup> groups = {{"block", 700001, sizes}};
+  auto created = OffloadedAdam::Create(groups, Options());
+  ASSERT_TRUE(created.ok()) << created.status();
+  OffloadedAdam& opt = **created;
+  ASSERT_TRUE(opt.SetParams(0, params_[0]).ok());
+  std::vector<TensorState> ref;
+  for (size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++]) {
+    ref.push_back({{params_[0].begin() + at, params_[0].begin() + at + sizes[t]},
+                   std::vector<float>(sizes[t]),
+                   std::vector<float>(sizes[t])});
+  }
+  const kernels::AdamOptions o{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
+  const std::vector<std::vector<uint8_t>> flags = {
+      {kTensorStep, kTensorStep, kTensorStep}, {kTensorStep, 0, kTensorStep}, {}};
+  std::vector<std::vector<float>> before(3, std::vector<float>(700001));
+  for (int step = 1; step <= 3; ++step) {
+    auto grads = Gradients(step, 1.0f);
+    if (step == 2) {
+      for (int part = 0; part < 3; ++part) {
+        ASSERT_TRUE(opt.GetState(0, static_cast<OffloadedAdam::Part>(part), before[part]).ok());
+      }
+    }
+    ASSERT_TRUE(opt.BeginStep().ok());
+    ASSERT_TRUE(opt.StepGroup(0, GroupStep{.grad = grads[0].data(),
+                                           .grad_type = ScalarType::kBFloat16,
+                                           .tensors = flags[step - 1]})
+                    .ok());
+    auto stats = opt.FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    for (size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++]) {
+      if (step == 2 && t == 1) continue;
+      ref[t].Step(grads[0].data() + at, o);
+    }
+    if (step == 2) {
+      // The middle tensor's own shards (16 Ki parameters each) were neither read nor written.
+      EXPECT_LT(stats->state_bytes, opt.state_bytes() - 10 * 16 * 1024 * 12);
+      for (int part = 0; part < 3; ++part) {
+        std::vector<float> after(700001);
+        ASSERT_TRUE(opt.GetState(0, static_cast<OffloadedAdam::Part>(part), after).ok());
+        for (size_t i = sizes[0]; i < sizes[0] + sizes[1]; ++i) {
+          ASSERT_EQ(after[i], before[part][i]) << "part " << part << ", element " << i;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> steps(3);
+  ASSERT_TRUE(opt.GetTensorSteps(0, steps).ok());
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 2, 3}));
+  EXPECT_EQ(opt.steps_taken(), 3);
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    ASSERT_NO_FATAL_FAILURE(ExpectTensor(opt, 0, sizes, t, ref[t], false, "after 3 steps"));
+  }
+  // The counts are part of the state: a checkpoint sets them, and bad ones change nothing.
+  EXPECT_TRUE(absl::IsInvalidArgument(opt.SetTensorSteps(0, std::vector<int64_t>{1, 2})));
+  EXPECT_TRUE(absl::IsInvalidArgument(opt.SetTensorSteps(0, std::vector<int64_t>{1, -1, 2})));
+  ASSERT_TRUE(opt.SetTensorSteps(0, std::vector<int64_t>{5, 6, 7}).ok());
+  created->reset();
+  auto resumed = OffloadedAdam::Create(groups, Options());
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  ASSERT_TRUE((*resumed)->GetTensorSteps(0, steps).ok());
+  EXPECT_EQ(steps, (std::vector<int64_t>{5, 6, 7}));
+}
+
+// Weights changed by the caller between steps (a clamp, a load, an averaging swap) become the
+// master weights before the step: stepped from, or only taken when the tensor has no gradient.
+TEST_F(OptimizerTest, WeightsTakenInAStepReplaceTheMasterWeightsFirst) {
+  const std::vector<uint64_t> sizes = {400001, 150000, 150000};
+  const std::vector<ParamGroup> groups = {{"block", 700001, sizes}};
+  for (bool speculative : {false, true}) {
+    OffloadedAdamOptions options = Options(speculative ? "spec/adam" : "model/adam");
+    options.speculative = speculative;
+    options.host_budget_bytes = 2 * kBudget;
+    auto created = OffloadedAdam::Create(groups, options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    OffloadedAdam& opt = **created;
+    ASSERT_TRUE(opt.SetParams(0, params_[0]).ok());
+    std::vector<float> edited(params_[0].size());
+    for (size_t i = 0; i < edited.size(); ++i) edited[i] = std::clamp(params_[0][i], -0.5f, 0.5f);
+    auto grads = Gradients(1, 1.0f);
+    const std::vector<uint8_t> flags = {kTensorStep | kTensorTakeWeights, kTensorTakeWeights,
+                                        kTensorStep};
+    ASSERT_TRUE(opt.BeginStep().ok());
+    ASSERT_TRUE(opt.StepGroup(0, GroupStep{.grad = grads[0].data(),
+                                           .grad_type = ScalarType::kBFloat16,
+                                           .tensors = flags,
+                                           .weights = edited.data()})
+                    .ok());
+    ASSERT_TRUE(opt.FinishStep().ok());
+    const kernels::AdamOptions o{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
+    for (size_t t = 0, at = 0; t < sizes.size(); at += sizes[t++]) {
+      const std::vector<float>& from = flags[t] & kTensorTakeWeights ? edited : params_[0];
+      TensorState want{{from.begin() + at, from.begin() + at + sizes[t]},
+                       std::vector<float>(sizes[t]),
+                       std::vector<float>(sizes[t])};
+      if (flags[t] & kTensorStep) want.Step(grads[0].data() + at, o);
+      ASSERT_NO_FATAL_FAILURE(ExpectTensor(opt, 0, sizes, t, want, (flags[t] & kTensorStep) == 0,
+                                           speculative ? "speculative" : "in place"));
+    }
+    // Weights to take need weights.
+    ASSERT_TRUE(opt.BeginStep().ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(opt.StepGroup(
+        0,
+        GroupStep{.grad = grads[0].data(), .grad_type = ScalarType::kBFloat16, .tensors = flags})));
+    ASSERT_TRUE(opt.FinishStep().ok());
+  }
+}
+
+// torch's add_param_group, and params edited between steps: groups come and go, persistent state
+// records them (its meta chunk replaced by a larger one as it grows), and a Create with the
+// groups as they are now, in any order, resumes them.
+TEST_F(OptimizerTest, GroupsAddedAndRemovedBetweenStepsAreRecordedAndResumedByName) {
+  std::vector<TensorState> ref;  // embed, layer0, then the extras
+  for (size_t g = 0; g < kGroups.size(); ++g) ref.push_back({params_[g], m_[g], v_[g]});
+  std::vector<ParamGroup> extras;
+  for (int i = 0; i < 60; ++i) {  // enough that the meta chunk outgrows its first page
+    extras.push_back({absl::StrCat("extra.", i), 1000 + static_cast<uint64_t>(i)});
+    ref.push_back({std::vector<float>(extras.back().params, 0.25f + i),
+                   std::vector<float>(extras.back().params),
+                   std::vector<float>(extras.back().params)});
+  }
+  const kernels::AdamOptions o{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
+  auto step_all = [&](OffloadedAdam& opt, int step, const std::vector<size_t>& live) {
+    std::mt19937 rng(step);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    ASSERT_TRUE(opt.BeginStep().ok());
+    std::vector<std::vector<uint16_t>> grads;
+    for (size_t slot = 0; slot < live.size(); ++slot) {
+      std::vector<uint16_t> grad(ref[live[slot]].p.size());
+      for (uint16_t& x : grad) x = kernels::ToBF16(normal(rng));
+      grads.push_back(std::move(grad));
+      ASSERT_TRUE(opt.StepGroup(slot, grads.back().data(), ScalarType::kBFloat16).ok());
+      ref[live[slot]].Step(grads.back().data(), o);
+    }
+    ASSERT_TRUE(opt.FinishStep().ok());
+  };
+  auto chunk_names = [&](OffloadedAdam& opt) {
+    std::vector<std::string> names;
+    auto chunks = opt.client().ListChunks();
+    EXPECT_TRUE(chunks.ok()) << chunks.status();
+    for (const ChunkInfo& c : chunks.ok() ? *chunks : std::vector<ChunkInfo>{}) {
+      names.push_back(c.name);
+    }
+    return names;
+  };
+  std::vector<size_t> live = {0, 1};
+  {
+    auto opt = Create(Options());
+    ASSERT_NE(opt, nullptr);
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+    ASSERT_NO_FATAL_FAILURE(step_all(*opt, 1, live));
+    ASSERT_TRUE(opt->AddGroups(extras).ok());
+    EXPECT_EQ(opt->group_count(), 62u);
+    for (size_t i = 0; i < extras.size(); ++i) {
+      EXPECT_FALSE(opt->initialized(2 + i));
+      ASSERT_TRUE(opt->SetParams(2 + i, ref[2 + i].p).ok());
+      live.push_back(2 + i);
+    }
+    ASSERT_NO_FATAL_FAILURE(step_all(*opt, 2, live));
+    ASSERT_TRUE(opt->RemoveGroups(std::vector<size_t>{0, 5}).ok());  // embed and extra.3
+    live.erase(live.begin() + 5);
+    live.erase(live.begin());
+    ASSERT_NO_FATAL_FAILURE(step_all(*opt, 3, live));
+    const std::vector<std::string> names = chunk_names(*opt);
+    for (const std::string& name : names) {
+      EXPECT_FALSE(absl::StartsWith(name, "model/adam/embed/")) << name;
+      EXPECT_FALSE(absl::StartsWith(name, "model/adam/extra.3/")) << name;
+    }
+    EXPECT_TRUE(std::count(names.begin(), names.end(), "model/adam/meta.1") == 1 &&
+                std::count(names.begin(), names.end(), "model/adam/meta") == 0);
+    // Bad edits change nothing.
+    EXPECT_TRUE(absl::IsInvalidArgument(opt->AddGroups(std::vector<ParamGroup>{{"layer0", 5}})));
+    EXPECT_TRUE(absl::IsOutOfRange(opt->RemoveGroups(std::vector<size_t>{60})));
+    EXPECT_TRUE(absl::IsInvalidArgument(opt->RemoveGroups(std::vector<size_t>{1, 1})));
+    EXPECT_EQ(opt->group_count(), 60u);
+  }
+  // The groups as they are now, the added ones first: resumed.
+  std::vector<ParamGroup> now;
+  for (size_t i = 0; i < extras.size(); ++i) {
+    if (i != 3) now.push_back(extras[i]);
+  }
+  now.push_back(kGroups[1]);
+  auto resumed = OffloadedAdam::Create(now, Options());
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_TRUE((*resumed)->resumed());
+  EXPECT_EQ((*resumed)->steps_taken(), 3);
+  for (size_t slot = 0; slot < now.size(); ++slot) {
+    const size_t r = slot + 1 == now.size() ? 1 : (slot < 3 ? 2 + slot : 3 + slot);
+    std::vector<uint64_t> one = {ref[r].p.size()};
+    ASSERT_NO_FATAL_FAILURE(ExpectTensor(**resumed, slot, one, 0, ref[r], false, now[slot].name));
+  }
+  resumed->reset();
+  // A group it no longer has is not this state.
+  auto refused = OffloadedAdam::Create(kGroups, Options());
+  ASSERT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("has no group 'embed'"), std::string::npos)
+      << refused.status();
+}
+
+// A run that adds groups as it goes (progressive unfreezing) resumes the way it first ran: Create
+// with the first groups resumes those and keeps the rest recorded, untouched, until the same
+// AddGroups resumes them.
+TEST_F(OptimizerTest, GroupsAddedLaterStayRecordedAndResumeWhenAddedAgain) {
+  const kernels::AdamOptions o{.lr = 1e-2f, .weight_decay = 0.01f, .decoupled = true};
+  const std::vector<ParamGroup> late = {{"late", 5000}};
+  TensorState late_ref{std::vector<float>(5000, 0.5f), std::vector<float>(5000),
+                       std::vector<float>(5000)};
+  std::vector<TensorState> ref;
+  for (size_t g = 0; g < kGroups.size(); ++g) ref.push_back({params_[g], m_[g], v_[g]});
+  auto step = [&](OffloadedAdam& opt, int n, const std::vector<TensorState*>& slots) {
+    std::mt19937 rng(n);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    ASSERT_TRUE(opt.BeginStep().ok());
+    std::vector<std::vector<uint16_t>> grads;
+    for (size_t slot = 0; slot < slots.size(); ++slot) {
+      grads.emplace_back(slots[slot]->p.size());
+      for (uint16_t& x : grads.back()) x = kernels::ToBF16(normal(rng));
+      ASSERT_TRUE(opt.StepGroup(slot, grads.back().data(), ScalarType::kBFloat16).ok());
+      slots[slot]->Step(grads.back().data(), o);
+    }
+    ASSERT_TRUE(opt.FinishStep().ok());
+  };
+  {
+    auto opt = Create(Options());
+    ASSERT_NE(opt, nullptr);
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+    ASSERT_NO_FATAL_FAILURE(step(*opt, 1, {&ref[0], &ref[1]}));
+    ASSERT_TRUE(opt->AddGroups(late).ok());
+    ASSERT_TRUE(opt->SetParams(2, late_ref.p).ok());
+    ASSERT_NO_FATAL_FAILURE(step(*opt, 2, {&ref[0], &ref[1], &late_ref}));
+  }
+  {
+    // Given one group of three: it resumes; the other two stay as they are.
+    auto opt = OffloadedAdam::Create(std::vector<ParamGroup>{kGroups[1]}, Options());
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    EXPECT_TRUE((*opt)->resumed());
+    ASSERT_NO_FATAL_FAILURE(step(**opt, 3, {&ref[1]}));
+  }
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  // Of another size, the recorded group is not this one.
+  auto other = opt->AddGroups(std::vector<ParamGroup>{{"late", 4000}});
+  ASSERT_TRUE(absl::IsFailedPrecondition(other)) << other;
+  EXPECT_EQ(opt->group_count(), 2u);
+  ASSERT_TRUE(opt->AddGroups(late).ok());
+  EXPECT_TRUE(opt->initialized(2));
+  std::vector<int64_t> steps(1);
+  for (size_t g = 0; g < 3; ++g) {
+    ASSERT_TRUE(opt->GetTensorSteps(g, steps).ok());
+    EXPECT_EQ(steps[0], (std::vector<int64_t>{2, 3, 1}[g])) << g;
+  }
+  for (size_t g = 0; g < 3; ++g) {
+    const TensorState& want = g < 2 ? ref[g] : late_ref;
+    std::vector<uint64_t> one = {want.p.size()};
+    ASSERT_NO_FATAL_FAILURE(ExpectTensor(*opt, g, one, 0, want, false, "resumed"));
+  }
+}
+
+// torch accepts parameters with no elements (and steps their count); so do groups and tensors.
+TEST_F(OptimizerTest, GroupsAndTensorsWithoutParametersAreStepped) {
+  const std::vector<ParamGroup> groups = {{"empty", 0, {0}}, {"mixed", 10, {0, 10, 0}}};
+  auto created = OffloadedAdam::Create(groups, Options());
+  ASSERT_TRUE(created.ok()) << created.status();
+  OffloadedAdam& opt = **created;
+  ASSERT_TRUE(opt.SetParams(0, {}).ok());
+  ASSERT_TRUE(opt.SetParams(1, std::vector<float>(10, 1.0f)).ok());
+  std::vector<uint16_t> grad(10, kernels::ToBF16(0.5f));
+  const std::vector<uint8_t> flags = {kTensorStep, kTensorStep, 0};
+  ASSERT_TRUE(opt.BeginStep().ok());
+  ASSERT_TRUE(opt.StepGroup(0, GroupStep{.grad_type = ScalarType::kBFloat16}).ok());
+  ASSERT_TRUE(opt.StepGroup(1, GroupStep{.grad = grad.data(),
+                                         .grad_type = ScalarType::kBFloat16,
+                                         .tensors = flags})
+                  .ok());
+  ASSERT_TRUE(opt.FinishStep().ok());
+  std::vector<int64_t> empty(1), mixed(3);
+  ASSERT_TRUE(opt.GetTensorSteps(0, empty).ok());
+  ASSERT_TRUE(opt.GetTensorSteps(1, mixed).ok());
+  EXPECT_EQ(empty, std::vector<int64_t>{1});
+  EXPECT_EQ(mixed, (std::vector<int64_t>{1, 1, 0}));
+  std::vector<float> p(10);
+  ASSERT_TRUE(opt.GetParams(1, p).ok());
+  EXPECT_LT(p[0], 1.0f);
+}
+
 TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
   OffloadedAdamOptions small = Options();
   small.host_budget_bytes = 1 << 20;
@@ -595,7 +928,8 @@ TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
   EXPECT_NE(refused.status().message().find("fewer than 3 shards"), std::string::npos);
   for (const std::vector<ParamGroup>& bad :
        {std::vector<ParamGroup>{}, std::vector<ParamGroup>{{"a/b", 10}},
-        std::vector<ParamGroup>{{"a", 10}, {"a", 20}}, std::vector<ParamGroup>{{"a", 0}}}) {
+        std::vector<ParamGroup>{{"a", 10}, {"a", 20}}, std::vector<ParamGroup>{{"a", 10, {4, 5}}},
+        std::vector<ParamGroup>{{"a", 10, {4, 7}}}}) {
     EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(bad, Options()).status()));
   }
   OffloadedAdamOptions bad_beta = Options();

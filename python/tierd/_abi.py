@@ -51,6 +51,14 @@ class AdamOptions(ctypes.Structure):
 
 
 ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
+# Flags per tensor of tierd_adam_step_tensors: stepped (it has a gradient); master weights taken.
+ADAM_TENSOR_STEP, ADAM_TENSOR_TAKE_WEIGHTS = 1, 2
+
+
+class AdamGroup(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("params", ctypes.c_uint64),
+                ("n_tensors", ctypes.c_size_t),
+                ("tensor_params", ctypes.POINTER(ctypes.c_uint64))]
 
 
 class AdamStepStats(ctypes.Structure):
@@ -107,7 +115,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 def load_library():
@@ -169,6 +177,18 @@ def _bind_optimizer(lib):
     lib.tierd_adam_create.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p),
                                       ctypes.POINTER(u64), ctypes.POINTER(AdamOptions),
                                       ctypes.POINTER(p)]
+    groups = ctypes.POINTER(AdamGroup)
+    lib.tierd_adam_create_groups.argtypes = [ctypes.c_size_t, groups, ctypes.POINTER(AdamOptions),
+                                             ctypes.POINTER(p)]
+    lib.tierd_adam_add_groups.argtypes = [p, ctypes.c_size_t, groups]
+    lib.tierd_adam_remove_groups.argtypes = [p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    lib.tierd_adam_group_count.argtypes = [p]
+    lib.tierd_adam_group_count.restype = ctypes.c_size_t
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.tierd_adam_get_tensor_steps.argtypes = [p, ctypes.c_size_t, i64p, ctypes.c_size_t]
+    lib.tierd_adam_set_tensor_steps.argtypes = [p, ctypes.c_size_t, i64p, ctypes.c_size_t]
+    lib.tierd_adam_step_tensors.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_uint8), ctypes.c_size_t, fp]
     lib.tierd_adam_destroy.argtypes = [p]
     lib.tierd_adam_resumed.argtypes = [p]
     lib.tierd_adam_steps_taken.argtypes = [p]

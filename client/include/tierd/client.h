@@ -14,11 +14,13 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 5
+#define TIERD_C_ABI_VERSION 6
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
- * 5: tierd_adam_options.state_dtype (bf16 moments) and .speculative, tierd_adam_abandon_step */
+ * 5: tierd_adam_options.state_dtype (bf16 moments) and .speculative, tierd_adam_abandon_step
+ * 6: groups of tensors with a step count each (tierd_adam_create_groups, _add_groups,
+ *    _remove_groups, _group_count, _get/set_tensor_steps, _step_tensors) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -258,6 +260,27 @@ void tierd_adam_options_init(tierd_adam_options* options);
 tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
                                const uint64_t* group_params, const tierd_adam_options* options,
                                tierd_adam** out);
+/* A group of tensors laid end to end, each with its own step count (torch's per-parameter "step"):
+ * n_tensors sizes summing to params (zeros allowed); n_tensors 0: one tensor of params. */
+typedef struct tierd_adam_group {
+  const char* name;
+  uint64_t params;
+  size_t n_tensors;
+  const uint64_t* tensor_params;
+} tierd_adam_group;
+/* tierd_adam_create with groups of tensors. */
+tierd_status tierd_adam_create_groups(size_t n_groups, const tierd_adam_group* groups,
+                                      const tierd_adam_options* options, tierd_adam** out);
+/* Groups added after the others (without weights until set_params), or removed (their state
+ * freed; the others keep their order, which is their index). Not during a step. */
+tierd_status tierd_adam_add_groups(tierd_adam* adam, size_t n_groups,
+                                   const tierd_adam_group* groups);
+tierd_status tierd_adam_remove_groups(tierd_adam* adam, size_t n, const size_t* groups);
+size_t tierd_adam_group_count(const tierd_adam* adam);
+/* Each tensor's count of steps (n: the group's tensors). Setting them loads a checkpoint. */
+tierd_status tierd_adam_get_tensor_steps(tierd_adam* adam, size_t group, int64_t* out, size_t n);
+tierd_status tierd_adam_set_tensor_steps(tierd_adam* adam, size_t group, const int64_t* steps,
+                                         size_t n);
 void tierd_adam_destroy(tierd_adam* adam);
 int tierd_adam_resumed(const tierd_adam* adam);
 int64_t tierd_adam_steps_taken(const tierd_adam* adam);
@@ -287,6 +310,16 @@ tierd_status tierd_adam_begin_step(tierd_adam* adam, float grad_scale);
  * tierd_adam_finish_step returns. */
 tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* grad, int grad_dtype,
                                    void* out, int out_dtype);
+/* tierd_adam_step_group tensor by tensor: flags[i] (n_flags: the group's tensors) of
+ * TIERD_ADAM_TENSOR_STEP (it has a gradient: stepped, its step count grows; without it the tensor
+ * is left exactly as it is) and TIERD_ADAM_TENSOR_TAKE_WEIGHTS (its master weights first become
+ * weights[...], fp32 values laid out as the gradients). grad may be NULL when nothing is stepped,
+ * weights when nothing is taken. */
+#define TIERD_ADAM_TENSOR_STEP 1
+#define TIERD_ADAM_TENSOR_TAKE_WEIGHTS 2
+tierd_status tierd_adam_step_tensors(tierd_adam* adam, size_t group, const void* grad,
+                                     int grad_dtype, void* out, int out_dtype,
+                                     const uint8_t* flags, size_t n_flags, const float* weights);
 tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
 /* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */
 tierd_status tierd_adam_abandon_step(tierd_adam* adam);

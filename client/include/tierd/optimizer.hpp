@@ -50,9 +50,37 @@ struct AdamHyperparameters {
   bool adamw = true;
 };
 
+// A group of parameters stepped together (and streamed as one): one or more tensors laid end to
+// end. Each tensor keeps its own count of steps, as torch keeps one per parameter: a tensor left
+// out of a step (it had no gradient) keeps its weights, moments and step count, and its bias
+// correction goes on from its own count when it is next stepped.
 struct ParamGroup {
   std::string name;  // unique in the optimizer; letters, digits and '._-'
   uint64_t params = 0;
+  // The tensors' sizes, summing to params (zeros allowed); empty: one tensor of params.
+  std::vector<uint64_t> tensors;
+};
+
+// One group's part of a step (StepGroup). `grad` holds the group's params values of grad_type (it
+// may be null when no tensor is stepped); `out`, when not null, receives the stepped tensors' new
+// weights as values of out_type. Both must stay valid until FinishStep returns.
+struct GroupStep {
+  const void* grad = nullptr;
+  ScalarType grad_type = ScalarType::kFloat32;
+  void* out = nullptr;
+  ScalarType out_type = ScalarType::kBFloat16;
+  // One byte per tensor of the group, of TensorFlag bits; empty: every tensor is stepped.
+  std::span<const uint8_t> tensors;
+  // fp32 weights, params values, read for the tensors flagged kTensorTakeWeights.
+  const float* weights = nullptr;
+};
+enum TensorFlag : uint8_t {
+  // The tensor has a gradient this step: Adam updates it and its step count grows by one.
+  // Without it the tensor is left exactly as it is.
+  kTensorStep = 1,
+  // Before anything else, the tensor's master weights become `GroupStep::weights` (the caller
+  // changed the weights since the last step: a clamp, a load, an averaging swap).
+  kTensorTakeWeights = 2,
 };
 
 struct OffloadedAdamOptions {
@@ -136,9 +164,20 @@ class OffloadedAdam {
   // Reads one part of a group's state (a checkpoint's export), in fp32 whatever the state type.
   enum class Part : int { kParams = 0, kM = 1, kV = 2 };
   absl::Status GetState(size_t group, Part part, std::span<float> out);
-  // Sets the count of steps taken (the bias correction's step is the next one): loading a
-  // checkpoint taken elsewhere. Not during a step.
+  // Sets the count of steps taken, and every tensor's step count to it (the bias correction's
+  // step is the next one): loading a checkpoint taken elsewhere. Not during a step.
   absl::Status SetStepsTaken(int64_t steps);
+  // Each tensor's count of steps (torch's per-parameter "step"): `out` or `steps` has one value
+  // per tensor of the group. Setting them is loading a checkpoint; not during a step.
+  absl::Status GetTensorSteps(size_t group, std::span<int64_t> out) const;
+  absl::Status SetTensorSteps(size_t group, std::span<const int64_t> steps);
+
+  // Groups added after Create (torch's add_param_group), after the existing ones in the order
+  // given, each without weights until SetParams or SetState; persistent state records them, so
+  // that a Create with the whole list resumes them. Removed groups' state is freed; the others
+  // keep their order (a group's index is its place in that order). Not during a step.
+  absl::Status AddGroups(std::span<const ParamGroup> groups);
+  absl::Status RemoveGroups(std::span<const size_t> groups);
   // Takes effect from the next BeginStep (learning-rate schedules): every group's rate.
   void SetLearningRate(double lr);
   double learning_rate() const;
@@ -148,9 +187,12 @@ class OffloadedAdam {
 
   // Starts a step. Gradients arrive multiplied by grad_scale (loss scaling; 1 for none).
   absl::Status BeginStep(float grad_scale = 1.0f);
-  // Queues group `group`'s step and returns: grad holds params values of grad_type; out, when not
+  // Queues group `group`'s step and returns (see GroupStep). Each group once per step. A shard
+  // whose tensors are neither stepped nor given weights is not read or written at all.
+  absl::Status StepGroup(size_t group, const GroupStep& step);
+  // Every tensor of the group stepped: grad holds params values of grad_type; out, when not
   // null, receives the new weights as params values of out_type (kBFloat16 or kFloat16, or
-  // kFloat32). Both must stay valid until FinishStep returns. Each group once per step.
+  // kFloat32).
   absl::Status StepGroup(size_t group, const void* grad, ScalarType grad_type, void* out = nullptr,
                          ScalarType out_type = ScalarType::kBFloat16);
   // Speculative optimizers: waits for the queued groups and discards what they computed, leaving
@@ -158,7 +200,7 @@ class OffloadedAdam {
   // it). FAILED_PRECONDITION outside a step or when not speculative.
   absl::Status AbandonStep();
   // Waits for every queued group and for their state to reach its home tier, and records the step
-  // as finished. Groups not given this step are left as they were. The first error of the step,
+  // as finished. Groups and tensors not stepped are left as they were. The first error of the step,
   // if any (the step is then not counted, and the state of the groups it reached is updated).
   absl::StatusOr<OptimizerStepStats> FinishStep();
 
