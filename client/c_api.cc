@@ -825,18 +825,24 @@ uint64_t tierd_adam_state_bytes(const tierd_adam* adam) {
 
 tierd_status tierd_adam_set_params(tierd_adam* adam, size_t group, const float* values,
                                    uint64_t n) {
-  if (adam == nullptr || values == nullptr) return Invalid("tierd_adam_set_params: NULL argument");
+  if (adam == nullptr || (values == nullptr && n > 0)) {
+    return Invalid("tierd_adam_set_params: NULL argument");
+  }
   return Guard([&] { return Done(adam->adam->SetParams(group, {values, n})); });
 }
 
 tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, uint64_t n) {
-  if (adam == nullptr || out == nullptr) return Invalid("tierd_adam_get_params: NULL argument");
+  if (adam == nullptr || (out == nullptr && n > 0)) {
+    return Invalid("tierd_adam_get_params: NULL argument");
+  }
   return Guard([&] { return Done(adam->adam->GetParams(group, {out, n})); });
 }
 
 tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, float* out,
                                   uint64_t n) {
-  if (adam == nullptr || out == nullptr) return Invalid("tierd_adam_get_state: NULL argument");
+  if (adam == nullptr || (out == nullptr && n > 0)) {
+    return Invalid("tierd_adam_get_state: NULL argument");
+  }
   if (part != TIERD_ADAM_PARAMS && part != TIERD_ADAM_M && part != TIERD_ADAM_V) {
     return Invalid("tierd_adam_get_state: part must be TIERD_ADAM_PARAMS, _M or _V");
   }
@@ -848,7 +854,7 @@ tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, floa
 
 tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
                                   const float* m, const float* v, uint64_t n) {
-  if (adam == nullptr || params == nullptr) {
+  if (adam == nullptr || (params == nullptr && n > 0)) {
     return Invalid("tierd_adam_set_state: NULL optimizer or params");
   }
   return Guard([&] {

@@ -7,11 +7,13 @@ every owner broadcasts its buckets' new weights to all ranks. The collectives ru
 the pinned host buffers the optimizer already copies gradients into, so they work beside any
 backend the model uses (NCCL included: a gloo group is made next to it).
 
-Collectives of one group must be issued in the same order on every rank. Reduces are issued in
-bucket order only: a bucket complete early in backward waits for the buckets before it, and step()
-issues whatever backward did not. Each buffer carries one extra element, the count of ranks that
-had a gradient for the bucket (reduces) or whether the owner stepped it (broadcasts), so that a
-bucket no rank had gradients for is left as it is, as in one process.
+Collectives of one group must be issued in the same order on every rank. They run over the
+active buckets (those with a parameter in the groups, the same on every rank) in the order they
+were made. Reduces are issued in that order only: a bucket complete early in backward waits for
+the buckets before it, and step() issues whatever backward did not. Each buffer carries one extra
+element per parameter: the count of ranks that had a gradient for it (reduces) or the flags its
+owner stepped it with (broadcasts), so that a parameter no rank had a gradient for is left as it
+is, as in one process (DDP averages over the ranks, the ranks without one adding zeros).
 """
 from typing import Iterator, List, Optional
 
@@ -54,13 +56,16 @@ class Comm:
         self._works = {}     # bucket index -> its reduce in flight
         self.early = 0       # reduces issued during this step's backward
 
-    def assign(self, buckets) -> None:
-        """Sets each bucket's owner (balanced by parameters, the same on every rank) and the
-        owned buckets' slots in this rank's tierd state (b.slot; None for others' buckets)."""
-        if len(buckets) < self.world:
+    def assign(self, buckets, existing) -> None:
+        """Sets each new bucket's owner (balanced by parameters with the `existing` ones, the same
+        on every rank) and the owned ones' slots in the order given (b.slot: 0, 1, ... here, the
+        caller moves them after its own; None for others' buckets)."""
+        if not existing and len(buckets) < self.world:
             raise ValueError(f"OffloadedAdamW: {len(buckets)} buckets cannot be shared by "
                              f"{self.world} ranks: lower bucket_params")
         load = [0] * self.world
+        for b in existing:
+            load[b.owner] += b.numel
         slot = 0
         for b in buckets:  # largest first would balance better, but order keeps it simple
             owner = min(range(self.world), key=lambda r: (load[r], r))
@@ -87,27 +92,27 @@ class Comm:
         rest when `force`: the gradients of every bucket not yet issued are in place)."""
         while self._next < len(buckets):
             b = buckets[self._next]
-            if not force and b.arrived < len(b.params):
+            if not force and not b.complete:
                 return
             self.early += 0 if force else 1
             if b.event is not None:
                 b.event.synchronize()
-            b.grad_ext[b.numel] = 1.0 if b.present else 0.0
-            self._works[b.index] = dist.reduce(b.grad_ext, dst=_global_rank(self.group, b.owner),
-                                               group=self.group, async_op=True)
+            b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.got])
+            self._works[b.serial] = dist.reduce(b.grad_ext, dst=_global_rank(self.group, b.owner),
+                                                group=self.group, async_op=True)
             self._next += 1
 
     def reduced(self, owned, wait: bool) -> Iterator:
         """Of this rank's buckets `owned`, those whose reduce has finished (waiting for each when
-        `wait`), once each, averaged; those no rank had a gradient for are left out."""
+        `wait`), once each, averaged, with `has` saying which parameters any rank had a gradient
+        for."""
         for b in owned:
-            work = self._works.get(b.index)
+            work = self._works.get(b.serial)
             if work is None or not (wait or work.is_completed()):
                 continue
             work.wait()
-            del self._works[b.index]
-            if float(b.grad_ext[b.numel]) == 0:
-                continue
+            del self._works[b.serial]
+            b.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
             b.grad.div_(self.world)
             yield b
 
@@ -121,29 +126,39 @@ class Comm:
 
     # ---- weights ----
 
-    def broadcast_weights(self, buckets) -> List:
-        """Every bucket's new weights (its `out` buffer, flagged when its owner stepped it) from
-        its owner to every rank; returns the buckets whose weights are new."""
+    def broadcast_weights(self, buckets, stepped) -> List:
+        """Every bucket's new weights (its `out` buffer, with the flags its owner stepped each
+        parameter with) from its owner to every rank; returns (bucket, flags) of the buckets whose
+        owner stepped them."""
         works = []
         for b in buckets:
             if b.owner == self.rank:
-                b.out_ext[b.numel] = 1.0 if b.launched else 0.0
+                launched = any(b is s for s in stepped)
+                b.out_ext[b.numel:] = torch.tensor(
+                    [float(b.flags[i]) if launched else 0.0 for i in range(len(b.sizes))])
             works.append(dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
                                         group=self.group, async_op=True))
         for w in works:
             w.wait()
-        return [b for b in buckets if float(b.out_ext[b.numel]) != 0]
+        out = []
+        for b in buckets:
+            flags = [int(x) for x in b.out_ext[b.numel:].tolist()]
+            if any(flags):
+                out.append((b, flags))
+        return out
 
     def share_params(self, buckets) -> None:
         """Every bucket's parameters as its owner has them (after a resume, or when the ranks
         began from different weights)."""
         for b in buckets:
+            if b.numel == 0:
+                continue
             flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in b.params])
             dist.broadcast(flat, src=_global_rank(self.group, b.owner), group=self.group)
             if b.owner != self.rank:
                 with torch.no_grad():
-                    for p, values in b.slices(flat):
-                        p.copy_(values.view_as(p))
+                    for i, values in b.slices(flat):
+                        b.params[i].copy_(values.view_as(b.params[i]))
 
     def end_step(self) -> None:
         for work in self._works.values():  # an abandoned step: let what was issued finish

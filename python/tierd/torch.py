@@ -33,12 +33,12 @@ import math
 import os
 import time
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.dlpack
 
-from . import _abi, _shard
+from . import _abi, _buckets, _shard
 from .activations import ActivationOffload, ActivationStats, offload_activations
 from .client import Acquisition, Tier, TierdError, _check, _library, connect
 
@@ -54,8 +54,8 @@ def as_tensor(acquisition: Acquisition, i: int, dtype: torch.dtype = torch.uint8
     name = str(dtype).replace("torch.", "")  # torch.float32 -> "float32", as the views name them
     return torch.utils.dlpack.from_dlpack(acquisition.dlpack(i, name, shape, offset))
 
-_DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16, torch.float16: _abi.FLOAT16}
 _DEFAULT_BUCKET_PARAMS = 4 << 20
+_STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
 
 
 def _hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
@@ -64,39 +64,8 @@ def _hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
-class _Bucket:
-    """Parameters of one torch parameter group, of one dtype and device, stepped as one tierd
-    group: a flat gradient buffer filled as backward produces them and a flat buffer the kernel
-    writes the new weights into. Sharded over ranks, each buffer has one more element (see
-    _shard.py) and the bucket is stepped by its owner, at `slot` in that rank's tierd state."""
-
-    def __init__(self, index: int, group: int, params: List[torch.Tensor], pin: bool):
-        self.index = index
-        self.group = group
-        self.name = f"g{group}.{index}"
-        self.owner = 0
-        self.slot: Optional[int] = index
-        self.params = params
-        self.offsets = []
-        n = 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self.grad_ext = torch.zeros(n + 1, dtype=self.dtype, pin_memory=pin)
-        self.out_ext = torch.zeros(n + 1, dtype=self.dtype, pin_memory=pin)
-        self.grad = self.grad_ext[:n]
-        self.out = self.out_ext[:n]
-        self.arrived = 0          # params whose final gradient of this step is in `grad`
-        self.present = False      # some parameter had a gradient this step
-        self.event = None         # the side stream's copies, when the model is on a GPU
-        self.launched = False     # given to the optimizer this step
-
-    def slices(self, flat: torch.Tensor):
-        for p, off in zip(self.params, self.offsets):
-            yield p, flat[off:off + p.numel()]
+def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -107,6 +76,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         set from the optimizer's master weights); None: scratch state, freed on close(). At home
         in the host tier, the daemon writes it to NVMe when it stops cleanly; after a daemon
         crash it is lost, and resuming it fails with DATA_LOSS (reset=True starts afresh).
+        Parameter groups added later (add_param_group) are recorded with it: a run that resumes
+        adds them again as the first run did, and they resume then.
     resume: with a name, True opens existing state only (TierdError NOT_FOUND when there is
         none: a mistyped resume never starts afresh), False creates only (ALREADY_EXISTS when
         state of that name exists), None does either.
@@ -134,6 +105,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         default group when torch.distributed is initialised with more than one rank (torchrun),
         else no sharding. With a name, rank r of n keeps its share as "<name>.rank<r>of<n>":
         resume with as many ranks. state_dict() then holds this rank's parameters only.
+
+    As torch.optim.AdamW: a parameter without a gradient in a step (frozen, or unused) is left
+    exactly as it is, with its moments and its own step count; parameter groups may be added
+    (add_param_group) and their params lists edited between steps; weights changed between steps
+    (a clamp, a load, an average swapped in) are stepped from as they are. See docs/optimizer.md.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -174,11 +150,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused)
+        self._handle = ctypes.c_void_p()  # before anything that can fail: close() reads it
+        self._hooks: Dict[int, Any] = {}
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
         self.overlap_backward = overlap_backward
         self.accumulation_steps = accumulation_steps
+        self.bucket_params = bucket_params
         self.last_grad_norm: Optional[float] = None
         self.last_stats: Dict[str, float] = {}
         self.skipped_steps = 0
@@ -187,17 +166,27 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._speculate = overlap_backward and (max_grad_norm is not None or skip_nonfinite)
         self._spec_scale = 1.0
         self.rolled_back_steps = 0
-        self._handle = ctypes.c_void_p()
-        self._hooks = []
         self._begun = False
         self._pending_copy = None  # the last step's copies into GPU weights
         self._early = 0  # buckets given to the optimizer during this step's backward
+        self._counts: Dict[int, int] = {}  # backward passes that gave each parameter a gradient
+        self._prepared = False  # this step's bookkeeping is done (at its first gradient)
 
-        self._buckets = self._make_buckets(bucket_params)
+        # Every parameter's place: id -> (bucket, slot); the layout of the groups it reflects.
+        self._where: Dict[int, Tuple[_buckets.Bucket, int]] = {}
+        wanted = self._wanted()
+        self._buckets = _buckets.plan(wanted, bucket_params, 0)
+        self._layout = self._signature()
         self._comm = _shard.Comm.create(process_group)
         if self._comm is not None:
-            self._comm.assign(self._buckets)
+            self._comm.assign(self._buckets, [])
+        else:
+            for j, b in enumerate(self._buckets):
+                b.slot = j
         self._owned = [b for b in self._buckets if b.slot is not None]
+        for b in self._buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
         per_param = 8 if state_dtype == torch.bfloat16 else 12
         state_bytes = per_param * sum(b.numel for b in self._owned)
         has_nvme = None
@@ -223,32 +212,29 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self.close()
                 raise
             self._comm.share_params(self._buckets)
+        for b in self._buckets:
+            self._mirror(b)
         if overlap_backward:
             self._install_hooks()
 
     # ---- construction ----
 
-    def _make_buckets(self, bucket_params: int) -> List[_Bucket]:
-        buckets = []  # (torch group, params)
-        # Backward produces the last parameters' gradients first: buckets in reverse order, so
-        # that the optimizer's read-ahead expects them in the order they will come.
-        for gi in reversed(range(len(self.param_groups))):
-            current: List[torch.Tensor] = []
-            size = 0
-            for p in reversed(self.param_groups[gi]["params"]):
-                if p.dtype not in _DTYPES:
-                    raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; "
-                                    "float32, bfloat16 and float16 are supported")
-                if current and (p.dtype != current[0].dtype or p.device != current[0].device
-                                or size + p.numel() > bucket_params):
-                    buckets.append((gi, current))
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel()
-            if current:
-                buckets.append((gi, current))
-        return [_Bucket(i, gi, params, pin=params[0].is_cuda)
-                for i, (gi, params) in enumerate(buckets)]
+    def _wanted(self) -> List[Tuple[int, Dict[str, Any], torch.Tensor]]:
+        """(group index, group, parameter) for every parameter in the groups, checked as
+        torch.optim checks them."""
+        seen = set()
+        out = []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in seen:
+                    raise ValueError("some parameters appear in more than one parameter group")
+                seen.add(id(p))
+                _buckets.check_dtype(p)
+                out.append((gi, g, p))
+        return out
+
+    def _signature(self):
+        return tuple((id(g), tuple(id(p) for p in g["params"])) for g in self.param_groups)
 
     def _open(self, name, socket_dir, home, host_budget_bytes, threads, resume, reset):
         lib = _library()
@@ -270,73 +256,277 @@ class OffloadedAdamW(torch.optim.Optimizer):
         options.check_finite = 0  # the whole step is checked here, before any group is stepped
         options.threads = threads
         options.host_budget_bytes = host_budget_bytes
-        options.state_dtype = _DTYPES[self.state_dtype]
+        options.state_dtype = _buckets.DTYPES[self.state_dtype]
         options.speculative = 1 if self._speculate else 0
         options.hyper = _hyper(self.defaults)
-        n = len(self._owned)
-        names = (ctypes.c_char_p * n)(*[b.name.encode() for b in self._owned])
-        sizes = (ctypes.c_uint64 * n)(*[b.numel for b in self._owned])
-        _check(lib.tierd_adam_create(n, names, sizes, ctypes.byref(options),
-                                     ctypes.byref(self._handle)))
+        groups, keep = _buckets.tensor_groups(self._owned)
+        _check(lib.tierd_adam_create_groups(len(self._owned), groups, ctypes.byref(options),
+                                            ctypes.byref(self._handle)))
+        del keep
         self.resumed = bool(lib.tierd_adam_resumed(self._handle))
-        for b in self._owned:
-            if not lib.tierd_adam_initialized(self._handle, b.slot):
-                flat = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32)
-                                  for p in b.params])
-                _check(lib.tierd_adam_set_params(self._handle, b.slot,
-                                                 ctypes.c_void_p(flat.data_ptr()), b.numel))
-            elif self.resumed:
+        self._initialize(self._owned, {})
+
+    def _initialize(self, buckets: List[_buckets.Bucket], moved: Dict[int, Dict[str, Any]]):
+        """Gives the owned `buckets`, just made, their state: resumed state sets the model's
+        weights; otherwise the model's weights become the master weights, with the state of any
+        parameter in `moved` (id -> master, exp_avg, exp_avg_sq, step) carried over."""
+        lib = _library()
+        for b in buckets:
+            if lib.tierd_adam_initialized(self._handle, b.slot):  # resumed
                 master = self._read(b, _abi.ADAM_PARAMS)
                 with torch.no_grad():
-                    for p, values in b.slices(master):
-                        p.copy_(values.view_as(p))
+                    for i, values in b.slices(master):
+                        b.params[i].copy_(values.view_as(b.params[i]))
+                continue
+            parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+            steps = []
+            for p in b.params:
+                state = moved.get(id(p), {})
+                for key in parts:
+                    value = state.get(key)
+                    if value is None:
+                        value = p.detach() if key == "master" else torch.zeros_like(
+                            p, dtype=torch.float32)
+                    parts[key].append(value.reshape(-1).to("cpu", torch.float32))
+                steps.append(int(state.get("step", 0)))
+            self._set_state(b, parts, steps)
 
-    @torch.enable_grad()
-    def _install_hooks(self):
-        for b in self._buckets:
+    def _set_state(self, b: _buckets.Bucket, parts: Dict[str, List[torch.Tensor]],
+                   steps: List[int]):
+        lib = _library()
+        flat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
+        _check(lib.tierd_adam_set_state(
+            self._handle, b.slot, _ptr(flat["master"]), _ptr(flat["exp_avg"]),
+            _ptr(flat["exp_avg_sq"]), b.numel))
+        counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
+        _check(lib.tierd_adam_set_tensor_steps(self._handle, b.slot, counts, len(steps)))
+
+    def _mirror(self, b: _buckets.Bucket):
+        """Records b's weights as the optimizer leaves them (their values and versions)."""
+        if b.params is None:
+            return
+        with torch.no_grad():
             for i, p in enumerate(b.params):
-                if not p.requires_grad:
-                    continue
-                if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda param, b=b, i=i: self._on_grad(b, i)))
-                else:  # torch 1.13: a hook on the parameter's gradient accumulator
-                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                    handle = acc.register_hook(lambda *_, b=b, i=i: self._on_grad(b, i))
-                    self._hooks.append((acc, handle))
-        self._counts = {id(p): 0 for b in self._buckets for p in b.params}
+                b.slice(b.out, i).copy_(p.detach().reshape(-1))
+                b.remember(i)
+
+    # ---- the parameter groups, as they are now ----
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch's add_param_group; the group's state is made (or, for persistent state that
+        recorded it, resumed, setting its weights) at once."""
+        super().add_param_group(param_group)
+        if not getattr(self, "_handle", None) or self._begun:
+            return  # torch's __init__ adding the first groups; or refused at step()
+        try:
+            self._sync()
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # refused: as if never added
+            raise
+        if self.overlap_backward:
+            self._install_hooks()
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """torch's zero_grad; params lists edited since the last step are taken in first (their
+        state made, or resumed, before the forward pass that uses them)."""
+        if not self._begun:
+            self._sync()
+            if self.overlap_backward:
+                self._install_hooks()
+        if set_to_none is None:
+            super().zero_grad()
+        else:
+            super().zero_grad(set_to_none=set_to_none)
+
+    def _sync(self):
+        """Makes the buckets follow the parameter groups (add_param_group, params lists edited,
+        a parameter's dtype or device changed) and frees the state of parameters that are gone.
+        Between steps only."""
+        if self._signature() != self._layout:
+            self._relayout()
+        dead = [b for b in self._buckets if self._dead(b)]
+        if dead:
+            self._remove(dead)
+
+    def _dead(self, b: _buckets.Bucket) -> bool:
+        """Dormant, and no slot is the place of a parameter still alive (each is gone, or was
+        moved to another bucket): its state can go."""
+        if b.params is not None:
+            return False
+        for i in range(len(b.sizes)):
+            p = b.param(i)
+            if p is not None and self._where.get(id(p)) == (b, i):
+                return False
+        return True
+
+    def _relayout(self):
+        wanted = self._wanted()
+        keep, moves = [], []
+        for gi, g, p in wanted:
+            place = self._where.get(id(p))
+            b, i = place if place is not None else (None, None)
+            if b is not None and b.param(i) is not p:
+                b = None  # an id reused by another tensor
+            if b is not None and b.sizes[i] != p.numel():
+                raise ValueError(f"OffloadedAdamW: a parameter of {b.sizes[i]} elements now has "
+                                 f"{p.numel()}; its state cannot follow a change of shape")
+            if b is not None and b.group is g and b.dtype == p.dtype and b.device == p.device:
+                keep.append((b, i))
+            else:
+                moves.append((gi, g, p, b, i))
+        carried = [m for m in moves if m[3] is not None]
+        if carried and self._comm is not None:
+            raise RuntimeError("OffloadedAdamW: sharded over ranks, a parameter with state "
+                               "cannot move to another parameter group, dtype or device (its "
+                               "state would change owner); add new parameters only")
+        moved, read = {}, {}
+        for _, _, p, b, i in carried:  # read before anything changes
+            moved[id(p)] = self._state_of(b, i, read)
+        for b in self._buckets:
+            b.live = [False] * len(b.sizes)
+        for b, i in keep:
+            b.wake()
+            b.live[i] = True
+        new = _buckets.plan([(gi, g, p) for gi, g, p, _, _ in moves], self.bucket_params,
+                            self._next_serial())
+        if new:
+            if self._comm is not None:
+                self._comm.assign(new, [b for b in self._buckets if b.active])
+            else:
+                for b in new:
+                    b.slot = 0  # renumbered below
+            owned = [b for b in new if b.slot is not None]
+            for j, b in enumerate(owned):
+                b.slot = len(self._owned) + j
+            groups, keep_alive = _buckets.tensor_groups(owned)
+            _check(_library().tierd_adam_add_groups(self._handle, len(owned), groups))
+            del keep_alive
+            self._owned += owned
+            self._buckets += new
+            for b in new:
+                for i, p in enumerate(b.params):
+                    self._where[id(p)] = (b, i)
+            self._initialize(owned, moved)
+            if self._comm is not None:
+                self._comm.share_params(new)
+            for b in new:
+                self._mirror(b)
+        for b in self._buckets:
+            if b.params is not None and not any(b.live):
+                b.go_dormant()
+        self._layout = self._signature()
+
+    def _next_serial(self) -> int:
+        return 1 + max((b.serial for b in self._buckets), default=-1)
+
+    def _state_of(self, b: _buckets.Bucket, i: int, read: Dict[int, Any]) -> Dict[str, Any]:
+        """Slot i's state: master, exp_avg, exp_avg_sq (flat fp32) and step (each bucket read
+        once into `read`)."""
+        if b.slot is None:
+            return {}
+        if b.serial not in read:
+            read[b.serial] = ([self._read(b, part) for part in
+                               (_abi.ADAM_PARAMS, _abi.ADAM_M, _abi.ADAM_V)],
+                              self._tensor_steps(b))
+        (master, m, v), steps = read[b.serial]
+        return {"master": b.slice(master, i), "exp_avg": b.slice(m, i),
+                "exp_avg_sq": b.slice(v, i), "step": steps[i]}
+
+    def _remove(self, buckets: List[_buckets.Bucket]):
+        """Frees the state of `buckets` (dormant, their parameters gone)."""
+        owned = [b for b in buckets if b.slot is not None]
+        if owned:
+            slots = (ctypes.c_size_t * len(owned))(*[b.slot for b in owned])
+            _check(_library().tierd_adam_remove_groups(self._handle, len(owned), slots))
+        gone = set(id(b) for b in buckets)
+        self._buckets = [b for b in self._buckets if id(b) not in gone]
+        self._owned = [b for b in self._owned if id(b) not in gone]
+        for j, b in enumerate(self._owned):
+            b.slot = j
+        self._where = {k: v for k, v in self._where.items() if id(v[0]) not in gone}
+
+    def _active(self) -> List[_buckets.Bucket]:
+        """The buckets with a parameter in the groups, in the order they were made."""
+        return [b for b in self._buckets if b.active]
 
     # ---- gradients in ----
 
-    def _on_grad(self, b: _Bucket, i: int):
-        p = b.params[i]
-        key = id(p)
-        self._counts[key] += 1
-        if self._counts[key] < self.accumulation_steps or b.launched:
+    @torch.enable_grad()
+    def _install_hooks(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad or id(p) in self._hooks:
+                    continue
+                key = id(p)
+                if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+                    self._hooks[key] = p.register_post_accumulate_grad_hook(
+                        lambda param, key=key: self._on_grad(key))
+                else:  # torch 1.13: a hook on the parameter's gradient accumulator
+                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    handle = acc.register_hook(lambda *_, key=key: self._on_grad(key))
+                    self._hooks[key] = (acc, handle)
+
+    def _prepare(self):
+        """The step's bookkeeping, at its first gradient: the groups as they are now, and how
+        many gradients each bucket awaits (its live parameters that require one)."""
+        self._prepared = True
+        if not self._begun:
+            self._sync()
+        for b in self._active():
+            trainable = [p for i, p in enumerate(b.params) if b.live[i] and p.requires_grad]
+            b.expected = sum(1 for p in trainable if id(p) in self._hooks)
+            if not trainable:  # frozen: nothing to wait for (nor to hold later buckets up)
+                self._complete(b)
+
+    def _on_grad(self, key: int):
+        if not self._prepared:
+            self._prepare()
+        place = self._where.get(key)
+        if place is None:
+            return
+        b, i = place
+        if not b.active or not b.live[i] or id(b.params[i]) != key:
+            return
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._counts[key] < self.accumulation_steps or b.launched or b.got[i]:
             return
         self._copy_grad(b, i)
         b.arrived += 1
-        complete = b.arrived == len(b.params)
-        if complete:
-            b.present = True
+        if b.arrived < b.expected:
+            return
+        self._complete(b)  # the rest: frozen parameters that still hold a gradient
         if self._comm is None:
-            if complete and self._steps_early():
+            if self._steps_early() and self._flag(b):
                 self._launch(b)
                 self._early += 1
             return
-        if complete:
-            self._comm.reduce_ready(self._buckets)
+        self._comm.reduce_ready(self._active())
         if self._steps_early():  # this rank's buckets whose gradients are summed by now
             for owned in self._comm.reduced(self._owned, wait=False):
-                self._launch(owned)
-                self._early += 1
+                if self._flag(owned):
+                    self._launch(owned)
+                    self._early += 1
 
-    def _copy_grad(self, b: _Bucket, i: int):
-        p, off = b.params[i], b.offsets[i]
-        dst = b.grad[off:off + p.numel()]
-        if p.grad is None:
-            dst.zero_()
-        elif p.grad.is_cuda:
+    def _complete(self, b: _buckets.Bucket):
+        """Takes the gradients of b's live parameters not taken yet: those that have one now
+        (torch steps a parameter whose .grad is not None), zeros for the others when sharded
+        (the ranks' buffers are summed)."""
+        if b.complete:
+            return
+        for i in range(len(b.sizes)):
+            if b.got[i] or not b.live[i]:
+                continue
+            if b.params[i].grad is not None:
+                self._copy_grad(b, i)
+            elif self._comm is not None:
+                b.slice(b.grad, i).zero_()
+        b.has = list(b.got)
+        b.complete = True
+
+    def _copy_grad(self, b: _buckets.Bucket, i: int):
+        p, dst = b.params[i], b.slice(b.grad, i)
+        b.got[i] = True
+        if p.grad.is_cuda:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(stream):
@@ -355,25 +545,44 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _steps_early(self) -> bool:
         return self._speculate or (self.max_grad_norm is None and not self.skip_nonfinite)
 
+    def _flag(self, b: _buckets.Bucket) -> bool:
+        """Sets b's flags for its step: stepped where a gradient is present, weights taken where
+        the caller changed them. Whether there is anything to do."""
+        anything = False
+        for i in range(len(b.sizes)):
+            f = 0
+            if b.live[i]:
+                b.flagged[i] = (b.params[i]._version, b.params[i].data_ptr())
+                if b.has[i]:
+                    f |= _STEP
+                if b.changed(i):
+                    f |= _TAKE
+                    if b.weights is None:
+                        b.weights = torch.empty(b.numel, dtype=torch.float32)
+                    b.slice(b.weights, i).copy_(b.params[i].detach().reshape(-1))
+            b.flags[i] = f
+            anything = anything or f != 0
+        return anything
+
     def _begin(self, grad_scale: float):
         lib = _library()
         if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
             self._pending_copy.synchronize()
             self._pending_copy = None
         for b in self._owned:
-            hyper = _hyper(self.param_groups[b.group])
+            hyper = _hyper(b.group)
             _check(lib.tierd_adam_set_group_hyper(self._handle, b.slot, ctypes.byref(hyper)))
         _check(lib.tierd_adam_begin_step(self._handle, grad_scale))
         self._begun = True
 
-    def _launch(self, b: _Bucket):
+    def _launch(self, b: _buckets.Bucket):
         if not self._begun:  # during backward: speculating, at the last step's loss scale
             self._begin(self._spec_scale if self._speculate else 1.0)
         if b.event is not None:
             b.event.synchronize()
-        _check(_library().tierd_adam_step_group(
-            self._handle, b.slot, ctypes.c_void_p(b.grad.data_ptr()), _DTYPES[b.dtype],
-            ctypes.c_void_p(b.out.data_ptr()), _DTYPES[b.dtype]))
+        _check(_library().tierd_adam_step_tensors(
+            self._handle, b.slot, _ptr(b.grad), _buckets.DTYPES[b.dtype], _ptr(b.out),
+            _buckets.DTYPES[b.dtype], b.flags, len(b.sizes), _ptr(b.weights)))
         b.launched = True
 
     # ---- the step ----
@@ -393,21 +602,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._abandon()
             raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
                                "loss scaling with overlap_backward needs skip_nonfinite=True")
+        if self._begun and self._signature() != self._layout:
+            self._abandon()
+            raise RuntimeError("OffloadedAdamW: the parameter groups changed between backward "
+                               "and step(), while buckets were being stepped during backward: "
+                               "change them between step() and the next backward")
+        if self._begun and any(b.written_since_flagged() for b in self._stepped()):
+            self._abandon()
+            raise RuntimeError("OffloadedAdamW: weights changed between backward and step(), "
+                               "after they were stepped during backward (overlap_backward): "
+                               "change them between step() and the next backward")
+        if not self._begun:
+            self._sync()
+        self._prepared = True
         # Gradients not handed over during backward are taken now.
         todo = []
-        for b in self._buckets:
+        for b in self._active():
             if b.launched:
                 continue
-            if b.arrived < len(b.params):
-                b.present = any(p.grad is not None for p in b.params)
-                if not b.present and self._comm is None:
-                    continue  # no gradient this step: left as it is
-                for i in range(len(b.params)):
-                    self._copy_grad(b, i)
+            self._complete(b)
             todo.append(b)
         if self._comm is not None:  # summed into their owners: this rank steps its own
-            self._comm.reduce_ready(self._buckets, force=True)
+            self._comm.reduce_ready(self._active(), force=True)
             todo = list(self._comm.reduced([b for b in todo if b.slot is not None], wait=True))
+        todo = [b for b in todo if self._flag(b)]
         for b in todo:
             if b.event is not None:
                 b.event.synchronize()
@@ -459,20 +677,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
         try:
             _check(_library().tierd_adam_finish_step(self._handle, ctypes.byref(stats)))
         finally:
+            written = self._stepped()
             self._end_step()
-        self._write_weights()
+        self._write_weights(written)
         self.last_stats = {
             "step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
             "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
             "write_wait_s": stats.write_wait_ns / 1e9, "state_bytes": float(stats.state_bytes),
-            "buckets": float(len(self._owned)), "buckets_during_backward": float(early),
+            "buckets": float(len([b for b in self._owned if b.active])),
+            "buckets_during_backward": float(early),
             "reduces_during_backward": float(reduces_early), "rolled_back": float(rolled_back),
             "tail_s": time.perf_counter() - start}
         return loss
 
-    def _stepped(self) -> List[_Bucket]:
+    def _stepped(self) -> List[_buckets.Bucket]:
         """The buckets given to the optimizer this step (during backward)."""
-        return [b for b in (self._buckets if self._comm is None else self._owned) if b.launched]
+        return [b for b in (self._active() if self._comm is None else self._owned) if b.launched]
 
     def _speculation_holds(self, norm: torch.Tensor, grad_scale: float) -> bool:
         """Whether the buckets stepped during backward were stepped as the whole step's gradients
@@ -486,45 +706,50 @@ class OffloadedAdamW(torch.optim.Optimizer):
         # As clip_grad_norm_ computes it.
         return torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
 
-    def _grad_norm(self, buckets: List[_Bucket], inv: Optional[torch.Tensor] = None
+    def _grad_norm(self, buckets: List[_buckets.Bucket], inv: Optional[torch.Tensor] = None
                    ) -> torch.Tensor:
-        # As clip_grad_norm_: each gradient's 2-norm, then the norm of those (of the gradients
-        # times `inv` when given, as unscaling them would make them).
+        # As clip_grad_norm_: each gradient's 2-norm (of the parameters that have one), then the
+        # norm of those (of the gradients times `inv` when given, as unscaling them would make).
         norms = [torch.norm(g if inv is None else g * inv, 2.0)
-                 for b in buckets for _, g in b.slices(b.grad)]
+                 for b in buckets for g in b.present(b.grad)]
         if self._comm is not None:
             return self._comm.grad_norm(norms)
         if not norms:
             return torch.zeros(())
         return torch.norm(torch.stack(norms), 2.0)
 
-    def _write_weights(self):
+    def _write_weights(self, stepped: List[_buckets.Bucket]):
         # The last step's copies out of `out` were waited for in _begin, before this step wrote it.
+        for b in stepped:  # weights only taken: `out` keeps them as the model has them
+            for i, values in b.slices(b.out):
+                if b.flags[i] == _TAKE:
+                    values.copy_(b.params[i].detach().reshape(-1))
         if self._comm is not None:
-            new = self._comm.broadcast_weights(self._buckets)
+            new = self._comm.broadcast_weights(self._active(), stepped)
         else:
-            new = [b for b in self._buckets if b.launched]
-        for b in new:
-            for p, values in b.slices(b.out):
-                p.copy_(values.view_as(p), non_blocking=p.is_cuda)
+            new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
+        for b, flags in new:
+            for i, values in b.slices(b.out):
+                if flags[i] & _STEP:
+                    p = b.params[i]
+                    p.copy_(values.view_as(p), non_blocking=p.is_cuda)
+                if flags[i]:
+                    b.remember(i)
         if any(b.device.type == "cuda" for b in self._buckets):
             self._pending_copy = torch.cuda.Event()
             self._pending_copy.record()
-        for b in self._buckets:
-            b.launched = False
 
     def _end_step(self):
         self._begun = False
         self._early = 0
+        self._prepared = False
         if self._comm is not None:
             self._comm.end_step()
         for b in self._buckets:
-            b.arrived = 0
-            b.present = False
-            b.event = None
-        if self.overlap_backward:
-            for key in self._counts:
-                self._counts[key] = 0
+            b.reset_step()
+        self._counts.clear()
+        if self.overlap_backward:  # parameters that now require a gradient
+            self._install_hooks()
 
     def _abandon(self):
         """Ends a step begun during backward without applying more (after an error): abandoned
@@ -537,8 +762,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     _check(_library().tierd_adam_finish_step(self._handle, None))
             finally:
                 self._end_step()
-                for b in self._buckets:
-                    b.launched = False
 
     # ---- state ----
 
@@ -550,20 +773,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         return int(_library().tierd_adam_state_bytes(self._handle))
 
-    def _read(self, b: _Bucket, part: int) -> torch.Tensor:
+    def _read(self, b: _buckets.Bucket, part: int) -> torch.Tensor:
         out = torch.empty(b.numel, dtype=torch.float32)
-        _check(_library().tierd_adam_get_state(self._handle, b.slot, part,
-                                               ctypes.c_void_p(out.data_ptr()), b.numel))
+        _check(_library().tierd_adam_get_state(self._handle, b.slot, part, _ptr(out), b.numel))
         return out
 
+    def _tensor_steps(self, b: _buckets.Bucket) -> List[int]:
+        steps = (ctypes.c_int64 * max(len(b.sizes), 1))()
+        _check(_library().tierd_adam_get_tensor_steps(self._handle, b.slot, steps, len(b.sizes)))
+        return list(steps)[:len(b.sizes)]
+
     def state_dict(self) -> Dict[str, Any]:
-        """torch.optim.AdamW's format (exp_avg, exp_avg_sq and step per parameter, as fp32 CPU
-        tensors), plus `master` (the fp32 master weights) for parameters kept in another dtype.
-        Sharded over ranks, `state` holds this rank's parameters: the union of the ranks' `state`
-        dicts is the whole (each rank's can be loaded back into the rank that owns it, or the
-        union into every rank)."""
+        """torch.optim.AdamW's format (exp_avg, exp_avg_sq and step per parameter stepped at
+        least once, as fp32 CPU tensors), plus `master` (the fp32 master weights) for parameters
+        kept in another dtype. Sharded over ranks, `state` holds this rank's parameters: the union
+        of the ranks' `state` dicts is the whole (each rank's can be loaded back into the rank
+        that owns it, or the union into every rank)."""
         if self._begun:
             raise RuntimeError("state_dict during a step")
+        self._sync()
         index = {}
         groups = []
         for g in self.param_groups:
@@ -571,27 +799,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
             packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
             groups.append(packed)
         state: Dict[int, Dict[str, torch.Tensor]] = {}
-        steps = self.steps_taken
-        if steps > 0:
-            for b in self._owned:
-                m, v = self._read(b, _abi.ADAM_M), self._read(b, _abi.ADAM_V)
-                master = self._read(b, _abi.ADAM_PARAMS) if b.dtype != torch.float32 else None
-                for i, p in enumerate(b.params):
-                    off, n = b.offsets[i], p.numel()
-                    entry = {"step": torch.tensor(float(steps)),
-                             "exp_avg": m[off:off + n].view_as(p).clone(),
-                             "exp_avg_sq": v[off:off + n].view_as(p).clone()}
-                    if master is not None:
-                        entry["master"] = master[off:off + n].view_as(p).clone()
-                    state[index[id(p)]] = entry
+        for b in self._owned:
+            if not b.active:
+                continue
+            steps = self._tensor_steps(b)
+            if not any(steps[i] for i in range(len(steps)) if b.live[i]):
+                continue
+            m, v = self._read(b, _abi.ADAM_M), self._read(b, _abi.ADAM_V)
+            master = self._read(b, _abi.ADAM_PARAMS) if b.dtype != torch.float32 else None
+            for i, p in enumerate(b.params):
+                if not b.live[i] or steps[i] == 0:
+                    continue  # as torch: no state for a parameter never stepped
+                entry = {"step": torch.tensor(float(steps[i])),
+                         "exp_avg": b.slice(m, i).view_as(p).clone(),
+                         "exp_avg_sq": b.slice(v, i).view_as(p).clone()}
+                if master is not None:  # the weights as the model has them, if changed since
+                    entry["master"] = (p.detach().float().cpu() if b.changed(i)
+                                       else b.slice(master, i).view_as(p).clone())
+                state[index[id(p)]] = entry
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state_dict of this class or of torch.optim.AdamW (the model's weights must be
-        loaded first: they become the master weights unless the state carries `master`).
-        Sharded over ranks, each rank loads the parameters it owns."""
+        loaded first: they become the master weights unless the state carries `master`), each
+        parameter with its own step count. Sharded over ranks, each rank loads the parameters it
+        owns."""
         if self._begun:
             raise RuntimeError("load_state_dict during a step")
+        self._sync()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
                 len(s["params"]) != len(g["params"])
@@ -600,20 +835,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if any(s.get("amsgrad") for s in saved_groups):
             raise ValueError("loaded state dict is of an amsgrad AdamW, which this optimizer "
                              "does not implement")
-        owned = {id(p) for b in self._owned for p in b.params}
         by_param = {}
         for s, g in zip(saved_groups, self.param_groups):
             for saved_id, p in zip(s["params"], g["params"]):
-                if id(p) in owned:
-                    by_param[id(p)] = state_dict["state"].get(saved_id, {})
-        steps = {int(torch.as_tensor(e["step"]).item()) for e in by_param.values() if "step" in e}
-        if len(steps) > 1:
-            raise ValueError(f"parameters were stepped different numbers of times: {sorted(steps)}"
-                             "; OffloadedAdamW steps every parameter together")
-        lib = _library()
+                by_param[id(p)] = state_dict["state"].get(saved_id, {})
+        for entry in by_param.values():
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                value = entry.get(key)
+                if value is not None and not torch.is_tensor(value):
+                    raise ValueError(f"state {key} is not a tensor")
+        # Everything is read and checked before anything is written.
+        plans = []
         for b in self._owned:
+            if not b.active:
+                continue
+            current, current_steps = None, None
+            if not all(b.live):  # slots of parameters no longer in the groups keep their state
+                current = {k: self._read(b, part) for k, part in
+                           (("master", _abi.ADAM_PARAMS), ("exp_avg", _abi.ADAM_M),
+                            ("exp_avg_sq", _abi.ADAM_V))}
+                current_steps = self._tensor_steps(b)
             parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
-            for p in b.params:
+            steps = []
+            for i, p in enumerate(b.params):
+                if not b.live[i]:
+                    for key in parts:
+                        parts[key].append(b.slice(current[key], i))
+                    steps.append(current_steps[i])
+                    continue
                 entry = by_param[id(p)]
                 for key in parts:
                     value = entry.get(key)
@@ -624,24 +873,35 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
                                          f"parameter of shape {tuple(p.shape)}")
                     parts[key].append(value.reshape(-1).to("cpu", torch.float32))
-            flat = {k: torch.cat(v) for k, v in parts.items()}
-            _check(lib.tierd_adam_set_state(
-                self._handle, b.slot, ctypes.c_void_p(flat["master"].data_ptr()),
-                ctypes.c_void_p(flat["exp_avg"].data_ptr()),
-                ctypes.c_void_p(flat["exp_avg_sq"].data_ptr()), b.numel))
-        _check(lib.tierd_adam_set_steps(self._handle, steps.pop() if steps else 0))
+                steps.append(int(torch.as_tensor(entry.get("step", 0)).item()))
+                if steps[-1] < 0:
+                    raise ValueError(f"state step {steps[-1]} < 0")
+            plans.append((b, parts, steps))
+        dormant = [(b, self._tensor_steps(b)) for b in self._owned if not b.active]
+        everything = [int(torch.as_tensor(e["step"]).item()) for e in by_param.values()
+                      if "step" in e]
+        # steps_taken: the most any parameter has taken (each keeps its own count, set after).
+        _check(_library().tierd_adam_set_steps(self._handle, max(everything, default=0)))
+        for b, parts, steps in plans:
+            self._set_state(b, parts, steps)
+        for b, steps in dormant:
+            counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
+            _check(_library().tierd_adam_set_tensor_steps(self._handle, b.slot, counts,
+                                                          len(steps)))
         for s, g in zip(saved_groups, self.param_groups):
             for key, value in s.items():
                 if key != "params":
                     g[key] = tuple(value) if key == "betas" else value
+        for b in self._buckets:
+            self._mirror(b)
 
     # ---- lifetime ----
 
     def close(self) -> None:
         """Ends the optimizer's session (scratch state is freed; persistent state stays)."""
-        for h in self._hooks:
+        for h in self._hooks.values():
             (h[1] if isinstance(h, tuple) else h).remove()
-        self._hooks = []
+        self._hooks = {}
         if self._handle:
             try:
                 self._abandon()

@@ -1,8 +1,9 @@
 """OffloadedAdamW sharded ZeRO-1 style over two ranks started by torchrun, each a session of one
 daemon: the ranks' mean losses and the final weights equal torch.optim.AdamW trained in one
 process on the whole of each batch, with buckets stepped during backward, with clipping that
-triggers and a step one rank's inf makes every rank skip; and the example trains on two ranks as
-it does on one."""
+triggers, a step one rank's inf makes every rank skip, and a frozen parameter and one without a
+gradient on some steps left as torch leaves them; and the example trains on two ranks as it does
+on one."""
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import torch
 
 from test_c_abi import daemon  # noqa: F401 (fixture)
 from test_torch_optimizer import HYPER, batches, model, train
+from zero_rank import partial_forward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -34,13 +36,15 @@ def torchrun(*args, timeout=300):
     dict(home="nvme", overlap=True),
     dict(home="host", overlap=True, clip=0.5, poison=9),
     dict(home="nvme", overlap=False, clip=0.5),
-], ids=["overlap", "clip-and-skip", "at-step"])
+    dict(home="nvme", overlap=True, partial=True),
+], ids=["overlap", "clip-and-skip", "at-step", "frozen-and-unused"])
 def test_two_ranks_train_as_one_process_does(daemon, tmp_path, options):  # noqa: F811
     out = str(tmp_path / "ranks.pt")
     flags = ["--home", options["home"], "--steps", str(STEPS)]
     flags += ["--overlap"] if options["overlap"] else []
     flags += ["--clip", str(options["clip"])] if "clip" in options else []
     flags += ["--poison", str(options["poison"])] if "poison" in options else []
+    flags += ["--partial"] if options.get("partial") else []
     torchrun(os.path.join(HERE, "zero_rank.py"), daemon, out, *flags)
     got = torch.load(out)
 
@@ -52,20 +56,39 @@ def test_two_ranks_train_as_one_process_does(daemon, tmp_path, options):  # noqa
     with torch.no_grad():
         for p, initial in zip(ref.parameters(), got["initial"]):
             p.copy_(initial)
-    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER),
-                       batches(STEPS, seed=6), clip=options.get("clip"),
-                       poison=options.get("poison"), reference=True)
+    if options.get("partial"):
+        ref[0].requires_grad_(False)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+        ref_losses = []
+        for step, (x, y) in enumerate(batches(STEPS, seed=6)):
+            ref_opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(partial_forward(ref, x, step), y)
+            loss.backward()
+            ref_opt.step()
+            ref_losses.append(float(loss))
+        assert torch.equal(got["params"][0], got["initial"][0]), "the frozen embedding moved"
+    else:
+        ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER),
+                           batches(STEPS, seed=6), clip=options.get("clip"),
+                           poison=options.get("poison"), reference=True)
 
     ranks = got["ranks"]
     assert [r["state_name"] for r in ranks] == ["pytest/zero.rank0of2", "pytest/zero.rank1of2"]
     # Each rank owns a share of the state and steps only it.
     owned = [set(r["owned"]) for r in ranks]
     assert owned[0] and owned[1] and not owned[0] & owned[1]
-    assert owned[0] | owned[1] == set(range(len(list(ref.parameters()))))
+    stepped = set(range(len(list(ref.parameters()))))
+    if options.get("partial"):
+        stepped.discard(0)  # the frozen embedding: no state, as in torch
+    assert owned[0] | owned[1] == stepped
     assert ranks[0]["buckets"] + ranks[1]["buckets"] == 3
     # With overlap, every bucket's gradients were on their way to its owner during backward
     # (whether the owner could step it then, before backward ended, is a matter of timing).
     expected = 3 if options["overlap"] else 0
+    if options.get("partial"):
+        # The last step's LayerNorm had no gradient: its bucket, first in bucket order, was
+        # complete only at step(), and the reduces behind it waited for it.
+        expected = 0
     assert [r["reduced_during_backward"] for r in ranks] == [expected] * 2
     skipped = 1 if "poison" in options else 0
     assert [r["skipped"] for r in ranks] == [skipped, skipped]

@@ -3,6 +3,10 @@ share of each global batch with OffloadedAdamW sharded over the ranks, and rank 
 loss of each step, the final weights and `tierctl status` while every rank's session was open.
 
     zero_rank.py SOCKET_DIR OUT [--home H] [--overlap] [--clip C] [--poison STEP] [--steps N]
+                 [--partial]
+
+--partial: the embedding frozen and the LayerNorm used on even steps only (partial_forward), with
+gradients set to None between steps: parameters without a gradient, as torch leaves them.
 """
 import argparse
 import json
@@ -19,6 +23,12 @@ from test_torch_optimizer import BUDGET, HYPER, batches, loss_of, model  # noqa:
 import tierd.torch  # noqa: E402 (PYTHONPATH)
 
 
+def partial_forward(m, x, step):
+    """test_torch_optimizer's model with its LayerNorm (m[4]) on even steps only."""
+    h = m[3](m[2](m[1](m[0](x))))
+    return m[5](m[4](h) if step % 2 == 0 else h)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("socket_dir")
@@ -28,12 +38,15 @@ def main():
     ap.add_argument("--clip", type=float)
     ap.add_argument("--poison", type=int)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--partial", action="store_true")
     args = ap.parse_args()
 
     os.environ["TIERD_JOB"] = "pytest-zero"  # both ranks' sessions: one job
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     m = model(seed=rank)  # different on each rank: the optimizer starts them from its owners'
+    if args.partial:
+        m[0].requires_grad_(False)
     opt = tierd.torch.OffloadedAdamW(
         m.parameters(), **HYPER, socket_dir=args.socket_dir, host_budget_bytes=BUDGET, threads=1,
         home=args.home, name="pytest/zero", reset=True, overlap_backward=args.overlap,
@@ -49,8 +62,12 @@ def main():
 
     losses, norms = [], []
     for step, (x, y) in enumerate(batches(args.steps, seed=6)):
-        opt.zero_grad()
-        loss = loss_of(m, x.chunk(world)[rank], y.chunk(world)[rank])
+        opt.zero_grad(set_to_none=args.partial)
+        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+        if args.partial:
+            loss = torch.nn.functional.cross_entropy(partial_forward(m, xs, step), ys)
+        else:
+            loss = loss_of(m, xs, ys)
         mean = loss.detach().clone()
         if args.poison == step and rank == 1:  # one rank's gradient is not finite
             loss = loss + next(iter(m.parameters()))[0, 0] * float("inf")

@@ -1,0 +1,183 @@
+"""OffloadedAdamW's buckets: parameters stepped together as one tierd group.
+
+A bucket holds parameters of one torch parameter group, of one dtype and device, laid end to end
+in flat buffers: the gradients (filled as backward produces them) and the weights the kernel
+writes. Each parameter is a tensor of the tierd group with its own step count, so a parameter
+without a gradient in a step is left as it is, as torch leaves it. Sharded over ranks, each buffer
+carries one more element per parameter after the values (see _shard.py): how many ranks had a
+gradient for it (reduces), or whether its owner stepped it (broadcasts).
+
+A bucket's places ("slots") are fixed when it is made. A slot is *live* while its parameter is in
+the optimizer's parameter groups with this slot as its place; a parameter that leaves the groups
+keeps its slot, and its state, as torch keeps `state[p]` (it is stepped again if it comes back).
+A bucket with no live slot is *dormant*: it holds its parameters by weak reference only, and its
+state is freed once none of its slots is the place of a parameter still alive.
+"""
+import ctypes
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import _abi
+
+DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16,
+          torch.float16: _abi.FLOAT16}
+
+
+class Bucket:
+    def __init__(self, serial: int, name: str, group: Dict[str, Any],
+                 params: List[torch.Tensor]):
+        self.serial = serial      # creation order: the order of collectives over ranks
+        self.name = name          # the tierd group's name
+        self.group = group        # the param_groups entry whose hyperparameters it steps with
+        self.owner = 0
+        self.slot: Optional[int] = None  # the tierd group's index in this rank's state
+        self.params: Optional[List[torch.Tensor]] = list(params)  # None once dormant
+        self._refs: List[weakref.ref] = []
+        self.sizes = [p.numel() for p in params]
+        self.offsets = []
+        n = 0
+        for size in self.sizes:
+            self.offsets.append(n)
+            n += size
+        self.numel = n
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        k = len(params)
+        pin = self.device.type == "cuda"
+        self.grad_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
+        self.out_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
+        self.grad = self.grad_ext[:n]
+        # The weights as the optimizer last left them in the model (what it wrote after a step,
+        # or read at the start): a weight that differs was changed by the caller.
+        self.out = self.out_ext[:n]
+        self.live = [True] * k
+        self.flags = (ctypes.c_uint8 * max(k, 1))()
+        self.weights: Optional[torch.Tensor] = None  # fp32 weights to take, made when needed
+        # Each weight's (version, data_ptr) when the optimizer last left it, and when the flags
+        # of this step were set.
+        self.seen: List[Tuple[int, int]] = [(-1, 0)] * k
+        self.flagged: List[Tuple[int, int]] = [(-1, 0)] * k
+        # This step's: gradients in `grad` (got), whether each was present on any rank (has),
+        # the gradients backward is expected to give (expected) and has given (arrived).
+        self.got = [False] * k
+        self.has = [False] * k
+        self.expected = 0
+        self.arrived = 0
+        self.complete = False     # every gradient it will get this step is taken
+        self.event = None         # the side stream's copies, when the model is on a GPU
+        self.launched = False     # given to the optimizer this step
+
+    @property
+    def active(self) -> bool:
+        return self.params is not None and any(self.live)
+
+    def param(self, i: int) -> Optional[torch.Tensor]:
+        return self.params[i] if self.params is not None else self._refs[i]()
+
+    def go_dormant(self) -> None:
+        """Holds the parameters by weak reference only (none of them is in the groups)."""
+        self._refs = [weakref.ref(p) for p in self.params]
+        self.params = None
+
+    def wake(self) -> None:
+        """Holds them again (one of them came back to the groups)."""
+        if self.params is None:
+            self.params = [r() for r in self._refs]
+            self._refs = []
+
+    def slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+
+    def slices(self, flat: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+        for i in range(len(self.sizes)):
+            yield i, self.slice(flat, i)
+
+    def present(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The slices of the parameters that have a gradient this step."""
+        for i, values in self.slices(flat):
+            if self.has[i]:
+                yield values
+
+    def remember(self, i: int) -> None:
+        """Weight i is as the optimizer leaves it: its version, and its values in `out`."""
+        p = self.param(i)
+        self.seen[i] = (p._version, p.data_ptr())
+
+    def touched(self, i: int) -> bool:
+        """Whether weight i was written since the optimizer last left it (values not compared)."""
+        p = self.param(i)
+        return (p._version, p.data_ptr()) != self.seen[i]
+
+    def written_since_flagged(self) -> bool:
+        """Whether a live weight was written since the bucket's flags were set (flag())."""
+        return any(self.live[i] and (p._version, p.data_ptr()) != self.flagged[i]
+                   for i, p in enumerate(self.params))
+
+    def changed(self, i: int) -> bool:
+        """Whether the caller changed weight i since the optimizer last left it (in place, by
+        `.data =`, or by a load); touched but equal is not changed."""
+        if not self.touched(i):
+            return False
+        p = self.param(i)
+        same = torch.equal(p.detach().reshape(-1).to("cpu"), self.slice(self.out, i))
+        if same:
+            self.remember(i)
+        return not same
+
+    def reset_step(self) -> None:
+        k = len(self.sizes)
+        self.got = [False] * k
+        self.has = [False] * k
+        self.arrived = 0
+        self.complete = False
+        self.event = None
+        self.launched = False
+
+
+def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: int,
+         first_serial: int) -> List[Bucket]:
+    """Buckets for `params` ((group index, group, parameter), in the groups' order): per group, in
+    backward's order (the last parameters' gradients come first), cut at a change of dtype or
+    device and at bucket_params. Named "g<group index>.<serial>"."""
+    buckets: List[Bucket] = []
+    by_group: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
+    for gi, group, p in params:
+        by_group.setdefault(gi, []).append((group, p))
+    for gi in sorted(by_group, reverse=True):
+        current: List[torch.Tensor] = []
+        size = 0
+        group = by_group[gi][0][0]
+
+        def close():
+            serial = first_serial + len(buckets)
+            buckets.append(Bucket(serial, f"g{gi}.{serial}", group, current))
+        for _, p in reversed(by_group[gi]):
+            if current and (p.dtype != current[0].dtype or p.device != current[0].device
+                            or size + p.numel() > bucket_params):
+                close()
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        if current:
+            close()
+    return buckets
+
+
+def check_dtype(p: torch.Tensor) -> None:
+    if p.dtype not in DTYPES:
+        raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; float32, bfloat16 and "
+                        "float16 are supported")
+
+
+def tensor_groups(buckets: List[Bucket]) -> Tuple[Any, list]:
+    """The C ABI's description of `buckets` as tierd groups of tensors (and what keeps it alive)."""
+    keep = []
+    array = (_abi.AdamGroup * max(len(buckets), 1))()
+    for j, b in enumerate(buckets):
+        sizes = (ctypes.c_uint64 * max(len(b.sizes), 1))(*b.sizes)
+        name = b.name.encode()
+        keep += [sizes, name]
+        array[j] = _abi.AdamGroup(name, b.numel, len(b.sizes), sizes)
+    return array, keep
