@@ -81,6 +81,7 @@ struct CommandLine {
   std::vector<std::pair<const ConfigKey*, std::string>> flags;  // in the order given
   bool help = false;
   bool version = false;
+  bool check = false;  // --check: build and check the configuration, then exit
 };
 // `args` is argv, the program's name first. An unknown flag, a flag without its value or an
 // argument that is not a flag is an error naming it.
@@ -92,6 +93,8 @@ absl::StatusOr<DaemonConfig> BuildConfig(const CommandLine& line);
 
 // What `tierd --help` prints: each flag with its value, help, key and default.
 std::string UsageText();
+// What `tierd --check` prints: each key of the file with its value in `config`, one a line.
+std::string ConfigText(const DaemonConfig& config);
 
 absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text);
 absl::string_view HugePagePolicyName(HugePagePolicy policy);

@@ -69,6 +69,10 @@ absl::StatusOr<CommandLine> ParseCommandLine(absl::Span<const char* const> args)
       line.version = true;
       continue;
     }
+    if (!value && name == "check") {
+      line.check = true;
+      continue;
+    }
     const ConfigKey* key = name == "config" ? nullptr : FindConfigFlag(name);
     if (name != "config" && key == nullptr) {
       // --noX for a true/false flag X.
@@ -146,6 +150,21 @@ std::string UsageText() {
   AppendWrapped(&out, "this text", 6);
   absl::StrAppend(&out, "  --version\n");
   AppendWrapped(&out, "the version", 6);
+  absl::StrAppend(&out, "  --check\n");
+  AppendWrapped(&out,
+                "read and check the configuration (file and flags), print it and exit: 0 when the "
+                "daemon would start with it, 2 when it would refuse it; nothing is created",
+                6);
+  return out;
+}
+
+std::string ConfigText(const DaemonConfig& config) {
+  std::string out;
+  for (const ConfigKey& key : ConfigKeys()) {
+    // The per-user quota tables have no one-line spelling (the file's [[quota.users]]).
+    if (key.key.empty() || std::holds_alternative<Quotas*>(FieldTypeOf(key))) continue;
+    absl::StrAppend(&out, key.key, " = ", ShowConfigValue(key, config), "\n");
+  }
   return out;
 }
 

@@ -178,5 +178,15 @@ int main(int argc, char** argv) {
     std::printf("tierd %s\n", TIERD_VERSION);
     return 0;
   }
+  if (line->check) {  // as Run reads it, and nothing more: no directory, file or memory touched
+    absl::StatusOr<tierd::daemon::DaemonConfig> config = tierd::daemon::BuildConfig(*line);
+    if (!config.ok()) {
+      std::fprintf(stderr, "tierd: %s\n", std::string(config.status().message()).c_str());
+      return tierd::daemon::kConfigError;
+    }
+    std::fputs(tierd::daemon::ConfigText(*config).c_str(), stdout);
+    std::fputs("tierd: the configuration is valid\n", stderr);
+    return 0;
+  }
   return tierd::daemon::Run(*line);
 }

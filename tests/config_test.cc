@@ -370,6 +370,26 @@ TEST(ConfigFlagsTest, HelpAndVersionAreNotConfiguration) {
   EXPECT_NE(usage.find("[host.capacity; default 1GiB]"), std::string::npos) << usage;
 }
 
+// tierd --check: the configuration the flags and file make, one key a line, as Run would read it.
+TEST(ConfigFlagsTest, CheckBuildsTheConfigurationAndShowsEveryKey) {
+  std::vector<const char*> args = {"tierd", "--check", "--host_capacity", "64GiB",
+                                   "--nvme_regions=/mnt/nvme0/tierd.region:1500GiB"};
+  absl::StatusOr<CommandLine> line = ParseCommandLine(args);
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_TRUE(line->check);
+  absl::StatusOr<DaemonConfig> config = BuildConfig(*line);
+  ASSERT_TRUE(config.ok()) << config.status();
+  const std::string text = ConfigText(*config);
+  EXPECT_NE(text.find("host.capacity = 64GiB\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("nvme.regions = /mnt/nvme0/tierd.region:1500GiB\n"), std::string::npos)
+      << text;
+  for (const ConfigKey& key : ConfigKeys()) {
+    if (key.key.empty() || std::holds_alternative<Quotas*>(FieldTypeOf(key))) continue;
+    EXPECT_NE(text.find(absl::StrCat(key.key, " = ")), std::string::npos) << key.key;
+  }
+  EXPECT_NE(UsageText().find("--check"), std::string::npos);
+}
+
 // Each key's value, spelled as a flag would, reads back to the same value.
 TEST(ConfigKeysTest, EveryValueRoundTripsThroughItsFlagSpelling) {
   DaemonConfig c = DefaultConfig();
