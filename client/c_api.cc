@@ -25,6 +25,10 @@ struct ViewTable {
   struct Held {
     uint32_t pins = 0;   // acquisitions through this handle not yet released
     uint32_t views = 0;  // DLPack tensors viewing the chunk
+    // Handed to the last view (tierd_release_deferred, tierd_free_deferred): releases of pins
+    // and the chunk's free, done when the last view is dropped.
+    uint32_t deferred_releases = 0;
+    bool deferred_free = false;
     // Where the latest acquisition in each tier put it (index: tierd tier).
     struct Place {
       char* data = nullptr;
@@ -48,6 +52,16 @@ struct ViewTable {
       }
     }
     return absl::OkStatus();
+  }
+
+  // Releases of `ids` through this handle went through: one pin fewer on each.
+  void Released(std::span<const tierd::ChunkId> ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (tierd::ChunkId id : ids) {
+      auto it = held.find(id);
+      if (it == held.end()) continue;
+      if (it->second.pins > 0) --it->second.pins;
+      if (it->second.pins == 0 && it->second.views == 0) held.erase(it);
+    }
   }
 };
 
@@ -203,6 +217,53 @@ tierd_status tierd_free(tierd_client* client, size_t n, const tierd_chunk_id* id
   });
 }
 
+tierd_status tierd_release_deferred(tierd_client* client, size_t n, const tierd_chunk_id* ids) {
+  if (client == nullptr || (n > 0 && ids == nullptr)) {
+    return Invalid("tierd_release_deferred: NULL argument");
+  }
+  return Guard([&] {
+    absl::MutexLock lock(&client->views->mu);
+    auto& held = client->views->held;
+    std::vector<tierd::ChunkId> now;
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it != held.end() && it->second.views > 0 &&
+          it->second.pins <= it->second.deferred_releases + 1) {
+        ++it->second.deferred_releases;  // the last pin under a view: the view releases it
+        continue;
+      }
+      now.push_back(ids[i]);
+    }
+    if (now.empty()) return TIERD_OK;
+    if (absl::Status s = client->client->Release(now); !s.ok()) return Fail(s);
+    client->views->Released(now);
+    return TIERD_OK;
+  });
+}
+
+tierd_status tierd_free_deferred(tierd_client* client, size_t n, const tierd_chunk_id* ids) {
+  if (client == nullptr || (n > 0 && ids == nullptr)) {
+    return Invalid("tierd_free_deferred: NULL argument");
+  }
+  return Guard([&] {
+    absl::MutexLock lock(&client->views->mu);
+    auto& held = client->views->held;
+    std::vector<tierd::ChunkId> now;
+    for (size_t i = 0; i < n; ++i) {
+      auto it = held.find(ids[i]);
+      if (it != held.end() && it->second.views > 0) {
+        it->second.deferred_free = true;  // the last view frees it, its pins released first
+        continue;
+      }
+      now.push_back(ids[i]);
+    }
+    if (now.empty()) return TIERD_OK;
+    if (absl::Status s = client->client->Free(now); !s.ok()) return Fail(s);
+    for (tierd::ChunkId id : now) held.erase(id);  // freeing drops the session's pins
+    return TIERD_OK;
+  });
+}
+
 tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                            int access, void** out_ptrs, uint64_t* out_sizes,
                            tierd_completion* out_ready) {
@@ -238,19 +299,13 @@ tierd_status tierd_release(tierd_client* client, size_t n, const tierd_chunk_id*
   return Guard([&] {
     // Held across the call so that no view is taken of a chunk while it is being released.
     absl::MutexLock lock(&client->views->mu);
-    auto& held = client->views->held;
     if (absl::Status s =
             client->views->RefuseViewed("tierd_release", n, ids, /*last_pin_only=*/true);
         !s.ok()) {
       return Fail(s);
     }
     if (absl::Status s = client->client->Release(Ids(n, ids)); !s.ok()) return Fail(s);
-    for (size_t i = 0; i < n; ++i) {
-      auto it = held.find(ids[i]);
-      if (it == held.end()) continue;
-      if (it->second.pins > 0) --it->second.pins;
-      if (it->second.pins == 0 && it->second.views == 0) held.erase(it);
-    }
+    client->views->Released(Ids(n, ids));
     return TIERD_OK;
   });
 }
@@ -271,14 +326,27 @@ struct ViewContext {
 void DeleteView(DLManagedTensor* self) {
   if (self == nullptr) return;
   auto* context = static_cast<ViewContext*>(self->manager_ctx);
+  uint32_t releases = 0;
+  bool free = false;
   {
     absl::MutexLock lock(&context->views->mu);
     auto it = context->views->held.find(context->id);
     if (it != context->views->held.end() && it->second.views > 0) {
-      --it->second.views;
-      if (it->second.pins == 0 && it->second.views == 0) context->views->held.erase(it);
+      ViewTable::Held& held = it->second;
+      --held.views;
+      if (held.views == 0) {  // the last view: what was handed to it is done now
+        releases = std::exchange(held.deferred_releases, 0);
+        free = std::exchange(held.deferred_free, false);
+        held.pins -= std::min(held.pins, releases);
+      }
+      if (free || (held.pins == 0 && held.views == 0)) context->views->held.erase(it);
     }
   }
+  // Outside the lock (a call to the daemon), on whatever thread drops the tensor. Nobody is left
+  // to hear of a failure; a session that ends reclaims the chunks anyway.
+  const tierd::ChunkId id = context->id;
+  for (uint32_t i = 0; i < releases; ++i) (void)context->client->Release({&id, 1});
+  if (free) (void)context->client->Free({&id, 1});
   // The last reference to a closed handle's session ends it here.
   delete context;
 }

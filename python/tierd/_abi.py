@@ -141,6 +141,8 @@ def load_library():
     lib.tierd_acquire.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
                                   ctypes.POINTER(p), u64p, ctypes.POINTER(Completion)]
     lib.tierd_release.argtypes = [p, ctypes.c_size_t, u64p]
+    lib.tierd_release_deferred.argtypes = [p, ctypes.c_size_t, u64p]
+    lib.tierd_free_deferred.argtypes = [p, ctypes.c_size_t, u64p]
     lib.tierd_prefetch.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
                                    ctypes.POINTER(Completion)]
     lib.tierd_evict.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,

@@ -111,7 +111,9 @@ class Completion:
 
 
 class ChunkSet:
-    """Chunks allocated together. A context manager: the chunks are freed on exit."""
+    """Chunks allocated together. A context manager: the chunks are freed on exit, or, where a
+    DLPack tensor still views one, when the last such tensor is dropped (the memory stays the
+    tensor's until then)."""
 
     def __init__(self, client: "Client", ids: List[int], sizes: List[int]):
         self._client = client
@@ -125,16 +127,21 @@ class ChunkSet:
         return iter(self.ids)
 
     def free(self) -> None:
+        """Frees the chunks now; refused (TierdError FAILED_PRECONDITION, nothing freed) while a
+        tensor made from dlpack() views one of them."""
+        self._free(_library().tierd_free)
+
+    def _free(self, fn) -> None:
         if self.ids and self._client._handle:
             n, ids = _ids(self.ids)
-            _check(_library().tierd_free(self._client._handle, n, ids))
+            _check(fn(self._client._handle, n, ids))
         self.ids = []
 
     def __enter__(self) -> "ChunkSet":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.free()
+        self._free(_library().tierd_free_deferred)
 
 
 # PyCapsule by hand (ctypes.pythonapi holds the GIL): the DLPack protocol hands consumers a capsule
@@ -185,7 +192,8 @@ class DLPackView:
 
 class Acquisition:
     """Chunks held in one tier: their addresses there, valid until released. A context manager:
-    released on exit. `ready` completes when the bytes are in place."""
+    released on exit, or, where a DLPack tensor still views one, when the last such tensor is
+    dropped. `ready` completes when the bytes are in place."""
 
     def __init__(self, client: "Client", ids: List[int], pointers: List[int], sizes: List[int],
                  ready: Completion, host: bool):
@@ -234,16 +242,19 @@ class Acquisition:
     def release(self) -> None:
         """Releases the chunks; refused (TierdError FAILED_PRECONDITION, nothing released) while a
         tensor made from dlpack() still views one of them."""
+        self._release(_library().tierd_release)
+
+    def _release(self, fn) -> None:
         if not self._released and self._client._handle:
             n, ids = _ids(self.ids)
-            _check(_library().tierd_release(self._client._handle, n, ids))
+            _check(fn(self._client._handle, n, ids))
         self._released = True
 
     def __enter__(self) -> "Acquisition":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        self._release(_library().tierd_release_deferred)
 
 
 @dataclass

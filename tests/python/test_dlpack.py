@@ -71,6 +71,35 @@ def test_releasing_or_freeing_under_a_live_tensor_fails_and_loses_nothing(client
     chunks.free()
 
 
+def test_a_tensor_outliving_its_with_blocks_holds_the_chunk_until_it_goes(client):
+    """Python variables outlive `with` blocks: leaving them while a tensor views the chunk hands
+    the release and the free to the tensor, and the chunk's memory is never anyone else's while
+    the tensor lives."""
+    before = client.tier_usage(tierd.Tier.HOST).used_bytes
+    with client.allocate([1 << 20]) as chunks:
+        client.evict(chunks, tierd.Tier.NVME).wait(timeout=30)
+        with client.acquire(chunks, tierd.Tier.HOST, tierd.Access.OVERWRITE) as views:
+            weights = tierd.torch.as_tensor(views, 0, torch.float32)
+            weights.fill_(2.5)
+    # Both blocks ended without an error; the chunk is still held, still these bytes.
+    assert client.tier_usage(tierd.Tier.HOST).used_bytes >= before + (1 << 20)
+    with client.allocate([1 << 20] * 4) as others:  # new chunks do not take its memory
+        with client.acquire(others, tierd.Tier.HOST, tierd.Access.OVERWRITE) as held:
+            for i in range(4):
+                mine = tierd.torch.as_tensor(held, i, torch.float32)
+                mine.fill_(-1.0)
+                del mine
+    assert float(weights.sum()) == 2.5 * (1 << 18)
+    row = weights[10:20]
+    del weights
+    gc.collect()
+    assert float(row.sum()) == 25.0  # a view of the storage holds it too
+    del row
+    gc.collect()
+    # The last view gone: released and freed (released only, its host copy would remain).
+    assert client.tier_usage(tierd.Tier.HOST).used_bytes == before
+
+
 def test_a_tensor_keeps_the_session_after_close(daemon):  # noqa: F811
     with tierd.connect(daemon, "pytest-dlpack-observer") as observer:
         before = observer.tier_usage(tierd.Tier.HOST).used_bytes

@@ -20,7 +20,8 @@ extern "C" {
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
  * 5: tierd_adam_options.state_dtype (bf16 moments) and .speculative, tierd_adam_abandon_step
  * 6: groups of tensors with a step count each (tierd_adam_create_groups, _add_groups,
- *    _remove_groups, _group_count, _get/set_tensor_steps, _step_tensors) */
+ *    _remove_groups, _group_count, _get/set_tensor_steps, _step_tensors); a viewed chunk's
+ *    release and free handed to its last view (tierd_release_deferred, tierd_free_deferred) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -136,10 +137,16 @@ struct DLManagedTensor;
  * before reading. The view holds the acquisition: tierd_release of the chunk's last pin and
  * tierd_free fail with FAILED_PRECONDITION while it lives, and after tierd_close the session
  * stays open (its chunks and mappings in place) until the last view is deleted. Hand *out to a
- * consumer (torch.utils.dlpack.from_dlpack) or call (*out)->deleter(*out); any thread may. */
+ * consumer (torch.utils.dlpack.from_dlpack) or call (*out)->deleter(*out); any thread may.
+ * tierd_release_deferred and tierd_free_deferred hand the release of a viewed chunk's last pin,
+ * and its free, to its last view: done now where no view lives, else when the last view is
+ * deleted (the chunk stays acquired, and its memory this session's, until then; a failure then
+ * is not reported). What a scope's end does (Python's `with` blocks). */
 tierd_status tierd_chunk_dlpack(tierd_client* client, tierd_chunk_id id, int tier, uint64_t offset,
                                 int dl_code, int dl_bits, int ndim, const int64_t* shape,
                                 struct DLManagedTensor** out);
+tierd_status tierd_release_deferred(tierd_client* client, size_t n, const tierd_chunk_id* ids);
+tierd_status tierd_free_deferred(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 
 /* Brings chunks into tier without pinning them; their reads are due priority milliseconds
  * before now (after, when negative), against this session's other I/O. */
@@ -318,8 +325,8 @@ tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* g
 #define TIERD_ADAM_TENSOR_STEP 1
 #define TIERD_ADAM_TENSOR_TAKE_WEIGHTS 2
 tierd_status tierd_adam_step_tensors(tierd_adam* adam, size_t group, const void* grad,
-                                     int grad_dtype, void* out, int out_dtype,
-                                     const uint8_t* flags, size_t n_flags, const float* weights);
+                                     int grad_dtype, void* out, int out_dtype, const uint8_t* flags,
+                                     size_t n_flags, const float* weights);
 tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
 /* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */
 tierd_status tierd_adam_abandon_step(tierd_adam* adam);
