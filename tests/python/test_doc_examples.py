@@ -1,0 +1,158 @@
+"""Every code example in README.md and docs/ runs, against a daemon of its own: Python blocks are
+executed, shell blocks run in bash (the daemon's command lines check their configuration with
+`tierd --check` instead of serving), C++ blocks are compiled against the client library and run,
+and TOML blocks are read by the daemon (`tierd --check --config`). So an example that stops
+working fails the build.
+
+Each fence names its language (`text` and `mermaid` are not code). The line before a fence may
+say how it runs, in an HTML comment:
+  <!-- not run: REASON -->       a block deliberately not run, and why
+  <!-- run with: SETUP -->       run after one of SETUPS below (names the example leaves to the
+                                 reader: a model, its data, a client)
+A C++ block without a main() is the body of one.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from test_c_abi import start_daemon, stop_daemon
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                               if f.endswith(".md"))
+RUN = {"python", "sh", "cpp", "toml"}
+NOT_CODE = {"text", "mermaid"}
+
+SETUPS = {
+    # A model, its data and a loss, as the optimizer's examples assume.
+    "a model and its data": {"python": """
+import torch
+import tierd.torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+data = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(3)]
+loss_fn = torch.nn.functional.cross_entropy
+x, y = data[0]
+"""},
+    # A connected client, as the C++ examples on one call assume.
+    "a client": {"cpp": """
+auto connected = tierd::Client::Connect({});
+if (!connected.ok()) return 1;
+auto& client = *connected;
+"""},
+}
+
+
+def blocks():
+    """(page, line, language, marker kind, marker text, code) of every fenced block."""
+    out = []
+    for page in PAGES:
+        lines = open(os.path.join(ROOT, page)).read().split("\n")
+        i = 0
+        while i < len(lines):
+            m = re.match(r"^```(\S*)\s*$", lines[i])
+            if not m:
+                i += 1
+                continue
+            start = i
+            j = i + 1
+            while j < len(lines) and lines[j].rstrip() != "```":
+                j += 1
+            before = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
+            marker = re.match(r"^<!--\s*(not run|run with):\s*(.*?)\s*-->$", before.strip())
+            out.append((page, start + 1, m.group(1), marker.group(1) if marker else None,
+                        marker.group(2) if marker else None, "\n".join(lines[start + 1:j])))
+            i = j + 1
+    return out
+
+
+BLOCKS = blocks()
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    # Room for the README's examples: 64 chunks of 16 MiB on the host, 256 MiB sent to NVMe.
+    with tempfile.TemporaryDirectory(prefix="tierd-docs-") as root:
+        proc = start_daemon(root, "--host_capacity=1280MiB", "--host_segment_size=64MiB",
+                            f"--nvme_regions={root}/nvme.region:1GiB", "--device=emulated",
+                            "--device_capacity=128MiB", "--device_segment_size=64MiB",
+                            "--probe_bytes=0")
+        yield root
+        stop_daemon(proc, root)
+
+
+def test_every_block_says_what_it_is():
+    assert len(BLOCKS) > 10
+    for page, line, lang, kind, text, _ in BLOCKS:
+        where = f"{page}:{line}"
+        assert lang, f"{where}: a fence without a language (text or mermaid for what is not code)"
+        assert lang in RUN | NOT_CODE, f"{where}: a {lang} block, which this test cannot run"
+        if kind == "not run":
+            assert len(text) > 10, f"{where}: say why the block is not run"
+        if kind == "run with":
+            assert text in SETUPS and lang in SETUPS[text], f"{where}: no setup {text!r}"
+
+
+def _env(daemon):
+    env = dict(os.environ, TIERD_SOCKET_DIR=daemon, PYTHONPATH=os.path.join(ROOT, "python"))
+    env.pop("TIERD_JOB", None)
+    return env
+
+
+def _run(args, daemon, **kwargs):
+    r = subprocess.run(args, cwd=ROOT, env=_env(daemon), capture_output=True, text=True,
+                       timeout=300, **kwargs)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _runnable():
+    return [b for b in BLOCKS if b[2] in RUN and b[3] != "not run"]
+
+
+@pytest.mark.parametrize("block", _runnable(), ids=lambda b: f"{b[0]}:{b[1]}-{b[2]}")
+def test_the_example_runs(daemon, tmp_path, block):
+    page, line, lang, kind, setup, code = block
+    if kind == "run with":
+        code = SETUPS[setup][lang] + "\n" + code
+    where = f"{page}:{line}"
+    if lang == "python":
+        path = tmp_path / "example.py"
+        path.write_text(code + "\n")
+        rc, out = _run([sys.executable, str(path)], daemon)
+    elif lang == "sh":
+        # The daemon checks the configuration each command line gives it instead of serving.
+        preamble = ('build/daemon/tierd() { "$TIERD_BIN" --check "$@" >/dev/null; }\n'
+                    'build/tools/tierctl() { "$TIERCTL_BIN" "$@"; }\n')
+        rc, out = _run(["bash", "-euo", "pipefail", "-c", preamble + code], daemon)
+    elif lang == "toml":
+        path = tmp_path / "example.toml"
+        path.write_text(code + "\n")
+        rc, out = _run([os.environ["TIERD_BIN"], "--check", f"--config={path}"], daemon)
+    else:
+        rc, out = _compile_and_run(code, tmp_path, daemon)
+    assert rc == 0, f"{where}: the {lang} example failed:\n{code}\n---\n{out}"
+
+
+def _compile_and_run(code, tmp_path, daemon):
+    if "main(" not in code:
+        includes = [ln for ln in code.split("\n") if ln.startswith("#include")]
+        body = [ln for ln in code.split("\n") if not ln.startswith("#include")]
+        code = "\n".join(["#include \"tierd/client.hpp\"", *includes, "int main() {", *body,
+                          "  return 0;", "}"])
+    source = tmp_path / "example.cc"
+    source.write_text(code + "\n")
+    library = os.environ["TIERD_CLIENT_LIB"]
+    absl = subprocess.run(["pkg-config", "--cflags", "--libs", "absl_statusor", "absl_status",
+                           "absl_time"], capture_output=True, text=True, check=True).stdout.split()
+    binary = tmp_path / "example"
+    rc, out = _run([os.environ.get("CXX", "c++"), "-std=c++20", "-Wall",
+                    f"-I{os.path.join(ROOT, 'client', 'include')}", str(source), library, *absl,
+                    f"-Wl,-rpath,{os.path.dirname(library)}", "-o", str(binary)], daemon)
+    if rc != 0:
+        return rc, "compiling: " + out
+    return _run([str(binary)], daemon)
