@@ -906,6 +906,7 @@ class SoakRun {
     absl::SleepFor(absl::Milliseconds(500));
     auto info = probe_ ? probe_->GetNodeInfo() : absl::UnavailableError("no probe");
     if (!info.ok()) Die(info.status(), "GetNodeInfo");
+    CheckSpace(*info);
     for (const TierStatus& tier : info->tiers) leaked_bytes_ += tier.used_bytes;
     leaked_chunks_ = info->chunks;
     end_fds_ = OpenFds(daemon_->pid());
@@ -916,6 +917,22 @@ class SoakRun {
     if (stopped != 0) t_.problems.push_back(absl::StrCat("tierd stopped with status ", stopped));
     std::filesystem::remove(config_);
     std::filesystem::remove(state_);
+  }
+
+  // Nothing moves: each tier's bytes in use must be the space its chunks take there.
+  void CheckSpace(const NodeInfo& info) {
+    auto chunks = probe_->ListChunks(/*all_sessions=*/true);
+    if (!chunks.ok()) Die(chunks.status(), "ListChunks");
+    std::map<Tier, uint64_t> space;
+    for (const ChunkInfo& c : *chunks) {
+      for (const auto& [tier, bytes] : c.space) space[tier] += bytes;
+    }
+    for (const TierStatus& tier : info.tiers) {
+      if (tier.used_bytes == space[tier.tier]) continue;
+      t_.problems.push_back(absl::StrCat("tier ", static_cast<int>(tier.tier), " has ",
+                                         tier.used_bytes, " bytes in use; its chunks take ",
+                                         space[tier.tier]));
+    }
   }
 
   int Print(double seconds) {

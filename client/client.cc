@@ -111,6 +111,7 @@ ChunkInfo FromProto(const pb::ChunkInfo& c) {
   info.pins = c.pins();
   info.owner_session = c.owner_session();
   info.lost = c.lost();
+  for (const pb::TierSpace& s : c.space()) info.space.emplace_back(FromProto(s.tier()), s.bytes());
   return info;
 }
 
@@ -613,6 +614,7 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
       status.regions.push_back({r.path(), r.capacity_bytes(), r.used_bytes(), r.block_size()});
     }
     status.io_backend = t.io_backend();
+    status.persistent_granule_bytes = t.persistent_granule_bytes();
     info.tiers.push_back(std::move(status));
   }
   for (const pb::DeviceInfo& d : resp.devices()) {

@@ -3,7 +3,8 @@
 // requests the input spells, in one session. A request that parses has its chunk ids 0..63 turned
 // into the chunks this input allocated, so that sequences of operations on real chunks are found;
 // one that does not is sent as the raw bytes. After each input the session ends as a killed
-// client's would, and every byte of every tier must come back once the moves in flight settle.
+// client's would; once the moves in flight settle each tier's bytes in use must be the space its
+// chunks take there, and every byte must come back when they are freed.
 #include <unistd.h>
 
 #include <cstddef>
@@ -216,6 +217,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {static_cast<uint32_t>(getuid()), static_cast<uint32_t>(getgid()), getpid()}, "cleaner");
   if (!cleaner.ok()) abort();
   ChunkPage page = d.chunks->List(**cleaner, 0, 100000);
+  // Nothing moves: each tier's bytes in use are the space its chunks' copies take there.
+  uint64_t space[kTierKinds] = {};
+  for (const ChunkMeta& c : page.chunks) {
+    for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+      if (c.allocated.contains(t))
+        space[static_cast<int>(t)] += c.placement[static_cast<int>(t)].size;
+    }
+  }
+  for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+    if (d.chunks->tier(t)->Usage().used_bytes != space[static_cast<int>(t)]) __builtin_trap();
+  }
   for (const ChunkMeta& c : page.chunks) {
     const ChunkId id = c.id;
     if (!d.chunks->Free(**cleaner, {&id, 1}).ok()) __builtin_trap();

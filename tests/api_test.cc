@@ -112,6 +112,51 @@ TEST_F(ApiTest, UnknownEnumValuesOnTheWireAreInvalidArgument) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// A persistent chunk takes at least the NVMe tier's persistent granule there (GetNodeInfo says
+// how much): ListChunks says so, and each tier's bytes in use are the space its chunks take.
+TEST_F(ApiTest, ListChunksSaysTheSpaceEachCopyTakesAndTheTiersAddUp) {
+  const std::string credential = OpenSession();
+  v1::AllocateRequest req;
+  for (int i = 0; i < 3; ++i) {
+    v1::ChunkSpec* spec = req.add_chunks();
+    spec->set_size_bytes(i == 2 ? 1 << 20 : 4096);
+    spec->set_home_tier(v1::TIER_NVME);
+    spec->set_name(absl::StrCat("space/", i));
+    spec->set_persistent(i < 2);
+  }
+  v1::AllocateResponse resp;
+  ASSERT_TRUE(Allocate(credential, req, &resp).ok());
+  auto call = [&] {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata("tierd-session", credential);
+    return ctx;
+  };
+  v1::ListChunksRequest list;
+  list.set_all_sessions(true);
+  v1::ListChunksResponse listed;
+  ASSERT_TRUE(stub_->ListChunks(call().get(), list, &listed).ok());
+  ASSERT_EQ(listed.chunks_size(), 3);
+  v1::GetNodeInfoRequest info_req;
+  v1::GetNodeInfoResponse info;
+  ASSERT_TRUE(stub_->GetNodeInfo(call().get(), info_req, &info).ok());
+  uint64_t granule = 0;
+  for (const v1::TierInfo& t : info.tiers()) {
+    if (t.tier() == v1::TIER_NVME) granule = t.persistent_granule_bytes();
+  }
+  ASSERT_GT(granule, 4096u);
+  uint64_t nvme_space = 0;
+  for (const v1::ChunkInfo& c : listed.chunks()) {
+    ASSERT_EQ(c.space_size(), 1) << c.ShortDebugString();
+    EXPECT_EQ(c.space(0).tier(), v1::TIER_NVME);
+    // The small persistent chunks take the granule; the scratch one its size.
+    EXPECT_EQ(c.space(0).bytes(), c.persistent() ? granule : c.size_bytes()) << c.name();
+    nvme_space += c.space(0).bytes();
+  }
+  for (const v1::TierInfo& t : info.tiers()) {
+    EXPECT_EQ(t.used_bytes(), t.tier() == v1::TIER_NVME ? nvme_space : 0u) << t.tier();
+  }
+}
+
 // Bytes that are not a request message are the client's error, not the daemon's.
 TEST_F(ApiTest, UnparseableRequestsAreInvalidArgument) {
   const std::string credential = OpenSession();

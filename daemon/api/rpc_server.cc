@@ -56,6 +56,11 @@ void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
     if (c.resident.contains(static_cast<TierKind>(t)))
       out->add_resident_tiers(static_cast<pb::Tier>(t));
     if (c.dirty.contains(static_cast<TierKind>(t))) out->add_dirty_tiers(static_cast<pb::Tier>(t));
+    if (c.allocated.contains(static_cast<TierKind>(t))) {
+      pb::TierSpace* space = out->add_space();
+      space->set_tier(static_cast<pb::Tier>(t));
+      space->set_bytes(c.placement[t].size);
+    }
   }
   out->set_state(c.state == ChunkState::kMoving ? pb::CHUNK_STATE_MOVING : pb::CHUNK_STATE_READY);
   out->set_pins(c.pins);
@@ -334,6 +339,7 @@ class TierdService final : public pb::Tierd::Service {
       info->set_detail(tier->Describe());
       if (kind == TierKind::kNvme && deps_.nvme != nullptr) {
         info->set_io_backend(IoBackendName(deps_.nvme->io_backend()));
+        info->set_persistent_granule_bytes(deps_.nvme->persistent_granule());
         for (const RegionStatus& r : deps_.nvme->Regions()) {
           pb::RegionInfo* region = info->add_regions();
           region->set_path(r.path);

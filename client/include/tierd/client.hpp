@@ -71,6 +71,9 @@ struct ChunkInfo {
   uint32_t pins = 0;
   uint64_t owner_session = 0;
   bool lost = false;  // lost in a daemon crash (see ChunkInfo.lost in the protocol)
+  // The space each tier holds for it (ChunkInfo.space in the protocol): once nothing moves, a
+  // tier's used_bytes is the sum of these over its chunks.
+  std::vector<std::pair<Tier, uint64_t>> space;
 };
 
 struct RegionStatus {
@@ -88,8 +91,9 @@ struct TierStatus {
   uint64_t free_bytes = 0;
   uint64_t largest_free_bytes = 0;
   std::string detail;
-  std::vector<RegionStatus> regions;  // NVMe tier
-  std::string io_backend;             // NVMe tier: io_uring, or threads (pread/pwrite)
+  std::vector<RegionStatus> regions;      // NVMe tier
+  std::string io_backend;                 // NVMe tier: io_uring, or threads (pread/pwrite)
+  uint64_t persistent_granule_bytes = 0;  // NVMe tier: the least a persistent chunk takes
 };
 
 // A way chunk bytes move between tiers, since the daemon started.
