@@ -25,6 +25,7 @@
 #include "daemon/tiers/nvme_tier.h"
 #include "daemon/util/daemon_files.h"
 #include "daemon/util/fallbacks.h"
+#include "daemon/util/memory_trimmer.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd::daemon {
@@ -43,6 +44,7 @@ struct DaemonParts {
   std::unique_ptr<SessionRegistry> sessions;
   std::unique_ptr<PlanLoop> planner;
   RpcMetrics rpc_metrics;
+  std::unique_ptr<MemoryTrimmer> trimmer;  // outlives the RPC server, which tells it of requests
   std::unique_ptr<MetricsServer> metrics_server;
   std::unique_ptr<SessionBroker> broker;
   std::unique_ptr<RpcServer> rpc;
@@ -215,6 +217,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
   DaemonParts& d = *parts_;
   constexpr mode_t kSocketMode = 0660;
+  // Memory freed after requests of a MiB or more goes back to the kernel within two seconds.
+  d.trimmer = std::make_unique<MemoryTrimmer>(1 << 20, absl::Seconds(2));
   UniqueFd session_listener;
   if (absl::Status s =
           PublishSocket(config_.socket_dir, kSessionSocketName, kSocketMode, socket_gid,
@@ -233,16 +237,16 @@ absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
       d.device_pool.get(), d.devices, config_.limits.connections_per_uid);
   if (!broker.ok()) return Named("session socket", broker.status());
   d.broker = std::move(*broker);
-  if (absl::Status s =
-          PublishSocket(config_.socket_dir, kRpcSocketName, kSocketMode, socket_gid,
-                        [&](const std::string& path) -> absl::Status {
-                          absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
-                              path, RpcServerDeps{d.sessions.get(), d.chunks.get(), d.devices,
-                                                  d.nvme.get(), &d.rpc_metrics, &d.fallbacks});
-                          if (!r.ok()) return r.status();
-                          d.rpc = std::move(*r);
-                          return absl::OkStatus();
-                        });
+  if (absl::Status s = PublishSocket(
+          config_.socket_dir, kRpcSocketName, kSocketMode, socket_gid,
+          [&](const std::string& path) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<RpcServer>> r = RpcServer::Start(
+                path, RpcServerDeps{d.sessions.get(), d.chunks.get(), d.devices, d.nvme.get(),
+                                    &d.rpc_metrics, &d.fallbacks, d.trimmer.get()});
+            if (!r.ok()) return r.status();
+            d.rpc = std::move(*r);
+            return absl::OkStatus();
+          });
       !s.ok()) {
     return Named("gRPC socket", s);
   }
@@ -268,6 +272,7 @@ void Daemon::Stop() {
   if (d.device != nullptr) d.device->Drain();
   if (d.nvme != nullptr) d.nvme->Drain();
   d.rpc.reset();
+  d.trimmer.reset();
   d.chunks.reset();
   d.host_registration.reset();
   for (const std::string& path : d.published) unlink(path.c_str());

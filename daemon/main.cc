@@ -22,6 +22,7 @@
 #include "daemon/config.h"
 #include "daemon/daemon.h"
 #include "daemon/util/daemon_files.h"
+#include "daemon/util/memory_trimmer.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd::daemon {
@@ -164,6 +165,7 @@ int Run(const CommandLine& line) {
 }  // namespace tierd::daemon
 
 int main(int argc, char** argv) {
+  tierd::daemon::MemoryTrimmer::ConfigureAllocator();
   absl::StatusOr<tierd::daemon::CommandLine> line =
       tierd::daemon::ParseCommandLine(absl::MakeConstSpan(argv, argc));
   if (!line.ok()) {

@@ -11,6 +11,7 @@
 #ifdef TIERD_HAVE_CUDA
 #include <cuda.h>
 #endif
+#include "google/protobuf/message.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "spdlog/spdlog.h"
@@ -474,17 +475,25 @@ struct RpcServer::Impl {
 // tierd_request_seconds), errors of any origin included.
 class RequestInterceptor final : public grpc::experimental::Interceptor {
  public:
-  RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics)
-      : metrics_(metrics), start_(absl::Now()) {
+  RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics,
+                     MemoryTrimmer* trimmer)
+      : metrics_(metrics), trimmer_(trimmer), start_(absl::Now()) {
     const absl::string_view method = info->method();  // "/tierd.v1.Tierd/Acquire"
     op_ = std::string(method.substr(method.rfind('/') + 1));
   }
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     // A request that failed to parse reaches this hook without a message.
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
-        methods->GetRecvMessage() == nullptr) {
-      unparsed_ = true;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+      const void* message = methods->GetRecvMessage();
+      unparsed_ = message == nullptr;
+      // An unparsed request's size is unknown here: counted as large (its bytes were buffered).
+      if (trimmer_ != nullptr) {
+        trimmer_->Note(
+            message == nullptr
+                ? UINT64_MAX
+                : static_cast<const google::protobuf::Message*>(message)->ByteSizeLong());
+      }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       grpc::Status status = methods->GetSendStatus();
@@ -501,6 +510,7 @@ class RequestInterceptor final : public grpc::experimental::Interceptor {
 
  private:
   RpcMetrics* metrics_;
+  MemoryTrimmer* trimmer_;
   std::string op_;
   absl::Time start_;
   bool unparsed_ = false;
@@ -509,19 +519,22 @@ class RequestInterceptor final : public grpc::experimental::Interceptor {
 class RequestInterceptorFactory final
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit RequestInterceptorFactory(RpcMetrics* metrics) : metrics_(metrics) {}
+  RequestInterceptorFactory(RpcMetrics* metrics, MemoryTrimmer* trimmer)
+      : metrics_(metrics), trimmer_(trimmer) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
-    return new RequestInterceptor(info, metrics_);
+    return new RequestInterceptor(info, metrics_, trimmer_);
   }
 
  private:
   RpcMetrics* metrics_;
+  MemoryTrimmer* trimmer_;
 };
 
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path,
                                                             RpcServerDeps deps) {
   RpcMetrics* metrics = deps.metrics;
+  MemoryTrimmer* trimmer = deps.trimmer;
   auto impl = std::make_unique<Impl>();
   impl->service = std::make_unique<TierdService>(std::move(deps));
   grpc::ServerBuilder builder;
@@ -530,7 +543,7 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(kMaxReplyBytes);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-  creators.push_back(std::make_unique<RequestInterceptorFactory>(metrics));
+  creators.push_back(std::make_unique<RequestInterceptorFactory>(metrics, trimmer));
   builder.experimental().SetInterceptorCreators(std::move(creators));
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr) {

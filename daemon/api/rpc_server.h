@@ -13,6 +13,7 @@
 #include "daemon/tiers/nvme_tier.h"
 #include "daemon/tiers/segment_pool.h"
 #include "daemon/util/fallbacks.h"
+#include "daemon/util/memory_trimmer.h"
 
 namespace tierd::daemon {
 
@@ -23,6 +24,7 @@ struct RpcServerDeps {
   NvmeTier* nvme = nullptr;       // for per-region usage; null without an NVMe tier
   RpcMetrics* metrics = nullptr;  // counts every request when set
   const Fallbacks* fallbacks = nullptr;
+  MemoryTrimmer* trimmer = nullptr;  // told of every request's size when set
 };
 
 class RpcServer {
