@@ -305,7 +305,8 @@ tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, floa
 /* Sets a group's weights, m and v at once (m or v NULL: zero); loading a checkpoint. */
 tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
                                   const float* m, const float* v, uint64_t n);
-/* The count of steps taken (the next step's bias correction uses steps + 1). */
+/* The count of steps taken, and every tensor's (the next step's bias correction uses steps + 1);
+ * tierd_adam_set_tensor_steps sets tensors' own counts after it. */
 tierd_status tierd_adam_set_steps(tierd_adam* adam, int64_t steps);
 /* From the next step on: every group's learning rate. */
 tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr);
