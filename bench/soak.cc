@@ -345,7 +345,10 @@ int Keeper(const RoleOptions& o) {
   // Open every chunk and check it: each block holds the acknowledged version or the one being
   // written when the last keeper or daemon died.
   for (int i = 0; i < kKeptChunks; ++i) {
+    // At home on NVMe, where each acknowledged version is durable: a persistent chunk at home in
+    // memory is lost, by design, when the daemon is killed while its newest version is there.
     ChunkSpec spec{.size = KeptSize(i),
+                   .home = Tier::kNvme,
                    .name = absl::StrCat("soak-kept-", i),
                    .persistent = true,
                    .open_existing = true};
