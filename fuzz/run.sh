@@ -11,8 +11,16 @@ trap 'rm -rf "$scratch"' EXIT
 crashes=${TIERD_FUZZ_CRASH_DIR:-$PWD/fuzz-crashes}
 mkdir -p "$crashes"
 name=$(basename "$fuzzer")
+# The rpc target serves real gRPC in process, whose own threads allocate while libFuzzer's
+# per-input leak check runs: that check reported objects of gRPC's (a worker thread's, a vector of
+# strings) that no rerun of the same input reproduced. Its leaks are checked at exit, and every
+# input checks that every byte of every tier comes back.
+case "$name" in
+  rpc_fuzz) extra=(-detect_leaks=0) ;;
+  *) extra=() ;;
+esac
 if ! "$fuzzer" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 \
-     -artifact_prefix="$crashes/$name-" "$scratch" "$corpus" 2>"$scratch/log"; then
+     "${extra[@]}" -artifact_prefix="$crashes/$name-" "$scratch" "$corpus" 2>"$scratch/log"; then
   tail -n 60 "$scratch/log" >&2
   echo "fuzz: $name failed; reproduce with: $fuzzer $crashes/$name-<crash file>" >&2
   exit 1
