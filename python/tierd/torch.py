@@ -425,12 +425,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if b.slot is None:
             return {}
         if b.serial not in read:
-            read[b.serial] = ([self._read(b, part) for part in
-                               (_abi.ADAM_PARAMS, _abi.ADAM_M, _abi.ADAM_V)],
-                              self._tensor_steps(b))
-        (master, m, v), steps = read[b.serial]
-        return {"master": b.slice(master, i), "exp_avg": b.slice(m, i),
-                "exp_avg_sq": b.slice(v, i), "step": steps[i]}
+            read[b.serial] = self._read_all(b)
+        parts, steps = read[b.serial]
+        state = {key: b.slice(flat, i) for key, flat in parts.items()}
+        state["step"] = steps[i]
+        return state
+
+    def _read_all(self, b: _buckets.Bucket) -> Tuple[Dict[str, torch.Tensor], List[int]]:
+        """b's whole state: master, exp_avg and exp_avg_sq (flat fp32), and each tensor's step."""
+        parts = {key: self._read(b, part) for key, part in
+                 (("master", _abi.ADAM_PARAMS), ("exp_avg", _abi.ADAM_M),
+                  ("exp_avg_sq", _abi.ADAM_V))}
+        return parts, self._tensor_steps(b)
 
     def _remove(self, buckets: List[_buckets.Bucket]):
         """Frees the state of `buckets` (dormant, their parameters gone)."""
@@ -851,10 +857,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 continue
             current, current_steps = None, None
             if not all(b.live):  # slots of parameters no longer in the groups keep their state
-                current = {k: self._read(b, part) for k, part in
-                           (("master", _abi.ADAM_PARAMS), ("exp_avg", _abi.ADAM_M),
-                            ("exp_avg_sq", _abi.ADAM_V))}
-                current_steps = self._tensor_steps(b)
+                current, current_steps = self._read_all(b)
             parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
             steps = []
             for i, p in enumerate(b.params):
