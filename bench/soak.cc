@@ -585,19 +585,6 @@ size_t OpenFds(pid_t pid) {
   return n;
 }
 
-uint64_t RssBytes(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  for (std::string line; std::getline(in, line);) {
-    uint64_t kb = 0;
-    if (absl::StartsWith(line, "VmRSS:") &&
-        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(6), "kB")),
-                         &kb)) {
-      return kb << 10;
-    }
-  }
-  return 0;
-}
-
 class SoakRun {
  public:
   explicit SoakRun(const SoakOptions& o) : o_(o), rng_(std::random_device{}()) {}
@@ -864,7 +851,7 @@ class SoakRun {
     Probe();
     absl::SleepFor(absl::Milliseconds(200));
     base_fds_ = OpenFds(daemon_->pid());
-    base_rss_ = RssBytes(daemon_->pid());
+    base_rss_ = testing::RssBytes(daemon_->pid());
   }
 
   void Scan(const std::string& log) {
@@ -913,7 +900,7 @@ class SoakRun {
     for (const TierStatus& tier : info->tiers) leaked_bytes_ += tier.used_bytes;
     leaked_chunks_ = info->chunks;
     end_fds_ = OpenFds(daemon_->pid());
-    end_rss_ = RssBytes(daemon_->pid());
+    end_rss_ = testing::RssBytes(daemon_->pid());
     probe_.reset();
     Scan(daemon_->Log());
     const int stopped = daemon_->StopWithin(absl::Seconds(60));

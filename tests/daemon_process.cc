@@ -23,7 +23,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/unique_fd.h"
 #include "common/unix_socket.h"
@@ -118,6 +122,19 @@ bool AcceptsStreamConnections(const std::string& path) {
 }
 
 }  // namespace
+
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  for (std::string line; std::getline(in, line);) {
+    uint64_t kb = 0;
+    if (absl::StartsWith(line, "VmRSS:") &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(6), "kB")),
+                         &kb)) {
+      return kb << 10;
+    }
+  }
+  return 0;
+}
 
 std::string ExecutableDir() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();

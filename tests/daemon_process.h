@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -70,5 +71,8 @@ bool StartProcess(const std::vector<std::string>& argv, pid_t* pid, int* stdout_
 
 // The directory of the running executable (tests find the daemon beside their build tree).
 std::string ExecutableDir();
+
+// A process's resident set (VmRSS), in bytes; 0 when it is gone.
+uint64_t RssBytes(pid_t pid);
 
 }  // namespace tierd::testing

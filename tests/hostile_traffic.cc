@@ -3,14 +3,11 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <fstream>
 #include <future>
 #include <memory>
 #include <random>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/session_protocol.h"
@@ -451,21 +448,6 @@ absl::Status FreeEverything(const std::string& socket_dir) {
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-}
-
-uint64_t RssBytes(int pid) {
-  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
-  std::string line;
-  while (std::getline(status, line)) {
-    if (!absl::StartsWith(line, "VmRSS:")) continue;
-    uint64_t kib = 0;
-    std::string digits;
-    for (char c : line) {
-      if (c >= '0' && c <= '9') digits.push_back(c);
-    }
-    return absl::SimpleAtoi(digits, &kib) ? kib << 10 : 0;
-  }
-  return 0;
 }
 
 }  // namespace tierd::testing

@@ -47,7 +47,4 @@ absl::StatusOr<TierAccounting> SettledAccounting(const std::string& socket_dir);
 // them), as an operator would, and waits until the tiers are empty or `patience` runs out.
 absl::Status FreeEverything(const std::string& socket_dir);
 
-// The resident set of a process, in bytes (0 when it is gone).
-uint64_t RssBytes(int pid);
-
 }  // namespace tierd::testing
