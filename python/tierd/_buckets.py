@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _abi
+from . import _abi, streaming
+from .client import Access
 
 DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16,
           torch.float16: _abi.FLOAT16}
@@ -45,13 +46,7 @@ class Bucket:
         self.dtype = params[0].dtype
         self.device = params[0].device
         k = len(params)
-        pin = self.device.type == "cuda"
-        self.grad_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
-        self.out_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
-        self.grad = self.grad_ext[:n]
-        # The weights as the optimizer last left them in the model (what it wrote after a step,
-        # or read at the start): a weight that differs was changed by the caller.
-        self.out = self.out_ext[:n]
+        self._buffers()
         self.live = [True] * k
         self.flags = (ctypes.c_uint8 * max(k, 1))()
         self.weights: Optional[torch.Tensor] = None  # fp32 weights to take, made when needed
@@ -68,6 +63,55 @@ class Bucket:
         self.complete = False     # every gradient it will get this step is taken
         self.event = None         # the side stream's copies, when the model is on a GPU
         self.launched = False     # given to the optimizer this step
+
+    def _buffers(self) -> None:
+        n, k = self.numel, len(self.sizes)
+        pin = self.device.type == "cuda"
+        self.grad_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
+        self.out_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
+        self.grad = self.grad_ext[:n]
+        # The weights as the optimizer last left them in the model (what it wrote after a step,
+        # or read at the start): a weight that differs was changed by the caller.
+        self.out = self.out_ext[:n]
+
+    # ---- the model's weights, as the optimizer reads and writes them ----
+
+    def weight(self, i: int) -> torch.Tensor:
+        """Weight i as the model has it now (flat, on the CPU)."""
+        return self.params[i].detach().reshape(-1).to("cpu")
+
+    def set_weights(self, flat: torch.Tensor) -> None:
+        """Sets every weight from `flat` (this bucket's layout, any dtype)."""
+        with torch.no_grad():
+            for i, values in self.slices(flat):
+                self.params[i].copy_(values.view_as(self.params[i]))
+
+    def mirror(self) -> None:
+        """Records the weights as the optimizer leaves them (their values and versions)."""
+        if self.params is None:
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.slice(self.out, i).copy_(p.detach().reshape(-1))
+                self.remember(i)
+
+    def bind(self) -> None:
+        """Makes `out` writable for this step's new weights (nothing to do here)."""
+
+    def publish(self, flags: List[int]) -> None:
+        """The step's new weights in `out` (flags per parameter) into the model."""
+        for i, values in self.slices(self.out):
+            if flags[i] & _abi.ADAM_TENSOR_STEP:
+                p = self.params[i]
+                p.copy_(values.view_as(p), non_blocking=p.is_cuda)
+            if flags[i]:
+                self.remember(i)
+
+    def unbind(self) -> None:
+        """The step is over (published or not)."""
+
+    def drop_grad(self, i: int) -> None:
+        """After weight i's gradient was taken (a streamed one leaves the device)."""
 
     @property
     def active(self) -> bool:
@@ -140,7 +184,9 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
          first_serial: int) -> List[Bucket]:
     """Buckets for `params` ((group index, group, parameter), in the groups' order): per group, in
     backward's order (the last parameters' gradients come first), cut at a change of dtype or
-    device and at bucket_params. Named "g<group index>.<serial>"."""
+    device and at bucket_params; a streamed parameter's bucket is its unit's parameters of the
+    group and dtype (streaming.py), the units' in backward's order first. Named
+    "g<group index>.<serial>"."""
     buckets: List[Bucket] = []
     by_group: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
     for gi, group, p in params:
@@ -149,11 +195,22 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
         current: List[torch.Tensor] = []
         size = 0
         group = by_group[gi][0][0]
+        units: Dict[Tuple[int, int, torch.dtype], List[torch.Tensor]] = {}
+        plain = []
+        for _, p in by_group[gi]:
+            s = streaming.stream_of(p)
+            if s is None:
+                plain.append((group, p))
+            else:
+                units.setdefault((id(s), s.unit_of(p).index, p.dtype), []).append(p)
+        for key in sorted(units, key=lambda k: (k[0], -k[1], str(k[2]))):
+            serial = first_serial + len(buckets)
+            buckets.append(StreamBucket(serial, f"g{gi}.{serial}", group, units[key]))
 
         def close():
             serial = first_serial + len(buckets)
             buckets.append(Bucket(serial, f"g{gi}.{serial}", group, current))
-        for _, p in reversed(by_group[gi]):
+        for _, p in reversed(plain):
             if current and (p.dtype != current[0].dtype or p.device != current[0].device
                             or size + p.numel() > bucket_params):
                 close()
@@ -181,3 +238,98 @@ def tensor_groups(buckets: List[Bucket]) -> Tuple[Any, list]:
         keep += [sizes, name]
         array[j] = _abi.AdamGroup(name, b.numel, len(b.sizes), sizes)
     return array, keep
+
+
+class StreamBucket(Bucket):
+    """A bucket of streamed parameters (streaming.py): a range of their unit's chunks. Its
+    gradients are a daemon chunk; the step's new weights go into the range's other version,
+    current from publish() on; the weights as the model has them are the current version."""
+
+    def __init__(self, serial: int, name: str, group: Dict[str, Any],
+                 params: List[torch.Tensor]):
+        self.stream = streaming.stream_of(params[0])
+        super().__init__(serial, name, group, params)
+        self.held = None  # the other version, held for this step's new weights
+
+    def place(self):
+        """(unit, range): looked up each time, as arrange() makes new ranges."""
+        return self.stream.range_of(self.params)
+
+    def _buffers(self) -> None:
+        self.out_ext = self.out = None
+        self.grad_ext = self.grad = None
+
+    def attach(self) -> None:
+        """After the stream laid this bucket out as a range: its gradient buffer."""
+        u, r = self.place()
+        self.grad_ext = self.stream.grad_buffer(u, r)
+        self.grad = self.grad_ext[:self.numel]
+
+    def _current(self) -> torch.Tensor:
+        u, r = self.place()
+        view, held = self.stream.hold_range(u, r, r.current, Access.READ)
+        flat = view[:self.numel].clone()
+        del view
+        held.__exit__(None, None, None)
+        return flat
+
+    def weight(self, i: int) -> torch.Tensor:
+        return self.slice(self._current(), i)
+
+    def set_weights(self, flat: torch.Tensor) -> None:
+        u, r = self.place()
+        view, held = self.stream.hold_range(u, r, r.current, Access.WRITE)
+        view[:self.numel].copy_(flat.reshape(-1))
+        del view
+        held.__exit__(None, None, None)
+
+    def mirror(self) -> None:
+        if self.params is not None:
+            for p in self.params:
+                self.stream.clear_edited(p)
+
+    def remember(self, i: int) -> None:
+        self.stream.clear_edited(self.param(i))
+
+    def touched(self, i: int) -> bool:
+        return self.stream.edited(self.param(i))
+
+    def written_since_flagged(self) -> bool:
+        return False  # its weights change only in the stream's gathered(), refused in a step
+
+    def changed(self, i: int) -> bool:
+        return self.touched(i)
+
+    def bind(self) -> None:
+        if self.held is None:
+            u, r = self.place()
+            view, self.held = self.stream.hold_range(u, r, 1 - r.current, Access.OVERWRITE)
+            self.out_ext = view
+            self.out = view[:self.numel]
+
+    def publish(self, flags: List[int]) -> None:
+        """The other version becomes current: the new weights where stepped, the current ones
+        copied across elsewhere."""
+        u, r = self.place()
+        if any(not f & _abi.ADAM_TENSOR_STEP for f in flags):
+            now = self._current()
+            for i, values in self.slices(self.out):
+                if not flags[i] & _abi.ADAM_TENSOR_STEP:
+                    values.copy_(self.slice(now, i))
+        r.current = 1 - r.current
+        self.stream.stepped(u)
+        for i in range(len(flags)):
+            if flags[i]:
+                self.remember(i)
+        self.unbind()
+
+    def unbind(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.out_ext = self.out = None
+            held.__exit__(None, None, None)
+
+    def drop_grad(self, i: int) -> None:
+        p = self.params[i]
+        self.stream.note_d2h(p.numel() * p.element_size())
+        p.grad = None

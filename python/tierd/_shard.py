@@ -153,12 +153,10 @@ class Comm:
         for b in buckets:
             if b.numel == 0:
                 continue
-            flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in b.params])
+            flat = torch.cat([b.weight(i) for i in range(len(b.sizes))])
             dist.broadcast(flat, src=_global_rank(self.group, b.owner), group=self.group)
             if b.owner != self.rank:
-                with torch.no_grad():
-                    for i, values in b.slices(flat):
-                        b.params[i].copy_(values.view_as(b.params[i]))
+                b.set_weights(flat)
 
     def end_step(self) -> None:
         for work in self._works.values():  # an abandoned step: let what was issued finish

@@ -38,12 +38,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils.dlpack
 
-from . import _abi, _buckets, _shard
+from . import _abi, _buckets, _shard, streaming
 from .activations import ActivationOffload, ActivationStats, offload_activations
 from .client import Acquisition, Tier, TierdError, _check, _library, connect
+from .streaming import ParameterStream, stream_parameters
 
-__all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "as_tensor",
-           "offload_activations"]
+__all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "ParameterStream",
+           "as_tensor", "offload_activations", "stream_parameters"]
 
 
 def as_tensor(acquisition: Acquisition, i: int, dtype: torch.dtype = torch.uint8,
@@ -176,6 +177,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._where: Dict[int, Tuple[_buckets.Bucket, int]] = {}
         wanted = self._wanted()
         self._buckets = _buckets.plan(wanted, bucket_params, 0)
+        _arrange_streams(self._buckets)
         self._layout = self._signature()
         self._comm = _shard.Comm.create(process_group)
         if self._comm is not None:
@@ -213,7 +215,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise
             self._comm.share_params(self._buckets)
         for b in self._buckets:
-            self._mirror(b)
+            b.mirror()
         if overlap_backward:
             self._install_hooks()
 
@@ -273,19 +275,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         lib = _library()
         for b in buckets:
             if lib.tierd_adam_initialized(self._handle, b.slot):  # resumed
-                master = self._read(b, _abi.ADAM_PARAMS)
-                with torch.no_grad():
-                    for i, values in b.slices(master):
-                        b.params[i].copy_(values.view_as(b.params[i]))
+                b.set_weights(self._read(b, _abi.ADAM_PARAMS))
                 continue
             parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
             steps = []
-            for p in b.params:
+            for i, p in enumerate(b.params):
                 state = moved.get(id(p), {})
                 for key in parts:
                     value = state.get(key)
                     if value is None:
-                        value = p.detach() if key == "master" else torch.zeros_like(
+                        value = b.weight(i) if key == "master" else torch.zeros_like(
                             p, dtype=torch.float32)
                     parts[key].append(value.reshape(-1).to("cpu", torch.float32))
                 steps.append(int(state.get("step", 0)))
@@ -300,15 +299,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
             _ptr(flat["exp_avg_sq"]), b.numel))
         counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
         _check(lib.tierd_adam_set_tensor_steps(self._handle, b.slot, counts, len(steps)))
-
-    def _mirror(self, b: _buckets.Bucket):
-        """Records b's weights as the optimizer leaves them (their values and versions)."""
-        if b.params is None:
-            return
-        with torch.no_grad():
-            for i, p in enumerate(b.params):
-                b.slice(b.out, i).copy_(p.detach().reshape(-1))
-                b.remember(i)
 
     # ---- the parameter groups, as they are now ----
 
@@ -374,6 +364,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 keep.append((b, i))
             else:
                 moves.append((gi, g, p, b, i))
+        if any(streaming.stream_of(m[2]) is not None for m in moves):
+            raise ValueError("OffloadedAdamW: a streamed parameter (stream_parameters) joined or "
+                             "moved between parameter groups after the optimizer was made: give "
+                             "the constructor every streamed parameter, in its final group")
         carried = [m for m in moves if m[3] is not None]
         if carried and self._comm is not None:
             raise RuntimeError("OffloadedAdamW: sharded over ranks, a parameter with state "
@@ -410,7 +404,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self._comm is not None:
                 self._comm.share_params(new)
             for b in new:
-                self._mirror(b)
+                b.mirror()
         for b in self._buckets:
             if b.params is not None and not any(b.live):
                 b.go_dormant()
@@ -468,7 +462,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self._hooks[key] = p.register_post_accumulate_grad_hook(
                         lambda param, key=key: self._on_grad(key))
                 else:  # torch 1.13: a hook on the parameter's gradient accumulator
-                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    acc = streaming.grad_accumulator(p)
                     handle = acc.register_hook(lambda *_, key=key: self._on_grad(key))
                     self._hooks[key] = (acc, handle)
 
@@ -494,9 +488,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not b.active or not b.live[i] or id(b.params[i]) != key:
             return
         self._counts[key] = self._counts.get(key, 0) + 1
-        if self._counts[key] < self.accumulation_steps or b.launched or b.got[i]:
-            return
-        self._copy_grad(b, i)
+        count = self._counts[key]
+        if isinstance(b, _buckets.StreamBucket):
+            # Each pass's gradient leaves the device at once, summed into the bucket's.
+            if b.launched or count > self.accumulation_steps:
+                return
+            self._copy_grad(b, i, add=count > 1)
+            if count < self.accumulation_steps:
+                return
+        else:
+            if count < self.accumulation_steps or b.launched or b.got[i]:
+                return
+            self._copy_grad(b, i)
         b.arrived += 1
         if b.arrived < b.expected:
             return
@@ -529,19 +532,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         b.has = list(b.got)
         b.complete = True
 
-    def _copy_grad(self, b: _buckets.Bucket, i: int):
+    def _copy_grad(self, b: _buckets.Bucket, i: int, add: bool = False):
+        """Takes p.grad into the bucket's gradients (`add`: summed into what is there)."""
         p, dst = b.params[i], b.slice(b.grad, i)
         b.got[i] = True
-        if p.grad.is_cuda:
+        g = p.grad.detach().reshape(-1)
+        if add:
+            if b.event is not None:
+                b.event.synchronize()
+            dst.add_(g.to("cpu"))
+        elif p.grad.is_cuda:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(stream):
-                dst.copy_(p.grad.detach().reshape(-1), non_blocking=True)
+                dst.copy_(g, non_blocking=True)
                 p.grad.record_stream(stream)
                 b.event = torch.cuda.Event()
                 b.event.record(stream)
         else:
-            dst.copy_(p.grad.detach().reshape(-1))
+            dst.copy_(g)
+        b.drop_grad(i)
 
     def _side_stream(self):
         if getattr(self, "_stream", None) is None:
@@ -565,7 +575,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     f |= _TAKE
                     if b.weights is None:
                         b.weights = torch.empty(b.numel, dtype=torch.float32)
-                    b.slice(b.weights, i).copy_(b.params[i].detach().reshape(-1))
+                    b.slice(b.weights, i).copy_(b.weight(i))
             b.flags[i] = f
             anything = anything or f != 0
         return anything
@@ -586,6 +596,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._begin(self._spec_scale if self._speculate else 1.0)
         if b.event is not None:
             b.event.synchronize()
+        b.bind()
         _check(_library().tierd_adam_step_tensors(
             self._handle, b.slot, _ptr(b.grad), _buckets.DTYPES[b.dtype], _ptr(b.out),
             _buckets.DTYPES[b.dtype], b.flags, len(b.sizes), _ptr(b.weights)))
@@ -682,10 +693,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         stats = _abi.AdamStepStats()
         try:
             _check(_library().tierd_adam_finish_step(self._handle, ctypes.byref(stats)))
-        finally:
-            written = self._stepped()
+        except BaseException:
             self._end_step()
-        self._write_weights(written)
+            raise
+        written = self._stepped()
+        self._end_step(unbind=False)
+        try:
+            self._write_weights(written)
+        finally:
+            for b in self._buckets:
+                b.unbind()
         self.last_stats = {
             "step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
             "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
@@ -716,8 +733,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
                    ) -> torch.Tensor:
         # As clip_grad_norm_: each gradient's 2-norm (of the parameters that have one), then the
         # norm of those (of the gradients times `inv` when given, as unscaling them would make).
-        norms = [torch.norm(g if inv is None else g * inv, 2.0)
-                 for b in buckets for g in b.present(b.grad)]
+        # In the parameter groups' order (as clip_grad_norm_ over the model's parameters), not the
+        # buckets': the norm is one float sum whatever the bucketing.
+        order = {id(p): k for k, p in enumerate(p for g in self.param_groups
+                                                for p in g["params"])}
+        keyed = [(order.get(id(b.params[i]), len(order)), torch.norm(
+                  values if inv is None else values * inv, 2.0))
+                 for b in buckets for i, values in b.slices(b.grad) if b.has[i]]
+        norms = [n for _, n in sorted(keyed, key=lambda kv: kv[0])]
         if self._comm is not None:
             return self._comm.grad_norm(norms)
         if not norms:
@@ -729,29 +752,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for b in stepped:  # weights only taken: `out` keeps them as the model has them
             for i, values in b.slices(b.out):
                 if b.flags[i] == _TAKE:
-                    values.copy_(b.params[i].detach().reshape(-1))
+                    values.copy_(b.weight(i))
         if self._comm is not None:
+            for b in self._active():  # every bucket's new weights arrive into its `out`
+                b.bind()
             new = self._comm.broadcast_weights(self._active(), stepped)
         else:
             new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
         for b, flags in new:
-            for i, values in b.slices(b.out):
-                if flags[i] & _STEP:
-                    p = b.params[i]
-                    p.copy_(values.view_as(p), non_blocking=p.is_cuda)
-                if flags[i]:
-                    b.remember(i)
+            b.publish(flags)
         if any(b.device.type == "cuda" for b in self._buckets):
             self._pending_copy = torch.cuda.Event()
             self._pending_copy.record()
 
-    def _end_step(self):
+    def _end_step(self, unbind: bool = True):
         self._begun = False
         self._early = 0
         self._prepared = False
         if self._comm is not None:
             self._comm.end_step()
         for b in self._buckets:
+            if unbind:
+                b.unbind()
             b.reset_step()
         self._counts.clear()
         if self.overlap_backward:  # parameters that now require a gradient
@@ -820,7 +842,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                          "exp_avg": b.slice(m, i).view_as(p).clone(),
                          "exp_avg_sq": b.slice(v, i).view_as(p).clone()}
                 if master is not None:  # the weights as the model has them, if changed since
-                    entry["master"] = (p.detach().float().cpu() if b.changed(i)
+                    entry["master"] = (b.weight(i).float().view(p.shape) if b.changed(i)
                                        else b.slice(master, i).view_as(p).clone())
                 state[index[id(p)]] = entry
         return {"state": state, "param_groups": groups}
@@ -870,8 +892,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 for key in parts:
                     value = entry.get(key)
                     if value is None:
-                        value = p.detach() if key == "master" else torch.zeros_like(
-                            p, dtype=torch.float32)
+                        value = b.weight(i).view(p.shape) if key == "master" else (
+                            torch.zeros_like(p, dtype=torch.float32))
                     if value.shape != p.shape:
                         raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
                                          f"parameter of shape {tuple(p.shape)}")
@@ -896,7 +918,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if key != "params":
                     g[key] = tuple(value) if key == "betas" else value
         for b in self._buckets:
-            self._mirror(b)
+            b.mirror()
 
     # ---- lifetime ----
 
@@ -923,3 +945,28 @@ class OffloadedAdamW(torch.optim.Optimizer):
         moments = "bf16 moments, " if self.state_dtype == torch.bfloat16 else ""
         return (f"OffloadedAdamW({len(self._buckets)} buckets, {moments}{self.home} home, "
                 f"{'persistent' if self.persistent else 'scratch'})")
+
+
+def _arrange_streams(buckets: List[_buckets.Bucket]) -> None:
+    """Lays each streamed unit out as the buckets of its parameters (one range each, the rest of
+    its parameters after them), then gives those buckets their gradient buffers."""
+    layouts: Dict[Any, Dict[int, List[List[torch.Tensor]]]] = {}
+    streams = {}
+    for b in buckets:
+        if isinstance(b, _buckets.StreamBucket):
+            u = b.stream.unit_of(b.params[0])
+            streams[id(b.stream)] = b.stream
+            layouts.setdefault(id(b.stream), {}).setdefault(u.index, []).append(list(b.params))
+    for key, layout in layouts.items():
+        stream = streams[key]
+        for index, groups in layout.items():
+            taken = {id(p) for g in groups for p in g}
+            rest = [p for p in stream._units[index].params if id(p) not in taken]
+            for dtype in streaming._DTYPES:
+                left = [p for p in rest if p.dtype == dtype]
+                if left:
+                    groups.append(left)
+        stream.arrange(layout, 1)
+    for b in buckets:
+        if isinstance(b, _buckets.StreamBucket):
+            b.attach()

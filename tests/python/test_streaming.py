@@ -1,0 +1,342 @@
+"""stream_parameters: the example GPT trained with its blocks' weights streamed through an emulated
+device (the CPU with a budget of a few blocks) is bit-equal, loss by loss and in its final weights
+and moments, to the same model trained in memory with OffloadedAdamW, through every path a
+training loop takes: weights at home on the host and on NVMe, accumulation, clipping that rolls
+back, a skipped non-finite step, checkpointing inside and around blocks, activation offload, a
+resume across a daemon restart and a block skipped on odd steps. Every run is in the poison mode
+(released storage filled with NaN, copies delayed on a thread): a read before its copy would show
+as a NaN loss. What cannot work is refused with numbers."""
+import os
+import signal
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from test_c_abi import daemon, start_daemon, stop_daemon  # noqa: F401 (daemon: a fixture)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
+import tierd.torch  # noqa: E402
+from tierd.streaming import _storage_empty  # noqa: E402
+from train_gpt import GPT, Block  # noqa: E402
+
+CTX = 16
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class UntiedGPT(GPT):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head = nn.Linear(self.tok.weight.shape[1], 256, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+
+
+class InsideBlock(Block):
+    """A block whose attention is checkpointed inside its forward."""
+
+    def forward(self, x):
+        x = x + torch.utils.checkpoint.checkpoint(lambda h: self.attend(self.ln1(h)), x,
+                                                  use_reentrant=False)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Variants(GPT):
+    """The example GPT with checkpointing around or inside the blocks, or a block that is skipped
+    on odd steps."""
+
+    def __init__(self, *args, checkpoint=None, skip=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checkpoint = checkpoint
+        self.skip = skip
+        if checkpoint == "inside":
+            for block in self.blocks:
+                block.__class__ = InsideBlock
+        self.step = 0
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for i, block in enumerate(self.blocks):
+            if self.skip and i == 1 and self.step % 2:
+                continue
+            if self.checkpoint == "around":
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.ln(x) @ self.tok.weight.t()
+        return F.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+
+
+def make(kind="gpt", **kwargs):
+    torch.manual_seed(0)
+    cls = {"gpt": Variants, "untied": UntiedGPT}[kind]
+    return cls(4, 32, 2, CTX, **kwargs)
+
+
+def batch(step, n=4):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 256, (n, CTX + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def block_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+
+
+def resident_bytes(model):
+    streamed = {id(p) for p in model.blocks.parameters()} - {id(model.tok.weight)}
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) +
+               list(model.buffers()) if id(t) not in streamed)
+
+
+def budget(model, prefetch=1):
+    return resident_bytes(model) + (prefetch + 3) * block_bytes(model)
+
+
+def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=None,  # noqa: F811
+          activations=False, stream_kwargs=None, model_kwargs=None, check=None, **opt_kwargs):
+    """Losses, final weights and the optimizer's state_dict of a short run."""
+    model = make(kind, **(model_kwargs or {}))
+    stream = None
+    if streamed:
+        options = dict(device=torch.device("cpu"), device_budget_bytes=budget(model),
+                       socket_dir=daemon, poison=True)
+        options.update(stream_kwargs or {})
+        stream = tierd.torch.stream_parameters(model, **options)
+    options = dict(HYPER, socket_dir=daemon, overlap_backward=True, threads=2,
+                   accumulation_steps=micro, host_budget_bytes=1 << 20, home="host")
+    options.update(opt_kwargs)
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), **options)
+    offload = None
+    if activations:
+        offload = tierd.torch.offload_activations(socket_dir=daemon, min_bytes=1 << 10,
+                                                  host_budget_bytes=1 << 16)
+    losses = []
+    try:
+        for step in range(steps):
+            if hasattr(model, "step"):
+                model.step = step
+            for k in range(micro):
+                x, y = batch(step * micro + k)
+                if offload is not None:
+                    with offload:
+                        loss = model(x, y)
+                else:
+                    loss = model(x, y)
+                if step == inf_step:
+                    loss = loss * float("inf")
+                losses.append(loss.item())
+                (loss * scale if scale else loss).backward()
+                if check is not None:
+                    check(model, stream)
+            if scale:
+                opt.step(grad_scale=scale)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        state = opt.state_dict()
+        if stream is not None:
+            with stream.gathered():
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        extra = dict(rolled_back=opt.rolled_back_steps, skipped=opt.skipped_steps,
+                     stats=stream.stats if stream is not None else None)
+    finally:
+        if offload is not None:
+            offload.close()
+        opt.close()
+        if stream is not None:
+            stream.close()
+    return losses, weights, state, extra
+
+
+def assert_equal(a, b):
+    la, wa, sa, _ = a
+    lb, wb, sb, _ = b
+    assert la == lb, "losses differ"
+    assert all(x == x for x in la), "a NaN loss: a read before its copy"
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"weight {k} differs"
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sa["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sa["state"][k][key], sb["state"][k][key]), f"{key} of {k}"
+
+
+CASES = {
+    "host": dict(),
+    "nvme": dict(stream_kwargs=dict(host_budget_bytes=0)),
+    "untied": dict(kind="untied"),
+    "accumulation": dict(micro=2),
+    "clipping rolls back": dict(max_grad_norm=0.05),
+    "skipped non-finite step": dict(skip_nonfinite=True, scale=1024.0, inf_step=3),
+    "checkpoint around blocks": dict(model_kwargs=dict(checkpoint="around")),
+    "checkpoint inside blocks": dict(model_kwargs=dict(checkpoint="inside")),
+    "activation offload": dict(activations=True),
+    "a block skipped on odd steps": dict(model_kwargs=dict(skip=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_training_is_bit_equal_to_training_in_memory(daemon, case):  # noqa: F811
+    kwargs = CASES[case]
+    want = train(daemon, False, **kwargs)
+    got = train(daemon, True, **kwargs)
+    assert_equal(got, want)
+    stats = got[3]["stats"]
+    assert stats["fetches"] > 0 and stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
+    if case == "clipping rolls back":
+        assert got[3]["rolled_back"] > 0
+    if case == "skipped non-finite step":
+        assert got[3]["skipped"] == 1
+    if case == "a block skipped on odd steps":
+        assert stats["trace_misses"] > 0
+    if case == "nvme":
+        assert stats["units_on_nvme"] == 4
+
+
+def test_the_window_holds_only_what_computes(daemon):  # noqa: F811
+    """A forward pre-hook on every leaf module finds its parameters materialised; the live bytes
+    never pass the budget; after backward every streamed parameter's storage is empty."""
+    seen = []
+
+    def check(model, stream):
+        for p in model.blocks.parameters():
+            if p is not model.tok.weight:
+                assert _storage_empty(p), "a streamed parameter kept its storage after backward"
+        seen.append(stream.stats["device_peak_bytes"])
+
+    model = make()
+    stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
+                                           device_budget_bytes=budget(model), socket_dir=daemon)
+    hooks = []
+    for m in model.modules():
+        if not list(m.children()):
+            def leaf(mod, args, stream=stream):
+                for p in mod.parameters(recurse=False):
+                    assert not _storage_empty(p), f"{type(mod).__name__} runs outside the window"
+                assert stream.stats["device_live_bytes"] <= stream.device_budget_bytes
+            hooks.append(m.register_forward_pre_hook(leaf))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, overlap_backward=True,
+                                     host_budget_bytes=1 << 20, home="host", threads=2)
+    try:
+        for step in range(3):
+            x, y = batch(step)
+            model(x, y).backward()
+            check(model, stream)
+            opt.step()
+            opt.zero_grad()
+        for p in model.blocks.parameters():
+            assert p.grad is None  # the gradients left the device
+        for h in hooks:
+            h.remove()
+        with pytest.raises(RuntimeError):  # outside the window: refused, never stale bytes
+            model.blocks[0].fc(torch.zeros(1, 32))
+        assert stream.stats["device_peak_bytes"] <= stream.device_budget_bytes
+        assert stream.stats["device_peak_bytes"] < resident_bytes(model) + 4 * block_bytes(model)
+        # Only the first block of each iteration waits for its copy: the step before changed it.
+        assert stream.stats["on_demand"] == 3, stream.stats
+    finally:
+        opt.close()
+        stream.close()
+    # Closed, the model is an ordinary one again, on the CPU.
+    assert not any(_storage_empty(p) for p in model.parameters())
+    model(*batch(0)).backward()
+
+
+def test_refusals_say_what_and_how_much(daemon):  # noqa: F811
+    model = make()
+    need = resident_bytes(model) + 4 * block_bytes(model)
+    with pytest.raises(ValueError, match=f"below the {need:,} needed"):
+        tierd.torch.stream_parameters(model, device=torch.device("cpu"),
+                                      device_budget_bytes=need - 1, socket_dir=daemon)
+    with pytest.raises(ValueError, match="in two units"):
+        shared = make()
+        shared.blocks[1].fc = shared.blocks[0].fc
+        tierd.torch.stream_parameters(shared, units=list(shared.blocks),
+                                      device=torch.device("cpu"), socket_dir=daemon)
+    with pytest.raises(TypeError, match="float64"):
+        tierd.torch.stream_parameters(make().double(), device=torch.device("cpu"),
+                                      socket_dir=daemon)
+    with pytest.raises(ValueError, match="inside unit"):
+        tierd.torch.stream_parameters(model, units=[model.blocks, model.blocks[0]],
+                                      device=torch.device("cpu"), socket_dir=daemon)
+    # Nothing was changed by a refusal: the model trains as it is.
+    assert not any(_storage_empty(p) for p in model.parameters())
+    model(*batch(0)).backward()
+
+
+def test_the_daemon_killed_mid_step_is_an_error_not_a_hang():
+    with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        model = make()
+        stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
+                                               device_budget_bytes=budget(model),
+                                               host_budget_bytes=0, socket_dir=root)
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=root, home="nvme",
+                                         overlap_backward=True, host_budget_bytes=1 << 20)
+        x, y = batch(0)
+        model(x, y).backward()
+        opt.step()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(tierd.TierdError):
+            for step in range(3):
+                model(x, y).backward()
+                opt.step()
+        opt.close()
+        with pytest.warns(RuntimeWarning, match="could not be read back"):
+            stream.close()
+
+
+def test_resumes_by_name_across_a_daemon_restart():
+    """Persistent optimizer state resumes; the stream takes its weights from the master."""
+    with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
+        def run(steps, first, streamed):
+            model = make()
+            stream = None
+            if streamed:
+                stream = tierd.torch.stream_parameters(
+                    model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+                    socket_dir=root, poison=True)
+            opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
+                                             name=f"resume-{streamed}", home="nvme",
+                                             overlap_backward=True, host_budget_bytes=1 << 20)
+            losses = []
+            for step in range(first, first + steps):
+                x, y = batch(step)
+                loss = model(x, y)
+                losses.append(loss.item())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            opt.close()
+            if stream is not None:
+                stream.close()
+            return losses, model.state_dict()
+
+        results = {}
+        for streamed in (False, True):
+            proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+            first = run(3, 0, streamed)
+            stop_daemon(proc, root)
+            proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+            second = run(3, 3, streamed)
+            stop_daemon(proc, root)
+            results[streamed] = (first[0] + second[0], second[1])
+        assert results[True][0] == results[False][0]
+        for k, v in results[False][1].items():
+            assert torch.equal(results[True][1][k], v), k
