@@ -95,8 +95,11 @@ class Bucket:
                 self.slice(self.out, i).copy_(p.detach().reshape(-1))
                 self.remember(i)
 
+    def need_grad(self) -> None:
+        """Makes `grad` writable for this step's gradients (always, here)."""
+
     def bind(self) -> None:
-        """Makes `out` writable for this step's new weights (nothing to do here)."""
+        """Makes `out` writable for this step's new weights (always, here)."""
 
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
@@ -250,6 +253,7 @@ class StreamBucket(Bucket):
         self.stream = streaming.stream_of(params[0])
         super().__init__(serial, name, group, params)
         self.held = None  # the other version, held for this step's new weights
+        self.grad_held = None  # the gradient chunk, held during a step
 
     def place(self):
         """(unit, range): looked up each time, as arrange() makes new ranges."""
@@ -260,10 +264,16 @@ class StreamBucket(Bucket):
         self.grad_ext = self.grad = None
 
     def attach(self) -> None:
-        """After the stream laid this bucket out as a range: its gradient buffer."""
+        """After the stream laid this bucket out as a range: its gradient chunk."""
         u, r = self.place()
-        self.grad_ext = self.stream.grad_buffer(u, r)
-        self.grad = self.grad_ext[:self.numel]
+        self.stream.grad_chunk(u, r)
+
+    def need_grad(self) -> None:
+        """Holds the gradient chunk from the step's first gradient to its end."""
+        if self.grad is None:
+            u, r = self.place()
+            self.grad_ext, self.grad_held = self.stream.hold_grad(u, r)
+            self.grad = self.grad_ext[:self.numel]
 
     def _current(self) -> torch.Tensor:
         u, r = self.place()
@@ -327,6 +337,10 @@ class StreamBucket(Bucket):
         if self.held is not None:
             held, self.held = self.held, None
             self.out_ext = self.out = None
+            held.__exit__(None, None, None)
+        if self.grad is not None:
+            held, self.grad_held = self.grad_held, None
+            self.grad_ext = self.grad = None
             held.__exit__(None, None, None)
 
     def drop_grad(self, i: int) -> None:

@@ -97,6 +97,7 @@ class Comm:
             self.early += 0 if force else 1
             if b.event is not None:
                 b.event.synchronize()
+            b.need_grad()
             b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.got])
             self._works[b.serial] = dist.reduce(b.grad_ext, dst=_global_rank(self.group, b.owner),
                                                 group=self.group, async_op=True)

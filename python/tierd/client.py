@@ -14,7 +14,7 @@ import asyncio
 import ctypes
 import enum
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _abi
 
@@ -341,6 +341,33 @@ class Client:
                                         sizes, ctypes.byref(token)))
         return Acquisition(self, list(ids), [p or 0 for p in pointers], list(sizes),
                            Completion(self, token), host=tier != Tier.DEVICE)
+
+    def set_schedule(self, steps: Sequence[Sequence[Tuple[int, "Tier", "Access"]]],
+                     host_quota_bytes: int = 0, device_quota_bytes: int = 0) -> None:
+        """Declares one iteration's steps, repeated: step i acquires the (chunk id, tier, access)
+        of steps[i] (docs/schedules.md). Replaces the session's schedule; [] clears it. Quotas:
+        bytes of the host and device tiers the planner may fill for this session (0: no limit
+        but the tier's)."""
+        accesses = [a for step in steps for a in step]
+        lengths = (ctypes.c_size_t * max(len(steps), 1))(*[len(step) for step in steps])
+        ids = (ctypes.c_uint64 * max(len(accesses), 1))(*[int(a[0]) for a in accesses])
+        tiers = (ctypes.c_int * max(len(accesses), 1))(*[int(a[1]) for a in accesses])
+        modes = (ctypes.c_int * max(len(accesses), 1))(*[int(a[2]) for a in accesses])
+        _check(_library().tierd_set_schedule(self._handle, len(steps), lengths, ids, tiers, modes,
+                                             int(host_quota_bytes), int(device_quota_bytes)))
+
+    def trace_schedule(self, steps_per_iteration: int, host_quota_bytes: int = 0,
+                       device_quota_bytes: int = 0) -> None:
+        """Records this session's acquisitions over the next iteration of steps_per_iteration
+        steps (filed under the step begin_step last announced) and uses them as the schedule
+        from the iteration after on."""
+        _check(_library().tierd_trace_schedule(self._handle, int(steps_per_iteration),
+                                               int(host_quota_bytes), int(device_quota_bytes)))
+
+    def begin_step(self, k: int) -> None:
+        """Step k of the schedule (counting across iterations) has started: a store into shared
+        memory, no call to the daemon."""
+        _check(_library().tierd_begin_step(self._handle, int(k)))
 
     def stats(self) -> SessionStats:
         s = _abi.SessionStats()

@@ -111,8 +111,7 @@ class _Range:
         self.offset = 0         # bytes, in each version's chunk
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
         self.current = 0        # the version holding the weights
-        self.grad: Optional[torch.Tensor] = None  # the optimizer's gradients (grad_buffer)
-        self.grad_chunk = None
+        self.grad_chunk = None  # the optimizer's gradients (grad_chunk)
 
     @property
     def nbytes(self) -> int:
@@ -189,7 +188,7 @@ class ParameterStream:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierd-copy")
         has_nvme = self._client.tier_usage(Tier.NVME).configured
         self._stats = dict(fetches=0, on_demand=0, trace_misses=0, h2d_bytes=0, d2h_bytes=0,
-                           wait_s=0.0, iterations=0, over_window=0)
+                           wait_s=0.0, iterations=0, over_window=0, schedules=0)
         self._nvme_start = self._client.path_bytes("nvme_to_host")
         self._live = 0
         self._peak = 0
@@ -201,6 +200,9 @@ class ParameterStream:
         self._pos = 0
         self._in_backward = False
         self._callback_queued = False
+        self._declared = False   # the trace is the daemon's schedule
+        self._stale = False      # versions changed since it was declared
+        self._cursor_base = 0
         try:
             self._place(has_nvme)
             self._move_resident()
@@ -477,8 +479,30 @@ class ParameterStream:
         self._stats["iterations"] += 1
         if self._trace is None and self._recording:
             self._trace = self._recording
+            self._declare()
+        elif self._declared:
+            self._cursor_base += len(self._trace)
         self._recording = []
         self._pos = 0
+
+    def _declare(self) -> None:
+        """The trace as the daemon's schedule, so that its planner brings NVMe-homed units into
+        host memory before their turn: step k of an iteration reads the current versions of the
+        k-th unit the trace names (a host-homed unit's step reads nothing: it stays held). Made
+        again after a step changes versions; the hooks announce each step."""
+        self._stale = False
+        if not any(u.home == Tier.NVME for u in self._units):
+            return
+        steps = []
+        for index in self._trace:
+            u = self._units[index]
+            ids = sorted({u.chunks.ids[r.current] for r in u.ranges}) if u.home == Tier.NVME \
+                else []
+            steps.append([(i, Tier.HOST, Access.READ) for i in ids])
+        self._client.set_schedule(steps)
+        self._declared = True
+        self._cursor_base = 0
+        self._stats["schedules"] += 1
 
     # ---- the window ----
 
@@ -519,15 +543,23 @@ class ParameterStream:
         trace = self._trace
         if trace is None:
             return
+        if len(self._recording) == 1 and self._stale:  # an iteration starts after a step
+            self._declare()
+        at = None
         if self._pos < len(trace) and trace[self._pos] == u.index:
-            self._pos += 1
+            at = self._pos
+        else:
+            self._stats["trace_misses"] += 1
+            for k in range(self._pos, len(trace)):
+                if trace[k] == u.index:
+                    at = k
+                    break
+        if at is None:
+            self._pos = len(trace)  # off the trace: on demand until the iteration ends
             return
-        self._stats["trace_misses"] += 1
-        for k in range(self._pos, len(trace)):
-            if trace[k] == u.index:
-                self._pos = k + 1
-                return
-        self._pos = len(trace)  # off the trace: on demand until the iteration ends
+        self._pos = at + 1
+        if self._declared:
+            self._client.begin_step(self._cursor_base + at)
 
     def _upcoming(self) -> Iterator[_Unit]:
         """The units the trace says come next (before the first trace: forward's order, then
@@ -557,6 +589,8 @@ class ParameterStream:
                 break
             nxt.used = False
             self._fetch(nxt)
+        if self._declared and self._pos < len(self._trace):
+            return  # the daemon's planner brings NVMe units up, following the schedule
         # NVMe units further on: brought into host memory by the daemon meanwhile.
         ahead = []
         for nxt in self._upcoming():
@@ -709,29 +743,30 @@ class ParameterStream:
         view = held.__enter__()
         return self._range_view(view, r), held
 
-    def grad_buffer(self, u: _Unit, r: _Range) -> torch.Tensor:
-        """Range r's gradient buffer (its values and extras, of its dtype) in a host-tier chunk
-        of the daemon, held while the range lasts."""
-        if r.grad is None:
-            chunks = self._client.allocate([max(r.nbytes, 1)], Tier.HOST)
-            held = self._client.acquire(chunks, Tier.HOST, Access.OVERWRITE)
-            r.grad_chunk = (chunks, held)
-            r.grad = torch.utils.dlpack.from_dlpack(
-                held.dlpack(0, _DL_NAMES[r.dtype], [r.numel + r.extra]))
-        return r.grad
+    def grad_chunk(self, u: _Unit, r: _Range) -> None:
+        """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
+        home in the host tier, held only during a step (hold_grad)."""
+        if r.grad_chunk is None:
+            r.grad_chunk = self._client.allocate([max(r.nbytes, 1)], Tier.HOST)
+
+    def hold_grad(self, u: _Unit, r: _Range):
+        """(a view of range r's gradient chunk, its acquisition to exit when done)."""
+        self.grad_chunk(u, r)
+        held = self._client.acquire(r.grad_chunk, Tier.HOST, Access.OVERWRITE)
+        view = torch.utils.dlpack.from_dlpack(
+            held.dlpack(0, _DL_NAMES[r.dtype], [r.numel + r.extra]))
+        return view, held
 
     def _drop_grads(self, u: _Unit) -> None:
         for r in u.ranges:
-            r.grad = None
             if r.grad_chunk is not None:
-                chunks, held = r.grad_chunk
-                r.grad_chunk = None
-                held.__exit__(None, None, None)
+                chunks, r.grad_chunk = r.grad_chunk, None
                 chunks.__exit__(None, None, None)
 
     def stepped(self, u: _Unit) -> None:
         """A range of u has new weights: a copy of the old ones in the window goes."""
         with self._lock:
+            self._stale = True
             if u.refs == 0:
                 self._release(u)
 
@@ -758,6 +793,9 @@ class ParameterStream:
         s["device_live_bytes"] = self._live
         if self._client is not None and self._client._handle:
             s["nvme_read_bytes"] = self._client.path_bytes("nvme_to_host") - self._nvme_start
+            session = self._client.stats()
+            s["planner_fetches"] = session.planner_fetches
+            s["acquired_waited"] = session.acquired_waited
         return s
 
     @property

@@ -528,12 +528,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if b.params[i].grad is not None:
                 self._copy_grad(b, i)
             elif self._comm is not None:
+                b.need_grad()
                 b.slice(b.grad, i).zero_()
         b.has = list(b.got)
         b.complete = True
 
     def _copy_grad(self, b: _buckets.Bucket, i: int, add: bool = False):
         """Takes p.grad into the bucket's gradients (`add`: summed into what is there)."""
+        b.need_grad()
         p, dst = b.params[i], b.slice(b.grad, i)
         b.got[i] = True
         g = p.grad.detach().reshape(-1)
@@ -670,7 +672,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if not self._begun:  # nothing stepped yet: unscale, skip or clip, then step
             if grad_scale != 1.0:
                 for b in todo:
-                    b.grad.mul_(inv)
+                    if b.grad is not None:
+                        b.grad.mul_(inv)
             if checks:
                 if norm is None:
                     norm = self._grad_norm(todo)
@@ -684,7 +687,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if self.max_grad_norm is not None:
                     coef = self._clip_coefficient(norm)
                     for b in todo:
-                        b.grad.mul_(coef)
+                        if b.grad is not None:
+                            b.grad.mul_(coef)
             self._begin(1.0)
         for b in todo:
             self._launch(b)
@@ -739,7 +743,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                                 for p in g["params"])}
         keyed = [(order.get(id(b.params[i]), len(order)), torch.norm(
                   values if inv is None else values * inv, 2.0))
-                 for b in buckets for i, values in b.slices(b.grad) if b.has[i]]
+                 for b in buckets if any(b.has)
+                 for i, values in b.slices(b.grad) if b.has[i]]
         norms = [n for _, n in sorted(keyed, key=lambda kv: kv[0])]
         if self._comm is not None:
             return self._comm.grad_norm(norms)

@@ -340,3 +340,61 @@ def test_resumes_by_name_across_a_daemon_restart():
         assert results[True][0] == results[False][0]
         for k, v in results[False][1].items():
             assert torch.equal(results[True][1][k], v), k
+
+
+def test_nvme_homed_blocks_come_back_by_the_schedule_under_memory_pressure():
+    """Blocks at home on NVMe, pushed out of the daemon's host memory by another job's burst
+    after every step: the daemon's planner brings them back up ahead of their turn by the
+    schedule the first iteration traced; the run is still bit-equal."""
+    with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
+        # 64 MiB: a step holds every block's gradients and new weights in host memory (15 MB
+        # each here) besides the two host-homed blocks and the optimizer's budget.
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0", "--host_capacity=48MiB",
+                            f"--nvme_regions={root}/nvme.region:256MiB")
+        try:
+            def run(streamed):
+                torch.manual_seed(0)
+                model = GPT(8, 192, 4, CTX)
+                stream = None
+                if streamed:
+                    per_block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+                    stream = tierd.torch.stream_parameters(
+                        model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+                        host_budget_bytes=0,
+                        socket_dir=root, poison=True)
+                opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
+                                                 home="nvme", overlap_backward=True,
+                                                 host_budget_bytes=4 << 20, threads=2)
+                losses = []
+                try:
+                    for step in range(4):
+                        loss = model(*batch(step))
+                        losses.append(loss.item())
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        with tierd.connect(root, "another job") as other:
+                            # A burst of another job's: the blocks' copies in host memory go.
+                            with other.allocate([12 << 20] * 2, tierd.Tier.NVME) as burst:
+                                held = other.acquire(burst, tierd.Tier.HOST,
+                                                     tierd.Access.OVERWRITE)
+                                held.ready.wait()
+                                held.release()
+                    stats = stream.stats if stream is not None else None
+                finally:
+                    opt.close()
+                    if stream is not None:
+                        stream.close()
+                return losses, model.state_dict(), stats
+
+            want, got = run(False), run(True)
+        finally:
+            stop_daemon(proc, root)
+    assert got[0] == want[0]
+    for k, v in want[1].items():
+        assert torch.equal(got[1][k], v), k
+    stats = got[2]
+    assert stats["units_on_nvme"] == 8
+    assert stats["schedules"] >= 3  # declared after the first iteration, again after each step
+    assert stats["nvme_read_bytes"] > 0
+    assert stats["planner_fetches"] > 0
