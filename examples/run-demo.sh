@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: starts tierd with its built-in defaults (sockets under ./var/run), trains a small
 # GPT with its optimizer state in tierd (examples/train_gpt.py), then resumes that training from
-# the state tierd kept, stops the daemon with SIGTERM and prints a summary. The C++ example client
+# the state tierd kept, trains a deeper one with its weights streamed through a device budget
+# smaller than the model, stops the daemon with SIGTERM and prints a summary. The C++ example client
 # (build/examples/tierd-demo var/run) is not part of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,12 @@ status=0
 if [[ $status -eq 0 ]]; then
   echo "== resuming the same training from the state tierd kept"
   "$python" examples/train_gpt.py --socket-dir "$socket_dir" --resume --steps 5 || status=$?
+fi
+if [[ $status -eq 0 ]]; then
+  echo "== a deeper model (12 blocks) whose weights are streamed through an 8 MiB device budget"
+  "$python" examples/train_gpt.py --socket-dir "$socket_dir" --fresh --name train-gpt-streamed \
+    --layers 12 --stream-parameters --device-budget 8MiB --steps "${DEMO_STREAM_STEPS:-8}" \
+    || status=$?
 fi
 
 kill -TERM "$daemon"

@@ -14,6 +14,13 @@ continues from the last finished step, weights included.
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --fresh
     PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --resume --steps 10
 
+With --stream-parameters the blocks' weights live in tierd too and pass through a device budget
+(--device-budget) a few blocks at a time: the model trains on a device smaller than itself (the
+CPU with a budget stands in for a GPU).
+
+    PYTHONPATH=python python3 examples/train_gpt.py --socket-dir var/run --fresh --layers 12 \
+        --stream-parameters --device-budget 8MiB
+
 Under torchrun it trains data parallel: each rank a session of the node's tierd, computing on its
 share of every batch (--batch is the global batch) and keeping and stepping its share of the
 optimizer state (ZeRO-1); the losses are those of one process with the whole batch.
@@ -94,6 +101,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def size(text: str) -> int:
+    """Bytes from "8MiB", "1GiB", "512KiB" or a plain number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 8MiB)")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
 def load_text() -> torch.Tensor:
     data = b"".join(open(p, "rb").read() for p in sorted(glob.glob(TEXTS)) if os.path.isfile(p))
     if len(data) < 10_000:
@@ -140,6 +156,15 @@ def main():
     ap.add_argument("--activation-budget", type=int, default=8 << 20,
                     help="host bytes for activations; the rest go to NVMe")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--stream-parameters", action="store_true",
+                    help="stream the blocks' weights through --device-budget (tierd.torch."
+                    "stream_parameters)")
+    ap.add_argument("--device-budget", type=size, default=None,
+                    help="device bytes for the model's weights and gradients when streaming "
+                    "(e.g. 8MiB; default: the least that works)")
+    ap.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead when streaming")
+    ap.add_argument("--weights-host-budget", type=size, default=None,
+                    help="host bytes for the streamed weights; the rest at home on NVMe")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
     args = ap.parse_args()
@@ -160,8 +185,25 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     data = load_text()
-    model = GPT(args.layers, args.d_model, args.heads, args.ctx).to(device)
+    model = GPT(args.layers, args.d_model, args.heads, args.ctx)
     params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(t.numel() * t.element_size() for t in
+                      list(model.parameters()) + list(model.buffers()))
+    stream = None
+    if args.stream_parameters:  # before the optimizer, which then steps the streamed blocks
+        block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+        resident = model_bytes - block * args.layers
+        least = resident + (args.prefetch + 3) * block
+        try:
+            stream = tierd.torch.stream_parameters(
+                model, device=device, device_budget_bytes=args.device_budget or least,
+                prefetch=args.prefetch, host_budget_bytes=args.weights_host_budget,
+                name=f"{args.name} rank {rank}", socket_dir=args.socket_dir)
+        except (ValueError, tierd.TierdError) as e:
+            print(f"train_gpt: {e}", file=sys.stderr)
+            return 2
+    else:
+        model = model.to(device)
     state_dtype = getattr(torch, args.state_dtype)
     state_bytes = (8 if state_dtype == torch.bfloat16 else 12) * params
     budget = args.host_budget or max(state_bytes // 4, 4 << 20)
@@ -177,12 +219,20 @@ def main():
         hint = {"ALREADY_EXISTS": " (--resume continues it, --fresh discards it)",
                 "NOT_FOUND": " (run without --resume to start it)"}.get(e.code_name, "")
         print(f"train_gpt: {e}{hint}", file=sys.stderr)
+        if stream is not None:
+            stream.close()
         return 2
     first = opt.steps_taken
     say(f"train_gpt: {params / 1e6:.2f} M parameters, {len(data) / 1e3:.0f} kB of text; "
         f"optimizer state {state_bytes / 2**20:.1f} MiB at home on {opt.home}, host budget "
         f"{budget / 2**20:.1f} MiB; " +
         (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
+    if stream is not None:
+        say(f"train_gpt: weights streamed: {len(stream.units)} blocks of "
+            f"{stream.largest_unit_bytes / 2**20:.2f} MiB through a device budget of "
+            f"{stream.device_budget_bytes / 2**20:.2f} MiB, the model being "
+            f"{model_bytes / 2**20:.2f} MiB ({model_bytes / stream.device_budget_bytes:.1f}x the "
+            f"budget); {stream.stats['units_on_nvme']} blocks at home on NVMe")
     if world > 1:
         say(f"train_gpt: {world} ranks, each computing on {args.batch // world} of the "
             f"{args.batch} sequences a step and stepping its {opt.state_bytes / 2**20:.1f} MiB "
@@ -239,15 +289,28 @@ def main():
             f"{a.unpack_seconds / n_steps * 1e3:.1f} ms a step")
         offload.close()
     client.close()
+    if stream is not None:
+        st = stream.stats
+        n_steps = max(len(times), 1)
+        say(f"train_gpt: streaming: device peak {st['device_peak_bytes'] / 2**20:.2f} MiB of a "
+            f"{stream.device_budget_bytes / 2**20:.2f} MiB budget for a {model_bytes / 2**20:.2f} "
+            f"MiB model; a step moved {st['h2d_bytes'] / n_steps / 2**20:.1f} MiB of weights in "
+            f"and {st['d2h_bytes'] / n_steps / 2**20:.1f} MiB of gradients out; compute waited "
+            f"{st['wait_s'] / n_steps * 1e3:.1f} ms a step for weights; {st['on_demand']} blocks "
+            f"fetched on demand, {st['trace_misses']} off the trace")
     if args.save:
         state = opt.state_dict()
         if world > 1:  # each rank holds its parameters' state: the union is the whole
             shards = [None] * world
             dist.all_gather_object(shards, state["state"])
             state["state"] = {k: v for shard in shards for k, v in shard.items()}
-        if rank == 0:
-            torch.save({"model": model.state_dict(), "optimizer": state}, args.save)
+        with stream.gathered() if stream is not None else contextlib.nullcontext():
+            weights = model.state_dict()
+            if rank == 0:
+                torch.save({"model": weights, "optimizer": state}, args.save)
     opt.close()
+    if stream is not None:
+        stream.close()
     if world > 1:
         dist.destroy_process_group()
 

@@ -132,3 +132,26 @@ def test_the_example_trains_on_two_ranks_as_on_one(daemon):  # noqa: F811
     assert len(one_losses) == len(two_losses) == 8, two
     torch.testing.assert_close(torch.tensor(two_losses), torch.tensor(one_losses), rtol=1e-4,
                                atol=0)
+
+
+def test_two_ranks_each_streaming_their_model_train_as_two_ranks_in_memory(daemon, tmp_path):  # noqa: F811,E501
+    """Each rank streams its own copy of the example's blocks; the optimizer's state is sharded
+    over both (ZeRO-1) as without streaming: the same losses and final weights, bit for bit."""
+    example = os.path.join(ROOT, "examples", "train_gpt.py")
+    small = ["--socket-dir", daemon, "--layers", "3", "--d-model", "64", "--ctx", "32",
+             "--steps", "6", "--warmup", "2", "--batch", "8", "--fresh", "--max-grad-norm", "1",
+             "--activations", "memory"]
+    runs = {}
+    for streamed in (False, True):
+        flags = ["--stream-parameters", "--prefetch", "0"] if streamed else []
+        out = str(tmp_path / f"streamed-{streamed}.pt")
+        runs[streamed] = (torchrun(example, *small, *flags, "--name", f"pytest/gpt-s{streamed}",
+                                   "--save", out), torch.load(out))
+    text, saved = runs[True]
+    assert "weights streamed: 3 blocks" in text, text
+    assert _losses(text) == _losses(runs[False][0])
+    for k, v in runs[False][1]["model"].items():
+        assert torch.equal(saved["model"][k], v), k
+    for k, v in runs[False][1]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["optimizer"]["state"][k][key], v[key]), (k, key)
