@@ -39,6 +39,18 @@ data = [(torch.randn(16, 32), torch.randint(0, 8, (16,))) for _ in range(3)]
 loss_fn = torch.nn.functional.cross_entropy
 x, y = data[0]
 """},
+    # The example GPT (examples/train_gpt.py, 6 small blocks) and batches of its data, as the
+    # streaming page assumes.
+    "a GPT and its data": {"python": """
+import sys
+sys.path.insert(0, "examples")
+import torch
+import tierd.torch
+from train_gpt import GPT
+torch.manual_seed(0)
+model = GPT(6, 64, 2, 32)
+data = [(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 256, (4, 33))) for _ in range(3)]
+"""},
     # A connected client, as the C++ examples on one call assume.
     "a client": {"cpp": """
 auto connected = tierd::Client::Connect({});
