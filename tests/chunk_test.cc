@@ -63,13 +63,16 @@ TEST(ChunkStateTest, FreeWhilePinnedIsRefused) {
   EXPECT_TRUE(CheckFreeable(c).ok());
 }
 
-TEST(ChunkStateTest, MovingChunkCanBeNeitherPinnedNorFreedNorMovedAgain) {
+// Freed while moving, it ends when the move settles (ChunkService::Retire).
+TEST(ChunkStateTest, MovingChunkCanBeNeitherPinnedNorMovedAgainButCanBeFreed) {
   ChunkMeta c = HostChunk();
   ASSERT_TRUE(BeginMove(c, TierKind::kNvme).ok());
   EXPECT_EQ(c.state, ChunkState::kMoving);
   EXPECT_TRUE(absl::IsFailedPrecondition(CheckPin(c, TierKind::kHost)));
-  EXPECT_TRUE(absl::IsFailedPrecondition(CheckFreeable(c)));
+  EXPECT_TRUE(CheckFreeable(c).ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(BeginMove(c, TierKind::kDevice)));
+  Hold(c);
+  EXPECT_TRUE(absl::IsFailedPrecondition(CheckFreeable(c)));
 }
 
 TEST(ChunkStateTest, SuccessfulMoveAddsTheTargetCopy) {

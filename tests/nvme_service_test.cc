@@ -341,6 +341,32 @@ TEST_F(NvmeServiceTest, EvictOfAChunkThatIsMovingWaitsForTheMoveThenEvicts) {
   EXPECT_TRUE(Check(*session_, ids, 9, sizes));
 }
 
+// A chunk the daemon is writing down (to make room, or by a planner's choice) is one its owner
+// cannot see moving: freeing it succeeds, and it ends, its space with it, when the move settles.
+TEST_F(NvmeServiceTest, FreeOfAChunkBeingWrittenDownEndsItWhenTheMoveSettles) {
+  const std::vector<uint64_t> sizes = {2 << 20};
+  auto ids = Alloc(*session_, sizes, TierKind::kNvme);
+  Write(*session_, ids, 3);
+  faults_->SetDelay(absl::Milliseconds(20));
+  auto evict = service_->Evict(*session_, ids, TierKind::kNvme);
+  ASSERT_TRUE(evict.ok()) << evict.status();
+  ASSERT_EQ(service_->Stat(*session_, ids)->at(0).state, ChunkState::kMoving);
+  EXPECT_TRUE(service_->Free(*session_, ids).ok());
+  EXPECT_TRUE(Wait(*session_, *evict).ok());  // the write itself finishes
+  faults_->SetDelay(absl::ZeroDuration());
+  nvme_->Drain();
+  EXPECT_TRUE(absl::IsNotFound(service_->Stat(*session_, ids).status()));
+  EXPECT_EQ(service_->chunk_count(), 0u);
+  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  EXPECT_EQ(nvme_->Usage().used_bytes, 0u);
+  // A pinned chunk is still refused, moving or not.
+  auto kept = Alloc(*session_, sizes);
+  ASSERT_TRUE(service_->Acquire(*session_, kept, TierKind::kHost, Access::kRead).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(service_->Free(*session_, kept)));
+  ASSERT_TRUE(service_->Release(*session_, kept).ok());
+  EXPECT_TRUE(service_->Free(*session_, kept).ok());
+}
+
 TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   // The host tier is full of pinned chunks: a chunk on NVMe has nowhere to land.
   auto away = Alloc(*session_, {1 << 20});

@@ -42,10 +42,6 @@ absl::Status CheckFreeable(const ChunkMeta& chunk) {
     return absl::FailedPreconditionError(
         absl::StrCat("chunk ", chunk.id, " is acquired (", chunk.pins, " pins); release it first"));
   }
-  if (chunk.state == ChunkState::kMoving) {
-    return absl::FailedPreconditionError(absl::StrCat("chunk ", chunk.id, " is being moved to ",
-                                                      TierName(chunk.moving_to), "; wait for it"));
-  }
   return absl::OkStatus();
 }
 
@@ -72,8 +68,9 @@ void FinishMove(ChunkMeta& chunk, bool ok) {
 }
 
 absl::Status Retired(const ChunkMeta& chunk) {
-  return absl::AbortedError(absl::StrCat(
-      "chunk ", chunk.id, " was freed while it moved (its session ended); it is gone"));
+  return absl::AbortedError(
+      absl::StrCat("chunk ", chunk.id,
+                   " was freed while it moved (by its owner, or its session ended); it is gone"));
 }
 
 }  // namespace tierd::daemon

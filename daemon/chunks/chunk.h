@@ -62,7 +62,7 @@ void Hold(ChunkMeta& chunk);
 void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access);
 // Release: REQUIRES pins > 0.
 void Unpin(ChunkMeta& chunk);
-// Free: only a ready chunk nobody has acquired.
+// Free: only a chunk nobody has acquired (one being moved ends when the move settles).
 absl::Status CheckFreeable(const ChunkMeta& chunk);
 // Starts a transfer into `to`; the chunk must be ready and have a valid copy to read from.
 absl::Status BeginMove(ChunkMeta& chunk, TierKind to);

@@ -269,7 +269,9 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
     // Nothing frees state another live session holds.
     if (absl::Status s = CheckLease(*chunk, session.id, false, "free"); !s.ok()) return s;
   }
-  for (ChunkMeta* chunk : *chunks) Destroy(*chunk);
+  // One being moved (a write-back its owner did not ask for, or a move it did not wait for) ends
+  // when that move settles, as at a session's end.
+  for (ChunkMeta* chunk : *chunks) Retire(*chunk);
   room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return absl::OkStatus();

@@ -366,9 +366,9 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
   IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A chunk's life ends in one of two ways: Free (which refuses a chunk that moves or is pinned)
-  // destroys it at once; Retire (its session ended) destroys it now when no move is in flight,
-  // else marks it doomed and AfterMove destroys it when the last move settles. Nothing starts a
+  // A chunk's life ends by Retire (Free, which refuses a pinned chunk, or its session's end):
+  // destroyed now when no move is in flight, else marked doomed, and AfterMove destroys it when
+  // the last move settles. Nothing starts a
   // move of a doomed chunk (the Mover refuses), and its waiters fail instead of being served.
   void Retire(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The end of every move, once its effect on the chunk is applied: serves (or, for a doomed
