@@ -257,6 +257,9 @@ class StreamBucket(Bucket):
 
     def place(self):
         """(unit, range): looked up each time, as arrange() makes new ranges."""
+        if self.stream.closed:
+            raise RuntimeError("OffloadedAdamW: the parameter stream of these parameters was "
+                               "closed (close the optimizer first)")
         return self.stream.range_of(self.params)
 
     def _buffers(self) -> None:

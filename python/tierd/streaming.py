@@ -414,7 +414,12 @@ class ParameterStream:
 
     def _pre_forward(self, u: _Unit, args):
         self._check_open()
-        recompute = self._in_backward
+        # A forward of a unit in backward is its recompute (a checkpoint around it), once its
+        # backward has begun; any other forward while "in backward" means the last backward
+        # raised before its end.
+        recompute = self._in_backward and u.bwd_refs > 0
+        if self._in_backward and not recompute:
+            self._recover()
         self._use(u, traced=recompute or torch.is_grad_enabled())
         if recompute or not torch.is_grad_enabled():
             return None
@@ -474,6 +479,18 @@ class ParameterStream:
             self._in_backward = False
             self._callback_queued = False
             self._end_iteration()
+
+    def _recover(self) -> None:
+        """After a backward that raised: nothing it fetched stays, its iteration is not traced."""
+        with self._lock:
+            for x in self._units:
+                x.refs = 0
+                x.bwd_refs = 0
+                self._release(x)
+            self._in_backward = False
+            self._callback_queued = False
+            self._recording = []
+            self._pos = 0
 
     def _end_iteration(self) -> None:
         self._stats["iterations"] += 1

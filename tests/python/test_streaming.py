@@ -257,6 +257,48 @@ def test_the_window_holds_only_what_computes(daemon):  # noqa: F811
     model(*batch(0)).backward()
 
 
+def test_a_backward_that_raises_leaves_the_stream_working(daemon):  # noqa: F811
+    """An error in the middle of backward (a hook that raises) ends it without the callback that
+    closes an iteration: the next forward starts afresh, and training goes on as in memory."""
+    def run(streamed):
+        model = make()
+        stream = tierd.torch.stream_parameters(
+            model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+            socket_dir=daemon, poison=True) if streamed else None
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon,
+                                         home="host", host_budget_bytes=1 << 20, threads=2)
+        losses = []
+        try:
+            for step in range(4):
+                x, y = batch(step)
+                if step == 1:  # this step's backward dies in block 2's
+                    def boom(grad):
+                        raise RuntimeError("boom")
+                    h = model.blocks[2].register_forward_hook(
+                        lambda m, a, out: out.register_hook(boom) and None)
+                    with pytest.raises(RuntimeError, match="boom"):
+                        model(x, y).backward()
+                    h.remove()
+                    opt.zero_grad(set_to_none=True)
+                loss = model(x, y)
+                losses.append(loss.item())
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if stream is not None:
+                assert stream.stats["device_live_bytes"] == resident_bytes(model)
+        finally:
+            opt.close()
+            if stream is not None:
+                stream.close()
+        return losses, model.state_dict()
+
+    want, got = run(False), run(True)
+    assert got[0] == want[0]
+    for k, v in want[1].items():
+        assert torch.equal(got[1][k], v), k
+
+
 def test_refusals_say_what_and_how_much(daemon):  # noqa: F811
     model = make()
     need = resident_bytes(model) + 4 * block_bytes(model)
