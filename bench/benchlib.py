@@ -1,5 +1,5 @@
 """What the Python benchmarks share: their command line (the example GPT's shape) and a throwaway
-daemon (the build's tierd, its sockets, state and a 1 GiB NVMe region file in a temporary
+daemon (the build's tierd, its sockets, state and an NVMe region file (1 GiB by default) in a temporary
 directory, stopped and removed on exit)."""
 import argparse
 import contextlib
@@ -36,7 +36,7 @@ def arguments(doc: str, steps: int, **defaults) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu"):
+def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme: str = "1GiB"):
     """Yields the socket directory once the daemon listens. With a CUDA `device` the daemon has
     its GPU tier, and clients can register its host memory with CUDA for DMA."""
     backend = "cuda" if str(device).startswith("cuda") else "none"
@@ -45,7 +45,7 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu"):
     proc = subprocess.Popen(
         [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
          f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
-         f"--nvme_regions={root}/nvme.region:1GiB", f"--device={backend}",
+         f"--nvme_regions={root}/nvme.region:{nvme}", f"--device={backend}",
          "--metrics_listen=127.0.0.1:0"], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60

@@ -16,7 +16,7 @@
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-steps_all=(environment doctor gpu-tests pcie gpu-adam torch torch-train)
+steps_all=(environment doctor gpu-tests pcie gpu-adam torch torch-train torch-stream)
 out="gpu-results-$(date +%Y%m%d-%H%M%S)"
 build=""
 device=cuda
@@ -114,7 +114,11 @@ run_torch-train() {
   python3 "$root/tests/gpu/torch_train.py" --build="$bin" --json="$out/torch-train.json"
 }
 
-declare -A limit=([environment]=90 [doctor]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240 [torch]=150 [torch-train]=540)
+run_torch-stream() {
+  python3 "$root/tests/gpu/torch_stream.py" --build="$bin" --json="$out/torch-stream.json"
+}
+
+declare -A limit=([environment]=90 [doctor]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240 [torch]=150 [torch-train]=540 [torch-stream]=540)
 failed=0
 summary="$out/summary.json"
 echo "[" >"$summary"
