@@ -200,6 +200,7 @@ class ParameterStream:
         self._pos = 0
         self._in_backward = False
         self._callback_queued = False
+        self._gathering = False  # inside gathered(): the hooks stand aside
         self._declared = False   # the trace is the daemon's schedule
         self._stale = False      # versions changed since it was declared
         self._cursor_base = 0
@@ -414,6 +415,8 @@ class ParameterStream:
 
     def _pre_forward(self, u: _Unit, args):
         self._check_open()
+        if self._gathering:
+            return None  # the weights are in place on the CPU: a forward just reads them
         # A forward of a unit in backward is its recompute (a checkpoint around it), once its
         # backward has begun; any other forward while "in backward" means the last backward
         # raised before its end.
@@ -437,6 +440,8 @@ class ParameterStream:
         return tuple(out)
 
     def _post_forward(self, u: _Unit, output):
+        if self._gathering:
+            return None
         if not self._in_backward and torch.is_grad_enabled():
             fired = [False]
 
@@ -821,8 +826,10 @@ class ParameterStream:
 
     def gathered(self):
         """A context in which every streamed parameter holds its weights on the CPU (the model's
-        state_dict, an evaluation on the CPU, torch.save); weights changed inside are kept (and
-        OffloadedAdamW takes them as its master weights at its next step)."""
+        state_dict, torch.save, edits; a forward inside runs on those weights, the hooks standing
+        aside); weights changed inside are kept (and OffloadedAdamW takes them as its master
+        weights at its next step). To evaluate on the device, run the forward outside it, under
+        torch.no_grad(): it streams as training does."""
         return _Gathered(self)
 
     def close(self) -> None:
@@ -888,8 +895,9 @@ class _Gathered:
     def __enter__(self):
         s = self.stream
         s._check_open()
-        if s._in_backward or any(u.refs for u in s._units):
-            raise RuntimeError("stream_parameters: gathered() during a forward or backward")
+        if s._in_backward or any(u.refs for u in s._units) or s._gathering:
+            raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
+                               "inside another gathered()")
         for u in s._units:
             s._release(u)
             weights = s._weights(u)
@@ -897,10 +905,12 @@ class _Gathered:
             with torch.no_grad():
                 for p, w in weights:
                     p.data = w.clone().view(p.shape)
+        s._gathering = True
         return s
 
     def __exit__(self, *exc):
         s = self.stream
+        s._gathering = False
         for u, weights in self.before:
             changed = {}
             for p, w in weights:

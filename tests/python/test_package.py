@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,6 +65,27 @@ def test_a_view_after_release_is_refused_not_dangling(client):
         with pytest.raises(tierd.TierdError) as released:
             views.memoryview(0)
         assert released.value.code_name == "FAILED_PRECONDITION"
+
+
+def test_a_schedule_is_declared_traced_and_followed_from_python(client):
+    with client.allocate([1 << 20] * 3, tierd.Tier.NVME) as chunks:
+        steps = [[(i, tierd.Tier.HOST, tierd.Access.READ)] for i in chunks.ids] + [[]]
+        client.set_schedule(steps)
+        stats = client.stats()
+        assert stats.schedule_steps == 4 and not stats.tracing
+        client.begin_step(2)
+        deadline = time.monotonic() + 5
+        while client.stats().cursor != 3 and time.monotonic() < deadline:  # read each ms
+            time.sleep(0.01)
+        assert client.stats().cursor == 3
+        with pytest.raises(tierd.TierdError) as refused:  # NVMe is not a tier to schedule into
+            client.set_schedule([[(chunks.ids[0], tierd.Tier.NVME, tierd.Access.READ)]])
+        assert refused.value.code_name == "INVALID_ARGUMENT"
+        assert client.stats().schedule_steps == 4  # the schedule in force stays
+        client.trace_schedule(3)
+        assert client.stats().tracing
+        client.set_schedule([])
+        assert client.stats().schedule_steps == 0
 
 
 def test_completions_can_be_awaited(client):

@@ -257,6 +257,52 @@ def test_the_window_holds_only_what_computes(daemon):  # noqa: F811
     model(*batch(0)).backward()
 
 
+def test_evaluation_streams_under_no_grad_and_gathered_weights_can_be_edited(daemon):  # noqa: F811,E501
+    """A forward under torch.no_grad() streams as training does and equals the model evaluated on
+    its gathered weights; a weight changed inside gathered() is kept, and the optimizer steps from
+    it as it would from an edit of a model in memory."""
+    def run(streamed):
+        model = make()
+        stream = tierd.torch.stream_parameters(
+            model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+            socket_dir=daemon, poison=True) if streamed else None
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon,
+                                         home="host", host_budget_bytes=1 << 20, threads=2,
+                                         overlap_backward=True)
+        out = []
+        try:
+            for step in range(3):
+                model(*batch(step)).backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    out.append(model(*batch(100)).item())
+                if stream is not None:
+                    with stream.gathered():
+                        out.append(model(*batch(100)).item())
+                        with torch.no_grad():
+                            model.blocks[1].fc.weight.mul_(0.5)
+                else:
+                    out.append(out[-1])
+                    with torch.no_grad():
+                        model.blocks[1].fc.weight.mul_(0.5)
+            if stream is not None:
+                with stream.gathered():
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
+            else:
+                weights = model.state_dict()
+        finally:
+            opt.close()
+            if stream is not None:
+                stream.close()
+        return out, weights
+
+    want, got = run(False), run(True)
+    assert got[0] == want[0]
+    for k, v in want[1].items():
+        assert torch.equal(got[1][k], v), k
+
+
 def test_a_backward_that_raises_leaves_the_stream_working(daemon):  # noqa: F811
     """An error in the middle of backward (a hook that raises) ends it without the callback that
     closes an iteration: the next forward starts afresh, and training goes on as in memory."""
