@@ -162,6 +162,17 @@ def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=N
     return losses, weights, state, extra
 
 
+def streamed_or_not(daemon, streamed, **opt_kwargs):  # noqa: F811
+    """The example GPT, streamed in poison mode (or not), and its OffloadedAdamW."""
+    model = make()
+    stream = tierd.torch.stream_parameters(
+        model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+        socket_dir=daemon, poison=True) if streamed else None
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon, home="host",
+                                     host_budget_bytes=1 << 20, threads=2, **opt_kwargs)
+    return model, stream, opt
+
+
 def assert_equal(a, b):
     la, wa, sa, _ = a
     lb, wb, sb, _ = b
@@ -262,13 +273,7 @@ def test_evaluation_streams_under_no_grad_and_gathered_weights_can_be_edited(dae
     its gathered weights; a weight changed inside gathered() is kept, and the optimizer steps from
     it as it would from an edit of a model in memory."""
     def run(streamed):
-        model = make()
-        stream = tierd.torch.stream_parameters(
-            model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-            socket_dir=daemon, poison=True) if streamed else None
-        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon,
-                                         home="host", host_budget_bytes=1 << 20, threads=2,
-                                         overlap_backward=True)
+        model, stream, opt = streamed_or_not(daemon, streamed, overlap_backward=True)
         out = []
         try:
             for step in range(3):
@@ -307,12 +312,7 @@ def test_a_backward_that_raises_leaves_the_stream_working(daemon):  # noqa: F811
     """An error in the middle of backward (a hook that raises) ends it without the callback that
     closes an iteration: the next forward starts afresh, and training goes on as in memory."""
     def run(streamed):
-        model = make()
-        stream = tierd.torch.stream_parameters(
-            model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-            socket_dir=daemon, poison=True) if streamed else None
-        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon,
-                                         home="host", host_budget_bytes=1 << 20, threads=2)
+        model, stream, opt = streamed_or_not(daemon, streamed)
         losses = []
         try:
             for step in range(4):
