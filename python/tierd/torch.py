@@ -28,6 +28,7 @@ and steps again from the first version (`rolled_back_steps`): the result is alwa
 `offload_activations(...)` (tierd/activations.py) keeps the tensors autograd saves for backward in
 tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy.
 """
+import concurrent.futures
 import ctypes
 import math
 import os
@@ -153,6 +154,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         differentiable=False, fused=fused)
         self._handle = ctypes.c_void_p()  # before anything that can fail: close() reads it
         self._hooks: Dict[int, Any] = {}
+        self._handing = None  # the hand-over thread (made at the first complete bucket)
+        self._handed: List[Any] = []  # its work of this step
+        self._settle_queued = False  # an end-of-backward callback waits for it
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
@@ -319,6 +323,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """torch's zero_grad; params lists edited since the last step are taken in first (their
         state made, or resumed, before the forward pass that uses them)."""
+        self._settle()
         if not self._begun:
             self._sync()
             if self.overlap_backward:
@@ -481,6 +486,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _on_grad(self, key: int):
         if not self._prepared:
             self._prepare()
+        if not self._settle_queued:  # backward's end waits for what it handed over
+            self._settle_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         place = self._where.get(key)
         if place is None:
             return
@@ -504,6 +512,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if b.arrived < b.expected:
             return
         self._complete(b)  # the rest: frozen parameters that still hold a gradient
+        # The rest waits for the bucket's copies off the GPU: on the hand-over thread, so that
+        # autograd's thread goes on with backward (and waits for it only at backward's end).
+        if self._handing is None:
+            self._handing = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierd-hand-over")
+        self._handed.append(self._handing.submit(self._hand_over, b))
+
+    def _hand_over(self, b: _buckets.Bucket):
+        """Steps the complete bucket b (sharded: issues the reduces in order, and steps this
+        rank's buckets whose sums are in). On the hand-over thread, in completion order."""
         if self._comm is None:
             if self._steps_early() and self._flag(b):
                 self._launch(b)
@@ -515,6 +533,22 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 if self._flag(owned):
                     self._launch(owned)
                     self._early += 1
+
+    def _end_backward(self):
+        self._settle_queued = False
+        self._settle()
+
+    def _settle(self):
+        """Waits for the buckets handed over during backward; raises the first error of theirs."""
+        handed, self._handed = self._handed, []
+        error = None
+        for f in handed:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: B036 (raised below, once all have settled)
+                error = error or e
+        if error is not None:
+            raise error
 
     def _complete(self, b: _buckets.Bucket):
         """Takes the gradients of b's live parameters not taken yet: those that have one now
@@ -615,6 +649,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
+        try:
+            self._settle()
+        except BaseException:
+            self._abandon()
+            raise
         if not grad_scale > 0 or math.isinf(grad_scale):
             raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
         if grad_scale != 1.0 and self.overlap_backward and not self._speculate:
@@ -787,6 +826,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _abandon(self):
         """Ends a step begun during backward without applying more (after an error): abandoned
         when speculative, else finished with what it applied."""
+        try:
+            self._settle()
+        except BaseException:  # noqa: B036 (the step is being given up already)
+            pass
         if self._begun:
             try:
                 if self._speculate:
@@ -822,6 +865,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         kept in another dtype. Sharded over ranks, `state` holds this rank's parameters: the union
         of the ranks' `state` dicts is the whole (each rank's can be loaded back into the rank
         that owns it, or the union into every rank)."""
+        self._settle()
         if self._begun:
             raise RuntimeError("state_dict during a step")
         self._sync()
@@ -857,6 +901,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         loaded first: they become the master weights unless the state carries `master`), each
         parameter with its own step count. Sharded over ranks, each rank loads the parameters it
         owns."""
+        self._settle()
         if self._begun:
             raise RuntimeError("load_state_dict during a step")
         self._sync()
@@ -929,6 +974,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Ends the optimizer's session (scratch state is freed; persistent state stays)."""
+        if getattr(self, "_handing", None) is not None:
+            self._abandon()
+            self._handing.shutdown()
+            self._handing = None
         for h in self._hooks.values():
             (h[1] if isinstance(h, tuple) else h).remove()
         self._hooks = {}
