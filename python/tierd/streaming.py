@@ -137,7 +137,6 @@ class _Unit:
         self.copy = None            # the fetch in flight: a Future, or a CUDA event
         self.reading = None         # an NVMe unit's acquisition the copy reads from
         self.materialized = False
-        self.used = False           # a prefetched unit not yet asked for is not
         self.edited = set()         # ids of parameters whose weights gathered() changed
 
     @property
@@ -266,7 +265,6 @@ class ParameterStream:
             units.append(_Unit(i, names[id(m)], m, params))
         # Parameters also reached from outside the units (tied, e.g. an embedding and the head)
         # stay resident.
-        inside = {id(p) for u in units for p in u.params}
         unit_modules = {id(sub) for u in units for sub in u.module.modules()}
         outside = set()
         for m in model.modules():
@@ -281,7 +279,6 @@ class ParameterStream:
                     raise TypeError(f"stream_parameters: parameter of unit {u.name!r} is "
                                     f"{p.dtype}; OffloadedAdamW steps float32, bfloat16 and "
                                     "float16")
-        del inside
         return [u for u in units if u.params]
 
     def _resident_tensors(self) -> List[torch.Tensor]:
@@ -537,7 +534,6 @@ class ParameterStream:
             if u.refs == 0 and not u.materialized:
                 self._stats["on_demand"] += 1
             u.refs += 1
-            u.used = True
             self._fetch(u)
             self._wait(u)
             self._prefetch_next()
@@ -555,7 +551,6 @@ class ParameterStream:
             if k >= max(self.prefetch, 1):
                 return False
             if nxt is u:
-                u.used = False
                 return True
         return False
 
@@ -609,7 +604,6 @@ class ParameterStream:
                 continue
             if self._in_window() >= self.window:
                 break
-            nxt.used = False
             self._fetch(nxt)
         if self._declared and self._pos < len(self._trace):
             return  # the daemon's planner brings NVMe units up, following the schedule
