@@ -231,18 +231,6 @@ def check_dtype(p: torch.Tensor) -> None:
                         "float16 are supported")
 
 
-def tensor_groups(buckets: List[Bucket]) -> Tuple[Any, list]:
-    """The C ABI's description of `buckets` as tierd groups of tensors (and what keeps it alive)."""
-    keep = []
-    array = (_abi.AdamGroup * max(len(buckets), 1))()
-    for j, b in enumerate(buckets):
-        sizes = (ctypes.c_uint64 * max(len(b.sizes), 1))(*b.sizes)
-        name = b.name.encode()
-        keep += [sizes, name]
-        array[j] = _abi.AdamGroup(name, b.numel, len(b.sizes), sizes)
-    return array, keep
-
-
 class StreamBucket(Bucket):
     """A bucket of streamed parameters (streaming.py): a range of their unit's chunks. Its
     gradients are a daemon chunk; the step's new weights go into the range's other version,

@@ -30,7 +30,6 @@ writes the new weights into the range's other version, which the step's end make
 step rolled back or skipped leaves the current version as it was.
 """
 import concurrent.futures
-import math
 import threading
 import time
 import warnings

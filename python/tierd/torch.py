@@ -29,7 +29,6 @@ and steps again from the first version (`rolled_back_steps`): the result is alwa
 tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy.
 """
 import concurrent.futures
-import ctypes
 import math
 import os
 import time
@@ -39,9 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils.dlpack
 
-from . import _abi, _buckets, _shard, streaming
+from . import _abi, _adam, _buckets, _shard, streaming
 from .activations import ActivationOffload, ActivationStats, offload_activations
-from .client import Acquisition, Tier, TierdError, _check, _library, connect
+from .client import Acquisition, Tier, TierdError, connect
 from .streaming import ParameterStream, stream_parameters
 
 __all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "ParameterStream",
@@ -66,8 +65,8 @@ def _hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
-def _ptr(t: Optional[torch.Tensor]) -> ctypes.c_void_p:
-    return ctypes.c_void_p(None if t is None else t.data_ptr())
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -152,7 +151,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused)
-        self._handle = ctypes.c_void_p()  # before anything that can fail: close() reads it
+        self._adam: Optional[_adam.Adam] = None  # before anything that can fail: close() reads it
         self._hooks: Dict[int, Any] = {}
         self._handing = None  # the hand-over thread (made at the first complete bucket)
         self._handed: List[Any] = []  # its work of this step
@@ -243,9 +242,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return tuple((id(g), tuple(id(p) for p in g["params"])) for g in self.param_groups)
 
     def _open(self, name, socket_dir, home, host_budget_bytes, threads, resume, reset):
-        lib = _library()
-        options = _abi.AdamOptions()
-        lib.tierd_adam_options_init(ctypes.byref(options))
+        options = _adam.Adam.options()
         if socket_dir:
             options.socket_dir = socket_dir.encode()
         self.persistent = name is not None
@@ -265,20 +262,16 @@ class OffloadedAdamW(torch.optim.Optimizer):
         options.state_dtype = _buckets.DTYPES[self.state_dtype]
         options.speculative = 1 if self._speculate else 0
         options.hyper = _hyper(self.defaults)
-        groups, keep = _buckets.tensor_groups(self._owned)
-        _check(lib.tierd_adam_create_groups(len(self._owned), groups, ctypes.byref(options),
-                                            ctypes.byref(self._handle)))
-        del keep
-        self.resumed = bool(lib.tierd_adam_resumed(self._handle))
+        self._adam = _adam.Adam(self._owned, options)
+        self.resumed = self._adam.resumed
         self._initialize(self._owned, {})
 
     def _initialize(self, buckets: List[_buckets.Bucket], moved: Dict[int, Dict[str, Any]]):
         """Gives the owned `buckets`, just made, their state: resumed state sets the model's
         weights; otherwise the model's weights become the master weights, with the state of any
         parameter in `moved` (id -> master, exp_avg, exp_avg_sq, step) carried over."""
-        lib = _library()
         for b in buckets:
-            if lib.tierd_adam_initialized(self._handle, b.slot):  # resumed
+            if self._adam.initialized(b.slot):  # resumed
                 b.set_weights(self._read(b, _abi.ADAM_PARAMS))
                 continue
             parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
@@ -296,13 +289,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def _set_state(self, b: _buckets.Bucket, parts: Dict[str, List[torch.Tensor]],
                    steps: List[int]):
-        lib = _library()
         flat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
-        _check(lib.tierd_adam_set_state(
-            self._handle, b.slot, _ptr(flat["master"]), _ptr(flat["exp_avg"]),
-            _ptr(flat["exp_avg_sq"]), b.numel))
-        counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
-        _check(lib.tierd_adam_set_tensor_steps(self._handle, b.slot, counts, len(steps)))
+        self._adam.set_state(b.slot, _ptr(flat["master"]), _ptr(flat["exp_avg"]),
+                             _ptr(flat["exp_avg_sq"]), b.numel)
+        self._adam.set_tensor_steps(b.slot, steps)
 
     # ---- the parameter groups, as they are now ----
 
@@ -310,7 +300,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """torch's add_param_group; the group's state is made (or, for persistent state that
         recorded it, resumed, setting its weights) at once."""
         super().add_param_group(param_group)
-        if not getattr(self, "_handle", None) or self._begun:
+        if getattr(self, "_adam", None) is None or self._begun:
             return  # torch's __init__ adding the first groups; or refused at step()
         try:
             self._sync()
@@ -397,9 +387,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             owned = [b for b in new if b.slot is not None]
             for j, b in enumerate(owned):
                 b.slot = len(self._owned) + j
-            groups, keep_alive = _buckets.tensor_groups(owned)
-            _check(_library().tierd_adam_add_groups(self._handle, len(owned), groups))
-            del keep_alive
+            self._adam.add_groups(owned)
             self._owned += owned
             self._buckets += new
             for b in new:
@@ -441,8 +429,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Frees the state of `buckets` (dormant, their parameters gone)."""
         owned = [b for b in buckets if b.slot is not None]
         if owned:
-            slots = (ctypes.c_size_t * len(owned))(*[b.slot for b in owned])
-            _check(_library().tierd_adam_remove_groups(self._handle, len(owned), slots))
+            self._adam.remove_groups([b.slot for b in owned])
         gone = set(id(b) for b in buckets)
         self._buckets = [b for b in self._buckets if id(b) not in gone]
         self._owned = [b for b in self._owned if id(b) not in gone]
@@ -617,14 +604,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         return anything
 
     def _begin(self, grad_scale: float):
-        lib = _library()
         if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
             self._pending_copy.synchronize()
             self._pending_copy = None
         for b in self._owned:
-            hyper = _hyper(b.group)
-            _check(lib.tierd_adam_set_group_hyper(self._handle, b.slot, ctypes.byref(hyper)))
-        _check(lib.tierd_adam_begin_step(self._handle, grad_scale))
+            self._adam.set_group_hyper(b.slot, _hyper(b.group))
+        self._adam.begin_step(grad_scale)
         self._begun = True
 
     def _launch(self, b: _buckets.Bucket):
@@ -633,9 +618,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if b.event is not None:
             b.event.synchronize()
         b.bind()
-        _check(_library().tierd_adam_step_tensors(
-            self._handle, b.slot, _ptr(b.grad), _buckets.DTYPES[b.dtype], _ptr(b.out),
-            _buckets.DTYPES[b.dtype], b.flags, len(b.sizes), _ptr(b.weights)))
+        self._adam.step_tensors(b.slot, _ptr(b.grad), _buckets.DTYPES[b.dtype], _ptr(b.out),
+                                _buckets.DTYPES[b.dtype], b.flags, len(b.sizes),
+                                _ptr(b.weights))
         b.launched = True
 
     # ---- the step ----
@@ -699,7 +684,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if self._begun and not self._speculation_holds(norm, grad_scale):
                 # Discard the buckets stepped during backward and step them all again, exactly.
                 # (When the speculation holds, the rest are stepped as those were.)
-                _check(_library().tierd_adam_abandon_step(self._handle))
+                self._adam.abandon_step()
                 self._begun = False
                 self._early = 0
                 todo = self._stepped() + todo
@@ -735,7 +720,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         reduces_early = self._comm.early if self._comm is not None else 0
         stats = _abi.AdamStepStats()
         try:
-            _check(_library().tierd_adam_finish_step(self._handle, ctypes.byref(stats)))
+            self._adam.finish_step(stats)
         except BaseException:
             self._end_step()
             raise
@@ -833,9 +818,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._begun:
             try:
                 if self._speculate:
-                    _check(_library().tierd_adam_abandon_step(self._handle))
+                    self._adam.abandon_step()
                 else:
-                    _check(_library().tierd_adam_finish_step(self._handle, None))
+                    self._adam.finish_step()
             finally:
                 self._end_step()
 
@@ -843,21 +828,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        return int(_library().tierd_adam_steps_taken(self._handle))
+        return self._adam.steps_taken
 
     @property
     def state_bytes(self) -> int:
-        return int(_library().tierd_adam_state_bytes(self._handle))
+        return self._adam.state_bytes
 
     def _read(self, b: _buckets.Bucket, part: int) -> torch.Tensor:
         out = torch.empty(b.numel, dtype=torch.float32)
-        _check(_library().tierd_adam_get_state(self._handle, b.slot, part, _ptr(out), b.numel))
+        self._adam.get_state(b.slot, part, _ptr(out), b.numel)
         return out
 
     def _tensor_steps(self, b: _buckets.Bucket) -> List[int]:
-        steps = (ctypes.c_int64 * max(len(b.sizes), 1))()
-        _check(_library().tierd_adam_get_tensor_steps(self._handle, b.slot, steps, len(b.sizes)))
-        return list(steps)[:len(b.sizes)]
+        return self._adam.tensor_steps(b.slot, len(b.sizes))
 
     def state_dict(self) -> Dict[str, Any]:
         """torch.optim.AdamW's format (exp_avg, exp_avg_sq and step per parameter stepped at
@@ -956,13 +939,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         everything = [int(torch.as_tensor(e["step"]).item()) for e in by_param.values()
                       if "step" in e]
         # steps_taken: the most any parameter has taken (each keeps its own count, set after).
-        _check(_library().tierd_adam_set_steps(self._handle, max(everything, default=0)))
+        self._adam.set_steps(max(everything, default=0))
         for b, parts, steps in plans:
             self._set_state(b, parts, steps)
         for b, steps in dormant:
-            counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
-            _check(_library().tierd_adam_set_tensor_steps(self._handle, b.slot, counts,
-                                                          len(steps)))
+            self._adam.set_tensor_steps(b.slot, steps)
         for s, g in zip(saved_groups, self.param_groups):
             for key, value in s.items():
                 if key != "params":
@@ -981,13 +962,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for h in self._hooks.values():
             (h[1] if isinstance(h, tuple) else h).remove()
         self._hooks = {}
-        if self._handle:
+        if self._adam is not None:
             try:
                 self._abandon()
             except TierdError:
                 pass
-            _library().tierd_adam_destroy(self._handle)
-            self._handle = ctypes.c_void_p()
+            self._adam.close()
+            self._adam = None
 
     def __del__(self):
         try:

@@ -445,7 +445,6 @@ def test_nvme_homed_blocks_come_back_by_the_schedule_under_memory_pressure():
                 model = GPT(8, 192, 4, CTX)
                 stream = None
                 if streamed:
-                    per_block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
                     stream = tierd.torch.stream_parameters(
                         model, device=torch.device("cpu"), device_budget_bytes=budget(model),
                         host_budget_bytes=0,
