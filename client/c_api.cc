@@ -82,8 +82,9 @@ namespace {
 
 thread_local std::string last_error;
 
+// The message alone: the code is the return value, and a binding names it once.
 tierd_status Fail(const absl::Status& s) {
-  last_error = s.ToString();
+  last_error = std::string(s.message());
   return static_cast<tierd_status>(static_cast<int>(s.code()));
 }
 

@@ -3,13 +3,40 @@
 Nothing here is compiled against Python, so the package works with any Python >= 3.9.
 """
 import ctypes
+import enum
 import os
 
 LIBRARY = "libtierd_client.so.0"
 
 TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
 ACCESS_READ, ACCESS_WRITE, ACCESS_OVERWRITE = 1, 2, 3
-OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = 0, 3, 5, 8, 9
+
+
+class Status(enum.IntEnum):
+    """tierd_status: the gRPC status codes."""
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = (
+    Status.OK, Status.INVALID_ARGUMENT, Status.NOT_FOUND, Status.RESOURCE_EXHAUSTED,
+    Status.FAILED_PRECONDITION)
+PENDING = 100  # TIERD_PENDING: tierd_poll's "not yet", not an error
 
 
 class Completion(ctypes.Structure):

@@ -18,23 +18,17 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _abi
 
-_CODE_NAMES = {
-    0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
-    5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
-    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
-    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED",
-}
-
 
 class TierdError(Exception):
     """A refused call: `code` is the gRPC status code (an int), `code_name` its name
     ("RESOURCE_EXHAUSTED"), `message` the daemon's (or the client library's) words."""
 
     def __init__(self, code: int, message: str):
-        self.code = code
-        self.code_name = _CODE_NAMES.get(code, str(code))
-        if message.startswith(self.code_name + ": "):  # the library's words may carry the code
-            message = message[len(self.code_name) + 2:]
+        self.code = int(code)
+        try:
+            self.code_name = _abi.Status(code).name
+        except ValueError:
+            self.code_name = str(code)
         self.message = message
         super().__init__(f"{self.code_name}: {message}")
 
@@ -51,7 +45,6 @@ class Access(enum.IntEnum):
     OVERWRITE = _abi.ACCESS_OVERWRITE  # the old bytes are not wanted: nothing is fetched
 
 
-_PENDING = 100  # TIERD_PENDING: tierd_poll's "not yet"
 
 _lib = None
 
@@ -87,7 +80,7 @@ class Completion:
         if self._waited:
             return True
         status = _library().tierd_poll(self._client._handle, self._token)
-        if status == _PENDING:
+        if status == _abi.PENDING:
             return False
         _check(status)
         return True
@@ -208,9 +201,10 @@ class Acquisition:
     def memoryview(self, i: int) -> memoryview:
         """Chunk i's bytes, without a copy (host memory only). Waits for them first."""
         if not self._host:
-            raise TierdError(9, "device-tier chunks are GPU memory: view them from the GPU")
+            raise TierdError(_abi.Status.FAILED_PRECONDITION,
+                             "device-tier chunks are GPU memory: view them from the GPU")
         if self._released:
-            raise TierdError(9, "the acquisition was released")
+            raise TierdError(_abi.Status.FAILED_PRECONDITION, "the acquisition was released")
         self.ready.wait()
         return memoryview((ctypes.c_char * self.sizes[i]).from_address(self.pointers[i])).cast("B")
 
@@ -221,15 +215,17 @@ class Acquisition:
         torch.utils.dlpack.from_dlpack or numpy.from_dlpack. Waits for the bytes first. Host
         chunks are CPU tensors; device chunks are CUDA tensors on the daemon's GPU."""
         if self._released:
-            raise TierdError(9, "the acquisition was released")
+            raise TierdError(_abi.Status.FAILED_PRECONDITION, "the acquisition was released")
         if dtype not in _abi.DL_TYPES:
-            raise TierdError(3, f"dtype {dtype!r} is not one of {sorted(_abi.DL_TYPES)}")
+            raise TierdError(_abi.Status.INVALID_ARGUMENT,
+                             f"dtype {dtype!r} is not one of {sorted(_abi.DL_TYPES)}")
         code, bits = _abi.DL_TYPES[dtype]
         if shape is None:
             shape = [max(self.sizes[i] - offset, 0) // (bits // 8)]
         shape = [int(d) for d in shape]
         if len(shape) > _abi.DLPACK_MAX_DIMS:
-            raise TierdError(3, f"at most {_abi.DLPACK_MAX_DIMS} dimensions")
+            raise TierdError(_abi.Status.INVALID_ARGUMENT,
+                             f"at most {_abi.DLPACK_MAX_DIMS} dimensions")
         self.ready.wait()
         dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         managed = ctypes.c_void_p()
@@ -313,7 +309,7 @@ class Client:
         """Scratch chunks of these sizes (bytes), with a copy in `home` (HOST or NVME)."""
         sizes = [int(s) for s in sizes]
         if not sizes:
-            raise TierdError(3, "allocate: no sizes given")
+            raise TierdError(_abi.Status.INVALID_ARGUMENT, "allocate: no sizes given")
         arr = (ctypes.c_uint64 * len(sizes))(*sizes)
         ids = (ctypes.c_uint64 * len(sizes))()
         _check(_library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))

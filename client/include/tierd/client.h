@@ -2,8 +2,8 @@
  *
  * Opaque handles, plain C types, no exceptions: usable from C, and from Python through ctypes
  * without compiling anything against Python or PyTorch. Every function returns a tierd_status;
- * on failure tierd_last_error() gives the message (per thread, valid until the thread's next
- * call). Status values are the gRPC status codes. */
+ * on failure tierd_last_error() gives the message, without the status's name (per thread, valid
+ * until the thread's next call). Status values are the gRPC status codes. */
 #ifndef TIERD_CLIENT_H_
 #define TIERD_CLIENT_H_
 
