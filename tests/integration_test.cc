@@ -684,9 +684,12 @@ TEST_F(ScheduleTest, WithAScheduleAcquiresFindTheirChunksReady) {
   Iteration(2, absl::Milliseconds(25));
   const SessionStats after = *client_->GetSessionStats();
   // 4 MiB reads take a few ms against 25 ms steps: every chunk is there when its step starts.
-  EXPECT_EQ(after.acquired_waited - before.acquired_waited, 0u)
+  // Without a schedule all 48 wait (WithoutAScheduleEveryAcquireWaits); on a loaded 2-core
+  // machine the planner's thread is sometimes scheduled a few milliseconds late: allow two, as
+  // the traced schedule's test does.
+  EXPECT_LE(after.acquired_waited - before.acquired_waited, 2u)
       << "stall " << absl::FormatDuration(after.host_stall - before.host_stall);
-  EXPECT_EQ(after.acquired_ready - before.acquired_ready, 2u * kChunks);
+  EXPECT_GE(after.acquired_ready - before.acquired_ready, 2u * kChunks - 2);
   EXPECT_GT(after.planner_fetches, 2u * kChunks - 8);  // the host holds 16 of the 24
   EXPECT_EQ(after.cursor, 3u * kChunks);
 }
