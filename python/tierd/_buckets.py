@@ -266,16 +266,17 @@ class StreamBucket(Bucket):
             self.grad_ext, self.grad_held = self.stream.hold_grad(u, r)
             self.grad = self.grad_ext[:self.numel]
 
-    def _current(self) -> torch.Tensor:
+    def _current(self, i: Optional[int] = None) -> torch.Tensor:
+        """A copy of the current version's weights: all of them, or weight i's alone."""
         u, r = self.place()
         view, held = self.stream.hold_range(u, r, r.current, Access.READ)
-        flat = view[:self.numel].clone()
+        flat = (view[:self.numel] if i is None else self.slice(view, i)).clone()
         del view
         held.__exit__(None, None, None)
         return flat
 
     def weight(self, i: int) -> torch.Tensor:
-        return self.slice(self._current(), i)
+        return self._current(i)
 
     def set_weights(self, flat: torch.Tensor) -> None:
         u, r = self.place()
