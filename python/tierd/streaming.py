@@ -84,16 +84,11 @@ def grad_accumulator(p: torch.Tensor):
     moment (no copy, no read)."""
     if not _storage_empty(p) or p.numel() == 0:
         return p.expand_as(p).grad_fn.next_functions[0][0]
-    st = _storage(p)
-    size = p.storage_offset() + p.numel()
-    if hasattr(p, "untyped_storage"):
-        st.resize_(size * p.element_size())
-    else:
-        st.resize_(size)
+    _resize(p, p.storage_offset() + p.numel())
     try:
         return p.expand_as(p).grad_fn.next_functions[0][0]
     finally:
-        st.resize_(0)
+        _resize(p, 0)
 
 
 class _Range:
