@@ -19,6 +19,7 @@ weights and optimizer state at home on NVMe, through host and device budgets it 
 larger than; a few steps, with the process's and the daemon's peak memory.
 
     bench/param_stream.py [--build build] [--steps 12] [--layers 12 --d-model 192 ...]
+                          [--variants memory,stream-host] [--host-capacity 1GiB]
     bench/param_stream.py --scale [--layers 32 --d-model 1280 --steps 3]
 """
 import json
@@ -133,10 +134,11 @@ def compare(args):
     class Shape:
         seed, ctx, batch = 1, args.ctx, args.batch
 
-    with benchlib.daemon(args.build, host_capacity="1GiB", device=args.device) as root:
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         nvme=args.nvme_region) as root:
         bw = probe(root, device)
         runs = {}
-        for v in VARIANTS:
+        for v in args.variants:
             model, opt, stream = setup(args, root, v, device)
             runs[v] = dict(model=model, opt=opt, stream=stream, times=[], losses=[], stats=[])
         while min(len(r["times"]) for r in runs.values()) < args.steps + 1:
@@ -196,7 +198,7 @@ def compare(args):
             if r["stream"] is not None:
                 r["stream"].close()
     # Memory: each variant in a process of its own (peak RSS is per process).
-    for v in VARIANTS:
+    for v in args.variants:
         out = subprocess.run([sys.executable, __file__, "--memory-of", v, *ARGV],
                              capture_output=True, text=True, check=True).stdout
         m = json.loads(out.strip().splitlines()[-1])
@@ -216,7 +218,8 @@ def memory_of(args, variant):
     class Shape:
         seed, ctx, batch = 1, args.ctx, args.batch
 
-    with benchlib.daemon(args.build, host_capacity="1GiB", device=args.device) as root:
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         nvme=args.nvme_region) as root:
         model, opt, stream = setup(args, root, variant, device)
         reset_peak()
         for step in range(3):
@@ -314,13 +317,19 @@ def main():
     extra.add_argument("--weights-host-budget", type=int, default=(256 << 20) if scaled else 0)
     extra.add_argument("--state-host-budget", type=int, default=(512 << 20) if scaled else 64 << 20)
     extra.add_argument("--state-home", default="nvme" if scaled else "host")
-    extra.add_argument("--host-capacity", default="6GiB")
-    extra.add_argument("--nvme-region", default="16GiB")
+    extra.add_argument("--host-capacity", default="6GiB" if scaled else "1GiB",
+                       help="the daemon's host tier")
+    extra.add_argument("--nvme-region", default="16GiB" if scaled else "1GiB")
+    extra.add_argument("--variants", default=",".join(VARIANTS),
+                       help="which of memory, stream-host, stream-nvme to run; memory first")
     known, rest = extra.parse_known_args()
     sys.argv = [sys.argv[0]] + rest
     args = benchlib.arguments(__doc__.split("\n\n")[0], steps, **defaults)
     for k, v in vars(known).items():
         setattr(args, k, v)
+    args.variants = args.variants.split(",")
+    if args.variants[0] != "memory" or not set(args.variants) <= set(VARIANTS):
+        sys.exit(f"param_stream: --variants must start with memory and name only {VARIANTS}")
     if memory_variant:
         memory_of(args, memory_variant)
     elif args.scale:
