@@ -1,6 +1,7 @@
 // The C ABI over tierd::Client: sessions, chunks, their DLPack views and schedules. (The CPU Adam
 // kernel's ABI is c_api_kernels.cc, the optimizer's c_api_optimizer.cc.)
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -33,12 +34,18 @@ struct ViewTable {
     // and the chunk's free, done when the last view is dropped.
     uint32_t deferred_releases = 0;
     bool deferred_free = false;
-    // Where the latest acquisition in each tier put it (index: tierd tier).
+    // Where the latest acquisition in each tier put it.
     struct Place {
       char* data = nullptr;
       uint64_t size = 0;
       bool host_accessible = true;
-    } place[4];
+    };
+    std::array<Place, 3> place;  // host, NVMe, device
+    // The place in tier `tier` (a TIERD_TIER_*); null for a value that names no tier.
+    Place* In(int tier) {
+      if (tier < TIERD_TIER_HOST || tier > TIERD_TIER_DEVICE) return nullptr;
+      return &place[tier - TIERD_TIER_HOST];
+    }
   };
   absl::Mutex mu;
   absl::flat_hash_map<tierd::ChunkId, Held> held ABSL_GUARDED_BY(mu);
@@ -239,9 +246,8 @@ tierd_status tierd_acquire(tierd_client* client, size_t n, const tierd_chunk_id*
       if (out_sizes != nullptr) out_sizes[i] = chunk.size;
       ViewTable::Held& held = client->views->held[chunk.id];
       held.pins += 1;
-      const int t = static_cast<int>(chunk.tier);
-      if (t >= 0 && t < 4) {
-        held.place[t] = {static_cast<char*>(chunk.data), chunk.size, chunk.host_accessible};
+      if (ViewTable::Held::Place* place = held.In(static_cast<int>(chunk.tier))) {
+        *place = {static_cast<char*>(chunk.data), chunk.size, chunk.host_accessible};
       }
     }
     *out_ready = Token(acquired->ready);
@@ -364,7 +370,7 @@ tierd_status tierd_chunk_dlpack(tierd_client* client, tierd_chunk_id id, int tie
     absl::MutexLock lock(&client->views->mu);
     auto it = client->views->held.find(id);
     const ViewTable::Held::Place* place =
-        it == client->views->held.end() || it->second.pins == 0 ? nullptr : &it->second.place[tier];
+        it == client->views->held.end() || it->second.pins == 0 ? nullptr : it->second.In(tier);
     if (place == nullptr || place->data == nullptr) {
       return Fail(absl::FailedPreconditionError(
           absl::StrCat("tierd_chunk_dlpack: chunk ", id, " is not acquired in the ",

@@ -184,7 +184,7 @@ absl::Status ApplyUserQuotas(absl::string_view source, const toml::node& node,
       absl::StatusOr<std::pair<TierKind, uint64_t>> q =
           GetTierBytes(source, v, absl::StrCat(key, ".", std::string(k.str())));
       if (!q.ok()) return q.status();
-      bytes[static_cast<int>(q->first)] = q->second;
+      bytes[q->first] = q->second;
     }
     quotas->by_uid[uid] = bytes;
     if (!name.empty()) quotas->names[uid] = name;

@@ -19,9 +19,7 @@ void FollowStateDir(DaemonConfig& config, const std::string& before) {
   }
 }
 
-uint64_t* QuotaOf(DaemonConfig& config, TierKind kind) {
-  return &config.quotas.per_uid[static_cast<int>(kind)];
-}
+uint64_t* QuotaOf(DaemonConfig& config, TierKind kind) { return &config.quotas.per_uid[kind]; }
 
 constexpr ConfigKey kKeys[] = {
     // [daemon]

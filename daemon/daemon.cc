@@ -147,9 +147,9 @@ absl::Status ProbeBandwidth(const DaemonConfig& config, DaemonParts& d) {
                                      "(planner.probe_bytes = 0)"));
   }
   std::string figures;
-  for (int p = 0; p < kPaths; ++p) {
+  for (Path p : kAllPaths) {
     if ((*probed)[p] <= 0) continue;
-    absl::StrAppend(&figures, figures.empty() ? "" : ", ", PathName(static_cast<Path>(p)), " ",
+    absl::StrAppend(&figures, figures.empty() ? "" : ", ", PathName(p), " ",
                     absl::StrFormat("%.2f", (*probed)[p] / 1e9), " GB/s");
   }
   spdlog::info("start-up bandwidth probe: {}", figures.empty() ? "no path probed" : figures);

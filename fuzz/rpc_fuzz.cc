@@ -218,15 +218,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!cleaner.ok()) abort();
   ChunkPage page = d.chunks->List(**cleaner, 0, 100000);
   // Nothing moves: each tier's bytes in use are the space its chunks' copies take there.
-  uint64_t space[kTierKinds] = {};
+  TierArray<uint64_t> space;
   for (const ChunkMeta& c : page.chunks) {
-    for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
-      if (c.allocated.contains(t))
-        space[static_cast<int>(t)] += c.placement[static_cast<int>(t)].size;
+    for (TierKind t : kAllTiers) {
+      if (c.allocated.contains(t)) space[t] += c.placement[t].size;
     }
   }
-  for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
-    if (d.chunks->tier(t)->Usage().used_bytes != space[static_cast<int>(t)]) __builtin_trap();
+  for (TierKind t : kAllTiers) {
+    if (d.chunks->tier(t)->Usage().used_bytes != space[t]) __builtin_trap();
   }
   for (const ChunkMeta& c : page.chunks) {
     const ChunkId id = c.id;
@@ -236,7 +235,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   d.chunks->CloseSession(**cleaner);
   Settle(d);
   if (d.chunks->chunk_count() != 0) __builtin_trap();
-  for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+  for (TierKind t : kAllTiers) {
     if (d.chunks->tier(t)->Usage().used_bytes != 0) __builtin_trap();
   }
   return 0;

@@ -171,7 +171,7 @@ TEST(ConfigTest, PlannerKeys) {
 TEST(ConfigTest, LimitsAndQuotas) {
   DaemonConfig c = DefaultConfig();
   EXPECT_EQ(c.limits.sessions_per_uid, 128u);
-  EXPECT_EQ(c.quotas.For(1000)[static_cast<int>(TierKind::kHost)], 0u);  // none by default
+  EXPECT_EQ(c.quotas.For(1000)[TierKind::kHost], 0u);  // none by default
   absl::Status s = ApplyToml(R"(
 [limits]
 connections_per_uid = 32
@@ -200,7 +200,7 @@ nvme = 0
   EXPECT_EQ(c.limits.schedule_accesses_per_session, 4096u);
   EXPECT_EQ(c.limits.schedule_accesses_per_uid, 8192u);
   EXPECT_EQ(c.limits.trace_steps, 512u);
-  const int host = static_cast<int>(TierKind::kHost), nvme = static_cast<int>(TierKind::kNvme);
+  const TierKind host = TierKind::kHost, nvme = TierKind::kNvme;
   EXPECT_EQ(c.quotas.For(2000)[host], 64ull << 30);  // everyone's
   EXPECT_EQ(c.quotas.For(1000)[host], 128ull << 30);
   EXPECT_EQ(c.quotas.For(1000)[nvme], 1ull << 40);  // what the entry does not name stays

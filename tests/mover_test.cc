@@ -93,7 +93,7 @@ class MoverTest : public ::testing::Test {
     c.owner = 7;
     c.size = kChunk;
     const Placement p = *room_->ReserveSpace(TierKind::kHost, c.tenant, kChunk);
-    c.placement[static_cast<int>(TierKind::kHost)] = p;
+    c.placement[TierKind::kHost] = p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
     auto* bytes = static_cast<uint8_t*>(host_->Address(p));
@@ -103,7 +103,7 @@ class MoverTest : public ::testing::Test {
 
   bool Holds(const ChunkMeta& c, TierKind tier, uint8_t seed) {
     Tier* t = tier == TierKind::kHost ? static_cast<Tier*>(host_.get()) : device_pool_.get();
-    auto* bytes = static_cast<const uint8_t*>(t->Address(c.placement[static_cast<int>(tier)]));
+    auto* bytes = static_cast<const uint8_t*>(t->Address(c.placement[tier]));
     for (uint64_t i = 0; i < kChunk; ++i) {
       if (bytes[i] != static_cast<uint8_t>(i * 7 + seed)) return false;
     }

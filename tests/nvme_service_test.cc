@@ -182,8 +182,8 @@ TEST_F(NvmeServiceTest, TrafficIsCountedToTheHoldingSessionAndItsJob) {
   ASSERT_TRUE(Wait(*trainer, service_->Prefetch(*trainer, mine, TierKind::kHost, 0)).ok());
   ASSERT_TRUE(Wait(*other, service_->Evict(*other, theirs, TierKind::kNvme)).ok());
 
-  const std::map<std::string, std::array<uint64_t, kPaths>> jobs = service_->JobTraffic();
-  const auto down = static_cast<int>(Path::kHostToNvme), up = static_cast<int>(Path::kNvmeToHost);
+  const std::map<std::string, PathArray<uint64_t>> jobs = service_->JobTraffic();
+  const Path down = Path::kHostToNvme, up = Path::kNvmeToHost;
   EXPECT_EQ(jobs.at("run-42")[down], 3u << 20);  // its persistent chunk too: it holds the lease
   EXPECT_EQ(jobs.at("run-42")[up], 2u << 20);
   EXPECT_EQ(jobs.at("run-43")[down], 1u << 20);
@@ -241,7 +241,7 @@ TEST_F(NvmeServiceTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreT
   }
   SessionStats stats = service_->session_stats(*session_);
   EXPECT_EQ(stats.waited, 2u);
-  EXPECT_GE(stats.stall[static_cast<int>(TierKind::kHost)], absl::Milliseconds(20));
+  EXPECT_GE(stats.stall[TierKind::kHost], absl::Milliseconds(20));
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
@@ -394,7 +394,7 @@ TEST_F(NvmeServiceTest, AnOverwriteReadsNothingAndItsWritesComeBack) {
   auto ids = Alloc(*session_, sizes, TierKind::kNvme);
   Write(*session_, ids, 1);
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
-  const auto read = [&] { return service_->path_status()[0].bytes; };  // nvme_to_host
+  const auto read = [&] { return service_->path_status()[Path::kNvmeToHost].bytes; };
   const uint64_t before = read();
 
   auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kOverwrite);
@@ -463,8 +463,7 @@ TEST_F(NvmeServiceTest, AcquireWaitsForMovesInFlightToLandAndMakesRoomFromThem) 
   EXPECT_TRUE(Wait(*session_, a->ready).ok());
   EXPECT_TRUE(Wait(*session_, *fill).ok());
   faults_->SetDelay(absl::ZeroDuration());
-  EXPECT_GT(service_->session_stats(*session_).stall[static_cast<int>(TierKind::kHost)],
-            absl::ZeroDuration());
+  EXPECT_GT(service_->session_stats(*session_).stall[TierKind::kHost], absl::ZeroDuration());
   const auto* w = static_cast<const uint64_t*>(host_->Address(a->locations[0]));
   EXPECT_EQ(w[0], Word(9, away[0], 0));
   EXPECT_TRUE(service_->Release(*session_, away).ok());
@@ -1073,7 +1072,7 @@ TEST_F(NvmeServiceTest, WritingAChunkRestoredFromACleanStopMakesACrashReportItLo
 
 TEST_F(NvmeServiceTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
   Quotas q;
-  q.per_uid[static_cast<int>(TierKind::kHost)] = 8 << 20;
+  q.per_uid[TierKind::kHost] = 8 << 20;
   q.by_uid[2000] = {};  // a user with no quota at all
   service_->set_limits(Limits{}, q);
   Alloc(*session_, {4 << 20, 4 << 20});
@@ -1087,16 +1086,16 @@ TEST_F(NvmeServiceTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
   MapPage(*other);
   Alloc(*other, {4 << 20, 4 << 20, 4 << 20});
   const TenantUsage mine = service_->tenant_usage(1000);
-  EXPECT_EQ(mine.bytes[static_cast<int>(TierKind::kHost)], 8u << 20);
+  EXPECT_EQ(mine.bytes[TierKind::kHost], 8u << 20);
   EXPECT_EQ(mine.chunks, 2u);
   EXPECT_EQ(mine.refusals[static_cast<int>(LimitKind::kHostQuota)], 1u);
-  EXPECT_EQ(service_->tenant_usage(2000).bytes[static_cast<int>(TierKind::kHost)], 12u << 20);
+  EXPECT_EQ(service_->tenant_usage(2000).bytes[TierKind::kHost], 12u << 20);
 }
 
 // At its quota, a user's fetch makes room from its own copies, never another user's.
 TEST_F(NvmeServiceTest, AUserAtItsQuotaMakesRoomFromItsOwnCleanCopiesOnly) {
   Quotas q;
-  q.by_uid[1000][static_cast<int>(TierKind::kHost)] = 8 << 20;
+  q.by_uid[1000][TierKind::kHost] = 8 << 20;
   service_->set_limits(Limits{}, q);
   auto other = *sessions_.Open({2000, 2000, 2}, "other");
   MapPage(*other);
@@ -1119,7 +1118,7 @@ TEST_F(NvmeServiceTest, AUserAtItsQuotaMakesRoomFromItsOwnCleanCopiesOnly) {
 
 TEST_F(NvmeServiceTest, AUserAtItsQuotaWritesItsOwnDirtyCopiesDownToMakeRoom) {
   Quotas q;
-  q.by_uid[1000][static_cast<int>(TierKind::kHost)] = 8 << 20;
+  q.by_uid[1000][TierKind::kHost] = 8 << 20;
   service_->set_limits(Limits{}, q);
   auto away = Alloc(*session_, {4 << 20});
   Write(*session_, away, 4);
@@ -1127,7 +1126,7 @@ TEST_F(NvmeServiceTest, AUserAtItsQuotaWritesItsOwnDirtyCopiesDownToMakeRoom) {
   auto dirty = Alloc(*session_, {4 << 20, 4 << 20});  // the quota, written only on the host
   Write(*session_, dirty, 5);
   EXPECT_TRUE(Check(*session_, away, 4, {4 << 20}));  // an Acquire: one dirty copy goes down
-  EXPECT_EQ(service_->tenant_usage(1000).bytes[static_cast<int>(TierKind::kHost)], 8u << 20);
+  EXPECT_EQ(service_->tenant_usage(1000).bytes[TierKind::kHost], 8u << 20);
   EXPECT_TRUE(Check(*session_, dirty, 5, {4 << 20, 4 << 20}));
 }
 
@@ -1198,7 +1197,7 @@ TEST_F(NvmeServiceTest, SchedulesAndTracesAreLimitedPerSessionAndPerUser) {
 // sessions have ended.
 TEST_F(NvmeServiceTest, PersistentChunksCountAgainstTheirUsersQuotaAfterItsSessionsEnd) {
   Quotas q;
-  q.per_uid[static_cast<int>(TierKind::kNvme)] = 16 << 20;
+  q.per_uid[TierKind::kNvme] = 16 << 20;
   service_->set_limits(Limits{}, q);
   auto first = *sessions_.Open({1000, 1000, 2}, "first");
   MapPage(*first);
@@ -1207,7 +1206,7 @@ TEST_F(NvmeServiceTest, PersistentChunksCountAgainstTheirUsersQuotaAfterItsSessi
   Write(*first, big, 6);
   ASSERT_TRUE(Wait(*first, service_->Evict(*first, big, TierKind::kNvme)).ok());
   service_->CloseSession(*first);
-  EXPECT_EQ(service_->tenant_usage(1000).bytes[static_cast<int>(TierKind::kNvme)], 12u << 20);
+  EXPECT_EQ(service_->tenant_usage(1000).bytes[TierKind::kNvme], 12u << 20);
   r = {{.size = 8 << 20, .name = "job/more", .persistent = true}};
   auto more = *service_->Allocate(*session_, r);
   Write(*session_, more, 7);

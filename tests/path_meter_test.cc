@@ -13,16 +13,17 @@ constexpr uint64_t kMiB = 1 << 20;
 TEST(PathMeterTest, StartsFromItsGuessesAndTheProbeReplacesThem) {
   PathMeter meter;
   const auto before = meter.Status();
-  EXPECT_FALSE(before[static_cast<int>(Path::kNvmeToHost)].measured);
-  EXPECT_GT(before[static_cast<int>(Path::kNvmeToHost)].bytes_per_second, 0);
-  meter.Seed({3e9, 0, 0, 0});
+  EXPECT_FALSE(before[Path::kNvmeToHost].measured);
+  EXPECT_GT(before[Path::kNvmeToHost].bytes_per_second, 0);
+  PathArray<double> probed;
+  probed[Path::kNvmeToHost] = 3e9;
+  meter.Seed(probed);
   const auto after = meter.Status();
-  EXPECT_EQ(after[static_cast<int>(Path::kNvmeToHost)].bytes_per_second, 3e9);
-  EXPECT_EQ(after[static_cast<int>(Path::kNvmeToHost)].probed_bytes_per_second, 3e9);
-  EXPECT_TRUE(after[static_cast<int>(Path::kNvmeToHost)].measured);
+  EXPECT_EQ(after[Path::kNvmeToHost].bytes_per_second, 3e9);
+  EXPECT_EQ(after[Path::kNvmeToHost].probed_bytes_per_second, 3e9);
+  EXPECT_TRUE(after[Path::kNvmeToHost].measured);
   // A path the probe did not measure keeps its guess.
-  EXPECT_EQ(after[static_cast<int>(Path::kHostToNvme)].bytes_per_second,
-            before[static_cast<int>(Path::kHostToNvme)].bytes_per_second);
+  EXPECT_EQ(after[Path::kHostToNvme].bytes_per_second, before[Path::kHostToNvme].bytes_per_second);
 }
 
 TEST(PathMeterTest, ABusyPeriodMeasuresBytesOverTheTimeThePathWasBusy) {
@@ -31,18 +32,18 @@ TEST(PathMeterTest, ABusyPeriodMeasuresBytesOverTheTimeThePathWasBusy) {
   // Two 8 MiB moves overlapping on one path over 10 ms: 16 MiB in 10 ms.
   meter.Started(Path::kHostToNvme, 1, 8 * kMiB, clock.Now());
   meter.Started(Path::kHostToNvme, 2, 8 * kMiB, clock.Now());
-  EXPECT_EQ(meter.Load()[static_cast<int>(Path::kHostToNvme)].in_flight, 2);
-  EXPECT_EQ(meter.Load()[static_cast<int>(Path::kHostToNvme)].queued_bytes, 16 * kMiB);
+  EXPECT_EQ(meter.Load()[Path::kHostToNvme].in_flight, 2);
+  EXPECT_EQ(meter.Load()[Path::kHostToNvme].queued_bytes, 16 * kMiB);
   clock.Advance(absl::Milliseconds(5));
   meter.Done(Path::kHostToNvme, 1, 8 * kMiB, clock.Now());
   clock.Advance(absl::Milliseconds(5));
   meter.Done(Path::kHostToNvme, 2, 8 * kMiB, clock.Now());
-  const PathStatus s = meter.Status()[static_cast<int>(Path::kHostToNvme)];
+  const PathStatus s = meter.Status()[Path::kHostToNvme];
   EXPECT_TRUE(s.measured);
   EXPECT_DOUBLE_EQ(s.bytes_per_second, 16.0 * kMiB / 0.010);
   EXPECT_EQ(s.bytes, 16 * kMiB);
   EXPECT_EQ(s.moves, 2u);
-  const PathLoad load = meter.Load()[static_cast<int>(Path::kHostToNvme)];
+  const PathLoad load = meter.Load()[Path::kHostToNvme];
   EXPECT_EQ(load.in_flight, 0);
   EXPECT_EQ(load.queued_bytes, 0u);
   // The slow estimate of one move is above the mean it has seen (5 ms and 10 ms per 8 MiB).

@@ -19,12 +19,12 @@ class PlannerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     in_.now = kNow;
-    in_.capacity[static_cast<int>(TierKind::kNvme)] = 1024 * kMiB;
+    in_.capacity[TierKind::kNvme] = 1024 * kMiB;
     in_.bytes_per_second.fill(1e9);
   }
 
   void HostCapacity(uint64_t chunks) {
-    in_.capacity[static_cast<int>(TierKind::kHost)] = chunks * kMiB;
+    in_.capacity[TierKind::kHost] = chunks * kMiB;
     Refresh();
   }
 
@@ -46,8 +46,8 @@ class PlannerTest : public ::testing::Test {
       for (const auto& [id, c] : in_.chunks) {
         if (c.resident.contains(t) || (c.moving && c.moving_to == t)) used += c.size;
       }
-      const uint64_t cap = in_.capacity[static_cast<int>(t)];
-      in_.free[static_cast<int>(t)] = cap > used ? cap - used : 0;
+      const uint64_t cap = in_.capacity[t];
+      in_.free[t] = cap > used ? cap - used : 0;
     }
   }
 
@@ -202,13 +202,13 @@ TEST_F(PlannerTest, DirtyCopiesNotNeededForAWhileAreWrittenBackEarlyWhenThePathI
   std::vector<PlannedMove> wb = Only(Plan(in_), Kind::kWriteBack);
   ASSERT_EQ(wb.size(), 1u);
   EXPECT_EQ(wb[0].id, 1u);
-  in_.queued_bytes[static_cast<int>(Path::kHostToNvme)] = kMiB;  // the path is busy
+  in_.queued_bytes[Path::kHostToNvme] = kMiB;  // the path is busy
   EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
 }
 
 TEST_F(PlannerTest, AFetchToTheDeviceFromNvmeNeedsRoomInBothTiers) {
   HostCapacity(1);
-  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  in_.capacity[TierKind::kDevice] = 4 * kMiB;
   Chunk(1, {TierKind::kHost}).pinned = true;
   Chunk(2);
   Refresh();
@@ -225,7 +225,7 @@ TEST_F(PlannerTest, AHostCopyStagedForTheDeviceIsNotKeptOnceTheDeviceHoldsTheChu
   // Chunk 1 is used next in the device, which holds it: its host copy serves nothing. Chunk 2 is
   // used next in the host, later than chunk 1 in the device. Room for chunk 3 comes from chunk 1.
   HostCapacity(2);
-  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  in_.capacity[TierKind::kDevice] = 4 * kMiB;
   Chunk(1, {TierKind::kHost, TierKind::kDevice});
   Chunk(2, {TierKind::kHost});
   Chunk(3);
@@ -246,7 +246,7 @@ TEST_F(PlannerTest, FreeSpaceInPiecesBringsSparesInEveryTierTheFetchNeedsRoomIn)
   // from NVMe stages through the host, so each tier gets spares, the copies needed latest, and
   // never one needed before the fetch or one that exists nowhere else.
   HostCapacity(4);
-  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  in_.capacity[TierKind::kDevice] = 4 * kMiB;
   Chunk(1, {TierKind::kHost, TierKind::kDevice});  // needed after chunk 5
   Chunk(2, {TierKind::kHost});                     // needed in the host before chunk 5
   Chunk(6, {TierKind::kDevice});                   // needed in the device before chunk 5
@@ -256,7 +256,9 @@ TEST_F(PlannerTest, FreeSpaceInPiecesBringsSparesInEveryTierTheFetchNeedsRoomIn)
   only_copy.dirty.insert(TierKind::kDevice);
   Chunk(4, {TierKind::kHost});  // unscheduled
   Chunk(5);
-  in_.largest_free = {0, kMiB / 2, 0, kMiB / 2};
+  in_.largest_free[TierKind::kHost] = kMiB / 2;
+  in_.largest_free[TierKind::kNvme] = 0;
+  in_.largest_free[TierKind::kDevice] = kMiB / 2;
   std::vector<ScheduledAccess> first = Read({2});
   first.push_back({6, TierKind::kDevice, Access::kRead});
   Schedule({first, Read({5}, TierKind::kDevice), Read({1, 3}, TierKind::kDevice)},
@@ -300,7 +302,7 @@ TEST_F(PlannerTest, AUseAfterAWriteElsewhereWaitsForTheWriteAndCopiesAboutToBeOv
   // wants the new contents, so its old copy on NVMe is not fetched now. Chunk 2's host copy is
   // overwritten in step 1: it is needed by nobody and goes before chunk 3's, needed in step 3.
   HostCapacity(2);
-  in_.capacity[static_cast<int>(TierKind::kDevice)] = 4 * kMiB;
+  in_.capacity[TierKind::kDevice] = 4 * kMiB;
   Chunk(1);
   Chunk(2, {TierKind::kHost});
   Chunk(3, {TierKind::kHost});
@@ -330,7 +332,7 @@ TEST_F(PlannerTest, ASessionOverItsQuotaWaitsWhileAnotherIsServed) {
       SessionPlan{.session = 1, .steps = &mine, .cursor = 0, .step_started = kNow, .step_time = &t},
       SessionPlan{
           .session = 2, .steps = &other, .cursor = 0, .step_started = kNow, .step_time = &t}};
-  in_.sessions[0].quota[static_cast<int>(TierKind::kHost)] = kMiB;  // holds chunk 1 already
+  in_.sessions[0].quota[TierKind::kHost] = kMiB;  // holds chunk 1 already
   std::vector<PlannedMove> fetches = Only(Plan(in_), Kind::kFetch);
   ASSERT_EQ(fetches.size(), 1u);
   EXPECT_EQ(fetches[0].id, 3u);
@@ -345,7 +347,7 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
     in_ = PlanInput{};
     SetUp();
     const uint64_t cap = 2 + rng() % 8;
-    in_.capacity[static_cast<int>(TierKind::kDevice)] = (rng() % 4) * kMiB;
+    in_.capacity[TierKind::kDevice] = (rng() % 4) * kMiB;
     const int chunks = 4 + static_cast<int>(rng() % 16);
     for (ChunkId id = 1; id <= static_cast<ChunkId>(chunks); ++id) {
       PlannerChunk c{.id = id, .size = kMiB * (1 + rng() % 2), .owner = 1, .home = TierKind::kNvme};
@@ -354,7 +356,7 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
       in_.chunks[id] = c;
     }
     // Fill the host up to its capacity with some of them, some dirty, pinned or moving.
-    in_.capacity[static_cast<int>(TierKind::kHost)] = cap * kMiB;
+    in_.capacity[TierKind::kHost] = cap * kMiB;
     uint64_t used = 0;
     for (auto& [id, c] : in_.chunks) {
       if (rng() % 2 == 0 || used + c.size > cap * kMiB) continue;
@@ -379,13 +381,13 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
     Schedule(steps, rng() % 10, absl::Microseconds(50 + rng() % 2000));
     std::vector<PlannedMove> moves = Plan(in_);
 
-    std::array<int64_t, kTierKinds> free{};
-    for (int t = 0; t < kTierKinds; ++t) free[t] = static_cast<int64_t>(in_.free[t]);
+    TierArray<int64_t> free;
+    for (TierKind t : kAllTiers) free[t] = static_cast<int64_t>(in_.free[t]);
     for (const PlannedMove& m : moves) {
       const PlannerChunk& c = in_.chunks.at(m.id);
       EXPECT_FALSE(c.pinned) << "round " << round;
       EXPECT_FALSE(c.moving) << "round " << round;
-      const int t = static_cast<int>(m.tier);
+      const TierKind t = m.tier;
       switch (m.kind) {
         case Kind::kSpare:  // only with free space in pieces, which this test does not model
           ADD_FAILURE() << "a spare without fragmentation";
@@ -398,7 +400,7 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
         case Kind::kFetch:
           free[t] -= static_cast<int64_t>(c.size);
           if (m.tier == TierKind::kDevice && !c.resident.contains(TierKind::kHost)) {
-            free[static_cast<int>(TierKind::kHost)] -= static_cast<int64_t>(c.size);
+            free[TierKind::kHost] -= static_cast<int64_t>(c.size);
           }
           break;
         case Kind::kWriteBack:
@@ -406,8 +408,8 @@ TEST_F(PlannerTest, RandomSchedulesNeverOverfillATierOrDropWhatMustStay) {
               << "round " << round << ": nothing to write back";
           break;
       }
-      for (int k = 0; k < kTierKinds; ++k) {
-        EXPECT_GE(free[k], 0) << "round " << round << ": tier " << k << " overfilled";
+      for (TierKind k : kAllTiers) {
+        EXPECT_GE(free[k], 0) << "round " << round << ": tier " << TierName(k) << " overfilled";
       }
     }
   }

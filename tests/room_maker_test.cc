@@ -22,7 +22,7 @@ class RecordedMoves final : public RoomMaker::Moves {
     ++fetches;
     absl::StatusOr<Placement> p = room->ReserveIn(tier, chunk.tenant, chunk.size);
     if (!p.ok()) return p.status();
-    chunk.placement[static_cast<int>(tier)] = *p;
+    chunk.placement[tier] = *p;
     chunk.allocated.insert(tier);
     return BeginMove(chunk, tier);
   }
@@ -56,7 +56,7 @@ class RoomMakerTest : public testing::Test {
   RoomMaker& Make(bool can_write_down, const Quotas& quotas = {}) {
     ledger_.Configure(Limits{}, quotas);
     Tiers tiers = NodeTiers(host_.get());
-    if (can_write_down) tiers.hop[static_cast<int>(Path::kHostToNvme)] = &unused_hop_;
+    if (can_write_down) tiers.hop[Path::kHostToNvme] = &unused_hop_;
     room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, moves_);
     moves_.room = room_.get();
     return *room_;
@@ -70,7 +70,7 @@ class RoomMakerTest : public testing::Test {
     c.last_use = last_use;
     absl::StatusOr<Placement> p = room_->ReserveSpace(TierKind::kHost, tenant, kSeg);
     EXPECT_TRUE(p.ok()) << p.status();
-    c.placement[static_cast<int>(TierKind::kHost)] = *p;
+    c.placement[TierKind::kHost] = *p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
     if (clean) {
@@ -175,7 +175,7 @@ TEST_F(RoomMakerTest, WithNoTierBelowAFullTierOfDirtyCopiesRefusesTheFetch) {
 
 TEST_F(RoomMakerTest, AUserAtItsQuotaMakesRoomOnlyFromItsOwnCopies) {
   Quotas quotas;
-  quotas.per_uid[static_cast<int>(TierKind::kHost)] = 2 * kSeg;
+  quotas.per_uid[TierKind::kHost] = 2 * kSeg;
   RoomMaker& room = Make(/*can_write_down=*/true, quotas);
   ChunkMeta& bob_old = HostChunk(kBob, 1, /*clean=*/true);
   ChunkMeta& bob_older = HostChunk(kBob, 0, /*clean=*/true);

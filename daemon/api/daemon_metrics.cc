@@ -20,8 +20,7 @@ constexpr TierKind kTiers[] = {TierKind::kDevice, TierKind::kHost, TierKind::kNv
 Labels TierLabel(TierKind t) { return {{"tier", std::string(TierName(t))}}; }
 
 // A path's labels; the paths over PCIe also name the GPU, so that bandwidth is per device.
-Labels PathLabel(int p, const std::string& gpu) {
-  const Path path = static_cast<Path>(p);
+Labels PathLabel(Path path, const std::string& gpu) {
   Labels labels{{"path", PathName(path)}};
   if (!gpu.empty() && (path == Path::kHostToDevice || path == Path::kDeviceToHost)) {
     labels.push_back({"device", gpu});
@@ -122,16 +121,16 @@ std::string RenderMetrics(const MetricsSources& src) {
     w.Sample(TierLabel(t), static_cast<double>(u.largest_free_bytes));
   w.Family("tierd_tier_resident_bytes", Type::Gauge, "Bytes of valid chunk copies in each tier.");
   for (const auto& [t, u] : usage) {
-    w.Sample(TierLabel(t), static_cast<double>(node.resident_bytes[static_cast<int>(t)]));
+    w.Sample(TierLabel(t), static_cast<double>(node.resident_bytes[t]));
   }
   w.Family("tierd_tier_pinned_bytes", Type::Gauge,
            "Space in each tier held by acquired chunks: not reclaimable until they are released.");
   for (const auto& [t, u] : usage) {
-    w.Sample(TierLabel(t), static_cast<double>(node.pinned_bytes[static_cast<int>(t)]));
+    w.Sample(TierLabel(t), static_cast<double>(node.pinned_bytes[t]));
   }
   w.Family("tierd_tier_resident_chunks", Type::Gauge, "Chunks with a valid copy in each tier.");
   for (const auto& [t, u] : usage) {
-    w.Sample(TierLabel(t), static_cast<double>(node.resident_chunks[static_cast<int>(t)]));
+    w.Sample(TierLabel(t), static_cast<double>(node.resident_chunks[t]));
   }
   w.Family("tierd_chunks", Type::Gauge, "Chunks by state: ready, or moving between tiers.");
   w.Sample({{"state", "ready"}}, static_cast<double>(node.chunks_ready));
@@ -142,33 +141,32 @@ std::string RenderMetrics(const MetricsSources& src) {
   w.Sample({}, static_cast<double>(node.chunks_persistent));
 
   // Moves between tiers.
-  const std::array<PathStatus, kPaths> paths = src.chunks->path_status();
+  const PathArray<PathStatus> paths = src.chunks->path_status();
   const std::string gpu = src.devices != nullptr && !src.devices->devices.empty()
                               ? src.devices->devices.front().uuid
                               : std::string();
-  auto PathLabel = [&gpu](int p) { return daemon::PathLabel(p, gpu); };
+  auto PathLabel = [&gpu](Path p) { return daemon::PathLabel(p, gpu); };
   w.Family("tierd_moved_bytes_total", Type::Counter,
            "Bytes moved between tiers by path: nvme_to_host and host_to_nvme are the drives' read "
            "and write, host_to_device and device_to_host PCIe H2D and D2H.");
-  for (int p = 0; p < kPaths; ++p) w.Sample(PathLabel(p), static_cast<double>(paths[p].bytes));
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), static_cast<double>(paths[p].bytes));
   w.Family("tierd_moves_total", Type::Counter, "Chunk moves completed, by path.");
-  for (int p = 0; p < kPaths; ++p) w.Sample(PathLabel(p), static_cast<double>(paths[p].moves));
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), static_cast<double>(paths[p].moves));
   w.Family("tierd_path_bandwidth_bytes_per_second", Type::Gauge,
            "Each path's bandwidth as the planner estimates it (measured from moves, or probed at "
            "start-up).");
-  for (int p = 0; p < kPaths; ++p) w.Sample(PathLabel(p), paths[p].bytes_per_second);
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), paths[p].bytes_per_second);
   w.Family("tierd_path_probed_bandwidth_bytes_per_second", Type::Gauge,
            "Each path's bandwidth measured by the start-up probe (0: not probed).");
-  for (int p = 0; p < kPaths; ++p) w.Sample(PathLabel(p), paths[p].probed_bytes_per_second);
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), paths[p].probed_bytes_per_second);
   w.Family("tierd_moves_in_flight", Type::Gauge, "Chunk moves under way, by path.");
-  for (int p = 0; p < kPaths; ++p) w.Sample(PathLabel(p), static_cast<double>(node.in_flight[p]));
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), static_cast<double>(node.in_flight[p]));
   w.Family("tierd_move_queued_bytes", Type::Gauge, "Bytes of the moves under way, by path.");
-  for (int p = 0; p < kPaths; ++p)
-    w.Sample(PathLabel(p), static_cast<double>(node.queued_bytes[p]));
+  for (Path p : kAllPaths) w.Sample(PathLabel(p), static_cast<double>(node.queued_bytes[p]));
   w.Family("tierd_transfer_seconds", Type::Histogram,
            "How long chunk moves took, from start to settling (queueing included), by path.");
-  for (int p = 0; p < kPaths; ++p) {
-    w.Sample(PathLabel(p), src.chunks->transfer_seconds(static_cast<Path>(p)));
+  for (Path p : kAllPaths) {
+    w.Sample(PathLabel(p), src.chunks->transfer_seconds(p));
   }
 
   // What acquisitions cost, and what the planner did about it.
@@ -180,7 +178,7 @@ std::string RenderMetrics(const MetricsSources& src) {
   w.Family("tierd_acquire_stall_seconds_total", Type::Counter,
            "Time acquisitions waited for their chunks to arrive (or for room), by tier.");
   for (const auto& [t, u] : usage) {
-    w.Sample(TierLabel(t), absl::ToDoubleSeconds(node.totals.stall[static_cast<int>(t)]));
+    w.Sample(TierLabel(t), absl::ToDoubleSeconds(node.totals.stall[t]));
   }
   w.Family("tierd_acquire_wait_seconds", Type::Histogram,
            "How long acquisitions whose chunk was not in place waited for it to arrive, by tier.");
@@ -251,14 +249,14 @@ std::string RenderMetrics(const MetricsSources& src) {
   for (const auto& [uid, u] : tenants) {
     for (const auto& [t, tier_usage] : usage) {
       w.Sample({{"uid", absl::StrCat(uid)}, {"tier", std::string(TierName(t))}},
-               static_cast<double>(u.bytes[static_cast<int>(t)]));
+               static_cast<double>(u.bytes[t]));
     }
   }
   w.Family("tierd_user_quota_bytes", Type::Gauge,
            "Each user's quota in each tier (quota.*), where it has one.");
   for (const auto& [uid, u] : tenants) {
     for (const auto& [t, tier_usage] : usage) {
-      const uint64_t quota = quotas.For(uid)[static_cast<int>(t)];
+      const uint64_t quota = quotas.For(uid)[t];
       if (quota == 0) continue;
       w.Sample({{"uid", absl::StrCat(uid)}, {"tier", std::string(TierName(t))}},
                static_cast<double>(quota));
@@ -301,9 +299,8 @@ std::string RenderMetrics(const MetricsSources& src) {
            "Bytes of each job's chunks moved between tiers, by path (from the job's first "
            "session's first request; a job is forgotten when its last session ends).");
   for (const auto& [job, moved] : src.chunks->JobTraffic()) {
-    for (int p = 0; p < kPaths; ++p) {
-      w.Sample({{"job_name", job}, {"path", PathName(static_cast<Path>(p))}},
-               static_cast<double>(moved[p]));
+    for (Path p : kAllPaths) {
+      w.Sample({{"job_name", job}, {"path", PathName(p)}}, static_cast<double>(moved[p]));
     }
   }
 

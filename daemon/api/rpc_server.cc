@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,23 +29,12 @@ grpc::Status ToGrpc(const absl::Status& s) {
 }
 
 absl::StatusOr<TierKind> FromProto(pb::Tier tier, bool allow_unspecified = true) {
-  switch (tier) {
-    case pb::TIER_UNSPECIFIED:
-      if (allow_unspecified) return TierKind::kHost;
-      break;
-    case pb::TIER_HOST:
-      return TierKind::kHost;
-    case pb::TIER_NVME:
-      return TierKind::kNvme;
-    case pb::TIER_DEVICE:
-      return TierKind::kDevice;
-    default:
-      break;
-  }
+  if (tier == pb::TIER_UNSPECIFIED && allow_unspecified) return TierKind::kHost;
+  if (std::optional<TierKind> t = TierFromWire(tier)) return *t;
   return absl::InvalidArgumentError(absl::StrCat("unknown tier ", static_cast<int>(tier)));
 }
 
-pb::Tier ToProto(TierKind tier) { return static_cast<pb::Tier>(static_cast<int>(tier)); }
+pb::Tier ToProto(TierKind tier) { return static_cast<pb::Tier>(WireValue(tier)); }
 
 void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_chunk_id(c.id);
@@ -53,13 +43,12 @@ void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_persistent(c.persistent);
   for (const std::string& tag : c.tags) out->add_tags(tag);
   out->set_home_tier(ToProto(c.home));
-  for (int t = 1; t < kTierKinds; ++t) {
-    if (c.resident.contains(static_cast<TierKind>(t)))
-      out->add_resident_tiers(static_cast<pb::Tier>(t));
-    if (c.dirty.contains(static_cast<TierKind>(t))) out->add_dirty_tiers(static_cast<pb::Tier>(t));
-    if (c.allocated.contains(static_cast<TierKind>(t))) {
+  for (TierKind t : kAllTiers) {
+    if (c.resident.contains(t)) out->add_resident_tiers(ToProto(t));
+    if (c.dirty.contains(t)) out->add_dirty_tiers(ToProto(t));
+    if (c.allocated.contains(t)) {
       pb::TierSpace* space = out->add_space();
-      space->set_tier(static_cast<pb::Tier>(t));
+      space->set_tier(ToProto(t));
       space->set_bytes(c.placement[t].size);
     }
   }
@@ -211,8 +200,8 @@ class TierdService final : public pb::Tierd::Service {
         ++accesses;
       }
     }
-    schedule.quota[static_cast<int>(TierKind::kHost)] = req->host_quota_bytes();
-    schedule.quota[static_cast<int>(TierKind::kDevice)] = req->device_quota_bytes();
+    schedule.quota[TierKind::kHost] = req->host_quota_bytes();
+    schedule.quota[TierKind::kDevice] = req->device_quota_bytes();
     schedule.trace_steps = req->trace_steps();
     const uint32_t steps = static_cast<uint32_t>(schedule.steps.size());
     if (absl::Status s = deps_.chunks->SetSchedule(**session, std::move(schedule)); !s.ok()) {
@@ -233,7 +222,7 @@ class TierdService final : public pb::Tierd::Service {
     for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
       pb::TierStall* stall = resp->add_stalls();
       stall->set_tier(ToProto(t));
-      stall->set_stall_seconds(absl::ToDoubleSeconds(stats.stall[static_cast<int>(t)]));
+      stall->set_stall_seconds(absl::ToDoubleSeconds(stats.stall[t]));
     }
     resp->set_planner_fetches(stats.planner_fetches);
     resp->set_planner_drops(stats.planner_drops);
@@ -434,8 +423,8 @@ class TierdService final : public pb::Tierd::Service {
         if (deps_.chunks->tier(kind) == nullptr) continue;
         pb::TenantTier* tier = t->add_tiers();
         tier->set_tier(ToProto(kind));
-        tier->set_used_bytes(u.bytes[static_cast<int>(kind)]);
-        tier->set_quota_bytes(quotas.For(uid)[static_cast<int>(kind)]);
+        tier->set_used_bytes(u.bytes[kind]);
+        tier->set_quota_bytes(quotas.For(uid)[kind]);
       }
       for (int k = 0; k < kLimitKinds; ++k) {
         if (u.refusals[k] == 0) continue;

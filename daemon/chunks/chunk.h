@@ -2,14 +2,13 @@
 // The functions here only check and apply transitions; the caller holds the chunk table's lock.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/planner/planner.h"
 #include "daemon/tiers/tier.h"
+#include "daemon/types/ids.h"
 
 namespace tierd::daemon {
 
@@ -40,11 +39,11 @@ struct ChunkMeta {
   // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
   // and a daemon that restarts without having written it down recovers it `lost`.
   bool memory_home = false;
-  bool marked = false;    // the index records that the current version is in memory
-  bool lost = false;      // recovered without its current version: opening it is DATA_LOSS
-  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
-  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
-  std::array<Placement, kTierKinds> placement{};  // valid where resident (or reserved)
+  bool marked = false;             // the index records that the current version is in memory
+  bool lost = false;               // recovered without its current version: opening it is DATA_LOSS
+  uint64_t checksum = 0;           // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;           // Acquire clock, for least-recently-used eviction
+  TierArray<Placement> placement;  // valid where resident (or reserved)
   std::string name;
   std::vector<std::string> tags;
 };

@@ -70,7 +70,7 @@ absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& ses
 }
 
 absl::Status ChunkService::CheckTier(TierKind tier, absl::string_view what) const {
-  if (tiers_.tier[static_cast<int>(tier)] == nullptr) {
+  if (tiers_.tier[tier] == nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, ": the ", TierName(tier), " tier is not configured on this node (see ",
                      tier == TierKind::kNvme ? "[nvme]" : "[device]", " in the tierd config)"));
@@ -347,8 +347,8 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   SessionState& state = StateOf(session);
   if (waited_for_room) {
     const absl::Duration stalled = clock_.Now() - arrived;
-    state.stats.stall[static_cast<int>(tier)] += stalled;
-    totals_.stall[static_cast<int>(tier)] += stalled;
+    state.stats.stall[tier] += stalled;
+    totals_.stall[tier] += stalled;
   }
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
@@ -360,7 +360,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     BringIn(*chunk, tier, batch, session.id, access, clock_.Now());
     // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
     // move it joined.
-    result.locations.push_back(chunk->placement[static_cast<int>(tier)]);
+    result.locations.push_back(chunk->placement[tier]);
   }
   batch->Done(absl::OkStatus());  // the issuer's reference
   schedules_.Record(session, *chunks, tier, access);

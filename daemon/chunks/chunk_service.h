@@ -73,7 +73,7 @@ struct AcquireResult {
 struct SessionStats {
   uint64_t ready = 0;   // chunks resident when acquired
   uint64_t waited = 0;  // chunks that had to be brought in (or were on their way)
-  std::array<absl::Duration, kTierKinds> stall{};
+  TierArray<absl::Duration> stall;
   uint64_t planner_fetches = 0;
   uint64_t planner_drops = 0;
   uint64_t planner_write_backs = 0;
@@ -88,10 +88,10 @@ struct SessionStats {
 struct NodeStats {
   SessionStats totals;
   uint64_t chunks_ready = 0, chunks_moving = 0, chunks_pinned = 0, chunks_persistent = 0;
-  std::array<uint64_t, kTierKinds> resident_chunks{}, resident_bytes{};
+  TierArray<uint64_t> resident_chunks, resident_bytes{};
   // Space held in each tier by acquired chunks: not reclaimable until they are released.
-  std::array<uint64_t, kTierKinds> pinned_bytes{};
-  std::array<uint64_t, kPaths> in_flight{}, queued_bytes{};
+  TierArray<uint64_t> pinned_bytes;
+  PathArray<uint64_t> in_flight, queued_bytes{};
 };
 
 struct DrainResult {
@@ -185,11 +185,9 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   size_t CloseSession(const Session& session);
 
   SessionStats session_stats(const Session& session) const;
-  std::array<PathStatus, kPaths> path_status() const { return meter_.Status(); }
+  PathArray<PathStatus> path_status() const { return meter_.Status(); }
   // The start-up probe's figures (0: not probed) become the bandwidth estimates.
-  void SeedBandwidth(const std::array<double, kPaths>& bytes_per_second) {
-    meter_.Seed(bytes_per_second);
-  }
+  void SeedBandwidth(const PathArray<double>& bytes_per_second) { meter_.Seed(bytes_per_second); }
 
   // Declares, replaces or (with no steps) clears the session's schedule. Every chunk it names must
   // be one the session may use (NOT_FOUND, PERMISSION_DENIED), in the host or device tier.
@@ -209,7 +207,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   std::map<SessionId, SessionHoldings> Holdings() const;
   // Bytes moved on each path of chunks held by sessions of each declared job, since the job's
   // first session here did anything; a job is forgotten when its last session ends.
-  std::map<std::string, std::array<uint64_t, kPaths>> JobTraffic() const;
+  std::map<std::string, PathArray<uint64_t>> JobTraffic() const;
   void set_max_bandwidth_weight(uint32_t max) {
     absl::MutexLock lock(&mu_);
     max_weight_ = max;
@@ -248,9 +246,9 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   }
   // How long acquisitions whose chunk was not in place waited for it to arrive, by tier.
   prometheus::ClientMetric acquire_wait_seconds(TierKind tier) const {
-    return acquire_wait_seconds_[static_cast<int>(tier)].Collect();
+    return acquire_wait_seconds_[tier].Collect();
   }
-  Tier* tier(TierKind kind) const { return tiers_.tier[static_cast<int>(kind)]; }
+  Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
 
  private:
   // The live sessions holding a lease on a persistent chunk (its creator or openers; several only
@@ -262,10 +260,10 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   absl::flat_hash_map<ChunkId, Lease> leases_ ABSL_GUARDED_BY(mu_);
 
   struct SessionState {
-    std::string description;  // "session 3 (uid 1000, pid 42, trainer)", for lease errors
-    std::string job;          // as the session declared it; empty: none
-    std::array<uint64_t, kPaths> moved{};  // bytes of the chunks it holds, by path
-    std::set<ChunkId> owned;               // non-persistent (persistent ones held are in leases_)
+    std::string description;    // "session 3 (uid 1000, pid 42, trainer)", for lease errors
+    std::string job;            // as the session declared it; empty: none
+    PathArray<uint64_t> moved;  // bytes of the chunks it holds, by path
+    std::set<ChunkId> owned;    // non-persistent (persistent ones held are in leases_)
     struct Pins {
       uint32_t count = 0;   // Acquires not yet released
       uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
@@ -279,7 +277,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   // Per declared job: its sessions with state here, and the bytes their chunks moved.
   struct Job {
     uint32_t sessions = 0;
-    std::array<uint64_t, kPaths> moved{};
+    PathArray<uint64_t> moved;
   };
   absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
 
@@ -391,7 +389,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The hop on `path`, or null where the node has none.
-  Hop* hop(Path path) const { return tiers_.hop[static_cast<int>(path)]; }
+  Hop* hop(Path path) const { return tiers_.hop[path]; }
 
   const Tiers tiers_;
   const Clock& clock_;
@@ -404,11 +402,9 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   PathMeter meter_;                           // thread-safe; its lock is taken after mu_
   SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
   // 10 us to 21 s, doubling.
-  std::array<prometheus::Histogram, kTierKinds> acquire_wait_seconds_{
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22))};  // by TierKind
+  TierArray<prometheus::Histogram> acquire_wait_seconds_ =
+      TierArray<prometheus::Histogram>::Generate(
+          [] { return prometheus::Histogram(metrics::ExponentialBuckets(1e-5, 2, 22)); });
   absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);

@@ -26,28 +26,6 @@ inline absl::Status CheckBatch(size_t n, absl::string_view what) {
   return absl::OkStatus();
 }
 
-// Tiers from fastest to slowest.
-inline int Rank(TierKind tier) {
-  switch (tier) {
-    case TierKind::kDevice:
-      return 2;
-    case TierKind::kHost:
-      return 1;
-    case TierKind::kNvme:
-      return 0;
-  }
-  return -1;
-}
-
-// A copy in `tier` is clean when a lower tier holds a valid copy too.
-inline bool CleanIn(const ChunkMeta& c, TierKind tier) {
-  if (!c.resident.contains(tier)) return false;
-  for (TierKind lower : {TierKind::kHost, TierKind::kNvme}) {
-    if (Rank(lower) < Rank(tier) && c.resident.contains(lower)) return true;
-  }
-  return false;
-}
-
 // The tiers a fetch of the chunk into `tier` needs space in: a fetch into the device stages
 // through (or copies from) the chunk's host space. An overwrite fetches nothing: it needs room
 // only where it lands.

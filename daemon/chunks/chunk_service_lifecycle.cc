@@ -35,7 +35,7 @@ ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
   chunk.home = home.tier;
   chunk.allocated.insert(home.tier);
   chunk.resident.insert(home.tier);
-  chunk.placement[static_cast<int>(home.tier)] = home;
+  chunk.placement[home.tier] = home;
   chunk.memory_home = persistent && home.tier != TierKind::kNvme;
   return chunk;
 }
@@ -158,10 +158,8 @@ size_t ChunkService::WriteDownForStop() {
 
 void ChunkService::Destroy(ChunkMeta& chunk) {
   assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
-  for (int t = 1; t < kTierKinds; ++t) {
-    if (chunk.allocated.contains(static_cast<TierKind>(t))) {
-      room_.ReleaseSpace(chunk.tenant, chunk.placement[t]);
-    }
+  for (TierKind t : kAllTiers) {
+    if (chunk.allocated.contains(t)) room_.ReleaseSpace(chunk.tenant, chunk.placement[t]);
   }
   ledger_.AddChunks(chunk.tenant, -1);
   // A chunk at home in memory may have a record without a copy (or one being written): forgetting

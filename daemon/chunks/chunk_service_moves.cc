@@ -145,11 +145,10 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       if (w.pin) {
         Apply(chunk, w.tier, *w.pin, w.session, w.batch);
         if (auto state = sessions_.find(w.session); state != sessions_.end()) {
-          state->second.stats.stall[static_cast<int>(w.tier)] += now - w.since;
+          state->second.stats.stall[w.tier] += now - w.since;
         }
-        totals_.stall[static_cast<int>(w.tier)] += now - w.since;
-        acquire_wait_seconds_[static_cast<int>(w.tier)].Observe(
-            absl::ToDoubleSeconds(now - w.since));
+        totals_.stall[w.tier] += now - w.since;
+        acquire_wait_seconds_[w.tier].Observe(absl::ToDoubleSeconds(now - w.since));
       }
       w.batch->Done(absl::OkStatus());
     } else if (!moved.ok()) {
@@ -193,8 +192,8 @@ void ChunkService::MoveSettled(ChunkMeta& chunk, const absl::Status& moved) {
 void ChunkService::Moved(Path path, const ChunkMeta& chunk) {
   if (auto holder = sessions_.find(chunk.owner); holder != sessions_.end()) {
     SessionState& state = holder->second;
-    state.moved[static_cast<int>(path)] += chunk.size;
-    if (!state.job.empty()) jobs_[state.job].moved[static_cast<int>(path)] += chunk.size;
+    state.moved[path] += chunk.size;
+    if (!state.job.empty()) jobs_[state.job].moved[path] += chunk.size;
   }
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <optional>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -41,16 +42,18 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
                                                 std::span<const ChunkId> ids) {
   if (absl::Status s = CheckOperator(session, "Drain"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Drain"); !s.ok()) return s;
-  if (tier == TierKind::kNvme) {
+  const std::optional<TierKind> down = Below(tier);
+  if (!down) {
     return absl::InvalidArgumentError(
         "Drain: the NVMe tier is the bottom tier; its chunks leave it only when freed");
   }
-  const TierKind below = tier == TierKind::kDevice ? TierKind::kHost : TierKind::kNvme;
+  const TierKind below = *down;
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
-  if (below == TierKind::kNvme && hop(Path::kHostToNvme) == nullptr) {
-    return absl::FailedPreconditionError(
-        "Drain: this daemon has no NVMe tier to move the host tier's chunks into");
+  if (hop(PathDown(tier)) == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("Drain: this daemon has no ", TierName(below),
+                                                      " tier to move the ", TierName(tier),
+                                                      " tier's chunks into"));
   }
   auto in_tier = [tier](const ChunkMeta& chunk) {
     return chunk.resident.contains(tier) ||
@@ -131,9 +134,9 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
   return out;
 }
 
-std::map<std::string, std::array<uint64_t, kPaths>> ChunkService::JobTraffic() const {
+std::map<std::string, PathArray<uint64_t>> ChunkService::JobTraffic() const {
   absl::MutexLock lock(&mu_);
-  std::map<std::string, std::array<uint64_t, kPaths>> out;
+  std::map<std::string, PathArray<uint64_t>> out;
   for (const auto& [job, j] : jobs_) out[job] = j.moved;
   return out;
 }
@@ -152,14 +155,14 @@ NodeStats ChunkService::node_stats() const {
     if (c.pins > 0) ++out.chunks_pinned;
     if (c.persistent) ++out.chunks_persistent;
     for (TierKind t : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
-      if (c.pins > 0 && c.allocated.contains(t)) out.pinned_bytes[static_cast<int>(t)] += c.size;
+      if (c.pins > 0 && c.allocated.contains(t)) out.pinned_bytes[t] += c.size;
       if (!c.resident.contains(t)) continue;
-      ++out.resident_chunks[static_cast<int>(t)];
-      out.resident_bytes[static_cast<int>(t)] += c.size;
+      ++out.resident_chunks[t];
+      out.resident_bytes[t] += c.size;
     }
   }
-  const std::array<PathLoad, kPaths> load = meter_.Load();
-  for (int p = 0; p < kPaths; ++p) {
+  const PathArray<PathLoad> load = meter_.Load();
+  for (Path p : kAllPaths) {
     out.in_flight[p] = load[p].in_flight;
     out.queued_bytes[p] = load[p].queued_bytes;
   }

@@ -102,15 +102,15 @@ size_t ChunkService::PlanRound(absl::Time now) {
                                    .pinned = c.pins > 0,
                                    .last_use = c.last_use};
     }
-    for (TierKind t : {TierKind::kHost, TierKind::kNvme, TierKind::kDevice}) {
+    for (TierKind t : kAllTiers) {
       if (tier(t) == nullptr) continue;
       const TierUsage u = tier(t)->Usage();
-      in.capacity[static_cast<int>(t)] = u.capacity_bytes;
-      in.free[static_cast<int>(t)] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
-      in.largest_free[static_cast<int>(t)] = u.largest_free_bytes;
+      in.capacity[t] = u.capacity_bytes;
+      in.free[t] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+      in.largest_free[t] = u.largest_free_bytes;
     }
-    const std::array<PathLoad, kPaths> load = meter_.Load();
-    for (int p = 0; p < kPaths; ++p) {
+    const PathArray<PathLoad> load = meter_.Load();
+    for (Path p : kAllPaths) {
       in.bytes_per_second[p] = load[p].bytes_per_second;
       in.queued_bytes[p] = load[p].queued_bytes;
       in.move_seconds_per_byte[p] = load[p].slow_seconds_per_byte;
@@ -148,7 +148,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
       stats = &owner->second.stats;
     switch (m.kind) {
       case PlannedMove::Kind::kDrop:
-        if (c.pins > 0 || !CleanIn(c, m.tier)) break;
+        if (c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
         room_.DropCopy(c, m.tier);
         if (stats != nullptr) ++stats->planner_drops;
         ++totals_.planner_drops;
@@ -177,7 +177,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
         break;
       }
       case PlannedMove::Kind::kSpare: {
-        if (!unplaced || c.pins > 0 || !CleanIn(c, m.tier)) break;
+        if (!unplaced || c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
         ChunkMeta& fetch = chunks_.at(unplaced->first);
         // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
         if (!no_room(fetch, unplaced->second).contains(m.tier)) break;
@@ -199,10 +199,9 @@ size_t ChunkService::PlanRound(absl::Time now) {
       }
       case PlannedMove::Kind::kWriteBack: {
         // Down a tier: the device's copy to the host, the host's to NVMe.
-        const bool device = m.tier == TierKind::kDevice;
-        const TierKind from = device ? TierKind::kDevice : TierKind::kHost;
-        if (c.pins > 0 || !c.resident.contains(from) ||
-            hop(device ? Path::kDeviceToHost : Path::kHostToNvme) == nullptr) {
+        const TierKind from = m.tier;
+        if (!Below(from) || c.pins > 0 || !c.resident.contains(from) ||
+            hop(PathDown(from)) == nullptr) {
           break;
         }
         auto batch = std::make_shared<Batch>();

@@ -31,7 +31,7 @@ struct Limits {
 
 // Bytes per tier (indexed by TierKind; 0: no quota) a user's chunks may hold: the space reserved
 // for every copy, scratch and persistent alike.
-using TierBytes = std::array<uint64_t, kTierKinds>;
+using TierBytes = TierArray<uint64_t>;
 
 struct Quotas {
   TierBytes per_uid{};                              // every user's, unless overridden

@@ -47,13 +47,13 @@ void Mover::MoveDone(Path path, const ChunkMeta& chunk) {
 
 void Mover::DropAbove(ChunkMeta& chunk, TierKind tier) {
   for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
-    if (Rank(above) > Rank(tier) && chunk.allocated.contains(above)) room_.DropCopy(chunk, above);
+    if (Above(above, tier) && chunk.allocated.contains(above)) room_.DropCopy(chunk, above);
   }
 }
 
 HopJob Mover::JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const {
-  const Placement& source = chunk.placement[static_cast<int>(from)];
-  const Placement& target = chunk.placement[static_cast<int>(to)];
+  const Placement& source = chunk.placement[from];
+  const Placement& target = chunk.placement[to];
   return HopJob{.chunk_id = chunk.id,
                 .from = source,
                 .to = target,
@@ -81,7 +81,7 @@ bool Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<B
                              absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
     return false;
   }
-  chunk.placement[static_cast<int>(tier)] = *p;
+  chunk.placement[tier] = *p;
   chunk.allocated.insert(tier);
   return true;
 }
@@ -122,12 +122,11 @@ void Mover::StartWriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_pt
 }
 
 void Mover::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
-  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   IndexEntry e{chunk.tenant,         chunk.name,        chunk.size, 0, 0, chunk.checksum,
                /*memory_home=*/true, /*in_memory=*/true};
   if (chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
-    e.offset = chunk.placement[kNvme].offset;  // the older version stays where it is
-    e.reserved = chunk.placement[kNvme].size;
+    e.offset = chunk.placement[TierKind::kNvme].offset;  // the older version stays where it is
+    e.reserved = chunk.placement[TierKind::kNvme].size;
   }
   batch->Add();
   tiers_.index->Persist(
@@ -253,7 +252,6 @@ void Mover::SettleRead(ChunkId id, const absl::Status& status) {
 }
 
 void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source) {
-  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
     if (!keep_source) DropAbove(chunk, TierKind::kNvme);
     return;
@@ -275,14 +273,14 @@ void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bo
                                     fresh.status().message())));
       return;
     }
-    previous = chunk.placement[kNvme];
-    chunk.placement[kNvme] = *fresh;
+    previous = chunk.placement[TierKind::kNvme];
+    chunk.placement[TierKind::kNvme] = *fresh;
   }
   if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
   if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) {
     if (previous) {
-      room_.ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
-      chunk.placement[kNvme] = *previous;
+      room_.ReleaseSpace(chunk.tenant, chunk.placement[TierKind::kNvme]);
+      chunk.placement[TierKind::kNvme] = *previous;
     }
     return;
   }
@@ -306,7 +304,6 @@ void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bo
 
 void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
                         const std::optional<Placement>& previous) {
-  constexpr int kNvme = static_cast<int>(TierKind::kNvme);
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, checksum.ok());
@@ -317,8 +314,8 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
     if (checksum.ok()) {
       room_.ReleaseSpace(chunk.tenant, *previous);
     } else {
-      room_.ReleaseSpace(chunk.tenant, chunk.placement[kNvme]);
-      chunk.placement[kNvme] = *previous;
+      room_.ReleaseSpace(chunk.tenant, chunk.placement[TierKind::kNvme]);
+      chunk.placement[TierKind::kNvme] = *previous;
     }
   }
   if (checksum.ok()) {

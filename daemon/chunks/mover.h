@@ -91,8 +91,8 @@ class Mover {
   void WaitForIdle();
 
  private:
-  Tier* tier(TierKind kind) const { return tiers_.tier[static_cast<int>(kind)]; }
-  Hop* hop(Path path) const { return tiers_.hop[static_cast<int>(path)]; }
+  Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
+  Hop* hop(Path path) const { return tiers_.hop[path]; }
   // A copy of the chunk from its copy in `from` to its space in `to` (a read of a chunk never
   // written fills zeros).
   HopJob JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const;

@@ -6,15 +6,15 @@
 namespace tierd::daemon {
 
 PathMeter::PathMeter() {
-  meters_[static_cast<int>(Path::kNvmeToHost)].bytes_per_second = 2e9;
-  meters_[static_cast<int>(Path::kHostToNvme)].bytes_per_second = 1.5e9;
-  meters_[static_cast<int>(Path::kHostToDevice)].bytes_per_second = 20e9;
-  meters_[static_cast<int>(Path::kDeviceToHost)].bytes_per_second = 20e9;
+  meters_[Path::kNvmeToHost].bytes_per_second = 2e9;
+  meters_[Path::kHostToNvme].bytes_per_second = 1.5e9;
+  meters_[Path::kHostToDevice].bytes_per_second = 20e9;
+  meters_[Path::kDeviceToHost].bytes_per_second = 20e9;
 }
 
 void PathMeter::Started(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
   absl::MutexLock lock(&mu_);
-  Meter& m = meters_[static_cast<int>(path)];
+  Meter& m = meters_[path];
   if (m.in_flight++ == 0) {
     m.window_start = now;
     m.window_bytes = 0;
@@ -25,7 +25,7 @@ void PathMeter::Started(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
 
 void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
   absl::MutexLock lock(&mu_);
-  Meter& m = meters_[static_cast<int>(path)];
+  Meter& m = meters_[path];
   m.queued_bytes -= std::min(m.queued_bytes, bytes);
   m.window_bytes += bytes;
   m.bytes_total += bytes;
@@ -39,7 +39,7 @@ void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
     took = absl::ToDoubleSeconds(now - started->second);
     m.started.erase(started);
   }
-  if (took >= 0) transfer_seconds_[static_cast<int>(path)].Observe(took);
+  if (took >= 0) transfer_seconds_[path].Observe(took);
   if (took >= 0 && bytes > 0) {
     const double sample = took / static_cast<double>(bytes);
     if (m.move_seconds_per_byte == 0) {
@@ -62,9 +62,9 @@ void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
   }
 }
 
-void PathMeter::Seed(const std::array<double, kPaths>& bytes_per_second) {
+void PathMeter::Seed(const PathArray<double>& bytes_per_second) {
   absl::MutexLock lock(&mu_);
-  for (int p = 0; p < kPaths; ++p) {
+  for (Path p : kAllPaths) {
     if (bytes_per_second[p] <= 0) continue;
     meters_[p].probed = bytes_per_second[p];
     meters_[p].bytes_per_second = bytes_per_second[p];
@@ -72,12 +72,12 @@ void PathMeter::Seed(const std::array<double, kPaths>& bytes_per_second) {
   }
 }
 
-std::array<PathStatus, kPaths> PathMeter::Status() const {
+PathArray<PathStatus> PathMeter::Status() const {
   absl::MutexLock lock(&mu_);
-  std::array<PathStatus, kPaths> out;
-  for (int p = 0; p < kPaths; ++p) {
+  PathArray<PathStatus> out;
+  for (Path p : kAllPaths) {
     const Meter& m = meters_[p];
-    out[p] = PathStatus{.path = static_cast<Path>(p),
+    out[p] = PathStatus{.path = p,
                         .bytes = m.bytes_total,
                         .moves = m.moves_total,
                         .bytes_per_second = m.bytes_per_second,
@@ -87,10 +87,10 @@ std::array<PathStatus, kPaths> PathMeter::Status() const {
   return out;
 }
 
-std::array<PathLoad, kPaths> PathMeter::Load() const {
+PathArray<PathLoad> PathMeter::Load() const {
   absl::MutexLock lock(&mu_);
-  std::array<PathLoad, kPaths> out;
-  for (int p = 0; p < kPaths; ++p) {
+  PathArray<PathLoad> out;
+  for (Path p : kAllPaths) {
     const Meter& m = meters_[p];
     out[p] =
         PathLoad{.bytes_per_second = m.bytes_per_second,

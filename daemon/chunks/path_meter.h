@@ -51,13 +51,13 @@ class PathMeter {
   void Started(Path path, ChunkId id, uint64_t bytes, absl::Time now);
   void Done(Path path, ChunkId id, uint64_t bytes, absl::Time now);
   // The start-up probe's figures (0: not probed) become the estimates.
-  void Seed(const std::array<double, kPaths>& bytes_per_second);
+  void Seed(const PathArray<double>& bytes_per_second);
 
-  std::array<PathStatus, kPaths> Status() const;
-  std::array<PathLoad, kPaths> Load() const;
+  PathArray<PathStatus> Status() const;
+  PathArray<PathLoad> Load() const;
   // How long each move took, start to settle (the daemon's transfer latency).
   prometheus::ClientMetric transfer_seconds(Path path) const {
-    return transfer_seconds_[static_cast<int>(path)].Collect();
+    return transfer_seconds_[path].Collect();
   }
 
  private:
@@ -77,13 +77,10 @@ class PathMeter {
   };
 
   mutable absl::Mutex mu_;
-  std::array<Meter, kPaths> meters_ ABSL_GUARDED_BY(mu_);
+  PathArray<Meter> meters_ ABSL_GUARDED_BY(mu_);
   // 100 us to 13 s, doubling.
-  std::array<prometheus::Histogram, kPaths> transfer_seconds_{
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)),
-      prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18))};
+  PathArray<prometheus::Histogram> transfer_seconds_ = PathArray<prometheus::Histogram>::Generate(
+      [] { return prometheus::Histogram(metrics::ExponentialBuckets(1e-4, 2, 18)); });
 };
 
 }  // namespace tierd::daemon

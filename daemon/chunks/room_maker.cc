@@ -29,8 +29,7 @@ void RoomMaker::ReleaseSpace(uint32_t tenant, const Placement& placement) {
 }
 
 void RoomMaker::DropCopy(ChunkMeta& chunk, TierKind tier) {
-  const int t = static_cast<int>(tier);
-  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[t]);
+  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[tier]);
   chunk.allocated.erase(tier);
   chunk.resident.erase(tier);
   chunk.dirty.erase(tier);
@@ -49,7 +48,8 @@ absl::StatusOr<Placement> RoomMaker::ReserveIn(TierKind tier, uint32_t tenant, u
     // costs nothing to drop). A linear scan; the planner replaces this policy.
     ChunkMeta* victim = nullptr;
     for (auto& [id, c] : chunks_) {
-      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c, tier)) continue;
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier))
+        continue;
       if (quota_full && c.tenant != tenant) continue;
       if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
     }
@@ -92,7 +92,7 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
     for (TierKind t : RoomNeeded(*c, tier, access)) {
       absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, SpaceIn(t, c->size, c->persistent));
       if (p.ok()) {
-        c->placement[static_cast<int>(t)] = *p;
+        c->placement[t] = *p;
         c->allocated.insert(t);
         made.emplace_back(c, t);
       } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier, access)) {
@@ -117,7 +117,7 @@ bool RoomMaker::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access
   bool coming = false;
   bool tried = false;
   for (TierKind t : needs) {
-    if (FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[static_cast<int>(t)] == 0) continue;
+    if (FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[t] == 0) continue;
     tried = true;
     coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
   }
@@ -139,22 +139,20 @@ uint64_t RoomMaker::RoomComingFor(uint32_t tenant, TierKind t) const {
 }
 
 bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
-  const int k = static_cast<int>(t);
   // When the tenant's quota, not the tier, is what is full, only its own copies make its room.
   const bool own = ledger_.Headroom(tenant, t) < AlignUp(bytes, kSegmentAlignment);
   const uint64_t free = FreeFor(tenant, t);
-  uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[k];
+  uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[t];
   if (coming > 0 && free + coming >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
-  const Path down = t == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
-  const bool can_write_down = t != TierKind::kNvme && tiers_.hop[static_cast<int>(down)] != nullptr;
+  const bool can_write_down = Below(t) && tiers_.hop[PathDown(t)] != nullptr;
   if (!can_write_down) return coming > 0 || (!own && moves_.moves_in_flight() > 0);
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
   std::vector<ChunkMeta*> dirty;
   for (auto& [id, c] : chunks_) {
     if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !c.resident.contains(t) ||
-        CleanIn(c, t) || (own && c.tenant != tenant)) {
+        CleanIn(c.resident, t) || (own && c.tenant != tenant)) {
       continue;
     }
     dirty.push_back(&c);
@@ -173,7 +171,7 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
       continue;
     }
     room_moves_[c->id] = t;
-    room_coming_[k] += c->size;
+    room_coming_[t] += c->size;
     coming += c->size;
     started = true;
   }
@@ -185,7 +183,7 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
 void RoomMaker::MoveDone(ChunkId id) {
   auto it = room_moves_.find(id);
   if (it == room_moves_.end()) return;
-  uint64_t& coming = room_coming_[static_cast<int>(it->second)];
+  uint64_t& coming = room_coming_[it->second];
   coming -= std::min(coming, chunks_.at(id).size);
   room_moves_.erase(it);
 }

@@ -82,7 +82,7 @@ class RoomMaker {
   void set_planning(bool planning) { planning_ = planning; }
 
  private:
-  Tier* tier(TierKind kind) const { return tiers_.tier[static_cast<int>(kind)]; }
+  Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
   // Write-downs that will free room for the chunk in the tiers the fetch (or, for an overwrite,
   // the landing) needs space in; true when room is on its way (started now or earlier).
   bool MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access = Access::kRead);
@@ -108,7 +108,7 @@ class RoomMaker {
   };
   std::deque<QueuedFetch> queued_fetches_;
   absl::flat_hash_map<ChunkId, TierKind> room_moves_;
-  std::array<uint64_t, kTierKinds> room_coming_{};
+  TierArray<uint64_t> room_coming_;
 };
 
 }  // namespace tierd::daemon

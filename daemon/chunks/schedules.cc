@@ -56,8 +56,7 @@ void Schedules::End(const Session& session) {
 }
 
 void Schedules::Install(Entry& entry, const Session& session, Schedule steps,
-                        const std::array<uint64_t, kTierKinds>& quota, uint64_t size,
-                        absl::Time now) {
+                        const TierArray<uint64_t>& quota, uint64_t size, absl::Time now) {
   ledger_.AddScheduleAccesses(session.peer.uid,
                               static_cast<int64_t>(size) - static_cast<int64_t>(entry.accesses));
   entry.accesses = size;
@@ -93,8 +92,8 @@ void Schedules::Record(const Session& session, std::span<ChunkMeta* const> chunk
   if (cursor <= t.start) return;  // the traced iteration has not begun
   const uint64_t step = cursor - 1 - t.start;
   for (ChunkMeta* c : chunks) {
-    const std::pair<uint64_t, ChunkId> key{step * kTierKinds + static_cast<int>(tier), c->id};
-    auto [at, inserted] = t.index.try_emplace(key, t.recorded[step].size());
+    auto [at, inserted] =
+        t.index.try_emplace(std::tuple{step, tier, c->id}, t.recorded[step].size());
     if (inserted) {
       if (t.accesses == ledger_.limits().schedule_accesses_per_session) {  // as a declared one
         t.index.erase(at);

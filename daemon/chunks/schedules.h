@@ -5,10 +5,10 @@
 // Not thread-safe: the chunk service keeps it under its lock (ABSL_GUARDED_BY).
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <tuple>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -30,7 +30,7 @@ using Schedule = std::vector<std::vector<ScheduledAccess>>;
 // for it in each tier (0: no limit but the tier's).
 struct ScheduleRequest {
   Schedule steps;
-  std::array<uint64_t, kTierKinds> quota{};
+  TierArray<uint64_t> quota;
   // Trace mode (with no steps): record the session's acquisitions over the next iteration of this
   // many steps, and use them as its schedule from the iteration after on.
   uint32_t trace_steps = 0;
@@ -87,7 +87,7 @@ class Schedules {
     std::shared_ptr<const Schedule> steps;
     std::vector<ChunkId> named;  // every chunk the schedule names, once
     uint64_t accesses = 0;       // what the schedule counts against the limits
-    std::array<uint64_t, kTierKinds> quota{};
+    TierArray<uint64_t> quota;
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
     // planner is told (on the short side).
     std::vector<absl::Duration> step_mean, step_deviation, step_time;
@@ -98,9 +98,9 @@ class Schedules {
     struct Trace {
       uint32_t steps = 0;  // 0: not tracing
       uint64_t start = 0;
-      std::array<uint64_t, kTierKinds> quota{};
+      TierArray<uint64_t> quota;
       Schedule recorded;
-      absl::flat_hash_map<std::pair<uint64_t, ChunkId>, size_t> index;  // (step, tier), chunk
+      absl::flat_hash_map<std::tuple<uint64_t, TierKind, ChunkId>, size_t> index;
       size_t accesses = 0;
     } trace;
     bool planned() const { return steps != nullptr || trace.steps > 0; }
@@ -108,7 +108,7 @@ class Schedules {
   // Makes `steps` the session's schedule, its step times unknown yet and its running step started
   // at `now`. `size` is what it counts against the limits (its accesses, or steps if more).
   void Install(Entry& entry, const Session& session, Schedule steps,
-               const std::array<uint64_t, kTierKinds>& quota, uint64_t size, absl::Time now);
+               const TierArray<uint64_t>& quota, uint64_t size, absl::Time now);
   // Installs the recorded trace as of `now` (a planning round's time, when the round finishes it).
   void FinishTrace(Entry& entry, const Session& session, absl::Time now);
   // Folds the time since the cursor last moved into the step times of the steps it passed.

@@ -61,16 +61,16 @@ void TenantLedger::ForgetIfEmpty(uint32_t uid) {
 }
 
 uint64_t TenantLedger::Headroom(uint32_t uid, TierKind tier) const {
-  const uint64_t quota = quotas_.For(uid)[static_cast<int>(tier)];
+  const uint64_t quota = quotas_.For(uid)[tier];
   if (quota == 0) return UINT64_MAX;
   auto it = usage_.find(uid);
-  const uint64_t held = it == usage_.end() ? 0 : it->second.bytes[static_cast<int>(tier)];
+  const uint64_t held = it == usage_.end() ? 0 : it->second.bytes[tier];
   return quota - std::min(quota, held);
 }
 
 absl::Status TenantLedger::CheckBytes(uint32_t uid, TierKind tier, uint64_t bytes) {
   if (bytes <= Headroom(uid, tier)) return absl::OkStatus();
-  const uint64_t quota = quotas_.For(uid)[static_cast<int>(tier)];
+  const uint64_t quota = quotas_.For(uid)[tier];
   const LimitKind kind = QuotaKind(tier);
   return Refuse(
       uid, kind,
@@ -82,13 +82,13 @@ absl::Status TenantLedger::CheckBytes(uint32_t uid, TierKind tier, uint64_t byte
 }
 
 void TenantLedger::AddBytes(uint32_t uid, TierKind tier, uint64_t bytes) {
-  usage_[uid].bytes[static_cast<int>(tier)] += bytes;
+  usage_[uid].bytes[tier] += bytes;
 }
 
 void TenantLedger::RemoveBytes(uint32_t uid, TierKind tier, uint64_t bytes) {
   auto it = usage_.find(uid);
   if (it == usage_.end()) return;
-  uint64_t& held = it->second.bytes[static_cast<int>(tier)];
+  uint64_t& held = it->second.bytes[tier];
   held -= std::min(held, bytes);
   ForgetIfEmpty(uid);
 }

@@ -8,17 +8,8 @@
 namespace tierd::daemon {
 namespace {
 
-constexpr int Index(TierKind t) { return static_cast<int>(t); }
-constexpr int Index(Path p) { return static_cast<int>(p); }
-
-// A copy in `tier` may be dropped without losing data: a lower tier holds a valid copy too.
-bool HasLowerCopy(const PlannerChunk& c, TierKind tier) {
-  if (tier == TierKind::kDevice) {
-    return c.resident.contains(TierKind::kHost) || c.resident.contains(TierKind::kNvme);
-  }
-  if (tier == TierKind::kHost) return c.resident.contains(TierKind::kNvme);
-  return false;
-}
+// A chunk in one tier: the key of needs and drops.
+using ChunkIn = std::pair<ChunkId, TierKind>;
 
 struct Demand {
   ChunkId id;
@@ -29,8 +20,8 @@ struct Demand {
 };
 
 struct Needs {
-  // The first time each chunk is needed in each tier (key id * kTierKinds + tier).
-  absl::flat_hash_map<uint64_t, Demand> first;
+  // The first time each chunk is needed in each tier.
+  absl::flat_hash_map<ChunkIn, Demand> first;
   // The first time each chunk is written, in any tier: a copy needed only after it is stale by
   // then (the write's new contents are what that use wants).
   absl::flat_hash_map<ChunkId, absl::Time> first_write;
@@ -40,9 +31,8 @@ struct Needs {
 Needs NeedTimes(const PlanInput& in) {
   Needs needs;
   auto note = [&](const ScheduledAccess& a, absl::Time when, SessionId session) {
-    const uint64_t key = a.id * kTierKinds + Index(a.tier);
     const Demand d{a.id, a.tier, when, session, a.access};
-    auto [it, inserted] = needs.first.try_emplace(key, d);
+    auto [it, inserted] = needs.first.try_emplace(ChunkIn{a.id, a.tier}, d);
     if (!inserted && when < it->second.when) it->second = d;
     if (Writes(a.access)) {
       auto [w, new_write] = needs.first_write.try_emplace(a.id, when);
@@ -92,7 +82,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     auto w = all.first_write.find(d.id);
     return w != all.first_write.end() && w->second < d.when;
   };
-  absl::flat_hash_map<uint64_t, Demand> needs;
+  absl::flat_hash_map<ChunkIn, Demand> needs;
   for (const auto& [key, d] : all.first) {
     if (!stale_by(d)) needs.emplace(key, d);
   }
@@ -111,7 +101,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   // device (a host copy, while the device has none). A host copy staged for a device access is
   // not needed again once the device holds the chunk, nor is a copy about to be overwritten.
   auto need = [&](ChunkId id, TierKind tier) {
-    auto it = needs.find(id * kTierKinds + Index(tier));
+    auto it = needs.find(ChunkIn{id, tier});
     return it == needs.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
                                                                         : it->second.when;
   };
@@ -139,18 +129,19 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
 
   // Victims per tier, in the order they go: unscheduled first (least recently used first), then
   // the scheduled ones whose next use is furthest away.
-  const bool have_nvme = in.capacity[Index(TierKind::kNvme)] > 0;
-  std::array<std::vector<const PlannerChunk*>, kTierKinds> victims;
+  const bool have_nvme = in.capacity[TierKind::kNvme] > 0;
+  TierArray<std::vector<const PlannerChunk*>> victims;
   for (const auto& [id, c] : in.chunks) {
     if (c.pinned || c.moving) continue;
     for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
-      if (c.resident.contains(t) && (HasLowerCopy(c, t) || t == TierKind::kDevice || have_nvme)) {
-        victims[Index(t)].push_back(&c);
+      if (c.resident.contains(t) &&
+          (CleanIn(c.resident, t) || t == TierKind::kDevice || have_nvme)) {
+        victims[t].push_back(&c);
       }
     }
   }
   for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
-    std::vector<const PlannerChunk*>& list = victims[Index(t)];
+    std::vector<const PlannerChunk*>& list = victims[t];
     std::sort(list.begin(), list.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
       const absl::Time na = next_in(*a, t), nb = next_in(*b, t);
       if (na != nb) return na > nb;  // InfiniteFuture (unscheduled) first
@@ -158,24 +149,23 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
       return a->id < b->id;
     });
   }
-  std::array<size_t, kTierKinds> victim_pos{};
+  TierArray<size_t> victim_pos;
 
   // Bytes each session holds in each tier, for quotas.
-  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> held;
-  absl::flat_hash_map<SessionId, std::array<uint64_t, kTierKinds>> quota;
+  absl::flat_hash_map<SessionId, TierArray<uint64_t>> held;
+  absl::flat_hash_map<SessionId, TierArray<uint64_t>> quota;
   for (const SessionPlan& s : in.sessions) quota[s.session] = s.quota;
   for (const auto& [id, c] : in.chunks) {
     for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
-      if (c.resident.contains(t) || (c.moving && c.moving_to == t))
-        held[c.owner][Index(t)] += c.size;
+      if (c.resident.contains(t) || (c.moving && c.moving_to == t)) held[c.owner][t] += c.size;
     }
   }
 
-  std::array<int64_t, kTierKinds> free{};
-  for (int t = 0; t < kTierKinds; ++t) free[t] = static_cast<int64_t>(in.free[t]);
-  std::array<bool, kTierKinds> blocked{};  // a demand did not fit: later ones wait (need order)
+  TierArray<int64_t> free;
+  for (TierKind t : kAllTiers) free[t] = static_cast<int64_t>(in.free[t]);
+  TierArray<bool> blocked;  // a demand did not fit: later ones wait (need order)
   absl::flat_hash_set<ChunkId> written_back;
-  absl::flat_hash_set<uint64_t> dropped;  // id * kTierKinds + tier
+  absl::flat_hash_set<ChunkIn> dropped;
   std::vector<PlannedMove> write_backs;
 
   struct Accepted {
@@ -196,27 +186,25 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
       room.push_back(TierKind::kHost);
     }
     bool fits = true;
-    for (TierKind t : room) fits = fits && !blocked[Index(t)];
+    for (TierKind t : room) fits = fits && !blocked[t];
     const auto q = quota.find(d.session);
     for (TierKind t : room) {
-      if (q != quota.end() && q->second[Index(t)] != 0 &&
-          held[d.session][Index(t)] + c.size > q->second[Index(t)]) {
+      if (q != quota.end() && q->second[t] != 0 && held[d.session][t] + c.size > q->second[t]) {
         fits = false;  // over its quota: this session waits for its own copies to go
       }
     }
     if (!fits) continue;
     std::vector<PlannedMove> drops;
-    std::array<int64_t, kTierKinds> room_left = free;
-    std::array<size_t, kTierKinds> pos = victim_pos;
+    TierArray<int64_t> room_left = free;
+    TierArray<size_t> pos = victim_pos;
     for (TierKind t : room) {
-      const int ti = Index(t);
-      std::vector<const PlannerChunk*>& list = victims[ti];
-      while (room_left[ti] < static_cast<int64_t>(c.size) && pos[ti] < list.size()) {
-        const PlannerChunk* v = list[pos[ti]];
+      std::vector<const PlannerChunk*>& list = victims[t];
+      while (room_left[t] < static_cast<int64_t>(c.size) && pos[t] < list.size()) {
+        const PlannerChunk* v = list[pos[t]];
         if (next_in(*v, t) <= d.when) break;  // needed no later than this one: keep it
-        ++pos[ti];
-        if (v->id == d.id || dropped.contains(v->id * kTierKinds + ti)) continue;
-        if (!HasLowerCopy(*v, t)) {
+        ++pos[t];
+        if (v->id == d.id || dropped.contains(ChunkIn{v->id, t})) continue;
+        if (!CleanIn(v->resident, t)) {
           // Dirty: write it down first; its space comes free on a later round.
           if (written_back.insert(v->id).second) {
             write_backs.push_back({PlannedMove::Kind::kWriteBack, v->id, t});
@@ -224,19 +212,19 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
           continue;
         }
         drops.push_back({PlannedMove::Kind::kDrop, v->id, t});
-        room_left[ti] += static_cast<int64_t>(v->size);
+        room_left[t] += static_cast<int64_t>(v->size);
       }
-      if (room_left[ti] < static_cast<int64_t>(c.size)) fits = false;
+      if (room_left[t] < static_cast<int64_t>(c.size)) fits = false;
     }
     if (!fits) {
-      for (TierKind t : room) blocked[Index(t)] = true;
+      for (TierKind t : room) blocked[t] = true;
       continue;
     }
     for (TierKind t : room) {
-      room_left[Index(t)] -= static_cast<int64_t>(c.size);
-      held[d.session][Index(t)] += c.size;
+      room_left[t] -= static_cast<int64_t>(c.size);
+      held[d.session][t] += c.size;
     }
-    for (const PlannedMove& m : drops) dropped.insert(m.id * kTierKinds + Index(m.tier));
+    for (const PlannedMove& m : drops) dropped.insert(ChunkIn{m.id, m.tier});
     free = room_left;
     victim_pos = pos;
     accepted.push_back({d, c.size, FetchPath(c, d.tier), room, std::move(drops)});
@@ -244,11 +232,11 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
 
   // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
   auto seconds = [&](uint64_t bytes, Path p, TierKind tier) {
-    double bw = in.bytes_per_second[Index(p)];
-    double single = in.move_seconds_per_byte[Index(p)];
+    double bw = in.bytes_per_second[p];
+    double single = in.move_seconds_per_byte[p];
     if (tier == TierKind::kDevice && p == Path::kNvmeToHost) {
-      bw = std::min(bw, in.bytes_per_second[Index(Path::kHostToDevice)]);
-      single = std::max(single, in.move_seconds_per_byte[Index(Path::kHostToDevice)]);
+      bw = std::min(bw, in.bytes_per_second[Path::kHostToDevice]);
+      single = std::max(single, in.move_seconds_per_byte[Path::kHostToDevice]);
     }
     if (bw <= 0) return absl::InfiniteDuration();
     const double streamed = static_cast<double>(bytes) / bw;
@@ -259,10 +247,10 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     // Room for an overwrite is made now: its victims are needed later than it, and a drop is free.
     if (accepted[i].demand.access == Access::kOverwrite) start_now[i] = true;
   }
-  for (int p = 0; p < kPaths; ++p) {
+  for (Path p : kAllPaths) {
     std::vector<size_t> on_path;
     for (size_t i = 0; i < accepted.size(); ++i) {
-      if (Index(accepted[i].path) == p && accepted[i].demand.access != Access::kOverwrite) {
+      if (accepted[i].path == p && accepted[i].demand.access != Access::kOverwrite) {
         on_path.push_back(i);
       }
     }
@@ -292,18 +280,17 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
     // Free space in pieces: the next victims in line, needed later than this fetch, as spares in
     // each tier it needs room in (a fetch to the device from NVMe stages through the host).
     for (TierKind t : a.room) {
-      const int ti = Index(t);
-      if (in.largest_free[ti] >= in.free[ti]) continue;
+      if (in.largest_free[t] >= in.free[t]) continue;
       int spares = 0;
-      for (size_t pos = victim_pos[ti]; pos < victims[ti].size() && spares < 4; ++pos) {
-        const PlannerChunk* v = victims[ti][pos];
+      for (size_t pos = victim_pos[t]; pos < victims[t].size() && spares < 4; ++pos) {
+        const PlannerChunk* v = victims[t][pos];
         if (next_in(*v, t) <= a.demand.when) break;
-        if (v->id == a.demand.id || !HasLowerCopy(*v, t) ||
-            dropped.contains(v->id * kTierKinds + ti)) {
+        if (v->id == a.demand.id || !CleanIn(v->resident, t) ||
+            dropped.contains(ChunkIn{v->id, t})) {
           continue;
         }
         out.push_back({PlannedMove::Kind::kSpare, v->id, t});
-        dropped.insert(v->id * kTierKinds + ti);
+        dropped.insert(ChunkIn{v->id, t});
         ++spares;
       }
     }
@@ -312,18 +299,16 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
 
   // Early write-back: dirty copies not needed for a while go down while the path is idle, so that
   // dropping them later costs nothing. One per path per round.
-  std::array<bool, kPaths> path_used{};
-  for (const PlannedMove& m : write_backs) {
-    path_used[Index(m.tier == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme)] = true;
-  }
+  PathArray<bool> path_used;
+  for (const PlannedMove& m : write_backs) path_used[PathDown(m.tier)] = true;
   // The highest copy that exists nowhere below goes one tier down (a device copy already copied to
   // the host is no longer the only one, even though NVMe's is still older).
   auto only_copy = [&](const PlannerChunk& c) -> std::optional<TierKind> {
-    if (c.resident.contains(TierKind::kDevice) && !HasLowerCopy(c, TierKind::kDevice)) {
+    if (c.resident.contains(TierKind::kDevice) && !CleanIn(c.resident, TierKind::kDevice)) {
       return TierKind::kDevice;
     }
     if (have_nvme && c.home != TierKind::kHost && c.resident.contains(TierKind::kHost) &&
-        !HasLowerCopy(c, TierKind::kHost)) {
+        !CleanIn(c.resident, TierKind::kHost)) {
       return TierKind::kHost;
     }
     return std::nullopt;
@@ -340,13 +325,13 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   });
   for (const PlannerChunk* c : dirty) {
     const TierKind from = *only_copy(*c);
-    const Path p = from == TierKind::kDevice ? Path::kDeviceToHost : Path::kHostToNvme;
-    if (path_used[Index(p)] || in.queued_bytes[Index(p)] > 0) continue;
-    const double bw = in.bytes_per_second[Index(p)];
+    const Path p = PathDown(from);
+    if (path_used[p] || in.queued_bytes[p] > 0) continue;
+    const double bw = in.bytes_per_second[p];
     const absl::Duration takes =
         bw > 0 ? absl::Seconds(static_cast<double>(c->size) / bw) : absl::InfiniteDuration();
     if (next(c->id) - in.now <= 2 * takes + in.lead) continue;  // needed soon: leave it
-    path_used[Index(p)] = true;
+    path_used[p] = true;
     out.push_back({PlannedMove::Kind::kWriteBack, c->id, from});
   }
   return out;

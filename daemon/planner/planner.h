@@ -22,26 +22,15 @@
 //  * A session never holds more than its quota of a tier through the planner.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
-#include "daemon/tiers/tier.h"
+#include "daemon/types/ids.h"
+#include "daemon/types/tiers.h"
 
 namespace tierd::daemon {
-
-// The vocabulary of schedules, shared with the chunk layer above: chunk and session ids and the
-// ways an acquisition uses a chunk.
-using ChunkId = uint64_t;
-using SessionId = uint64_t;
-
-// How an Acquire uses a chunk. kOverwrite writes every byte before reading any: the old contents
-// are not fetched (the acquired bytes are undefined until written), only room is reserved.
-enum class Access : uint8_t { kRead = 1, kWrite = 2, kOverwrite = 3 };
-
-inline bool Writes(Access a) { return a != Access::kRead; }
 
 struct PlannerChunk {
   ChunkId id = 0;
@@ -72,7 +61,7 @@ struct SessionPlan {
   absl::Time step_started;
   const std::vector<absl::Duration>* step_time = nullptr;
   // Bytes of each tier the session may hold through the planner (0: no limit).
-  std::array<uint64_t, kTierKinds> quota{};
+  TierArray<uint64_t> quota;
 };
 
 struct PlanInput {
@@ -80,16 +69,16 @@ struct PlanInput {
   std::vector<SessionPlan> sessions;
   // Every chunk the schedules name, and every chunk holding space in the host and device tiers.
   absl::flat_hash_map<ChunkId, PlannerChunk> chunks;
-  std::array<uint64_t, kTierKinds> capacity{};
-  std::array<uint64_t, kTierKinds> free{};
+  TierArray<uint64_t> capacity;
+  TierArray<uint64_t> free;
   // The largest reservation each tier can take now. Below `free`, the free space is in pieces: a
   // fetch that fits by the count may still find no room, so each fetch comes with spare victims.
-  std::array<uint64_t, kTierKinds> largest_free{UINT64_MAX, UINT64_MAX, UINT64_MAX};
-  std::array<double, kPaths> bytes_per_second{};  // measured
-  std::array<uint64_t, kPaths> queued_bytes{};    // already in flight on each path
+  TierArray<uint64_t> largest_free = TierArray<uint64_t>::Filled(UINT64_MAX);
+  PathArray<double> bytes_per_second;  // measured
+  PathArray<uint64_t> queued_bytes;    // already in flight on each path
   // How long one move has recently taken per byte on each path, latency and queueing included (0:
   // unknown): a transfer is planned to take at least that long, however fast the path streams.
-  std::array<double, kPaths> move_seconds_per_byte{};
+  PathArray<double> move_seconds_per_byte;
   // A demand starts once its latest safe start is this close; a little over one planning round.
   absl::Duration lead = absl::Milliseconds(2);
   // Transfer times are planned this much longer than measured.

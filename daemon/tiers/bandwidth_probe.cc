@@ -50,8 +50,8 @@ class Scratch {
 absl::Status ProbeOutAndBack(const Tiers& tiers, TierKind far, Path out, Path back,
                              const std::vector<Placement>& buffers, uint64_t piece, uint32_t tenant,
                              PathBandwidth* rates) {
-  Tier* host = tiers.tier[static_cast<int>(TierKind::kHost)];
-  Tier* there = tiers.tier[static_cast<int>(far)];
+  Tier* host = tiers.tier[TierKind::kHost];
+  Tier* there = tiers.tier[far];
   Scratch space(there, tenant);
   std::vector<HopJob> jobs;
   for (size_t i = 0; i < buffers.size(); ++i) {
@@ -69,7 +69,7 @@ absl::Status ProbeOutAndBack(const Tiers& tiers, TierKind far, Path out, Path ba
     std::vector<std::promise<std::pair<absl::Status, uint64_t>>> done(jobs.size());
     const absl::Time start = absl::Now();
     for (size_t i = 0; i < jobs.size(); ++i) {
-      tiers.hop[static_cast<int>(path)]->Copy(jobs[i], [&done, i](absl::Status s, uint64_t sum) {
+      tiers.hop[path]->Copy(jobs[i], [&done, i](absl::Status s, uint64_t sum) {
         done[i].set_value({s, sum});
       });
     }
@@ -79,7 +79,7 @@ absl::Status ProbeOutAndBack(const Tiers& tiers, TierKind far, Path out, Path ba
       if (!s.ok()) return s;
       sums.push_back(sum);
     }
-    (*rates)[static_cast<int>(path)] = Rate(piece * jobs.size(), absl::Now() - start);
+    (*rates)[path] = Rate(piece * jobs.size(), absl::Now() - start);
     return sums;
   };
   absl::StatusOr<std::vector<uint64_t>> sums = run(out);
@@ -96,7 +96,7 @@ absl::Status ProbeOutAndBack(const Tiers& tiers, TierKind far, Path out, Path ba
 }  // namespace
 
 absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes) {
-  Tier* host = tiers.tier[static_cast<int>(TierKind::kHost)];
+  Tier* host = tiers.tier[TierKind::kHost];
   PathBandwidth out{};
   const uint32_t tenant = getuid();  // the daemon's own: recycled before a client's chunks use it
   const uint64_t piece =
@@ -115,7 +115,7 @@ absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes) {
   // Each path moves a little first (which also pays for setting it up), then as much as it moves
   // in about kProbeTime at that pace, up to `bytes`: a slow path costs no more start-up time.
   auto full_piece = [&](const PathBandwidth& first, Path a, Path b) {
-    const double rate = std::min(first[static_cast<int>(a)], first[static_cast<int>(b)]);
+    const double rate = std::min(first[a], first[b]);
     const double affordable = rate * absl::ToDoubleSeconds(kProbeTime) / kPieces;
     return std::min(piece, static_cast<uint64_t>(affordable)) / kMiB * kMiB;
   };
@@ -124,8 +124,8 @@ absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes) {
     if (absl::Status s = run(kFirstPiece, &first); !s.ok()) return s;
     const uint64_t p = full_piece(first, a, b);
     if (p == 0) {
-      out[static_cast<int>(a)] = first[static_cast<int>(a)];
-      out[static_cast<int>(b)] = first[static_cast<int>(b)];
+      out[a] = first[a];
+      out[b] = first[b];
       return absl::OkStatus();
     }
     return run(p, &out);
@@ -138,9 +138,8 @@ absl::StatusOr<PathBandwidth> ProbePaths(const Tiers& tiers, uint64_t bytes) {
   for (const Far& f :
        {Far{TierKind::kNvme, Path::kHostToNvme, Path::kNvmeToHost, "the NVMe tier"},
         Far{TierKind::kDevice, Path::kHostToDevice, Path::kDeviceToHost, "the device"}}) {
-    if (tiers.tier[static_cast<int>(f.tier)] == nullptr ||
-        tiers.hop[static_cast<int>(f.out)] == nullptr ||
-        tiers.hop[static_cast<int>(f.back)] == nullptr) {
+    if (tiers.tier[f.tier] == nullptr || tiers.hop[f.out] == nullptr ||
+        tiers.hop[f.back] == nullptr) {
       continue;
     }
     absl::Status s = probe(f.out, f.back, [&](uint64_t p, PathBandwidth* r) {

@@ -14,7 +14,7 @@
 namespace tierd::daemon {
 
 // Bytes per second per path (indexed by Path); 0 for a path not probed.
-using PathBandwidth = std::array<double, kPaths>;
+using PathBandwidth = PathArray<double>;
 
 // Moves up to `bytes` over each path there is (a tier with hops both ways), through the hops the
 // chunk service will use. Uses free space in each tier and gives it back; reads verify what the

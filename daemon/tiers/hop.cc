@@ -95,16 +95,16 @@ void CopyAlong(Hop* first, const HopJob& first_job, Hop* second, const HopJob& s
 
 Tiers NodeTiers(Tier* host, NvmeTier* nvme, Tier* device_pool, Device* device) {
   Tiers t;
-  t.tier[static_cast<int>(TierKind::kHost)] = host;
+  t.tier[TierKind::kHost] = host;
   if (nvme != nullptr) {
-    t.tier[static_cast<int>(TierKind::kNvme)] = nvme;
-    for (Path p : {Path::kNvmeToHost, Path::kHostToNvme}) t.hop[static_cast<int>(p)] = nvme->hop(p);
+    t.tier[TierKind::kNvme] = nvme;
+    for (Path p : {Path::kNvmeToHost, Path::kHostToNvme}) t.hop[p] = nvme->hop(p);
     t.index = nvme;
   }
   if (device_pool != nullptr && device != nullptr) {
-    t.tier[static_cast<int>(TierKind::kDevice)] = device_pool;
+    t.tier[TierKind::kDevice] = device_pool;
     for (Path p : {Path::kHostToDevice, Path::kDeviceToHost}) {
-      t.hop[static_cast<int>(p)] = device->hop(p);
+      t.hop[p] = device->hop(p);
     }
   }
   return t;

@@ -83,8 +83,8 @@ class Device;
 // What the chunk service moves chunks with: the tiers by kind, the hop on each path and the index
 // of persistent chunks, each null where the node has none.
 struct Tiers {
-  std::array<Tier*, kTierKinds> tier{};
-  std::array<Hop*, kPaths> hop{};
+  TierArray<Tier*> tier;
+  PathArray<Hop*> hop;
   PersistentIndex* index = nullptr;
 };
 

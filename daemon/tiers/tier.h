@@ -4,36 +4,11 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "daemon/types/tiers.h"
 
 namespace tierd::daemon {
-
-// Values match tierd.v1.Tier.
-enum class TierKind : uint8_t { kHost = 1, kNvme = 2, kDevice = 3 };
-inline constexpr int kTierKinds = 4;  // index 0 unused
-
-absl::string_view TierName(TierKind tier);
-
-// A set of tiers as a bit mask indexed by TierKind.
-class TierSet {
- public:
-  bool contains(TierKind t) const { return bits_ & Bit(t); }
-  void insert(TierKind t) { bits_ |= Bit(t); }
-  void erase(TierKind t) { bits_ &= ~Bit(t); }
-  bool empty() const { return bits_ == 0; }
-  uint8_t bits() const { return bits_; }
-
- private:
-  static uint8_t Bit(TierKind t) { return static_cast<uint8_t>(1u << static_cast<int>(t)); }
-  uint8_t bits_ = 0;
-};
-
-// The ways a chunk's bytes move, each with its own measured bandwidth.
-enum class Path : uint8_t { kNvmeToHost = 0, kHostToNvme, kHostToDevice, kDeviceToHost };
-inline constexpr int kPaths = 4;
-const char* PathName(Path path);
 
 // Where a chunk's copy lives in a tier: a segment (host), region (NVMe) or device pool, the
 // generation of that container, and the byte offset in it.

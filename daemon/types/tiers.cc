@@ -1,4 +1,4 @@
-#include "daemon/tiers/tier.h"
+#include "daemon/types/tiers.h"
 
 namespace tierd::daemon {
 
