@@ -18,20 +18,20 @@ namespace {
 constexpr uint64_t kSeg = 8 << 20;
 constexpr uint64_t kChunk = (6 << 20) + 4096;  // more than one 4 MiB piece of a streamed route
 
+IoOrder Now() { return IoOrder{.deadline = absl::Now()}; }
+
 class RecordingListener final : public Mover::Listener {
  public:
   explicit RecordingListener(absl::Mutex& mu) : mu_(mu) {}
-  void MoveSettled(ChunkMeta& chunk, const absl::Status& moved) override {
+  void MoveSettled(ChunkMeta& chunk, const Mover::Settlement& s) override {
     mu_.AssertHeld();
-    settled.emplace_back(chunk.id, moved);
-  }
-  void Moved(Path path, const ChunkMeta&) override {
-    mu_.AssertHeld();
-    paths.push_back(path);
-  }
-  void Used(ChunkMeta& chunk) override { chunk.last_use = ++uses; }
-  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const override {
-    return IoOrder{.deadline = deadline, .flow = chunk.owner};
+    settled.emplace_back(chunk.id, s.status);
+    for (Path p : kAllPaths) {
+      if (s.crossed[p] == 0) continue;
+      EXPECT_EQ(s.crossed[p], chunk.size) << PathName(p);
+      paths.push_back(p);
+    }
+    if (s.brought_in) chunk.last_use = ++uses;
   }
 
   std::vector<std::pair<ChunkId, absl::Status>> settled;
@@ -110,7 +110,8 @@ class MoverTest : public ::testing::Test {
     return true;
   }
 
-  // Runs `start` (with the lock held) for a batch and returns what the batch completed with.
+  // Runs `start` (with the lock held) for a batch: the error it returned, else what the batch
+  // completed with.
   template <typename F>
   absl::Status Move(F start) {
     absl::Notification done;
@@ -120,12 +121,17 @@ class MoverTest : public ::testing::Test {
       result = s;
       done.Notify();
     };
+    absl::Status started;
     {
       absl::MutexLock lock(&mu_);
-      start(batch);
+      started = start(batch);
     }
     batch->Done(absl::OkStatus());  // the issuer's reference
     done.WaitForNotification();
+    if (!started.ok()) {
+      EXPECT_TRUE(result.ok()) << "a move that did not start failed its batch too: " << result;
+      return started;
+    }
     return result;
   }
 
@@ -146,7 +152,8 @@ class MoverTest : public ::testing::Test {
 
 TEST_F(MoverTest, AMoveToTheDeviceSettlesUnderTheLockAndIsReportedOnce) {
   ChunkMeta& c = HostChunk(3);
-  ASSERT_TRUE(Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); }).ok());
+  ASSERT_TRUE(
+      Move([&](auto batch) { return mover_->Fetch(c, TierKind::kDevice, batch, Now()); }).ok());
   mover_->WaitForIdle();
   absl::MutexLock lock(&mu_);
   EXPECT_EQ(c.state, ChunkState::kReady);
@@ -162,30 +169,34 @@ TEST_F(MoverTest, AMoveToTheDeviceSettlesUnderTheLockAndIsReportedOnce) {
 
 TEST_F(MoverTest, AChunkOnlyOnNvmeStreamsToTheDeviceThroughItsHostSpace) {
   ChunkMeta& c = HostChunk(9);
-  ASSERT_TRUE(Move([&](auto batch) { mover_->StartWrite(c, batch, /*keep_source=*/false); }).ok());
+  ASSERT_TRUE(Move([&](auto batch) {
+                return mover_->WriteDown(c, TierKind::kHost, batch, /*keep_source=*/false, Now());
+              }).ok());
   {
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(c.resident.contains(TierKind::kNvme));
     EXPECT_FALSE(c.allocated.contains(TierKind::kHost));  // written down: the host copy went
   }
-  ASSERT_TRUE(Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); }).ok());
+  ASSERT_TRUE(
+      Move([&](auto batch) { return mover_->Fetch(c, TierKind::kDevice, batch, Now()); }).ok());
   mover_->WaitForIdle();
   absl::MutexLock lock(&mu_);
   EXPECT_TRUE(Holds(c, TierKind::kDevice, 9));
   EXPECT_TRUE(Holds(c, TierKind::kHost, 9));  // the staging copy counts too
   EXPECT_TRUE(c.resident.contains(TierKind::kHost));
   EXPECT_EQ(listener_.paths,
-            (std::vector<Path>{Path::kHostToNvme, Path::kHostToDevice, Path::kNvmeToHost}));
+            (std::vector<Path>{Path::kHostToNvme, Path::kNvmeToHost, Path::kHostToDevice}));
   EXPECT_EQ(listener_.settled.size(), 2u);
 }
 
-TEST_F(MoverTest, ARetiredChunkStartsNoMoveAndItsBatchSaysWhy) {
+TEST_F(MoverTest, ARetiredChunkStartsNoMoveAndTheStartSaysWhy) {
   ChunkMeta& c = HostChunk(1);
   {
     absl::MutexLock lock(&mu_);
     c.doomed = true;
   }
-  absl::Status s = Move([&](auto batch) { mover_->StartToDevice(c, batch, absl::Now()); });
+  absl::Status s =
+      Move([&](auto batch) { return mover_->Fetch(c, TierKind::kDevice, batch, Now()); });
   EXPECT_TRUE(absl::IsAborted(s)) << s;
   absl::MutexLock lock(&mu_);
   EXPECT_EQ(c.state, ChunkState::kReady);
@@ -199,7 +210,9 @@ TEST_F(MoverTest, WaitForIdleReturnsOnlyOnceEveryMoveHasSettled) {
   auto batch = std::make_shared<Batch>();
   {
     absl::MutexLock lock(&mu_);
-    for (ChunkMeta* c : chunks) mover_->StartToDevice(*c, batch, absl::Now());
+    for (ChunkMeta* c : chunks) {
+      ASSERT_TRUE(mover_->Fetch(*c, TierKind::kDevice, batch, Now()).ok());
+    }
     EXPECT_EQ(mover_->in_flight(), chunks.size());
   }
   batch->Done(absl::OkStatus());
@@ -210,6 +223,37 @@ TEST_F(MoverTest, WaitForIdleReturnsOnlyOnceEveryMoveHasSettled) {
   for (size_t i = 0; i < chunks.size(); ++i) {
     EXPECT_TRUE(Holds(*chunks[i], TierKind::kDevice, static_cast<uint8_t>(i))) << i;
   }
+}
+
+// RouteFor is the one place a move's route is chosen; from the copies a chunk has now:
+TEST(MoverRouteTest, EachRouteComesFromTheCopiesThere) {
+  using Route = Mover::Route;
+  constexpr auto kUp = Mover::Direction::kUp, kDown = Mover::Direction::kDown;
+  auto with = [](std::initializer_list<TierKind> tiers) {
+    ChunkMeta c;
+    for (TierKind t : tiers) c.resident.insert(t);
+    return c;
+  };
+  const TierKind host = TierKind::kHost, nvme = TierKind::kNvme, device = TierKind::kDevice;
+  // Only on NVMe: up to the device streams through the host's space.
+  EXPECT_EQ(Mover::RouteFor(with({nvme}), device, kUp), Route::kNvmeToDevice);
+  EXPECT_EQ(Mover::RouteFor(with({nvme}), host, kUp), Route::kNvmeToHost);
+  // On the host.
+  EXPECT_EQ(Mover::RouteFor(with({host}), device, kUp), Route::kHostToDevice);
+  EXPECT_EQ(Mover::RouteFor(with({host}), nvme, kDown), Route::kHostToNvme);
+  EXPECT_EQ(Mover::RouteFor(with({host}), host, kDown), std::nullopt);  // nothing above
+  // Only on the device: down to the host, or to NVMe through the host.
+  EXPECT_EQ(Mover::RouteFor(with({device}), host, kUp), Route::kDeviceToHost);
+  EXPECT_EQ(Mover::RouteFor(with({device}), host, kDown), Route::kDeviceToHost);
+  EXPECT_EQ(Mover::RouteFor(with({device}), nvme, kDown), Route::kDeviceToNvme);
+  // On the device and NVMe: a fetch to the host reads NVMe and leaves the device copy (perhaps
+  // acquired) alone; an eviction to the host copies the device's down.
+  EXPECT_EQ(Mover::RouteFor(with({device, nvme}), host, kUp), Route::kNvmeToHost);
+  EXPECT_EQ(Mover::RouteFor(with({device, nvme}), host, kDown), Route::kDeviceToHost);
+  EXPECT_EQ(Mover::RouteFor(with({device, nvme}), nvme, kDown), std::nullopt);
+  // On the host and the device: the host's copy goes down; the device already has one.
+  EXPECT_EQ(Mover::RouteFor(with({host, device}), nvme, kDown), Route::kHostToNvme);
+  EXPECT_EQ(Mover::RouteFor(with({host, device}), device, kUp), std::nullopt);
 }
 
 }  // namespace

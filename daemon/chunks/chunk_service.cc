@@ -459,21 +459,16 @@ absl::Status ChunkService::CheckEvictable(const ChunkMeta& chunk, TierKind tier)
 
 void ChunkService::EvictSettled(ChunkMeta& chunk, TierKind tier, bool keep_source,
                                 const std::shared_ptr<Batch>& batch) {
-  const bool device_only_above =
-      chunk.resident.contains(TierKind::kDevice) && !chunk.resident.contains(TierKind::kHost);
-  if (tier == TierKind::kHost) {
-    if (!chunk.resident.contains(TierKind::kDevice)) return;
-    if (device_only_above) {
-      mover_.StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
-    } else if (!keep_source) {
-      room_.DropCopy(chunk, TierKind::kDevice);  // the host copy is current
-    }
+  const std::optional<Mover::Route> route = Mover::RouteFor(chunk, tier, Mover::Direction::kDown);
+  if (!route) {  // a copy there is current: only the copies above go, unless kept
+    if (!keep_source) mover_.DropAbove(chunk, tier);
     return;
   }
-  if (device_only_above && !chunk.resident.contains(TierKind::kNvme)) {
-    mover_.StartToHost(chunk, batch, /*then_nvme=*/true, keep_source);
-  } else {
-    mover_.StartWrite(chunk, batch, keep_source);
+  if (absl::Status s =
+          mover_.Start(chunk, *route, batch, keep_source, OrderFor(chunk, clock_.Now()));
+      !s.ok()) {
+    batch->Add();
+    batch->Done(s);
   }
 }
 

@@ -345,16 +345,12 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
     return mover_.in_flight();
   }
   // Mover::Listener, called by mover_ with mu_ held.
-  // Wakes those waiting for room and serves (or, for a doomed chunk, fails) the requests waiting
-  // for the chunk; a doomed chunk is destroyed once no move of it is left.
-  void MoveSettled(ChunkMeta& chunk, const absl::Status& moved) override
+  // Counts the move's bytes as the holder's traffic (a scratch chunk's session, a persistent
+  // one's first lease, and the session's job) and a fetch as a use; wakes those waiting for room
+  // and serves (or, for a doomed chunk, fails) the requests waiting for the chunk; a doomed chunk
+  // is destroyed once no move of it is left.
+  void MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Counts the move as the holder's traffic: a scratch chunk's session, a persistent one's first
-  // lease, and the session's job.
-  void Moved(Path path, const ChunkMeta& chunk) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Used(ChunkMeta& chunk) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    chunk.last_use = ++use_clock_;
-  }
   // Fails the requests waiting for the chunk in `tier`.
   void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -362,7 +358,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
   void WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Where the chunk's NVMe I/O goes in the engine's queue: its owner's flow and weight.
-  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const override
+  IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A chunk's life ends by Retire (Free, which refuses a pinned chunk, or its session's end):
   // destroyed now when no move is in flight, else marked doomed, and AfterMove destroys it when

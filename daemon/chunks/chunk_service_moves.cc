@@ -55,32 +55,18 @@ IoOrder ChunkService::OrderFor(const ChunkMeta& chunk, absl::Time deadline) cons
 }
 
 absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
-  // The moves report to a batch; this one only catches a start that fails (no space). Whoever
-  // waits for the chunk is a Waiter, woken when the move settles.
-  auto start = std::make_shared<Batch>();
-  if (tier == TierKind::kDevice) {
-    mover_.StartToDevice(chunk, start, deadline);
-  } else if (chunk.resident.contains(TierKind::kDevice) &&
-             !chunk.resident.contains(TierKind::kNvme)) {
-    mover_.StartToHost(chunk, start, /*then_nvme=*/false, /*keep_source=*/true);
-  } else {
-    mover_.StartRead(chunk, start, deadline);
-  }
-  absl::Status started = start->Status();
-  if (chunk.state != ChunkState::kMoving && started.ok()) {
-    started = absl::InternalError(absl::StrCat("chunk ", chunk.id, ": no move into the ",
-                                               TierName(tier), " tier could start"));
-  }
-  start->Done(absl::OkStatus());  // the issuer's reference
-  return started;
+  // Whoever waits for the chunk is a Waiter, woken when the move settles.
+  return mover_.Fetch(chunk, tier, /*batch=*/nullptr, OrderFor(chunk, deadline));
 }
 
 void ChunkService::StartWriteDown(ChunkMeta& chunk, TierKind tier) {
   // Whoever needs the room waits for it to be freed (a queued fetch, an Acquire on room_freed_);
-  // the write-down itself reports to no one.
-  auto batch = std::make_shared<Batch>();
-  mover_.StartWriteDown(chunk, tier, batch, /*keep_source=*/false);
-  batch->Done(absl::OkStatus());
+  // the write-down itself reports to no one, and one that cannot start leaves them waiting for
+  // other room.
+  mover_
+      .WriteDown(chunk, tier, /*batch=*/nullptr, /*keep_source=*/false,
+                 OrderFor(chunk, clock_.Now()))
+      .IgnoreError();
 }
 
 bool ChunkService::Awaited(ChunkId id, TierKind tier) const {
@@ -184,17 +170,17 @@ void ChunkService::FailWaiters(ChunkId id, TierKind tier, const absl::Status& st
   for (Waiter& w : failed) w.batch->Done(status);
 }
 
-void ChunkService::MoveSettled(ChunkMeta& chunk, const absl::Status& moved) {
-  room_freed_.SignalAll();
-  AfterMove(chunk, moved);
-}
-
-void ChunkService::Moved(Path path, const ChunkMeta& chunk) {
+void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) {
   if (auto holder = sessions_.find(chunk.owner); holder != sessions_.end()) {
     SessionState& state = holder->second;
-    state.moved[path] += chunk.size;
-    if (!state.job.empty()) jobs_[state.job].moved[path] += chunk.size;
+    for (Path p : kAllPaths) {
+      state.moved[p] += settled.crossed[p];
+      if (!state.job.empty()) jobs_[state.job].moved[p] += settled.crossed[p];
+    }
   }
+  if (settled.brought_in) chunk.last_use = ++use_clock_;
+  room_freed_.SignalAll();
+  AfterMove(chunk, settled.status);
 }
 
 void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {

@@ -204,10 +204,11 @@ size_t ChunkService::PlanRound(absl::Time now) {
             hop(PathDown(from)) == nullptr) {
           break;
         }
-        auto batch = std::make_shared<Batch>();
-        mover_.StartWriteDown(c, from, batch, /*keep_source=*/true);
-        batch->Done(absl::OkStatus());
-        if (c.state == ChunkState::kMoving) {
+        if (mover_
+                .WriteDown(c, from, /*batch=*/nullptr, /*keep_source=*/true,
+                           OrderFor(c, clock_.Now()))
+                .ok() &&
+            c.state == ChunkState::kMoving) {
           if (stats != nullptr) ++stats->planner_write_backs;
           ++totals_.planner_write_backs;
           ++started;

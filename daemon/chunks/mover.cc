@@ -40,8 +40,8 @@ void Mover::MoveStarted(Path path, const ChunkMeta& chunk) {
   meter_.Started(path, chunk.id, chunk.size, clock_.Now());
 }
 
-void Mover::MoveDone(Path path, const ChunkMeta& chunk) {
-  listener_.Moved(path, chunk);
+void Mover::MoveDone(Path path, const ChunkMeta& chunk, Settlement& settled) {
+  settled.crossed[path] += chunk.size;
   meter_.Done(path, chunk.id, chunk.size, clock_.Now());
 }
 
@@ -71,19 +71,17 @@ ChunkMeta& Mover::Moving(ChunkId id) {
   return it->second;
 }
 
-bool Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch) {
-  if (chunk.allocated.contains(tier)) return true;
+absl::Status Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier) {
+  if (chunk.allocated.contains(tier)) return absl::OkStatus();
   absl::StatusOr<Placement> p =
       room_.ReserveIn(tier, chunk.tenant, room_.SpaceIn(tier, chunk.size, chunk.persistent));
   if (!p.ok()) {
-    batch->Add();
-    batch->Done(absl::Status(p.status().code(),
-                             absl::StrCat("chunk ", chunk.id, ": ", p.status().message())));
-    return false;
+    return absl::Status(p.status().code(),
+                        absl::StrCat("chunk ", chunk.id, ": ", p.status().message()));
   }
   chunk.placement[tier] = *p;
   chunk.allocated.insert(tier);
-  return true;
+  return absl::OkStatus();
 }
 
 void Mover::Settled(ChunkMeta& chunk, bool ok) {
@@ -91,34 +89,87 @@ void Mover::Settled(ChunkMeta& chunk, bool ok) {
   --in_flight_;
 }
 
-bool Mover::BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch) {
-  batch->Add();
-  if (chunk.doomed) {
-    // Retired: the chunk goes once its last move settles, and nothing new starts for it.
-    batch->Done(Retired(chunk));
-    return false;
-  }
+absl::Status Mover::BeginMoving(ChunkMeta& chunk, TierKind to) {
+  // Retired: the chunk goes once its last move settles, and nothing new starts for it.
+  if (chunk.doomed) return Retired(chunk);
   if (chunk.writers > 0) {
     // The client may be writing the only valid copy (the planner's and queued fetches land here
     // without a request's validation).
-    batch->Done(absl::FailedPreconditionError(
-        absl::StrCat("chunk ", chunk.id, " is acquired for write; release it before moving it")));
-    return false;
+    return absl::FailedPreconditionError(
+        absl::StrCat("chunk ", chunk.id, " is acquired for write; release it before moving it"));
   }
   absl::Status begin = BeginMove(chunk, to);
   assert(begin.ok());  // callers validated the batch: no chunk is moving
   (void)begin;
   ++in_flight_;
-  return true;
+  return absl::OkStatus();
 }
 
-void Mover::StartWriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
-                           bool keep_source) {
-  if (tier == TierKind::kDevice) {
-    StartToHost(chunk, batch, /*then_nvme=*/false, keep_source);
-  } else {
-    StartWrite(chunk, batch, keep_source);
+std::optional<Mover::Route> Mover::RouteFor(const ChunkMeta& chunk, TierKind to,
+                                            Direction direction) {
+  const TierSet& r = chunk.resident;
+  if (r.contains(to)) return std::nullopt;
+  switch (to) {
+    case TierKind::kDevice:
+      return r.contains(TierKind::kHost) ? Route::kHostToDevice : Route::kNvmeToDevice;
+    case TierKind::kHost:
+      if (direction == Direction::kDown) {
+        // The device's copy comes down; NVMe's, if any, stays where it is.
+        if (!r.contains(TierKind::kDevice)) return std::nullopt;
+        return Route::kDeviceToHost;
+      }
+      // Up: NVMe's copy, leaving a device copy (perhaps acquired) alone; else the device's.
+      return r.contains(TierKind::kDevice) && !r.contains(TierKind::kNvme) ? Route::kDeviceToHost
+                                                                           : Route::kNvmeToHost;
+    case TierKind::kNvme:
+      return r.contains(TierKind::kDevice) && !r.contains(TierKind::kHost) ? Route::kDeviceToNvme
+                                                                           : Route::kHostToNvme;
   }
+  return std::nullopt;
+}
+
+absl::Status Mover::Start(ChunkMeta& chunk, Route route, const std::shared_ptr<Batch>& batch,
+                          bool keep_source, const IoOrder& order) {
+  switch (route) {
+    case Route::kHostToDevice:
+    case Route::kNvmeToDevice:
+      return StartToDevice(chunk, batch, order);
+    case Route::kNvmeToHost:
+      return StartRead(chunk, batch, order);
+    case Route::kDeviceToHost:
+      return StartToHost(chunk, batch, /*then_nvme=*/false, keep_source, order);
+    case Route::kDeviceToNvme:
+      return StartToHost(chunk, batch, /*then_nvme=*/true, keep_source, order);
+    case Route::kHostToNvme:
+      return StartWrite(chunk, batch, keep_source, order);
+  }
+  return absl::InternalError("unknown route");
+}
+
+absl::Status Mover::Fetch(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                          const IoOrder& order) {
+  std::optional<Route> route = RouteFor(chunk, tier, Direction::kUp);
+  if (!route) {
+    return absl::InternalError(
+        absl::StrCat("chunk ", chunk.id, " is in the ", TierName(tier), " tier: nothing to fetch"));
+  }
+  return Start(chunk, *route, batch, /*keep_source=*/true, order);
+}
+
+absl::Status Mover::WriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                              bool keep_source, const IoOrder& order) {
+  const std::optional<TierKind> below = Below(tier);
+  std::optional<Route> route;
+  if (below) route = RouteFor(chunk, *below, Direction::kDown);
+  if (!below) {
+    return absl::InternalError(
+        absl::StrCat("chunk ", chunk.id, ": nothing is below the ", TierName(tier), " tier"));
+  }
+  if (!route) {  // the copy below is current: nothing to write
+    if (!keep_source) DropAbove(chunk, *below);
+    return absl::OkStatus();
+  }
+  return Start(chunk, *route, batch, keep_source, order);
 }
 
 void Mover::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
@@ -147,40 +198,41 @@ void Mover::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
       }));
 }
 
-void Mover::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                          absl::Time deadline) {
+absl::Status Mover::StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                                  const IoOrder& order) {
   const bool from_host = chunk.resident.contains(TierKind::kHost);
   // Without a host copy, the chunk's host space stages it on the way from NVMe.
-  if (!EnsureSpace(chunk, TierKind::kHost, batch) ||
-      !EnsureSpace(chunk, TierKind::kDevice, batch)) {
-    return;
-  }
-  if (!BeginBatchMove(chunk, TierKind::kDevice, batch)) return;
+  if (absl::Status s = EnsureSpace(chunk, TierKind::kHost); !s.ok()) return s;
+  if (absl::Status s = EnsureSpace(chunk, TierKind::kDevice); !s.ok()) return s;
+  if (absl::Status s = BeginMoving(chunk, TierKind::kDevice); !s.ok()) return s;
+  if (batch) batch->Add();
   MoveStarted(Path::kHostToDevice, chunk);
   if (!from_host && chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   auto settle = Tracked([this, id = chunk.id, batch, from_host](absl::Status s, uint64_t) {
     SettleToDevice(id, s, /*host_filled=*/!from_host);
-    batch->Done(s);
+    if (batch) batch->Done(s);
   });
   const HopJob to_device = JobFor(chunk, TierKind::kHost, TierKind::kDevice);
   if (from_host) {
     hop(Path::kHostToDevice)->Copy(to_device, std::move(settle));
-    return;
+    return absl::OkStatus();
   }
   // NVMe -> host -> GPU: each piece goes on to the GPU as soon as it has been read.
   constexpr uint64_t kPiece = 4 << 20;
   HopJob read = JobFor(chunk, TierKind::kNvme, TierKind::kHost);
-  read.order = listener_.OrderFor(chunk, deadline);
+  read.order = order;
   CopyAlong(hop(Path::kNvmeToHost), read, hop(Path::kHostToDevice), to_device, kPiece,
             std::move(settle));
+  return absl::OkStatus();
 }
 
 void Mover::SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, status.ok());
-  MoveDone(Path::kHostToDevice, chunk);
-  if (host_filled && chunk.written) MoveDone(Path::kNvmeToHost, chunk);
+  Settlement settled{.status = status, .brought_in = true};
+  MoveDone(Path::kHostToDevice, chunk, settled);
+  if (host_filled && chunk.written) MoveDone(Path::kNvmeToHost, chunk, settled);
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
   } else {
@@ -188,73 +240,85 @@ void Mover::SettleToDevice(ChunkId id, const absl::Status& status, bool host_fil
     if (host_filled) room_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
-  listener_.Used(chunk);
-  listener_.MoveSettled(chunk, status);
+  listener_.MoveSettled(chunk, settled);
 }
 
-void Mover::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                        bool keep_source) {
-  if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
-  if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
+absl::Status Mover::StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                                bool then_nvme, bool keep_source, const IoOrder& order) {
+  if (absl::Status s = EnsureSpace(chunk, TierKind::kHost); !s.ok()) return s;
+  if (absl::Status s = BeginMoving(chunk, TierKind::kHost); !s.ok()) return s;
+  if (batch) batch->Add();
   MoveStarted(Path::kDeviceToHost, chunk);
   hop(Path::kDeviceToHost)
-      ->Copy(
-          JobFor(chunk, TierKind::kDevice, TierKind::kHost),
-          Tracked([this, id = chunk.id, batch, then_nvme, keep_source](absl::Status s, uint64_t) {
-            SettleToHost(id, s, then_nvme, keep_source, batch);
-            batch->Done(s);
-          }));
+      ->Copy(JobFor(chunk, TierKind::kDevice, TierKind::kHost),
+             Tracked([this, id = chunk.id, batch, then_nvme, keep_source, order](absl::Status s,
+                                                                                 uint64_t) {
+               const absl::Status settled =
+                   SettleToHost(id, s, then_nvme, keep_source, batch, order);
+               if (batch) batch->Done(settled);
+             }));
+  return absl::OkStatus();
 }
 
-void Mover::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
-                         const std::shared_ptr<Batch>& batch) {
+absl::Status Mover::SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
+                                 bool keep_source, const std::shared_ptr<Batch>& batch,
+                                 const IoOrder& order) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, status.ok());
-  MoveDone(Path::kDeviceToHost, chunk);
+  Settlement settled{.status = status};
+  MoveDone(Path::kDeviceToHost, chunk, settled);
+  absl::Status out = status;
   if (!status.ok()) {
     room_.DropCopy(chunk, TierKind::kHost);
   } else if (chunk.doomed) {
     // Destroyed below.
   } else if (then_nvme) {
-    StartWrite(chunk, batch, keep_source);  // drops host and device copies once durable
+    IoOrder now = order;
+    now.deadline = clock_.Now();
+    out = StartWrite(chunk, batch, keep_source, now);  // drops host and device copies once durable
   } else if (!keep_source && chunk.pins == 0) {
     room_.DropCopy(chunk, TierKind::kDevice);
   }
   room_.MoveDone(id);
-  listener_.MoveSettled(chunk, status);
+  listener_.MoveSettled(chunk, settled);
+  return out;
 }
 
-void Mover::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline) {
-  if (!EnsureSpace(chunk, TierKind::kHost, batch)) return;
-  if (!BeginBatchMove(chunk, TierKind::kHost, batch)) return;
+absl::Status Mover::StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                              const IoOrder& order) {
+  if (absl::Status s = EnsureSpace(chunk, TierKind::kHost); !s.ok()) return s;
+  if (absl::Status s = BeginMoving(chunk, TierKind::kHost); !s.ok()) return s;
+  if (batch) batch->Add();
   if (chunk.written) MoveStarted(Path::kNvmeToHost, chunk);
   HopJob read = JobFor(chunk, TierKind::kNvme, TierKind::kHost);
-  read.order = listener_.OrderFor(chunk, deadline);
+  read.order = order;
   hop(Path::kNvmeToHost)
       ->Copy(read, Tracked([this, id = chunk.id, batch](absl::Status s, uint64_t) {
                SettleRead(id, s);
-               batch->Done(s);
+               if (batch) batch->Done(s);
              }));
+  return absl::OkStatus();
 }
 
 void Mover::SettleRead(ChunkId id, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, status.ok());
-  if (chunk.written) MoveDone(Path::kNvmeToHost, chunk);
+  Settlement settled{.status = status, .brought_in = true};
+  if (chunk.written) MoveDone(Path::kNvmeToHost, chunk, settled);
   if (!status.ok()) {
     room_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
-  listener_.Used(chunk);
-  listener_.MoveSettled(chunk, status);
+  listener_.MoveSettled(chunk, settled);
 }
 
-void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source) {
+absl::Status Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                               bool keep_source, const IoOrder& order) {
   if (chunk.resident.contains(TierKind::kNvme)) {  // already current there
     if (!keep_source) DropAbove(chunk, TierKind::kNvme);
-    return;
+    return absl::OkStatus();
   }
   // A persistent chunk's durable version stays whole where the index says it is until the new
   // one is durable: the rewrite goes to fresh space, and the index switch is its commit point.
@@ -264,29 +328,27 @@ void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bo
     absl::StatusOr<Placement> fresh = room_.ReserveSpace(
         TierKind::kNvme, chunk.tenant, room_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
     if (!fresh.ok()) {
-      batch->Add();
-      batch->Done(
-          absl::Status(fresh.status().code(),
-                       absl::StrCat("chunk ", chunk.id,
-                                    ": its new version is written beside the durable one "
-                                    "until it is durable itself, and there is no room for it: ",
-                                    fresh.status().message())));
-      return;
+      return absl::Status(fresh.status().code(),
+                          absl::StrCat("chunk ", chunk.id,
+                                       ": its new version is written beside the durable one "
+                                       "until it is durable itself, and there is no room for it: ",
+                                       fresh.status().message()));
     }
     previous = chunk.placement[TierKind::kNvme];
     chunk.placement[TierKind::kNvme] = *fresh;
   }
-  if (!EnsureSpace(chunk, TierKind::kNvme, batch)) return;
-  if (!BeginBatchMove(chunk, TierKind::kNvme, batch)) {
+  if (absl::Status s = EnsureSpace(chunk, TierKind::kNvme); !s.ok()) return s;
+  if (absl::Status s = BeginMoving(chunk, TierKind::kNvme); !s.ok()) {
     if (previous) {
       room_.ReleaseSpace(chunk.tenant, chunk.placement[TierKind::kNvme]);
       chunk.placement[TierKind::kNvme] = *previous;
     }
-    return;
+    return s;
   }
+  if (batch) batch->Add();
   MoveStarted(Path::kHostToNvme, chunk);
   HopJob write = JobFor(chunk, TierKind::kHost, TierKind::kNvme);
-  write.order = listener_.OrderFor(chunk, clock_.Now());
+  write.order = order;
   write.durable = chunk.persistent;
   if (chunk.persistent) {
     // A persistent chunk is durable once the index says where it is.
@@ -298,8 +360,9 @@ void Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bo
                                                                                 uint64_t checksum) {
                SettleWrite(id, s.ok() ? absl::StatusOr<uint64_t>(checksum) : s, keep_source,
                            previous);
-               batch->Done(s);
+               if (batch) batch->Done(s);
              }));
+  return absl::OkStatus();
 }
 
 void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
@@ -307,7 +370,8 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
   absl::MutexLock lock(&mu_);
   ChunkMeta& chunk = Moving(id);
   Settled(chunk, checksum.ok());
-  MoveDone(Path::kHostToNvme, chunk);
+  Settlement settled{.status = checksum.status()};
+  MoveDone(Path::kHostToNvme, chunk, settled);
   if (previous) {
     // Committed: the previous version's space is free. Not: the new one's, and the previous
     // version stays what the index (and the chunk) name.
@@ -326,7 +390,7 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
   room_.MoveDone(id);
-  listener_.MoveSettled(chunk, checksum.status());
+  listener_.MoveSettled(chunk, settled);
 }
 
 }  // namespace tierd::daemon

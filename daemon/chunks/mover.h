@@ -29,18 +29,17 @@ struct Batch;
 
 class Mover {
  public:
-  // What the Mover tells the chunk service, with the service's lock held.
+  // What a move did when it settled, its effect on the chunk's copies applied.
+  struct Settlement {
+    absl::Status status;
+    PathArray<uint64_t> crossed;  // the chunk's bytes over each path (its holder's traffic)
+    bool brought_in = false;      // a fetch: the chunk counts as used now
+  };
+  // The Mover's one word up to the chunk service, with the service's lock held: a move settled.
   class Listener {
    public:
     virtual ~Listener() = default;
-    // A move of the chunk settled with `moved`, its effect on the copies applied.
-    virtual void MoveSettled(ChunkMeta& chunk, const absl::Status& moved) = 0;
-    // The chunk's bytes crossed `path` (the traffic of whoever holds the chunk).
-    virtual void Moved(Path path, const ChunkMeta& chunk) = 0;
-    // The chunk was brought in: it counts as used now (for least-recently-used choices).
-    virtual void Used(ChunkMeta& chunk) = 0;
-    // Where the chunk's NVMe I/O goes in the engine's queue.
-    virtual IoOrder OrderFor(const ChunkMeta& chunk, absl::Time deadline) const = 0;
+    virtual void MoveSettled(ChunkMeta& chunk, const Settlement& settled) = 0;
   };
 
   // `mu` guards `chunks`; the Mover settles under it.
@@ -58,27 +57,40 @@ class Mover {
   Mover(const Mover&) = delete;
   Mover& operator=(const Mover&) = delete;
 
-  // Each starts one move for `batch` (which completes when it settles) or fails the batch, naming
-  // the chunk (no space, a retired chunk, one acquired for write).
-  //
-  // Copies the chunk to the device: from its host copy, or NVMe -> host -> device streamed.
-  // `deadline`: when its NVMe reads are due.
-  void StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline);
-  // Copies the chunk's device copy to the host; then writes it to NVMe if `then_nvme`, and drops
-  // the device copy unless keep_source.
-  void StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                   bool keep_source);
-  // Reads the chunk's NVMe copy into (newly reserved) host memory.
-  void StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, absl::Time deadline);
-  // Writes the chunk's host copy to NVMe (unless the NVMe copy is current), then drops the copies
-  // above unless keep_source. The write is due at once: it frees room the next fetches wait for. A
-  // persistent chunk's durable version stays whole until the new one is: the rewrite goes to
-  // fresh space and the index record is its commit point.
-  void StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source);
-  // Writes the chunk's copy in `tier` one tier down: the device's to the host (StartToHost), the
-  // host's to NVMe (StartWrite); drops that copy once written unless keep_source.
-  void StartWriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
-                      bool keep_source);
+  // The ways a move goes, each over its route of hops.
+  enum class Route : uint8_t {
+    kHostToDevice,  // the host copy up to the device
+    kNvmeToDevice,  // NVMe -> host -> device, each piece on to the GPU as soon as it is read
+    kNvmeToHost,    // a read into (newly reserved) host memory
+    kDeviceToHost,  // the device copy down to the host
+    kDeviceToNvme,  // device -> host, then host -> NVMe
+    kHostToNvme,    // a write (unless the NVMe copy is current)
+  };
+  // Up brings a copy into a tier from the copies below it (into the host: from the device's when
+  // NVMe has none); down writes the copy above down into a tier (into NVMe: the device's through
+  // the host when the host has none).
+  enum class Direction : uint8_t { kUp, kDown };
+  // The one place a route is chosen: how the chunk gets a valid copy in `to`, going `direction`,
+  // from the copies it has now; nullopt when no move is needed (a copy is there, or going down to
+  // the host there is no device copy above it).
+  static std::optional<Route> RouteFor(const ChunkMeta& chunk, TierKind to, Direction direction);
+
+  // Starts one move along `route`, reserving the space it needs; `batch` (may be null) completes
+  // when it settles. An error, and no move, when it cannot start: no space (naming the chunk), a
+  // retired chunk, one acquired for write. A move down drops the copies above once written unless
+  // `keep_source`; `order` places its NVMe I/O in the engine's queue (when it is due, whose). A
+  // persistent chunk's durable version stays whole until the new one is: a rewrite goes to fresh
+  // space and the index record is its commit point.
+  absl::Status Start(ChunkMeta& chunk, Route route, const std::shared_ptr<Batch>& batch,
+                     bool keep_source, const IoOrder& order);
+  // A copy of the chunk into `tier`, from the copies it has (RouteFor up, then Start).
+  absl::Status Fetch(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                     const IoOrder& order);
+  // Writes the chunk's copy in `tier` one tier down: the device's to the host, the host's to
+  // NVMe; drops that copy once written unless keep_source. Due at once: it frees room the next
+  // fetches wait for.
+  absl::Status WriteDown(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                         bool keep_source, const IoOrder& order);
   // Durably records in the index that the chunk's current version is in memory (so that a crash
   // recovers it lost, never older); `batch` completes once that is durable.
   void Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch);
@@ -96,21 +108,30 @@ class Mover {
   // A copy of the chunk from its copy in `from` to its space in `to` (a read of a chunk never
   // written fills zeros).
   HopJob JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const;
-  // Space for the chunk in `tier` unless it has some; on failure the batch fails, naming the
-  // chunk, and false is returned.
-  bool EnsureSpace(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch);
-  // Marks the chunk moving to `to` as part of the batch. False, failing the batch, for a retired
-  // chunk or one acquired for write.
-  bool BeginBatchMove(ChunkMeta& chunk, TierKind to, const std::shared_ptr<Batch>& batch);
+  // Space for the chunk in `tier` unless it has some; the error names the chunk.
+  absl::Status EnsureSpace(ChunkMeta& chunk, TierKind tier);
+  // Marks the chunk moving to `to`; an error for a retired chunk or one acquired for write.
+  absl::Status BeginMoving(ChunkMeta& chunk, TierKind to);
+  absl::Status StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                             const IoOrder& order);
+  // Then writes it to NVMe if `then_nvme` (in `order`'s place, due when it starts).
+  absl::Status StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
+                           bool keep_source, const IoOrder& order);
+  absl::Status StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
+                         const IoOrder& order);
+  absl::Status StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source,
+                          const IoOrder& order);
   // The chunk a settling move belongs to (a moving chunk is never destroyed).
   ChunkMeta& Moving(ChunkId id);
   // The move ended (FinishMove).
   void Settled(ChunkMeta& chunk, bool ok);
   void MoveStarted(Path path, const ChunkMeta& chunk);
-  void MoveDone(Path path, const ChunkMeta& chunk);
+  void MoveDone(Path path, const ChunkMeta& chunk, Settlement& settled);
   void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
-  void SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme, bool keep_source,
-                    const std::shared_ptr<Batch>& batch);
+  // The move's status, or that of the write it chains (then_nvme) when that cannot start.
+  absl::Status SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
+                            bool keep_source, const std::shared_ptr<Batch>& batch,
+                            const IoOrder& order);
   void SettleRead(ChunkId id, const absl::Status& status);
   // `previous`: a persistent chunk's durable version, kept until this write's index record commits.
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
