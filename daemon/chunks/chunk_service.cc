@@ -500,8 +500,7 @@ void ChunkService::EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
   if (chunk.state == ChunkState::kMoving) {
     // On its way somewhere (a planner write-back, a fetch): evicted once the move settles.
     batch->Add();
-    waiters_[chunk.id].push_back(
-        Waiter{batch, session, tier, std::nullopt, clock_.Now(), keep_source});
+    waiters_.Add(chunk.id, Waiter{batch, session, tier, std::nullopt, clock_.Now(), keep_source});
     return;
   }
   EvictSettled(chunk, tier, keep_source, batch);

@@ -42,6 +42,7 @@
 #include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
+#include "daemon/chunks/wait_list.h"
 #include "daemon/io/io_engine.h"
 #include "daemon/planner/planner.h"
 #include "daemon/tiers/hop.h"
@@ -294,17 +295,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
                     const std::string& name, bool persistent) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // A request waiting for its chunk to arrive in `tier` (or for a move in the way to settle). An
-  // Acquire's waiter holds its pin meanwhile and applies its access on arrival.
-  struct Waiter {
-    std::shared_ptr<Batch> batch;
-    SessionId session;
-    TierKind tier;
-    std::optional<Access> pin;
-    absl::Time since;
-    // An Evict to `tier` that waits for the chunk's move to settle, then evicts it.
-    std::optional<bool> evict_keep_source;
-  };
   // Why Evict cannot move the chunk down to `tier` now (OK for a chunk that is moving: it waits).
   absl::Status CheckEvictable(const ChunkMeta& chunk, TierKind tier) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -369,7 +359,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   // chunk, fails) the requests waiting for it, destroys a doomed chunk, and retries the fetches
   // queued for room.
   void AfterMove(ChunkMeta& chunk, const absl::Status& moved) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailAllWaiters(ChunkId id, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An acquisition's access takes effect (its data is there): a write makes that copy the only
   // valid one and, until released, keeps copies from being made of the chunk. A write to a chunk
   // at home in memory that the index calls durable makes `batch` wait for the Mover's Mark.
@@ -393,8 +382,7 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkTable chunks_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
-  // Kept beside the table rather than in ChunkMeta: few chunks have any at a time.
-  absl::flat_hash_map<ChunkId, std::vector<Waiter>> waiters_ ABSL_GUARDED_BY(mu_);
+  WaitList waiters_ ABSL_GUARDED_BY(mu_);
   PathMeter meter_;                           // thread-safe; its lock is taken after mu_
   SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
   // 10 us to 21 s, doubling.

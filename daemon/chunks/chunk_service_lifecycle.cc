@@ -83,7 +83,7 @@ void ChunkService::Retire(ChunkMeta& chunk) {
     chunk.doomed = true;  // AfterMove destroys it
     return;
   }
-  FailAllWaiters(chunk.id, Retired(chunk));
+  waiters_.FailAll(chunk.id, Retired(chunk));
   Destroy(chunk);
 }
 
@@ -187,10 +187,7 @@ size_t ChunkService::CloseSession(const Session& session) {
   }
   schedules_.End(session);
   for (const auto& [id, pins] : state.pins) {
-    if (auto w = waiters_.find(id); w != waiters_.end()) {
-      std::erase_if(w->second, [&](const Waiter& x) { return x.session == session.id; });
-      if (w->second.empty()) waiters_.erase(w);
-    }
+    waiters_.Forget(id, session.id);
     ChunkMeta& chunk = chunks_.at(id);
     for (uint32_t i = 0; i < pins.count; ++i) Unpin(chunk);
     chunk.writers -= pins.writes;

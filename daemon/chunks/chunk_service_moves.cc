@@ -69,12 +69,7 @@ void ChunkService::StartWriteDown(ChunkMeta& chunk, TierKind tier) {
       .IgnoreError();
 }
 
-bool ChunkService::Awaited(ChunkId id, TierKind tier) const {
-  auto it = waiters_.find(id);
-  return it != waiters_.end() &&
-         std::any_of(it->second.begin(), it->second.end(),
-                     [&](const Waiter& w) { return w.tier == tier && !w.evict_keep_source; });
-}
+bool ChunkService::Awaited(ChunkId id, TierKind tier) const { return waiters_.Awaited(id, tier); }
 
 absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
   if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
@@ -90,7 +85,7 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
     return;
   }
   batch->Add();
-  waiters_[chunk.id].push_back(Waiter{batch, session, tier, pin, clock_.Now()});
+  waiters_.Add(chunk.id, Waiter{batch, session, tier, pin, clock_.Now()});
   if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
   // An Acquire's space was reserved up front (its location is final); other requests may queue
   // for room.
@@ -98,24 +93,18 @@ void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_pt
           pin ? StartFetch(chunk, tier, deadline) : room_.FetchOrQueue(chunk, tier, deadline);
       !s.ok()) {
     // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
-    std::vector<Waiter>& w = waiters_[chunk.id];
-    w.pop_back();
-    if (w.empty()) waiters_.erase(chunk.id);
-    batch->Done(s);
+    waiters_.TakeLast(chunk.id).batch->Done(s);
   }
 }
 
 void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
   if (chunk.state != ChunkState::kReady) return;  // a chained move is still on its way
-  auto it = waiters_.find(chunk.id);
-  if (it == waiters_.end()) return;
-  std::vector<Waiter> waiting = std::move(it->second);
-  waiters_.erase(it);
+  std::vector<Waiter> waiting = waiters_.TakeAll(chunk.id);
   const absl::Time now = clock_.Now();
   for (Waiter& w : waiting) {
     if (w.evict_keep_source) {
       if (chunk.state == ChunkState::kMoving) {  // an earlier waiter started a move
-        waiters_[chunk.id].push_back(std::move(w));
+        waiters_.Add(chunk.id, std::move(w));
       } else if (absl::Status s = CheckEvictable(chunk, w.tier); !s.ok()) {
         w.batch->Done(s);
       } else {
@@ -126,7 +115,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
     }
     if (chunk.resident.contains(w.tier) && w.pin && chunk.state == ChunkState::kMoving) {
       // An earlier waiter started a move of the chunk: the access applies once it settles.
-      waiters_[chunk.id].push_back(std::move(w));
+      waiters_.Add(chunk.id, std::move(w));
     } else if (chunk.resident.contains(w.tier)) {
       if (w.pin) {
         Apply(chunk, w.tier, *w.pin, w.session, w.batch);
@@ -145,29 +134,20 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
       w.batch->Done(s);
     } else if (chunk.state == ChunkState::kMoving) {
       // An earlier waiter's fetch has just started: wait for it too.
-      waiters_[chunk.id].push_back(std::move(w));
+      waiters_.Add(chunk.id, std::move(w));
     } else {
       // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
       if (absl::Status f = room_.FetchOrQueue(chunk, w.tier, now); !f.ok()) {
         w.batch->Done(f);
       } else {
-        waiters_[chunk.id].push_back(std::move(w));
+        waiters_.Add(chunk.id, std::move(w));
       }
     }
   }
 }
 
 void ChunkService::FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) {
-  auto it = waiters_.find(id);
-  if (it == waiters_.end()) return;
-  std::vector<Waiter> failed;
-  std::erase_if(it->second, [&](Waiter& w) {
-    if (w.tier != tier || w.evict_keep_source) return false;
-    failed.push_back(std::move(w));
-    return true;
-  });
-  if (it->second.empty()) waiters_.erase(it);
-  for (Waiter& w : failed) w.batch->Done(status);
+  waiters_.Fail(id, tier, status);
 }
 
 void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) {
@@ -186,7 +166,7 @@ void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settle
 void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
   if (chunk.doomed) {
     // Whoever waited for it learns it is gone; nothing is fetched or evicted for it again.
-    FailAllWaiters(chunk.id, Retired(chunk));
+    waiters_.FailAll(chunk.id, Retired(chunk));
     if (chunk.state != ChunkState::kMoving) Destroy(chunk);
   } else {
     WakeWaiters(chunk, moved);
@@ -206,14 +186,6 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
   if (pins == state->second.pins.end() || pins->second.writes >= pins->second.count) return;
   ++pins->second.writes;
   ++chunk.writers;
-}
-
-void ChunkService::FailAllWaiters(ChunkId id, const absl::Status& status) {
-  auto it = waiters_.find(id);
-  if (it == waiters_.end()) return;
-  std::vector<Waiter> failed = std::move(it->second);
-  waiters_.erase(it);
-  for (Waiter& w : failed) w.batch->Done(status);
 }
 
 }  // namespace tierd::daemon
