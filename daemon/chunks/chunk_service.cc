@@ -44,20 +44,11 @@ absl::Status ValidateChunkName(absl::string_view name) {
 ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
     : tiers_(tiers),
       clock_(clock),
-      room_(chunks_, ledger_, tiers, *this),
+      space_(chunks_, ledger_, tiers),
+      room_(chunks_, ledger_, tiers, space_, mover_, waiters_, sessions_, clock_),
       schedules_(chunks_, ledger_, clock_),
-      mover_(mu_, chunks_, room_, tiers, meter_, clock_, *this) {
+      mover_(mu_, chunks_, space_, tiers, meter_, clock_, *this) {
   assert(tier(TierKind::kHost) != nullptr);
-}
-
-ChunkService::SessionState& ChunkService::StateOf(const Session& session) {
-  auto [it, made] = sessions_.try_emplace(session.id);
-  if (made) {
-    it->second.description = session.Describe();
-    it->second.job = session.job;
-    if (!session.job.empty()) ++jobs_[session.job].sessions;
-  }
-  return it->second;
 }
 
 absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& session) {
@@ -182,11 +173,13 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
                                                              "' (chunk ", found.id, ") has size ",
                                                              found.size, ", not ", r.size)));
     }
-    if (absl::Status s = CheckLease(found, session.id, r.shared, "open"); !s.ok()) return fail(s);
+    if (absl::Status s = sessions_.CheckLease(found.id, found.name, session.id, r.shared, "open");
+        !s.ok())
+      return fail(s);
     result[i] = found.id;
   }
 
-  SessionState& state = StateOf(session);
+  Sessions::State& state = sessions_.Of(session);
   const uint64_t fresh = std::count(result.begin(), result.end(), ChunkId{0});
   if (absl::Status s = ledger_.CheckChunks(tenant, state.owned.size(), fresh); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("Allocate: ", s.message()));
@@ -196,12 +189,12 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   std::vector<Placement> placements(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     if (result[i] != 0) continue;
-    absl::StatusOr<Placement> p = room_.ReserveSpace(
-        requests[i].home, tenant,
-        room_.SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
+    absl::StatusOr<Placement> p =
+        space_.Reserve(requests[i].home, tenant,
+                       space_.SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
     if (!p.ok()) {
       for (size_t j = 0; j < i; ++j) {
-        if (result[j] == 0) room_.ReleaseSpace(tenant, placements[j]);
+        if (result[j] == 0) space_.Release(tenant, placements[j]);
       }
       return absl::Status(p.status().code(),
                           absl::StrCat("Allocate, chunk #", i, ": ", p.status().message()));
@@ -214,19 +207,13 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   for (size_t i = 0; i < requests.size(); ++i) {
     const ChunkRequest& r = requests[i];
     if (result[i] != 0) {  // an opened persistent chunk: this session holds a lease on it too
-      Lease& lease = leases_[result[i]];
-      if (std::find(lease.holders.begin(), lease.holders.end(), session.id) ==
-          lease.holders.end()) {
-        lease.holders.push_back(session.id);
-      }
-      if (lease.holders.size() == 1) lease.shared = r.shared;
-      chunks_.at(result[i]).owner = lease.holders.front();
+      chunks_.at(result[i]).owner = sessions_.Join(result[i], session.id, r.shared);
       continue;
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
     if (r.persistent && tiers_.index == nullptr) ++volatile_persistent;
-    if (r.persistent) leases_[chunk.id] = Lease{{session.id}, r.shared};
+    if (r.persistent) sessions_.Grant(chunk.id, session.id, r.shared);
     if (!r.persistent) state.owned.insert(chunk.id);
     result[i] = chunk.id;
   }
@@ -239,25 +226,6 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   return result;
 }
 
-absl::Status ChunkService::CheckLease(const ChunkMeta& chunk, SessionId session, bool shared,
-                                      std::string_view verb) const {
-  auto lease = leases_.find(chunk.id);
-  if (lease == leases_.end()) return absl::OkStatus();
-  for (SessionId holder : lease->second.holders) {
-    if (holder == session) continue;
-    if (verb == "open" && shared && lease->second.shared) return absl::OkStatus();
-    auto it = sessions_.find(holder);
-    const std::string who = it != sessions_.end() && !it->second.description.empty()
-                                ? it->second.description
-                                : absl::StrCat("session ", holder);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "persistent chunk '", chunk.name, "' (chunk ", chunk.id, ") is held by ", who,
-        ": it cannot be ", verb == "open" ? "opened" : "freed", " until that session ends",
-        verb == "open" ? " (or both open it with shared)" : ""));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId> ids) {
   if (absl::Status s = CheckBatch(ids.size(), "Free"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
@@ -267,7 +235,9 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
   for (const ChunkMeta* chunk : *chunks) {
     if (absl::Status s = CheckFreeable(*chunk); !s.ok()) return s;
     // Nothing frees state another live session holds.
-    if (absl::Status s = CheckLease(*chunk, session.id, false, "free"); !s.ok()) return s;
+    if (absl::Status s = sessions_.CheckLease(chunk->id, chunk->name, session.id, false, "free");
+        !s.ok())
+      return s;
   }
   // One being moved (a write-back its owner did not ask for, or a move it did not wait for) ends
   // when that move settles, as at a session's end.
@@ -344,19 +314,14 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   AcquireResult result;
   result.ready = batch->token;
   result.locations.reserve(ids.size());
-  SessionState& state = StateOf(session);
-  if (waited_for_room) {
-    const absl::Duration stalled = clock_.Now() - arrived;
-    state.stats.stall[tier] += stalled;
-    totals_.stall[tier] += stalled;
-  }
+  Sessions::State& state = sessions_.Of(session);
+  if (waited_for_room) sessions_.AddStall(session.id, tier, clock_.Now() - arrived);
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
     chunk->last_use = ++use_clock_;
     state.pins[chunk->id].count += 1;
     const bool ready = CheckPin(*chunk, tier).ok();
-    ++(ready ? state.stats.ready : state.stats.waited);
-    ++(ready ? totals_.ready : totals_.waited);
+    sessions_.CountAcquired(state, ready);
     BringIn(*chunk, tier, batch, session.id, access, clock_.Now());
     // Final even for a chunk still on its way: its space in `tier` was reserved above or by the
     // move it joined.
@@ -373,7 +338,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   if (session.ended) return Ended(session);
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
-  SessionState& state = StateOf(session);
+  Sessions::State& state = sessions_.Of(session);
   for (const ChunkMeta* chunk : *chunks) {
     if (!state.pins.contains(chunk->id)) {
       return absl::FailedPreconditionError(
@@ -383,7 +348,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   for (ChunkMeta* chunk : *chunks) {
     Unpin(*chunk);
     auto it = state.pins.find(chunk->id);
-    SessionState::Pins& pins = it->second;
+    Sessions::Pins& pins = it->second;
     // Reads are released first: a write in effect keeps the chunk from being copied longest.
     if (--pins.count < pins.writes) {
       --pins.writes;
@@ -524,7 +489,7 @@ ChunkPage ChunkService::List(const Session& session, ChunkId page_token, uint32_
   absl::MutexLock lock(&mu_);
   static const std::set<ChunkId> kNone;
   const std::set<ChunkId>* owned = &kNone;
-  if (auto it = sessions_.find(session.id); it != sessions_.end()) owned = &it->second.owned;
+  if (const Sessions::State* state = sessions_.Find(session.id)) owned = &state->owned;
   const std::set<ChunkId>* persistent = &chunks_.PersistentOf(session.peer.uid);
   ChunkPage page;
   auto a = owned->lower_bound(page_token);

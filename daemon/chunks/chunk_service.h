@@ -41,6 +41,8 @@
 #include "daemon/chunks/room_maker.h"
 #include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
+#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/space.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/chunks/wait_list.h"
 #include "daemon/io/io_engine.h"
@@ -67,21 +69,6 @@ struct ChunkRequest {
 struct AcquireResult {
   std::vector<Placement> locations;  // in request order
   SlotToken ready;                   // completes when every chunk is there
-};
-
-// What a session's acquisitions cost it — how many found their chunks in place, how many waited,
-// and for how long, by the tier they waited for — and what the planner did for it.
-struct SessionStats {
-  uint64_t ready = 0;   // chunks resident when acquired
-  uint64_t waited = 0;  // chunks that had to be brought in (or were on their way)
-  TierArray<absl::Duration> stall;
-  uint64_t planner_fetches = 0;
-  uint64_t planner_drops = 0;
-  uint64_t planner_write_backs = 0;
-  uint64_t cursor = 0;          // steps started, as last seen
-  uint32_t schedule_steps = 0;  // steps of the schedule in force (declared or traced)
-  bool tracing = false;         // a trace is waiting for or recording its iteration
-  uint32_t bandwidth_weight = 1;
 };
 
 // Node-wide figures for the metrics endpoint: what every session's acquisitions cost and what the
@@ -136,7 +123,7 @@ absl::Time PrefetchDeadline(absl::Time now, int priority);
 
 struct Batch;
 
-class ChunkService : private RoomMaker::Moves, private Mover::Listener {
+class ChunkService : private Mover::Listener {
  public:
   // `tiers`: the tiers by kind, the hops between them and the index of persistent chunks, null
   // where the node has none (NodeTiers assembles them); the host tier must exist.
@@ -252,36 +239,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
 
  private:
-  // The live sessions holding a lease on a persistent chunk (its creator or openers; several only
-  // when every one of them asked to share). Kept beside the table: few chunks are persistent.
-  struct Lease {
-    std::vector<SessionId> holders;
-    bool shared = false;
-  };
-  absl::flat_hash_map<ChunkId, Lease> leases_ ABSL_GUARDED_BY(mu_);
-
-  struct SessionState {
-    std::string description;    // "session 3 (uid 1000, pid 42, trainer)", for lease errors
-    std::string job;            // as the session declared it; empty: none
-    PathArray<uint64_t> moved;  // bytes of the chunks it holds, by path
-    std::set<ChunkId> owned;    // non-persistent (persistent ones held are in leases_)
-    struct Pins {
-      uint32_t count = 0;   // Acquires not yet released
-      uint32_t writes = 0;  // of them, writes in effect (counted in ChunkMeta::writers)
-    };
-    absl::flat_hash_map<ChunkId, Pins> pins;
-    SessionStats stats;   // its schedule's figures are in schedules_
-    uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
-  };
-  // The session's state, made on its first request.
-  SessionState& StateOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Per declared job: its sessions with state here, and the bytes their chunks moved.
-  struct Job {
-    uint32_t sessions = 0;
-    PathArray<uint64_t> moved;
-  };
-  absl::flat_hash_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
-
   // Resolves `ids` to chunks the session may use, rejecting duplicates, unknown ids and foreign
   // chunks. The pointers stay valid while mu_ is held.
   absl::StatusOr<std::vector<ChunkMeta*>> Resolve(const Session& session,
@@ -312,10 +269,6 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why Acquire cannot pin the chunk in `tier` with a final location now: it is on its way to
   // another tier where it has no copy, or it cannot be fetched.
-  // A persistent chunk another live session holds a lease on cannot be opened (unless both share
-  // it) or freed (`verb`: "open" or "free"); the error names the holder.
-  absl::Status CheckLease(const ChunkMeta& chunk, SessionId session, bool shared,
-                          std::string_view verb) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Has `batch` follow the chunk into `tier`: nothing when it is there and ready, a wait when it
@@ -324,25 +277,16 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   void BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
                SessionId session, std::optional<Access> pin, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RoomMaker::Moves, called by room_ with mu_ held.
   // Starts bringing a ready chunk into `tier`, or says why it cannot start (no space). Its NVMe
   // I/O is queued by `deadline` (when the chunk is needed: now, for a request that waits).
-  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) override
+  absl::Status StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StartWriteDown(ChunkMeta& chunk, TierKind tier) override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool Awaited(ChunkId id, TierKind tier) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t moves_in_flight() const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return mover_.in_flight();
-  }
   // Mover::Listener, called by mover_ with mu_ held.
   // Counts the move's bytes as the holder's traffic (a scratch chunk's session, a persistent
   // one's first lease, and the session's job) and a fetch as a use; wakes those waiting for room
   // and serves (or, for a doomed chunk, fails) the requests waiting for the chunk; a doomed chunk
   // is destroyed once no move of it is left.
   void MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) override
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Fails the requests waiting for the chunk in `tier`.
-  void FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) override
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A move of the chunk settled with `moved`: serves the requests waiting for it (fetching again
   // for those whose tier it did not fill). REQUIRES: the chunk is not doomed.
@@ -381,10 +325,9 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkTable chunks_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<SessionId, SessionState> sessions_ ABSL_GUARDED_BY(mu_);
+  Sessions sessions_ ABSL_GUARDED_BY(mu_);
   WaitList waiters_ ABSL_GUARDED_BY(mu_);
-  PathMeter meter_;                           // thread-safe; its lock is taken after mu_
-  SessionStats totals_ ABSL_GUARDED_BY(mu_);  // every session's, since start-up
+  PathMeter meter_;  // thread-safe; its lock is taken after mu_
   // 10 us to 21 s, doubling.
   TierArray<prometheus::Histogram> acquire_wait_seconds_ =
       TierArray<prometheus::Histogram>::Generate(
@@ -392,7 +335,8 @@ class ChunkService : private RoomMaker::Moves, private Mover::Listener {
   absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
-  // Space, and room made on demand, in the tiers (over chunks_ and ledger_).
+  // Space in the tiers (over chunks_ and ledger_), and room made on demand by moving copies down.
+  Space space_ ABSL_GUARDED_BY(mu_);
   RoomMaker room_ ABSL_GUARDED_BY(mu_);
   // The sessions' schedules and traces, and the planner's input they make.
   Schedules schedules_ ABSL_GUARDED_BY(mu_);

@@ -26,21 +26,4 @@ inline absl::Status CheckBatch(size_t n, absl::string_view what) {
   return absl::OkStatus();
 }
 
-// The tiers a fetch of the chunk into `tier` needs space in: a fetch into the device stages
-// through (or copies from) the chunk's host space. An overwrite fetches nothing: it needs room
-// only where it lands.
-inline std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier,
-                                        Access access = Access::kRead) {
-  std::vector<TierKind> needs;
-  if (access == Access::kOverwrite && chunk.state == ChunkState::kReady) {
-    if (!chunk.allocated.contains(tier)) needs.push_back(tier);
-    return needs;
-  }
-  if (!chunk.allocated.contains(TierKind::kHost)) needs.push_back(TierKind::kHost);
-  if (tier == TierKind::kDevice && !chunk.allocated.contains(TierKind::kDevice)) {
-    needs.push_back(TierKind::kDevice);
-  }
-  return needs;
-}
-
 }  // namespace tierd::daemon

@@ -159,7 +159,7 @@ size_t ChunkService::WriteDownForStop() {
 void ChunkService::Destroy(ChunkMeta& chunk) {
   assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
   for (TierKind t : kAllTiers) {
-    if (chunk.allocated.contains(t)) room_.ReleaseSpace(chunk.tenant, chunk.placement[t]);
+    if (chunk.allocated.contains(t)) space_.Release(chunk.tenant, chunk.placement[t]);
   }
   ledger_.AddChunks(chunk.tenant, -1);
   // A chunk at home in memory may have a record without a copy (or one being written): forgetting
@@ -167,48 +167,34 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   if (chunk.persistent && tiers_.index != nullptr && (chunk.written || chunk.memory_home))
     tiers_.index->Forget(chunk.tenant, chunk.name);
   if (!chunk.persistent) {
-    if (auto it = sessions_.find(chunk.owner); it != sessions_.end()) {
-      it->second.owned.erase(chunk.id);
-    }
+    if (Sessions::State* owner = sessions_.Find(chunk.owner)) owner->owned.erase(chunk.id);
   }
-  leases_.erase(chunk.id);
+  sessions_.ForgetLease(chunk.id);
   chunks_.Erase(chunk);
 }
 
 size_t ChunkService::CloseSession(const Session& session) {
   absl::MutexLock lock(&mu_);
   session.ended = true;
-  auto it = sessions_.find(session.id);
-  if (it == sessions_.end()) return 0;
-  SessionState state = std::move(it->second);
-  sessions_.erase(it);
-  if (auto job = jobs_.find(state.job); job != jobs_.end() && --job->second.sessions == 0) {
-    jobs_.erase(job);
-  }
+  std::optional<Sessions::State> state = sessions_.End(session.id);
+  if (!state) return 0;
   schedules_.End(session);
-  for (const auto& [id, pins] : state.pins) {
+  for (const auto& [id, pins] : state->pins) {
     waiters_.Forget(id, session.id);
     ChunkMeta& chunk = chunks_.at(id);
     for (uint32_t i = 0; i < pins.count; ++i) Unpin(chunk);
     chunk.writers -= pins.writes;
   }
   size_t freed = 0;
-  for (ChunkId id : state.owned) {
+  for (ChunkId id : state->owned) {
     ChunkMeta& chunk = chunks_.at(id);
     assert(chunk.pins == 0);  // only its owner can pin a scratch chunk
     ++freed;
     Retire(chunk);
   }
   for (ChunkId id : chunks_.PersistentOf(session.peer.uid)) {
-    ChunkMeta& chunk = chunks_.at(id);
-    auto lease = leases_.find(id);
-    if (lease == leases_.end()) continue;
-    std::erase(lease->second.holders, session.id);
-    if (lease->second.holders.empty()) {
-      leases_.erase(lease);
-      chunk.owner = 0;
-    } else {
-      chunk.owner = lease->second.holders.front();
+    if (std::optional<SessionId> holder = sessions_.Leave(id, session.id)) {
+      chunks_.at(id).owner = *holder;
     }
   }
   room_.RetryQueuedFetches();

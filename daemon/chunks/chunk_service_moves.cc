@@ -48,28 +48,13 @@ absl::Status ChunkService::CheckFetchable(const ChunkMeta& chunk, TierKind tier)
 }
 
 IoOrder ChunkService::OrderFor(const ChunkMeta& chunk, absl::Time deadline) const {
-  auto it = sessions_.find(chunk.owner);
-  return IoOrder{.deadline = deadline,
-                 .flow = chunk.owner,
-                 .weight = it == sessions_.end() ? 1 : it->second.weight};
+  return sessions_.OrderFor(chunk.owner, deadline);
 }
 
 absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
   // Whoever waits for the chunk is a Waiter, woken when the move settles.
   return mover_.Fetch(chunk, tier, /*batch=*/nullptr, OrderFor(chunk, deadline));
 }
-
-void ChunkService::StartWriteDown(ChunkMeta& chunk, TierKind tier) {
-  // Whoever needs the room waits for it to be freed (a queued fetch, an Acquire on room_freed_);
-  // the write-down itself reports to no one, and one that cannot start leaves them waiting for
-  // other room.
-  mover_
-      .WriteDown(chunk, tier, /*batch=*/nullptr, /*keep_source=*/false,
-                 OrderFor(chunk, clock_.Now()))
-      .IgnoreError();
-}
-
-bool ChunkService::Awaited(ChunkId id, TierKind tier) const { return waiters_.Awaited(id, tier); }
 
 absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
   if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
@@ -119,10 +104,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
     } else if (chunk.resident.contains(w.tier)) {
       if (w.pin) {
         Apply(chunk, w.tier, *w.pin, w.session, w.batch);
-        if (auto state = sessions_.find(w.session); state != sessions_.end()) {
-          state->second.stats.stall[w.tier] += now - w.since;
-        }
-        totals_.stall[w.tier] += now - w.since;
+        sessions_.AddStall(w.session, w.tier, now - w.since);
         acquire_wait_seconds_[w.tier].Observe(absl::ToDoubleSeconds(now - w.since));
       }
       w.batch->Done(absl::OkStatus());
@@ -146,18 +128,9 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
   }
 }
 
-void ChunkService::FailWaiters(ChunkId id, TierKind tier, const absl::Status& status) {
-  waiters_.Fail(id, tier, status);
-}
-
 void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) {
-  if (auto holder = sessions_.find(chunk.owner); holder != sessions_.end()) {
-    SessionState& state = holder->second;
-    for (Path p : kAllPaths) {
-      state.moved[p] += settled.crossed[p];
-      if (!state.job.empty()) jobs_[state.job].moved[p] += settled.crossed[p];
-    }
-  }
+  room_.MoveDone(chunk.id);  // a write-down for room: that room is no longer coming
+  sessions_.AddMoved(chunk.owner, settled.crossed);
   if (settled.brought_in) chunk.last_use = ++use_clock_;
   room_freed_.SignalAll();
   AfterMove(chunk, settled.status);
@@ -179,11 +152,11 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
   ApplyAccess(chunk, tier, access);
   if (!Writes(access)) return;
   if (NeedsMark(chunk)) mover_.Mark(chunk, batch);
-  auto state = sessions_.find(session);
-  if (state == sessions_.end()) return;
-  auto pins = state->second.pins.find(chunk.id);
+  Sessions::State* state = sessions_.Find(session);
+  if (state == nullptr) return;
+  auto pins = state->pins.find(chunk.id);
   // A write whose acquisition was released before its data arrived has nothing left to guard.
-  if (pins == state->second.pins.end() || pins->second.writes >= pins->second.count) return;
+  if (pins == state->pins.end() || pins->second.writes >= pins->second.count) return;
   ++pins->second.writes;
   ++chunk.writers;
 }

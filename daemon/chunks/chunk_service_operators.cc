@@ -115,7 +115,7 @@ absl::StatusOr<ChunkPage> ChunkService::ListAll(const Session& session, ChunkId 
 std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
   absl::MutexLock lock(&mu_);
   std::map<SessionId, SessionHoldings> out;
-  for (const auto& [id, state] : sessions_) {
+  for (const auto& [id, state] : sessions_.all()) {
     SessionHoldings& h = out[id];
     h.chunks = state.owned.size();
     for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
@@ -123,7 +123,7 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
     for (uint64_t b : state.moved) h.moved_bytes += b;
   }
   // Persistent chunks are the tenant's, but held by the live sessions with a lease on them.
-  for (const auto& [id, lease] : leases_) {
+  for (const auto& [id, lease] : sessions_.leases()) {
     for (SessionId holder : lease.holders) {
       auto it = out.find(holder);
       if (it == out.end()) continue;
@@ -136,9 +136,7 @@ std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
 
 std::map<std::string, PathArray<uint64_t>> ChunkService::JobTraffic() const {
   absl::MutexLock lock(&mu_);
-  std::map<std::string, PathArray<uint64_t>> out;
-  for (const auto& [job, j] : jobs_) out[job] = j.moved;
-  return out;
+  return sessions_.JobTraffic();
 }
 
 size_t ChunkService::chunk_count() const {
@@ -149,7 +147,7 @@ size_t ChunkService::chunk_count() const {
 NodeStats ChunkService::node_stats() const {
   absl::MutexLock lock(&mu_);
   NodeStats out;
-  out.totals = totals_;
+  out.totals = sessions_.totals();
   for (const auto& [id, c] : chunks_) {
     ++(c.state == ChunkState::kMoving ? out.chunks_moving : out.chunks_ready);
     if (c.pins > 0) ++out.chunks_pinned;

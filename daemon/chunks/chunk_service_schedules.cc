@@ -45,7 +45,7 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
   }
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
-  StateOf(session);
+  sessions_.Of(session);
   if (absl::Status s = schedules_.CheckLimits(session, request); !s.ok()) return s;
   std::vector<ChunkId> ids;
   {
@@ -71,7 +71,7 @@ absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t w
                                                    " (the daemon's planner.max_session_weight)"));
   }
   if (session.ended) return Ended(session);
-  StateOf(session).weight = weight;
+  sessions_.Of(session).weight = weight;
   return absl::OkStatus();
 }
 
@@ -136,22 +136,18 @@ size_t ChunkService::PlanRound(absl::Time now) {
     return full;
   };
   // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
-  room_.set_planning(true);
+  space_.set_planning(true);
   for (const PlannedMove& m : moves) {
     if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();
     auto it = chunks_.find(m.id);
     if (it == chunks_.end()) continue;
     ChunkMeta& c = it->second;
     if (c.state != ChunkState::kReady || c.doomed) continue;
-    SessionStats* stats = nullptr;
-    if (auto owner = sessions_.find(c.owner); owner != sessions_.end())
-      stats = &owner->second.stats;
     switch (m.kind) {
       case PlannedMove::Kind::kDrop:
         if (c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
-        room_.DropCopy(c, m.tier);
-        if (stats != nullptr) ++stats->planner_drops;
-        ++totals_.planner_drops;
+        space_.DropCopy(c, m.tier);
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
         break;
       case PlannedMove::Kind::kFetch: {
         if (c.resident.contains(m.tier) || c.pins > 0 || !CheckFetchable(c, m.tier).ok()) break;
@@ -171,8 +167,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
           }
           break;
         }
-        if (stats != nullptr) ++stats->planner_fetches;
-        ++totals_.planner_fetches;
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kFetch);
         ++started;
         break;
       }
@@ -181,19 +176,15 @@ size_t ChunkService::PlanRound(absl::Time now) {
         ChunkMeta& fetch = chunks_.at(unplaced->first);
         // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
         if (!no_room(fetch, unplaced->second).contains(m.tier)) break;
-        room_.DropCopy(c, m.tier);
-        if (stats != nullptr) ++stats->planner_drops;
-        ++totals_.planner_drops;
+        space_.DropCopy(c, m.tier);
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
         if (fetch.state != ChunkState::kReady || !no_room(fetch, unplaced->second).empty() ||
             !StartFetch(fetch, unplaced->second, unplaced_when).ok()) {
           break;
         }
         unplaced.reset();
         stuck = stuck_before_unplaced;
-        if (auto owner = sessions_.find(fetch.owner); owner != sessions_.end()) {
-          ++owner->second.stats.planner_fetches;
-        }
-        ++totals_.planner_fetches;
+        sessions_.CountPlanner(fetch.owner, Sessions::PlannerMove::kFetch);
         ++started;
         break;
       }
@@ -209,24 +200,23 @@ size_t ChunkService::PlanRound(absl::Time now) {
                            OrderFor(c, clock_.Now()))
                 .ok() &&
             c.state == ChunkState::kMoving) {
-          if (stats != nullptr) ++stats->planner_write_backs;
-          ++totals_.planner_write_backs;
+          sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kWriteBack);
           ++started;
         }
         break;
       }
     }
   }
-  room_.set_planning(false);
+  space_.set_planning(false);
   return started;
 }
 
 SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
-  auto it = sessions_.find(session.id);
-  if (it == sessions_.end()) return SessionStats{};
-  SessionStats stats = it->second.stats;
-  stats.bandwidth_weight = it->second.weight;
+  const Sessions::State* state = sessions_.Find(session.id);
+  if (state == nullptr) return SessionStats{};
+  SessionStats stats = state->stats;
+  stats.bandwidth_weight = state->weight;
   const Schedules::Figures figures = schedules_.FiguresOf(session.id);
   stats.cursor = figures.cursor;
   stats.schedule_steps = figures.steps;

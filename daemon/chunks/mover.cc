@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/chunks/batch.h"
-#include "daemon/chunks/chunk_service_internal.h"
 
 namespace tierd::daemon {
 
@@ -47,7 +46,7 @@ void Mover::MoveDone(Path path, const ChunkMeta& chunk, Settlement& settled) {
 
 void Mover::DropAbove(ChunkMeta& chunk, TierKind tier) {
   for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
-    if (Above(above, tier) && chunk.allocated.contains(above)) room_.DropCopy(chunk, above);
+    if (Above(above, tier) && chunk.allocated.contains(above)) space_.DropCopy(chunk, above);
   }
 }
 
@@ -74,7 +73,7 @@ ChunkMeta& Mover::Moving(ChunkId id) {
 absl::Status Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier) {
   if (chunk.allocated.contains(tier)) return absl::OkStatus();
   absl::StatusOr<Placement> p =
-      room_.ReserveIn(tier, chunk.tenant, room_.SpaceIn(tier, chunk.size, chunk.persistent));
+      space_.ReserveIn(tier, chunk.tenant, space_.SpaceIn(tier, chunk.size, chunk.persistent));
   if (!p.ok()) {
     return absl::Status(p.status().code(),
                         absl::StrCat("chunk ", chunk.id, ": ", p.status().message()));
@@ -236,8 +235,8 @@ void Mover::SettleToDevice(ChunkId id, const absl::Status& status, bool host_fil
   if (status.ok()) {
     if (host_filled) chunk.resident.insert(TierKind::kHost);
   } else {
-    room_.DropCopy(chunk, TierKind::kDevice);
-    if (host_filled) room_.DropCopy(chunk, TierKind::kHost);
+    space_.DropCopy(chunk, TierKind::kDevice);
+    if (host_filled) space_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
   listener_.MoveSettled(chunk, settled);
@@ -270,7 +269,7 @@ absl::Status Mover::SettleToHost(ChunkId id, const absl::Status& status, bool th
   MoveDone(Path::kDeviceToHost, chunk, settled);
   absl::Status out = status;
   if (!status.ok()) {
-    room_.DropCopy(chunk, TierKind::kHost);
+    space_.DropCopy(chunk, TierKind::kHost);
   } else if (chunk.doomed) {
     // Destroyed below.
   } else if (then_nvme) {
@@ -278,9 +277,8 @@ absl::Status Mover::SettleToHost(ChunkId id, const absl::Status& status, bool th
     now.deadline = clock_.Now();
     out = StartWrite(chunk, batch, keep_source, now);  // drops host and device copies once durable
   } else if (!keep_source && chunk.pins == 0) {
-    room_.DropCopy(chunk, TierKind::kDevice);
+    space_.DropCopy(chunk, TierKind::kDevice);
   }
-  room_.MoveDone(id);
   listener_.MoveSettled(chunk, settled);
   return out;
 }
@@ -308,7 +306,7 @@ void Mover::SettleRead(ChunkId id, const absl::Status& status) {
   Settlement settled{.status = status, .brought_in = true};
   if (chunk.written) MoveDone(Path::kNvmeToHost, chunk, settled);
   if (!status.ok()) {
-    room_.DropCopy(chunk, TierKind::kHost);
+    space_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
   listener_.MoveSettled(chunk, settled);
@@ -325,8 +323,8 @@ absl::Status Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   std::optional<Placement> previous;
   if (chunk.persistent && chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
     // Briefly two copies: the second is not held against the user's quota.
-    absl::StatusOr<Placement> fresh = room_.ReserveSpace(
-        TierKind::kNvme, chunk.tenant, room_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
+    absl::StatusOr<Placement> fresh = space_.Reserve(
+        TierKind::kNvme, chunk.tenant, space_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
     if (!fresh.ok()) {
       return absl::Status(fresh.status().code(),
                           absl::StrCat("chunk ", chunk.id,
@@ -340,7 +338,7 @@ absl::Status Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   if (absl::Status s = EnsureSpace(chunk, TierKind::kNvme); !s.ok()) return s;
   if (absl::Status s = BeginMoving(chunk, TierKind::kNvme); !s.ok()) {
     if (previous) {
-      room_.ReleaseSpace(chunk.tenant, chunk.placement[TierKind::kNvme]);
+      space_.Release(chunk.tenant, chunk.placement[TierKind::kNvme]);
       chunk.placement[TierKind::kNvme] = *previous;
     }
     return s;
@@ -376,9 +374,9 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
     // Committed: the previous version's space is free. Not: the new one's, and the previous
     // version stays what the index (and the chunk) name.
     if (checksum.ok()) {
-      room_.ReleaseSpace(chunk.tenant, *previous);
+      space_.Release(chunk.tenant, *previous);
     } else {
-      room_.ReleaseSpace(chunk.tenant, chunk.placement[TierKind::kNvme]);
+      space_.Release(chunk.tenant, chunk.placement[TierKind::kNvme]);
       chunk.placement[TierKind::kNvme] = *previous;
     }
   }
@@ -389,7 +387,6 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
-  room_.MoveDone(id);
   listener_.MoveSettled(chunk, settled);
 }
 

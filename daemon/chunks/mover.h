@@ -1,5 +1,5 @@
-// The moves of chunks between tiers. A move marks the chunk moving, reserves its space (through the
-// RoomMaker), and hands the copy to its route of hops with a callback. When the route calls back,
+// The moves of chunks between tiers. A move marks the chunk moving, reserves its space (Space), and
+// hands the copy to its route of hops with a callback. When the route calls back,
 // the Mover takes the chunk service's lock and settles the move: the chunk's copies change, the
 // path is metered, and the Listener (the chunk service) is told, so that it serves the requests
 // waiting for the chunk. A move that goes on from where it settled (device -> host -> NVMe) starts
@@ -19,7 +19,7 @@
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/path_meter.h"
-#include "daemon/chunks/room_maker.h"
+#include "daemon/chunks/space.h"
 #include "daemon/tiers/hop.h"
 #include "daemon/util/clock.h"
 
@@ -43,11 +43,11 @@ class Mover {
   };
 
   // `mu` guards `chunks`; the Mover settles under it.
-  Mover(absl::Mutex& mu, ChunkTable& chunks, RoomMaker& room, const Tiers& tiers, PathMeter& meter,
+  Mover(absl::Mutex& mu, ChunkTable& chunks, Space& space, const Tiers& tiers, PathMeter& meter,
         const Clock& clock, Listener& listener)
       : mu_(mu),
         chunks_(chunks),
-        room_(room),
+        space_(space),
         tiers_(tiers),
         meter_(meter),
         clock_(clock),
@@ -147,7 +147,7 @@ class Mover {
 
   absl::Mutex& mu_;
   ChunkTable& chunks_;
-  RoomMaker& room_;
+  Space& space_;
   const Tiers tiers_;
   PathMeter& meter_;
   const Clock& clock_;

@@ -5,72 +5,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/sizes.h"
-#include "daemon/chunks/chunk_service_internal.h"
 #include "daemon/tiers/segment_pool.h"
 
 namespace tierd::daemon {
 
-absl::StatusOr<Placement> RoomMaker::ReserveSpace(TierKind kind, uint32_t tenant, uint64_t size,
-                                                  bool quota) {
-  absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
-  if (!p.ok()) return p;
-  if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
-      !s.ok()) {
-    tier(kind)->Unreserve(*p);
-    return s;
-  }
-  ledger_.AddBytes(tenant, kind, p->size);
-  return p;
-}
-
-void RoomMaker::ReleaseSpace(uint32_t tenant, const Placement& placement) {
-  tier(placement.tier)->Unreserve(placement);
-  ledger_.RemoveBytes(tenant, placement.tier, placement.size);
-}
-
-void RoomMaker::DropCopy(ChunkMeta& chunk, TierKind tier) {
-  if (chunk.allocated.contains(tier)) ReleaseSpace(chunk.tenant, chunk.placement[tier]);
-  chunk.allocated.erase(tier);
-  chunk.resident.erase(tier);
-  chunk.dirty.erase(tier);
-}
-
-absl::StatusOr<Placement> RoomMaker::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
-  for (;;) {
-    // When the tenant's quota is what is full, only its own copies make room for it.
-    const uint64_t needed = AlignUp(size, kSegmentAlignment);
-    const bool quota_full = ledger_.Headroom(tenant, tier) < needed;
-    if (quota_full && planning_) return ledger_.CheckBytes(tenant, tier, needed);
-    absl::StatusOr<Placement> p =
-        quota_full ? absl::ResourceExhaustedError("over quota") : ReserveSpace(tier, tenant, size);
-    if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
-    // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
-    // costs nothing to drop). A linear scan; the planner replaces this policy.
-    ChunkMeta* victim = nullptr;
-    for (auto& [id, c] : chunks_) {
-      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier))
-        continue;
-      if (quota_full && c.tenant != tenant) continue;
-      if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
-    }
-    if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
-    DropCopy(*victim, tier);
-  }
-}
-
-uint64_t RoomMaker::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
-  if (t != TierKind::kNvme || !persistent || tiers_.index == nullptr) return size;
-  return std::max(size, tiers_.index->persistent_granule());
-}
-
-uint64_t RoomMaker::FreeFor(uint32_t tenant, TierKind t) const {
-  const TierUsage u = tier(t)->Usage();
-  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
-  return std::min(free, ledger_.Headroom(tenant, t));
+absl::Status RoomMaker::Fetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
+  return mover_.Fetch(chunk, tier, /*batch=*/nullptr, sessions_.OrderFor(chunk.owner, deadline));
 }
 
 absl::Status RoomMaker::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
-  absl::Status started = moves_.StartFetch(chunk, tier, deadline);
+  absl::Status started = Fetch(chunk, tier, deadline);
   if (started.ok() || !absl::IsResourceExhausted(started)) return started;
   if (!MakeRoomFor(chunk, tier)) return started;
   for (const QueuedFetch& q : queued_fetches_) {
@@ -90,7 +34,8 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
     if (c->resident.contains(tier)) continue;
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
     for (TierKind t : RoomNeeded(*c, tier, access)) {
-      absl::StatusOr<Placement> p = ReserveIn(t, c->tenant, SpaceIn(t, c->size, c->persistent));
+      absl::StatusOr<Placement> p =
+          space_.ReserveIn(t, c->tenant, space_.SpaceIn(t, c->size, c->persistent));
       if (p.ok()) {
         c->placement[t] = *p;
         c->allocated.insert(t);
@@ -106,7 +51,7 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
     if (!reserved.ok() || !*reserved) break;
   }
   if (!reserved.ok()) {
-    for (auto [c, t] : made) DropCopy(*c, t);  // space only: nothing had arrived there
+    for (auto [c, t] : made) space_.DropCopy(*c, t);  // space only: nothing had arrived there
   }
   for (ChunkMeta* c : chunks) Unpin(*c);
   return reserved;
@@ -117,7 +62,7 @@ bool RoomMaker::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access
   bool coming = false;
   bool tried = false;
   for (TierKind t : needs) {
-    if (FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[t] == 0) continue;
+    if (space_.FreeFor(chunk.tenant, t) >= chunk.size && room_coming_[t] == 0) continue;
     tried = true;
     coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
   }
@@ -141,12 +86,12 @@ uint64_t RoomMaker::RoomComingFor(uint32_t tenant, TierKind t) const {
 bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   // When the tenant's quota, not the tier, is what is full, only its own copies make its room.
   const bool own = ledger_.Headroom(tenant, t) < AlignUp(bytes, kSegmentAlignment);
-  const uint64_t free = FreeFor(tenant, t);
+  const uint64_t free = space_.FreeFor(tenant, t);
   uint64_t coming = own ? RoomComingFor(tenant, t) : room_coming_[t];
   if (coming > 0 && free + coming >= bytes) return true;
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const bool can_write_down = Below(t) && tiers_.hop[PathDown(t)] != nullptr;
-  if (!can_write_down) return coming > 0 || (!own && moves_.moves_in_flight() > 0);
+  if (!can_write_down) return coming > 0 || (!own && mover_.in_flight() > 0);
   // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
   // of dirty copies.
   std::vector<ChunkMeta*> dirty;
@@ -163,7 +108,12 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   bool below = false;    // room is being made in the tier below for these to go to
   for (ChunkMeta* c : dirty) {
     if (started && free + coming >= bytes) break;
-    moves_.StartWriteDown(*c, t);
+    // Whoever needs the room waits for it (a queued fetch, an Acquire on the service's
+    // room_freed_); one that cannot start leaves them to other room.
+    mover_
+        .WriteDown(*c, t, /*batch=*/nullptr, /*keep_source=*/false,
+                   sessions_.OrderFor(c->owner, clock_.Now()))
+        .IgnoreError();
     if (c->state != ChunkState::kMoving) {
       // No room below it either: the host's own dirty copies go down to NVMe first, and the
       // waiter tries again when they have.
@@ -177,7 +127,7 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   }
   // Moves in flight end as copies that can be dropped or written down, or free what they leave
   // (other tenants' moves free nothing under this one's quota).
-  return coming > 0 || (!own && moves_.moves_in_flight() > 0) || below;
+  return coming > 0 || (!own && mover_.in_flight() > 0) || below;
 }
 
 void RoomMaker::MoveDone(ChunkId id) {
@@ -193,15 +143,15 @@ void RoomMaker::RetryQueuedFetches() {
     const QueuedFetch q = queued_fetches_.front();
     auto it = chunks_.find(q.id);
     // Gone, given up on, or on its way by another move (whose end wakes its waiters).
-    if (it == chunks_.end() || !moves_.Awaited(q.id, q.tier) ||
+    if (it == chunks_.end() || !waiters_.Awaited(q.id, q.tier) ||
         it->second.state != ChunkState::kReady || it->second.resident.contains(q.tier)) {
       queued_fetches_.pop_front();
       continue;
     }
-    absl::Status s = moves_.StartFetch(it->second, q.tier, q.deadline);
+    absl::Status s = Fetch(it->second, q.tier, q.deadline);
     if (!s.ok() && absl::IsResourceExhausted(s) && MakeRoomFor(it->second, q.tier)) return;
     queued_fetches_.pop_front();
-    if (!s.ok()) moves_.FailWaiters(q.id, q.tier, s);
+    if (!s.ok()) waiters_.Fail(q.id, q.tier, s);
   }
 }
 

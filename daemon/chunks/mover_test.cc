@@ -42,19 +42,6 @@ class RecordingListener final : public Mover::Listener {
   absl::Mutex& mu_;
 };
 
-// The tiers here never fill: a write-down would be a test error.
-class NoWriteDowns final : public RoomMaker::Moves {
- public:
-  absl::Status StartFetch(ChunkMeta&, TierKind, absl::Time) override {
-    ADD_FAILURE() << "fetch for room";
-    return absl::InternalError("unexpected");
-  }
-  void StartWriteDown(ChunkMeta&, TierKind) override { ADD_FAILURE() << "write-down"; }
-  bool Awaited(ChunkId, TierKind) const override { return false; }
-  void FailWaiters(ChunkId, TierKind, const absl::Status&) override {}
-  uint64_t moves_in_flight() const override { return 0; }
-};
-
 class MoverTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -73,12 +60,13 @@ class MoverTest : public ::testing::Test {
     device_pool_ = std::move(
         *SegmentPool::Create(TierKind::kDevice, "device", 8 * kSeg, kSeg, device_->MakeBacking()));
     const Tiers tiers = NodeTiers(host_.get(), nvme_.get(), device_pool_.get(), device_.get());
-    room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, no_write_downs_);
-    mover_ = std::make_unique<Mover>(mu_, chunks_, *room_, tiers, meter_, Clock::Real(), listener_);
+    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
+    mover_ =
+        std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), listener_);
   }
   void TearDown() override {
     mover_.reset();  // waits for the last callback
-    room_.reset();
+    space_.reset();
     nvme_.reset();
     device_->Drain();
     device_pool_.reset();
@@ -92,7 +80,7 @@ class MoverTest : public ::testing::Test {
     ChunkMeta& c = chunks_.Insert(1000, "", /*persistent=*/false);
     c.owner = 7;
     c.size = kChunk;
-    const Placement p = *room_->ReserveSpace(TierKind::kHost, c.tenant, kChunk);
+    const Placement p = *space_->Reserve(TierKind::kHost, c.tenant, kChunk);
     c.placement[TierKind::kHost] = p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
@@ -144,9 +132,8 @@ class MoverTest : public ::testing::Test {
   ChunkTable chunks_;
   TenantLedger ledger_;
   PathMeter meter_;
-  NoWriteDowns no_write_downs_;
   RecordingListener listener_{mu_};
-  std::unique_ptr<RoomMaker> room_;
+  std::unique_ptr<Space> space_;
   std::unique_ptr<Mover> mover_;
 };
 

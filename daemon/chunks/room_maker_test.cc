@@ -1,0 +1,177 @@
+// RoomMaker over what it stands on, all real: a host tier, an NVMe region in a file, Space, the
+// Mover and a WaitList; a listener settles moves as the chunk service does (room no longer coming,
+// queued fetches retried).
+#include "daemon/chunks/room_maker.h"
+
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "daemon/chunks/batch.h"
+#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/nvme_tier.h"
+#include "gtest/gtest.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr uint64_t kSeg = 4 << 20;
+constexpr uint32_t kAlice = 1000;
+
+class RoomMakerTest : public testing::Test, public Mover::Listener {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/var/tmp/tierd-room-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    host_ = std::move(*CreateHostPool({.capacity = 4 * kSeg,
+                                       .segment_size = kSeg,
+                                       .huge_pages = HugePagePolicy::kNever,
+                                       .lock_memory = false}));
+  }
+  void TearDown() override {
+    if (mover_ != nullptr) mover_->WaitForIdle();
+    room_.reset();
+    mover_.reset();
+    space_.reset();
+    nvme_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  // The room maker over the host tier, with (or without) NVMe below it to write down to.
+  RoomMaker& Make(bool with_nvme) {
+    ledger_.Configure(Limits{}, Quotas{});
+    if (with_nvme) {
+      NvmeOptions o;
+      o.regions = {{dir_ + "/r0", 64 << 20}};
+      o.index_size = 1 << 20;
+      nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
+    }
+    const Tiers tiers = NodeTiers(host_.get(), nvme_.get());
+    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
+    mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), *this);
+    room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, *space_, *mover_, waiters_,
+                                        sessions_, Clock::Real());
+    return *room_;
+  }
+
+  // A chunk filling one host segment whose host copy is the only one (dirty).
+  ChunkMeta& DirtyHostChunk(uint64_t last_use) {
+    ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
+    c.size = kSeg;
+    c.last_use = last_use;
+    absl::StatusOr<Placement> p = space_->Reserve(TierKind::kHost, kAlice, kSeg);
+    EXPECT_TRUE(p.ok()) << p.status();
+    c.placement[TierKind::kHost] = *p;
+    c.allocated.insert(TierKind::kHost);
+    c.resident.insert(TierKind::kHost);
+    c.dirty.insert(TierKind::kHost);
+    return c;
+  }
+
+  // A chunk whose only copy is on NVMe (never written: it reads as zeros).
+  ChunkMeta& NvmeChunk() {
+    ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
+    c.size = kSeg;
+    if (nvme_ != nullptr) {
+      c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
+    }
+    c.allocated.insert(TierKind::kNvme);
+    c.resident.insert(TierKind::kNvme);
+    return c;
+  }
+
+  // A request waiting for the chunk in the host tier, as the service records one.
+  std::shared_ptr<Batch> Await(const ChunkMeta& c) {
+    auto batch = std::make_shared<Batch>();
+    batch->Add();
+    waiters_.Add(c.id, Waiter{.batch = batch, .session = 1, .tier = TierKind::kHost});
+    return batch;
+  }
+
+  // Settles as the chunk service does, with mu_ held: the room of a write-down is no longer
+  // coming, and the fetches queued for room are tried again.
+  void MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) override {
+    mu_.AssertHeld();
+    EXPECT_TRUE(settled.status.ok()) << settled.status;
+    settled_.push_back(chunk.id);
+    room_->MoveDone(chunk.id);
+    room_->RetryQueuedFetches();
+  }
+
+  std::string dir_;
+  std::unique_ptr<SegmentPool> host_;
+  std::unique_ptr<NvmeTier> nvme_;
+  absl::Mutex mu_;
+  ChunkTable chunks_;
+  TenantLedger ledger_;
+  PathMeter meter_;
+  WaitList waiters_;
+  Sessions sessions_;
+  std::unique_ptr<Space> space_;
+  std::unique_ptr<Mover> mover_;
+  std::unique_ptr<RoomMaker> room_;
+  std::vector<ChunkId> settled_;
+};
+
+TEST_F(RoomMakerTest, ATierFullOfDirtyCopiesWritesTheOldestDownAndQueuesTheFetchUntilItIsDone) {
+  RoomMaker& room = Make(/*with_nvme=*/true);
+  std::vector<ChunkMeta*> dirty;
+  ChunkMeta* wanted;
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t use : {3, 1, 4, 2}) dirty.push_back(&DirtyHostChunk(use));
+    wanted = &NvmeChunk();
+    Await(*wanted);
+    ASSERT_TRUE(room.FetchOrQueue(*wanted, TierKind::kHost, absl::Now()).ok());
+    // The least recently used dirty copy is written down; one frees enough.
+    EXPECT_EQ(dirty[1]->state, ChunkState::kMoving);
+    EXPECT_EQ(dirty[1]->moving_to, TierKind::kNvme);
+    for (int i : {0, 2, 3}) EXPECT_EQ(dirty[i]->state, ChunkState::kReady) << i;
+    EXPECT_EQ(wanted->state, ChunkState::kReady);  // queued, not started
+    // Room coming: asking again neither writes more down nor queues the fetch twice.
+    ASSERT_TRUE(room.FetchOrQueue(*wanted, TierKind::kHost, absl::Now()).ok());
+    for (int i : {0, 2, 3}) EXPECT_EQ(dirty[i]->state, ChunkState::kReady) << i;
+  }
+  mover_->WaitForIdle();  // the write-down settles, and the queued fetch runs in its room
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(settled_, (std::vector<ChunkId>{dirty[1]->id, wanted->id}));
+  EXPECT_TRUE(dirty[1]->resident.contains(TierKind::kNvme));
+  EXPECT_FALSE(dirty[1]->allocated.contains(TierKind::kHost));
+  EXPECT_TRUE(wanted->resident.contains(TierKind::kHost));
+}
+
+TEST_F(RoomMakerTest, AQueuedFetchNoOneWaitsForAnyMoreIsDropped) {
+  RoomMaker& room = Make(/*with_nvme=*/true);
+  ChunkMeta* wanted;
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t use : {1, 2, 3, 4}) DirtyHostChunk(use);
+    wanted = &NvmeChunk();
+    std::shared_ptr<Batch> request = Await(*wanted);
+    ASSERT_TRUE(room.FetchOrQueue(*wanted, TierKind::kHost, absl::Now()).ok());
+    waiters_.Forget(wanted->id, /*session=*/1);  // its waiter gave up before the room came
+  }
+  mover_->WaitForIdle();
+  absl::MutexLock lock(&mu_);
+  EXPECT_EQ(settled_.size(), 1u);  // the write-down only
+  EXPECT_EQ(wanted->state, ChunkState::kReady);
+  EXPECT_FALSE(wanted->resident.contains(TierKind::kHost));
+  Await(*wanted);  // gone from the queue: a later retry does not start it
+  room.RetryQueuedFetches();
+  EXPECT_EQ(wanted->state, ChunkState::kReady);
+}
+
+TEST_F(RoomMakerTest, WithNoTierBelowAFullTierOfDirtyCopiesRefusesTheFetch) {
+  RoomMaker& room = Make(/*with_nvme=*/false);
+  absl::MutexLock lock(&mu_);
+  for (uint64_t use : {1, 2, 3, 4}) DirtyHostChunk(use);
+  ChunkMeta& wanted = NvmeChunk();
+  absl::Status s = room.FetchOrQueue(wanted, TierKind::kHost, absl::Now());
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  for (const auto& [id, c] : chunks_) EXPECT_EQ(c.state, ChunkState::kReady) << id;
+  EXPECT_EQ(mover_->in_flight(), 0u);
+}
+
+}  // namespace
+}  // namespace tierd::daemon

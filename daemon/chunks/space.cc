@@ -1,0 +1,82 @@
+#include "daemon/chunks/space.h"
+
+#include <algorithm>
+
+#include "common/sizes.h"
+#include "daemon/tiers/segment_pool.h"
+
+namespace tierd::daemon {
+
+absl::StatusOr<Placement> Space::Reserve(TierKind kind, uint32_t tenant, uint64_t size,
+                                         bool quota) {
+  absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
+  if (!p.ok()) return p;
+  if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
+      !s.ok()) {
+    tier(kind)->Unreserve(*p);
+    return s;
+  }
+  ledger_.AddBytes(tenant, kind, p->size);
+  return p;
+}
+
+void Space::Release(uint32_t tenant, const Placement& placement) {
+  tier(placement.tier)->Unreserve(placement);
+  ledger_.RemoveBytes(tenant, placement.tier, placement.size);
+}
+
+void Space::DropCopy(ChunkMeta& chunk, TierKind tier) {
+  if (chunk.allocated.contains(tier)) Release(chunk.tenant, chunk.placement[tier]);
+  chunk.allocated.erase(tier);
+  chunk.resident.erase(tier);
+  chunk.dirty.erase(tier);
+}
+
+absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
+  for (;;) {
+    // When the tenant's quota is what is full, only its own copies make room for it.
+    const uint64_t needed = AlignUp(size, kSegmentAlignment);
+    const bool quota_full = ledger_.Headroom(tenant, tier) < needed;
+    if (quota_full && planning_) return ledger_.CheckBytes(tenant, tier, needed);
+    absl::StatusOr<Placement> p =
+        quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, tenant, size);
+    if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
+    // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
+    // costs nothing to drop). A linear scan; the planner replaces this policy.
+    ChunkMeta* victim = nullptr;
+    for (auto& [id, c] : chunks_) {
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier))
+        continue;
+      if (quota_full && c.tenant != tenant) continue;
+      if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
+    }
+    if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
+    DropCopy(*victim, tier);
+  }
+}
+
+uint64_t Space::SpaceIn(TierKind t, uint64_t size, bool persistent) const {
+  if (t != TierKind::kNvme || !persistent || tiers_.index == nullptr) return size;
+  return std::max(size, tiers_.index->persistent_granule());
+}
+
+uint64_t Space::FreeFor(uint32_t tenant, TierKind t) const {
+  const TierUsage u = tier(t)->Usage();
+  const uint64_t free = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+  return std::min(free, ledger_.Headroom(tenant, t));
+}
+
+std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier, Access access) {
+  std::vector<TierKind> needs;
+  if (access == Access::kOverwrite && chunk.state == ChunkState::kReady) {
+    if (!chunk.allocated.contains(tier)) needs.push_back(tier);
+    return needs;
+  }
+  if (!chunk.allocated.contains(TierKind::kHost)) needs.push_back(TierKind::kHost);
+  if (tier == TierKind::kDevice && !chunk.allocated.contains(TierKind::kDevice)) {
+    needs.push_back(TierKind::kDevice);
+  }
+  return needs;
+}
+
+}  // namespace tierd::daemon

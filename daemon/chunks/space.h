@@ -1,0 +1,62 @@
+// Space for chunks' copies in the tiers. Every reservation and release of a chunk's space goes
+// through here, against the tier and the tenant's quota; a reservation in a full tier first drops
+// clean copies there (valid in a lower tier too), least recently used first. A leaf under the
+// Mover (the space its moves land in) and the RoomMaker (room made by moving copies down).
+//
+// Not thread-safe: the chunk service keeps it under its lock.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/chunks/chunk.h"
+#include "daemon/chunks/chunk_table.h"
+#include "daemon/chunks/tenant_ledger.h"
+#include "daemon/tiers/hop.h"
+
+namespace tierd::daemon {
+
+class Space {
+ public:
+  // `chunks` and `ledger` are the service's, read and changed under its lock; `tiers` the node's.
+  Space(ChunkTable& chunks, TenantLedger& ledger, const Tiers& tiers)
+      : chunks_(chunks), ledger_(ledger), tiers_(tiers) {}
+  Space(const Space&) = delete;
+  Space& operator=(const Space&) = delete;
+
+  // Space in `tier` for `tenant`; RESOURCE_EXHAUSTED naming the quota or the tier when it does not
+  // fit. `quota` false: held by the user but not checked against its quota (a rewrite's second
+  // copy).
+  absl::StatusOr<Placement> Reserve(TierKind tier, uint32_t tenant, uint64_t size,
+                                    bool quota = true);
+  void Release(uint32_t tenant, const Placement& placement);
+  // Drops the chunk's copy in `tier` and gives its space back.
+  void DropCopy(ChunkMeta& chunk, TierKind tier);
+  // Reserve, dropping clean copies in the tier (least recently used first) while it is full —
+  // only the tenant's own when its quota is what is full. While the planner's moves start
+  // (planning), nothing is dropped: the plan made its own room.
+  absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size);
+  // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
+  // index's persistent granule, so that the index of persistent chunks cannot fill first.
+  uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;
+  // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
+  uint64_t FreeFor(uint32_t tenant, TierKind tier) const;
+  void set_planning(bool planning) { planning_ = planning; }
+
+ private:
+  Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
+
+  ChunkTable& chunks_;
+  TenantLedger& ledger_;
+  const Tiers tiers_;
+  bool planning_ = false;
+};
+
+// The tiers a fetch of the chunk into `tier` needs space in: a fetch into the device stages
+// through (or copies from) the chunk's host space. An overwrite fetches nothing: it needs room
+// only where it lands.
+std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier,
+                                 Access access = Access::kRead);
+
+}  // namespace tierd::daemon
