@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <optional>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -14,11 +15,35 @@
 #include "absl/synchronization/notification.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
-#include "daemon/chunks/chunk_service_internal.h"
+#include "daemon/chunks/batch.h"
 #include "daemon/util/log_limiter.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd::daemon {
+
+namespace {
+
+absl::Status Ended(const Session& session) {
+  return absl::UnavailableError(absl::StrCat(session.Describe(), " has ended"));
+}
+
+absl::Status CheckBatch(size_t n, absl::string_view what) {
+  if (n == 0) return absl::InvalidArgumentError(absl::StrCat(what, ": the batch is empty"));
+  if (n > kMaxBatch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a batch holds at most ", kMaxBatch, " chunks, not ", n));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOperator(const Session& session, absl::string_view what) {
+  if (IsOperator(session)) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      what, " acts on every session's chunks: only root or the daemon's own user (uid ", geteuid(),
+      ") may; ", session.Describe(), " is neither"));
+}
+
+}  // namespace
 
 absl::Status ValidateChunkName(absl::string_view name) {
   if (name.empty() || name.size() > kMaxNameBytes) {
@@ -47,6 +72,7 @@ ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
       space_(chunks_, ledger_, tiers),
       room_(chunks_, ledger_, tiers, space_, mover_, waiters_, sessions_, clock_),
       schedules_(chunks_, ledger_, clock_),
+      round_(chunks_, space_, mover_, sessions_, schedules_, meter_, tiers, clock_),
       mover_(mu_, chunks_, space_, tiers, meter_, clock_, *this) {
   assert(tier(TierKind::kHost) != nullptr);
 }
@@ -381,7 +407,7 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
     if (chunk->resident.contains(tier) || chunk->state == ChunkState::kMoving) continue;
-    if (absl::Status s = CheckFetchable(*chunk, tier); !s.ok()) return s;
+    if (absl::Status s = mover_.CheckFetchable(*chunk, tier); !s.ok()) return s;
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
@@ -508,6 +534,524 @@ ChunkPage ChunkService::List(const Session& session, ChunkId page_token, uint32_
     page.chunks.push_back(chunks_.at(next));
   }
   return page;
+}
+
+// ---- the requests that wait on moves: a fetch or an eviction that cannot be answered at once
+// leaves a Waiter on the chunk and has the Mover start the move; when the Mover reports a move
+// settled, the waiters are served, sent after the chunk again, or failed ----
+
+IoOrder ChunkService::OrderFor(const ChunkMeta& chunk, absl::Time deadline) const {
+  return sessions_.OrderFor(chunk.owner, deadline);
+}
+
+absl::Status ChunkService::StartFetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline) {
+  // Whoever waits for the chunk is a Waiter, woken when the move settles.
+  return mover_.Fetch(chunk, tier, /*batch=*/nullptr, OrderFor(chunk, deadline));
+}
+
+absl::Status ChunkService::CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const {
+  if (chunk.resident.contains(tier)) return absl::OkStatus();  // the pin keeps this copy
+  if (chunk.state == ChunkState::kMoving && chunk.moving_to == tier) return absl::OkStatus();
+  // Not there (or on its way elsewhere: fetched once that move settles).
+  return mover_.CheckFetchable(chunk, tier);
+}
+
+void ChunkService::BringIn(ChunkMeta& chunk, TierKind tier, const std::shared_ptr<Batch>& batch,
+                           SessionId session, std::optional<Access> pin, absl::Time deadline) {
+  if (chunk.state == ChunkState::kReady && chunk.resident.contains(tier)) {
+    if (pin) Apply(chunk, tier, *pin, session, batch);
+    return;
+  }
+  batch->Add();
+  waiters_.Add(chunk.id, Waiter{batch, session, tier, pin, clock_.Now()});
+  if (chunk.state == ChunkState::kMoving) return;  // woken when the move settles
+  // An Acquire's space was reserved up front (its location is final); other requests may queue
+  // for room.
+  if (absl::Status s =
+          pin ? StartFetch(chunk, tier, deadline) : room_.FetchOrQueue(chunk, tier, deadline);
+      !s.ok()) {
+    // Nothing will settle: fail the waiter now (an Acquire's pin stays until Release).
+    waiters_.TakeLast(chunk.id).batch->Done(s);
+  }
+}
+
+void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
+  if (chunk.state != ChunkState::kReady) return;  // a chained move is still on its way
+  std::vector<Waiter> waiting = waiters_.TakeAll(chunk.id);
+  const absl::Time now = clock_.Now();
+  for (Waiter& w : waiting) {
+    if (w.evict_keep_source) {
+      if (chunk.state == ChunkState::kMoving) {  // an earlier waiter started a move
+        waiters_.Add(chunk.id, std::move(w));
+      } else if (absl::Status s = CheckEvictable(chunk, w.tier); !s.ok()) {
+        w.batch->Done(s);
+      } else {
+        EvictSettled(chunk, w.tier, *w.evict_keep_source, w.batch);
+        w.batch->Done(absl::OkStatus());
+      }
+      continue;
+    }
+    if (chunk.resident.contains(w.tier) && w.pin && chunk.state == ChunkState::kMoving) {
+      // An earlier waiter started a move of the chunk: the access applies once it settles.
+      waiters_.Add(chunk.id, std::move(w));
+    } else if (chunk.resident.contains(w.tier)) {
+      if (w.pin) {
+        Apply(chunk, w.tier, *w.pin, w.session, w.batch);
+        sessions_.AddStall(w.session, w.tier, now - w.since);
+        acquire_wait_seconds_[w.tier].Observe(absl::ToDoubleSeconds(now - w.since));
+      }
+      w.batch->Done(absl::OkStatus());
+    } else if (!moved.ok()) {
+      w.batch->Done(absl::Status(moved.code(),
+                                 absl::StrCat("chunk ", chunk.id, " could not be brought into the ",
+                                              TierName(w.tier), " tier: ", moved.message())));
+    } else if (absl::Status s = mover_.CheckFetchable(chunk, w.tier); !s.ok()) {
+      w.batch->Done(s);
+    } else if (chunk.state == ChunkState::kMoving) {
+      // An earlier waiter's fetch has just started: wait for it too.
+      waiters_.Add(chunk.id, std::move(w));
+    } else {
+      // The move that ended went elsewhere (or dropped the copy): fetch for this waiter now.
+      if (absl::Status f = room_.FetchOrQueue(chunk, w.tier, now); !f.ok()) {
+        w.batch->Done(f);
+      } else {
+        waiters_.Add(chunk.id, std::move(w));
+      }
+    }
+  }
+}
+
+void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) {
+  room_.MoveDone(chunk.id);  // a write-down for room: that room is no longer coming
+  sessions_.AddMoved(chunk.owner, settled.crossed);
+  if (settled.brought_in) chunk.last_use = ++use_clock_;
+  room_freed_.SignalAll();
+  AfterMove(chunk, settled.status);
+}
+
+void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
+  if (chunk.doomed) {
+    // Whoever waited for it learns it is gone; nothing is fetched or evicted for it again.
+    waiters_.FailAll(chunk.id, Retired(chunk));
+    if (chunk.state != ChunkState::kMoving) Destroy(chunk);
+  } else {
+    WakeWaiters(chunk, moved);
+  }
+  room_.RetryQueuedFetches();
+}
+
+void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
+                         const std::shared_ptr<Batch>& batch) {
+  ApplyAccess(chunk, tier, access);
+  if (!Writes(access)) return;
+  if (NeedsMark(chunk)) mover_.Mark(chunk, batch);
+  Sessions::State* state = sessions_.Find(session);
+  if (state == nullptr) return;
+  auto pins = state->pins.find(chunk.id);
+  // A write whose acquisition was released before its data arrived has nothing left to guard.
+  if (pins == state->pins.end() || pins->second.writes >= pins->second.count) return;
+  ++pins->second.writes;
+  ++chunk.writers;
+}
+
+// ---- schedules as clients declare them (validated here, kept by Schedules) and the planning
+// round (PlanRound collects and applies; daemon/planner/planner.h plans) ----
+
+absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest request) {
+  uint64_t accesses = 0;
+  for (const auto& step : request.steps) accesses += step.size();
+  if (request.steps.empty() != (accesses == 0)) {
+    return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
+  }
+  if (request.trace_steps > 0 && !request.steps.empty()) {
+    return absl::InvalidArgumentError(
+        "SetSchedule: either declare steps or ask for a trace (trace_steps), not both");
+  }
+  for (const auto& step : request.steps) {
+    for (const ScheduledAccess& a : step) {
+      if (a.tier != TierKind::kHost && a.tier != TierKind::kDevice) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: chunk ", a.id, " is scheduled in the ", TierName(a.tier),
+                         " tier; steps acquire chunks in the host or device tier"));
+      }
+      if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  sessions_.Of(session);
+  if (absl::Status s = schedules_.CheckLimits(session, request); !s.ok()) return s;
+  std::vector<ChunkId> ids;
+  {
+    absl::flat_hash_set<ChunkId> seen;
+    for (const auto& step : request.steps) {
+      for (const ScheduledAccess& a : step) {
+        if (seen.insert(a.id).second) ids.push_back(a.id);
+      }
+    }
+  }
+  if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids); !chunks.ok()) {
+    return chunks.status();
+  }
+  schedules_.Set(session, std::move(request));
+  return absl::OkStatus();
+}
+
+absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t weight) {
+  absl::MutexLock lock(&mu_);
+  if (weight < 1 || weight > max_weight_) {
+    return absl::InvalidArgumentError(absl::StrCat("SetBandwidthWeight: weight ", weight,
+                                                   " is not between 1 and ", max_weight_,
+                                                   " (the daemon's planner.max_session_weight)"));
+  }
+  if (session.ended) return Ended(session);
+  sessions_.Of(session).weight = weight;
+  return absl::OkStatus();
+}
+
+size_t ChunkService::PlanRound(absl::Time now) {
+  // The planner's input is taken under the lock; the plan is computed without it (other tenants'
+  // requests go on meanwhile), and its moves are checked again against the table as they start.
+  PlanInput in;
+  Schedules::Round round;  // alive while the plan is computed: the plans point into it
+  {
+    absl::MutexLock lock(&mu_);
+    if (!round_.Collect(now, round, in)) return 0;
+  }
+  const std::vector<PlannedMove> moves = Plan(in);
+  absl::MutexLock lock(&mu_);
+  return round_.Apply(moves);
+}
+
+SessionStats ChunkService::session_stats(const Session& session) const {
+  absl::MutexLock lock(&mu_);
+  const Sessions::State* state = sessions_.Find(session.id);
+  if (state == nullptr) return SessionStats{};
+  SessionStats stats = state->stats;
+  stats.bandwidth_weight = state->weight;
+  const Schedules::Figures figures = schedules_.FiguresOf(session.id);
+  stats.cursor = figures.cursor;
+  stats.schedule_steps = figures.steps;
+  stats.tracing = figures.tracing;
+  return stats;
+}
+
+// ---- a chunk's birth and end (created, recovered from the index, freed, retired with its
+// session), and the daemon's stop (writing persistent chunks down, waiting for the tiers) ----
+
+ChunkService::~ChunkService() { WaitForIdle(); }
+
+void ChunkService::WaitForIdle() { mover_.WaitForIdle(); }
+
+ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
+                                const Placement& home, const std::string& name, bool persistent) {
+  ChunkMeta& chunk = chunks_.Insert(tenant, name, persistent);
+  chunk.size = size;
+  chunk.owner = owner;
+  chunk.home = home.tier;
+  chunk.allocated.insert(home.tier);
+  chunk.resident.insert(home.tier);
+  chunk.placement[home.tier] = home;
+  chunk.memory_home = persistent && home.tier != TierKind::kNvme;
+  return chunk;
+}
+
+size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
+  absl::MutexLock lock(&mu_);
+  size_t recovered = 0;
+  for (const IndexEntry& e : entries) {
+    Placement p{TierKind::kNvme, 0, 0, e.offset, e.reserved};
+    const bool has_copy = e.reserved != 0;
+    if (has_copy && (tiers_.index == nullptr || !tiers_.index->Claim(p))) {
+      spdlog::error("NVMe index: persistent chunk '{}' of uid {} overlaps another; not recovered",
+                    e.name, e.tenant);
+      continue;
+    }
+    // Counted against the user's quota and chunk limit, which they may now exceed: that blocks new
+    // allocations, never the recovery of what was stored.
+    if (has_copy) ledger_.AddBytes(e.tenant, TierKind::kNvme, p.size);
+    ledger_.AddChunks(e.tenant, 1);
+    ChunkMeta& chunk = Insert(e.tenant, /*owner=*/0, e.chunk_size, p, e.name, /*persistent=*/true);
+    chunk.memory_home = e.memory_home;
+    chunk.checksum = e.checksum;
+    chunk.written = has_copy;
+    if (!has_copy) chunk.allocated = TierSet();
+    if (e.in_memory || !has_copy) {
+      // Its current version was in memory when the daemon stopped without writing it down: what
+      // NVMe holds (if anything) is older. Kept, named, until its owner frees it.
+      chunk.lost = true;
+      chunk.marked = true;
+      chunk.resident = TierSet();
+      spdlog::error(
+          "persistent chunk '{}' of uid {} was lost: its current version was in memory when the "
+          "daemon stopped without a clean shutdown; opening it fails with DATA_LOSS until it is "
+          "freed",
+          e.name, e.tenant);
+      continue;
+    }
+    ++recovered;
+  }
+  return recovered;
+}
+
+void ChunkService::Retire(ChunkMeta& chunk) {
+  if (chunk.state == ChunkState::kMoving) {
+    chunk.doomed = true;  // AfterMove destroys it
+    return;
+  }
+  waiters_.FailAll(chunk.id, Retired(chunk));
+  Destroy(chunk);
+}
+
+size_t ChunkService::WriteDownForStop() {
+  constexpr size_t kNamed = 16;  // chunks named in the log; the rest are counted
+  auto batch = std::make_shared<Batch>();
+  absl::Notification written;
+  batch->on_done = [&written](const absl::Status&) { written.Notify(); };
+  std::vector<ChunkId> ids;
+  uint64_t bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [tenant, set] : chunks_.persistent()) {
+      for (ChunkId id : set) {
+        ChunkMeta& chunk = chunks_.at(id);
+        const bool in_memory =
+            chunk.state == ChunkState::kMoving ||
+            (!chunk.resident.empty() && !chunk.resident.contains(TierKind::kNvme));
+        if (chunk.lost || !in_memory) continue;
+        ids.push_back(id);
+        bytes += chunk.size;
+        if (hop(Path::kHostToNvme) == nullptr) continue;
+        if (absl::Status s = CheckEvictable(chunk, TierKind::kNvme); !s.ok()) {
+          batch->Add();
+          batch->Done(s);
+          continue;
+        }
+        EvictOne(chunk, TierKind::kNvme, /*keep_source=*/false, batch, /*session=*/0);
+      }
+    }
+  }
+  if (ids.empty()) {
+    batch->Done(absl::OkStatus());
+    return 0;
+  }
+  if (hop(Path::kHostToNvme) == nullptr) {
+    spdlog::warn(
+        "{} persistent chunks ({}) lived in host memory only (no NVMe tier): lost with "
+        "this stop",
+        ids.size(), FormatSize(bytes));
+    batch->Done(absl::OkStatus());
+    return ids.size();
+  }
+  spdlog::info(
+      "stopping: writing {} persistent chunks ({}) whose current version is in memory "
+      "to NVMe",
+      ids.size(), FormatSize(bytes));
+  const absl::Time start = clock_.Now();
+  batch->Done(absl::OkStatus());
+  written.WaitForNotification();
+  absl::MutexLock lock(&mu_);
+  size_t failed = 0;
+  for (ChunkId id : ids) {
+    auto it = chunks_.find(id);
+    if (it == chunks_.end() || it->second.resident.contains(TierKind::kNvme)) continue;
+    if (++failed <= kNamed) {
+      spdlog::error("persistent chunk '{}' of uid {} could not be written to NVMe: {}",
+                    it->second.name, it->second.tenant,
+                    it->second.marked ? "the next start reports it lost"
+                                      : "the next start finds its last copy there, if any");
+    }
+  }
+  if (failed > 0) {
+    spdlog::error("{} of {} persistent chunks could not be written to NVMe ({} named above): {}",
+                  failed, ids.size(), std::min(failed, kNamed), batch->Status().message());
+  } else {
+    spdlog::info("stopping: {} persistent chunks written to NVMe in {:.2f} s", ids.size(),
+                 absl::ToDoubleSeconds(clock_.Now() - start));
+  }
+  return failed;
+}
+
+void ChunkService::Destroy(ChunkMeta& chunk) {
+  assert(chunk.state != ChunkState::kMoving);  // Retire defers it to the move's end
+  for (TierKind t : kAllTiers) {
+    if (chunk.allocated.contains(t)) space_.Release(chunk.tenant, chunk.placement[t]);
+  }
+  ledger_.AddChunks(chunk.tenant, -1);
+  // A chunk at home in memory may have a record without a copy (or one being written): forgetting
+  // a name the index does not hold costs nothing.
+  if (chunk.persistent && tiers_.index != nullptr && (chunk.written || chunk.memory_home))
+    tiers_.index->Forget(chunk.tenant, chunk.name);
+  if (!chunk.persistent) {
+    if (Sessions::State* owner = sessions_.Find(chunk.owner)) owner->owned.erase(chunk.id);
+  }
+  sessions_.ForgetLease(chunk.id);
+  chunks_.Erase(chunk);
+}
+
+size_t ChunkService::CloseSession(const Session& session) {
+  absl::MutexLock lock(&mu_);
+  session.ended = true;
+  std::optional<Sessions::State> state = sessions_.End(session.id);
+  if (!state) return 0;
+  schedules_.End(session);
+  for (const auto& [id, pins] : state->pins) {
+    waiters_.Forget(id, session.id);
+    ChunkMeta& chunk = chunks_.at(id);
+    for (uint32_t i = 0; i < pins.count; ++i) Unpin(chunk);
+    chunk.writers -= pins.writes;
+  }
+  size_t freed = 0;
+  for (ChunkId id : state->owned) {
+    ChunkMeta& chunk = chunks_.at(id);
+    assert(chunk.pins == 0);  // only its owner can pin a scratch chunk
+    ++freed;
+    Retire(chunk);
+  }
+  for (ChunkId id : chunks_.PersistentOf(session.peer.uid)) {
+    if (std::optional<SessionId> holder = sessions_.Leave(id, session.id)) {
+      chunks_.at(id).owner = *holder;
+    }
+  }
+  room_.RetryQueuedFetches();
+  room_freed_.SignalAll();
+  return freed;
+}
+
+// ---- operators' requests over every session's chunks (drain a tier, list the node, what each
+// session and job holds) and the node-wide figures the metrics endpoint reads ----
+
+bool IsOperator(const Session& session) {
+  return session.peer.uid == 0 || session.peer.uid == geteuid();
+}
+
+absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind tier,
+                                                std::span<const ChunkId> ids) {
+  if (absl::Status s = CheckOperator(session, "Drain"); !s.ok()) return s;
+  if (absl::Status s = CheckTier(tier, "Drain"); !s.ok()) return s;
+  const std::optional<TierKind> down = Below(tier);
+  if (!down) {
+    return absl::InvalidArgumentError(
+        "Drain: the NVMe tier is the bottom tier; its chunks leave it only when freed");
+  }
+  const TierKind below = *down;
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  if (hop(PathDown(tier)) == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("Drain: this daemon has no ", TierName(below),
+                                                      " tier to move the ", TierName(tier),
+                                                      " tier's chunks into"));
+  }
+  auto in_tier = [tier](const ChunkMeta& chunk) {
+    return chunk.resident.contains(tier) ||
+           (chunk.state == ChunkState::kMoving && chunk.moving_to == tier);
+  };
+  std::vector<ChunkMeta*> chunks;
+  if (ids.empty()) {
+    for (auto& [id, chunk] : chunks_) {
+      if (in_tier(chunk)) chunks.push_back(&chunk);
+    }
+  } else {
+    if (absl::Status s = CheckBatch(ids.size(), "Drain"); !s.ok()) return s;
+    for (ChunkId id : ids) {
+      auto it = chunks_.find(id);
+      if (it == chunks_.end()) {
+        return absl::NotFoundError(absl::StrCat("chunk ", id, " does not exist"));
+      }
+      if (in_tier(it->second)) chunks.push_back(&it->second);
+    }
+  }
+  absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
+  if (!batch.ok()) return batch.status();
+  DrainResult result{.token = (*batch)->token};
+  for (ChunkMeta* chunk : chunks) {
+    if (chunk->pins > 0) {
+      ++result.pinned;
+      continue;
+    }
+    if (!CheckEvictable(*chunk, below).ok()) continue;  // no copy above `below`: nothing to move
+    ++result.chunks;
+    result.bytes += chunk->size;
+    EvictOne(*chunk, below, /*keep_source=*/false, *batch, session.id);
+  }
+  spdlog::info("{} drains the {} tier: {} chunks ({}) moving to the {} tier, {} acquired left",
+               session.Describe(), TierName(tier), result.chunks, FormatSize(result.bytes),
+               TierName(below), result.pinned);
+  (*batch)->Done(absl::OkStatus());
+  return result;
+}
+
+absl::StatusOr<ChunkPage> ChunkService::ListAll(const Session& session, ChunkId page_token,
+                                                uint32_t page_size) const {
+  if (absl::Status s = CheckOperator(session, "ListChunks(all_sessions)"); !s.ok()) return s;
+  if (page_size == 0) page_size = kDefaultPageSize;
+  page_size = std::min(page_size, kMaxPageSize);
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkId> ids;
+  for (const auto& [id, chunk] : chunks_) {
+    if (id >= page_token) ids.push_back(id);
+  }
+  ChunkPage page;
+  const size_t n = std::min<size_t>(ids.size(), page_size);
+  std::partial_sort(ids.begin(), ids.begin() + n, ids.end());
+  for (size_t i = 0; i < n; ++i) page.chunks.push_back(chunks_.at(ids[i]));
+  if (ids.size() > n) page.next_page_token = *std::min_element(ids.begin() + n, ids.end());
+  return page;
+}
+
+std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
+  absl::MutexLock lock(&mu_);
+  std::map<SessionId, SessionHoldings> out;
+  for (const auto& [id, state] : sessions_.all()) {
+    SessionHoldings& h = out[id];
+    h.chunks = state.owned.size();
+    for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
+    h.pinned = state.pins.size();
+    for (uint64_t b : state.moved) h.moved_bytes += b;
+  }
+  // Persistent chunks are the tenant's, but held by the live sessions with a lease on them.
+  for (const auto& [id, lease] : sessions_.leases()) {
+    for (SessionId holder : lease.holders) {
+      auto it = out.find(holder);
+      if (it == out.end()) continue;
+      ++it->second.chunks;
+      it->second.bytes += chunks_.at(id).size;
+    }
+  }
+  return out;
+}
+
+std::map<std::string, PathArray<uint64_t>> ChunkService::JobTraffic() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.JobTraffic();
+}
+
+size_t ChunkService::chunk_count() const {
+  absl::MutexLock lock(&mu_);
+  return chunks_.size();
+}
+
+NodeStats ChunkService::node_stats() const {
+  absl::MutexLock lock(&mu_);
+  NodeStats out;
+  out.totals = sessions_.totals();
+  for (const auto& [id, c] : chunks_) {
+    ++(c.state == ChunkState::kMoving ? out.chunks_moving : out.chunks_ready);
+    if (c.pins > 0) ++out.chunks_pinned;
+    if (c.persistent) ++out.chunks_persistent;
+    for (TierKind t : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
+      if (c.pins > 0 && c.allocated.contains(t)) out.pinned_bytes[t] += c.size;
+      if (!c.resident.contains(t)) continue;
+      ++out.resident_chunks[t];
+      out.resident_bytes[t] += c.size;
+    }
+  }
+  const PathArray<PathLoad> load = meter_.Load();
+  for (Path p : kAllPaths) {
+    out.in_flight[p] = load[p].in_flight;
+    out.queued_bytes[p] = load[p].queued_bytes;
+  }
+  return out;
 }
 
 }  // namespace tierd::daemon

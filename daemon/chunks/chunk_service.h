@@ -5,15 +5,14 @@
 // atomic with respect to each other and costs ~100 ns per chunk (docs/benchmarks.md); tier
 // reservations take the tier's own lock inside it (lock order: ChunkService, then tier).
 //
-// The class is one lock and one table, its code in files by concern: chunk_service.cc (the client
-// operations: validation and the batch), chunk_service_moves.cc (the requests waiting on moves),
-// chunk_service_schedules.cc (a schedule's validation and the planning round),
-// chunk_service_lifecycle.cc (creation, recovery, retirement, the stop) and
-// chunk_service_operators.cc (operators' requests and node figures). Four parts are classes of
-// their own: the Mover (the moves over routes of hops; it settles under the service's lock and
-// reports each settled move back), the RoomMaker (space, and room made when a tier is full) and
-// Schedules (schedules, traces, step times), both held under the lock, and the PathMeter (the
-// paths' bandwidth, under a lock of its own).
+// The coordinator of the chunk layer: it validates a batch, takes the lock and calls the parts
+// below it, which never call back but through the Mover's one word up (a move settled):
+//   RoomMaker (room made by writing copies down), Schedules and PlanRound (the planner's rounds)
+//   -> Mover (moves over routes of hops; settles under this lock)
+//   -> Space (reservations against tier and quota), WaitList (requests waiting on chunks),
+//      Sessions (per-session state, leases, figures), ChunkTable, TenantLedger, PathMeter (the
+//      paths' bandwidth, under a lock of its own).
+// All but the PathMeter are kept under this class's lock (docs/architecture.md, "chunks/").
 #pragma once
 
 #include <array>
@@ -38,6 +37,7 @@
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
+#include "daemon/chunks/plan_round.h"
 #include "daemon/chunks/room_maker.h"
 #include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
@@ -264,9 +264,6 @@ class ChunkService : private Mover::Listener {
   void EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
                 const std::shared_ptr<Batch>& batch, SessionId session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Why the chunk cannot be brought into `tier` (no copy, pinned on the device, no data path).
-  absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why Acquire cannot pin the chunk in `tier` with a final location now: it is on its way to
   // another tier where it has no copy, or it cannot be fetched.
   absl::Status CheckAcquirable(const ChunkMeta& chunk, TierKind tier) const
@@ -340,6 +337,8 @@ class ChunkService : private Mover::Listener {
   RoomMaker room_ ABSL_GUARDED_BY(mu_);
   // The sessions' schedules and traces, and the planner's input they make.
   Schedules schedules_ ABSL_GUARDED_BY(mu_);
+  // The halves of a planning round that run under the lock.
+  ::tierd::daemon::PlanRound round_ ABSL_GUARDED_BY(mu_);
   // The moves: not guarded by mu_ as a whole (WaitForIdle runs without it), but every other call
   // is made with mu_ held, and it settles under mu_. Declared last: destroyed first, once the
   // last callback handed to a hop has let go.

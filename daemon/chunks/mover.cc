@@ -127,6 +127,29 @@ std::optional<Mover::Route> Mover::RouteFor(const ChunkMeta& chunk, TierKind to,
   return std::nullopt;
 }
 
+absl::Status Mover::CheckFetchable(const ChunkMeta& chunk, TierKind tier) const {
+  if (chunk.resident.empty()) {
+    return absl::DataLossError(absl::StrCat("chunk ", chunk.id, " has no valid copy in any tier"));
+  }
+  if (chunk.writers > 0 && !chunk.resident.contains(tier)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, " is acquired for write; release it before copying it to the ",
+        TierName(tier), " tier"));
+  }
+  const bool from_device =
+      !chunk.resident.contains(TierKind::kHost) && chunk.resident.contains(TierKind::kDevice);
+  if (from_device && chunk.pins > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, " is acquired on the device; release it before copying it out"));
+  }
+  if (!from_device && !chunk.resident.contains(TierKind::kHost) &&
+      hop(Path::kNvmeToHost) == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "chunk ", chunk.id, ": this daemon has no data path into the ", TierName(tier), " tier"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Mover::Start(ChunkMeta& chunk, Route route, const std::shared_ptr<Batch>& batch,
                           bool keep_source, const IoOrder& order) {
   switch (route) {

@@ -75,6 +75,9 @@ class Mover {
   // the host there is no device copy above it).
   static std::optional<Route> RouteFor(const ChunkMeta& chunk, TierKind to, Direction direction);
 
+  // Why the chunk cannot be brought into `tier`: no valid copy, acquired for write, acquired on
+  // the device it would be copied from, or no data path into the tier.
+  absl::Status CheckFetchable(const ChunkMeta& chunk, TierKind tier) const;
   // Starts one move along `route`, reserving the space it needs; `batch` (may be null) completes
   // when it settles. An error, and no move, when it cannot start: no space (naming the chunk), a
   // retired chunk, one acquired for write. A move down drops the copies above once written unless

@@ -97,8 +97,8 @@ SessionId Sessions::Join(ChunkId id, SessionId session, bool shared) {
   return lease.holders.front();
 }
 
-absl::Status Sessions::CheckLease(ChunkId id, absl::string_view name, SessionId session, bool shared,
-                                  absl::string_view verb) const {
+absl::Status Sessions::CheckLease(ChunkId id, absl::string_view name, SessionId session,
+                                  bool shared, absl::string_view verb) const {
   auto lease = leases_.find(id);
   if (lease == leases_.end()) return absl::OkStatus();
   for (SessionId holder : lease->second.holders) {

@@ -1,0 +1,145 @@
+#include "daemon/chunks/plan_round.h"
+
+#include <algorithm>
+#include <optional>
+#include <utility>
+
+namespace tierd::daemon {
+
+bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) {
+  in.now = now;
+  if (schedules_.count() == 0) return false;
+  schedules_.Collect(now, &round);
+  in.sessions = std::move(round.sessions);
+  // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
+  for (auto& [id, c] : chunks_) {
+    const bool holds =
+        c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
+    if (!holds && !round.named.contains(id)) continue;
+    in.chunks[id] = PlannerChunk{.id = id,
+                                 .size = c.size,
+                                 .owner = c.owner,
+                                 .home = c.home,
+                                 .resident = c.resident,
+                                 .dirty = c.dirty,
+                                 .moving = c.state == ChunkState::kMoving || c.doomed,
+                                 .moving_to = c.moving_to,
+                                 .pinned = c.pins > 0,
+                                 .last_use = c.last_use};
+  }
+  for (TierKind t : kAllTiers) {
+    if (tier(t) == nullptr) continue;
+    const TierUsage u = tier(t)->Usage();
+    in.capacity[t] = u.capacity_bytes;
+    in.free[t] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
+    in.largest_free[t] = u.largest_free_bytes;
+  }
+  const PathArray<PathLoad> load = meter_.Load();
+  for (Path p : kAllPaths) {
+    in.bytes_per_second[p] = load[p].bytes_per_second;
+    in.queued_bytes[p] = load[p].queued_bytes;
+    in.move_seconds_per_byte[p] = load[p].slow_seconds_per_byte;
+  }
+  return true;
+}
+
+size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
+  size_t started = 0;
+  // A fetch that found no room because the free space is in pieces, and its target: its spares
+  // (for the tiers it found no room in) are dropped one by one until it starts.
+  std::optional<std::pair<ChunkId, TierKind>> unplaced;
+  absl::Time unplaced_when;
+  // Tiers a fetch found no room in: later fetches (needed later) do not take the pieces there, or
+  // they would be dropped again for the earlier one, round after round.
+  TierSet stuck;
+  TierSet stuck_before_unplaced;  // restored once the unplaced fetch starts
+  // The planner's drops are its own choice of victims: no reservation for its fetches drops others.
+  space_.set_planning(true);
+  for (const PlannedMove& m : moves) {
+    if (m.kind != PlannedMove::Kind::kSpare) unplaced.reset();
+    auto it = chunks_.find(m.id);
+    if (it == chunks_.end()) continue;
+    ChunkMeta& c = it->second;
+    if (c.state != ChunkState::kReady || c.doomed) continue;
+    switch (m.kind) {
+      case PlannedMove::Kind::kDrop:
+        if (c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
+        space_.DropCopy(c, m.tier);
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
+        break;
+      case PlannedMove::Kind::kFetch: {
+        if (c.resident.contains(m.tier) || c.pins > 0 || !mover_.CheckFetchable(c, m.tier).ok())
+          break;
+        bool waits = false;
+        for (TierKind t : RoomNeeded(c, m.tier)) waits = waits || stuck.contains(t);
+        if (waits) break;
+        if (absl::Status s = Fetch(c, m.tier, m.deadline); !s.ok()) {
+          // No room in one piece: the spares that follow make some, or a later round retries.
+          if (absl::IsResourceExhausted(s)) {
+            unplaced.emplace(c.id, m.tier);
+            unplaced_when = m.deadline;
+            stuck_before_unplaced = stuck;
+            const TierSet full = NoRoom(c, m.tier);
+            for (TierKind t : RoomNeeded(c, m.tier)) {
+              if (full.contains(t)) stuck.insert(t);
+            }
+          }
+          break;
+        }
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kFetch);
+        ++started;
+        break;
+      }
+      case PlannedMove::Kind::kSpare: {
+        if (!unplaced || c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
+        ChunkMeta& fetch = chunks_.at(unplaced->first);
+        // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
+        if (!NoRoom(fetch, unplaced->second).contains(m.tier)) break;
+        space_.DropCopy(c, m.tier);
+        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
+        if (fetch.state != ChunkState::kReady || !NoRoom(fetch, unplaced->second).empty() ||
+            !Fetch(fetch, unplaced->second, unplaced_when).ok()) {
+          break;
+        }
+        unplaced.reset();
+        stuck = stuck_before_unplaced;
+        sessions_.CountPlanner(fetch.owner, Sessions::PlannerMove::kFetch);
+        ++started;
+        break;
+      }
+      case PlannedMove::Kind::kWriteBack: {
+        // Down a tier: the device's copy to the host, the host's to NVMe.
+        const TierKind from = m.tier;
+        if (!Below(from) || c.pins > 0 || !c.resident.contains(from) ||
+            tiers_.hop[PathDown(from)] == nullptr) {
+          break;
+        }
+        if (mover_
+                .WriteDown(c, from, /*batch=*/nullptr, /*keep_source=*/true,
+                           sessions_.OrderFor(c.owner, clock_.Now()))
+                .ok() &&
+            c.state == ChunkState::kMoving) {
+          sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kWriteBack);
+          ++started;
+        }
+        break;
+      }
+    }
+  }
+  space_.set_planning(false);
+  return started;
+}
+
+TierSet PlanRound::NoRoom(const ChunkMeta& c, TierKind target) const {
+  TierSet full;
+  for (TierKind t : RoomNeeded(c, target)) {
+    if (tier(t)->Usage().largest_free_bytes < c.size) full.insert(t);
+  }
+  return full;
+}
+
+absl::Status PlanRound::Fetch(ChunkMeta& c, TierKind tier, absl::Time deadline) {
+  return mover_.Fetch(c, tier, /*batch=*/nullptr, sessions_.OrderFor(c.owner, deadline));
+}
+
+}  // namespace tierd::daemon
