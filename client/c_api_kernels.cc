@@ -4,6 +4,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "client/adam_hyper.h"
 #include "client/c_api_common.h"
 #include "kernels/cpu_adam.h"
 #include "tierd/client.h"
@@ -49,13 +50,7 @@ tierd_status tierd_cpu_adam_step(float* param, float* m, float* v, const void* g
                                        .out = out,
                                        .out_type = KernelType(out_dtype),
                                        .n = n};
-    const tierd::kernels::AdamOptions o{.lr = hyper->lr,
-                                        .beta1 = hyper->beta1,
-                                        .beta2 = hyper->beta2,
-                                        .eps = hyper->eps,
-                                        .weight_decay = hyper->weight_decay,
-                                        .decoupled = hyper->adamw != 0,
-                                        .grad_scale = grad_scale};
+    const tierd::kernels::AdamOptions o = tierd::KernelOptions(tierd::FromC(*hyper), grad_scale);
     absl::MutexLock lock(&pool_mu);
     if (pool == nullptr || pool_threads != threads) {
       pool.reset();

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/adam_hyper.h"
 #include "client/c_api_common.h"
 #include "tierd/client.h"
 #include "tierd/optimizer.hpp"
@@ -39,12 +40,7 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                 .check_finite = d.check_finite ? 1 : 0,
                                 .host_budget_bytes = d.host_budget_bytes,
                                 .shard_params = d.shard_params,
-                                .hyper = {.lr = d.hyper.lr,
-                                          .beta1 = d.hyper.beta1,
-                                          .beta2 = d.hyper.beta2,
-                                          .eps = d.hyper.eps,
-                                          .weight_decay = d.hyper.weight_decay,
-                                          .adamw = d.hyper.adamw ? 1 : 0},
+                                .hyper = tierd::ToC(d.hyper),
                                 .open_mode = static_cast<int32_t>(d.open),
                                 .state_dtype = static_cast<int32_t>(d.state_type),
                                 .speculative = d.speculative ? 1 : 0};
@@ -83,12 +79,7 @@ absl::StatusOr<tierd::OffloadedAdamOptions> AdamOptionsFrom(const tierd_adam_opt
   o.shard_params = options->shard_params;
   o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
   o.speculative = options->speculative != 0;
-  o.hyper = {.lr = options->hyper.lr,
-             .beta1 = options->hyper.beta1,
-             .beta2 = options->hyper.beta2,
-             .eps = options->hyper.eps,
-             .weight_decay = options->hyper.weight_decay,
-             .adamw = options->hyper.adamw != 0};
+  o.hyper = tierd::FromC(options->hyper);
   return o;
 }
 
@@ -271,14 +262,8 @@ tierd_status tierd_adam_set_group_hyper(tierd_adam* adam, size_t group,
   if (adam == nullptr || hyper == nullptr) {
     return Invalid("tierd_adam_set_group_hyper: NULL argument");
   }
-  return Guard([&] {
-    return Done(adam->adam->SetGroupHyperparameters(group, {.lr = hyper->lr,
-                                                            .beta1 = hyper->beta1,
-                                                            .beta2 = hyper->beta2,
-                                                            .eps = hyper->eps,
-                                                            .weight_decay = hyper->weight_decay,
-                                                            .adamw = hyper->adamw != 0}));
-  });
+  return Guard(
+      [&] { return Done(adam->adam->SetGroupHyperparameters(group, tierd::FromC(*hyper))); });
 }
 
 tierd_status tierd_adam_set_lr(tierd_adam* adam, double lr) {

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/adam_hyper.h"
 #include "client/optimizer_meta.h"
 #include "kernels/cpu_adam.h"
 
@@ -1310,15 +1311,8 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
     return absl::InvalidArgumentError(absl::StrCat("grad_scale ", grad_scale, " is not > 0"));
   }
   d.step_options.clear();
-  for (const AdamHyperparameters& h : d.hyper) {
-    d.step_options.push_back({.lr = h.lr,
-                              .beta1 = h.beta1,
-                              .beta2 = h.beta2,
-                              .eps = h.eps,
-                              .weight_decay = h.weight_decay,
-                              .decoupled = h.adamw,
-                              .grad_scale = grad_scale});
-  }
+  for (const AdamHyperparameters& h : d.hyper)
+    d.step_options.push_back(KernelOptions(h, grad_scale));
   if (absl::Status s = d.WriteMeta(true); !s.ok()) return s;
   d.in_step = true;
   d.step_start = absl::Now();
