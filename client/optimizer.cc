@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "client/adam_hyper.h"
 #include "client/optimizer_meta.h"
+#include "client/read_ahead.h"
 #include "kernels/cpu_adam.h"
 
 namespace tierd {
@@ -194,7 +195,7 @@ struct OffloadedAdam::Impl {
       stopping = true;
     }
     if (worker.joinable()) worker.join();
-    (void)WaitWrites(0);
+    (void)window.WaitWrites(0);
     for (const auto& [id, data] : kept) (void)client->Release({&id, 1});
   }
 
@@ -215,7 +216,6 @@ struct OffloadedAdam::Impl {
   std::vector<Recorded> dormant;
   uint64_t shard_params = 0;
   uint64_t state_bytes = 0;
-  size_t slots = 0;  // shards the host budget holds: in hand, read ahead and being written back
   bool resumed = false;
   int64_t steps = 0;
   double lr = 0;
@@ -251,15 +251,8 @@ struct OffloadedAdam::Impl {
   // later. Zero until a step has been measured: everything is then due at once.
   absl::Duration pace;
 
-  // The window of state on the host besides the shard in hand, each entry one shard's worth of
-  // the budget (the worker's while a step runs, else the driver's): shards asked for ahead of
-  // their turn, in the order they are expected, and write-backs in flight, oldest first.
-  struct Ahead {
-    ChunkId id;
-    CompletionToken prefetch;
-  };
-  std::deque<Ahead> ahead;
-  std::deque<CompletionToken> writes;
+  // The host budget's shards read ahead and written back (state at home on NVMe).
+  internal::ReadAheadWindow window;
   // Host-home state: each shard pinned by its first step and kept until the optimizer is
   // destroyed, so a step makes no call to the daemon for it (an NVMe home streams its shards
   // through the budget instead: pinned and released each step). The worker's while a step runs.
@@ -271,19 +264,6 @@ struct OffloadedAdam::Impl {
   }
   std::string ShardName(size_t g, size_t s, uint32_t version) const {
     return ShardName(groups[g].spec.name, s, version);
-  }
-
-  // Waits until at most `keep` write-backs are in flight. Returns the time waited.
-  absl::StatusOr<absl::Duration> WaitWrites(size_t keep) {
-    const absl::Time start = absl::Now();
-    absl::Status first;
-    while (writes.size() > keep) {
-      absl::Status s = client->Wait(writes.front());
-      if (!s.ok() && first.ok()) first = s;
-      writes.pop_front();
-    }
-    if (!first.ok()) return first;
-    return absl::Now() - start;
   }
 
   // The end of a step, finished or abandoned: waits for the worker to take every queued group,
@@ -298,81 +278,11 @@ struct OffloadedAdam::Impl {
           this));
     }
     const absl::Time start = absl::Now();
-    absl::Status dropped = DropAhead();
-    absl::StatusOr<absl::Duration> drained = WaitWrites(0);
+    absl::Status dropped = window.Drop();
+    absl::StatusOr<absl::Duration> drained = window.WaitWrites(0);
     if (!dropped.ok()) return dropped;
     if (!drained.ok()) return drained.status();
     return absl::Now() - start;
-  }
-
-  // Collects the write-backs that have finished, without waiting.
-  absl::Status ReapWrites() {
-    absl::Status first;
-    for (auto it = writes.begin(); it != writes.end();) {
-      if (absl::IsUnavailable(client->Poll(*it))) {  // pending
-        ++it;
-        continue;
-      }
-      absl::Status s = client->Wait(*it);
-      if (!s.ok() && first.ok()) first = s;
-      it = writes.erase(it);
-    }
-    return first;
-  }
-
-  // Sends a shard's host copy (or the meta chunk's) down to its home tier and drops it there,
-  // without waiting: a dirty copy is written, a clean one only dropped.
-  absl::Status WriteBack(ChunkId id) {
-    if (!nvme_home()) return absl::OkStatus();
-    absl::StatusOr<CompletionToken> t = client->EvictIds({&id, 1}, Tier::kNvme);
-    if (!t.ok()) return t.status();
-    writes.push_back(*t);
-    return absl::OkStatus();
-  }
-
-  bool IsAhead(ChunkId id) const {
-    return std::any_of(ahead.begin(), ahead.end(), [id](const Ahead& a) { return a.id == id; });
-  }
-
-  // Takes `id` out of the read-ahead window (it is about to be pinned, or is not wanted). Returns
-  // whether it was there.
-  bool TakeAhead(ChunkId id) {
-    for (auto it = ahead.begin(); it != ahead.end(); ++it) {
-      if (it->id != id) continue;
-      client->Abandon(it->prefetch);  // its Acquire, or its eviction, reports any failure
-      ahead.erase(it);
-      return true;
-    }
-    return false;
-  }
-
-  // Empties the read-ahead window, dropping the copies it brought up.
-  absl::Status DropAhead() {
-    while (!ahead.empty()) {
-      const ChunkId id = ahead.back().id;
-      TakeAhead(id);
-      if (absl::Status s = WriteBack(id); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-
-  // Makes room in the budget for `in_hand` shards on the host: waits for the oldest write-backs,
-  // or gives up the furthest read-ahead when none is in flight. Returns the time waited.
-  absl::StatusOr<absl::Duration> MakeRoom(size_t in_hand = 1) {
-    if (!nvme_home()) return absl::ZeroDuration();
-    if (absl::Status s = ReapWrites(); !s.ok()) return s;
-    absl::Duration waited;
-    while (ahead.size() + writes.size() + in_hand > slots && !(ahead.empty() && writes.empty())) {
-      if (writes.empty()) {
-        const ChunkId id = ahead.back().id;
-        TakeAhead(id);
-        if (absl::Status s = WriteBack(id); !s.ok()) return s;
-      }
-      absl::StatusOr<absl::Duration> w = WaitWrites(writes.size() - 1);
-      if (!w.ok()) return w.status();
-      waited += *w;
-    }
-    return waited;
   }
 
   // The shards expected to be stepped next, in order: the rest of group `g` from shard `k` (none
@@ -398,31 +308,10 @@ struct OffloadedAdam::Impl {
     return ids;
   }
 
-  // The Prefetch priority of the shard expected `j` shards from now: due when the worker will
-  // reach it at last step's pace (a priority unit is a millisecond; the daemon caps any wait).
-  int Priority(size_t j) const {
-    constexpr double kLatest = 1000;
-    return -static_cast<int>(std::min(kLatest, absl::ToDoubleMilliseconds(pace * j)));
-  }
-
   // Fills the budget's free room with read-ahead of the shards expected after group `g`'s shard
   // `k`, `in_hand` shards being pinned now.
   absl::Status ReadAhead(size_t g, size_t k, size_t in_hand) {
-    if (!nvme_home()) return absl::OkStatus();
-    if (absl::Status s = ReapWrites(); !s.ok()) return s;
-    const size_t used = ahead.size() + writes.size() + in_hand;
-    if (used >= slots) return absl::OkStatus();
-    const size_t room = slots - used;
-    const std::vector<ChunkId> expected = Expected(g, k, ahead.size() + room);
-    for (size_t j = 0; j < expected.size(); ++j) {
-      const ChunkId id = expected[j];
-      if (ahead.size() + writes.size() + in_hand >= slots) break;
-      if (IsAhead(id)) continue;
-      absl::StatusOr<CompletionToken> t = client->PrefetchIds({&id, 1}, Tier::kHost, Priority(j));
-      if (!t.ok()) return t.status();
-      ahead.push_back({id, *t});
-    }
-    return absl::OkStatus();
+    return window.Fill(in_hand, pace, [&](size_t want) { return Expected(g, k, want); });
   }
 
   // Pins one chunk on the host for `mode` and waits until its bytes are there. While it waits,
@@ -581,8 +470,8 @@ struct OffloadedAdam::Impl {
       if (!finite) {
         *skipped = true;
         for (const Shard& shard : group.shards) {  // not stepped: drop any read ahead
-          if (!TakeAhead(shard.id)) continue;
-          if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+          if (!window.Take(shard.id)) continue;
+          if (absl::Status s = window.WriteBack(shard.id); !s.ok()) return s;
         }
         return absl::OkStatus();
       }
@@ -599,14 +488,14 @@ struct OffloadedAdam::Impl {
       Shard& shard = group.shards[k];
       const std::vector<Piece> pieces = PiecesOf(group, shard, st.tensors);
       if (pieces.empty()) {  // nothing of it changes: not read, not written
-        if (TakeAhead(shard.id)) {
-          if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+        if (window.Take(shard.id)) {
+          if (absl::Status s = window.WriteBack(shard.id); !s.ok()) return s;
         }
         continue;
       }
       const absl::Time t0 = absl::Now();
-      if (!TakeAhead(shard.id)) {  // not read ahead (an unexpected order): room for it first
-        absl::StatusOr<absl::Duration> waited = MakeRoom();
+      if (!window.Take(shard.id)) {  // not read ahead (an unexpected order): room for it first
+        absl::StatusOr<absl::Duration> waited = window.MakeRoom();
         if (!waited.ok()) return waited.status();
         delta->write_wait += *waited;
       }
@@ -619,7 +508,7 @@ struct OffloadedAdam::Impl {
       void* to_data = nullptr;  // speculative: the other version, a copy of this one stepped
       absl::Duration room_wait;
       if (speculative) {
-        absl::StatusOr<absl::Duration> waited = MakeRoom(in_hand);
+        absl::StatusOr<absl::Duration> waited = window.MakeRoom(in_hand);
         absl::StatusOr<void*> to =
             waited.ok()
                 ? (nvme_home() ? Pin(shard.other, AccessMode::kOverwrite) : Keep(shard.other))
@@ -678,10 +567,10 @@ struct OffloadedAdam::Impl {
       delta->state_bytes += shard.bytes();
       if (nvme_home()) {  // down to NVMe; the version a speculative step read is clean: dropped
         if (absl::Status s = client->Release({&shard.id, 1}); !s.ok()) return s;
-        if (absl::Status s = WriteBack(shard.id); !s.ok()) return s;
+        if (absl::Status s = window.WriteBack(shard.id); !s.ok()) return s;
         if (speculative) {
           if (absl::Status s = client->Release({&shard.other, 1}); !s.ok()) return s;
-          if (absl::Status s = WriteBack(shard.other); !s.ok()) return s;
+          if (absl::Status s = window.WriteBack(shard.other); !s.ok()) return s;
         }
       }
       absl::MutexLock lock(&mu);
@@ -754,7 +643,7 @@ struct OffloadedAdam::Impl {
       }
     }
     if (largest == 0) largest = ShardOf(0, shard_params, options.state_type).bytes();
-    slots = std::max<uint64_t>(1, options.host_budget_bytes / largest);
+    window.set_slots(std::max<uint64_t>(1, options.host_budget_bytes / largest));
     absl::MutexLock lock(&mu);
     started.assign(groups.size(), false);
     touched.resize(groups.size());
@@ -1030,6 +919,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(client_options);
   if (!client.ok()) return client.status();
   impl->client = std::move(*client);
+  impl->window.Bind(impl->client.get(), options.home == Tier::kNvme);
   if (absl::Status s = impl->Open(); !s.ok()) return s;
   impl->pool = std::make_unique<kernels::ThreadPool>(options.threads);
   Impl* raw = impl.get();
@@ -1166,8 +1056,8 @@ absl::Status OffloadedAdam::RemoveGroups(std::span<const size_t> which) {
   }
   // Nothing of theirs stays in the window or pinned; then the meta chunk stops naming them, and
   // only then are their chunks freed (a stop in between leaves chunks the next Open frees).
-  if (absl::Status s = d.DropAhead(); !s.ok()) return s;
-  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
+  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
+  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
   std::vector<ChunkId> freed;
   std::vector<Group> kept_groups;
   std::vector<AdamHyperparameters> kept_hyper;
@@ -1230,9 +1120,9 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
           absl::StrCat("group '", g.spec.name, "' has ", g.spec.params, " parameters, not ", n));
     }
   }
-  if (absl::Status s = d.DropAhead(); !s.ok()) return s;
+  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
   for (const Shard& s : g.shards) {
-    if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
+    if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
     // Each of p, m and v: the shard's values (m and v zero unless given), the page's tail zero.
@@ -1251,9 +1141,9 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
       }
     }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
-    if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
+    if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
   }
-  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
+  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
   g.initialized = true;
   return d.WriteMeta(false);
 }
@@ -1282,9 +1172,9 @@ absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> o
   }
   // Within the budget: each shard read is dropped from the host again (unless read ahead).
   for (const Shard& s : g.shards) {
-    const bool read_ahead = d.IsAhead(s.id);
+    const bool read_ahead = d.window.Holds(s.id);
     if (!read_ahead) {
-      if (absl::StatusOr<absl::Duration> w = d.MakeRoom(); !w.ok()) return w.status();
+      if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
     }
     absl::StatusOr<void*> data = d.Pin(s.id, AccessMode::kRead);
     if (!data.ok()) return data.status();
@@ -1297,10 +1187,10 @@ absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> o
     }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
     if (!read_ahead) {
-      if (absl::Status st = d.WriteBack(s.id); !st.ok()) return st;
+      if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
     }
   }
-  if (absl::StatusOr<absl::Duration> w = d.WaitWrites(0); !w.ok()) return w.status();
+  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
   return absl::OkStatus();
 }
 
