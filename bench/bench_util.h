@@ -13,7 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tierd/client.hpp"
 
 namespace tierd::bench {

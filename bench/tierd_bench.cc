@@ -29,7 +29,7 @@
 #include "absl/time/clock.h"
 #include "bench/bench_util.h"
 #include "common/sizes.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tierd/client.hpp"
 
 namespace {

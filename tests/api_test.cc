@@ -8,7 +8,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 
 namespace tierd {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 
 namespace tierd {
 namespace {

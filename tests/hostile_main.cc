@@ -16,7 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tests/hostile_traffic.h"
 
 namespace {

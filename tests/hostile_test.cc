@@ -26,7 +26,7 @@
 #include "common/unix_socket.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tests/hostile_traffic.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 

@@ -12,7 +12,7 @@
 #include "kernels/cpu_adam.h"
 #include "kernels/gpu_adam.h"
 #include "kernels/pattern.h"
-#include "tests/daemon_process.h"
+#include "testing/daemon_process.h"
 #include "tierd/client.hpp"
 
 namespace tierd {
