@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cassert>
-#include <cmath>
 #include <optional>
 
 #include "absl/container/flat_hash_set.h"
