@@ -64,13 +64,16 @@ Needs NeedTimes(const PlanInput& in) {
 }  // namespace
 
 Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
+  const TierSet& r = chunk.resident;
+  // Into the device: from its host copy, else limited by the read into the host on the way.
   if (tier == TierKind::kDevice) {
-    return chunk.resident.contains(TierKind::kHost) ? Path::kHostToDevice : Path::kNvmeToHost;
+    return r.contains(TierKind::kHost) ? PathUp(TierKind::kDevice) : PathUp(TierKind::kHost);
   }
-  if (chunk.resident.contains(TierKind::kDevice) && !chunk.resident.contains(TierKind::kNvme)) {
-    return Path::kDeviceToHost;
+  // Into the host: down from the device when NVMe has no copy, else up from NVMe.
+  if (r.contains(TierKind::kDevice) && !r.contains(TierKind::kNvme)) {
+    return PathDown(TierKind::kDevice);
   }
-  return Path::kNvmeToHost;
+  return PathUp(TierKind::kHost);
 }
 
 std::vector<PlannedMove> Plan(const PlanInput& in) {

@@ -119,32 +119,6 @@ constexpr Path PathUp(TierKind t) {
   return t == TierKind::kDevice ? Path::kHostToDevice : Path::kNvmeToHost;
 }
 
-// Where a path leaves from and where it arrives.
-constexpr TierKind From(Path p) {
-  switch (p) {
-    case Path::kNvmeToHost:
-      return TierKind::kNvme;
-    case Path::kHostToNvme:
-    case Path::kHostToDevice:
-      return TierKind::kHost;
-    case Path::kDeviceToHost:
-      return TierKind::kDevice;
-  }
-  return TierKind::kHost;
-}
-constexpr TierKind To(Path p) {
-  switch (p) {
-    case Path::kNvmeToHost:
-    case Path::kDeviceToHost:
-      return TierKind::kHost;
-    case Path::kHostToNvme:
-      return TierKind::kNvme;
-    case Path::kHostToDevice:
-      return TierKind::kDevice;
-  }
-  return TierKind::kHost;
-}
-
 // A copy in `t` is clean, and may be dropped without losing data, when it is valid and a tier
 // below holds a valid copy too.
 constexpr bool CleanIn(TierSet resident, TierKind t) {
