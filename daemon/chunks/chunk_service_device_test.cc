@@ -47,7 +47,7 @@ class RecordingDevice final : public Device {
   std::unique_ptr<Device> inner_;
 };
 
-class DeviceServiceTest : public ::testing::Test {
+class ChunkServiceDeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     char tmpl[] = "/var/tmp/tierd-device-XXXXXX";
@@ -148,7 +148,7 @@ class DeviceServiceTest : public ::testing::Test {
   CompletionPage* page_ = nullptr;
 };
 
-TEST_F(DeviceServiceTest, HostToDeviceAndBackCarriesTheGpusWrites) {
+TEST_F(ChunkServiceDeviceTest, HostToDeviceAndBackCarriesTheGpusWrites) {
   auto ids = Alloc({1 << 20, 3 << 20});
   Fill(ids, TierKind::kHost, 0x11);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
@@ -163,7 +163,7 @@ TEST_F(DeviceServiceTest, HostToDeviceAndBackCarriesTheGpusWrites) {
   EXPECT_GE(device_->to_host.load(), 2);
 }
 
-TEST_F(DeviceServiceTest, DirtyDeviceCopyIsWrittenBackThroughTheHostToNvme) {
+TEST_F(ChunkServiceDeviceTest, DirtyDeviceCopyIsWrittenBackThroughTheHostToNvme) {
   auto ids = Alloc({2 << 20}, TierKind::kNvme);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
   Fill(ids, TierKind::kDevice, 0x5A);
@@ -179,7 +179,7 @@ TEST_F(DeviceServiceTest, DirtyDeviceCopyIsWrittenBackThroughTheHostToNvme) {
   EXPECT_TRUE(Holds(ids, TierKind::kHost, 0x5A, 2 << 20));
 }
 
-TEST_F(DeviceServiceTest, NvmeToDevicePrefetchPipelinesThroughHostMemory) {
+TEST_F(ChunkServiceDeviceTest, NvmeToDevicePrefetchPipelinesThroughHostMemory) {
   constexpr uint64_t kSize = 12 << 20;  // three 4 MiB pieces
   auto ids = Alloc({kSize});
   Fill(ids, TierKind::kHost, 0x77);
@@ -203,7 +203,7 @@ TEST_F(DeviceServiceTest, NvmeToDevicePrefetchPipelinesThroughHostMemory) {
   EXPECT_TRUE(service_->Stat(*session_, ids)->at(0).resident.contains(TierKind::kHost));
 }
 
-TEST_F(DeviceServiceTest, DamagedNvmeDataNeverReachesTheDevice) {
+TEST_F(ChunkServiceDeviceTest, DamagedNvmeDataNeverReachesTheDevice) {
   auto ids = Alloc({1 << 20});
   Fill(ids, TierKind::kHost, 0x33);
   ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
@@ -223,7 +223,7 @@ TEST_F(DeviceServiceTest, DamagedNvmeDataNeverReachesTheDevice) {
   EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
 }
 
-TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst) {
+TEST_F(ChunkServiceDeviceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst) {
   auto clean = Alloc({kSeg, kSeg});
   Fill(clean, TierKind::kHost, 1);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, clean, TierKind::kDevice, 0)).ok());
@@ -257,7 +257,7 @@ TEST_F(DeviceServiceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst)
 
 // A chunk on its way into the host tier, acquired on the device: the Acquire waits for that move
 // and then follows the chunk up, rather than failing.
-TEST_F(DeviceServiceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) {
+TEST_F(ChunkServiceDeviceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) {
   auto ids = Alloc({4 << 20});
   Fill(ids, TierKind::kHost, 0x3C);
   ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
@@ -281,7 +281,7 @@ TEST_F(DeviceServiceTest, AcquireOfAChunkMovingElsewhereWaitsAndThenBringsItIn) 
 // next move (here: host -> device), and an acquisition served after it used to apply to a chunk
 // already moving again (an assertion in the daemon, found by the soak). It now waits for that
 // move too.
-TEST_F(DeviceServiceTest, WaitersServedAfterAnotherWaitersMoveStartedWaitForItToo) {
+TEST_F(ChunkServiceDeviceTest, WaitersServedAfterAnotherWaitersMoveStartedWaitForItToo) {
   auto ids = Alloc({4 << 20});
   Fill(ids, TierKind::kHost, 0x5A);
   ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
@@ -306,7 +306,7 @@ TEST_F(DeviceServiceTest, WaitersServedAfterAnotherWaitersMoveStartedWaitForItTo
 
 // A copy made while the client writes the chunk would miss the rest of the write and then pass for
 // a valid copy: while a write acquisition is in effect, no copy of the chunk is made.
-TEST_F(DeviceServiceTest, NoCopyIsMadeOfAChunkWhileItIsAcquiredForWrite) {
+TEST_F(ChunkServiceDeviceTest, NoCopyIsMadeOfAChunkWhileItIsAcquiredForWrite) {
   auto ids = Alloc({1 << 20});
   Fill(ids, TierKind::kHost, 0x11);
   auto a = service_->Acquire(*session_, ids, TierKind::kHost, Access::kWrite);
@@ -332,7 +332,7 @@ TEST_F(DeviceServiceTest, NoCopyIsMadeOfAChunkWhileItIsAcquiredForWrite) {
 
 // Gradients written on the GPU from scratch: an overwrite on the device needs no host room to
 // stage through and copies nothing to the device, where a write must bring the old contents in.
-TEST_F(DeviceServiceTest, AnOverwriteOnTheDeviceStagesNothingThroughTheHost) {
+TEST_F(ChunkServiceDeviceTest, AnOverwriteOnTheDeviceStagesNothingThroughTheHost) {
   auto grads = Alloc({kSeg}, TierKind::kNvme);
   auto first = service_->Acquire(*session_, grads, TierKind::kHost, Access::kOverwrite);
   ASSERT_TRUE(first.ok()) << first.status();
@@ -356,7 +356,7 @@ TEST_F(DeviceServiceTest, AnOverwriteOnTheDeviceStagesNothingThroughTheHost) {
   EXPECT_TRUE(Holds(grads, TierKind::kHost, 7, kSeg));
 }
 
-TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {
+TEST_F(ChunkServiceDeviceTest, SessionEndReclaimsAcquiredDeviceChunks) {
   auto ids = Alloc({1 << 20, 1 << 20});
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
   ASSERT_TRUE(service_->Acquire(*session_, ids, TierKind::kDevice, Access::kWrite).ok());
@@ -366,7 +366,7 @@ TEST_F(DeviceServiceTest, SessionEndReclaimsAcquiredDeviceChunks) {
   EXPECT_EQ(host_->Usage().used_bytes, 0u);
 }
 
-TEST_F(DeviceServiceTest, EvictIntoTheDeviceIsInvalidAndPinnedDeviceCopiesStay) {
+TEST_F(ChunkServiceDeviceTest, EvictIntoTheDeviceIsInvalidAndPinnedDeviceCopiesStay) {
   auto ids = Alloc({1 << 20});
   EXPECT_TRUE(absl::IsInvalidArgument(service_->Evict(*session_, ids, TierKind::kDevice).status()));
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());

@@ -21,7 +21,7 @@ namespace {
 
 constexpr uint64_t kSeg = 16 << 20;
 
-class NvmeServiceTest : public ::testing::Test {
+class ChunkServiceNvmeTest : public ::testing::Test {
  protected:
   void SetUp() override {
     char tmpl[] = "/var/tmp/tierd-nvme-XXXXXX";
@@ -142,7 +142,7 @@ class NvmeServiceTest : public ::testing::Test {
   std::map<SessionId, CompletionPage*> pages_;
 };
 
-TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
+TEST_F(ChunkServiceNvmeTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   const std::vector<uint64_t> sizes = {4096, 1 << 20, 3 << 20, 12345};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 1);
@@ -164,7 +164,7 @@ TEST_F(NvmeServiceTest, EvictWritesAndDropsTheHostCopyPrefetchReadsItBack) {
   EXPECT_EQ(faults_->seen(IoKind::kSync), syncs);
 }
 
-TEST_F(NvmeServiceTest, TrafficIsCountedToTheHoldingSessionAndItsJob) {
+TEST_F(ChunkServiceNvmeTest, TrafficIsCountedToTheHoldingSessionAndItsJob) {
   auto trainer = *sessions_.Open({1000, 1000, 7}, "trainer", "run-42");
   auto other = *sessions_.Open({1000, 1000, 8}, "other", "run-43");
   MapPage(*trainer);
@@ -201,7 +201,7 @@ TEST_F(NvmeServiceTest, TrafficIsCountedToTheHoldingSessionAndItsJob) {
 // A chunk the daemon moved below the host tier (room for another, a quota, a drain) cannot be
 // evicted to the host: the caller cannot have seen that coming, so it is the chunk's state that is
 // wrong, not the request, and nothing changes.
-TEST_F(NvmeServiceTest, EvictToTheHostOfAChunkAlreadyBelowItIsAFailedPrecondition) {
+TEST_F(ChunkServiceNvmeTest, EvictToTheHostOfAChunkAlreadyBelowItIsAFailedPrecondition) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 7);
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
@@ -213,7 +213,7 @@ TEST_F(NvmeServiceTest, EvictToTheHostOfAChunkAlreadyBelowItIsAFailedPreconditio
   EXPECT_TRUE(Check(*session_, ids, 7, {1 << 20}));
 }
 
-TEST_F(NvmeServiceTest, EvictOfAPersistentChunkIsDurableBeforeItCompletes) {
+TEST_F(ChunkServiceNvmeTest, EvictOfAPersistentChunkIsDurableBeforeItCompletes) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/durable", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
   Write(*session_, ids, 4);
@@ -223,7 +223,7 @@ TEST_F(NvmeServiceTest, EvictOfAPersistentChunkIsDurableBeforeItCompletes) {
   EXPECT_GE(faults_->seen(IoKind::kSync), syncs + 2);
 }
 
-TEST_F(NvmeServiceTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreThere) {
+TEST_F(ChunkServiceNvmeTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreThere) {
   const std::vector<uint64_t> sizes = {1 << 20, 2 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 5);
@@ -245,7 +245,7 @@ TEST_F(NvmeServiceTest, AcquireBringsChunksInFromNvmeAndItsTokenSaysWhenTheyAreT
   ASSERT_TRUE(service_->Release(*session_, ids).ok());
 }
 
-TEST_F(NvmeServiceTest, AcquireJoinsAPrefetchInFlightInsteadOfReadingTwice) {
+TEST_F(ChunkServiceNvmeTest, AcquireJoinsAPrefetchInFlightInsteadOfReadingTwice) {
   const std::vector<uint64_t> sizes = {4 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 6);
@@ -269,7 +269,7 @@ TEST_F(NvmeServiceTest, AcquireJoinsAPrefetchInFlightInsteadOfReadingTwice) {
 
 // A write-back in flight (the host copy kept) and an Acquire for write: the write waits until the
 // copy being written out is no longer read, then makes the host copy the only valid one.
-TEST_F(NvmeServiceTest, AcquireForWriteWaitsForAWriteBackOfTheSameCopy) {
+TEST_F(ChunkServiceNvmeTest, AcquireForWriteWaitsForAWriteBackOfTheSameCopy) {
   const std::vector<uint64_t> sizes = {2 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 7);
@@ -290,7 +290,7 @@ TEST_F(NvmeServiceTest, AcquireForWriteWaitsForAWriteBackOfTheSameCopy) {
 
 // Two requests wait on an eviction that drops the copy they want: the first fetches it again, the
 // second joins that fetch rather than starting another move of a moving chunk.
-TEST_F(NvmeServiceTest, RequestsWaitingOnAnEvictionShareOneFetchBackAfterIt) {
+TEST_F(ChunkServiceNvmeTest, RequestsWaitingOnAnEvictionShareOneFetchBackAfterIt) {
   const std::vector<uint64_t> sizes = {2 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 8);
@@ -310,7 +310,7 @@ TEST_F(NvmeServiceTest, RequestsWaitingOnAnEvictionShareOneFetchBackAfterIt) {
 // An Evict of a chunk already on its way down (a write-back that keeps the host copy, as the
 // planner's are) waits for that move, then drops the host copy; one of a chunk being fetched waits
 // for the fetch and writes nothing (the NVMe copy is current).
-TEST_F(NvmeServiceTest, EvictOfAChunkThatIsMovingWaitsForTheMoveThenEvicts) {
+TEST_F(ChunkServiceNvmeTest, EvictOfAChunkThatIsMovingWaitsForTheMoveThenEvicts) {
   const std::vector<uint64_t> sizes = {2 << 20, 2 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 9);
@@ -343,7 +343,7 @@ TEST_F(NvmeServiceTest, EvictOfAChunkThatIsMovingWaitsForTheMoveThenEvicts) {
 
 // A chunk the daemon is writing down (to make room, or by a planner's choice) is one its owner
 // cannot see moving: freeing it succeeds, and it ends, its space with it, when the move settles.
-TEST_F(NvmeServiceTest, FreeOfAChunkBeingWrittenDownEndsItWhenTheMoveSettles) {
+TEST_F(ChunkServiceNvmeTest, FreeOfAChunkBeingWrittenDownEndsItWhenTheMoveSettles) {
   const std::vector<uint64_t> sizes = {2 << 20};
   auto ids = Alloc(*session_, sizes, TierKind::kNvme);
   Write(*session_, ids, 3);
@@ -367,7 +367,7 @@ TEST_F(NvmeServiceTest, FreeOfAChunkBeingWrittenDownEndsItWhenTheMoveSettles) {
   EXPECT_TRUE(service_->Free(*session_, kept).ok());
 }
 
-TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
+TEST_F(ChunkServiceNvmeTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   // The host tier is full of pinned chunks: a chunk on NVMe has nowhere to land.
   auto away = Alloc(*session_, {1 << 20});
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
@@ -389,7 +389,7 @@ TEST_F(NvmeServiceTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
 
 // An overwrite wants room, not the old contents: it is ready at once, nothing is read from NVMe,
 // and what it writes is what comes back.
-TEST_F(NvmeServiceTest, AnOverwriteReadsNothingAndItsWritesComeBack) {
+TEST_F(ChunkServiceNvmeTest, AnOverwriteReadsNothingAndItsWritesComeBack) {
   const std::vector<uint64_t> sizes = {1 << 20, 3 << 20};
   auto ids = Alloc(*session_, sizes, TierKind::kNvme);
   Write(*session_, ids, 1);
@@ -416,7 +416,7 @@ TEST_F(NvmeServiceTest, AnOverwriteReadsNothingAndItsWritesComeBack) {
   EXPECT_GT(read(), before);
 }
 
-TEST_F(NvmeServiceTest, AnOverwriteNeedsRoomWhereItLandsAndFailsCleanlyWithoutIt) {
+TEST_F(ChunkServiceNvmeTest, AnOverwriteNeedsRoomWhereItLandsAndFailsCleanlyWithoutIt) {
   auto away = Alloc(*session_, {1 << 20}, TierKind::kNvme);
   Write(*session_, away, 1);
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
@@ -430,7 +430,7 @@ TEST_F(NvmeServiceTest, AnOverwriteNeedsRoomWhereItLandsAndFailsCleanlyWithoutIt
   EXPECT_TRUE(Check(*session_, away, 1, {1 << 20}));
 }
 
-TEST_F(NvmeServiceTest, AFailedAcquireGivesBackTheRoomItReservedForTheRestOfTheBatch) {
+TEST_F(ChunkServiceNvmeTest, AFailedAcquireGivesBackTheRoomItReservedForTheRestOfTheBatch) {
   auto filler = Alloc(*session_, {kSeg, kSeg, kSeg});
   ASSERT_TRUE(service_->Acquire(*session_, filler, TierKind::kHost, Access::kRead).ok());
   auto batch = Alloc(*session_, {1 << 20, kSeg}, TierKind::kNvme);  // the small one fits
@@ -443,7 +443,7 @@ TEST_F(NvmeServiceTest, AFailedAcquireGivesBackTheRoomItReservedForTheRestOfTheB
 
 // An Acquire that finds the tier full of copies still on their way in waits for them to land,
 // then makes room by dropping one, instead of failing.
-TEST_F(NvmeServiceTest, AcquireWaitsForMovesInFlightToLandAndMakesRoomFromThem) {
+TEST_F(ChunkServiceNvmeTest, AcquireWaitsForMovesInFlightToLandAndMakesRoomFromThem) {
   std::vector<uint64_t> sizes(4, kSeg);
   auto filler = Alloc(*session_, sizes, TierKind::kNvme);
   for (size_t i = 0; i < filler.size(); ++i) {
@@ -469,7 +469,7 @@ TEST_F(NvmeServiceTest, AcquireWaitsForMovesInFlightToLandAndMakesRoomFromThem) 
   EXPECT_TRUE(service_->Release(*session_, away).ok());
 }
 
-TEST_F(NvmeServiceTest, SessionEndingWhileItsAcquireWaitsLeavesNothingBehind) {
+TEST_F(ChunkServiceNvmeTest, SessionEndingWhileItsAcquireWaitsLeavesNothingBehind) {
   auto other = *sessions_.Open({1000, 1000, 2}, "other");
   MapPage(*other);
   auto ids = Alloc(*other, {4 << 20});
@@ -486,7 +486,7 @@ TEST_F(NvmeServiceTest, SessionEndingWhileItsAcquireWaitsLeavesNothingBehind) {
 // A training job killed while it prefetches: its chunks are being evicted, a Prefetch waits for
 // each eviction to bring the chunk back, and the session ends. Nothing may start for a chunk whose
 // session has gone; the waiters fail, and each chunk is destroyed once its last move settles.
-TEST_F(NvmeServiceTest, SessionEndingWhileItsChunksMoveAndArePrefetchedLeavesNothingBehind) {
+TEST_F(ChunkServiceNvmeTest, SessionEndingWhileItsChunksMoveAndArePrefetchedLeavesNothingBehind) {
   auto killed = *sessions_.Open({1000, 1000, 2}, "killed");
   MapPage(*killed);
   const std::vector<uint64_t> sizes(4, 1 << 20);
@@ -515,7 +515,7 @@ TEST_F(NvmeServiceTest, SessionEndingWhileItsChunksMoveAndArePrefetchedLeavesNot
   EXPECT_TRUE(Check(*session_, mine, 13, {1 << 20}));
 }
 
-TEST_F(NvmeServiceTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
+TEST_F(ChunkServiceNvmeTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 2);
   ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ids, TierKind::kNvme, 0)).ok());
@@ -528,7 +528,7 @@ TEST_F(NvmeServiceTest, FlushKeepsTheHostCopyAndLaterEvictNeedsNoWrite) {
   EXPECT_EQ(host_->Usage().used_bytes, 0u);
 }
 
-TEST_F(NvmeServiceTest, NvmeHomeChunkReadsAsZerosUntilWritten) {
+TEST_F(ChunkServiceNvmeTest, NvmeHomeChunkReadsAsZerosUntilWritten) {
   auto ids = Alloc(*session_, {256 << 10}, TierKind::kNvme);
   EXPECT_EQ(host_->Usage().used_bytes, 0u);
   const uint64_t reads = faults_->seen(IoKind::kRead);  // the superblocks, read at start-up
@@ -542,7 +542,7 @@ TEST_F(NvmeServiceTest, NvmeHomeChunkReadsAsZerosUntilWritten) {
 
 // Every chunk is read and written through host memory: an NVMe-home chunk larger than a host
 // segment was accepted but could never be read.
-TEST_F(NvmeServiceTest, AnNvmeHomeChunkLargerThanAHostSegmentIsRefusedAtAllocate) {
+TEST_F(ChunkServiceNvmeTest, AnNvmeHomeChunkLargerThanAHostSegmentIsRefusedAtAllocate) {
   std::vector<ChunkRequest> r = {{.size = kSeg + 4096, .home = TierKind::kNvme}};
   auto ids = service_->Allocate(*session_, r);
   ASSERT_TRUE(absl::IsInvalidArgument(ids.status())) << ids.status();
@@ -555,7 +555,7 @@ TEST_F(NvmeServiceTest, AnNvmeHomeChunkLargerThanAHostSegmentIsRefusedAtAllocate
   EXPECT_TRUE(Wait(*session_, service_->Prefetch(*session_, *ids, TierKind::kHost, 0)).ok());
 }
 
-TEST_F(NvmeServiceTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy) {
+TEST_F(ChunkServiceNvmeTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 3);
   faults_->FailNext(IoKind::kWrite, EIO);
@@ -578,7 +578,7 @@ TEST_F(NvmeServiceTest, WriteErrorFailsTheEvictNamingTheChunkAndKeepsTheHostCopy
 // The index goes through the same I/O seam as the data: a failed write of a persistent chunk's
 // record fails its eviction, the chunk keeps its bytes in memory, and the next attempt commits it
 // so that it survives a restart.
-TEST_F(NvmeServiceTest, AFailedIndexWriteFailsThePersistAndTheChunkKeepsItsData) {
+TEST_F(ChunkServiceNvmeTest, AFailedIndexWriteFailsThePersistAndTheChunkKeepsItsData) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/indexed", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
   Write(*session_, ids, 6);
@@ -604,7 +604,7 @@ TEST_F(NvmeServiceTest, AFailedIndexWriteFailsThePersistAndTheChunkKeepsItsData)
   for (size_t j = 0; j < (1 << 20) / 8; j += 4099) ASSERT_EQ(w[j], Word(6, ids[0], j)) << j;
 }
 
-TEST_F(NvmeServiceTest, NoSpaceOnTheDriveIsResourceExhausted) {
+TEST_F(ChunkServiceNvmeTest, NoSpaceOnTheDriveIsResourceExhausted) {
   auto ids = Alloc(*session_, {1 << 20});
   Write(*session_, ids, 4);
   faults_->FailNext(IoKind::kWrite, ENOSPC);
@@ -612,7 +612,7 @@ TEST_F(NvmeServiceTest, NoSpaceOnTheDriveIsResourceExhausted) {
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
 }
 
-TEST_F(NvmeServiceTest, FullNvmeTierIsResourceExhaustedAndTheRestStillMoves) {
+TEST_F(ChunkServiceNvmeTest, FullNvmeTierIsResourceExhaustedAndTheRestStillMoves) {
   // Two 96 MiB regions hold 2 x 94 MiB = 188 MiB of data; fill it with NVMe-home chunks.
   std::vector<ChunkRequest> big(47, ChunkRequest{.size = 4 << 20, .home = TierKind::kNvme});
   ASSERT_TRUE(service_->Allocate(*session_, big).ok());
@@ -628,7 +628,7 @@ TEST_F(NvmeServiceTest, FullNvmeTierIsResourceExhaustedAndTheRestStillMoves) {
   EXPECT_TRUE(Check(*session_, ids, 9, {1 << 20}));
 }
 
-TEST_F(NvmeServiceTest, ShortTransfersAreInvisibleToTheClient) {
+TEST_F(ChunkServiceNvmeTest, ShortTransfersAreInvisibleToTheClient) {
   const std::vector<uint64_t> sizes = {2 << 20};
   auto ids = Alloc(*session_, sizes);
   Write(*session_, ids, 5);
@@ -643,7 +643,7 @@ TEST_F(NvmeServiceTest, ShortTransfersAreInvisibleToTheClient) {
 // Two sessions read 8 MiB each from a slow drive at once. The one with weight 4 gets about four
 // of every five reads issued, so when its prefetch is done the other's has landed little; with
 // equal weights they go at the same pace.
-TEST_F(NvmeServiceTest, SessionsShareTheDriveByTheirBandwidthWeights) {
+TEST_F(ChunkServiceNvmeTest, SessionsShareTheDriveByTheirBandwidthWeights) {
   auto other = *sessions_.Open({1001, 1001, 2}, "other");
   MapPage(*other);
   const std::vector<uint64_t> sizes(8, 1 << 20);
@@ -678,7 +678,7 @@ TEST_F(NvmeServiceTest, SessionsShareTheDriveByTheirBandwidthWeights) {
   EXPECT_TRUE(absl::IsInvalidArgument(service_->SetBandwidthWeight(*other, 0)));
 }
 
-TEST_F(NvmeServiceTest, ReadAheadWithANegativePriorityLetsALaterWriteBackGoFirst) {
+TEST_F(ChunkServiceNvmeTest, ReadAheadWithANegativePriorityLetsALaterWriteBackGoFirst) {
   const std::vector<uint64_t> sizes(8, 1 << 20);
   const std::vector<ChunkId> ahead = Alloc(*session_, sizes);
   const std::vector<ChunkId> dirty = Alloc(*session_, {1 << 20});
@@ -709,7 +709,7 @@ TEST_F(NvmeServiceTest, ReadAheadWithANegativePriorityLetsALaterWriteBackGoFirst
   EXPECT_TRUE(Check(*session_, dirty, 2, {1 << 20}));
 }
 
-TEST_F(NvmeServiceTest, AnOperatorDrainsEveryUnpinnedChunkOfEverySessionOutOfTheHostTier) {
+TEST_F(ChunkServiceNvmeTest, AnOperatorDrainsEveryUnpinnedChunkOfEverySessionOutOfTheHostTier) {
   const uint32_t me = geteuid();
   auto op = *sessions_.Open({me, me, 3}, "tierctl");
   auto a = *sessions_.Open({me + 1, me + 1, 4}, "trainer-a");
@@ -772,7 +772,7 @@ TEST(PrefetchDeadlineTest, EachUnitOfPriorityIsAMillisecondSoonerAndExtremesDoNo
   EXPECT_GT(PrefetchDeadline(now, std::numeric_limits<int>::min()), now);
 }
 
-TEST_F(NvmeServiceTest, SlowDriveStillCompletesEveryRequest) {
+TEST_F(ChunkServiceNvmeTest, SlowDriveStillCompletesEveryRequest) {
   auto ids = Alloc(*session_, {512 << 10, 512 << 10});
   Write(*session_, ids, 6);
   faults_->SetDelay(absl::Milliseconds(5));
@@ -782,7 +782,7 @@ TEST_F(NvmeServiceTest, SlowDriveStillCompletesEveryRequest) {
   EXPECT_TRUE(Check(*session_, ids, 6, {512 << 10, 512 << 10}));
 }
 
-TEST_F(NvmeServiceTest, DamagedDataOnTheDriveIsDataLossNeverHandedOut) {
+TEST_F(ChunkServiceNvmeTest, DamagedDataOnTheDriveIsDataLossNeverHandedOut) {
   auto ids = Alloc(*session_, {256 << 10});
   Write(*session_, ids, 7);
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
@@ -816,7 +816,7 @@ TEST_F(NvmeServiceTest, DamagedDataOnTheDriveIsDataLossNeverHandedOut) {
   EXPECT_TRUE(absl::IsDataLoss(service_->Prefetch(*session_, ids, TierKind::kHost, 0).status()));
 }
 
-TEST_F(NvmeServiceTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanCopies) {
+TEST_F(ChunkServiceNvmeTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanCopies) {
   // Eight 8 MiB chunks (64 MiB of data) through a 64 MiB host tier, many times over.
   std::vector<uint64_t> sizes(8, 8 << 20);
   auto ids = Alloc(*session_, sizes, TierKind::kNvme);
@@ -842,7 +842,7 @@ TEST_F(NvmeServiceTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanCopies
 // On-demand swapping: a working set larger than the host tier, written through it chunk by chunk.
 // The host fills with copies that exist nowhere else; each further acquire writes the least
 // recently used of them to NVMe and lands in its room.
-TEST_F(NvmeServiceTest, AcquiresThroughAHostTierFullOfWrittenChunksWriteTheOldestBack) {
+TEST_F(ChunkServiceNvmeTest, AcquiresThroughAHostTierFullOfWrittenChunksWriteTheOldestBack) {
   std::vector<uint64_t> sizes(12, 8 << 20);  // 96 MiB through 64 MiB
   auto ids = Alloc(*session_, sizes, TierKind::kNvme);
   faults_->SetDelay(absl::Milliseconds(1));
@@ -872,7 +872,7 @@ TEST_F(NvmeServiceTest, AcquiresThroughAHostTierFullOfWrittenChunksWriteTheOldes
 
 // Trace mode: the acquisitions of one iteration, grouped by the step the cursor announced, become
 // the schedule once the cursor passes the iteration's end.
-TEST_F(NvmeServiceTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInstallsThem) {
+TEST_F(ChunkServiceNvmeTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInstallsThem) {
   auto ids = Alloc(*session_, {1 << 20, 1 << 20, 1 << 20, 1 << 20});
   auto scratch = Alloc(*session_, {1 << 20});
   CompletionPage& page = *pages_.at(session_->id);
@@ -921,7 +921,7 @@ TEST_F(NvmeServiceTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInstallsT
   EXPECT_EQ(service_->session_stats(*session_).schedule_steps, 0u);
 }
 
-TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
+TEST_F(ChunkServiceNvmeTest, PersistentChunksAreRecoveredFromTheIndex) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/opt/m/0", .persistent = true},
                                  {.size = 300000, .name = "job/opt/v/0", .persistent = true},
                                  {.size = 4096, .name = "job/never-written", .persistent = true}};
@@ -952,7 +952,7 @@ TEST_F(NvmeServiceTest, PersistentChunksAreRecoveredFromTheIndex) {
 // named their checksum, so the chunk read back as DATA_LOSS. A rewrite now goes to fresh space and
 // the index switch is its commit point: until then the previous version stays whole.
 // (At home on NVMe: a chunk at home in memory written since its copy is lost in a crash instead.)
-TEST_F(NvmeServiceTest, ARewriteThatStopsHalfwayLeavesThePreviousVersionWhole) {
+TEST_F(ChunkServiceNvmeTest, ARewriteThatStopsHalfwayLeavesThePreviousVersionWhole) {
   std::vector<ChunkRequest> r = {
       {.size = 1 << 20, .home = TierKind::kNvme, .name = "job/state", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
@@ -979,7 +979,7 @@ TEST_F(NvmeServiceTest, ARewriteThatStopsHalfwayLeavesThePreviousVersionWhole) {
 
 // A persistent chunk at home in the host tier has no write-back: its data lives in memory. A clean
 // stop writes it to NVMe, and it comes back after the restart.
-TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryIsWrittenDownAtACleanStopAndComesBack) {
+TEST_F(ChunkServiceNvmeTest, AChunkAtHomeInMemoryIsWrittenDownAtACleanStopAndComesBack) {
   std::vector<ChunkRequest> r = {{.size = 1 << 20, .name = "job/host-state", .persistent = true},
                                  {.size = 300000, .name = "job/host-meta", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
@@ -1003,7 +1003,7 @@ TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryIsWrittenDownAtACleanStopAndComesBac
 // Written since its last copy reached NVMe (or never copied there), a chunk at home in memory is
 // lost when the daemon dies: the restart says so, and never hands out the older copy or a fresh
 // zeroed chunk under its name.
-TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryWrittenSinceItsLastCopyIsLostInACrashNeverOlder) {
+TEST_F(ChunkServiceNvmeTest, AChunkAtHomeInMemoryWrittenSinceItsLastCopyIsLostInACrashNeverOlder) {
   std::vector<ChunkRequest> r = {
       {.size = 1 << 20, .name = "job/copied-then-written", .persistent = true},
       {.size = 8192, .name = "job/never-copied", .persistent = true},
@@ -1053,7 +1053,7 @@ TEST_F(NvmeServiceTest, AChunkAtHomeInMemoryWrittenSinceItsLastCopyIsLostInACras
 
 // Opening a chunk at home in memory after a clean stop and writing it makes its NVMe copy old: a
 // crash then reports it lost, and the write's Acquire completes only once the index says so.
-TEST_F(NvmeServiceTest, WritingAChunkRestoredFromACleanStopMakesACrashReportItLost) {
+TEST_F(ChunkServiceNvmeTest, WritingAChunkRestoredFromACleanStopMakesACrashReportItLost) {
   std::vector<ChunkRequest> r = {{.size = 65536, .name = "job/resumed", .persistent = true}};
   auto ids = *service_->Allocate(*session_, r);
   Write(*session_, ids, 51);
@@ -1070,7 +1070,7 @@ TEST_F(NvmeServiceTest, WritingAChunkRestoredFromACleanStopMakesACrashReportItLo
 
 // --- What one user may hold: quotas per tier and limits on chunks and schedules. ---
 
-TEST_F(NvmeServiceTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
+TEST_F(ChunkServiceNvmeTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
   Quotas q;
   q.per_uid[TierKind::kHost] = 8 << 20;
   q.by_uid[2000] = {};  // a user with no quota at all
@@ -1093,7 +1093,7 @@ TEST_F(NvmeServiceTest, AUsersQuotaLimitsWhatItsChunksHoldInATierAndNamesIt) {
 }
 
 // At its quota, a user's fetch makes room from its own copies, never another user's.
-TEST_F(NvmeServiceTest, AUserAtItsQuotaMakesRoomFromItsOwnCleanCopiesOnly) {
+TEST_F(ChunkServiceNvmeTest, AUserAtItsQuotaMakesRoomFromItsOwnCleanCopiesOnly) {
   Quotas q;
   q.by_uid[1000][TierKind::kHost] = 8 << 20;
   service_->set_limits(Limits{}, q);
@@ -1116,7 +1116,7 @@ TEST_F(NvmeServiceTest, AUserAtItsQuotaMakesRoomFromItsOwnCleanCopiesOnly) {
   EXPECT_TRUE(Check(*session_, away, 2, {4 << 20}));
 }
 
-TEST_F(NvmeServiceTest, AUserAtItsQuotaWritesItsOwnDirtyCopiesDownToMakeRoom) {
+TEST_F(ChunkServiceNvmeTest, AUserAtItsQuotaWritesItsOwnDirtyCopiesDownToMakeRoom) {
   Quotas q;
   q.by_uid[1000][TierKind::kHost] = 8 << 20;
   service_->set_limits(Limits{}, q);
@@ -1130,7 +1130,7 @@ TEST_F(NvmeServiceTest, AUserAtItsQuotaWritesItsOwnDirtyCopiesDownToMakeRoom) {
   EXPECT_TRUE(Check(*session_, dirty, 5, {4 << 20, 4 << 20}));
 }
 
-TEST_F(NvmeServiceTest, ChunksPerSessionAndPerUserAreLimitedByName) {
+TEST_F(ChunkServiceNvmeTest, ChunksPerSessionAndPerUserAreLimitedByName) {
   Limits l;
   l.chunks_per_session = 3;
   l.chunks_per_uid = 5;
@@ -1154,7 +1154,7 @@ TEST_F(NvmeServiceTest, ChunksPerSessionAndPerUserAreLimitedByName) {
   EXPECT_EQ(service_->tenant_usage(1000).chunks, 3u);
 }
 
-TEST_F(NvmeServiceTest, SchedulesAndTracesAreLimitedPerSessionAndPerUser) {
+TEST_F(ChunkServiceNvmeTest, SchedulesAndTracesAreLimitedPerSessionAndPerUser) {
   Limits l;
   l.schedule_accesses_per_session = 4;
   l.schedule_accesses_per_uid = 6;
@@ -1195,7 +1195,7 @@ TEST_F(NvmeServiceTest, SchedulesAndTracesAreLimitedPerSessionAndPerUser) {
 
 // Persistent chunks belong to their user, not a session: they count against its quota after its
 // sessions have ended.
-TEST_F(NvmeServiceTest, PersistentChunksCountAgainstTheirUsersQuotaAfterItsSessionsEnd) {
+TEST_F(ChunkServiceNvmeTest, PersistentChunksCountAgainstTheirUsersQuotaAfterItsSessionsEnd) {
   Quotas q;
   q.per_uid[TierKind::kNvme] = 16 << 20;
   service_->set_limits(Limits{}, q);
@@ -1218,7 +1218,7 @@ TEST_F(NvmeServiceTest, PersistentChunksCountAgainstTheirUsersQuotaAfterItsSessi
 // The index holds one record per persistent chunk. 66,000 tiny persistent chunks filled it, and
 // then nobody could persist anything; now a persistent chunk takes at least the granule of NVMe
 // space, so the space (and its owner's quota) runs out first.
-TEST_F(NvmeServiceTest, TinyPersistentChunksRunOutOfSpaceBeforeTheIndexFills) {
+TEST_F(ChunkServiceNvmeTest, TinyPersistentChunksRunOutOfSpaceBeforeTheIndexFills) {
   ASSERT_GT(nvme_->persistent_granule(), 4096u);
   int created = 0;
   absl::Status s;
@@ -1246,7 +1246,7 @@ TEST_F(NvmeServiceTest, TinyPersistentChunksRunOutOfSpaceBeforeTheIndexFills) {
   EXPECT_TRUE(Wait(*session_, service_->Evict(*session_, again, TierKind::kNvme)).ok());
 }
 
-TEST_F(NvmeServiceTest, ConcurrentRandomMovesFromSeveralSessionsMatchAModel) {
+TEST_F(ChunkServiceNvmeTest, ConcurrentRandomMovesFromSeveralSessionsMatchAModel) {
   constexpr int kSessions = 3;
   constexpr int kOps = 150;
   std::vector<std::thread> threads;
