@@ -621,6 +621,7 @@ void ChunkService::WakeWaiters(ChunkMeta& chunk, const absl::Status& moved) {
 }
 
 void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settled) {
+  mu_.AssertHeld();          // the Mover's call up, which the analysis cannot follow
   room_.MoveDone(chunk.id);  // a write-down for room: that room is no longer coming
   sessions_.AddMoved(chunk.owner, settled.crossed);
   if (settled.brought_in) chunk.last_use = ++use_clock_;

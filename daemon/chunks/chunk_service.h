@@ -141,8 +141,9 @@ class ChunkService : private Mover::Listener {
   size_t WriteDownForStop();
   // Waits until every operation the service handed to a tier (NVMe I/O, index records, device
   // copies) has called back and let its callback go. With no session left to start more, nothing
-  // calls into the service afterwards: the daemon's shutdown can destroy it.
-  void WaitForIdle();
+  // calls into the service afterwards: the daemon's shutdown can destroy it. Runs without mu_,
+  // which the last callbacks take: it touches only the Mover's count of them.
+  void WaitForIdle() ABSL_LOCKS_EXCLUDED(mu_) ABSL_NO_THREAD_SAFETY_ANALYSIS;
 
   absl::StatusOr<std::vector<ChunkId>> Allocate(const Session& session,
                                                 std::span<const ChunkRequest> requests);
@@ -334,10 +335,9 @@ class ChunkService : private Mover::Listener {
   Schedules schedules_ ABSL_GUARDED_BY(mu_);
   // The halves of a planning round that run under the lock.
   ::tierd::daemon::PlanRound round_ ABSL_GUARDED_BY(mu_);
-  // The moves: not guarded by mu_ as a whole (WaitForIdle runs without it), but every other call
-  // is made with mu_ held, and it settles under mu_. Declared last: destroyed first, once the
-  // last callback handed to a hop has let go.
-  Mover mover_;
+  // The moves, which borrow mu_ and settle under it (WaitForIdle alone runs without it).
+  // Declared last: destroyed first, once the last callback handed to a hop has let go.
+  Mover mover_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tierd::daemon

@@ -45,6 +45,7 @@ void Mover::MoveDone(Path path, const ChunkMeta& chunk, Settlement& settled) {
 }
 
 void Mover::DropAbove(ChunkMeta& chunk, TierKind tier) {
+  mu_.AssertHeld();
   for (TierKind above : {TierKind::kDevice, TierKind::kHost}) {
     if (Above(above, tier) && chunk.allocated.contains(above)) space_.DropCopy(chunk, above);
   }
@@ -152,6 +153,7 @@ absl::Status Mover::CheckFetchable(const ChunkMeta& chunk, TierKind tier) const 
 
 absl::Status Mover::Start(ChunkMeta& chunk, Route route, const std::shared_ptr<Batch>& batch,
                           bool keep_source, const IoOrder& order) {
+  mu_.AssertHeld();
   switch (route) {
     case Route::kHostToDevice:
     case Route::kNvmeToDevice:
@@ -195,6 +197,7 @@ absl::Status Mover::WriteDown(ChunkMeta& chunk, TierKind tier, const std::shared
 }
 
 void Mover::Mark(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch) {
+  mu_.AssertHeld();
   IndexEntry e{chunk.tenant,         chunk.name,        chunk.size, 0, 0, chunk.checksum,
                /*memory_home=*/true, /*in_memory=*/true};
   if (chunk.written && chunk.allocated.contains(TierKind::kNvme)) {

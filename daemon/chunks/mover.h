@@ -5,8 +5,12 @@
 // waiting for the chunk. A move that goes on from where it settled (device -> host -> NVMe) starts
 // its next leg before telling.
 //
-// Every call is made with the service's lock held, except WaitForIdle; the Mover takes that lock
-// itself only to settle.
+// The Mover borrows the service's lock. Every call but RouteFor and WaitForIdle is made with it
+// held: the service keeps the Mover ABSL_GUARDED_BY it, so the clang build checks its calls, and
+// the entries that touch what it guards assert it at run time (the analysis cannot see that the
+// borrowed reference is the service's lock). Inside, the methods and members are annotated
+// against the borrowed lock, so the settling callbacks, which run on the tiers' threads and take
+// it themselves, are checked too.
 #pragma once
 
 #include <cstdint>
@@ -100,7 +104,10 @@ class Mover {
   // Drops the copies above `tier` (device above host above NVMe).
   void DropAbove(ChunkMeta& chunk, TierKind tier);
 
-  uint64_t in_flight() const { return in_flight_; }
+  uint64_t in_flight() const {
+    mu_.AssertHeld();
+    return in_flight_;
+  }
   // Waits until every callback handed to a hop or the index has run and been let go. With no
   // session left to start moves, nothing calls into the Mover or the service afterwards.
   void WaitForIdle();
@@ -112,33 +119,36 @@ class Mover {
   // written fills zeros).
   HopJob JobFor(const ChunkMeta& chunk, TierKind from, TierKind to) const;
   // Space for the chunk in `tier` unless it has some; the error names the chunk.
-  absl::Status EnsureSpace(ChunkMeta& chunk, TierKind tier);
+  absl::Status EnsureSpace(ChunkMeta& chunk, TierKind tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the chunk moving to `to`; an error for a retired chunk or one acquired for write.
-  absl::Status BeginMoving(ChunkMeta& chunk, TierKind to);
+  absl::Status BeginMoving(ChunkMeta& chunk, TierKind to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StartToDevice(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                             const IoOrder& order);
+                             const IoOrder& order) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Then writes it to NVMe if `then_nvme` (in `order`'s place, due when it starts).
   absl::Status StartToHost(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool then_nvme,
-                           bool keep_source, const IoOrder& order);
+                           bool keep_source, const IoOrder& order)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StartRead(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch,
-                         const IoOrder& order);
+                         const IoOrder& order) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& batch, bool keep_source,
-                          const IoOrder& order);
+                          const IoOrder& order) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The chunk a settling move belongs to (a moving chunk is never destroyed).
-  ChunkMeta& Moving(ChunkId id);
+  ChunkMeta& Moving(ChunkId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The move ended (FinishMove).
-  void Settled(ChunkMeta& chunk, bool ok);
+  void Settled(ChunkMeta& chunk, bool ok) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MoveStarted(Path path, const ChunkMeta& chunk);
   void MoveDone(Path path, const ChunkMeta& chunk, Settlement& settled);
-  void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled);
+  // The Settle* run on a tier's thread and take the lock.
+  void SettleToDevice(ChunkId id, const absl::Status& status, bool host_filled)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The move's status, or that of the write it chains (then_nvme) when that cannot start.
   absl::Status SettleToHost(ChunkId id, const absl::Status& status, bool then_nvme,
                             bool keep_source, const std::shared_ptr<Batch>& batch,
-                            const IoOrder& order);
-  void SettleRead(ChunkId id, const absl::Status& status);
+                            const IoOrder& order) ABSL_LOCKS_EXCLUDED(mu_);
+  void SettleRead(ChunkId id, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   // `previous`: a persistent chunk's durable version, kept until this write's index record commits.
   void SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bool keep_source,
-                   const std::optional<Placement>& previous);
+                   const std::optional<Placement>& previous) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Wraps a callback handed to a hop or the index so that WaitForIdle waits for it: it counts
   // from here until the hop has run it and let it go (copies included). A route over two hops
@@ -148,14 +158,14 @@ class Mover {
   auto Tracked(F callback);
   std::shared_ptr<void> BeginOp();
 
-  absl::Mutex& mu_;
-  ChunkTable& chunks_;
-  Space& space_;
+  absl::Mutex& mu_;  // the chunk service's
+  ChunkTable& chunks_ ABSL_GUARDED_BY(mu_);
+  Space& space_ ABSL_GUARDED_BY(mu_);
   const Tiers tiers_;
-  PathMeter& meter_;
+  PathMeter& meter_;  // thread-safe
   const Clock& clock_;
-  Listener& listener_;
-  uint64_t in_flight_ = 0;  // moves started and not settled
+  Listener& listener_ ABSL_GUARDED_BY(mu_);
+  uint64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // moves started and not settled
   // Callbacks alive in hops and the index (Tracked); a lock of its own, taken last.
   absl::Mutex ops_mu_;
   uint64_t ops_ ABSL_GUARDED_BY(ops_mu_) = 0;
