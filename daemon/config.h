@@ -11,8 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/chunks/limits.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 
 namespace tierd::daemon {
 

@@ -14,8 +14,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/tiers/nvme_index.h"
-#include "daemon/tiers/nvme_region.h"
+#include "daemon/tiers/nvme/nvme_index.h"
+#include "daemon/tiers/nvme/nvme_region.h"
 #include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 

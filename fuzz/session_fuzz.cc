@@ -24,7 +24,7 @@
 #include "daemon/api/session_broker.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/host/host_memory.h"
 #include "fuzz/scratch_dir.h"
 #include "spdlog/spdlog.h"
 

@@ -4,8 +4,8 @@
 #include "common/version.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
-#include "daemon/tiers/device_probe.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/device/device_probe.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "daemon/util/fallbacks.h"
 #include "daemon/util/metrics.h"
 

@@ -14,7 +14,7 @@
 #include "common/unique_fd.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
-#include "daemon/tiers/device_probe.h"
+#include "daemon/tiers/device/device_probe.h"
 #include "daemon/tiers/segment_pool.h"
 
 namespace tierd::daemon {

@@ -43,7 +43,7 @@
 #include "daemon/io/io_engine.h"
 #include "daemon/planner/planner.h"
 #include "daemon/tiers/hop.h"
-#include "daemon/tiers/nvme_index.h"
+#include "daemon/tiers/nvme/nvme_index.h"
 #include "daemon/tiers/tier.h"
 #include "daemon/util/clock.h"
 #include "daemon/util/metrics.h"

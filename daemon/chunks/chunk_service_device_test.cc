@@ -8,9 +8,9 @@
 #include <filesystem>
 
 #include "daemon/chunks/chunk_service.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/device/device.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/chunks/chunk_service.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -2,7 +2,7 @@
 #include "daemon/chunks/chunk_service.h"
 
 #include "daemon/tiers/extent_allocator.h"
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/host/host_memory.h"
 
 #include "gtest/gtest.h"
 

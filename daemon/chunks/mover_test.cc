@@ -7,9 +7,9 @@
 
 #include "absl/synchronization/notification.h"
 #include "daemon/chunks/batch.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/device/device.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

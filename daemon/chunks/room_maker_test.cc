@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "daemon/chunks/batch.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/host/host_memory.h"
 
 namespace tierd::daemon {
 namespace {

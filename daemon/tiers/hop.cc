@@ -4,8 +4,8 @@
 #include <memory>
 
 #include "absl/synchronization/mutex.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/device/device.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 
 namespace tierd::daemon {
 namespace {

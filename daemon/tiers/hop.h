@@ -12,7 +12,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/io/io_engine.h"
-#include "daemon/tiers/nvme_index.h"
+#include "daemon/tiers/index_entry.h"
 #include "daemon/tiers/tier.h"
 
 namespace tierd::daemon {

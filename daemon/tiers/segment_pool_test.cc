@@ -1,11 +1,11 @@
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/host/host_memory.h"
 
 #include <sys/mman.h>
 
 #include <cstring>
 #include <map>
 
-#include "daemon/tiers/device.h"
+#include "daemon/tiers/device/device.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -11,7 +11,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

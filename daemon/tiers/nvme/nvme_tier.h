@@ -20,9 +20,8 @@
 #include "daemon/io/work_queue.h"
 #include "daemon/tiers/extent_allocator.h"
 #include "daemon/tiers/hop.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_index.h"
-#include "daemon/tiers/nvme_region.h"
+#include "daemon/tiers/nvme/nvme_index.h"
+#include "daemon/tiers/nvme/nvme_region.h"
 #include "daemon/tiers/segment_pool.h"
 #include "daemon/tiers/tier.h"
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/tiers/device.h"
+#include "daemon/tiers/device/device.h"
 
 namespace tierd::daemon {
 

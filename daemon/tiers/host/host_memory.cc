@@ -1,4 +1,4 @@
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/host/host_memory.h"
 
 #include <fcntl.h>
 #include <linux/memfd.h>

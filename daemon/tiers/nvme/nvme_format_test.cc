@@ -7,10 +7,10 @@
 #include <filesystem>
 
 #include "daemon/io/io_backend.h"
-#include "daemon/tiers/host_memory.h"
-#include "daemon/tiers/nvme_index.h"
-#include "daemon/tiers/nvme_region.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/host/host_memory.h"
+#include "daemon/tiers/nvme/nvme_index.h"
+#include "daemon/tiers/nvme/nvme_region.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {

@@ -1,4 +1,4 @@
-#include "daemon/tiers/nvme_region.h"
+#include "daemon/tiers/nvme/nvme_region.h"
 
 #include <fcntl.h>
 #include <linux/fs.h>

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
 #include "common/sizes.h"
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 #include "spdlog/spdlog.h"
 
 namespace tierd::daemon {

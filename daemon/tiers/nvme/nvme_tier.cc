@@ -1,4 +1,4 @@
-#include "daemon/tiers/nvme_tier.h"
+#include "daemon/tiers/nvme/nvme_tier.h"
 
 #include <sys/random.h>
 

@@ -8,8 +8,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/io/work_queue.h"
-#include "daemon/tiers/device.h"
-#include "daemon/tiers/host_memory.h"
+#include "daemon/tiers/device/device.h"
+#include "daemon/tiers/host/host_memory.h"
 
 namespace tierd::daemon {
 namespace {

@@ -1,4 +1,4 @@
-#include "daemon/tiers/nvme_index.h"
+#include "daemon/tiers/nvme/nvme_index.h"
 
 #include <sys/random.h>
 #include <xxhash.h>

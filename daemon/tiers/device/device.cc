@@ -1,4 +1,4 @@
-#include "daemon/tiers/device.h"
+#include "daemon/tiers/device/device.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cuda_driver.h"
 #include "daemon/io/work_queue.h"
-#include "daemon/tiers/device.h"
+#include "daemon/tiers/device/device.h"
 
 namespace tierd::daemon {
 
