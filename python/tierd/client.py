@@ -291,6 +291,10 @@ class Client:
     def session_id(self) -> int:
         return _library().tierd_session_id(self._handle)
 
+    @property
+    def closed(self) -> bool:
+        return not self._handle
+
     def close(self) -> None:
         if self._handle:
             _library().tierd_close(self._handle)

@@ -801,7 +801,7 @@ class ParameterStream:
         s["device_peak_bytes"] = self._peak
         s["units_on_nvme"] = sum(1 for u in self._units if u.home == Tier.NVME)
         s["device_live_bytes"] = self._live
-        if self._client is not None and self._client._handle:
+        if self._client is not None and not self._client.closed:
             s["nvme_read_bytes"] = self._client.path_bytes("nvme_to_host") - self._nvme_start
             session = self._client.stats()
             s["planner_fetches"] = session.planner_fetches

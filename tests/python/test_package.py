@@ -103,6 +103,8 @@ def test_socket_dir_comes_from_the_environment(daemon, monkeypatch):  # noqa: F8
     monkeypatch.setenv("TIERD_SOCKET_DIR", daemon)
     with tierd.connect() as c:
         assert c.session_id > 0
+        assert not c.closed
+    assert c.closed
     monkeypatch.setenv("TIERD_SOCKET_DIR", "/nonexistent")
     with pytest.raises(tierd.TierdError) as gone:
         tierd.connect()
