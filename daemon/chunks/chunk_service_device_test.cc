@@ -5,13 +5,10 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <filesystem>
 
 #include "daemon/chunks/chunk_service.h"
-#include "daemon/tiers/device/device.h"
-#include "daemon/tiers/host/host_memory.h"
-#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
+#include "testing/scratch_tiers.h"
 
 namespace tierd::daemon {
 namespace {
@@ -50,51 +47,40 @@ class RecordingDevice final : public Device {
 class ChunkServiceDeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/var/tmp/tierd-device-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    host_ = std::move(*CreateHostPool({.capacity = 4 * kSeg,
-                                       .segment_size = kSeg,
-                                       .huge_pages = HugePagePolicy::kNever,
-                                       .lock_memory = false}));
-    NvmeOptions o;
-    o.regions = {{dir_ + "/r0", 128 << 20}};
-    o.stripe_unit = 1 << 20;
-    o.io_size = 128 << 10;
-    o.queue_depth = 8;
-    o.index_size = 1 << 20;
-    o.wrap_backend = [this](std::unique_ptr<IoBackend> inner) {
+    testing::ScratchTierOptions o{.segment_size = kSeg,
+                                  .host_bytes = 4 * kSeg,
+                                  .nvme_bytes = 128 << 20,
+                                  .device_bytes = 2 * kSeg,
+                                  .device_latency = absl::Microseconds(20)};
+    o.nvme.stripe_unit = 1 << 20;
+    o.nvme.io_size = 128 << 10;
+    o.nvme.queue_depth = 8;
+    o.nvme.wrap_backend = [this](std::unique_ptr<IoBackend> inner) {
       auto f = std::make_unique<FaultInjectingBackend>(std::move(inner));
       faults_ = f.get();
       return f;
     };
-    nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
-    device_ = new RecordingDevice(MakeEmulatedDevice(
-        {.memory_bytes = 2 * kSeg, .gbps = 8.0, .latency = absl::Microseconds(20)}));
-    owned_device_.reset(device_);
-    device_pool_ = std::move(
-        *SegmentPool::Create(TierKind::kDevice, "device", 2 * kSeg, kSeg, device_->MakeBacking()));
-    service_ = std::make_unique<ChunkService>(
-        NodeTiers(host_.get(), nvme_.get(), device_pool_.get(), device_));
+    o.wrap_device = [this](std::unique_ptr<Device> inner) {
+      auto d = std::make_unique<RecordingDevice>(std::move(inner));
+      device_ = d.get();
+      return d;
+    };
+    auto rig = testing::ScratchTiers::Make(o);
+    ASSERT_TRUE(rig.ok()) << rig.status();
+    rig_ = std::move(*rig);
+    service_ = std::make_unique<ChunkService>(rig_->tiers());
     session_ = *sessions_.Open({1000, 1000, 1}, "gpu-rank");
     void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
                    session_->completions->fd(), 0);
     page_ = static_cast<CompletionPage*>(p);
   }
   void TearDown() override {
-    // Moves in flight settle before the service they call back into goes (twice: a move can hand
-    // over from one to the other, as the daemon's shutdown knows).
-    for (int round = 0; round < 2; ++round) {
-      device_->Drain();
-      if (nvme_ != nullptr) nvme_->Drain();
-    }
+    if (rig_ == nullptr) return;  // SetUp failed
+    // Moves in flight settle before the service they call back into goes.
+    rig_->Drain();
     service_.reset();
-    nvme_.reset();
-    device_->Drain();
-    device_pool_.reset();
-    owned_device_.reset();
+    rig_.reset();
     munmap(page_, kCompletionPageBytes);
-    std::filesystem::remove_all(dir_);
   }
 
   absl::Status Wait(absl::StatusOr<SlotToken> token) {
@@ -135,13 +121,9 @@ class ChunkServiceDeviceTest : public ::testing::Test {
     return ok;
   }
 
-  std::string dir_;
-  std::unique_ptr<SegmentPool> host_;
-  std::unique_ptr<NvmeTier> nvme_;
+  std::unique_ptr<testing::ScratchTiers> rig_;
   FaultInjectingBackend* faults_ = nullptr;
-  RecordingDevice* device_ = nullptr;
-  std::unique_ptr<Device> owned_device_;
-  std::unique_ptr<SegmentPool> device_pool_;
+  RecordingDevice* device_ = nullptr;  // the rig's device
   std::unique_ptr<ChunkService> service_;
   SessionRegistry sessions_;
   std::shared_ptr<Session> session_;
@@ -158,7 +140,8 @@ TEST_F(ChunkServiceDeviceTest, HostToDeviceAndBackCarriesTheGpusWrites) {
   EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
   EXPECT_TRUE(stat[0].dirty.contains(TierKind::kDevice));
   ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kHost)).ok());
-  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);  // device copies dropped once written back
+  EXPECT_EQ(rig_->device_pool()->Usage().used_bytes,
+            0u);  // device copies dropped once written back
   EXPECT_TRUE(Holds(ids, TierKind::kHost, 0x22, 3 << 20));
   EXPECT_GE(device_->to_host.load(), 2);
 }
@@ -173,8 +156,8 @@ TEST_F(ChunkServiceDeviceTest, DirtyDeviceCopyIsWrittenBackThroughTheHostToNvme)
   EXPECT_FALSE(stat[0].resident.contains(TierKind::kHost));
   EXPECT_FALSE(stat[0].resident.contains(TierKind::kDevice));
   EXPECT_TRUE(stat[0].dirty.empty());
-  EXPECT_EQ(host_->Usage().used_bytes, 0u);
-  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
+  EXPECT_EQ(rig_->host()->Usage().used_bytes, 0u);
+  EXPECT_EQ(rig_->device_pool()->Usage().used_bytes, 0u);
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kHost, 0)).ok());
   EXPECT_TRUE(Holds(ids, TierKind::kHost, 0x5A, 2 << 20));
 }
@@ -209,7 +192,7 @@ TEST_F(ChunkServiceDeviceTest, DamagedNvmeDataNeverReachesTheDevice) {
   ASSERT_TRUE(Wait(service_->Evict(*session_, ids, TierKind::kNvme)).ok());
   // Corrupt the region's whole data area: whatever the chunk's offset, its bytes change.
   {
-    int fd = open((dir_ + "/r0").c_str(), O_RDWR);
+    int fd = open((rig_->dir() + "/r0").c_str(), O_RDWR);
     std::vector<char> junk(1 << 20, 0x44);
     for (off_t off = 2 << 20; off < (128 << 20); off += junk.size()) {
       ASSERT_EQ(pwrite(fd, junk.data(), junk.size(), off), static_cast<ssize_t>(junk.size()));
@@ -220,7 +203,7 @@ TEST_F(ChunkServiceDeviceTest, DamagedNvmeDataNeverReachesTheDevice) {
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
   auto stat = *service_->Stat(*session_, ids);
   EXPECT_FALSE(stat[0].resident.contains(TierKind::kDevice));
-  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
+  EXPECT_EQ(rig_->device_pool()->Usage().used_bytes, 0u);
 }
 
 TEST_F(ChunkServiceDeviceTest, FullDeviceDropsCleanCopiesAndWritesDirtyOnesDownFirst) {
@@ -360,10 +343,10 @@ TEST_F(ChunkServiceDeviceTest, SessionEndReclaimsAcquiredDeviceChunks) {
   auto ids = Alloc({1 << 20, 1 << 20});
   ASSERT_TRUE(Wait(service_->Prefetch(*session_, ids, TierKind::kDevice, 0)).ok());
   ASSERT_TRUE(service_->Acquire(*session_, ids, TierKind::kDevice, Access::kWrite).ok());
-  EXPECT_GT(device_pool_->Usage().used_bytes, 0u);
+  EXPECT_GT(rig_->device_pool()->Usage().used_bytes, 0u);
   EXPECT_EQ(service_->CloseSession(*session_), 2u);
-  EXPECT_EQ(device_pool_->Usage().used_bytes, 0u);
-  EXPECT_EQ(host_->Usage().used_bytes, 0u);
+  EXPECT_EQ(rig_->device_pool()->Usage().used_bytes, 0u);
+  EXPECT_EQ(rig_->host()->Usage().used_bytes, 0u);
 }
 
 TEST_F(ChunkServiceDeviceTest, EvictIntoTheDeviceIsInvalidAndPinnedDeviceCopiesStay) {

@@ -2,15 +2,12 @@
 // emulated GPU), with a listener that records what it is told in place of the chunk service.
 #include "daemon/chunks/mover.h"
 
-#include <filesystem>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
 #include "daemon/chunks/batch.h"
-#include "daemon/tiers/device/device.h"
-#include "daemon/tiers/host/host_memory.h"
-#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
+#include "testing/scratch_tiers.h"
 
 namespace tierd::daemon {
 namespace {
@@ -45,33 +42,20 @@ class RecordingListener final : public Mover::Listener {
 class MoverTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/var/tmp/tierd-mover-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    host_ = std::move(*CreateHostPool({.capacity = 8 * kSeg,
-                                       .segment_size = kSeg,
-                                       .huge_pages = HugePagePolicy::kNever,
-                                       .lock_memory = false}));
-    NvmeOptions o;
-    o.regions = {{dir_ + "/r0", 256 << 20}};
-    o.index_size = 1 << 20;
-    nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
-    device_ = MakeEmulatedDevice({.memory_bytes = 8 * kSeg, .gbps = 8.0});
-    device_pool_ = std::move(
-        *SegmentPool::Create(TierKind::kDevice, "device", 8 * kSeg, kSeg, device_->MakeBacking()));
-    const Tiers tiers = NodeTiers(host_.get(), nvme_.get(), device_pool_.get(), device_.get());
-    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
-    mover_ =
-        std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), listener_);
+    auto rig = testing::ScratchTiers::Make({.segment_size = kSeg,
+                                            .host_bytes = 8 * kSeg,
+                                            .nvme_bytes = 256 << 20,
+                                            .device_bytes = 8 * kSeg});
+    ASSERT_TRUE(rig.ok()) << rig.status();
+    rig_ = std::move(*rig);
+    space_ = std::make_unique<Space>(chunks_, ledger_, rig_->tiers());
+    mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, rig_->tiers(), meter_, Clock::Real(),
+                                     listener_);
   }
   void TearDown() override {
     mover_.reset();  // waits for the last callback
     space_.reset();
-    nvme_.reset();
-    device_->Drain();
-    device_pool_.reset();
-    device_.reset();
-    std::filesystem::remove_all(dir_);
+    rig_.reset();
   }
 
   // A chunk whose only copy is in host memory, filled with a pattern of `seed`.
@@ -84,13 +68,13 @@ class MoverTest : public ::testing::Test {
     c.placement[TierKind::kHost] = p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
-    auto* bytes = static_cast<uint8_t*>(host_->Address(p));
+    auto* bytes = static_cast<uint8_t*>(rig_->host()->Address(p));
     for (uint64_t i = 0; i < kChunk; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + seed);
     return c;
   }
 
   bool Holds(const ChunkMeta& c, TierKind tier, uint8_t seed) {
-    Tier* t = tier == TierKind::kHost ? static_cast<Tier*>(host_.get()) : device_pool_.get();
+    Tier* t = rig_->tiers().tier[tier];
     auto* bytes = static_cast<const uint8_t*>(t->Address(c.placement[tier]));
     for (uint64_t i = 0; i < kChunk; ++i) {
       if (bytes[i] != static_cast<uint8_t>(i * 7 + seed)) return false;
@@ -123,11 +107,7 @@ class MoverTest : public ::testing::Test {
     return result;
   }
 
-  std::string dir_;
-  std::unique_ptr<SegmentPool> host_;
-  std::unique_ptr<NvmeTier> nvme_;
-  std::unique_ptr<Device> device_;
-  std::unique_ptr<SegmentPool> device_pool_;
+  std::unique_ptr<testing::ScratchTiers> rig_;
   absl::Mutex mu_;
   ChunkTable chunks_;
   TenantLedger ledger_;

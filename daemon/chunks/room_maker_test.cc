@@ -3,14 +3,12 @@
 // queued fetches retried).
 #include "daemon/chunks/room_maker.h"
 
-#include <filesystem>
 #include <memory>
 #include <vector>
 
 #include "daemon/chunks/batch.h"
-#include "daemon/tiers/host/host_memory.h"
-#include "daemon/tiers/nvme/nvme_tier.h"
 #include "gtest/gtest.h"
+#include "testing/scratch_tiers.h"
 
 namespace tierd::daemon {
 namespace {
@@ -18,36 +16,23 @@ namespace {
 constexpr uint64_t kSeg = 4 << 20;
 constexpr uint32_t kAlice = 1000;
 
-class RoomMakerTest : public testing::Test, public Mover::Listener {
+class RoomMakerTest : public ::testing::Test, public Mover::Listener {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/var/tmp/tierd-room-XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
-    host_ = std::move(*CreateHostPool({.capacity = 4 * kSeg,
-                                       .segment_size = kSeg,
-                                       .huge_pages = HugePagePolicy::kNever,
-                                       .lock_memory = false}));
-  }
   void TearDown() override {
     if (mover_ != nullptr) mover_->WaitForIdle();
     room_.reset();
     mover_.reset();
     space_.reset();
-    nvme_.reset();
-    std::filesystem::remove_all(dir_);
+    rig_.reset();
   }
 
   // The room maker over the host tier, with (or without) NVMe below it to write down to.
   RoomMaker& Make(bool with_nvme) {
     ledger_.Configure(Limits{}, Quotas{});
-    if (with_nvme) {
-      NvmeOptions o;
-      o.regions = {{dir_ + "/r0", 64 << 20}};
-      o.index_size = 1 << 20;
-      nvme_ = std::move(*NvmeTier::Open(o, InstanceId{}, host_.get()));
-    }
-    const Tiers tiers = NodeTiers(host_.get(), nvme_.get());
+    auto rig = testing::ScratchTiers::Make(
+        {.segment_size = kSeg, .host_bytes = 4 * kSeg, .nvme_bytes = with_nvme ? 64u << 20 : 0});
+    rig_ = std::move(rig).value();  // dies with the error when the tiers cannot be made
+    const Tiers tiers = rig_->tiers();
     space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
     mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), *this);
     room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, *space_, *mover_, waiters_,
@@ -73,7 +58,7 @@ class RoomMakerTest : public testing::Test, public Mover::Listener {
   ChunkMeta& NvmeChunk() {
     ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
     c.size = kSeg;
-    if (nvme_ != nullptr) {
+    if (rig_->nvme() != nullptr) {
       c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
     }
     c.allocated.insert(TierKind::kNvme);
@@ -99,9 +84,7 @@ class RoomMakerTest : public testing::Test, public Mover::Listener {
     room_->RetryQueuedFetches();
   }
 
-  std::string dir_;
-  std::unique_ptr<SegmentPool> host_;
-  std::unique_ptr<NvmeTier> nvme_;
+  std::unique_ptr<testing::ScratchTiers> rig_;
   absl::Mutex mu_;
   ChunkTable chunks_;
   TenantLedger ledger_;
