@@ -179,3 +179,87 @@ def test_quotas_are_enforced_and_reported_by_status_and_metrics(lib, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, open(log.name).read()
+
+
+# The shape of every --json output (tierctl_json_schema.json), recorded from the hand-written
+# printers before tierctl moved to a JSON library: object keys in order, value types, and each
+# list's element shapes. "a|b": either type; {"*": t}: an object whose keys are data (fallbacks,
+# refusals by limit), each value a t.
+SCHEMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tierctl_json_schema.json")
+
+
+def shape(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    shapes = []
+    for v in value:
+        if shape(v) not in shapes:
+            shapes.append(shape(v))
+    return shapes
+
+
+def mismatch(value, schema, where):
+    """Why `value` does not have the shape `schema`, or None."""
+    if isinstance(schema, str):
+        return None if shape(value) in schema.split("|") else f"{where}: {shape(value)}, not {schema}"
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where}: {shape(value)}, not an object"
+        if list(schema) == ["*"]:
+            return next((m for k, v in value.items()
+                         if (m := mismatch(v, schema["*"], f"{where}.{k}"))), None)
+        if list(value) != list(schema):
+            return f"{where}: keys {list(value)}, not {list(schema)}"
+        return next((m for k in schema if (m := mismatch(value[k], schema[k], f"{where}.{k}"))),
+                    None)
+    if not isinstance(value, list):
+        return f"{where}: {shape(value)}, not a list"
+    for i, v in enumerate(value):
+        whys = [mismatch(v, s, f"{where}[{i}]") for s in schema]
+        if all(whys):
+            return " / ".join(whys) if whys else f"{where}[{i}]: the list should be empty"
+    return None
+
+
+def json_outputs(lib, client, daemon, tmp_path):
+    """Every --json output of tierctl, for a session with chunks on a daemon with every tier."""
+    n, size = 2, 1 << 20
+    sizes = (ctypes.c_uint64 * n)(*[size] * n)
+    ids = (ctypes.c_uint64 * n)()
+    assert lib.tierd_allocate(client, n, sizes, TIER_HOST, ids) == OK, lib.tierd_last_error()
+    fill(lib, client, ids, n, size, 0x40)
+    session = lib.tierd_session_id(client)
+    rc, doctor, err = tierctl(daemon, "--json", "doctor")
+    assert rc in (0, 1), err  # 1: a check failed on this machine; the output is the same shape
+    rc, unhealthy, _ = tierctl(str(tmp_path), "--json", "health")
+    assert rc == 1
+    outputs = {
+        "status": tierctl_json(daemon, "status", "--sample=0.2s"),
+        "health": tierctl_json(daemon, "health"),
+        "unhealthy": json.loads(unhealthy),
+        "chunks": tierctl_json(daemon, "chunks", f"--session={session}"),
+        "drain": tierctl_json(daemon, "drain", "--tier=device"),
+        "evict": tierctl_json(daemon, "evict", "--tier=host", str(ids[0])),
+        "bench": tierctl_json(daemon, "bench", "--size=4MiB", "--chunk=2MiB"),
+        "doctor": json.loads(doctor),
+    }
+    assert lib.tierd_free(client, n, ids) == OK
+    return outputs
+
+
+def test_json_outputs_keep_their_shape(lib, client, daemon, tmp_path):
+    with open(SCHEMA) as f:
+        schema = json.load(f)
+    outputs = json_outputs(lib, client, daemon, tmp_path)
+    assert list(outputs) == list(schema)
+    for command, value in outputs.items():
+        why = mismatch(value, schema[command], command)
+        assert why is None, why
