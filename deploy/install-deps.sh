@@ -8,6 +8,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev liburing-dev libtomlplusplus-dev
   libxxhash-dev libsystemd-dev libcivetweb-dev libdlpack-dev prometheus-cpp-dev prometheus systemd
+  nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-pytest python3-torch python3-numpy python3-yaml python3-tqdm
   fio patchelf

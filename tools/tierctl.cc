@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/sizes.h"
+#include "nlohmann/json.hpp"
 #include "tierd/client.hpp"
 #include "tools/doctor.h"
 
@@ -74,33 +75,10 @@ Args Parse(int argc, char** argv) {
   return a;
 }
 
-// A JSON string literal.
-std::string Quote(std::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          out += absl::StrFormat("\\u%04x", c);
-        } else {
-          out += static_cast<char>(c);
-        }
-    }
-  }
-  return out + "\"";
-}
+using Json = nlohmann::ordered_json;  // keys in the order written, as scripts have seen them
+
+// Prints one JSON document on a line.
+void PrintJson(const Json& j) { std::printf("%s\n", j.dump().c_str()); }
 
 const char* TierName(Tier t) {
   switch (t) {
@@ -308,85 +286,97 @@ class Tierctl {
 
   void PrintStatusJson(const NodeInfo& n, const std::map<std::string, double>& recent,
                        absl::Duration sample) const {
-    std::vector<std::string> tiers, paths, sessions, tenants;
-    for (const TenantStatus& t : n.tenants) {
-      std::vector<std::string> uses, refused;
-      for (const TenantStatus::TierUse& u : t.tiers) {
-        uses.push_back(absl::StrCat(
-            "{\"tier\":", Quote(TierName(u.tier)), ",\"used_bytes\":", u.used_bytes,
-            ",\"quota_bytes\":", u.quota_bytes ? absl::StrCat(u.quota_bytes) : "null", "}"));
-      }
-      for (const auto& [limit, count] : t.refusals) {
-        refused.push_back(absl::StrCat(Quote(limit), ":", count));
-      }
-      tenants.push_back(absl::StrCat(
-          "{\"uid\":", t.uid, ",\"user\":", t.user.empty() ? "null" : Quote(t.user),
-          ",\"sessions\":", t.sessions, ",\"chunks\":", t.chunks,
-          ",\"schedule_accesses\":", t.schedule_accesses, ",\"tiers\":[", absl::StrJoin(uses, ","),
-          "],\"refusals\":{", absl::StrJoin(refused, ","), "}}"));
-    }
-    const LimitsStatus& l = n.limits;
-    const std::string limits = absl::StrCat(
-        "{\"connections_per_uid\":", l.connections_per_uid,
-        ",\"sessions_per_uid\":", l.sessions_per_uid,
-        ",\"chunks_per_session\":", l.chunks_per_session, ",\"chunks_per_uid\":", l.chunks_per_uid,
-        ",\"schedule_accesses_per_session\":", l.schedule_accesses_per_session,
-        ",\"schedule_accesses_per_uid\":", l.schedule_accesses_per_uid,
-        ",\"trace_steps\":", l.trace_steps, "}");
+    Json device = n.device_uuid.empty() ? Json{{"uuid", nullptr}, {"status", n.device_status}}
+                                        : Json{{"uuid", n.device_uuid},
+                                               {"emulated", n.device_emulated},
+                                               {"memory_bytes", n.device_memory_bytes}};
+    Json tiers = Json::array();
     for (const TierStatus& t : n.tiers) {
-      std::vector<std::string> regions;
+      Json regions = Json::array();
       for (const RegionStatus& r : t.regions) {
-        regions.push_back(absl::StrCat("{\"path\":", Quote(r.path), ",\"capacity_bytes\":",
-                                       r.capacity_bytes, ",\"used_bytes\":", r.used_bytes, "}"));
+        regions.push_back(
+            {{"path", r.path}, {"capacity_bytes", r.capacity_bytes}, {"used_bytes", r.used_bytes}});
       }
-      tiers.push_back(absl::StrCat(
-          "{\"tier\":", Quote(TierName(t.tier)), ",\"configured\":",
-          t.configured ? "true" : "false", ",\"capacity_bytes\":", t.capacity_bytes,
-          ",\"used_bytes\":", t.used_bytes, ",\"free_bytes\":", t.free_bytes,
-          ",\"largest_free_bytes\":", t.largest_free_bytes, ",\"detail\":", Quote(t.detail),
-          t.io_backend.empty() ? "" : absl::StrCat(",\"io_backend\":", Quote(t.io_backend)),
-          ",\"regions\":[", absl::StrJoin(regions, ","), "]}"));
+      Json tier = {{"tier", TierName(t.tier)},
+                   {"configured", t.configured},
+                   {"capacity_bytes", t.capacity_bytes},
+                   {"used_bytes", t.used_bytes},
+                   {"free_bytes", t.free_bytes},
+                   {"largest_free_bytes", t.largest_free_bytes},
+                   {"detail", t.detail}};
+      if (!t.io_backend.empty()) tier["io_backend"] = t.io_backend;
+      tier["regions"] = std::move(regions);
+      tiers.push_back(std::move(tier));
     }
+    Json paths = Json::array();
     for (const PathStatus& p : n.paths) {
       auto r = recent.find(p.name);
-      paths.push_back(absl::StrCat(
-          "{\"path\":", Quote(p.name), ",\"bytes_total\":", p.bytes, ",\"moves_total\":", p.moves,
-          ",\"recent_bytes_per_second\":", r == recent.end() ? "null" : absl::StrCat(r->second),
-          ",\"estimate_bytes_per_second\":", p.bytes_per_second,
-          ",\"probed_bytes_per_second\":", p.probed_bytes_per_second, "}"));
+      paths.push_back({{"path", p.name},
+                       {"bytes_total", p.bytes},
+                       {"moves_total", p.moves},
+                       {"recent_bytes_per_second", r == recent.end() ? Json() : Json(r->second)},
+                       {"estimate_bytes_per_second", p.bytes_per_second},
+                       {"probed_bytes_per_second", p.probed_bytes_per_second}});
     }
+    Json sessions = Json::array();
     for (const SessionSummary& s : n.session_list) {
-      sessions.push_back(absl::StrCat(
-          "{\"id\":", s.id, ",\"client_name\":", Quote(s.client_name),
-          ",\"job\":", s.job.empty() ? "null" : Quote(s.job), ",\"moved_bytes\":", s.moved_bytes,
-          ",\"uid\":", s.uid, ",\"pid\":", s.pid,
-          ",\"opened_unix_seconds\":", absl::ToUnixSeconds(s.opened), ",\"chunks\":", s.chunks,
-          ",\"bytes\":", s.bytes, ",\"pinned_chunks\":", s.pinned_chunks, "}"));
+      sessions.push_back({{"id", s.id},
+                          {"client_name", s.client_name},
+                          {"job", s.job.empty() ? Json() : Json(s.job)},
+                          {"moved_bytes", s.moved_bytes},
+                          {"uid", s.uid},
+                          {"pid", s.pid},
+                          {"opened_unix_seconds", absl::ToUnixSeconds(s.opened)},
+                          {"chunks", s.chunks},
+                          {"bytes", s.bytes},
+                          {"pinned_chunks", s.pinned_chunks}});
     }
-    std::printf(
-        "{\"hostname\":%s,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u,\"chunks\":%llu,"
-        "\"device\":%s,\"sample_seconds\":%g,\"tiers\":[%s],\"paths\":[%s],\"session_list\":[%s],"
-        "\"tenants\":[%s],\"limits\":%s,\"fallbacks\":{%s}}\n",
-        Quote(n.hostname).c_str(), Quote(n.version).c_str(),
-        static_cast<long long>(n.uptime_seconds), n.sessions,
-        static_cast<unsigned long long>(n.chunks),
-        n.device_uuid.empty()
-            ? absl::StrCat("{\"uuid\":null,\"status\":", Quote(n.device_status), "}").c_str()
-            : absl::StrCat("{\"uuid\":", Quote(n.device_uuid),
-                           ",\"emulated\":", n.device_emulated ? "true" : "false",
-                           ",\"memory_bytes\":", n.device_memory_bytes, "}")
-                  .c_str(),
-        absl::ToDoubleSeconds(sample), absl::StrJoin(tiers, ",").c_str(),
-        absl::StrJoin(paths, ",").c_str(), absl::StrJoin(sessions, ",").c_str(),
-        absl::StrJoin(tenants, ",").c_str(), limits.c_str(),
-        absl::StrJoin(n.fallbacks, ",", [](std::string* out, const auto& f) {
-          absl::StrAppend(out, Quote(f.first), ":", Quote(f.second));
-        }).c_str());
+    Json tenants = Json::array();
+    for (const TenantStatus& t : n.tenants) {
+      Json uses = Json::array();
+      for (const TenantStatus::TierUse& u : t.tiers) {
+        uses.push_back({{"tier", TierName(u.tier)},
+                        {"used_bytes", u.used_bytes},
+                        {"quota_bytes", u.quota_bytes ? Json(u.quota_bytes) : Json()}});
+      }
+      Json refusals = Json::object();
+      for (const auto& [limit, count] : t.refusals) refusals[limit] = count;
+      tenants.push_back({{"uid", t.uid},
+                         {"user", t.user.empty() ? Json() : Json(t.user)},
+                         {"sessions", t.sessions},
+                         {"chunks", t.chunks},
+                         {"schedule_accesses", t.schedule_accesses},
+                         {"tiers", std::move(uses)},
+                         {"refusals", std::move(refusals)}});
+    }
+    const LimitsStatus& l = n.limits;
+    Json fallbacks = Json::object();
+    for (const auto& [what, why] : n.fallbacks) fallbacks[what] = why;
+    PrintJson({{"hostname", n.hostname},
+               {"version", n.version},
+               {"uptime_seconds", n.uptime_seconds},
+               {"sessions", n.sessions},
+               {"chunks", n.chunks},
+               {"device", std::move(device)},
+               {"sample_seconds", absl::ToDoubleSeconds(sample)},
+               {"tiers", std::move(tiers)},
+               {"paths", std::move(paths)},
+               {"session_list", std::move(sessions)},
+               {"tenants", std::move(tenants)},
+               {"limits",
+                {{"connections_per_uid", l.connections_per_uid},
+                 {"sessions_per_uid", l.sessions_per_uid},
+                 {"chunks_per_session", l.chunks_per_session},
+                 {"chunks_per_uid", l.chunks_per_uid},
+                 {"schedule_accesses_per_session", l.schedule_accesses_per_session},
+                 {"schedule_accesses_per_uid", l.schedule_accesses_per_uid},
+                 {"trace_steps", l.trace_steps}}},
+               {"fallbacks", std::move(fallbacks)}});
   }
 
   int Unhealthy(const std::string& why) const {
     if (json_) {
-      std::printf("{\"healthy\":false,\"reason\":%s}\n", Quote(why).c_str());
+      PrintJson({{"healthy", false}, {"reason", why}});
     } else {
       std::printf("unhealthy: %s\n", why.c_str());
     }
@@ -402,9 +392,10 @@ class Tierctl {
       return Unhealthy("the host tier is not up");
     }
     if (json_) {
-      std::printf("{\"healthy\":true,\"version\":%s,\"uptime_seconds\":%lld,\"sessions\":%u}\n",
-                  Quote(info->version).c_str(), static_cast<long long>(info->uptime_seconds),
-                  info->sessions);
+      PrintJson({{"healthy", true},
+                 {"version", info->version},
+                 {"uptime_seconds", info->uptime_seconds},
+                 {"sessions", info->sessions}});
     } else {
       std::printf("ok: tierd %s, up %s, %u session(s)\n", info->version.c_str(),
                   absl::FormatDuration(absl::Seconds(info->uptime_seconds)).c_str(),
@@ -447,21 +438,21 @@ class Tierctl {
       return names;
     };
     if (json_) {
-      std::vector<std::string> rows;
+      Json rows = Json::array();
       for (const ChunkInfo* c : shown) {
-        std::vector<std::string> resident, dirty;
-        for (const std::string& t : tiers(c->resident)) resident.push_back(Quote(t));
-        for (const std::string& t : tiers(c->dirty)) dirty.push_back(Quote(t));
-        rows.push_back(absl::StrCat(
-            "{\"id\":", c->id, ",\"size_bytes\":", c->size, ",\"name\":", Quote(c->name),
-            ",\"persistent\":", c->persistent ? "true" : "false",
-            ",\"home\":", Quote(TierName(c->home)), ",\"resident\":[", absl::StrJoin(resident, ","),
-            "],\"dirty\":[", absl::StrJoin(dirty, ","),
-            "],\"state\":", Quote(c->moving ? "moving" : "ready"), ",\"pins\":", c->pins,
-            ",\"owner_session\":", c->owner_session, ",\"lost\":", c->lost ? "true" : "false",
-            "}"));
+        rows.push_back({{"id", c->id},
+                        {"size_bytes", c->size},
+                        {"name", c->name},
+                        {"persistent", c->persistent},
+                        {"home", TierName(c->home)},
+                        {"resident", tiers(c->resident)},
+                        {"dirty", tiers(c->dirty)},
+                        {"state", c->moving ? "moving" : "ready"},
+                        {"pins", c->pins},
+                        {"owner_session", c->owner_session},
+                        {"lost", c->lost}});
       }
-      std::printf("[%s]\n", absl::StrJoin(rows, ",\n ").c_str());
+      PrintJson(rows);
       return 0;
     }
     std::printf("%-10s %12s %-6s %-18s %-7s %5s %8s  %s\n", "ID", "SIZE", "HOME", "RESIDENT",
@@ -530,15 +521,14 @@ class Tierctl {
     absl::StatusOr<NodeInfo> after = client_->GetNodeInfo();
     const uint64_t left = after.ok() ? after->tier(*tier)->used_bytes : 0;
     if (json_) {
-      std::printf(
-          "{\"tier\":%s,\"ok\":%s,\"error\":%s,\"chunks\":%llu,\"bytes\":%llu,"
-          "\"pinned_chunks\":%llu,\"seconds\":%.3f,\"tier_used_bytes\":%llu}\n",
-          Quote(TierName(*tier)).c_str(), done.ok() ? "true" : "false",
-          done.ok() ? "null" : Quote(done.ToString()).c_str(),
-          static_cast<unsigned long long>(started->chunks),
-          static_cast<unsigned long long>(started->bytes),
-          static_cast<unsigned long long>(started->pinned_chunks), seconds,
-          static_cast<unsigned long long>(left));
+      PrintJson({{"tier", TierName(*tier)},
+                 {"ok", done.ok()},
+                 {"error", done.ok() ? Json() : Json(done.ToString())},
+                 {"chunks", started->chunks},
+                 {"bytes", started->bytes},
+                 {"pinned_chunks", started->pinned_chunks},
+                 {"seconds", seconds},
+                 {"tier_used_bytes", left}});
     } else {
       std::printf(
           "%s: moved %llu chunk(s), %s, out of the %s tier in %.2f s; %llu acquired "
@@ -676,15 +666,15 @@ class Tierctl {
     if (!ok) return Fail(error.ok() ? absl::InternalError("a move failed") : error, "bench");
     if (!freed.ok()) return Fail(freed, "Free");
     if (json_) {
-      std::vector<std::string> rows;
+      Json paths = Json::array();
       for (const Result& r : results) {
-        rows.push_back(absl::StrCat("{\"path\":", Quote(r.path), ",\"bytes\":", r.bytes,
-                                    ",\"seconds\":", r.seconds,
-                                    ",\"bytes_per_second\":", r.bytes / r.seconds,
-                                    ",\"probed_bytes_per_second\":", r.probed, "}"));
+        paths.push_back({{"path", r.path},
+                         {"bytes", r.bytes},
+                         {"seconds", r.seconds},
+                         {"bytes_per_second", r.bytes / r.seconds},
+                         {"probed_bytes_per_second", r.probed}});
       }
-      std::printf("{\"chunk_bytes\":%llu,\"paths\":[%s]}\n", static_cast<unsigned long long>(chunk),
-                  absl::StrJoin(rows, ",").c_str());
+      PrintJson({{"chunk_bytes", chunk}, {"paths", std::move(paths)}});
     }
     return 0;
   }
@@ -705,14 +695,18 @@ class Tierctl {
     int counts[4] = {};
     for (const doctor::Check& c : checks) ++counts[static_cast<int>(c.result)];
     if (json_) {
-      std::vector<std::string> rows;
+      Json rows = Json::array();
       for (const doctor::Check& c : checks) {
-        rows.push_back(absl::StrCat("{\"name\":", Quote(c.name), ",\"result\":\"",
-                                    doctor::ResultName(c.result), "\",\"detail\":", Quote(c.detail),
-                                    ",\"fix\":", Quote(c.fix), "}"));
+        rows.push_back({{"name", c.name},
+                        {"result", doctor::ResultName(c.result)},
+                        {"detail", c.detail},
+                        {"fix", c.fix}});
       }
-      std::printf("{\"checks\":[%s],\"ok\":%d,\"warn\":%d,\"fail\":%d,\"skip\":%d}\n",
-                  absl::StrJoin(rows, ",").c_str(), counts[0], counts[1], counts[2], counts[3]);
+      PrintJson({{"checks", std::move(rows)},
+                 {"ok", counts[0]},
+                 {"warn", counts[1]},
+                 {"fail", counts[2]},
+                 {"skip", counts[3]}});
     } else {
       for (const doctor::Check& c : checks) {
         std::printf("%-4s  %-20s %s\n", doctor::ResultName(c.result), c.name.c_str(),
