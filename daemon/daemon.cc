@@ -251,6 +251,7 @@ absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
     return Named("gRPC socket", s);
   }
   d.published.push_back(absl::StrCat(config_.socket_dir, "/", kRpcSocketName));
+  d.rpc->SetServing(true);  // the tiers are up and both sockets published
   spdlog::info("serving gRPC on unix:{}/{} and sessions on {}/{}", config_.socket_dir,
                kRpcSocketName, config_.socket_dir, kSessionSocketName);
   return absl::OkStatus();
@@ -260,6 +261,7 @@ void Daemon::Stop() {
   if (stopped_) return;
   stopped_ = true;
   DaemonParts& d = *parts_;
+  if (d.rpc != nullptr) d.rpc->SetServing(false);  // health probes see the stop first
   d.metrics_server.reset();
   if (d.rpc != nullptr) d.rpc->Shutdown(absl::Seconds(5));
   d.broker.reset();   // ends every session

@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
 #include "common/version.h"
@@ -13,7 +14,9 @@
 #include <cuda.h>
 #endif
 #include "google/protobuf/message.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
@@ -509,15 +512,22 @@ class RequestInterceptorFactory final
     : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   RequestInterceptorFactory(RpcMetrics* metrics, MemoryTrimmer* trimmer)
-      : metrics_(metrics), trimmer_(trimmer) {}
+      : metrics_(metrics),
+        trimmer_(trimmer),
+        own_methods_(absl::StrCat("/", RpcServer::kServiceName, "/")) {}
+
+  // tierd's own methods only: the standard services (health, reflection) are gRPC's, and the
+  // health service's messages are not protobuf objects here.
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
+    if (!absl::StartsWith(info->method(), own_methods_)) return nullptr;
     return new RequestInterceptor(info, metrics_, trimmer_);
   }
 
  private:
   RpcMetrics* metrics_;
   MemoryTrimmer* trimmer_;
+  const std::string own_methods_;  // "/tierd.v1.Tierd/"
 };
 
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path,
@@ -526,6 +536,11 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
   MemoryTrimmer* trimmer = deps.trimmer;
   auto impl = std::make_unique<Impl>();
   impl->service = std::make_unique<TierdService>(std::move(deps));
+  // The standard services tools speak: grpc.health.v1.Health (grpc_health_probe, Kubernetes' gRPC
+  // probes) and server reflection (grpcurl and the like). Both are process-wide switches, read
+  // when a server is built.
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   builder.RegisterService(impl->service.get());
@@ -539,6 +554,10 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
     return absl::UnavailableError(
         absl::StrCat("cannot serve gRPC on unix:", path, " (is the directory writable?)"));
   }
+  // Not serving until the daemon says so (SetServing), both as a whole ("") and by name.
+  grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService();
+  health->SetServingStatus(std::string(kServiceName), false);
+  health->SetServingStatus(false);
   return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
 }
 
@@ -546,8 +565,15 @@ RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 RpcServer::~RpcServer() { Shutdown(absl::Seconds(5)); }
 
+void RpcServer::SetServing(bool serving) {
+  if (impl_->server == nullptr) return;
+  impl_->server->GetHealthCheckService()->SetServingStatus(serving);
+}
+
 void RpcServer::Shutdown(absl::Duration grace) {
   if (impl_->server == nullptr) return;
+  // NOT_SERVING for good, sent to every watcher, before calls are refused.
+  impl_->server->GetHealthCheckService()->Shutdown();
   impl_->server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   impl_->server->Wait();
   impl_->server.reset();

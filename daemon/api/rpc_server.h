@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "daemon/api/daemon_metrics.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
@@ -29,11 +30,18 @@ struct RpcServerDeps {
 
 class RpcServer {
  public:
+  // The API's service, as the health service and reflection name it.
+  static constexpr absl::string_view kServiceName = "tierd.v1.Tierd";
+
   // Serves the API on unix:`path` (bound now; its mode is the caller's to set: PublishSocket).
   static absl::StatusOr<std::unique_ptr<RpcServer>> Start(const std::string& path,
                                                           RpcServerDeps deps);
   ~RpcServer();
-  // Refuses new calls, lets calls in flight finish (up to `grace`), and stops.
+  // What the gRPC health service (grpc.health.v1.Health) says of the daemon, as a whole ("") and
+  // of kServiceName: NOT_SERVING from Start until the daemon is ready to serve.
+  void SetServing(bool serving);
+  // Health says NOT_SERVING for good; then refuses new calls, lets calls in flight finish (up to
+  // `grace`), and stops.
   void Shutdown(absl::Duration grace);
 
  private:
