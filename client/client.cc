@@ -391,9 +391,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   const std::string session_path = absl::StrCat(impl->options.socket_dir, "/", kSessionSocketName);
   absl::StatusOr<UniqueFd> sock = ConnectSeqpacket(session_path);
   if (!sock.ok()) {
-    return absl::UnavailableError(absl::StrCat("cannot reach tierd at ", session_path, ": ",
-                                               sock.status().message(),
-                                               " (is the daemon running? see TIERD_SOCKET_DIR)"));
+    // On a cluster, a rank's error is read far from its node: the node is named.
+    char host[256] = "this node";
+    gethostname(host, sizeof(host) - 1);
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach tierd on ", host, " at ", session_path, ": ", sock.status().message(),
+        " (start the daemon on that node: systemctl start tierd; or set TIERD_SOCKET_DIR to "
+        "the socket directory of the one running there)"));
   }
   impl->session_socket = std::move(*sock);
 
