@@ -215,9 +215,10 @@ def main():
             max_grad_norm=args.max_grad_norm or None, overlap_backward=True,
             state_dtype=state_dtype,
             bucket_params=max(params // 16, 1 << 16), socket_dir=args.socket_dir)
-    except tierd.TierdError as e:
+    except (tierd.TierdError, RuntimeError) as e:  # RuntimeError: another rank's failure
         hint = {"ALREADY_EXISTS": " (--resume continues it, --fresh discards it)",
-                "NOT_FOUND": " (run without --resume to start it)"}.get(e.code_name, "")
+                "NOT_FOUND": " (run without --resume to start it)"}.get(
+                    getattr(e, "code_name", ""), "")
         print(f"train_gpt: {e}{hint}", file=sys.stderr)
         if stream is not None:
             stream.close()

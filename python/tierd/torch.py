@@ -192,23 +192,23 @@ class OffloadedAdamW(torch.optim.Optimizer):
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-        per_param = 8 if state_dtype == torch.bfloat16 else 12
-        state_bytes = per_param * sum(b.numel for b in self._owned)
-        has_nvme = None
-        if home is None or name is not None:
-            with connect(socket_dir, "optimizer-probe") as c:
-                has_nvme = c.tier_usage(Tier.NVME).configured
-        if home is None:  # speculating, the state has two versions
-            held = state_bytes * (2 if self._speculate else 1)
-            home = "nvme" if held > host_budget_bytes and has_nvme else "host"
-        if name is not None and not has_nvme:
-            warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
-                          "NVMe tier: it lives in host memory only and is lost when the daemon "
-                          "stops", RuntimeWarning, stacklevel=2)
-        self.home = home
         if name is None and (resume or reset):
             raise ValueError("resume and reset need a name")
-        self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
+        # Each rank opens its share of the state in its own node's daemon. One that cannot (no
+        # daemon on its node) must not leave the others waiting in a collective: all learn it.
+        failed = None
+        try:
+            self._open_state(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
+        except Exception as e:  # noqa: BLE001 (re-raised here or by all_succeeded)
+            failed = e
+        if self._comm is not None:
+            try:
+                self._comm.all_succeeded("open the optimizer's state", failed)
+            except BaseException:
+                self.close()
+                raise
+        elif failed is not None:
+            raise failed
         if self._comm is not None:
             try:
                 self._comm.agree("whether the state was resumed", int(self.resumed))
@@ -223,6 +223,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._install_hooks()
 
     # ---- construction ----
+
+    def _open_state(self, name, socket_dir, home, host_budget_bytes, threads, resume, reset):
+        """Picks the state's home tier when not given (NVMe when the state outgrows the host
+        budget and the daemon has NVMe), then opens the state (_open)."""
+        per_param = 8 if self.state_dtype == torch.bfloat16 else 12
+        state_bytes = per_param * sum(b.numel for b in self._owned)
+        has_nvme = None
+        if home is None or name is not None:
+            with connect(socket_dir, "optimizer-probe") as c:
+                has_nvme = c.tier_usage(Tier.NVME).configured
+        if home is None:  # speculating, the state has two versions
+            held = state_bytes * (2 if self._speculate else 1)
+            home = "nvme" if held > host_budget_bytes and has_nvme else "host"
+        if name is not None and not has_nvme:
+            warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
+                          "NVMe tier: it lives in host memory only and is lost when the daemon "
+                          "stops", RuntimeWarning, stacklevel=3)
+        self.home = home
+        self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
 
     def _wanted(self) -> List[Tuple[int, Dict[str, Any], torch.Tensor]]:
         """(group index, group, parameter) for every parameter in the groups, checked as

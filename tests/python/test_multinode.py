@@ -1,0 +1,148 @@
+"""Past one machine: two nodes, stood in for by two daemons on this machine (each with its own
+socket directory, state directory, NVMe region file and metrics port), and the example GPT started
+on them by torchrun --nnodes=2 --nproc_per_node=1 with c10d rendezvous on 127.0.0.1 (gloo), each
+node's rank talking to its own node's daemon through its own TIERD_SOCKET_DIR.
+
+OffloadedAdamW sharded over the two nodes (with clipping, and buckets stepped during backward)
+trains as one process does; streaming the weights on both nodes changes nothing, bit for bit; and
+a rank whose node has no daemon fails at once, naming the node and the fix, with the other rank
+stopping too instead of waiting in a collective.
+
+Run by CTest with TIERD_BIN, TIERD_CLIENT_LIB and TIERCTL_BIN set.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_c_abi import start_daemon, stop_daemon
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
+SMALL = ["--layers", "3", "--d-model", "64", "--ctx", "32", "--steps", "6", "--warmup", "2",
+         "--batch", "8", "--fresh", "--max-grad-norm", "1", "--activations", "memory"]
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """Two daemons, as on two nodes: their socket directories."""
+    roots = [str(tmp_path_factory.mktemp(f"node{i}")) for i in range(2)]
+    procs = [start_daemon(root) for root in roots]
+    yield roots
+    for proc, root in zip(procs, roots):
+        stop_daemon(proc, root)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env(socket_dir, **more):
+    return dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1",
+                TIERD_SOCKET_DIR=socket_dir, **more)
+
+
+def run_nodes(commands, envs, timeout=300):
+    """The nodes' commands, all at once as a scheduler starts them; each one's exit status and
+    output."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=e) for c, e in zip(commands, envs)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
+def torchrun_nodes(socket_dirs, script, *args, nproc=1, timeout=300):
+    """`script` on `nproc` ranks per node, each node's torchrun with the same c10d rendezvous and
+    the node's own TIERD_SOCKET_DIR ("{socket_dir}" in `args` too)."""
+    port = free_port()
+    commands = [[sys.executable, "-m", "tierd.torchrun", f"--nnodes={len(socket_dirs)}",
+                 f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                 f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=pytest-nodes",
+                 "--max_restarts=0", script, *(a.replace("{socket_dir}", d) for a in args)]
+                for d in socket_dirs]
+    return run_nodes(commands, [node_env(d) for d in socket_dirs], timeout)
+
+
+def example_on_nodes(socket_dirs, *args, timeout=300):
+    return torchrun_nodes(socket_dirs, EXAMPLE, "--socket-dir", "{socket_dir}", *args,
+                          timeout=timeout)
+
+
+def losses(text):
+    return [float(m) for m in re.findall(r"^(?:\[\S+\]:)?step +\d+ +loss ([0-9.]+)", text, re.M)]
+
+
+def state_chunks(socket_dir, name):
+    out = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={socket_dir}", "--json",
+                          "chunks", f"--name={name}"], check=True, capture_output=True, text=True)
+    return [c["name"] for c in json.loads(out.stdout)]
+
+
+def test_two_nodes_train_the_example_as_one_process_does(nodes, tmp_path):
+    one = subprocess.run([sys.executable, EXAMPLE, "--socket-dir", nodes[0], *SMALL, "--name",
+                          "pytest/nodes-one", "--save", str(tmp_path / "one.pt")],
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    codes, outs = example_on_nodes(nodes, *SMALL, "--name", "pytest/nodes-two", "--save",
+                                 str(tmp_path / "two.pt"))
+    assert codes == [0, 0], "\n".join(outs)
+    text = "".join(outs)
+    assert "2 ranks" in text, text
+    torch.testing.assert_close(torch.tensor(losses(text)), torch.tensor(losses(one.stdout)),
+                               rtol=1e-4, atol=0)
+    saved_one, saved_two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for k, v in saved_one["model"].items():
+        torch.testing.assert_close(saved_two["model"][k], v, rtol=1e-4, atol=1e-5)
+    # Each node's daemon holds its own rank's share of the state, and only that.
+    for socket_dir in nodes:
+        held = state_chunks(socket_dir, "pytest/nodes-two")
+        ranks = {re.search(r"rank\dof2", n).group(0) for n in held}
+        assert len(ranks) == 1, held
+    assert ({re.search(r"rank\dof2", state_chunks(d, "pytest/nodes-two")[0]).group(0)
+             for d in nodes} == {"rank0of2", "rank1of2"})
+
+
+def test_two_nodes_streaming_their_weights_train_as_without(nodes, tmp_path):
+    runs = {}
+    for streamed in (False, True):
+        flags = ["--stream-parameters", "--prefetch", "0"] if streamed else []
+        out = tmp_path / f"streamed-{streamed}.pt"
+        codes, outs = example_on_nodes(nodes, *SMALL, *flags, "--name",
+                                     f"pytest/nodes-s{streamed}", "--save", str(out))
+        assert codes == [0, 0], "\n".join(outs)
+        runs[streamed] = ("".join(outs), torch.load(out))
+    text, saved = runs[True]
+    assert "weights streamed: 3 blocks" in text, text
+    assert losses(text) == losses(runs[False][0])
+    for k, v in runs[False][1]["model"].items():
+        assert torch.equal(saved["model"][k], v), k
+    for k, v in runs[False][1]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["optimizer"]["state"][k][key], v[key]), (k, key)
+
+
+def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nodes, tmp_path):
+    empty = str(tmp_path / "no-daemon")
+    os.mkdir(empty)
+    codes, outs = example_on_nodes([nodes[0], empty], *SMALL, "--name", "pytest/nodes-missing",
+                                 timeout=120)
+    assert codes[0] != 0 and codes[1] != 0, "\n".join(outs)
+    host = socket.gethostname()
+    # The rank without a daemon says where and what to do; the other names it.
+    assert f"cannot reach tierd on {host} at {empty}" in outs[1], outs[1]
+    assert "systemctl start tierd" in outs[1], outs[1]
+    assert re.search(rf"rank \d on {re.escape(host)}: .*cannot reach tierd on {re.escape(host)} "
+                     rf"at {re.escape(empty)}", outs[0]), outs[0]
+
