@@ -95,6 +95,9 @@ class Comm:
             raise error
         raise RuntimeError(summary)
 
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def agree(self, what: str, value: int) -> None:
         """Raises on every rank when the ranks' values differ (resumed or not, steps taken)."""
         mine = torch.tensor([value, -value], dtype=torch.int64)

@@ -31,6 +31,7 @@ tierd chunks too; `as_tensor` views an acquired chunk as a tensor without a copy
 import concurrent.futures
 import math
 import os
+import socket
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -38,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.utils.dlpack
 
-from . import _abi, _adam, _buckets, _shard, streaming
+from . import _abi, _adam, _buckets, _checkpoint, _shard, streaming
 from .activations import ActivationOffload, ActivationStats, offload_activations
 from .client import Acquisition, Tier, TierdError, connect
 from .streaming import ParameterStream, stream_parameters
@@ -241,7 +242,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
                           "NVMe tier: it lives in host memory only and is lost when the daemon "
                           "stops", RuntimeWarning, stacklevel=3)
         self.home = home
-        self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
+        try:
+            self._open(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
+        except TierdError as e:
+            if not (resume and e.code == _abi.Status.NOT_FOUND):
+                raise
+            raise TierdError(e.code, (
+                f"{e.message}: the daemon on {socket.gethostname()} does not have it. A job's "
+                "state lives in the daemons of the nodes whose ranks made it, a share per rank "
+                "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
+                "number of ranks, resumes from its checkpoint instead: make the optimizer with "
+                "reset=True and call load_checkpoint(directory) on every rank")) from None
 
     def _wanted(self) -> List[Tuple[int, Dict[str, Any], torch.Tensor]]:
         """(group index, group, parameter) for every parameter in the groups, checked as
@@ -969,6 +980,34 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     g[key] = tuple(value) if key == "betas" else value
         for b in self._buckets:
             b.mirror()
+
+    # ---- checkpoints that move between nodes and world sizes ----
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Writes this rank's share of the state (its state_dict) to `directory`, one file per
+        rank; call it on every rank. When it returns on any rank, every rank's file is written.
+        load_checkpoint reads it into a job of any number of ranks, on any nodes."""
+        rank, world = (self._comm.rank, self._comm.world) if self._comm else (0, 1)
+        _checkpoint.save(directory, rank, world, self.state_name, self.state_dict())
+        if self._comm is not None:
+            self._comm.barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Loads a checkpoint that save_checkpoint wrote, whatever number of ranks saved it: each
+        rank reads every rank's file and keeps the state of the parameters it owns now (the state
+        resharded). Call it on every rank, after loading the model's weights, on an optimizer
+        made afresh (reset=True) under the job's name."""
+        owned = self._owned_indices()
+        self.load_state_dict(_checkpoint.load(directory, owned.__contains__))
+
+    def _owned_indices(self) -> set:
+        """The state_dict indices of the parameters this rank owns (all of them unsharded)."""
+        index = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+        return {index[id(p)] for b in self._owned for i, p in enumerate(b.params)
+                if b.live[i] and id(p) in index}
 
     # ---- lifetime ----
 

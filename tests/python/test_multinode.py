@@ -21,6 +21,10 @@ import pytest
 import torch
 
 from test_c_abi import start_daemon, stop_daemon
+from test_torch_optimizer import HYPER, batches, model, train
+
+import tierd  # noqa: E402 (the path test_c_abi sets)
+import tierd.torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -145,4 +149,65 @@ def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nod
     assert "systemctl start tierd" in outs[1], outs[1]
     assert re.search(rf"rank \d on {re.escape(host)}: .*cannot reach tierd on {re.escape(host)} "
                      rf"at {re.escape(empty)}", outs[0]), outs[0]
+
+
+ZERO = os.path.join(HERE, "zero_rank.py")
+
+
+def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nodes, tmp_path):
+    """Saved by two ranks on two nodes, the state resumes resharded in a job of one rank on the
+    other node and in one of four ranks (its buckets smaller, so that four can share them), and
+    each continued run equals an uninterrupted one."""
+    steps, flags = 6, ["--overlap", "--clip", "0.5"]
+    ckpt, first = str(tmp_path / "ckpt"), str(tmp_path / "first.pt")
+    codes, outs = torchrun_nodes(nodes, ZERO, "{socket_dir}", first, "--steps", str(steps),
+                                 *flags, "--name", "pytest/ckpt", "--save-checkpoint", ckpt)
+    assert codes == [0, 0], "\n".join(outs)
+    assert sorted(os.listdir(ckpt)) == ["model.pt", "optimizer.rank0of2.pt",
+                                        "optimizer.rank1of2.pt"]
+    before = torch.load(first)
+    ref = model(seed=0)
+    with torch.no_grad():
+        for p, initial in zip(ref.parameters(), before["initial"]):
+            p.copy_(initial)
+    ref_losses = train(ref, torch.optim.AdamW(ref.parameters(), **HYPER),
+                       batches(2 * steps, seed=6), clip=0.5, reference=True)
+
+    for world, where, bucket in ((1, [nodes[1]], 40_000), (4, [nodes[0]], 5_000)):
+        out = str(tmp_path / f"resumed-{world}.pt")
+        codes, outs = torchrun_nodes(where, ZERO, "{socket_dir}", out, "--steps", str(steps),
+                                     "--skip", str(steps), *flags, "--name",
+                                     f"pytest/ckpt-{world}", "--load-checkpoint", ckpt,
+                                     "--bucket-params", str(bucket), nproc=world)
+        assert codes == [0], "\n".join(outs)
+        after = torch.load(out)
+        assert len(after["ranks"]) == world
+        assert [r["steps"] for r in after["ranks"]] == [2 * steps] * world  # resumed, not fresh
+        got = before["ranks"][0]["losses"] + after["ranks"][0]["losses"]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-5,
+                                   atol=0)
+        for a, b in zip(ref.parameters(), after["params"]):
+            torch.testing.assert_close(b, a.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_resuming_state_this_node_does_not_have_says_to_load_the_checkpoint(nodes, tmp_path):
+    with pytest.raises(tierd.TierdError) as gone:
+        tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[1],
+                                   name="pytest/made-elsewhere", resume=True)
+    assert gone.value.code_name == "NOT_FOUND"
+    assert f"the daemon on {socket.gethostname()} does not have it" in str(gone.value)
+    assert "load_checkpoint(directory)" in str(gone.value)
+
+
+def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(nodes, tmp_path):
+    opt = tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[0])
+    try:
+        opt.save_checkpoint(str(tmp_path))
+        os.rename(tmp_path / "optimizer.rank0of1.pt", tmp_path / "optimizer.rank1of3.pt")
+        with pytest.raises(FileNotFoundError) as missing:
+            opt.load_checkpoint(str(tmp_path))
+        assert "checkpoint of 3 ranks" in str(missing.value)
+        assert "rank(s) 0, 2 are not there" in str(missing.value)
+    finally:
+        opt.close()
 

@@ -3,10 +3,14 @@ share of each global batch with OffloadedAdamW sharded over the ranks, and rank 
 loss of each step, the final weights and `tierctl status` while every rank's session was open.
 
     zero_rank.py SOCKET_DIR OUT [--home H] [--overlap] [--clip C] [--poison STEP] [--steps N]
-                 [--partial]
+                 [--partial] [--name NAME] [--save-checkpoint DIR] [--load-checkpoint DIR]
+                 [--skip K] [--bucket-params N]
 
 --partial: the embedding frozen and the LayerNorm used on even steps only (partial_forward), with
 gradients set to None between steps: parameters without a gradient, as torch leaves them.
+--save-checkpoint: after training, the optimizer's checkpoint and the model's weights (model.pt)
+written to DIR. --load-checkpoint: the model's weights and the optimizer's state read from DIR
+before training, which goes on from batch K (--skip), as a resumed job does.
 """
 import argparse
 import json
@@ -39,18 +43,28 @@ def main():
     ap.add_argument("--poison", type=int)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--partial", action="store_true")
+    ap.add_argument("--name", default="pytest/zero")
+    ap.add_argument("--save-checkpoint")
+    ap.add_argument("--load-checkpoint")
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--bucket-params", type=int, default=40_000)
     args = ap.parse_args()
 
     os.environ["TIERD_JOB"] = "pytest-zero"  # both ranks' sessions: one job
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     m = model(seed=rank)  # different on each rank: the optimizer starts them from its owners'
+    if args.load_checkpoint:  # the weights first: the optimizer takes them as its master weights
+        m.load_state_dict(torch.load(os.path.join(args.load_checkpoint, "model.pt")))
     if args.partial:
         m[0].requires_grad_(False)
     opt = tierd.torch.OffloadedAdamW(
         m.parameters(), **HYPER, socket_dir=args.socket_dir, host_budget_bytes=BUDGET, threads=1,
-        home=args.home, name="pytest/zero", reset=True, overlap_backward=args.overlap,
-        max_grad_norm=args.clip, skip_nonfinite=args.poison is not None, bucket_params=40_000)
+        home=args.home, name=args.name, reset=True, overlap_backward=args.overlap,
+        max_grad_norm=args.clip, skip_nonfinite=args.poison is not None,
+        bucket_params=args.bucket_params)
+    if args.load_checkpoint:
+        opt.load_checkpoint(args.load_checkpoint)
     initial = [p.detach().clone() for p in m.parameters()]  # the owners' weights, on every rank
     dist.barrier()
     status = None
@@ -61,7 +75,8 @@ def main():
     dist.barrier()
 
     losses, norms = [], []
-    for step, (x, y) in enumerate(batches(args.steps, seed=6)):
+    for step, (x, y) in enumerate(batches(args.skip + args.steps, seed=6)[args.skip:],
+                                  start=args.skip):
         opt.zero_grad(set_to_none=args.partial)
         xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
         if args.partial:
@@ -76,6 +91,10 @@ def main():
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
         norms.append(opt.last_grad_norm)
+    if args.save_checkpoint:
+        opt.save_checkpoint(args.save_checkpoint)
+        if rank == 0:
+            torch.save(m.state_dict(), os.path.join(args.save_checkpoint, "model.pt"))
     shard = opt.state_dict()["state"]
     result = {"losses": losses, "norms": norms, "skipped": opt.skipped_steps,
               "steps": opt.steps_taken, "owned": sorted(shard), "state_name": opt.state_name,
