@@ -42,7 +42,10 @@ install(DIRECTORY dashboards/ DESTINATION ${CMAKE_INSTALL_DATADIR}/tierd/dashboa
   FILES_MATCHING PATTERN "*.json" PATTERN "README.md")
 install(FILES deploy/prometheus/prometheus.yml deploy/prometheus/tierd-rules.yml
   DESTINATION ${CMAKE_INSTALL_DATADIR}/tierd/prometheus)
-install(FILES README.md docs/operations.md docs/configuration.md
+# For clusters: the Slurm recipe (docs/multinode.md).
+install(PROGRAMS deploy/slurm/train.sbatch deploy/slurm/torchrun-node.sh
+  DESTINATION ${CMAKE_INSTALL_DATADIR}/tierd/slurm)
+install(FILES README.md docs/operations.md docs/configuration.md docs/multinode.md
   DESTINATION ${CMAKE_INSTALL_DOCDIR})
 
 # The .deb.

@@ -17,6 +17,7 @@ for f in usr/bin/tierd usr/bin/tierctl usr/bin/tierd-bench usr/include/tierd/cli
          usr/lib/sysusers.d/tierd.conf etc/tierd/tierd.toml \
          usr/share/tierd/dashboards/tierd-overview.json usr/share/tierd/dashboards/tierd-detail.json \
          usr/share/tierd/prometheus/prometheus.yml usr/share/tierd/prometheus/tierd-rules.yml \
+         usr/share/tierd/slurm/train.sbatch usr/share/tierd/slurm/torchrun-node.sh \
          usr/lib/python3/dist-packages/tierd/__init__.py usr/lib/python3/dist-packages/tierd/torch.py \
          usr/share/doc/tierd/examples/train_gpt.py; do
   [[ -e $root/$f ]] || fail "cmake --install did not install /$f"

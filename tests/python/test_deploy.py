@@ -4,6 +4,7 @@ probes and volumes agree with it.
 Run by CTest with TIERD_BIN and TIERCTL_BIN set.
 """
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -73,3 +74,53 @@ def test_probes_volumes_and_memlock_agree_with_the_config():
     # The pinned host tier fits in the container's memory limit.
     assert 'capacity = "64GiB"' in config
     assert int(container["resources"]["limits"]["memory"].rstrip("Gi")) >= 64 + 4
+
+
+JOB = os.path.join(os.path.dirname(MANIFEST), "training-job.yaml")
+
+
+def test_the_training_job_agrees_with_itself_and_with_the_daemonset():
+    with open(JOB) as f:
+        docs = {d["kind"]: d for d in yaml.safe_load_all(f)}
+    service, job = docs["Service"], docs["Job"]
+    pod = job["spec"]["template"]["spec"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    (container,) = pod["containers"]
+    args = dict(a[2:].split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+
+    # One pod per node, as many as torchrun's nodes, pod 0 reachable by name for the rendezvous.
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(args["nnodes"])
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert anti[0]["labelSelector"]["matchLabels"].items() <= labels.items()
+    host, port = args["rdzv_endpoint"].rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["metadata"]["namespace"] == job["metadata"]["namespace"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in container["ports"]]
+    assert int(args["nproc_per_node"]) == container["resources"]["limits"]["nvidia.com/gpu"]
+    # A failed rank fails the job, not a restart of one node's ranks into a running job.
+    assert args["max_restarts"] == "0" and job["spec"]["backoffLimit"] == 0
+    assert pod["restartPolicy"] == "Never"
+
+    # Every pod reaches its node's daemon: the DaemonSet's socket directory, its socket group,
+    # the node's IPC namespace.
+    daemon = documents()
+    config = daemon["ConfigMap"]["data"]["tierd.toml"]
+    group = int(re.search(r'socket_group = "(\d+)"', config).group(1))
+    assert group in pod["securityContext"]["supplementalGroups"]
+    assert pod["hostIPC"] is True
+    ds_pod = daemon["DaemonSet"]["spec"]["template"]["spec"]
+    (ds_container,) = ds_pod["containers"]
+    ds_mount = next(m for m in ds_container["volumeMounts"] if m["mountPath"] == "/run/tierd")
+    ds_path = next(v["hostPath"]["path"] for v in ds_pod["volumes"]
+                   if v["name"] == ds_mount["name"])
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == env["TIERD_SOCKET_DIR"])
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"] == ds_path
+    assert f'socket_dir = "{ds_mount["mountPath"]}"' in config

@@ -211,3 +211,62 @@ def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(nodes, tmp_path)
     finally:
         opt.close()
 
+
+SLURM = os.path.join(ROOT, "deploy", "slurm")
+
+
+def slurm_env(socket_dir, port):
+    """What Slurm and train.sbatch give torchrun-node.sh on a node of a two-node job (torch
+    1.13's torchrun fails on Python 3.11: its repaired launcher instead)."""
+    return node_env(socket_dir, SLURM_NNODES="2", SLURM_JOB_ID="4242", TIERD_RANKS_PER_NODE="1",
+                    TIERD_RDZV_HOST="127.0.0.1", TIERD_RDZV_PORT=str(port),
+                    TIERD_TORCHRUN=f"{sys.executable} -m tierd.torchrun")
+
+
+def test_the_slurm_recipe_starts_the_ranks_of_every_node_against_its_daemon(nodes):
+    port = free_port()
+    command = [os.path.join(SLURM, "torchrun-node.sh"), EXAMPLE, *SMALL, "--name",
+               "pytest/slurm"]
+    codes, outs = run_nodes([command, command], [slurm_env(d, port) for d in nodes])
+    assert codes == [0, 0], "\n".join(outs)
+    assert "2 ranks" in "".join(outs)
+    with open(os.path.join(SLURM, "train.sbatch")) as f:
+        batch = f.read()
+    subprocess.run(["bash", "-n", os.path.join(SLURM, "train.sbatch")], check=True)
+    assert "#SBATCH --ntasks-per-node=1" in batch  # one torchrun per node
+    assert re.search(r'^srun --kill-on-bad-exit=1 "\$here/torchrun-node.sh" "\$@"$', batch, re.M)
+
+
+def test_the_slurm_recipe_refuses_a_node_without_its_daemon(tmp_path):
+    empty = str(tmp_path)
+    r = subprocess.run([os.path.join(SLURM, "torchrun-node.sh"), EXAMPLE],
+                       env=slurm_env(empty, free_port()), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1
+    assert f"no tierd on {socket.gethostname()} (no socket in {empty})" in r.stderr
+    assert "systemctl start tierd" in r.stderr
+
+
+def test_the_kubernetes_jobs_torchrun_arguments_run_on_two_nodes(nodes):
+    """The training Job's command line, with what only a cluster has put in this machine's terms:
+    the rendezvous host (pod 0's DNS name), one rank per node (no GPUs), the example's path."""
+    import yaml
+    with open(os.path.join(ROOT, "deploy", "kubernetes", "training-job.yaml")) as f:
+        job = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Job")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["torchrun"]
+    port = free_port()
+    local = {"--nproc_per_node": "1", "--rdzv_endpoint": f"127.0.0.1:{port}",
+             "--device": "cpu", "--name": "pytest/k8s"}
+    args = []
+    for a in container["args"]:
+        key = a.split("=", 1)[0]
+        if key in local:
+            a = f"{key}={local[key]}"
+        elif a.endswith("train_gpt.py"):
+            a = EXAMPLE
+        args.append(a)
+    command = [sys.executable, "-m", "tierd.torchrun", *args, *SMALL]
+    codes, outs = run_nodes([command, command], [node_env(d) for d in nodes])
+    assert codes == [0, 0], "\n".join(outs)
+    assert "2 ranks" in "".join(outs)
