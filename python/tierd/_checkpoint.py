@@ -7,12 +7,17 @@ keep the entries of the parameters it owns under the new sharding, so the state 
 load. A rank holds at most its new share plus one old file's at a time.
 
     directory/optimizer.rank<r>of<n>.pt   {"format", "rank", "world", "node", "state_name",
-                                           "state_dict"}
+                                           "param_groups" (JSON), "state"}
+
+Files hold tensors and plain values only, and are read with torch.load(weights_only=True): a
+checkpoint file is not trusted to run code (the groups are JSON, as torch 1.13's safe loader
+takes no floats).
 
 A file is written whole or not at all (a temporary file, synced, then renamed), and `load`
 refuses a directory whose files do not all come from one save of one job.
 """
 import glob
+import json
 import os
 import re
 import socket
@@ -36,7 +41,9 @@ def save(directory: str, rank: int, world: int, state_name: str,
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save({"format": FORMAT, "rank": rank, "world": world, "node": socket.gethostname(),
-                    "state_name": state_name, "state_dict": state_dict}, f)
+                    "state_name": state_name,
+                    "param_groups": json.dumps(state_dict["param_groups"]),
+                    "state": state_dict["state"]}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -75,17 +82,17 @@ def load(directory: str, owned: Callable[[int], bool]) -> Dict[str, Any]:
     groups = None
     seen: Set[int] = set()
     for rank in range(world):
-        data = torch.load(files[(rank, world)], map_location="cpu")
+        data = torch.load(files[(rank, world)], map_location="cpu", weights_only=True)
         if data.get("format") != FORMAT or data.get("rank") != rank or data.get("world") != world:
             raise ValueError(f"{files[(rank, world)]} is not rank {rank} of {world}'s shard of an "
                              f"optimizer checkpoint (format {FORMAT})")
-        sd = data["state_dict"]
+        saved_groups = json.loads(data["param_groups"])
         if groups is None:
-            groups = sd["param_groups"]
-        elif groups != sd["param_groups"]:
+            groups = saved_groups
+        elif groups != saved_groups:
             raise ValueError(f"the shards in {directory} disagree on the parameter groups: they "
                              "are not from one save of one job")
-        for index, entry in sd["state"].items():
+        for index, entry in data["state"].items():
             if index in seen:
                 raise ValueError(f"parameter {index}'s state is in two shards in {directory}")
             seen.add(index)
@@ -93,5 +100,5 @@ def load(directory: str, owned: Callable[[int], bool]) -> Dict[str, Any]:
                 state[index] = entry
             elif "step" in entry:
                 state[index] = {"step": entry["step"]}
-        del data, sd
+        del data
     return {"state": state, "param_groups": groups}

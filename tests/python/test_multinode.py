@@ -12,6 +12,7 @@ Run by CTest with TIERD_BIN, TIERD_CLIENT_LIB and TIERCTL_BIN set.
 """
 import json
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -270,3 +271,26 @@ def test_the_kubernetes_jobs_torchrun_arguments_run_on_two_nodes(nodes):
     codes, outs = run_nodes([command, command], [node_env(d) for d in nodes])
     assert codes == [0, 0], "\n".join(outs)
     assert "2 ranks" in "".join(outs)
+
+
+class _Runs:
+    """Pickled, it would run a command when loaded."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_a_checkpoint_file_is_data_and_never_runs_code(nodes, tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"format": 1, "rank": 0, "world": 1, "state": _Runs(f"touch {marker}")},
+               tmp_path / "optimizer.rank0of1.pt")
+    opt = tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[0])
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            opt.load_checkpoint(str(tmp_path))
+        assert not marker.exists()
+    finally:
+        opt.close()
