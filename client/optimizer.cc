@@ -5,6 +5,7 @@
 #include <deque>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/adam_hyper.h"
@@ -654,6 +656,10 @@ struct OffloadedAdam::Impl {
   absl::Status MatchState(const internal::MetaRecord& found, const std::string& what) const;
   absl::Status Adopt(Group& group, const Recorded& recorded, const std::string& what) const;
   absl::Status Lost(const absl::Status& s) const;
+  // The states in `all` that are other shares of this state's job (NAME or NAME.rank<r>of<n> for
+  // this state's NAME): where a job's state was made, for one that moved between nodes or changed
+  // its number of ranks. Empty, or " (this daemon holds ...)".
+  std::string OtherShares(const std::vector<ChunkInfo>& all) const;
 };
 
 OffloadedAdam::OffloadedAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -664,6 +670,40 @@ absl::Status OffloadedAdam::Impl::Lost(const absl::Status& s) const {
   if (!absl::IsDataLoss(s)) return s;
   return absl::DataLossError(absl::StrCat("optimizer state '", options.name, "': ", s.message(),
                                           " (reset starts afresh; a checkpoint resumes)"));
+}
+
+namespace {
+
+// NAME for a sharded state's NAME.rank<r>of<n>; the name itself otherwise.
+absl::string_view JobName(absl::string_view state) {
+  const size_t dot = state.rfind(".rank");
+  if (dot == absl::string_view::npos) return state;
+  const absl::string_view suffix = state.substr(dot + 5);
+  const size_t of = suffix.find("of");
+  const auto digits = [](absl::string_view d) {
+    return !d.empty() && std::all_of(d.begin(), d.end(), absl::ascii_isdigit);
+  };
+  if (of == absl::string_view::npos || !digits(suffix.substr(0, of)) ||
+      !digits(suffix.substr(of + 2))) {
+    return state;
+  }
+  return state.substr(0, dot);
+}
+
+}  // namespace
+
+std::string OffloadedAdam::Impl::OtherShares(const std::vector<ChunkInfo>& all) const {
+  const absl::string_view job = JobName(options.name);
+  std::set<std::string> shares;
+  for (const ChunkInfo& c : all) {
+    if (!c.persistent) continue;
+    absl::string_view name = c.name;
+    if (!absl::ConsumeSuffix(&name, "/meta") && !absl::ConsumeSuffix(&name, "/meta.1")) continue;
+    if (name != options.name && JobName(name) == job) shares.insert(absl::StrCat("'", name, "'"));
+  }
+  if (shares.empty()) return "";
+  return absl::StrCat(" (this daemon holds ", absl::StrJoin(shares, ", "),
+                      ": the same job's state, made by ranks that ran here)");
 }
 
 // Opens (resumes) or creates the state of `groups`, whose specs are validated.
@@ -688,7 +728,8 @@ absl::Status OffloadedAdam::Impl::Open() {
       if (c.name == MetaName(0) || c.name == MetaName(1)) metas.push_back(&c);
     }
     if (options.open == OffloadedAdamOptions::Open::kOpen && metas.empty()) {
-      return absl::NotFoundError(absl::StrCat(what, " does not exist: nothing to resume"));
+      return absl::NotFoundError(
+          absl::StrCat(what, " does not exist: nothing to resume", OtherShares(*all)));
     }
     if (options.open == OffloadedAdamOptions::Open::kCreate && !metas.empty() && !options.reset) {
       return absl::AlreadyExistsError(

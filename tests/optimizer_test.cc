@@ -589,6 +589,30 @@ TEST_F(OptimizerTest, CreatingAnExistingNameOrOpeningAMissingOneIsRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(OffloadedAdam::Create(kGroups, resume).status()));
 }
 
+// A job that moved between nodes, or changed its number of ranks, looks for a share this daemon
+// does not have: the error names the shares of the same job it does have.
+TEST_F(OptimizerTest, OpeningAMissingShareNamesTheSameJobsSharesThatAreHere) {
+  for (const char* made : {"job/run.rank1of2", "job/run.rank3of4", "job/other.rank0of2"}) {
+    OffloadedAdamOptions create = Options(made);
+    create.open = OffloadedAdamOptions::Open::kCreate;
+    ASSERT_NE(Create(create), nullptr) << made;
+  }
+  OffloadedAdamOptions open = Options("job/run.rank0of2");
+  open.open = OffloadedAdamOptions::Open::kOpen;
+  auto missing = OffloadedAdam::Create(kGroups, open);
+  ASSERT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
+  EXPECT_NE(missing.status().message().find(
+                "(this daemon holds 'job/run.rank1of2', 'job/run.rank3of4': the same job's state"),
+            std::string::npos)
+      << missing.status();
+  EXPECT_EQ(missing.status().message().find("job/other"), std::string::npos) << missing.status();
+  // Unsharded, the job's name alone: the shares are the same job's too.
+  open.name = "job/run";
+  missing = OffloadedAdam::Create(kGroups, open);
+  EXPECT_NE(missing.status().message().find("'job/run.rank1of2'"), std::string::npos)
+      << missing.status();
+}
+
 // One tensor of a group in memory, stepped with its own step count as the reference.
 struct TensorState {
   std::vector<float> p, m, v;

@@ -248,7 +248,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             if not (resume and e.code == _abi.Status.NOT_FOUND):
                 raise
             raise TierdError(e.code, (
-                f"{e.message}: the daemon on {socket.gethostname()} does not have it. A job's "
+                f"{e.message}; the daemon on {socket.gethostname()} does not have it. A job's "
                 "state lives in the daemons of the nodes whose ranks made it, a share per rank "
                 "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
                 "number of ranks, resumes from its checkpoint instead: make the optimizer with "

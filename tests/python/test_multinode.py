@@ -192,12 +192,18 @@ def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nod
 
 
 def test_resuming_state_this_node_does_not_have_says_to_load_the_checkpoint(nodes, tmp_path):
+    # Rank 1 of a two-rank job ran on this node; the job comes back as one rank.
+    tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[1],
+                               name="pytest/moved.rank1of2", reset=True).close()
     with pytest.raises(tierd.TierdError) as gone:
         tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[1],
-                                   name="pytest/made-elsewhere", resume=True)
+                                   name="pytest/moved", resume=True)
+    why = str(gone.value)
     assert gone.value.code_name == "NOT_FOUND"
-    assert f"the daemon on {socket.gethostname()} does not have it" in str(gone.value)
-    assert "load_checkpoint(directory)" in str(gone.value)
+    assert "optimizer state 'pytest/moved' does not exist" in why
+    assert "this daemon holds 'pytest/moved.rank1of2': the same job's state" in why  # made here
+    assert f"the daemon on {socket.gethostname()} does not have it" in why
+    assert "load_checkpoint(directory)" in why
 
 
 def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(nodes, tmp_path):
