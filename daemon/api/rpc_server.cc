@@ -14,9 +14,9 @@
 #include <cuda.h>
 #endif
 #include "google/protobuf/message.h"
+#include "grpc_health/v1/health.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/support/server_interceptor.h"
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
@@ -454,10 +454,95 @@ class TierdService final : public pb::Tierd::Service {
   absl::Time started_;
 };
 
+namespace health = ::grpc::health::v1;
+
+// The gRPC health checking protocol, for the daemon as a whole ("") and for its API by name. A
+// synchronous service of its own, not gRPC's default one: that one is a callback service, and a
+// server with any callback service answers every synchronous call about 30 us later.
+//
+// Watch holds a server thread for as long as the watcher stays: at most kMaxWatchers at a time
+// (RESOURCE_EXHAUSTED beyond), each woken by a change, a stop, or its own cancellation.
+class HealthService final : public health::Health::Service {
+ public:
+  static constexpr int kMaxWatchers = 8;
+
+  // Until then NOT_SERVING; after Stop, NOT_SERVING for good and every watcher told so.
+  void SetServing(bool serving) {
+    absl::MutexLock lock(&mu_);
+    if (!stopped_) serving_ = serving;
+    changed_.SignalAll();
+  }
+  void Stop() {
+    absl::MutexLock lock(&mu_);
+    serving_ = false;
+    stopped_ = true;
+    changed_.SignalAll();
+  }
+
+  grpc::Status Check(grpc::ServerContext*, const health::HealthCheckRequest* req,
+                     health::HealthCheckResponse* resp) override {
+    if (!Known(req->service())) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("no service '", req->service(), "' here; ask about '' (the ",
+                                       "daemon) or '", RpcServer::kServiceName, "'"));
+    }
+    absl::MutexLock lock(&mu_);
+    resp->set_status(Status());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Watch(grpc::ServerContext* ctx, const health::HealthCheckRequest* req,
+                     grpc::ServerWriter<health::HealthCheckResponse>* writer) override {
+    const bool known = Known(req->service());
+    mu_.Lock();
+    if (watchers_ >= kMaxWatchers) {
+      mu_.Unlock();
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat(kMaxWatchers, " health watchers already; use Check"));
+    }
+    ++watchers_;
+    std::optional<health::HealthCheckResponse::ServingStatus> sent;
+    for (;;) {
+      const auto now = known ? Status() : health::HealthCheckResponse::SERVICE_UNKNOWN;
+      if (now != sent) {
+        health::HealthCheckResponse resp;
+        resp.set_status(now);
+        mu_.Unlock();  // a slow watcher holds up only its own thread
+        const bool written = writer->Write(resp);
+        mu_.Lock();
+        if (!written) break;
+        sent = now;
+      }
+      if (stopped_ || ctx->IsCancelled()) break;
+      // Woken by a change or a stop; a watcher that went is noticed within the timeout.
+      changed_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
+    }
+    --watchers_;
+    mu_.Unlock();
+    return grpc::Status::OK;
+  }
+
+ private:
+  static bool Known(const std::string& service) {
+    return service.empty() || service == RpcServer::kServiceName;
+  }
+  health::HealthCheckResponse::ServingStatus Status() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return serving_ ? health::HealthCheckResponse::SERVING
+                    : health::HealthCheckResponse::NOT_SERVING;
+  }
+
+  absl::Mutex mu_;
+  absl::CondVar changed_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  int watchers_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 }  // namespace
 
 struct RpcServer::Impl {
   std::unique_ptr<TierdService> service;
+  HealthService health;
   std::unique_ptr<grpc::Server> server;
 };
 
@@ -536,14 +621,14 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
   MemoryTrimmer* trimmer = deps.trimmer;
   auto impl = std::make_unique<Impl>();
   impl->service = std::make_unique<TierdService>(std::move(deps));
-  // The standard services tools speak: grpc.health.v1.Health (grpc_health_probe, Kubernetes' gRPC
-  // probes) and server reflection (grpcurl and the like). Both are process-wide switches, read
-  // when a server is built.
-  grpc::EnableDefaultHealthCheckService(true);
+  // Beside the API, the standard services tools speak: grpc.health.v1.Health (grpc_health_probe,
+  // Kubernetes-style probes) and server reflection (grpcurl and the like; a process-wide switch,
+  // read when a server is built).
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat("unix:", path), grpc::InsecureServerCredentials());
   builder.RegisterService(impl->service.get());
+  builder.RegisterService(&impl->health);
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(kMaxReplyBytes);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
@@ -554,10 +639,6 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
     return absl::UnavailableError(
         absl::StrCat("cannot serve gRPC on unix:", path, " (is the directory writable?)"));
   }
-  // Not serving until the daemon says so (SetServing), both as a whole ("") and by name.
-  grpc::HealthCheckServiceInterface* health = impl->server->GetHealthCheckService();
-  health->SetServingStatus(std::string(kServiceName), false);
-  health->SetServingStatus(false);
   return std::unique_ptr<RpcServer>(new RpcServer(std::move(impl)));
 }
 
@@ -565,15 +646,12 @@ RpcServer::RpcServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 RpcServer::~RpcServer() { Shutdown(absl::Seconds(5)); }
 
-void RpcServer::SetServing(bool serving) {
-  if (impl_->server == nullptr) return;
-  impl_->server->GetHealthCheckService()->SetServingStatus(serving);
-}
+void RpcServer::SetServing(bool serving) { impl_->health.SetServing(serving); }
 
 void RpcServer::Shutdown(absl::Duration grace) {
   if (impl_->server == nullptr) return;
-  // NOT_SERVING for good, sent to every watcher, before calls are refused.
-  impl_->server->GetHealthCheckService()->Shutdown();
+  // NOT_SERVING for good, sent to every watcher (whose calls then end), before calls are refused.
+  impl_->health.Stop();
   impl_->server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
   impl_->server->Wait();
   impl_->server.reset();
