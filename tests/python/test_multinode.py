@@ -23,6 +23,7 @@ import torch
 
 from test_c_abi import start_daemon, stop_daemon
 from test_torch_optimizer import HYPER, batches, model, train
+from test_torch_zero import assert_streamed_trains_as_in_memory, losses_of
 
 import tierd  # noqa: E402 (the path test_c_abi sets)
 import tierd.torch  # noqa: E402
@@ -85,10 +86,6 @@ def example_on_nodes(socket_dirs, *args, timeout=300):
                           timeout=timeout)
 
 
-def losses(text):
-    return [float(m) for m in re.findall(r"^(?:\[\S+\]:)?step +\d+ +loss ([0-9.]+)", text, re.M)]
-
-
 def state_chunks(socket_dir, name):
     out = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={socket_dir}", "--json",
                           "chunks", f"--name={name}"], check=True, capture_output=True, text=True)
@@ -105,7 +102,7 @@ def test_two_nodes_train_the_example_as_one_process_does(nodes, tmp_path):
     assert codes == [0, 0], "\n".join(outs)
     text = "".join(outs)
     assert "2 ranks" in text, text
-    torch.testing.assert_close(torch.tensor(losses(text)), torch.tensor(losses(one.stdout)),
+    torch.testing.assert_close(torch.tensor(losses_of(text)), torch.tensor(losses_of(one.stdout)),
                                rtol=1e-4, atol=0)
     saved_one, saved_two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for k, v in saved_one["model"].items():
@@ -128,14 +125,7 @@ def test_two_nodes_streaming_their_weights_train_as_without(nodes, tmp_path):
                                      f"pytest/nodes-s{streamed}", "--save", str(out))
         assert codes == [0, 0], "\n".join(outs)
         runs[streamed] = ("".join(outs), torch.load(out))
-    text, saved = runs[True]
-    assert "weights streamed: 3 blocks" in text, text
-    assert losses(text) == losses(runs[False][0])
-    for k, v in runs[False][1]["model"].items():
-        assert torch.equal(saved["model"][k], v), k
-    for k, v in runs[False][1]["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(saved["optimizer"]["state"][k][key], v[key]), (k, key)
+    assert_streamed_trains_as_in_memory(runs)
 
 
 def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nodes, tmp_path):

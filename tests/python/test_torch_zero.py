@@ -114,8 +114,22 @@ def test_two_ranks_train_as_one_process_does(daemon, tmp_path, options):  # noqa
     assert torch.equal(w[0], w[1]), "the ranks' weights differ"
 
 
-def _losses(stdout):
+def losses_of(stdout):
+    """The example's losses, step by step, from its output (one rank's or torchrun's)."""
     return [float(m) for m in re.findall(r"^(?:\[\S+\]:)?step +\d+ +loss ([0-9.]+)", stdout, re.M)]
+
+
+def assert_streamed_trains_as_in_memory(runs):
+    """`runs`: streamed (True/False) -> (the example's output, what its --save wrote). The same
+    losses, final weights and optimizer state, bit for bit."""
+    text, saved = runs[True]
+    assert "weights streamed: 3 blocks" in text, text
+    assert losses_of(text) == losses_of(runs[False][0])
+    for k, v in runs[False][1]["model"].items():
+        assert torch.equal(saved["model"][k], v), k
+    for k, v in runs[False][1]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["optimizer"]["state"][k][key], v[key]), (k, key)
 
 
 def test_the_example_trains_on_two_ranks_as_on_one(daemon):  # noqa: F811
@@ -128,7 +142,7 @@ def test_the_example_trains_on_two_ranks_as_on_one(daemon):  # noqa: F811
     two = torchrun(example, *small, "--name", "pytest/gpt-two")
     assert "2 ranks" in two, two
     assert "train_gpt: the loss did not fall" not in two
-    one_losses, two_losses = _losses(one.stdout), _losses(two)
+    one_losses, two_losses = losses_of(one.stdout), losses_of(two)
     assert len(one_losses) == len(two_losses) == 8, two
     torch.testing.assert_close(torch.tensor(two_losses), torch.tensor(one_losses), rtol=1e-4,
                                atol=0)
@@ -147,11 +161,4 @@ def test_two_ranks_each_streaming_their_model_train_as_two_ranks_in_memory(daemo
         out = str(tmp_path / f"streamed-{streamed}.pt")
         runs[streamed] = (torchrun(example, *small, *flags, "--name", f"pytest/gpt-s{streamed}",
                                    "--save", out), torch.load(out))
-    text, saved = runs[True]
-    assert "weights streamed: 3 blocks" in text, text
-    assert _losses(text) == _losses(runs[False][0])
-    for k, v in runs[False][1]["model"].items():
-        assert torch.equal(saved["model"][k], v), k
-    for k, v in runs[False][1]["optimizer"]["state"].items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(saved["optimizer"]["state"][k][key], v[key]), (k, key)
+    assert_streamed_trains_as_in_memory(runs)
