@@ -27,6 +27,9 @@ optimizer state (ZeRO-1); the losses are those of one process with the whole bat
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --socket-dir var/run --fresh
     (python3 -m tierd.torchrun ... where torch 1.13's torchrun fails on Python 3.11)
+
+--checkpoint DIR writes the weights and the optimizer's state (a file per rank) at the end;
+--from-checkpoint DIR --fresh goes on from there with any number of ranks, on any nodes.
 """
 import argparse
 import contextlib
@@ -167,7 +170,13 @@ def main():
                     help="host bytes for the streamed weights; the rest at home on NVMe")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
+    ap.add_argument("--checkpoint", help="at the end, write the model's weights (model.pt) and "
+                    "the optimizer's checkpoint (a file per rank) to this directory")
+    ap.add_argument("--from-checkpoint", help="start from a --checkpoint directory, whatever "
+                    "number of ranks or nodes wrote it (the state resharded); with --fresh")
     args = ap.parse_args()
+    if args.from_checkpoint and not args.fresh:
+        ap.error("--from-checkpoint starts the state afresh from the checkpoint: add --fresh")
 
     # The sessions of this run (every rank's) are one job in tierctl status and the metrics.
     os.environ.setdefault("TIERD_JOB", re.sub(r"[^A-Za-z0-9._:/-]", "_", args.name)[:63])
@@ -186,6 +195,9 @@ def main():
     torch.manual_seed(args.seed)
     data = load_text()
     model = GPT(args.layers, args.d_model, args.heads, args.ctx)
+    if args.from_checkpoint:  # the weights before anything takes them (streaming, the optimizer)
+        model.load_state_dict(torch.load(os.path.join(args.from_checkpoint, "model.pt"),
+                                         weights_only=True))
     params = sum(p.numel() for p in model.parameters())
     model_bytes = sum(t.numel() * t.element_size() for t in
                       list(model.parameters()) + list(model.buffers()))
@@ -223,11 +235,15 @@ def main():
         if stream is not None:
             stream.close()
         return 2
+    if args.from_checkpoint:
+        opt.load_checkpoint(args.from_checkpoint)
     first = opt.steps_taken
+    start = (f"resumed '{args.name}' at step {first}" if opt.resumed else
+             f"state '{args.name}' from {args.from_checkpoint} at step {first}"
+             if args.from_checkpoint else f"new state '{args.name}'")
     say(f"train_gpt: {params / 1e6:.2f} M parameters, {len(data) / 1e3:.0f} kB of text; "
         f"optimizer state {state_bytes / 2**20:.1f} MiB at home on {opt.home}, host budget "
-        f"{budget / 2**20:.1f} MiB; " +
-        (f"resumed '{args.name}' at step {first}" if opt.resumed else f"new state '{args.name}'"))
+        f"{budget / 2**20:.1f} MiB; {start}")
     if stream is not None:
         say(f"train_gpt: weights streamed: {len(stream.units)} blocks of "
             f"{stream.largest_unit_bytes / 2**20:.2f} MiB through a device budget of "
@@ -309,6 +325,15 @@ def main():
             weights = model.state_dict()
             if rank == 0:
                 torch.save({"model": weights, "optimizer": state}, args.save)
+    if args.checkpoint:  # rank 0 the weights, then every rank its share of the state
+        with stream.gathered() if stream is not None else contextlib.nullcontext():
+            weights = model.state_dict()
+            if rank == 0:
+                os.makedirs(args.checkpoint, exist_ok=True)
+                path = os.path.join(args.checkpoint, "model.pt")
+                torch.save(weights, path + ".tmp")
+                os.replace(path + ".tmp", path)
+        opt.save_checkpoint(args.checkpoint)  # returns once every rank's file is written
     opt.close()
     if stream is not None:
         stream.close()

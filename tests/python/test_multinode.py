@@ -181,6 +181,28 @@ def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nod
             torch.testing.assert_close(b, a.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_the_example_checkpointed_on_two_nodes_goes_on_in_one_process(nodes, tmp_path):
+    """The main job's own flags: --checkpoint on two nodes, --from-checkpoint in one process on
+    the second node; steps 4-6 as one process that ran all six."""
+    i = SMALL.index("--steps")
+    small = SMALL[:i] + SMALL[i + 2:]
+    ckpt = str(tmp_path / "ckpt")
+    codes, outs = example_on_nodes(nodes, *small, "--steps", "3", "--name", "pytest/ex-two",
+                                   "--checkpoint", ckpt)
+    assert codes == [0, 0], "\n".join(outs)
+    on = subprocess.run([sys.executable, EXAMPLE, "--socket-dir", nodes[1], *small, "--steps",
+                         "3", "--name", "pytest/ex-on", "--from-checkpoint", ckpt],
+                        capture_output=True, text=True, timeout=240)
+    assert on.returncode == 0, on.stdout + on.stderr
+    assert f"from {ckpt} at step 3" in on.stdout, on.stdout
+    whole = subprocess.run([sys.executable, EXAMPLE, "--socket-dir", nodes[0], *small, "--steps",
+                            "6", "--name", "pytest/ex-whole"],
+                           capture_output=True, text=True, timeout=240)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    torch.testing.assert_close(torch.tensor(losses_of(on.stdout)),
+                               torch.tensor(losses_of(whole.stdout)[3:]), rtol=1e-4, atol=0)
+
+
 def test_resuming_state_this_node_does_not_have_says_to_load_the_checkpoint(nodes, tmp_path):
     # Rank 1 of a two-rank job ran on this node; the job comes back as one rank.
     tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[1],
