@@ -46,6 +46,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredent
   auto session = std::make_shared<Session>();
   session->peer = peer;
   session->client_name = std::string(client_name);
+  for (char& c : session->client_name) {
+    if (c < 0x20 || c > 0x7e) c = '?';  // char may be signed: bytes >= 0x80 are negative
+  }
   session->job = std::string(job);
   session->opened = absl::Now();
   size_t filled = 0;

@@ -57,7 +57,9 @@ class SessionRegistry {
 
   // RESOURCE_EXHAUSTED, naming the limit, when the user has as many sessions open as allowed, or
   // when `job` is new and kMaxLiveJobs jobs have sessions open (a bounded metrics label);
-  // INVALID_ARGUMENT when `job` is not a valid job label (ValidateJob).
+  // INVALID_ARGUMENT when `job` is not a valid job label (ValidateJob). The client's name is a
+  // label for logs and status, nothing more: kept with every byte outside printable ASCII made
+  // '?', so that it is valid UTF-8 wherever it is sent and moves no operator's terminal.
   absl::StatusOr<std::shared_ptr<Session>> Open(const PeerCredentials& peer,
                                                 absl::string_view client_name,
                                                 absl::string_view job = "");

@@ -26,6 +26,16 @@ TEST(SessionTest, AnotherSessionsTokenDoesNotAuthenticate) {
       registry.Authenticate(absl::StrCat(a->id, ":", b->TokenHex())).status()));
 }
 
+TEST(SessionTest, AClientNameKeepsOnlyPrintableAscii) {
+  SessionRegistry registry;
+  // Not UTF-8 (a protobuf string field could not carry it), and a terminal escape.
+  auto s = registry.Open({1000, 1000, 11}, "bad\xff\xfe \x1b[31mname\n");
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ((*s)->client_name, "bad?? ?[31mname?");
+  EXPECT_EQ((*registry.Open({1000, 1000, 11}, "optimizer run-42.rank0of2"))->client_name,
+            "optimizer run-42.rank0of2");
+}
+
 TEST(SessionTest, JobLabelsAreValidatedCountedAndBoundedInNumber) {
   SessionRegistry registry;
   auto a = registry.Open({1000, 1000, 11}, "rank0", "run-42/lr_3e-4:v1.2");

@@ -263,3 +263,19 @@ def test_json_outputs_keep_their_shape(lib, client, daemon, tmp_path):
     for command, value in outputs.items():
         why = mismatch(value, schema[command], command)
         assert why is None, why
+
+
+def test_a_clients_name_cannot_break_status_for_the_operator(lib, daemon):
+    """Not UTF-8 and a terminal escape in a client's name: status (JSON and text) still answers,
+    with the name as printable ASCII."""
+    handle = ctypes.c_void_p()
+    assert lib.tierd_connect(daemon.encode(), b"bad\xff\xfe \x1b[31mname", ctypes.byref(handle)) == OK
+    try:
+        status = tierctl_json(daemon, "status", "--sample=0")
+        session = lib.tierd_session_id(handle)
+        mine = next(s for s in status["session_list"] if s["id"] == session)
+        assert mine["client_name"] == "bad?? ?[31mname"
+        rc, out, err = tierctl(daemon, "status", "--sample=0")
+        assert rc == 0 and "bad?? ?[31mname" in out and "\x1b" not in out, err
+    finally:
+        lib.tierd_close(handle)
