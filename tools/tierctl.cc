@@ -77,8 +77,11 @@ Args Parse(int argc, char** argv) {
 
 using Json = nlohmann::ordered_json;  // keys in the order written, as scripts have seen them
 
-// Prints one JSON document on a line.
-void PrintJson(const Json& j) { std::printf("%s\n", j.dump().c_str()); }
+// Prints one JSON document on a line. A string that is not UTF-8 (a path, a hostname) has its bad
+// bytes replaced rather than ending tierctl with an exception.
+void PrintJson(const Json& j) {
+  std::printf("%s\n", j.dump(-1, ' ', false, Json::error_handler_t::replace).c_str());
+}
 
 const char* TierName(Tier t) {
   switch (t) {
