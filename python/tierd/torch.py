@@ -202,19 +202,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._open_state(name, socket_dir, home, host_budget_bytes, threads, resume, reset)
         except Exception as e:  # noqa: BLE001 (re-raised here or by all_succeeded)
             failed = e
-        if self._comm is not None:
+        if self._comm is None:
+            if failed is not None:
+                raise failed
+        else:
             try:
                 self._comm.all_succeeded("open the optimizer's state", failed)
-            except BaseException:
-                self.close()
-                raise
-        elif failed is not None:
-            raise failed
-        if self._comm is not None:
-            try:
                 self._comm.agree("whether the state was resumed", int(self.resumed))
                 self._comm.agree("the steps taken", self.steps_taken)
-            except RuntimeError:
+            except BaseException:
                 self.close()
                 raise
             self._comm.share_params(self._buckets)
