@@ -9,7 +9,7 @@ SANITIZED ?= build-asan
 FUZZ_SECONDS ?= 300
 
 .PHONY: all deps configure build test test-build test-sanitized configure-sanitized fuzz demo \
-        bench install package gpu-kit clean
+        bench install package gpu-kit test-torch2 clean
 
 all: build
 
@@ -61,6 +61,11 @@ bench: build
 # with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).
 gpu-kit: build
 	@tests/gpu/make_kit.sh $(BUILD) gpu-kit
+
+# The Python package's tests on torch 2.x (Debian 13's, in a chroot made once under
+# $(BUILD)/torch2-root), against the kit's binaries: the torch 2.x paths without a GPU.
+test-torch2: build
+	@tests/torch2/run.sh $(BUILD)
 
 # PREFIX=/usr/local by default; DESTDIR works as usual.
 install: build
