@@ -21,8 +21,9 @@ Hooks (no wrapper class): a forward pre-hook fetches the unit (waiting for its c
 the copies of the next `prefetch` units in the order the first iteration traced; a forward
 post-hook releases it and hooks its outputs, whose gradients arriving mean its backward is next
 (fetch again, prefetch in backward's order); an identity autograd Function on its inputs runs
-when its backward is done (release), and an end-of-backward callback releases what had none.
-Counts make a module called twice, or recomputed by activation checkpointing, fetch once.
+when its backward is done (release, with any recompute whose forward a checkpoint stopped early),
+and an end-of-backward callback releases what had none. Counts make a module called twice, or
+recomputed by activation checkpointing, fetch once.
 
 OffloadedAdamW steps streamed parameters in one bucket per unit and parameter group (a *range* of
 the unit's chunks): gradients leave the device as autograd finishes each one, and the kernel
@@ -127,6 +128,7 @@ class _Unit:
         self.views: Dict[int, torch.Tensor] = {}  # version -> uint8 view of a held chunk
         self.refs = 0               # forward and backward passes using it now
         self.bwd_refs = 0           # of them, backward passes its inputs' gradients end
+        self.recompute_refs = 0     # of them, recomputes in its backward (which may stop early)
         self.host_asked = False     # an NVMe unit's chunks asked into host memory
         self.copy = None            # the fetch in flight: a Future, or a CUDA event
         self.reading = None         # an NVMe unit's acquisition the copy reads from
@@ -415,6 +417,8 @@ class ParameterStream:
         if self._in_backward and not recompute:
             self._recover()
         self._use(u, traced=recompute or torch.is_grad_enabled())
+        if recompute:
+            u.recompute_refs += 1
         if recompute or not torch.is_grad_enabled():
             return None
         tensors = [a for a in args if torch.is_tensor(a) and a.requires_grad]
@@ -444,6 +448,8 @@ class ParameterStream:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(before_backward)
+        if self._in_backward and u.recompute_refs > 0:
+            u.recompute_refs -= 1
         self._unuse(u)
         return None
 
@@ -460,6 +466,14 @@ class ParameterStream:
         if u.bwd_refs > 0:
             u.bwd_refs -= 1
             self._unuse(u)
+        self._end_recomputes(u)
+
+    def _end_recomputes(self, u: _Unit) -> None:
+        """Releases u's recomputes whose forward never ended: torch 2's non-reentrant checkpoint
+        stops a recompute once it has what backward needs, before the module's forward hook."""
+        while u.recompute_refs > 0:
+            u.recompute_refs -= 1
+            self._unuse(u)
 
     def _end_backward(self) -> None:
         """After every backward: releases what no input's gradient released (a unit whose
@@ -469,6 +483,7 @@ class ParameterStream:
                 while u.bwd_refs > 0:
                     u.bwd_refs -= 1
                     self._unuse(u)
+                self._end_recomputes(u)
             for u in self._units:
                 if u.refs == 0 and u.materialized:
                     self._release(u)
@@ -482,6 +497,7 @@ class ParameterStream:
             for x in self._units:
                 x.refs = 0
                 x.bwd_refs = 0
+                x.recompute_refs = 0
                 self._release(x)
             self._in_backward = False
             self._callback_queued = False

@@ -187,6 +187,13 @@ def assert_equal(a, b):
             assert torch.equal(sa["state"][k][key], sb["state"][k][key]), f"{key} of {k}"
 
 
+def released_after_backward(model, stream):
+    """Nothing of the blocks is held once backward has ended: every fetch, recomputes included
+    (which torch 2's checkpoint stops before the block's forward ends), was released."""
+    if stream is not None:
+        assert stream.stats["device_live_bytes"] == resident_bytes(model), stream.stats
+
+
 CASES = {
     "host": dict(),
     "nvme": dict(stream_kwargs=dict(host_budget_bytes=0)),
@@ -194,8 +201,10 @@ CASES = {
     "accumulation": dict(micro=2),
     "clipping rolls back": dict(max_grad_norm=0.05),
     "skipped non-finite step": dict(skip_nonfinite=True, scale=1024.0, inf_step=3),
-    "checkpoint around blocks": dict(model_kwargs=dict(checkpoint="around")),
-    "checkpoint inside blocks": dict(model_kwargs=dict(checkpoint="inside")),
+    "checkpoint around blocks": dict(model_kwargs=dict(checkpoint="around"),
+                                     check=released_after_backward),
+    "checkpoint inside blocks": dict(model_kwargs=dict(checkpoint="inside"),
+                                     check=released_after_backward),
     "activation offload": dict(activations=True),
     "a block skipped on odd steps": dict(model_kwargs=dict(skip=True)),
 }
