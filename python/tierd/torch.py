@@ -979,30 +979,36 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     # ---- checkpoints that move between nodes and world sizes ----
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Writes this rank's share of the state (its state_dict) to `directory`, one file per
-        rank; call it on every rank. When it returns on any rank, every rank's file is written.
-        load_checkpoint reads it into a job of any number of ranks, on any nodes."""
+    def save_checkpoint(self, directory: str, format: Optional[str] = None) -> None:
+        """Writes every rank's share of the state (its state_dict) to `directory`; call it on
+        every rank. When it returns on any rank, every rank's share is written. load_checkpoint
+        reads it into a job of any number of ranks, on any nodes.
+
+        `format`: "dcp", a torch.distributed.checkpoint checkpoint (torch 2.2 and newer), or
+        "torch", a torch.save file per rank (any torch); by default dcp where torch has it."""
         rank, world = (self._comm.rank, self._comm.world) if self._comm else (0, 1)
-        _checkpoint.save(directory, rank, world, self.state_name, self.state_dict())
+        group = self._comm.group if self._comm else None
+        _checkpoint.save(directory, rank, world, self.state_name, self.state_dict(), format,
+                         group)
         if self._comm is not None:
             self._comm.barrier()
 
     def load_checkpoint(self, directory: str) -> None:
-        """Loads a checkpoint that save_checkpoint wrote, whatever number of ranks saved it: each
-        rank reads every rank's file and keeps the state of the parameters it owns now (the state
+        """Loads a checkpoint that save_checkpoint wrote, in either format, whatever number of
+        ranks saved it: each rank reads the state of the parameters it owns now (the state
         resharded). Call it on every rank, after loading the model's weights, on an optimizer
         made afresh (reset=True) under the job's name."""
-        owned = self._owned_indices()
-        self.load_state_dict(_checkpoint.load(directory, owned.__contains__))
+        group = self._comm.group if self._comm else None
+        self.load_state_dict(_checkpoint.load(directory, self._owned_shapes(), group))
 
-    def _owned_indices(self) -> set:
-        """The state_dict indices of the parameters this rank owns (all of them unsharded)."""
+    def _owned_shapes(self) -> Dict[int, Tuple[int, ...]]:
+        """The state_dict indices of the parameters this rank owns (all of them unsharded), with
+        their shapes."""
         index = {}
         for g in self.param_groups:
             for p in g["params"]:
                 index.setdefault(id(p), len(index))
-        return {index[id(p)] for b in self._owned for i, p in enumerate(b.params)
+        return {index[id(p)]: tuple(p.shape) for b in self._owned for i, p in enumerate(b.params)
                 if b.live[i] and id(p) in index}
 
     # ---- lifetime ----

@@ -27,6 +27,7 @@ from test_torch_zero import assert_streamed_trains_as_in_memory, losses_of
 
 import tierd  # noqa: E402 (the path test_c_abi sets)
 import tierd.torch  # noqa: E402
+from tierd import _checkpoint  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -145,17 +146,29 @@ def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nod
 ZERO = os.path.join(HERE, "zero_rank.py")
 
 
-def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nodes, tmp_path):
+FORMATS = [pytest.param(f, marks=pytest.mark.skipif(
+    f not in _checkpoint.formats(), reason=f"torch {torch.__version__} has no "
+    "torch.distributed.checkpoint save and load")) for f in ("torch", "dcp")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nodes, tmp_path,
+                                                                             fmt):
     """Saved by two ranks on two nodes, the state resumes resharded in a job of one rank on the
     other node and in one of four ranks (its buckets smaller, so that four can share them), and
     each continued run equals an uninterrupted one."""
     steps, flags = 6, ["--overlap", "--clip", "0.5"]
     ckpt, first = str(tmp_path / "ckpt"), str(tmp_path / "first.pt")
     codes, outs = torchrun_nodes(nodes, ZERO, "{socket_dir}", first, "--steps", str(steps),
-                                 *flags, "--name", "pytest/ckpt", "--save-checkpoint", ckpt)
+                                 *flags, "--name", f"pytest/ckpt-{fmt}", "--save-checkpoint",
+                                 ckpt, "--checkpoint-format", fmt)
     assert codes == [0, 0], "\n".join(outs)
-    assert sorted(os.listdir(ckpt)) == ["model.pt", "optimizer.rank0of2.pt",
-                                        "optimizer.rank1of2.pt"]
+    written = sorted(os.listdir(ckpt))
+    if fmt == "torch":
+        assert written == ["model.pt", "optimizer.rank0of2.pt", "optimizer.rank1of2.pt"]
+    else:  # DCP's metadata and a data file per rank
+        assert [f for f in written if not f.endswith(".distcp")] == [".metadata", "model.pt"]
+        assert len([f for f in written if f.endswith(".distcp")]) == 2, written
     before = torch.load(first)
     ref = model(seed=0)
     with torch.no_grad():
@@ -168,7 +181,7 @@ def test_a_checkpoint_of_two_nodes_resumes_on_another_node_and_on_four_ranks(nod
         out = str(tmp_path / f"resumed-{world}.pt")
         codes, outs = torchrun_nodes(where, ZERO, "{socket_dir}", out, "--steps", str(steps),
                                      "--skip", str(steps), *flags, "--name",
-                                     f"pytest/ckpt-{world}", "--load-checkpoint", ckpt,
+                                     f"pytest/ckpt-{fmt}-{world}", "--load-checkpoint", ckpt,
                                      "--bucket-params", str(bucket), nproc=world)
         assert codes == [0], "\n".join(outs)
         after = torch.load(out)
@@ -221,12 +234,160 @@ def test_resuming_state_this_node_does_not_have_says_to_load_the_checkpoint(node
 def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(nodes, tmp_path):
     opt = tierd.torch.OffloadedAdamW(model().parameters(), **HYPER, socket_dir=nodes[0])
     try:
-        opt.save_checkpoint(str(tmp_path))
+        opt.save_checkpoint(str(tmp_path), format="torch")
         os.rename(tmp_path / "optimizer.rank0of1.pt", tmp_path / "optimizer.rank1of3.pt")
         with pytest.raises(FileNotFoundError) as missing:
             opt.load_checkpoint(str(tmp_path))
         assert "checkpoint of 3 ranks" in str(missing.value)
         assert "rank(s) 0, 2 are not there" in str(missing.value)
+    finally:
+        opt.close()
+
+
+def stepped(socket_dir, name, m=None, steps=2):
+    """An OffloadedAdamW that has taken `steps` steps on test_torch_optimizer's model, and the
+    model."""
+    m = m or model(seed=0)
+    opt = tierd.torch.OffloadedAdamW(m.parameters(), **HYPER, socket_dir=socket_dir, name=name,
+                                     reset=True)
+    train(m, opt, batches(steps, seed=3))
+    return opt, m
+
+
+def assert_same_state(got, want):
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for index, entry in want["state"].items():
+        assert sorted(got["state"][index]) == sorted(entry)
+        for key, value in entry.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_checkpoint_in_one_process_round_trips_bit_for_bit(nodes, tmp_path, fmt):
+    opt, m = stepped(nodes[0], f"pytest/one-{fmt}")
+    try:
+        opt.save_checkpoint(str(tmp_path), format=fmt)
+        want = opt.state_dict()
+    finally:
+        opt.close()
+    again = tierd.torch.OffloadedAdamW(m.parameters(), **HYPER, socket_dir=nodes[1],
+                                       name=f"pytest/one-{fmt}", reset=True)
+    try:
+        again.load_checkpoint(str(tmp_path))
+        assert_same_state(again.state_dict(), want)
+    finally:
+        again.close()
+
+
+def test_the_default_format_is_dcp_where_torch_has_it_and_refused_where_not(nodes, tmp_path):
+    opt, _ = stepped(nodes[0], "pytest/default-format")
+    try:
+        if "dcp" in _checkpoint.formats():
+            opt.save_checkpoint(str(tmp_path / "default"))
+            assert os.path.exists(tmp_path / "default" / ".metadata")
+        else:
+            opt.save_checkpoint(str(tmp_path / "default"))
+            assert os.listdir(tmp_path / "default") == ["optimizer.rank0of1.pt"]
+            with pytest.raises(ValueError) as old:
+                opt.save_checkpoint(str(tmp_path / "dcp"), format="dcp")
+            assert f"this is torch {torch.__version__}: use format='torch'" in str(old.value)
+            # A DCP checkpoint (its metadata, say) brought to this torch is named as such.
+            (tmp_path / "dcp").mkdir()
+            (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+            with pytest.raises(ValueError) as unreadable:
+                opt.load_checkpoint(str(tmp_path / "dcp"))
+            assert "torch.distributed.checkpoint (DCP) checkpoint, which torch" in str(
+                unreadable.value)
+        with pytest.raises(ValueError) as neither:
+            opt.save_checkpoint(str(tmp_path / "x"), format="safetensors")
+        assert "'dcp' or 'torch'" in str(neither.value)
+        # The two formats in one directory: which one was meant cannot be told.
+        opt.save_checkpoint(str(tmp_path / "default"), format="torch")
+        (tmp_path / "default" / ".metadata").touch()
+        with pytest.raises(ValueError) as both:
+            opt.load_checkpoint(str(tmp_path / "default"))
+        assert "holds a checkpoint in both formats" in str(both.value)
+    finally:
+        opt.close()
+
+
+needs_dcp = pytest.mark.skipif("dcp" not in _checkpoint.formats(), reason=f"torch "
+                               f"{torch.__version__} has no torch.distributed.checkpoint save "
+                               "and load")
+
+
+@needs_dcp
+def test_dcps_own_tools_read_the_checkpoint(nodes, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    opt, _ = stepped(nodes[0], "pytest/dcp-tools")
+    try:
+        opt.save_checkpoint(str(tmp_path / "ckpt"))
+        want = opt.state_dict()
+    finally:
+        opt.close()
+    dcp_to_torch_save(str(tmp_path / "ckpt"), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    groups = json.loads(bytes(whole["optimizer.param_groups"].tolist()))
+    assert groups == json.loads(json.dumps(want["param_groups"]))  # betas a list, as in JSON
+    for index, entry in want["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(whole[f"optimizer.state.{index}.{key}"], value)
+
+
+@needs_dcp
+def test_a_dcp_checkpoints_metadata_is_data_and_never_runs_code(nodes, tmp_path):
+    marker = tmp_path / "ran"
+    opt, _ = stepped(nodes[0], "pytest/dcp-pickle")
+    try:
+        opt.save_checkpoint(str(tmp_path / "ckpt"))
+        with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
+            pickle.dump(_Runs(f"touch {marker}"), f)
+        with pytest.raises(pickle.UnpicklingError) as refused:
+            opt.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "may not name posix.system" in str(refused.value)
+        assert not marker.exists()
+    finally:
+        opt.close()
+
+
+@needs_dcp
+@pytest.mark.parametrize("planted, why", [
+    ({"optimizer.state.0.exp_avg": "not a tensor"}, "entry optimizer.state.0.exp_avg is not a "
+     "tensor in the checkpoint"),
+    ({"optimizer.state.0.exp_avg_sq": torch.zeros(64, 96, dtype=torch.int32)}, "entry "
+     "optimizer.state.0.exp_avg_sq is of torch.int32, not a floating point type"),
+    ({"optimizer.state.0.exp_avg": torch.zeros(3)}, "entry optimizer.state.0.exp_avg of shape "
+     "(3,) for a parameter of shape"),
+    ({"optimizer.state.0.step": torch.zeros(2)}, "is not a step count"),
+    ({"optimizer.param_groups": torch.zeros(2, 2, dtype=torch.uint8)}, "is not a JSON text"),
+    ({"optimizer.meta": torch.tensor(list(b'{"format": 9}'), dtype=torch.uint8)},
+     "an OffloadedAdamW of another format"),
+    ({"optimizer.param_groups": torch.tensor(list(b'{"lr": 1'), dtype=torch.uint8)},
+     "entry optimizer.param_groups is not a JSON text"),
+    ({"optimizer.param_groups": torch.tensor(list(b'[1, 2]'), dtype=torch.uint8)},
+     "entry optimizer.param_groups is not a list of groups"),
+])
+def test_a_dcp_checkpoint_that_is_not_what_it_should_be_is_refused(nodes, tmp_path, planted,
+                                                                   why):
+    """Entries read from a checkpoint DCP wrote but not as save_checkpoint does: refused before
+    anything is loaded, and the optimizer's state is as it was."""
+    import torch.distributed.checkpoint as dcp
+    opt, _ = stepped(nodes[0], "pytest/dcp-planted")
+    try:
+        opt.save_checkpoint(str(tmp_path / "good"))
+        before = opt.state_dict()
+        flat = {}
+        for key, md in dcp.FileSystemReader(
+                str(tmp_path / "good")).read_metadata().state_dict_metadata.items():
+            flat[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(str(tmp_path / "good")))
+        flat.update(planted)
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(tmp_path / "bad")))
+        with pytest.raises(ValueError) as refused:
+            opt.load_checkpoint(str(tmp_path / "bad"))
+        assert why in str(refused.value)
+        assert_same_state(opt.state_dict(), before)
     finally:
         opt.close()
 

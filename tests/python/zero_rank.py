@@ -4,13 +4,14 @@ loss of each step, the final weights and `tierctl status` while every rank's ses
 
     zero_rank.py SOCKET_DIR OUT [--home H] [--overlap] [--clip C] [--poison STEP] [--steps N]
                  [--partial] [--name NAME] [--save-checkpoint DIR] [--load-checkpoint DIR]
-                 [--skip K] [--bucket-params N]
+                 [--skip K] [--bucket-params N] [--checkpoint-format dcp|torch]
 
 --partial: the embedding frozen and the LayerNorm used on even steps only (partial_forward), with
 gradients set to None between steps: parameters without a gradient, as torch leaves them.
 --save-checkpoint: after training, the optimizer's checkpoint and the model's weights (model.pt)
 written to DIR. --load-checkpoint: the model's weights and the optimizer's state read from DIR
-before training, which goes on from batch K (--skip), as a resumed job does.
+before training, which goes on from batch K (--skip), as a resumed job does. --checkpoint-format:
+save_checkpoint's format (its default otherwise).
 """
 import argparse
 import json
@@ -48,6 +49,7 @@ def main():
     ap.add_argument("--load-checkpoint")
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--bucket-params", type=int, default=40_000)
+    ap.add_argument("--checkpoint-format")
     args = ap.parse_args()
 
     os.environ["TIERD_JOB"] = "pytest-zero"  # both ranks' sessions: one job
@@ -92,7 +94,7 @@ def main():
         losses.append(float(mean) / world)
         norms.append(opt.last_grad_norm)
     if args.save_checkpoint:
-        opt.save_checkpoint(args.save_checkpoint)
+        opt.save_checkpoint(args.save_checkpoint, args.checkpoint_format)
         if rank == 0:
             torch.save(m.state_dict(), os.path.join(args.save_checkpoint, "model.pt"))
     shard = opt.state_dict()["state"]
