@@ -28,7 +28,8 @@ optimizer state (ZeRO-1); the losses are those of one process with the whole bat
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --socket-dir var/run --fresh
     (python3 -m tierd.torchrun ... where torch 1.13's torchrun fails on Python 3.11)
 
---checkpoint DIR writes the weights and the optimizer's state (a file per rank) at the end;
+--checkpoint DIR writes the weights and the optimizer's state (a DCP checkpoint on torch 2.2 and
+newer, else a file per rank) at the end;
 --from-checkpoint DIR --fresh goes on from there with any number of ranks, on any nodes.
 """
 import argparse
@@ -171,7 +172,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--save", help="also write model and optimizer state_dicts to this file")
     ap.add_argument("--checkpoint", help="at the end, write the model's weights (model.pt) and "
-                    "the optimizer's checkpoint (a file per rank) to this directory")
+                    "the optimizer's checkpoint (DCP on torch 2.2 and newer, else a file "
+                    "per rank) to this directory")
     ap.add_argument("--from-checkpoint", help="start from a --checkpoint directory, whatever "
                     "number of ranks or nodes wrote it (the state resharded); with --fresh")
     args = ap.parse_args()
