@@ -56,6 +56,7 @@ bench: build
 	/usr/bin/python3 bench/activation_offload.py --build $(BUILD)
 	/usr/bin/python3 bench/bf16_moments.py --build $(BUILD)
 	/usr/bin/python3 bench/param_stream.py --build $(BUILD)
+	/usr/bin/python3 bench/checkpoint.py --build $(BUILD)
 
 # The GPU kit (gpu-kit/tierd-gpu-kit.tar.gz): the CUDA build's daemon, client, tests and benches
 # with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).

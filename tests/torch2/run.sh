@@ -5,6 +5,8 @@
 # (torch.distributed.checkpoint, untyped storages, post-accumulate-grad hooks) on any machine.
 #
 #   tests/torch2/run.sh BUILD_DIR [PYTEST_ARGS...]     (as root: debootstrap, chroot, mounts)
+#   tests/torch2/run.sh BUILD_DIR -- COMMAND...        (a command there instead, a bench say;
+#                                                      the kit is /opt/tierd/tierd-gpu-kit)
 #
 # The chroot is made once, by debootstrap from $TIERD_TORCH2_MIRROR (deb.debian.org by default),
 # under $TIERD_TORCH2_ROOT (BUILD_DIR/torch2-root by default; about 2.5 GB), and kept for later
@@ -43,7 +45,7 @@ rm -rf "$work"
 mkdir -p "$work"
 "$src/tests/gpu/make_kit.sh" "$build" "$work" >/dev/null
 rm "$work/tierd-gpu-kit.tar.gz"
-cp -a "$src/python" "$src/examples" "$src/deploy" "$work/"
+cp -a "$src/python" "$src/examples" "$src/deploy" "$src/bench" "$work/"
 mkdir -p "$work/tests"
 cp -a "$src/tests/python" "$work/tests/"
 
@@ -58,6 +60,10 @@ export TIERD_BIN=$kit/daemon/tierd TIERD_CLIENT_LIB=$kit/client/libtierd_client.
   TIERCTL_BIN=$kit/tools/tierctl
 cd /opt/tierd
 python3 -c 'import sys, torch; print("torch2: python", sys.version.split()[0], "torch", torch.__version__)'
+if [[ "${1:-}" == -- ]]; then
+  shift
+  exec "$@"
+fi
 exec python3 -m pytest -q -p no:cacheprovider "$@"
 INSIDE
 chmod +x "$work/inside.sh"
