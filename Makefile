@@ -23,8 +23,8 @@ build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
 # Every test twice: the release build's suite, then the sanitized build's suite and a short run
-# of each fuzz target over its corpus.
-test: test-build test-sanitized
+# of each fuzz target over its corpus; between them, the torch tests again on torch 2.x.
+test: test-build test-torch2 test-sanitized
 
 test-build: build
 	ctest --test-dir $(BUILD) --output-on-failure -j 2
