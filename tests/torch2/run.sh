@@ -24,14 +24,19 @@ if [[ $(id -u) != 0 ]]; then
   exec sudo --preserve-env=TIERD_TORCH2_ROOT,TIERD_TORCH2_MIRROR "$0" "$build" "$@"
 fi
 if [[ ! -x "$root/usr/bin/python3" ]] || ! chroot "$root" python3 -c 'import torch' 2>/dev/null; then
-  command -v debootstrap >/dev/null || apt-get install -y debootstrap
+  command -v debootstrap >/dev/null || { echo "torch2: debootstrap is missing (make deps)" >&2; exit 1; }
   echo "torch2: making a Debian 13 chroot with python3-torch in $root"
   if findmnt -rn -o TARGET | grep -q "^$root/"; then
     echo "torch2: something is mounted under $root: unmount it first" >&2
     exit 1
   fi
   rm -rf "$root"
-  debootstrap --variant=minbase --include="$packages" trixie "$root" "$mirror"
+  log="$root.debootstrap.log"
+  if ! debootstrap --variant=minbase --include="$packages" trixie "$root" "$mirror" >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "torch2: debootstrap failed (its log: $log)" >&2
+    exit 1
+  fi
 fi
 cp /etc/hosts "$root/etc/hosts"  # the ranks' rendezvous goes through this machine's name
 site=$(chroot "$root" python3 -c 'import site; print(site.getsitepackages()[0])')
