@@ -146,9 +146,10 @@ def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nod
 ZERO = os.path.join(HERE, "zero_rank.py")
 
 
-FORMATS = [pytest.param(f, marks=pytest.mark.skipif(
-    f not in _checkpoint.formats(), reason=f"torch {torch.__version__} has no "
-    "torch.distributed.checkpoint save and load")) for f in ("torch", "dcp")]
+needs_dcp = pytest.mark.skipif("dcp" not in _checkpoint.formats(), reason=f"torch "
+                               f"{torch.__version__} has no torch.distributed.checkpoint save "
+                               "and load")
+FORMATS = ["torch", pytest.param("dcp", marks=needs_dcp)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -310,11 +311,6 @@ def test_the_default_format_is_dcp_where_torch_has_it_and_refused_where_not(node
         assert "holds a checkpoint in both formats" in str(both.value)
     finally:
         opt.close()
-
-
-needs_dcp = pytest.mark.skipif("dcp" not in _checkpoint.formats(), reason=f"torch "
-                               f"{torch.__version__} has no torch.distributed.checkpoint save "
-                               "and load")
 
 
 @needs_dcp
