@@ -1,4 +1,5 @@
-"""The C ABI (client/include/tierd/client.h) for ctypes: constants, structures and signatures.
+"""The C ABI (client/include/tierd/client.h) for ctypes: constants, structures, signatures, the
+library's loading and its errors (TierdError).
 
 Nothing here is compiled against Python, so the package works with any Python >= 3.9.
 """
@@ -37,6 +38,20 @@ OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = (
     Status.OK, Status.INVALID_ARGUMENT, Status.NOT_FOUND, Status.RESOURCE_EXHAUSTED,
     Status.FAILED_PRECONDITION)
 PENDING = 100  # TIERD_PENDING: tierd_poll's "not yet", not an error
+
+
+class TierdError(Exception):
+    """A refused call: `code` is the gRPC status code (an int), `code_name` its name
+    ("RESOURCE_EXHAUSTED"), `message` the daemon's (or the client library's) words."""
+
+    def __init__(self, code: int, message: str):
+        self.code = int(code)
+        try:
+            self.code_name = Status(code).name
+        except ValueError:
+            self.code_name = str(code)
+        self.message = message
+        super().__init__(f"{self.code_name}: {message}")
 
 
 class Completion(ctypes.Structure):
@@ -236,3 +251,20 @@ def _bind_optimizer(lib):
     lib.tierd_adam_step_group.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int]
     lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(AdamStepStats)]
     lib.tierd_adam_abandon_step.argtypes = [p]
+
+
+_lib = None
+
+
+def library():
+    """The client library, loaded (and its signatures bound) at the first call."""
+    global _lib
+    if _lib is None:
+        _lib = load_library()
+    return _lib
+
+
+def check(status: int) -> None:
+    """Raises TierdError with the library's last error unless `status` is OK."""
+    if status != OK:
+        raise TierdError(status, library().tierd_last_error().decode(errors="replace"))

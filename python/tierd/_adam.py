@@ -5,7 +5,7 @@ import ctypes
 from typing import Any, List, Optional, Sequence
 
 from . import _abi
-from .client import _check, _library
+from ._abi import check, library
 
 
 def _ptr(address: Optional[int]) -> ctypes.c_void_p:
@@ -32,7 +32,7 @@ class Adam:
     def __init__(self, groups: Sequence[Any], options: _abi.AdamOptions):
         self._handle = ctypes.c_void_p()
         array, keep = _groups(groups)
-        _check(_library().tierd_adam_create_groups(len(groups), array, ctypes.byref(options),
+        check(library().tierd_adam_create_groups(len(groups), array, ctypes.byref(options),
                                                    ctypes.byref(self._handle)))
         del keep
 
@@ -40,7 +40,7 @@ class Adam:
     def options() -> _abi.AdamOptions:
         """The library's defaults, to fill in."""
         options = _abi.AdamOptions()
-        _library().tierd_adam_options_init(ctypes.byref(options))
+        library().tierd_adam_options_init(ctypes.byref(options))
         return options
 
     @property
@@ -49,76 +49,76 @@ class Adam:
 
     @property
     def resumed(self) -> bool:
-        return bool(_library().tierd_adam_resumed(self._handle))
+        return bool(library().tierd_adam_resumed(self._handle))
 
     def initialized(self, slot: int) -> bool:
         """Whether the group has state already (resumed), not yet set."""
-        return bool(_library().tierd_adam_initialized(self._handle, slot))
+        return bool(library().tierd_adam_initialized(self._handle, slot))
 
     @property
     def steps_taken(self) -> int:
-        return int(_library().tierd_adam_steps_taken(self._handle))
+        return int(library().tierd_adam_steps_taken(self._handle))
 
     @property
     def state_bytes(self) -> int:
-        return int(_library().tierd_adam_state_bytes(self._handle))
+        return int(library().tierd_adam_state_bytes(self._handle))
 
     # ---- groups ----
 
     def add_groups(self, groups: Sequence[Any]) -> None:
         array, keep = _groups(groups)
-        _check(_library().tierd_adam_add_groups(self._handle, len(groups), array))
+        check(library().tierd_adam_add_groups(self._handle, len(groups), array))
         del keep
 
     def remove_groups(self, slots: List[int]) -> None:
         array = (ctypes.c_size_t * max(len(slots), 1))(*slots)
-        _check(_library().tierd_adam_remove_groups(self._handle, len(slots), array))
+        check(library().tierd_adam_remove_groups(self._handle, len(slots), array))
 
     def set_group_hyper(self, slot: int, hyper: _abi.AdamHyper) -> None:
-        _check(_library().tierd_adam_set_group_hyper(self._handle, slot, ctypes.byref(hyper)))
+        check(library().tierd_adam_set_group_hyper(self._handle, slot, ctypes.byref(hyper)))
 
     # ---- state ----
 
     def get_state(self, slot: int, part: int, out: int, n: int) -> None:
         """Copies part (ADAM_PARAMS, ADAM_M, ADAM_V) of the group, n fp32 values, to address out."""
-        _check(_library().tierd_adam_get_state(self._handle, slot, part, _ptr(out), n))
+        check(library().tierd_adam_get_state(self._handle, slot, part, _ptr(out), n))
 
     def set_state(self, slot: int, master: int, m: int, v: int, n: int) -> None:
-        _check(_library().tierd_adam_set_state(self._handle, slot, _ptr(master), _ptr(m),
+        check(library().tierd_adam_set_state(self._handle, slot, _ptr(master), _ptr(m),
                                                _ptr(v), n))
 
     def tensor_steps(self, slot: int, n: int) -> List[int]:
         steps = (ctypes.c_int64 * max(n, 1))()
-        _check(_library().tierd_adam_get_tensor_steps(self._handle, slot, steps, n))
+        check(library().tierd_adam_get_tensor_steps(self._handle, slot, steps, n))
         return list(steps)[:n]
 
     def set_tensor_steps(self, slot: int, steps: List[int]) -> None:
         counts = (ctypes.c_int64 * max(len(steps), 1))(*steps)
-        _check(_library().tierd_adam_set_tensor_steps(self._handle, slot, counts, len(steps)))
+        check(library().tierd_adam_set_tensor_steps(self._handle, slot, counts, len(steps)))
 
     def set_steps(self, steps: int) -> None:
-        _check(_library().tierd_adam_set_steps(self._handle, steps))
+        check(library().tierd_adam_set_steps(self._handle, steps))
 
     # ---- a step ----
 
     def begin_step(self, grad_scale: float) -> None:
-        _check(_library().tierd_adam_begin_step(self._handle, grad_scale))
+        check(library().tierd_adam_begin_step(self._handle, grad_scale))
 
     def step_tensors(self, slot: int, grad: Optional[int], grad_dtype: int, out: Optional[int],
                      out_dtype: int, flags, n: int, weights: Optional[int]) -> None:
         """Queues the group's step (addresses must stay valid until finish_step)."""
-        _check(_library().tierd_adam_step_tensors(self._handle, slot, _ptr(grad), grad_dtype,
+        check(library().tierd_adam_step_tensors(self._handle, slot, _ptr(grad), grad_dtype,
                                                   _ptr(out), out_dtype, flags, n,
                                                   _ptr(weights)))
 
     def finish_step(self, stats: Optional[_abi.AdamStepStats] = None) -> None:
-        _check(_library().tierd_adam_finish_step(
+        check(library().tierd_adam_finish_step(
             self._handle, ctypes.byref(stats) if stats is not None else None))
 
     def abandon_step(self) -> None:
-        _check(_library().tierd_adam_abandon_step(self._handle))
+        check(library().tierd_adam_abandon_step(self._handle))
 
     def close(self) -> None:
         if self._handle:
-            _library().tierd_adam_destroy(self._handle)
+            library().tierd_adam_destroy(self._handle)
             self._handle = ctypes.c_void_p()

@@ -17,20 +17,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _abi
-
-
-class TierdError(Exception):
-    """A refused call: `code` is the gRPC status code (an int), `code_name` its name
-    ("RESOURCE_EXHAUSTED"), `message` the daemon's (or the client library's) words."""
-
-    def __init__(self, code: int, message: str):
-        self.code = int(code)
-        try:
-            self.code_name = _abi.Status(code).name
-        except ValueError:
-            self.code_name = str(code)
-        self.message = message
-        super().__init__(f"{self.code_name}: {message}")
+from ._abi import TierdError, check, library
 
 
 class Tier(enum.IntEnum):
@@ -44,21 +31,6 @@ class Access(enum.IntEnum):
     WRITE = _abi.ACCESS_WRITE
     OVERWRITE = _abi.ACCESS_OVERWRITE  # the old bytes are not wanted: nothing is fetched
 
-
-
-_lib = None
-
-
-def _library():
-    global _lib
-    if _lib is None:
-        _lib = _abi.load_library()
-    return _lib
-
-
-def _check(status: int) -> None:
-    if status != _abi.OK:
-        raise TierdError(status, _library().tierd_last_error().decode(errors="replace"))
 
 
 def _ids(chunks: Union["ChunkSet", Iterable[int]]):
@@ -79,10 +51,10 @@ class Completion:
     def done(self) -> bool:
         if self._waited:
             return True
-        status = _library().tierd_poll(self._client._handle, self._token)
+        status = library().tierd_poll(self._client._handle, self._token)
         if status == _abi.PENDING:
             return False
-        _check(status)
+        check(status)
         return True
 
     def wait(self, timeout: Optional[float] = None) -> None:
@@ -91,7 +63,7 @@ class Completion:
         if self._waited:
             return
         ns = -1 if timeout is None else int(timeout * 1e9)
-        _check(_library().tierd_wait(self._client._handle, self._token, ns))
+        check(library().tierd_wait(self._client._handle, self._token, ns))
         self._waited = True
 
     def __await__(self):
@@ -100,7 +72,7 @@ class Completion:
     def stream_wait(self, stream: int) -> None:
         """Makes the CUDA stream (a `cudaStream_t` as an int, e.g. torch's
         `torch.cuda.current_stream().cuda_stream`) wait for this request on the GPU."""
-        _check(_library().tierd_stream_wait(self._client._handle, self._token, stream))
+        check(library().tierd_stream_wait(self._client._handle, self._token, stream))
 
 
 class ChunkSet:
@@ -122,19 +94,24 @@ class ChunkSet:
     def free(self) -> None:
         """Frees the chunks now; refused (TierdError FAILED_PRECONDITION, nothing freed) while a
         tensor made from dlpack() views one of them."""
-        self._free(_library().tierd_free)
+        self._free(library().tierd_free)
 
     def _free(self, fn) -> None:
         if self.ids and self._client._handle:
             n, ids = _ids(self.ids)
-            _check(fn(self._client._handle, n, ids))
+            check(fn(self._client._handle, n, ids))
         self.ids = []
+
+    def free_deferred(self) -> None:
+        """Frees the chunks now, or, where a DLPack tensor still views one, when the last such
+        tensor is dropped (the memory stays the tensor's until then). Never refused for a view."""
+        self._free(library().tierd_free_deferred)
 
     def __enter__(self) -> "ChunkSet":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._free(_library().tierd_free_deferred)
+        self.free_deferred()
 
 
 # PyCapsule by hand (ctypes.pythonapi holds the GIL): the DLPack protocol hands consumers a capsule
@@ -230,7 +207,7 @@ class Acquisition:
         dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
         managed = ctypes.c_void_p()
         tier = _abi.TIER_HOST if self._host else _abi.TIER_DEVICE
-        _check(_library().tierd_chunk_dlpack(self._client._handle, self.ids[i], tier, int(offset),
+        check(library().tierd_chunk_dlpack(self._client._handle, self.ids[i], tier, int(offset),
                                              code, bits, len(shape), dims,
                                              ctypes.byref(managed)))
         return DLPackView(managed.value)
@@ -238,19 +215,24 @@ class Acquisition:
     def release(self) -> None:
         """Releases the chunks; refused (TierdError FAILED_PRECONDITION, nothing released) while a
         tensor made from dlpack() still views one of them."""
-        self._release(_library().tierd_release)
+        self._release(library().tierd_release)
 
     def _release(self, fn) -> None:
         if not self._released and self._client._handle:
             n, ids = _ids(self.ids)
-            _check(fn(self._client._handle, n, ids))
+            check(fn(self._client._handle, n, ids))
         self._released = True
+
+    def release_deferred(self) -> None:
+        """Releases the chunks now, or, where a DLPack tensor still views one, when the last such
+        tensor is dropped. Never refused for a view."""
+        self._release(library().tierd_release_deferred)
 
     def __enter__(self) -> "Acquisition":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._release(_library().tierd_release_deferred)
+        self.release_deferred()
 
 
 @dataclass
@@ -284,12 +266,12 @@ class Client:
     def __init__(self, socket_dir: Optional[str] = None, name: Optional[str] = None):
         name = name or "python"
         self._handle = ctypes.c_void_p()
-        _check(_library().tierd_connect(socket_dir.encode() if socket_dir else None,
+        check(library().tierd_connect(socket_dir.encode() if socket_dir else None,
                                         name.encode(), ctypes.byref(self._handle)))
 
     @property
     def session_id(self) -> int:
-        return _library().tierd_session_id(self._handle)
+        return library().tierd_session_id(self._handle)
 
     @property
     def closed(self) -> bool:
@@ -297,7 +279,7 @@ class Client:
 
     def close(self) -> None:
         if self._handle:
-            _library().tierd_close(self._handle)
+            library().tierd_close(self._handle)
             self._handle = ctypes.c_void_p()
 
     def __enter__(self) -> "Client":
@@ -316,19 +298,19 @@ class Client:
             raise TierdError(_abi.Status.INVALID_ARGUMENT, "allocate: no sizes given")
         arr = (ctypes.c_uint64 * len(sizes))(*sizes)
         ids = (ctypes.c_uint64 * len(sizes))()
-        _check(_library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))
+        check(library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))
         return ChunkSet(self, list(ids), sizes)
 
     def prefetch(self, chunks, tier: Tier) -> Completion:
-        return self._move(_library().tierd_prefetch, chunks, tier)
+        return self._move(library().tierd_prefetch, chunks, tier)
 
     def evict(self, chunks, tier: Tier) -> Completion:
-        return self._move(_library().tierd_evict, chunks, tier)
+        return self._move(library().tierd_evict, chunks, tier)
 
     def _move(self, fn, chunks, tier: Tier) -> Completion:
         n, ids = _ids(chunks)
         token = _abi.Completion()
-        _check(fn(self._handle, n, ids, int(tier), 0, ctypes.byref(token)))
+        check(fn(self._handle, n, ids, int(tier), 0, ctypes.byref(token)))
         return Completion(self, token)
 
     def acquire(self, chunks, tier: Tier, access: Access = Access.READ) -> Acquisition:
@@ -337,7 +319,7 @@ class Client:
         pointers = (ctypes.c_void_p * n)()
         sizes = (ctypes.c_uint64 * n)()
         token = _abi.Completion()
-        _check(_library().tierd_acquire(self._handle, n, ids, int(tier), int(access), pointers,
+        check(library().tierd_acquire(self._handle, n, ids, int(tier), int(access), pointers,
                                         sizes, ctypes.byref(token)))
         return Acquisition(self, list(ids), [p or 0 for p in pointers], list(sizes),
                            Completion(self, token), host=tier != Tier.DEVICE)
@@ -353,7 +335,7 @@ class Client:
         ids = (ctypes.c_uint64 * max(len(accesses), 1))(*[int(a[0]) for a in accesses])
         tiers = (ctypes.c_int * max(len(accesses), 1))(*[int(a[1]) for a in accesses])
         modes = (ctypes.c_int * max(len(accesses), 1))(*[int(a[2]) for a in accesses])
-        _check(_library().tierd_set_schedule(self._handle, len(steps), lengths, ids, tiers, modes,
+        check(library().tierd_set_schedule(self._handle, len(steps), lengths, ids, tiers, modes,
                                              int(host_quota_bytes), int(device_quota_bytes)))
 
     def trace_schedule(self, steps_per_iteration: int, host_quota_bytes: int = 0,
@@ -361,24 +343,24 @@ class Client:
         """Records this session's acquisitions over the next iteration of steps_per_iteration
         steps (filed under the step begin_step last announced) and uses them as the schedule
         from the iteration after on."""
-        _check(_library().tierd_trace_schedule(self._handle, int(steps_per_iteration),
+        check(library().tierd_trace_schedule(self._handle, int(steps_per_iteration),
                                                int(host_quota_bytes), int(device_quota_bytes)))
 
     def begin_step(self, k: int) -> None:
         """Step k of the schedule (counting across iterations) has started: a store into shared
         memory, no call to the daemon."""
-        _check(_library().tierd_begin_step(self._handle, int(k)))
+        check(library().tierd_begin_step(self._handle, int(k)))
 
     def stats(self) -> SessionStats:
         s = _abi.SessionStats()
-        _check(_library().tierd_session_stats_get(self._handle, ctypes.byref(s)))
+        check(library().tierd_session_stats_get(self._handle, ctypes.byref(s)))
         return SessionStats(s.acquired_ready, s.acquired_waited, s.host_stall_ns,
                             s.device_stall_ns, s.planner_fetches, s.planner_drops,
                             s.planner_write_backs, s.cursor, s.schedule_steps, bool(s.tracing))
 
     def tier_usage(self, tier: Tier) -> TierUsage:
         u = _abi.TierUsage()
-        _check(_library().tierd_tier_usage_get(self._handle, int(tier), ctypes.byref(u)))
+        check(library().tierd_tier_usage_get(self._handle, int(tier), ctypes.byref(u)))
         return TierUsage(Tier(tier), bool(u.configured), u.capacity_bytes, u.used_bytes,
                          u.free_bytes, u.largest_free_bytes)
 
@@ -386,7 +368,7 @@ class Client:
         """Bytes the daemon has moved over `path` since it started, all sessions together:
         "host_to_nvme", "nvme_to_host", "host_to_device" or "device_to_host"."""
         out = ctypes.c_uint64()
-        _check(_library().tierd_path_bytes(self._handle, path.encode(), ctypes.byref(out)))
+        check(library().tierd_path_bytes(self._handle, path.encode(), ctypes.byref(out)))
         return out.value
 
     def cuda_device(self) -> int:
@@ -394,7 +376,7 @@ class Client:
         the session maps are registered with CUDA (page-locked), so copies between them and the
         GPU are DMA."""
         ordinal = ctypes.c_int()
-        _check(_library().tierd_cuda_device(self._handle, ctypes.byref(ordinal)))
+        check(library().tierd_cuda_device(self._handle, ctypes.byref(ordinal)))
         return ordinal.value
 
     def device(self) -> dict:
@@ -402,7 +384,7 @@ class Client:
         uuid = ctypes.create_string_buffer(64)
         emulated = ctypes.c_int()
         memory = ctypes.c_uint64()
-        _check(_library().tierd_device_info(self._handle, uuid, 64, ctypes.byref(emulated),
+        check(library().tierd_device_info(self._handle, uuid, 64, ctypes.byref(emulated),
                                             ctypes.byref(memory)))
         return {"uuid": uuid.value.decode(), "emulated": bool(emulated.value),
                 "memory_bytes": memory.value}
