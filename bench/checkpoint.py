@@ -46,7 +46,7 @@ def main() -> None:
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
     import tierd.torch
-    from tierd import _checkpoint
+    from tierd.torch import _checkpoint
 
     m = model(int(args.params))
     n = sum(p.numel() for p in m.parameters())

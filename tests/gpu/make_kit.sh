@@ -27,8 +27,9 @@ objcopy --strip-debug "$client" "$kit/client/libtierd_client.so.0"
 cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$src/tests/gpu/torch_train.py" \
   "$src/tests/gpu/torch_stream.py" "$kit/tests/gpu/"
 cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
-mkdir -p "$kit/python/tierd"
+mkdir -p "$kit/python/tierd/torch"
 cp "$src"/python/tierd/*.py "$kit/python/tierd/"
+cp "$src"/python/tierd/torch/*.py "$kit/python/tierd/torch/"
 cp "$src/bench/adam_torch.py" "$src/bench/train_step.py" "$src/bench/activation_offload.py" \
   "$src/bench/param_stream.py" "$src/bench/benchlib.py" "$kit/bench/"
 mkdir -p "$kit/examples"

@@ -18,7 +18,7 @@ for f in usr/bin/tierd usr/bin/tierctl usr/bin/tierd-bench usr/include/tierd/cli
          usr/share/tierd/dashboards/tierd-overview.json usr/share/tierd/dashboards/tierd-detail.json \
          usr/share/tierd/prometheus/prometheus.yml usr/share/tierd/prometheus/tierd-rules.yml \
          usr/share/tierd/slurm/train.sbatch usr/share/tierd/slurm/torchrun-node.sh \
-         usr/lib/python3/dist-packages/tierd/__init__.py usr/lib/python3/dist-packages/tierd/torch.py \
+         usr/lib/python3/dist-packages/tierd/__init__.py usr/lib/python3/dist-packages/tierd/torch/__init__.py \
          usr/share/doc/tierd/examples/train_gpt.py; do
   [[ -e $root/$f ]] || fail "cmake --install did not install /$f"
 done
@@ -86,7 +86,7 @@ deb=$(ls "$work"/deb/tierd_*.deb)
 contents=$(dpkg-deb -c "$deb")
 for f in ./usr/bin/tierd ./usr/bin/tierctl ./usr/lib/systemd/system/tierd.service \
          ./etc/tierd/tierd.toml ./usr/include/tierd/client.hpp ./usr/lib/sysusers.d/tierd.conf \
-         ./usr/lib/python3/dist-packages/tierd/torch.py; do
+         ./usr/lib/python3/dist-packages/tierd/torch/__init__.py; do
   grep -q " $f\$" <<<"$contents" || fail ".deb lacks $f"
 done
 info=$(dpkg-deb -I "$deb")

@@ -27,7 +27,7 @@ from test_torch_zero import assert_streamed_trains_as_in_memory, losses_of
 
 import tierd  # noqa: E402 (the path test_c_abi sets)
 import tierd.torch  # noqa: E402
-from tierd import _checkpoint  # noqa: E402
+from tierd.torch import _checkpoint  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")

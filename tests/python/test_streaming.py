@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))
 import tierd.torch  # noqa: E402
-from tierd.streaming import _storage_empty  # noqa: E402
+from tierd.torch._storage import storage_empty as _storage_empty  # noqa: E402
+from tierd.torch.testing import poison  # noqa: E402
 from train_gpt import GPT, Block  # noqa: E402
 
 CTX = 16
@@ -111,9 +112,9 @@ def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=N
     stream = None
     if streamed:
         options = dict(device=torch.device("cpu"), device_budget_bytes=budget(model),
-                       socket_dir=daemon, poison=True)
+                       socket_dir=daemon)
         options.update(stream_kwargs or {})
-        stream = tierd.torch.stream_parameters(model, **options)
+        stream = poison(tierd.torch.stream_parameters(model, **options))
     options = dict(HYPER, socket_dir=daemon, overlap_backward=True, threads=2,
                    accumulation_steps=micro, host_budget_bytes=1 << 20, home="host")
     options.update(opt_kwargs)
@@ -165,9 +166,9 @@ def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=N
 def streamed_or_not(daemon, streamed, **opt_kwargs):  # noqa: F811
     """The example GPT, streamed in poison mode (or not), and its OffloadedAdamW."""
     model = make()
-    stream = tierd.torch.stream_parameters(
+    stream = poison(tierd.torch.stream_parameters(
         model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-        socket_dir=daemon, poison=True) if streamed else None
+        socket_dir=daemon)) if streamed else None
     opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=daemon, home="host",
                                      host_budget_bytes=1 << 20, threads=2, **opt_kwargs)
     return model, stream, opt
@@ -406,9 +407,9 @@ def test_resumes_by_name_across_a_daemon_restart():
             model = make()
             stream = None
             if streamed:
-                stream = tierd.torch.stream_parameters(
+                stream = poison(tierd.torch.stream_parameters(
                     model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                    socket_dir=root, poison=True)
+                    socket_dir=root))
             opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
                                              name=f"resume-{streamed}", home="nvme",
                                              overlap_backward=True, host_budget_bytes=1 << 20)
@@ -454,10 +455,9 @@ def test_nvme_homed_blocks_come_back_by_the_schedule_under_memory_pressure():
                 model = GPT(8, 192, 4, CTX)
                 stream = None
                 if streamed:
-                    stream = tierd.torch.stream_parameters(
+                    stream = poison(tierd.torch.stream_parameters(
                         model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                        host_budget_bytes=0,
-                        socket_dir=root, poison=True)
+                        host_budget_bytes=0, socket_dir=root))
                 opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
                                                  home="nvme", overlap_backward=True,
                                                  host_budget_bytes=4 << 20, threads=2)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils.dlpack
 
-from .client import Access, Client, Tier, TierdError, connect
+from ..client import Access, Client, Tier, TierdError, connect
 
 __all__ = ["ActivationOffload", "ActivationStats", "offload_activations"]
 

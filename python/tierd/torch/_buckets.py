@@ -19,11 +19,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _abi, streaming
-from .client import Access
+from .. import _abi
+from ._storage import STEPPED_DTYPES
+from .streaming import StreamRange, stream_ranges
 
-DTYPES = {torch.float32: _abi.FLOAT32, torch.bfloat16: _abi.BFLOAT16,
-          torch.float16: _abi.FLOAT16}
+_STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
 
 
 class Bucket:
@@ -104,7 +104,7 @@ class Bucket:
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
         for i, values in self.slices(self.out):
-            if flags[i] & _abi.ADAM_TENSOR_STEP:
+            if flags[i] & _STEP:
                 p = self.params[i]
                 p.copy_(values.view_as(p), non_blocking=p.is_cuda)
             if flags[i]:
@@ -173,6 +173,26 @@ class Bucket:
             self.remember(i)
         return not same
 
+    def flag(self) -> bool:
+        """Sets the flags of this step: stepped where a gradient is present, weights taken where
+        the caller changed them. Whether there is anything to do."""
+        anything = False
+        for i in range(len(self.sizes)):
+            f = 0
+            if self.live[i]:
+                p = self.params[i]
+                self.flagged[i] = (p._version, p.data_ptr())
+                if self.has[i]:
+                    f |= _STEP
+                if self.changed(i):
+                    f |= _TAKE
+                    if self.weights is None:
+                        self.weights = torch.empty(self.numel, dtype=torch.float32)
+                    self.slice(self.weights, i).copy_(self.weight(i))
+            self.flags[i] = f
+            anything = anything or f != 0
+        return anything
+
     def reset_step(self) -> None:
         k = len(self.sizes)
         self.got = [False] * k
@@ -187,33 +207,23 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
          first_serial: int) -> List[Bucket]:
     """Buckets for `params` ((group index, group, parameter), in the groups' order): per group, in
     backward's order (the last parameters' gradients come first), cut at a change of dtype or
-    device and at bucket_params; a streamed parameter's bucket is its unit's parameters of the
-    group and dtype (streaming.py), the units' in backward's order first. Named
-    "g<group index>.<serial>"."""
+    device and at bucket_params; streamed parameters are the ranges the stream lays out for them
+    (streaming.stream_ranges), first. Named "g<group index>.<serial>"."""
     buckets: List[Bucket] = []
-    by_group: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
-    for gi, group, p in params:
-        by_group.setdefault(gi, []).append((group, p))
-    for gi in sorted(by_group, reverse=True):
+    groups = {gi: group for gi, group, _ in params}
+    ranges, plain = stream_ranges([(gi, p) for gi, _, p in params])
+    for gi in sorted(groups, reverse=True):
+        group = groups[gi]
+        for _, rng in (kr for kr in ranges if kr[0] == gi):
+            serial = first_serial + len(buckets)
+            buckets.append(StreamBucket(serial, f"g{gi}.{serial}", group, rng))
         current: List[torch.Tensor] = []
         size = 0
-        group = by_group[gi][0][0]
-        units: Dict[Tuple[int, int, torch.dtype], List[torch.Tensor]] = {}
-        plain = []
-        for _, p in by_group[gi]:
-            s = streaming.stream_of(p)
-            if s is None:
-                plain.append((group, p))
-            else:
-                units.setdefault((id(s), s.unit_of(p).index, p.dtype), []).append(p)
-        for key in sorted(units, key=lambda k: (k[0], -k[1], str(k[2]))):
-            serial = first_serial + len(buckets)
-            buckets.append(StreamBucket(serial, f"g{gi}.{serial}", group, units[key]))
 
         def close():
             serial = first_serial + len(buckets)
             buckets.append(Bucket(serial, f"g{gi}.{serial}", group, current))
-        for _, p in reversed(plain):
+        for _, p in reversed([kp for kp in plain if kp[0] == gi]):
             if current and (p.dtype != current[0].dtype or p.device != current[0].device
                             or size + p.numel() > bucket_params):
                 close()
@@ -226,75 +236,47 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
 
 
 def check_dtype(p: torch.Tensor) -> None:
-    if p.dtype not in DTYPES:
+    if p.dtype not in STEPPED_DTYPES:
         raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; float32, bfloat16 and "
                         "float16 are supported")
 
 
 class StreamBucket(Bucket):
-    """A bucket of streamed parameters (streaming.py): a range of their unit's chunks. Its
-    gradients are a daemon chunk; the step's new weights go into the range's other version,
-    current from publish() on; the weights as the model has them are the current version."""
+    """A bucket of streamed parameters: one range of their unit (streaming.StreamRange). Its
+    gradients are the range's gradient chunk; the step's new weights go into the range's next
+    version, current from publish() on; the weights as the model has them are the current
+    version."""
 
-    def __init__(self, serial: int, name: str, group: Dict[str, Any],
-                 params: List[torch.Tensor]):
-        self.stream = streaming.stream_of(params[0])
-        super().__init__(serial, name, group, params)
-        self.held = None  # the other version, held for this step's new weights
-        self.grad_held = None  # the gradient chunk, held during a step
-
-    def place(self):
-        """(unit, range): looked up each time, as arrange() makes new ranges."""
-        if self.stream.closed:
-            raise RuntimeError("OffloadedAdamW: the parameter stream of these parameters was "
-                               "closed (close the optimizer first)")
-        return self.stream.range_of(self.params)
+    def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
+        self.range = rng
+        super().__init__(serial, name, group, rng.params)
 
     def _buffers(self) -> None:
         self.out_ext = self.out = None
         self.grad_ext = self.grad = None
 
-    def attach(self) -> None:
-        """After the stream laid this bucket out as a range: its gradient chunk."""
-        u, r = self.place()
-        self.stream.grad_chunk(u, r)
-
     def need_grad(self) -> None:
         """Holds the gradient chunk from the step's first gradient to its end."""
         if self.grad is None:
-            u, r = self.place()
-            self.grad_ext, self.grad_held = self.stream.hold_grad(u, r)
+            self.grad_ext = self.range.gradients()
             self.grad = self.grad_ext[:self.numel]
 
-    def _current(self, i: Optional[int] = None) -> torch.Tensor:
-        """A copy of the current version's weights: all of them, or weight i's alone."""
-        u, r = self.place()
-        view, held = self.stream.hold_range(u, r, r.current, Access.READ)
-        flat = (view[:self.numel] if i is None else self.slice(view, i)).clone()
-        del view
-        held.__exit__(None, None, None)
-        return flat
-
     def weight(self, i: int) -> torch.Tensor:
-        return self._current(i)
+        return self.range.read(i)
 
     def set_weights(self, flat: torch.Tensor) -> None:
-        u, r = self.place()
-        view, held = self.stream.hold_range(u, r, r.current, Access.WRITE)
-        view[:self.numel].copy_(flat.reshape(-1))
-        del view
-        held.__exit__(None, None, None)
+        self.range.write(flat)
 
     def mirror(self) -> None:
         if self.params is not None:
-            for p in self.params:
-                self.stream.clear_edited(p)
+            for i in range(len(self.sizes)):
+                self.range.clear_edited(i)
 
     def remember(self, i: int) -> None:
-        self.stream.clear_edited(self.param(i))
+        self.range.clear_edited(i)
 
     def touched(self, i: int) -> bool:
-        return self.stream.edited(self.param(i))
+        return self.range.edited(i)
 
     def written_since_flagged(self) -> bool:
         return False  # its weights change only in the stream's gathered(), refused in a step
@@ -303,39 +285,24 @@ class StreamBucket(Bucket):
         return self.touched(i)
 
     def bind(self) -> None:
-        if self.held is None:
-            u, r = self.place()
-            view, self.held = self.stream.hold_range(u, r, 1 - r.current, Access.OVERWRITE)
-            self.out_ext = view
-            self.out = view[:self.numel]
+        if self.out is None:
+            self.out_ext = self.range.next_version()
+            self.out = self.out_ext[:self.numel]
 
     def publish(self, flags: List[int]) -> None:
-        """The other version becomes current: the new weights where stepped, the current ones
+        """The next version becomes current: the new weights where stepped, the current ones
         copied across elsewhere."""
-        u, r = self.place()
-        if any(not f & _abi.ADAM_TENSOR_STEP for f in flags):
-            now = self._current()
-            for i, values in self.slices(self.out):
-                if not flags[i] & _abi.ADAM_TENSOR_STEP:
-                    values.copy_(self.slice(now, i))
-        r.current = 1 - r.current
-        self.stream.stepped(u)
+        self.range.publish([bool(f & _STEP) for f in flags])
         for i in range(len(flags)):
             if flags[i]:
                 self.remember(i)
         self.unbind()
 
     def unbind(self) -> None:
-        if self.held is not None:
-            held, self.held = self.held, None
-            self.out_ext = self.out = None
-            held.__exit__(None, None, None)
-        if self.grad is not None:
-            held, self.grad_held = self.grad_held, None
-            self.grad_ext = self.grad = None
-            held.__exit__(None, None, None)
+        self.out_ext = self.out = None
+        self.range.discard()
+        self.grad_ext = self.grad = None
+        self.range.release_gradients()
 
     def drop_grad(self, i: int) -> None:
-        p = self.params[i]
-        self.stream.note_d2h(p.numel() * p.element_size())
-        p.grad = None
+        self.range.gradient_sent(i)

@@ -1,0 +1,249 @@
+"""OffloadedAdamW's state record: its buckets' master weights, moments and step counts in the
+client library's out-of-core optimizer (_adam.Adam), read and written as torch tensors, and
+torch.optim.AdamW's state_dict made from it and loaded into it.
+
+Each owned bucket is one tierd group (its `slot`), each of its parameters one tensor of that group
+with its own step count. Everything a load writes is read and checked before anything is written.
+"""
+import os
+import socket
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import _abi, _adam
+from ..client import Tier, TierdError, connect
+from ._buckets import Bucket
+from ._storage import STEPPED_DTYPES
+
+_PARTS = (("master", _abi.ADAM_PARAMS), ("exp_avg", _abi.ADAM_M), ("exp_avg_sq", _abi.ADAM_V))
+
+
+def hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
+    """A parameter group's (or the defaults') hyperparameters for the C ABI: AdamW's decay."""
+    return _abi.AdamHyper(group["lr"], group["betas"][0], group["betas"][1], group["eps"],
+                          group["weight_decay"], 1)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class OptimizerState:
+    """The open state of one optimizer (one rank's share when sharded)."""
+
+    def __init__(self, adam: _adam.Adam, name: str, persistent: bool, home: str):
+        self.adam = adam
+        self.name = name
+        self.persistent = persistent
+        self.home = home
+
+    @staticmethod
+    def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str,
+             socket_dir, home: Optional[str], host_budget_bytes: int, threads: int, resume,
+             reset: bool, state_dtype: torch.dtype, speculative: bool, defaults: Dict[str, Any]
+             ) -> "OptimizerState":
+        """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
+        the state (twice that when speculative) outgrows host_budget_bytes and the daemon has
+        NVMe, else host. A persistent name is the job's, `rank_suffix` added per rank; scratch
+        state is named by the process and `scratch_id`."""
+        per_param = 8 if state_dtype == torch.bfloat16 else 12
+        state_bytes = per_param * sum(b.numel for b in owned)
+        has_nvme = None
+        if home is None or name is not None:
+            with connect(socket_dir, "optimizer-probe") as c:
+                has_nvme = c.tier_usage(Tier.NVME).configured
+        if home is None:
+            held = state_bytes * (2 if speculative else 1)
+            home = "nvme" if held > host_budget_bytes and has_nvme else "host"
+        if name is not None and not has_nvme:
+            warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
+                          "NVMe tier: it lives in host memory only and is lost when the daemon "
+                          "stops", RuntimeWarning, stacklevel=3)
+        options = _adam.Adam.options()
+        if socket_dir:
+            options.socket_dir = socket_dir.encode()
+        persistent = name is not None
+        full = (name or f"scratch-{os.getpid()}-{scratch_id:x}") + rank_suffix
+        options.name = full.encode()
+        options.persistent = 1 if persistent else 0
+        options.reset = 1 if reset else 0
+        options.open_mode = {None: _abi.ADAM_CREATE_OR_OPEN, True: _abi.ADAM_OPEN,
+                             False: _abi.ADAM_CREATE}[resume]
+        options.home_tier = _abi.TIER_NVME if home == "nvme" else _abi.TIER_HOST
+        options.check_finite = 0  # the whole step is checked in Python, before any group steps
+        options.threads = threads
+        options.host_budget_bytes = host_budget_bytes
+        options.state_dtype = STEPPED_DTYPES[state_dtype]
+        options.speculative = 1 if speculative else 0
+        options.hyper = hyper(defaults)
+        try:
+            adam = _adam.Adam(owned, options)
+        except TierdError as e:
+            if not (resume and e.code == _abi.Status.NOT_FOUND):
+                raise
+            raise TierdError(e.code, (
+                f"{e.message}; the daemon on {socket.gethostname()} does not have it. A job's "
+                "state lives in the daemons of the nodes whose ranks made it, a share per rank "
+                "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
+                "number of ranks, resumes from its checkpoint instead: make the optimizer with "
+                "reset=True and call load_checkpoint(directory) on every rank")) from None
+        return OptimizerState(adam, full, persistent, home)
+
+    @property
+    def resumed(self) -> bool:
+        return self.adam.resumed
+
+    # ---- reading and writing ----
+
+    def read(self, b: Bucket, part: int) -> torch.Tensor:
+        out = torch.empty(b.numel, dtype=torch.float32)
+        self.adam.get_state(b.slot, part, _ptr(out), b.numel)
+        return out
+
+    def tensor_steps(self, b: Bucket) -> List[int]:
+        return self.adam.tensor_steps(b.slot, len(b.sizes))
+
+    def read_all(self, b: Bucket) -> Tuple[Dict[str, torch.Tensor], List[int]]:
+        """b's whole state: master, exp_avg and exp_avg_sq (flat fp32), and each tensor's step."""
+        return {key: self.read(b, part) for key, part in _PARTS}, self.tensor_steps(b)
+
+    def state_of(self, b: Bucket, i: int, read: Dict[int, Any]) -> Dict[str, Any]:
+        """Slot i's state: master, exp_avg, exp_avg_sq (flat fp32) and step (each bucket read
+        once into `read`)."""
+        if b.slot is None:
+            return {}
+        if b.serial not in read:
+            read[b.serial] = self.read_all(b)
+        parts, steps = read[b.serial]
+        state = {key: b.slice(flat, i) for key, flat in parts.items()}
+        state["step"] = steps[i]
+        return state
+
+    def write(self, b: Bucket, parts: Dict[str, List[torch.Tensor]], steps: List[int]) -> None:
+        flat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
+        self.adam.set_state(b.slot, _ptr(flat["master"]), _ptr(flat["exp_avg"]),
+                            _ptr(flat["exp_avg_sq"]), b.numel)
+        self.adam.set_tensor_steps(b.slot, steps)
+
+    def initialize(self, buckets: List[Bucket], moved: Dict[int, Dict[str, Any]]) -> None:
+        """Gives the owned `buckets`, just made, their state: resumed state sets the model's
+        weights; otherwise the model's weights become the master weights, with the state of any
+        parameter in `moved` (id -> master, exp_avg, exp_avg_sq, step) carried over."""
+        for b in buckets:
+            if self.adam.initialized(b.slot):  # resumed
+                b.set_weights(self.read(b, _abi.ADAM_PARAMS))
+                continue
+            parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+            steps = []
+            for i, p in enumerate(b.params):
+                state = moved.get(id(p), {})
+                for key in parts:
+                    value = state.get(key)
+                    if value is None:
+                        value = b.weight(i) if key == "master" else torch.zeros_like(
+                            p, dtype=torch.float32)
+                    parts[key].append(value.reshape(-1).to("cpu", torch.float32))
+                steps.append(int(state.get("step", 0)))
+            self.write(b, parts, steps)
+
+    # ---- torch's format ----
+
+    def export(self, param_groups: List[Dict[str, Any]], owned: List[Bucket]) -> Dict[str, Any]:
+        """torch.optim.AdamW's state_dict of the `owned` buckets' parameters (see
+        OffloadedAdamW.state_dict)."""
+        index = {}
+        groups = []
+        for g in param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append(packed)
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        for b in owned:
+            if not b.active:
+                continue
+            steps = self.tensor_steps(b)
+            if not any(steps[i] for i in range(len(steps)) if b.live[i]):
+                continue
+            m, v = self.read(b, _abi.ADAM_M), self.read(b, _abi.ADAM_V)
+            master = self.read(b, _abi.ADAM_PARAMS) if b.dtype != torch.float32 else None
+            for i, p in enumerate(b.params):
+                if not b.live[i] or steps[i] == 0:
+                    continue  # as torch: no state for a parameter never stepped
+                entry = {"step": torch.tensor(float(steps[i])),
+                         "exp_avg": b.slice(m, i).view_as(p).clone(),
+                         "exp_avg_sq": b.slice(v, i).view_as(p).clone()}
+                if master is not None:  # the weights as the model has them, if changed since
+                    entry["master"] = (b.weight(i).float().view(p.shape) if b.changed(i)
+                                       else b.slice(master, i).view_as(p).clone())
+                state[index[id(p)]] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load(self, state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]],
+             owned: List[Bucket]) -> None:
+        """Loads torch.optim.AdamW's (or OffloadedAdamW's) state_dict into the `owned` buckets
+        and the groups' hyperparameters (see OffloadedAdamW.load_state_dict)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, param_groups)):
+            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
+        if any(s.get("amsgrad") for s in saved_groups):
+            raise ValueError("loaded state dict is of an amsgrad AdamW, which this optimizer "
+                             "does not implement")
+        by_param = {}
+        for s, g in zip(saved_groups, param_groups):
+            for saved_id, p in zip(s["params"], g["params"]):
+                by_param[id(p)] = state_dict["state"].get(saved_id, {})
+        for entry in by_param.values():
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                value = entry.get(key)
+                if value is not None and not torch.is_tensor(value):
+                    raise ValueError(f"state {key} is not a tensor")
+        # Everything is read and checked before anything is written.
+        plans = [self._plan_load(b, by_param) for b in owned if b.active]
+        dormant = [(b, self.tensor_steps(b)) for b in owned if not b.active]
+        everything = [int(torch.as_tensor(e["step"]).item()) for e in by_param.values()
+                      if "step" in e]
+        # steps_taken: the most any parameter has taken (each keeps its own count, set after).
+        self.adam.set_steps(max(everything, default=0))
+        for b, parts, steps in plans:
+            self.write(b, parts, steps)
+        for b, steps in dormant:
+            self.adam.set_tensor_steps(b.slot, steps)
+        for s, g in zip(saved_groups, param_groups):
+            for key, value in s.items():
+                if key != "params":
+                    g[key] = tuple(value) if key == "betas" else value
+
+    def _plan_load(self, b: Bucket, by_param: Dict[int, Dict[str, Any]]):
+        """(b, parts, steps) to write for b: each live parameter's loaded state, checked; the
+        slots of parameters no longer in the groups keep theirs."""
+        current, current_steps = None, None
+        if not all(b.live):
+            current, current_steps = self.read_all(b)
+        parts = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+        steps = []
+        for i, p in enumerate(b.params):
+            if not b.live[i]:
+                for key in parts:
+                    parts[key].append(b.slice(current[key], i))
+                steps.append(current_steps[i])
+                continue
+            entry = by_param[id(p)]
+            for key in parts:
+                value = entry.get(key)
+                if value is None:
+                    value = b.weight(i).view(p.shape) if key == "master" else (
+                        torch.zeros_like(p, dtype=torch.float32))
+                if value.shape != p.shape:
+                    raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
+                                     f"parameter of shape {tuple(p.shape)}")
+                parts[key].append(value.reshape(-1).to("cpu", torch.float32))
+            steps.append(int(torch.as_tensor(entry.get("step", 0)).item()))
+            if steps[-1] < 0:
+                raise ValueError(f"state step {steps[-1]} < 0")
+        return b, parts, steps
+
+    def close(self) -> None:
+        self.adam.close()

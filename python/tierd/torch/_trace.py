@@ -1,0 +1,105 @@
+"""The recorded order of a stream's units: which unit an iteration uses when.
+
+The first training iteration (forward, recomputes, backward) is recorded; later ones follow it,
+so the window knows which units come next. A unit used out of turn is a miss: the place moves to
+its next use in the trace, or, when there is none, off the trace, and the rest of the iteration
+runs on demand. The trace is also the daemon's schedule, so that its planner brings NVMe-homed
+units into host memory before their turn; the hooks announce each step by the schedule's cursor.
+"""
+from typing import Dict, Iterator, List, Optional
+
+from ..client import Access, Tier
+from ._units import Unit, Units
+
+
+class Trace:
+    def __init__(self, units: Units, stats: Dict[str, float]):
+        self.units = units
+        self.order: Optional[List[int]] = None  # unit indices over the recorded iteration
+        self._recording: List[int] = []  # this iteration's, so far
+        self._pos = 0                    # where this iteration is in `order`
+        self._stats = stats
+        self.declared = False   # `order` is the daemon's schedule
+        self._stale = False     # versions changed since it was declared
+        self._cursor_base = 0   # the schedule's cursor at this iteration's start
+
+    def follow(self, u: Unit) -> None:
+        """Moves this iteration's place to u's use (a miss when it is not next)."""
+        self._recording.append(u.index)
+        order = self.order
+        if order is None:
+            return
+        if len(self._recording) == 1 and self._stale:  # an iteration starts after a step
+            self.declare()
+        at = None
+        if self._pos < len(order) and order[self._pos] == u.index:
+            at = self._pos
+        else:
+            self._stats["trace_misses"] += 1
+            for k in range(self._pos, len(order)):
+                if order[k] == u.index:
+                    at = k
+                    break
+        if at is None:
+            self._pos = len(order)  # off the trace: on demand until the iteration ends
+            return
+        self._pos = at + 1
+        if self.declared:
+            self.units.client.begin_step(self._cursor_base + at)
+
+    def upcoming(self, in_backward: bool) -> Iterator[Unit]:
+        """The units the trace says come next (before the first trace: forward's order, then
+        backward's)."""
+        units = self.units
+        if self.order is not None:
+            for k in range(self._pos, len(self.order)):
+                yield units[self.order[k]]
+            return
+        last = self._recording[-1] if self._recording else -1
+        if not in_backward:
+            for i in range(last + 1, len(units)):
+                yield units[i]
+        for i in range(last - 1 if in_backward else len(units) - 1, -1, -1):
+            yield units[i]
+
+    def scheduled_ahead(self) -> bool:
+        """Whether the daemon's planner brings the units still to come up (the schedule is
+        declared and this iteration is on it)."""
+        return self.declared and self._pos < len(self.order)
+
+    def end_iteration(self) -> None:
+        """An iteration's backward ended: the first one becomes the trace."""
+        self._stats["iterations"] += 1
+        if self.order is None and self._recording:
+            self.order = self._recording
+            self.declare()
+        elif self.declared:
+            self._cursor_base += len(self.order)
+        self._recording = []
+        self._pos = 0
+
+    def abandon_iteration(self) -> None:
+        """An iteration that raised: it is not recorded, the next one starts afresh."""
+        self._recording = []
+        self._pos = 0
+
+    def versions_changed(self) -> None:
+        """A step made other versions current: declared again as the next iteration starts."""
+        self._stale = True
+
+    def declare(self) -> None:
+        """The trace as the daemon's schedule: step k of an iteration reads the current versions
+        of the k-th unit the trace names (a host-homed unit's step reads nothing: it stays
+        held)."""
+        self._stale = False
+        if not any(u.home == Tier.NVME for u in self.units):
+            return
+        steps = []
+        for index in self.order:
+            u = self.units[index]
+            ids = u.current_chunks() if u.home == Tier.NVME else []
+            steps.append([(i, Tier.HOST, Access.READ) for i in ids])
+        self.units.client.set_schedule(steps)
+        self.declared = True
+        self._cursor_base = 0
+        self._stats["schedules"] += 1

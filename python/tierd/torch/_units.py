@@ -1,0 +1,316 @@
+"""A streamed model's units and their chunks: which parameters each unit holds, how they are laid
+out in its two chunk versions and on the device, and the chunks themselves (placed, held, read,
+written). The window, the trace and the hooks build on this; it knows nothing of them.
+
+A unit's parameters are laid out as *ranges*: parameters of one dtype end to end, each range at an
+aligned offset in both versions of the unit's chunk, and at an element offset in the unit's device
+storage of its dtype. A range's `current` version holds its weights; the other receives the next
+step's (streaming.StreamRange flips it).
+"""
+import contextlib
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..client import Access, Acquisition, Client, Tier
+from ._storage import STEPPED_DTYPES, as_tensor, resize
+
+ALIGN = 256  # bytes: each range starts at a multiple in its chunk
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def by_dtype(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """`params` as one list per dtype, in the order a unit lays dtypes out."""
+    return [[p for p in params if p.dtype == d] for d in STEPPED_DTYPES]
+
+
+class Range:
+    """Parameters of one dtype of a unit laid end to end in its chunks (and, on the device, in the
+    unit's storage of that dtype). `extra` elements follow the values in the chunks (the sharded
+    optimizer's per-parameter flags)."""
+
+    def __init__(self, params: List[torch.Tensor], extra: int):
+        self.params = params
+        self.dtype = params[0].dtype
+        self.sizes = [p.numel() for p in params]
+        self.offsets = []
+        n = 0
+        for size in self.sizes:
+            self.offsets.append(n)
+            n += size
+        self.numel = n
+        self.extra = extra
+        self.offset = 0         # bytes, in each version's chunk
+        self.device_offset = 0  # elements, in the unit's device storage of its dtype
+        self.current = 0        # the version holding the weights
+        self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (Units.grad_chunk)
+        self.retired = False    # the unit was laid out anew: this range is no more
+
+    @property
+    def nbytes(self) -> int:
+        return (self.numel + self.extra) * self.params[0].element_size()
+
+    def slice(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's elements of a flat view of this range."""
+        return flat[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+
+
+class Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, params: List[torch.Tensor]):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params = params
+        self.ranges: List[Range] = []
+        self.flat: Dict[torch.dtype, torch.Tensor] = {}  # device storage per dtype
+        self.chunks = None          # ChunkSet: version 0, version 1
+        self.chunk_bytes = 0
+        self.home = Tier.HOST
+        self.held = None            # a host unit's acquisition of both versions, kept
+        self.views: Dict[int, torch.Tensor] = {}  # version -> uint8 view of a held chunk
+        self.refs = 0               # forward and backward passes using it now
+        self.bwd_refs = 0           # of them, backward passes its inputs' gradients end
+        self.recompute_refs = 0     # of them, recomputes in its backward (which may stop early)
+        self.host_asked = False     # an NVMe unit's chunks asked into host memory
+        self.copy = None            # the fetch in flight: a Future, or a CUDA event
+        self.reading = None         # an NVMe unit's acquisition the copy reads from
+        self.materialized = False   # its device storage holds its weights (in the window)
+        self.edited = set()         # ids of parameters whose weights gathered() changed
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(r.numel * r.params[0].element_size() for r in self.ranges)
+
+    def current_chunks(self) -> List[int]:
+        """The chunk ids of the versions its ranges read now."""
+        return sorted({self.chunks.ids[r.current] for r in self.ranges})
+
+
+def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[Unit]:
+    """The units: the modules given, else the blocks of the model's largest nn.ModuleList of like
+    blocks; each with its parameters not also reached from outside the units (tied: resident)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if given is None:
+        best, best_params = None, 0
+        for m in model.modules():
+            if not isinstance(m, nn.ModuleList) or len(m) < 2:
+                continue
+            if len({type(c) for c in m}) != 1:
+                continue  # like blocks only
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_params:
+                best, best_params = m, n
+        if best is None:
+            raise ValueError("stream_parameters: the model has no nn.ModuleList of like "
+                             "blocks with parameters: name the units (units=[...])")
+        given = list(best)
+    modules = list(given)
+    if not modules:
+        raise ValueError("stream_parameters: no units")
+    for m in modules:
+        if id(m) not in names:
+            raise ValueError(f"stream_parameters: a unit ({type(m).__name__}) is not a "
+                             "module of the model")
+    ids = {id(m) for m in modules}
+    for m in modules:
+        for sub in m.modules():
+            if sub is not m and id(sub) in ids:
+                raise ValueError(f"stream_parameters: unit {names[id(sub)]!r} is inside "
+                                 f"unit {names[id(m)]!r}")
+    owner: Dict[int, str] = {}
+    units = []
+    for i, m in enumerate(modules):
+        params = []
+        for p in m.parameters():  # each once, shared within the unit or not
+            if id(p) in owner:
+                raise ValueError(f"stream_parameters: a parameter of shape {tuple(p.shape)} "
+                                 f"is in two units ({owner[id(p)]!r} and "
+                                 f"{names[id(m)]!r}): make it one unit, or keep it out "
+                                 "of the units")
+            owner[id(p)] = names[id(m)]
+            params.append(p)
+        units.append(Unit(i, names[id(m)], m, params))
+    # Parameters also reached from outside the units (tied, e.g. an embedding and the head)
+    # stay resident.
+    unit_modules = {id(sub) for u in units for sub in u.module.modules()}
+    outside = set()
+    for m in model.modules():
+        if id(m) in unit_modules:
+            continue
+        for p in m.parameters(recurse=False):
+            outside.add(id(p))
+    for u in units:
+        u.params = [p for p in u.params if id(p) not in outside]
+        for p in u.params:
+            if p.dtype not in STEPPED_DTYPES:
+                raise TypeError(f"stream_parameters: parameter of unit {u.name!r} is "
+                                f"{p.dtype}; OffloadedAdamW steps float32, bfloat16 and "
+                                "float16")
+    return [u for u in units if u.params]
+
+
+class Units:
+    """The units of one stream and their chunks in the daemon (through `client`)."""
+
+    def __init__(self, units: List[Unit], client: Client, device: torch.device):
+        self.all = units
+        self.client = client
+        self.device = device
+        self._unit_of: Dict[int, Unit] = {id(p): u for u in units for p in u.params}
+
+    def __iter__(self) -> Iterator[Unit]:
+        return iter(self.all)
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def __getitem__(self, index: int) -> Unit:
+        return self.all[index]
+
+    def unit_of(self, p: torch.Tensor) -> Optional[Unit]:
+        return self._unit_of.get(id(p))
+
+    def streams(self, p: torch.Tensor) -> bool:
+        return id(p) in self._unit_of
+
+    # ---- chunks ----
+
+    def place(self, host_budget_bytes: Optional[int], has_nvme: bool) -> None:
+        """Each unit's chunks (two versions), at home on the host up to the budget."""
+        host_left = host_budget_bytes
+        for u in self.all:
+            u.chunk_bytes = sum(align(p.numel() * p.element_size() + p.element_size())
+                                for p in u.params) + ALIGN * len(STEPPED_DTYPES)
+            size = 2 * u.chunk_bytes
+            if host_left is None or size <= host_left or not has_nvme:
+                u.home = Tier.HOST
+                if host_left is not None:
+                    host_left -= min(size, host_left)
+            else:
+                u.home = Tier.NVME
+            u.chunks = self.client.allocate([u.chunk_bytes, u.chunk_bytes], u.home)
+            if u.home == Tier.HOST:
+                u.held = self.client.acquire(u.chunks, Tier.HOST, Access.WRITE)
+                for v in (0, 1):
+                    u.views[v] = as_tensor(u.held, v, torch.uint8, [u.chunk_bytes])
+
+    def hold(self, u: Unit, version: int, access: Access
+             ) -> Tuple[torch.Tensor, Optional[Acquisition]]:
+        """A uint8 CPU view of version `version` of u's chunk, and the acquisition to release
+        when done (None for a host unit, whose chunks stay held)."""
+        if u.home == Tier.HOST:
+            return u.views[version], None
+        acq = self.client.acquire([u.chunks.ids[version]], Tier.HOST, access)
+        return as_tensor(acq, 0, torch.uint8, [u.chunk_bytes]), acq
+
+    @contextlib.contextmanager
+    def holding(self, u: Unit, version: int, access: Access):
+        """hold() for a with block (released once the views made from it are gone)."""
+        view, acq = self.hold(u, version, access)
+        try:
+            yield view
+        finally:
+            if acq is not None:
+                acq.release_deferred()
+
+    @staticmethod
+    def range_view(view: torch.Tensor, r: Range) -> torch.Tensor:
+        """Range r's elements (values, then extras) in a uint8 view of a whole chunk."""
+        return view[r.offset:r.offset + r.nbytes].view(r.dtype)
+
+    def weights(self, u: Unit) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Every parameter of u with a copy of its current weights (flat, on the CPU)."""
+        out = []
+        for v in (0, 1):
+            rs = [r for r in u.ranges if r.current == v]
+            if not rs:
+                continue
+            with self.holding(u, v, Access.READ) as view:
+                for r in rs:
+                    values = self.range_view(view, r)
+                    for i, p in enumerate(r.params):
+                        out.append((p, r.slice(values, i).clone()))
+        return out
+
+    # ---- layout ----
+
+    def lay_out(self, u: Unit, groups: List[List[torch.Tensor]], extra_per_param: int,
+                values: Dict[int, torch.Tensor]) -> None:
+        """Lays u out as one range per (non-empty) list of parameters, each of one dtype, and
+        writes `values` (parameter id -> flat weights) into version 0, current in every range.
+        The old ranges are retired, their gradient chunks freed."""
+        ranges = [Range(g, extra_per_param * len(g)) for g in groups if g]
+        offset = 0
+        device_offsets: Dict[torch.dtype, int] = {}
+        for r in ranges:
+            r.offset = offset
+            offset += align(r.nbytes)
+            r.device_offset = device_offsets.get(r.dtype, 0)
+            device_offsets[r.dtype] = r.device_offset + r.numel
+        if offset > u.chunk_bytes:
+            raise ValueError(f"stream_parameters: unit {u.name!r} needs {offset} bytes of chunk "
+                             f"for this layout, it has {u.chunk_bytes}")
+        self.drop_grads(u)
+        for r in u.ranges:
+            r.retired = True
+        u.ranges = ranges
+        u.flat = {d: torch.empty(n, dtype=d, device=self.device)
+                  for d, n in device_offsets.items()}
+        for f in u.flat.values():
+            resize(f, 0)
+        with self.holding(u, 0, Access.OVERWRITE) as view:
+            for r in u.ranges:
+                dst = self.range_view(view, r)
+                for i, p in enumerate(r.params):
+                    r.slice(dst, i).copy_(values[id(p)])
+        self.point(u)
+
+    def point(self, u: Unit) -> None:
+        """Points u's parameters at their places in its device storage (made with room for a
+        moment: a view of an empty storage cannot be taken)."""
+        if not u.materialized:
+            for f in u.flat.values():
+                resize(f, f.numel())
+        with torch.no_grad():
+            for r in u.ranges:
+                flat = u.flat[r.dtype]
+                for i, p in enumerate(r.params):
+                    start = r.device_offset + r.offsets[i]
+                    p.data = flat[start:start + r.sizes[i]].view(p.shape)
+        if not u.materialized:
+            for f in u.flat.values():
+                resize(f, 0)
+
+    # ---- the optimizer's gradients ----
+
+    def grad_chunk(self, r: Range) -> None:
+        """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
+        home in the host tier, held only during a step (hold_grad)."""
+        if r.grad_chunk is None:
+            r.grad_chunk = self.client.allocate([max(r.nbytes, 1)], Tier.HOST)
+
+    def hold_grad(self, r: Range):
+        """(a view of range r's gradient chunk, its acquisition to release when done)."""
+        self.grad_chunk(r)
+        held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.OVERWRITE)
+        return as_tensor(held, 0, r.dtype, [r.numel + r.extra]), held
+
+    def drop_grads(self, u: Unit) -> None:
+        for r in u.ranges:
+            if r.grad_chunk is not None:
+                chunks, r.grad_chunk = r.grad_chunk, None
+                chunks.free_deferred()
+
+    def free(self, u: Unit) -> None:
+        """Frees u's chunks (its weights are to be read first)."""
+        u.views = {}
+        self.drop_grads(u)
+        if u.held is not None:
+            u.held.release_deferred()
+        if u.chunks is not None:
+            u.chunks.free_deferred()
+        u.held = u.chunks = None

@@ -1,0 +1,439 @@
+"""Parameter streaming: a model whose weights do not fit on the device trains through a window.
+
+    stream = tierd.torch.stream_parameters(model, device=torch.device("cuda"),
+                                           device_budget_bytes=8 << 30)
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=3e-4, overlap_backward=True)
+    for x, y in data:
+        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+The model is cut into *units* (module subtrees; by default the blocks of its largest ModuleList).
+Each unit's weights live in two daemon chunks, the unit's two *versions* (at home in the host tier
+up to host_budget_bytes, on NVMe past it); on the device a unit's parameters keep their shape but
+have an empty storage, except while the unit is in the *window*: fetched for its forward, again
+for its backward, released after each. Everything outside the units stays on the device.
+
+The rooms, each over the ones before it: _units.py (the units, their layout and chunks),
+_trace.py (the order recorded over the first iteration, the daemon's schedule), _window.py (the
+device storage, fetch and release), _stream_hooks.py (the hooks and the training state). Tensors
+autograd saved in forward that view a parameter (a weight's transpose) view the unit's storage,
+so backward reads the weights fetched for it.
+
+OffloadedAdamW steps streamed parameters through one seam: stream_ranges() lays each unit out as
+one range per parameter group and dtype and hands back a StreamRange for each. Gradients leave
+the device as autograd finishes each one into the range's gradient chunk; the kernel writes the
+new weights into the range's next version, which StreamRange.publish makes current (the stream
+flips it); a step rolled back or skipped leaves the current version as it was.
+"""
+import warnings
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..client import Access, Client, Tier, TierdError, connect
+from ._stream_hooks import StreamHooks, TrainingState
+from ._trace import Trace
+from ._units import Range, Unit, Units, by_dtype, find_units
+from ._window import Window
+
+__all__ = ["ParameterStream", "StreamRange", "stream_parameters", "stream_ranges"]
+
+# Every streamed parameter (by id) -> its stream: how OffloadedAdamW finds them.
+_STREAMED: "weakref.WeakValueDictionary[int, ParameterStream]" = weakref.WeakValueDictionary()
+
+
+def stream_of(p: torch.Tensor) -> Optional["ParameterStream"]:
+    """The open stream that streams parameter p, if any."""
+    s = _STREAMED.get(id(p))
+    if s is None or s.closed or not s._units.streams(p):
+        return None
+    return s
+
+
+class ParameterStream:
+    """The hooks and the chunks of stream_parameters(); see the module's text."""
+
+    def __init__(self, model: nn.Module, units: Optional[Sequence[nn.Module]] = None,
+                 device: Optional[torch.device] = None, device_budget_bytes: int = 8 << 30,
+                 prefetch: int = 1, host_budget_bytes: Optional[int] = None,
+                 name: Optional[str] = None, client: Optional[Client] = None,
+                 socket_dir: Optional[str] = None):
+        device = torch.device(device if device is not None else "cuda")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, not {prefetch}")
+        if host_budget_bytes is not None and host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0, not {host_budget_bytes}")
+        self.closed = True  # until set up: close() and __del__ read it
+        self.model = model
+        self.device = device
+        self.device_budget_bytes = int(device_budget_bytes)
+        self.prefetch = int(prefetch)
+        self.window = self.prefetch + 2
+        self.host_budget_bytes = host_budget_bytes
+        self.name = name or type(model).__name__
+        found = find_units(model, units)
+        streamed = {id(p) for u in found for p in u.params}
+        self._resident = _resident_tensors(model, streamed)
+        self._check_budget(found)
+
+        self._own_client = client is None
+        self._client = client if client is not None else connect(socket_dir, f"stream {self.name}")
+        if device.type == "cuda":
+            self._client.cuda_device()  # the daemon's host memory page-locked: copies are DMA
+        has_nvme = self._client.tier_usage(Tier.NVME).configured
+        self._stats = dict(fetches=0, on_demand=0, trace_misses=0, h2d_bytes=0, d2h_bytes=0,
+                           wait_s=0.0, iterations=0, over_window=0, schedules=0)
+        self._nvme_start = self._client.path_bytes("nvme_to_host")
+        self._units = Units(found, self._client, device)
+        self._trace = Trace(self._units, self._stats)
+        self._window = Window(self._units, self._trace, device, self.prefetch, self._stats)
+        self._hooks = StreamHooks(self._units, self._window)
+        try:
+            self._units.place(host_budget_bytes, has_nvme)
+            self._move_resident()
+            self.closed = False
+            for u in self._units:
+                self._units.lay_out(u, by_dtype(u.params), 1,
+                                    {id(p): p.detach().reshape(-1) for p in u.params})
+            for u in self._units:
+                for p in u.params:
+                    _STREAMED[id(p)] = self
+            self._hooks.install()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_budget(self, units: List[Unit]) -> None:
+        resident = sum(t.numel() * t.element_size() for t in self._resident)
+        largest = max(sum(p.numel() * p.element_size() for p in u.params) for u in units)
+        need = resident + self.window * largest + largest  # the window, and one unit's grads
+        self.resident_bytes = resident
+        self.largest_unit_bytes = largest
+        if self.device_budget_bytes < need:
+            raise ValueError(
+                f"stream_parameters: a device budget of {self.device_budget_bytes:,} bytes is "
+                f"below the {need:,} needed: {resident:,} resident + ({self.prefetch} prefetch + "
+                f"2) x {largest:,} (the largest unit) + {largest:,} (its gradients)")
+
+    def _move_resident(self) -> None:
+        with torch.no_grad():
+            for t in self._resident:
+                if t.device != self.device:
+                    t.data = t.data.to(self.device)
+        self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("stream_parameters: the stream was closed")
+
+    # ---- for OffloadedAdamW: the seam ----
+
+    def _claim(self, layout: Dict[int, List[List[torch.Tensor]]]) -> Dict[int, List[Range]]:
+        """Lays each unit (index -> lists of its parameters) out anew as one range per list, the
+        rest of its parameters after them by dtype, moving the current weights. Between steps."""
+        out = {}
+        with self._window.lock:
+            for index, groups in layout.items():
+                u = self._units[index]
+                if u.materialized or u.refs:
+                    raise RuntimeError("stream_parameters: units are rearranged between steps")
+                taken = {id(p) for g in groups for p in g}
+                rest = by_dtype([p for p in u.params if id(p) not in taken])
+                values = {id(p): w for p, w in self._units.weights(u)}
+                self._units.lay_out(u, groups + rest, 1, values)
+                out[index] = u.ranges[:len(groups)]
+                for r in out[index]:
+                    self._units.grad_chunk(r)
+            self._trace.versions_changed()
+        return out
+
+    def _stepped(self, u: Unit) -> None:
+        """A range of u has new weights: a copy of the old ones in the window goes."""
+        with self._window.lock:
+            self._trace.versions_changed()
+            if u.refs == 0:
+                self._window.release(u)
+
+    # ---- the user's ----
+
+    @property
+    def stats(self) -> Dict[str, float]:
+        """Figures since the stream was made: device_peak_bytes (resident + units in the window),
+        h2d_bytes (weights fetched), d2h_bytes (gradients sent off), nvme_read_bytes (NVMe to
+        host, the whole node), wait_s (compute waiting for weights), trace_misses, on_demand
+        (units not prefetched when asked for), fetches, iterations, over_window, schedules (the
+        daemon told the trace)."""
+        s = dict(self._stats)
+        s["device_peak_bytes"] = self._window.peak
+        s["units_on_nvme"] = sum(1 for u in self._units if u.home == Tier.NVME)
+        s["device_live_bytes"] = self._window.live
+        if self._client is not None and not self._client.closed:
+            s["nvme_read_bytes"] = self._client.path_bytes("nvme_to_host") - self._nvme_start
+            session = self._client.stats()
+            s["planner_fetches"] = session.planner_fetches
+            s["acquired_waited"] = session.acquired_waited
+        return s
+
+    @property
+    def units(self) -> List[str]:
+        return [u.name for u in self._units]
+
+    def gathered(self):
+        """A context in which every streamed parameter holds its weights on the CPU (the model's
+        state_dict, torch.save, edits; a forward inside runs on those weights, the hooks standing
+        aside); weights changed inside are kept (and OffloadedAdamW takes them as its master
+        weights at its next step). To evaluate on the device, run the forward outside it, under
+        torch.no_grad(): it streams as training does."""
+        return _Gathered(self)
+
+    def close(self) -> None:
+        """Removes the hooks, gives every streamed parameter its weights back as a CPU tensor
+        and frees the chunks."""
+        if self.closed:
+            if getattr(self, "_own_client", False) and getattr(self, "_client", None):
+                self._client.close()
+                self._client = None
+            return
+        self._hooks.remove()
+        lost = None
+        try:
+            for u in self._units:
+                self._window.release(u)
+                try:
+                    weights = self._units.weights(u) if u.chunks is not None else []
+                except TierdError as e:  # the daemon is gone: so are the weights
+                    lost, weights = e, []
+                with torch.no_grad():
+                    for p, w in weights:
+                        p.data = w.view(p.shape)
+                try:  # a dead daemon's chunks are gone with it
+                    self._units.free(u)
+                except TierdError as e:
+                    lost = lost or e
+        finally:
+            self.closed = True
+            self._window.close()
+            if self._own_client and self._client is not None:
+                self._client.close()
+                self._client = None
+        if lost is not None:
+            warnings.warn(f"stream_parameters: the streamed weights could not be read back "
+                          f"({lost}); the streamed parameters stay without storage",
+                          RuntimeWarning, stacklevel=2)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return (f"ParameterStream({len(self._units)} units, window {self.window}, device "
+                f"{self.device}, budget {self.device_budget_bytes:,} bytes)")
+
+
+def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
+    seen, out = set(), []
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in streamed and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+class StreamRange:
+    """OffloadedAdamW's handle on one range of a streamed unit: its parameters laid end to end,
+    the weights' current version, the next version a step writes, and a gradient chunk. The
+    stream owns the layout and the version flip (publish); the optimizer reads and writes the
+    unit's chunks through this handle only."""
+
+    def __init__(self, stream: ParameterStream, unit: Unit, r: Range):
+        self._stream = stream
+        self._unit = unit
+        self._range = r
+        self.params = r.params
+        self.dtype = r.dtype
+        self._next = None   # the next version, held from next_version() to publish/discard
+        self._grads = None  # the gradient chunk, held from gradients() to release_gradients
+
+    def _check(self) -> Range:
+        if self._stream.closed:
+            raise RuntimeError("OffloadedAdamW: the parameter stream of these parameters was "
+                               "closed (close the optimizer first)")
+        if self._range.retired:
+            raise RuntimeError("stream_parameters: these parameters were laid out anew for "
+                               "another optimizer")
+        return self._range
+
+    def read(self, i: Optional[int] = None) -> torch.Tensor:
+        """A copy of the current weights: all of them (flat), or parameter i's alone."""
+        r = self._check()
+        units = self._stream._units
+        with units.holding(self._unit, r.current, Access.READ) as view:
+            values = units.range_view(view, r)
+            return (values[:r.numel] if i is None else r.slice(values, i)).clone()
+
+    def write(self, flat: torch.Tensor) -> None:
+        """Sets every weight of the current version from `flat`."""
+        r = self._check()
+        units = self._stream._units
+        with units.holding(self._unit, r.current, Access.WRITE) as view:
+            units.range_view(view, r)[:r.numel].copy_(flat.reshape(-1))
+
+    def next_version(self) -> torch.Tensor:
+        """A view of the next version (values, then extras) for a step's new weights, held until
+        publish() or discard()."""
+        if self._next is None:
+            r = self._check()
+            view, held = self._stream._units.hold(self._unit, 1 - r.current, Access.OVERWRITE)
+            self._next = (Units.range_view(view, r), held)
+        return self._next[0]
+
+    def publish(self, stepped: Sequence[bool]) -> None:
+        """The next version becomes current: the new weights where `stepped`, the current ones
+        copied across elsewhere."""
+        r = self._check()
+        out = self.next_version()
+        if not all(stepped):
+            now = self.read()
+            for i in range(len(stepped)):
+                if not stepped[i]:
+                    r.slice(out, i).copy_(r.slice(now, i))
+        r.current = 1 - r.current
+        self.discard()
+        self._stream._stepped(self._unit)
+
+    def discard(self) -> None:
+        """Lets the next version go, unpublished (a step abandoned, or published)."""
+        if self._next is not None:
+            held, self._next = self._next[1], None
+            if held is not None:
+                held.release_deferred()
+
+    def gradients(self) -> torch.Tensor:
+        """A view of the gradient chunk (values, then extras), held until release_gradients()."""
+        if self._grads is None:
+            self._grads = self._stream._units.hold_grad(self._check())
+        return self._grads[0]
+
+    def release_gradients(self) -> None:
+        if self._grads is not None:
+            held, self._grads = self._grads[1], None
+            held.release_deferred()
+
+    def gradient_sent(self, i: int) -> None:
+        """Parameter i's gradient was taken off the device (and is dropped there)."""
+        p = self.params[i]
+        self._stream._stats["d2h_bytes"] += p.numel() * p.element_size()
+        p.grad = None
+
+    def edited(self, i: int) -> bool:
+        """Whether gathered() changed parameter i's weights since clear_edited(i)."""
+        return id(self.params[i]) in self._unit.edited
+
+    def clear_edited(self, i: int) -> None:
+        self._unit.edited.discard(id(self.params[i]))
+
+
+def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
+                  ) -> Tuple[List[Tuple[Any, StreamRange]], List[Tuple[Any, torch.Tensor]]]:
+    """The one place a streamed unit becomes an optimizer's ranges. `keyed`: (key, parameter),
+    the key a parameter group's index. Each unit with a parameter among them is laid out anew:
+    one range per key and dtype of its parameters there (its other parameters after them);
+    returns those ranges as (key, StreamRange), keys in descending order and within a key the
+    units in backward's order, and the parameters not streamed, as given. Between steps."""
+    layouts: Dict[int, Dict[int, Dict[Tuple[Any, str], List[torch.Tensor]]]] = {}
+    streams: Dict[int, ParameterStream] = {}
+    plain = []
+    for key, p in keyed:
+        s = stream_of(p)
+        if s is None:
+            plain.append((key, p))
+            continue
+        streams[id(s)] = s
+        u = s._units.unit_of(p)
+        layouts.setdefault(id(s), {}).setdefault(u.index, {}).setdefault(
+            (key, str(p.dtype)), []).append(p)
+    found = []
+    for sid, by_unit in layouts.items():
+        s = streams[sid]
+        order = {index: sorted(lists, key=lambda k: (-k[0], k[1]))
+                 for index, lists in by_unit.items()}
+        claimed = s._claim({index: [by_unit[index][k] for k in keys]
+                            for index, keys in order.items()})
+        for index, keys in order.items():
+            u = s._units[index]
+            for k, r in zip(keys, claimed[index]):
+                found.append(((-k[0], sid, -index, k[1]), k[0], StreamRange(s, u, r)))
+    found.sort(key=lambda f: f[0])
+    return [(key, rng) for _, key, rng in found], plain
+
+
+class _Gathered:
+    def __init__(self, stream: ParameterStream):
+        self.stream = stream
+        self.before: List[Tuple[Unit, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
+
+    def __enter__(self):
+        s = self.stream
+        s._check_open()
+        if s._hooks.busy():
+            raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
+                               "inside another gathered()")
+        for u in s._units:
+            s._window.release(u)
+            weights = s._units.weights(u)
+            self.before.append((u, weights))
+            with torch.no_grad():
+                for p, w in weights:
+                    p.data = w.clone().view(p.shape)
+        s._hooks.state = TrainingState.GATHERED
+        return s
+
+    def __exit__(self, *exc):
+        s = self.stream
+        s._hooks.state = TrainingState.IDLE
+        units = s._units
+        for u, weights in self.before:
+            changed = {}
+            for p, w in weights:
+                now = p.detach().reshape(-1)
+                if now.dtype != w.dtype or now.numel() != w.numel():
+                    raise RuntimeError("stream_parameters: a streamed parameter's dtype or "
+                                       "shape changed inside gathered()")
+                if not torch.equal(now, w):
+                    changed[id(p)] = now.clone()
+            if changed:
+                for r in u.ranges:
+                    if not any(id(p) in changed for p in r.params):
+                        continue
+                    with units.holding(u, r.current, Access.WRITE) as view:
+                        values = units.range_view(view, r)
+                        for i, p in enumerate(r.params):
+                            if id(p) in changed:
+                                r.slice(values, i).copy_(changed[id(p)])
+                u.edited |= set(changed)
+            units.point(u)
+        self.before = []
+
+
+def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = None,
+                      device: Optional[torch.device] = None,
+                      device_budget_bytes: int = 8 << 30, prefetch: int = 1,
+                      host_budget_bytes: Optional[int] = None, name: Optional[str] = None,
+                      **kwargs) -> ParameterStream:
+    """Streams the model's units' weights through a device window (see the module's text).
+
+    units: module subtrees fetched, released and stepped together (default: the blocks of the
+        model's largest nn.ModuleList of like blocks); parameters outside them, or also used
+        outside them (tied), stay resident on the device.
+    device: the compute device (torch.device("cpu") with a budget is an emulated GPU).
+    device_budget_bytes: at least resident + (prefetch + 2) x the largest unit + its gradients.
+    prefetch: units copied ahead of the one computing.
+    host_budget_bytes: the units' chunks (two versions each) at home in the host tier up to this;
+        the rest on NVMe. None: all in the host tier.
+    client, socket_dir: the daemon session (default: a session of its own).
+    """
+    return ParameterStream(model, units, device, device_budget_bytes, prefetch,
+                           host_budget_bytes, name, **kwargs)
