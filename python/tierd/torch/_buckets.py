@@ -235,6 +235,30 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
     return buckets
 
 
+def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[Any]:
+    """Puts a finished step's new weights (each bucket's `out`) into the model: the `stepped`
+    buckets' here, or, sharded over ranks (`comm`), every `active` bucket's from its owner.
+    Returns the CUDA event after the copies into GPU weights (None when there are none): `out`
+    is not to be written again before it."""
+    for b in stepped:  # weights only taken: `out` keeps them as the model has them
+        for i, values in b.slices(b.out):
+            if b.flags[i] == _TAKE:
+                values.copy_(b.weight(i))
+    if comm is not None:
+        for b in active:  # every bucket's new weights arrive into its `out`
+            b.bind()
+        new = comm.broadcast_weights(active, stepped)
+    else:
+        new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
+    for b, flags in new:
+        b.publish(flags)
+    if not any(b.device.type == "cuda" for b in active + stepped):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def check_dtype(p: torch.Tensor) -> None:
     if p.dtype not in STEPPED_DTYPES:
         raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; float32, bfloat16 and "

@@ -107,6 +107,25 @@ class GradientIntake:
         if error is not None:
             raise error
 
+    def take_rest(self, comm) -> List[Bucket]:
+        """At step(): the gradients not handed over during backward, taken now (sharded over
+        `comm`: summed into their owners). This rank's buckets still to step, flagged, their
+        copies done."""
+        todo = []
+        for b in self._layout.active():
+            if b.launched:
+                continue
+            self.complete(b)
+            todo.append(b)
+        if comm is not None:
+            comm.reduce_ready(self._layout.active(), force=True)
+            todo = list(comm.reduced([b for b in todo if b.slot is not None], wait=True))
+        todo = [b for b in todo if b.flag()]
+        for b in todo:
+            if b.event is not None:
+                b.event.synchronize()
+        return todo
+
     def complete(self, b: Bucket) -> None:
         """Takes the gradients of b's live parameters not taken yet: those that have one now
         (torch steps a parameter whose .grad is not None), zeros for the others when sharded

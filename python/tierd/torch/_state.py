@@ -245,5 +245,36 @@ class OptimizerState:
                 raise ValueError(f"state step {steps[-1]} < 0")
         return b, parts, steps
 
+    # ---- a step, as the library runs it ----
+
+    def begin(self, owned: List[Bucket], grad_scale: float) -> None:
+        """Begins the library's step, each group with its parameter group's hyperparameters."""
+        for b in owned:
+            self.adam.set_group_hyper(b.slot, hyper(b.group))
+        self.adam.begin_step(grad_scale)
+
+    def launch(self, b: Bucket) -> None:
+        """Queues bucket b's step (its gradients, flags, taken weights and `out`)."""
+        code = STEPPED_DTYPES[b.dtype]
+        self.adam.step_tensors(b.slot, _ptr(b.grad), code, _ptr(b.out), code, b.flags,
+                               len(b.sizes), _ptr(b.weights))
+
+    def finish(self) -> Dict[str, float]:
+        """Waits for the step's groups; the library's figures of it."""
+        stats = _abi.AdamStepStats()
+        self.adam.finish_step(stats)
+        return {"step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
+                "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
+                "write_wait_s": stats.write_wait_ns / 1e9,
+                "state_bytes": float(stats.state_bytes)}
+
+    def give_up(self, speculative: bool) -> None:
+        """Ends a step without applying more: abandoned (the state as before it) when it was
+        speculative, else finished with what it applied."""
+        if speculative:
+            self.adam.abandon_step()
+        else:
+            self.adam.finish_step()
+
     def close(self) -> None:
         self.adam.close()

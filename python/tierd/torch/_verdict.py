@@ -72,6 +72,21 @@ class Verdict:
             return torch.zeros(())
         return torch.norm(torch.stack(norms), 2.0)
 
+    def apply(self, param_groups: List[Dict[str, Any]], buckets: List[Bucket], grad_scale: float,
+              norm: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Unscales the buckets' gradients, then clips them unless the step is to be skipped;
+        returns the global norm (of the unscaled gradients; `norm` when known already), None
+        when nothing is checked."""
+        if grad_scale != 1.0:
+            self.scale(buckets, self.inverse(grad_scale))
+        if not self.checks:
+            return None
+        if norm is None:
+            norm = self.grad_norm(param_groups, buckets)
+        if not self.skips(norm) and self.max_grad_norm is not None:
+            self.scale(buckets, self.clip_coefficient(norm))
+        return norm
+
     @staticmethod
     def scale(buckets: List[Bucket], factor: torch.Tensor) -> None:
         """Multiplies the buckets' gradients by `factor` (unscale, or clip)."""

@@ -14,15 +14,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .. import _abi
 from ..client import TierdError
 from . import _checkpoint
-from ._buckets import Bucket
+from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
 from ._shard import Comm
-from ._state import OptimizerState, hyper
-from ._storage import STEPPED_DTYPES
+from ._state import OptimizerState
 from ._verdict import Verdict
 
 _DEFAULT_BUCKET_PARAMS = 4 << 20
@@ -161,9 +159,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise failed
         else:
             try:
-                self._comm.all_succeeded("open the optimizer's state", failed)
-                self._comm.agree("whether the state was resumed", int(self.resumed))
-                self._comm.agree("the steps taken", self.steps_taken)
+                self._comm.agree_on_state(failed, self.resumed, self.steps_taken)
             except BaseException:
                 self.close()
                 raise
@@ -265,7 +261,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self.phase is not StepPhase.STEPPING:
             self._layout.sync(self._state)
             self.phase = StepPhase.GRADIENTS
-        todo = self._gradients_in()
+        todo = self._intake.take_rest(self._comm)
         verdict = self._verdict
         inv = verdict.inverse(grad_scale)
         rolled_back, norm = False, None
@@ -279,7 +275,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                                                                  grad_scale):
                 # Discard the buckets stepped during backward and step them all again, exactly.
                 # (When the speculation holds, the rest are stepped as those were.)
-                self._state.adam.abandon_step()
+                self._state.give_up(speculative=True)
                 self.phase = StepPhase.GRADIENTS
                 self._early = 0
                 todo = self._stepped() + todo
@@ -289,11 +285,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 rolled_back = True
         verdict.spec_scale = grad_scale
         if self.phase is not StepPhase.STEPPING:  # nothing stepped yet: unscale, skip or clip
-            if grad_scale != 1.0:
-                verdict.scale(todo, inv)
-            if verdict.checks:
-                if norm is None:
-                    norm = verdict.grad_norm(self.param_groups, todo)
+            norm = verdict.apply(self.param_groups, todo, grad_scale, norm)
+            if norm is not None:
                 self.last_grad_norm = float(norm)
                 if verdict.skips(norm):
                     self.skipped_steps += 1
@@ -301,8 +294,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self.last_stats = {"skipped": 1.0, "rolled_back": float(rolled_back),
                                        "tail_s": time.perf_counter() - start}
                     return loss
-                if verdict.max_grad_norm is not None:
-                    verdict.scale(todo, verdict.clip_coefficient(norm))
             self._begin(1.0)
         for b in todo:
             self._launch(b)
@@ -330,24 +321,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
                                "after they were stepped during backward (overlap_backward): "
                                "change them between step() and the next backward")
 
-    def _gradients_in(self) -> List[Bucket]:
-        """The gradients not handed over during backward, taken now (sharded: summed into their
-        owners): this rank's buckets still to step, flagged, their copies done."""
-        todo = []
-        for b in self._layout.active():
-            if b.launched:
-                continue
-            self._intake.complete(b)
-            todo.append(b)
-        if self._comm is not None:
-            self._comm.reduce_ready(self._layout.active(), force=True)
-            todo = list(self._comm.reduced([b for b in todo if b.slot is not None], wait=True))
-        todo = [b for b in todo if b.flag()]
-        for b in todo:
-            if b.event is not None:
-                b.event.synchronize()
-        return todo
-
     def _stepped(self) -> List[Bucket]:
         """The buckets given to the optimizer this step."""
         mine = self._layout.active() if self._comm is None else self._layout.owned
@@ -357,9 +330,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
             self._pending_copy.synchronize()
             self._pending_copy = None
-        for b in self._layout.owned:
-            self._state.adam.set_group_hyper(b.slot, hyper(b.group))
-        self._state.adam.begin_step(grad_scale)
+        self._state.begin(self._layout.owned, grad_scale)
         self.phase = StepPhase.STEPPING
 
     def _launch(self, b: Bucket) -> None:
@@ -368,54 +339,30 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if b.event is not None:
             b.event.synchronize()
         b.bind()
-        code = STEPPED_DTYPES[b.dtype]
-        self._state.adam.step_tensors(b.slot, _ptr(b.grad), code, _ptr(b.out), code, b.flags,
-                                      len(b.sizes), _ptr(b.weights))
+        self._state.launch(b)
         b.launched = True
 
     def _finish(self, start: float, rolled_back: bool) -> None:
         """Waits for the library's step, then puts the new weights into the model."""
         early = self._early
         reduces_early = self._comm.early if self._comm is not None else 0
-        stats = _abi.AdamStepStats()
         try:
-            self._state.adam.finish_step(stats)
+            stats = self._state.finish()
         except BaseException:
             self._end_step()
             raise
         written = self._stepped()
         self._end_step(unbind=False)
         try:
-            self._write_weights(written)
+            self._pending_copy = write_back(written, self._layout.active(), self._comm)
         finally:
             for b in self._layout.buckets:
                 b.unbind()
-        self.last_stats = {
-            "step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
-            "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
-            "write_wait_s": stats.write_wait_ns / 1e9, "state_bytes": float(stats.state_bytes),
-            "buckets": float(len([b for b in self._layout.owned if b.active])),
-            "buckets_during_backward": float(early),
-            "reduces_during_backward": float(reduces_early), "rolled_back": float(rolled_back),
-            "tail_s": time.perf_counter() - start}
-
-    def _write_weights(self, stepped: List[Bucket]) -> None:
-        # The last step's copies out of `out` were waited for in _begin, before this step wrote it.
-        for b in stepped:  # weights only taken: `out` keeps them as the model has them
-            for i, values in b.slices(b.out):
-                if b.flags[i] == _abi.ADAM_TENSOR_TAKE_WEIGHTS:
-                    values.copy_(b.weight(i))
-        if self._comm is not None:
-            for b in self._layout.active():  # every bucket's new weights arrive into its `out`
-                b.bind()
-            new = self._comm.broadcast_weights(self._layout.active(), stepped)
-        else:
-            new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
-        for b, flags in new:
-            b.publish(flags)
-        if any(b.device.type == "cuda" for b in self._layout.buckets):
-            self._pending_copy = torch.cuda.Event()
-            self._pending_copy.record()
+        stats.update({"buckets": float(len([b for b in self._layout.owned if b.active])),
+                      "buckets_during_backward": float(early),
+                      "reduces_during_backward": float(reduces_early),
+                      "rolled_back": float(rolled_back), "tail_s": time.perf_counter() - start})
+        self.last_stats = stats
 
     def _end_step(self, unbind: bool = True) -> None:
         self.phase = StepPhase.IDLE
@@ -438,10 +385,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             pass
         if self.phase is StepPhase.STEPPING:
             try:
-                if self._verdict.speculate:
-                    self._state.adam.abandon_step()
-                else:
-                    self._state.adam.finish_step()
+                self._state.give_up(self._verdict.speculate)
             finally:
                 self._end_step()
 
@@ -520,7 +464,3 @@ class OffloadedAdamW(torch.optim.Optimizer):
         moments = "bf16 moments, " if self.state_dtype == torch.bfloat16 else ""
         return (f"OffloadedAdamW({len(self._layout.buckets)} buckets, {moments}{self.home} "
                 f"home, {'persistent' if self.persistent else 'scratch'})")
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
