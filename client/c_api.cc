@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/c_api_common.h"
+#include "common/completion_page.h"
 #include "dlpack/dlpack.h"
 #include "tierd/client.h"
 #include "tierd/client.hpp"
@@ -492,9 +493,20 @@ tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion
   });
 }
 
+static_assert(TIERD_VERSION_BITS == tierd::kVersionBits);
+
 tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size_t* step_lengths,
                                 const tierd_chunk_id* ids, const int* tiers, const int* modes,
                                 uint64_t host_quota_bytes, uint64_t device_quota_bytes) {
+  return tierd_set_paired_schedule(client, n_steps, step_lengths, ids, nullptr, nullptr, tiers,
+                                   modes, host_quota_bytes, device_quota_bytes);
+}
+
+tierd_status tierd_set_paired_schedule(tierd_client* client, size_t n_steps,
+                                       const size_t* step_lengths, const tierd_chunk_id* ids,
+                                       const tierd_chunk_id* others, const uint32_t* version_bits,
+                                       const int* tiers, const int* modes,
+                                       uint64_t host_quota_bytes, uint64_t device_quota_bytes) {
   if (client == nullptr || (n_steps > 0 && step_lengths == nullptr)) {
     return Invalid("tierd_set_schedule: NULL client or step_lengths");
   }
@@ -502,6 +514,10 @@ tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size
   for (size_t i = 0; i < n_steps; ++i) total += step_lengths[i];
   if (total > 0 && (ids == nullptr || tiers == nullptr || modes == nullptr)) {
     return Invalid("tierd_set_schedule: NULL ids, tiers or modes");
+  }
+  if ((others == nullptr) != (version_bits == nullptr)) {
+    return Invalid(
+        "tierd_set_paired_schedule: others and version_bits are both given or both NULL");
   }
   return Guard([&] {
     std::vector<tierd::ScheduleStep> steps(n_steps);
@@ -518,8 +534,11 @@ tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size
               "tierd_set_schedule: access ", next, " has mode ", modes[next],
               ", not TIERD_ACCESS_READ, TIERD_ACCESS_WRITE or TIERD_ACCESS_OVERWRITE")));
         }
-        steps[i].push_back({ids[next], static_cast<tierd::Tier>(tiers[next]),
-                            static_cast<tierd::AccessMode>(modes[next])});
+        steps[i].push_back({.id = ids[next],
+                            .tier = static_cast<tierd::Tier>(tiers[next]),
+                            .mode = static_cast<tierd::AccessMode>(modes[next]),
+                            .other = others == nullptr ? 0 : others[next],
+                            .version_bit = version_bits == nullptr ? 0 : version_bits[next]});
       }
     }
     return Done(client->client->SetSchedule(
@@ -541,6 +560,11 @@ tierd_status tierd_begin_step(tierd_client* client, uint64_t k) {
   if (client == nullptr) return Invalid("tierd_begin_step: NULL client");
   client->client->BeginStep(k);
   return TIERD_OK;
+}
+
+tierd_status tierd_set_version(tierd_client* client, uint32_t bit, int value) {
+  if (client == nullptr) return Invalid("tierd_set_version: NULL client");
+  return Done(client->client->SetVersion(bit, value != 0));
 }
 
 tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* out) {

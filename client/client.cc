@@ -737,6 +737,8 @@ absl::Status Client::SetSchedule(std::span<const ScheduleStep> steps,
       access->set_chunk_id(a.id);
       access->set_tier(ToProto(a.tier));
       access->set_mode(static_cast<pb::AccessMode>(static_cast<int>(a.mode)));
+      access->set_other_chunk_id(a.other);
+      access->set_version_bit(a.version_bit);
     }
   }
   req.set_host_quota_bytes(options.host_quota_bytes);
@@ -759,6 +761,21 @@ absl::Status Client::TraceSchedule(uint32_t steps_per_iteration, const ScheduleO
 
 void Client::BeginStep(uint64_t k) {
   impl_->page->header.cursor.store(k + 1, std::memory_order_release);
+}
+
+absl::Status Client::SetVersion(uint32_t bit, bool value) {
+  if (bit >= kVersionBits) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SetVersion: bit ", bit, "; there are ", kVersionBits));
+  }
+  std::atomic<uint64_t>& word = impl_->page->header.versions[bit / 64];
+  const uint64_t mask = uint64_t{1} << (bit % 64);
+  if (value) {
+    word.fetch_or(mask, std::memory_order_release);
+  } else {
+    word.fetch_and(~mask, std::memory_order_release);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<SessionStats> Client::GetSessionStats() {

@@ -19,6 +19,8 @@ namespace tierd {
 inline constexpr uint32_t kCompletionPageMagic = 0x54434d50;  // "TCMP"
 inline constexpr uint32_t kCompletionPageVersion = 1;
 inline constexpr uint32_t kCompletionSlots = 8192;
+// Version bits a session's schedule may name (each picks one chunk of a pair; see the header).
+inline constexpr uint32_t kVersionBits = 4096;
 
 // Slot word: (sequence << 2) | state. Sequences run 1..2^30-1 per slot and then wrap to 1.
 enum class SlotState : uint32_t {
@@ -63,7 +65,13 @@ struct alignas(4096) CompletionPageHeader {
   uint64_t session_id;
   // Reserved for the schedule cursor (the client advances it, the daemon reads it).
   std::atomic<uint64_t> cursor;
+  // The version bits the client flips: an access of its schedule that names a pair of chunks is
+  // to the first while its bit is clear, to the second while it is set (the two versions of one
+  // thing: a step writes the other and flips the bit, and the schedule stays as declared). In
+  // space that was reserved: zero for a client that names no pair. Only ever read as a hint.
+  std::atomic<uint64_t> versions[kVersionBits / 64];
 };
+static_assert(sizeof(CompletionPageHeader) == 4096);
 
 // The message of a failed request, kept in a small ring beside the slots: the daemon writes the
 // record (sequence 0 while it writes), the client finds it by slot and sequence. A record can be

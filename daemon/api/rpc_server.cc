@@ -199,7 +199,11 @@ class TierdService final : public pb::Tierd::Service {
               "SetSchedule: access mode ", static_cast<int>(a.mode()), " of chunk ", a.chunk_id(),
               " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
         }
-        out.push_back({a.chunk_id(), *tier, access});
+        out.push_back({.id = a.chunk_id(),
+                       .tier = *tier,
+                       .access = access,
+                       .other = a.other_chunk_id(),
+                       .version_bit = a.version_bit()});
         ++accesses;
       }
     }

@@ -675,6 +675,16 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
                          " tier; steps acquire chunks in the host or device tier"));
       }
       if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
+      if (a.other == 0) continue;
+      if (a.other == a.id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: chunk ", a.id, " is paired with itself"));
+      }
+      if (a.version_bit >= kVersionBits) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: the pair of chunks ", a.id, " and ", a.other,
+                         " names version bit ", a.version_bit, "; there are ", kVersionBits));
+      }
     }
   }
   absl::MutexLock lock(&mu_);
@@ -687,6 +697,7 @@ absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest r
     for (const auto& step : request.steps) {
       for (const ScheduledAccess& a : step) {
         if (seen.insert(a.id).second) ids.push_back(a.id);
+        if (a.other != 0 && seen.insert(a.other).second) ids.push_back(a.other);
       }
     }
   }

@@ -27,6 +27,10 @@ class CompletionRing {
   int fd() const { return fd_.get(); }
   // The schedule cursor the client writes: steps started so far. Only ever read as a hint.
   uint64_t cursor() const { return page_->header.cursor.load(std::memory_order_acquire); }
+  // The client's version bit `bit` (< kVersionBits), as it last wrote it. A hint too.
+  bool version(uint32_t bit) const {
+    return (page_->header.versions[bit / 64].load(std::memory_order_acquire) >> (bit % 64)) & 1;
+  }
 
   // Takes a free slot and marks it pending. RESOURCE_EXHAUSTED when every slot is pending or not
   // yet acknowledged by the client.

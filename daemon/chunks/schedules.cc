@@ -1,6 +1,7 @@
 #include "daemon/chunks/schedules.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
@@ -62,14 +63,20 @@ void Schedules::Install(Entry& entry, const Session& session, Schedule steps,
   entry.accesses = size;
   entry.session = session.shared_from_this();
   entry.named.clear();
+  entry.paired = false;
   absl::flat_hash_set<ChunkId> seen;
   for (const auto& step : steps) {
     for (const ScheduledAccess& a : step) {
       if (seen.insert(a.id).second) entry.named.push_back(a.id);
+      if (a.other == 0) continue;
+      entry.paired = true;
+      if (seen.insert(a.other).second) entry.named.push_back(a.other);
     }
   }
   const size_t n = steps.size();
   entry.steps = n == 0 ? nullptr : std::make_shared<const Schedule>(std::move(steps));
+  entry.resolved = nullptr;
+  entry.bits.clear();
   entry.quota = quota;
   entry.step_time.assign(n, absl::ZeroDuration());
   entry.step_mean.assign(n, absl::ZeroDuration());
@@ -164,6 +171,36 @@ void Schedules::UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now) {
   entry.step_started = now;
 }
 
+std::shared_ptr<const Schedule> Schedules::Resolve(Entry& entry) {
+  if (!entry.paired) return entry.steps;
+  const CompletionRing& ring = *entry.session->completions;
+  std::vector<bool> bits;
+  bits.reserve(entry.bits.size());
+  for (const auto& step : *entry.steps) {
+    for (const ScheduledAccess& a : step) {
+      if (a.other != 0) bits.push_back(ring.version(a.version_bit));
+    }
+  }
+  if (entry.resolved != nullptr && bits == entry.bits) return entry.resolved;
+  // A pair is one access of the step; two pairs at one version are one access too.
+  auto resolved = std::make_shared<Schedule>();
+  resolved->reserve(entry.steps->size());
+  size_t k = 0;
+  for (const auto& step : *entry.steps) {
+    std::vector<ScheduledAccess>& out = resolved->emplace_back();
+    out.reserve(step.size());
+    absl::flat_hash_set<std::pair<ChunkId, TierKind>> in_step;
+    for (const ScheduledAccess& a : step) {
+      ScheduledAccess one{.id = a.id, .tier = a.tier, .access = a.access};
+      if (a.other != 0 && bits[k++]) one.id = a.other;
+      if (in_step.insert({one.id, one.tier}).second) out.push_back(one);
+    }
+  }
+  entry.bits = std::move(bits);
+  entry.resolved = std::move(resolved);
+  return entry.resolved;
+}
+
 void Schedules::Collect(absl::Time now, Round* round) {
   // The plans point into the round's vectors: no reallocation while they are filled.
   round->steps.reserve(entries_.size());
@@ -178,7 +215,7 @@ void Schedules::Collect(absl::Time now, Round* round) {
     if (entry.steps == nullptr) continue;
     const uint64_t cursor = entry.session->completions->cursor();
     UpdateStepTimes(entry, cursor, now);
-    round->steps.push_back(entry.steps);
+    round->steps.push_back(Resolve(entry));
     round->step_times.push_back(entry.step_time);
     round->sessions.push_back(SessionPlan{.session = id,
                                           .steps = round->steps.back().get(),

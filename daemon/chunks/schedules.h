@@ -85,7 +85,12 @@ class Schedules {
     // Immutable once installed, so that a planning round can read it without the lock.
     std::shared_ptr<const Session> session;
     std::shared_ptr<const Schedule> steps;
-    std::vector<ChunkId> named;  // every chunk the schedule names, once
+    // A schedule that names pairs: `steps` with each pair resolved by the version bits as last
+    // read (`bits`, one per pair in order), made again when a bit has changed.
+    bool paired = false;
+    std::shared_ptr<const Schedule> resolved;
+    std::vector<bool> bits;
+    std::vector<ChunkId> named;  // every chunk the schedule names, once (both of a pair)
     uint64_t accesses = 0;       // what the schedule counts against the limits
     TierArray<uint64_t> quota;
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
@@ -111,6 +116,9 @@ class Schedules {
                const TierArray<uint64_t>& quota, uint64_t size, absl::Time now);
   // Installs the recorded trace as of `now` (a planning round's time, when the round finishes it).
   void FinishTrace(Entry& entry, const Session& session, absl::Time now);
+  // The schedule a planning round reads: `steps`, or, for one that names pairs, the pairs as
+  // the session's version bits say now.
+  std::shared_ptr<const Schedule> Resolve(Entry& entry);
   // Folds the time since the cursor last moved into the step times of the steps it passed.
   void UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now);
 

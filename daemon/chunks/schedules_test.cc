@@ -5,6 +5,8 @@
 
 #include <sys/mman.h>
 
+#include <tuple>
+
 #include "gtest/gtest.h"
 
 namespace tierd::daemon {
@@ -31,6 +33,35 @@ class SchedulesTest : public ::testing::Test {
       for (ChunkId id : step) out.push_back({id, TierKind::kHost, Access::kRead});
     }
     return r;
+  }
+  void Version(uint32_t bit, bool set) {
+    const uint64_t mask = uint64_t{1} << (bit % 64);
+    if (set) {
+      page_->header.versions[bit / 64].fetch_or(mask);
+    } else {
+      page_->header.versions[bit / 64].fetch_and(~mask);
+    }
+  }
+  // One step reading each pair (first, other, version bit).
+  static ScheduleRequest Pairs(std::vector<std::tuple<ChunkId, ChunkId, uint32_t>> pairs) {
+    ScheduleRequest r;
+    auto& step = r.steps.emplace_back();
+    for (auto [first, other, bit] : pairs) {
+      step.push_back({.id = first,
+                      .tier = TierKind::kHost,
+                      .access = Access::kRead,
+                      .other = other,
+                      .version_bit = bit});
+    }
+    return r;
+  }
+  static std::vector<ChunkId> Ids(const Schedules::Round& round) {
+    std::vector<ChunkId> ids;
+    for (const ScheduledAccess& a : (*round.sessions.at(0).steps).at(0)) {
+      EXPECT_EQ(a.other, 0u);  // the planner sees resolved accesses only
+      ids.push_back(a.id);
+    }
+    return ids;
   }
   Schedules::Round Collect() {
     Schedules::Round round;
@@ -162,6 +193,36 @@ TEST_F(SchedulesTest, ReplacingAScheduleCountsOnlyTheNewOneAndTheEndGivesItBack)
   EXPECT_EQ(ledger_.UsageOf(kUid).schedule_accesses, 0u);
   EXPECT_EQ(schedules_.count(), 0u);
   EXPECT_TRUE(Collect().sessions.empty());
+}
+
+TEST_F(SchedulesTest, APairIsReadAtTheVersionItsBitSays) {
+  schedules_.Set(*session_, Pairs({{1, 2, 0}, {3, 4, 700}}));
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{1, 3}));
+  Version(700, true);  // the client flipped one thing's version: no new schedule
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{1, 4}));
+  Version(0, true);
+  Version(700, false);
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{2, 3}));
+  EXPECT_EQ(Collect().named, (absl::flat_hash_set<ChunkId>{1, 2, 3, 4}));  // both of each pair
+}
+
+TEST_F(SchedulesTest, PairsAtOneVersionAreOneAccessOfTheirStep) {
+  // A unit's ranges: one pair of chunks each, a bit each, flipped together by a step.
+  schedules_.Set(*session_, Pairs({{1, 2, 5}, {1, 2, 6}}));
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{1}));
+  Version(5, true);
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{2, 1}));
+  Version(6, true);
+  EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{2}));
+}
+
+TEST_F(SchedulesTest, ARoundReusesTheResolvedScheduleWhileNoBitChanged) {
+  schedules_.Set(*session_, Pairs({{1, 2, 9}}));
+  Schedules::Round first = Collect();
+  Schedules::Round second = Collect();
+  EXPECT_EQ(first.steps.at(0).get(), second.steps.at(0).get());
+  Version(9, true);
+  EXPECT_NE(Collect().steps.at(0).get(), first.steps.at(0).get());
 }
 
 }  // namespace

@@ -49,6 +49,10 @@ struct ScheduledAccess {
   ChunkId id = 0;
   TierKind tier = TierKind::kHost;
   Access access = Access::kRead;
+  // A pair (as declared; Schedules resolves it before a plan): the access is to `id` while the
+  // session's version bit `version_bit` is clear, to `other` while it is set. 0: no pair.
+  ChunkId other = 0;
+  uint32_t version_bit = 0;
 };
 
 struct SessionPlan {

@@ -11,6 +11,7 @@ LIBRARY = "libtierd_client.so.0"
 
 TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
 ACCESS_READ, ACCESS_WRITE, ACCESS_OVERWRITE = 1, 2, 3
+VERSION_BITS = 4096  # TIERD_VERSION_BITS: the version bits a schedule's pairs may name
 
 
 class Status(enum.IntEnum):
@@ -157,7 +158,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 def load_library():
@@ -202,7 +203,11 @@ def load_library():
     lib.tierd_set_schedule.argtypes = [p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), u64p,
                                        intp, intp, ctypes.c_uint64, ctypes.c_uint64]
     lib.tierd_trace_schedule.argtypes = [p, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64]
+    lib.tierd_set_paired_schedule.argtypes = [
+        p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), u64p, u64p,
+        ctypes.POINTER(ctypes.c_uint32), intp, intp, ctypes.c_uint64, ctypes.c_uint64]
     lib.tierd_begin_step.argtypes = [p, ctypes.c_uint64]
+    lib.tierd_set_version.argtypes = [p, ctypes.c_uint32, ctypes.c_int]
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
     lib.tierd_chunk_dlpack.argtypes = [p, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64,

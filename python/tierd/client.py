@@ -324,19 +324,27 @@ class Client:
         return Acquisition(self, list(ids), [p or 0 for p in pointers], list(sizes),
                            Completion(self, token), host=tier != Tier.DEVICE)
 
-    def set_schedule(self, steps: Sequence[Sequence[Tuple[int, "Tier", "Access"]]],
-                     host_quota_bytes: int = 0, device_quota_bytes: int = 0) -> None:
+    def set_schedule(self, steps: Sequence[Sequence[tuple]], host_quota_bytes: int = 0,
+                     device_quota_bytes: int = 0) -> None:
         """Declares one iteration's steps, repeated: step i acquires the (chunk id, tier, access)
-        of steps[i] (docs/schedules.md). Replaces the session's schedule; [] clears it. Quotas:
-        bytes of the host and device tiers the planner may fill for this session (0: no limit
-        but the tier's)."""
+        of steps[i] (docs/schedules.md). An access may name a pair instead, (chunk id, tier,
+        access, other chunk id, version bit): the first chunk while the version bit is clear
+        (set_version), the other while it is set. Replaces the session's schedule; [] clears it.
+        Quotas: bytes of the host and device tiers the planner may fill for this session (0: no
+        limit but the tier's)."""
         accesses = [a for step in steps for a in step]
+        n = max(len(accesses), 1)
         lengths = (ctypes.c_size_t * max(len(steps), 1))(*[len(step) for step in steps])
-        ids = (ctypes.c_uint64 * max(len(accesses), 1))(*[int(a[0]) for a in accesses])
-        tiers = (ctypes.c_int * max(len(accesses), 1))(*[int(a[1]) for a in accesses])
-        modes = (ctypes.c_int * max(len(accesses), 1))(*[int(a[2]) for a in accesses])
-        check(library().tierd_set_schedule(self._handle, len(steps), lengths, ids, tiers, modes,
-                                             int(host_quota_bytes), int(device_quota_bytes)))
+        ids = (ctypes.c_uint64 * n)(*[int(a[0]) for a in accesses])
+        tiers = (ctypes.c_int * n)(*[int(a[1]) for a in accesses])
+        modes = (ctypes.c_int * n)(*[int(a[2]) for a in accesses])
+        others, bits = None, None
+        if any(len(a) > 3 for a in accesses):
+            others = (ctypes.c_uint64 * n)(*[int(a[3]) if len(a) > 3 else 0 for a in accesses])
+            bits = (ctypes.c_uint32 * n)(*[int(a[4]) if len(a) > 3 else 0 for a in accesses])
+        check(library().tierd_set_paired_schedule(self._handle, len(steps), lengths, ids, others,
+                                                  bits, tiers, modes, int(host_quota_bytes),
+                                                  int(device_quota_bytes)))
 
     def trace_schedule(self, steps_per_iteration: int, host_quota_bytes: int = 0,
                        device_quota_bytes: int = 0) -> None:
@@ -350,6 +358,11 @@ class Client:
         """Step k of the schedule (counting across iterations) has started: a store into shared
         memory, no call to the daemon."""
         check(library().tierd_begin_step(self._handle, int(k)))
+
+    def set_version(self, bit: int, value: int) -> None:
+        """Sets version bit `bit` (< 4096), which picks one chunk of each pair a schedule names
+        with it: a store into shared memory, no call to the daemon."""
+        check(library().tierd_set_version(self._handle, int(bit), int(value)))
 
     def stats(self) -> SessionStats:
         s = _abi.SessionStats()

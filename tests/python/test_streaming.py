@@ -491,6 +491,7 @@ def test_nvme_homed_blocks_come_back_by_the_schedule_under_memory_pressure():
         assert torch.equal(got[1][k], v), k
     stats = got[2]
     assert stats["units_on_nvme"] == 8
-    assert stats["schedules"] >= 3  # declared after the first iteration, again after each step
+    # Declared once, after the first iteration: each step flips versions by their bits only.
+    assert stats["schedules"] == 1
     assert stats["nvme_read_bytes"] > 0
     assert stats["planner_fetches"] > 0

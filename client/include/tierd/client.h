@@ -14,14 +14,16 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 6
+#define TIERD_C_ABI_VERSION 7
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
  * 5: tierd_adam_options.state_dtype (bf16 moments) and .speculative, tierd_adam_abandon_step
  * 6: groups of tensors with a step count each (tierd_adam_create_groups, _add_groups,
  *    _remove_groups, _group_count, _get/set_tensor_steps, _step_tensors); a viewed chunk's
- *    release and free handed to its last view (tierd_release_deferred, tierd_free_deferred) */
+ *    release and free handed to its last view (tierd_release_deferred, tierd_free_deferred)
+ * 7: schedules naming pairs of chunks picked by version bits (tierd_set_paired_schedule,
+ *    tierd_set_version) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -186,6 +188,18 @@ tierd_status tierd_stream_wait(tierd_client* client, tierd_completion completion
 tierd_status tierd_set_schedule(tierd_client* client, size_t n_steps, const size_t* step_lengths,
                                 const tierd_chunk_id* ids, const int* tiers, const int* modes,
                                 uint64_t host_quota_bytes, uint64_t device_quota_bytes);
+/* As tierd_set_schedule, with pairs: where others[i] != 0, access i is to ids[i] while the
+ * session's version bit version_bits[i] (< TIERD_VERSION_BITS) is clear and to others[i] while it
+ * is set, so that two versions of one thing (a unit's weights before and after a step) stay one
+ * schedule while tierd_set_version flips between them. others and version_bits: NULL, no pairs. */
+#define TIERD_VERSION_BITS 4096
+tierd_status tierd_set_paired_schedule(tierd_client* client, size_t n_steps,
+                                       const size_t* step_lengths, const tierd_chunk_id* ids,
+                                       const tierd_chunk_id* others, const uint32_t* version_bits,
+                                       const int* tiers, const int* modes,
+                                       uint64_t host_quota_bytes, uint64_t device_quota_bytes);
+/* Sets version bit `bit` to `value` (0 or 1): a store into shared memory, no RPC. */
+tierd_status tierd_set_version(tierd_client* client, uint32_t bit, int value);
 /* Trace mode: records this session's acquisitions over the next iteration of steps_per_iteration
  * steps and uses them as the schedule from the iteration after on. */
 tierd_status tierd_trace_schedule(tierd_client* client, uint32_t steps_per_iteration,

@@ -179,6 +179,10 @@ struct StepAccess {
   ChunkId id = 0;
   Tier tier = Tier::kHost;
   AccessMode mode = AccessMode::kRead;
+  // A pair: the access is to `id` while version bit `version_bit` (SetVersion) is clear, to
+  // `other` while it is set. 0: no pair.
+  ChunkId other = 0;
+  uint32_t version_bit = 0;
 };
 using ScheduleStep = std::vector<StepAccess>;
 
@@ -379,6 +383,9 @@ class Client {
   // store into shared memory, no RPC. The daemon's planner brings each step's chunks in ahead of
   // it, at the pace the steps keep.
   void BeginStep(uint64_t k);
+  // Sets version bit `bit` (< 4096, TIERD_VERSION_BITS; INVALID_ARGUMENT beyond), which picks one
+  // chunk of each pair a schedule names with it: one store into shared memory, no RPC.
+  absl::Status SetVersion(uint32_t bit, bool value);
   absl::StatusOr<SessionStats> GetSessionStats();
   // This session's share of NVMe bandwidth while other sessions' I/O waits too: bytes in
   // proportion to its weight (default 1; at most the daemon's planner.max_session_weight,

@@ -5,11 +5,16 @@ so the window knows which units come next. A unit used out of turn is a miss: th
 its next use in the trace, or, when there is none, off the trace, and the rest of the iteration
 runs on demand. The trace is also the daemon's schedule, so that its planner brings NVMe-homed
 units into host memory before their turn; the hooks announce each step by the schedule's cursor.
+
+The schedule is declared once: each range of a unit is named as the pair of its two versions with
+a version bit of its own, which the stream sets as a step makes the other version current (a
+store into shared memory). Only a new layout (new ranges) declares it again.
 """
 from typing import Dict, Iterator, List, Optional
 
+from .. import _abi
 from ..client import Access, Tier
-from ._units import Unit, Units
+from ._units import Range, Unit, Units
 
 
 class Trace:
@@ -20,7 +25,8 @@ class Trace:
         self._pos = 0                    # where this iteration is in `order`
         self._stats = stats
         self.declared = False   # `order` is the daemon's schedule
-        self._stale = False     # versions changed since it was declared
+        self._stale = False     # to be declared again as the next iteration starts
+        self._paired = False    # declared with pairs: versions follow by their bits
         self._cursor_base = 0   # the schedule's cursor at this iteration's start
 
     def follow(self, u: Unit) -> None:
@@ -83,22 +89,43 @@ class Trace:
         self._recording = []
         self._pos = 0
 
-    def versions_changed(self) -> None:
-        """A step made other versions current: declared again as the next iteration starts."""
+    def laid_out(self) -> None:
+        """Units were laid out anew (other ranges): declared again as the next iteration starts."""
         self._stale = True
+
+    def flipped(self, r: Range) -> None:
+        """Range r's current version changed (a step): a schedule with pairs follows through r's
+        version bit, without a call; one without is declared again as the next iteration
+        starts."""
+        if self.declared and self._paired and r.version_bit is not None:
+            self.units.client.set_version(r.version_bit, r.current)
+        else:
+            self._stale = True
 
     def declare(self) -> None:
         """The trace as the daemon's schedule: step k of an iteration reads the current versions
-        of the k-th unit the trace names (a host-homed unit's step reads nothing: it stays
-        held)."""
+        of the k-th unit the trace names, each range as the pair of its versions picked by its
+        version bit (a host-homed unit's step reads nothing: it stays held)."""
         self._stale = False
-        if not any(u.home == Tier.NVME for u in self.units):
+        nvme = [u for u in self.units if u.home == Tier.NVME]
+        if not nvme:
             return
+        ranges = [r for u in nvme for r in u.ranges]
+        self._paired = len(ranges) <= _abi.VERSION_BITS  # else the current chunks, as they are
+        if self._paired:
+            for bit, r in enumerate(ranges):
+                r.version_bit = bit
+                self.units.client.set_version(bit, r.current)
         steps = []
         for index in self.order:
             u = self.units[index]
-            ids = u.current_chunks() if u.home == Tier.NVME else []
-            steps.append([(i, Tier.HOST, Access.READ) for i in ids])
+            if u.home != Tier.NVME:
+                steps.append([])
+            elif self._paired:
+                steps.append([(u.chunks.ids[0], Tier.HOST, Access.READ, u.chunks.ids[1],
+                               r.version_bit) for r in u.ranges])
+            else:
+                steps.append([(i, Tier.HOST, Access.READ) for i in u.current_chunks()])
         self.units.client.set_schedule(steps)
         self.declared = True
         self._cursor_base = 0

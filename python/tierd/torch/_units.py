@@ -47,6 +47,7 @@ class Range:
         self.offset = 0         # bytes, in each version's chunk
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
         self.current = 0        # the version holding the weights
+        self.version_bit = None  # the daemon's bit for `current`, once the schedule names it
         self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (Units.grad_chunk)
         self.retired = False    # the unit was laid out anew: this range is no more
 

@@ -145,13 +145,13 @@ class ParameterStream:
                 out[index] = u.ranges[:len(groups)]
                 for r in out[index]:
                     self._units.grad_chunk(r)
-            self._trace.versions_changed()
+            self._trace.laid_out()
         return out
 
-    def _stepped(self, u: Unit) -> None:
-        """A range of u has new weights: a copy of the old ones in the window goes."""
+    def _flipped(self, u: Unit, r: Range) -> None:
+        """Range r of u has new weights: a copy of the old ones in the window goes."""
         with self._window.lock:
-            self._trace.versions_changed()
+            self._trace.flipped(r)
             if u.refs == 0:
                 self._window.release(u)
 
@@ -302,7 +302,7 @@ class StreamRange:
                     r.slice(out, i).copy_(r.slice(now, i))
         r.current = 1 - r.current
         self.discard()
-        self._stream._stepped(self._unit)
+        self._stream._flipped(self._unit, r)
 
     def discard(self) -> None:
         """Lets the next version go, unpublished (a step abandoned, or published)."""
