@@ -4,12 +4,15 @@ directory, stopped and removed on exit)."""
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from typing import Dict
 
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -58,3 +61,19 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def requests(root: str) -> Dict[str, float]:
+    """The daemon's requests so far by operation (its tierd_requests_total, every status), read
+    from its metrics endpoint (named in its log)."""
+    found = re.search(r"serving metrics on http://([^/\s]+)/metrics",
+                      open(os.path.join(root, "daemon.log")).read())
+    if found is None:
+        sys.exit("tierd's log names no metrics endpoint")
+    text = urllib.request.urlopen(f"http://{found.group(1)}/metrics", timeout=10).read().decode()
+    out: Dict[str, float] = {}
+    for m in re.finditer(r'^tierd_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+        op = re.search(r'op="([^"]*)"', m.group(1))
+        if op is not None:
+            out[op.group(1)] = out.get(op.group(1), 0.0) + float(m.group(2))
+    return out

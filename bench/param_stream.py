@@ -140,13 +140,15 @@ def compare(args):
         runs = {}
         for v in args.variants:
             model, opt, stream = setup(args, root, v, device)
-            runs[v] = dict(model=model, opt=opt, stream=stream, times=[], losses=[], stats=[])
+            runs[v] = dict(model=model, opt=opt, stream=stream, times=[], losses=[], stats=[],
+                           requests=[])
         while min(len(r["times"]) for r in runs.values()) < args.steps + 1:
             for v, r in runs.items():
                 for _ in range(args.block):
                     step = len(r["times"])
                     x, y = train_gpt.batch(data, step, Shape, device)
                     before = r["stream"].stats if r["stream"] else None
+                    asked = benchlib.requests(root)
                     t0 = time.perf_counter()
                     loss = r["model"](x, y)
                     loss.backward()
@@ -156,6 +158,8 @@ def compare(args):
                         torch.cuda.synchronize()
                     r["times"].append(time.perf_counter() - t0)
                     r["losses"].append(loss.item())
+                    now = benchlib.requests(root)
+                    r["requests"].append({op: n - asked.get(op, 0) for op, n in now.items()})
                     if before is not None:
                         after = r["stream"].stats
                         r["stats"].append({k: after[k] - before[k] for k in
@@ -177,6 +181,12 @@ def compare(args):
             med = statistics.median(r["times"][1:])
             line = (f"  {v:12s} median step {med * 1e3:7.1f} ms  {ideal / med * 100:5.1f} % of "
                     f"the ideal ({med / ideal:.3f}x)")
+            # The daemon's requests in a step after the first (median by operation; the
+            # schedule's cursor and version bits are stores into shared memory, not requests).
+            ops = sorted({op for x in r["requests"][2:] for op in x})
+            per = {op: statistics.median(x.get(op, 0) for x in r["requests"][2:]) for op in ops}
+            line += (f"\n               daemon requests a step: {sum(per.values()):.0f} ("
+                     + ", ".join(f"{op} {n:.0f}" for op, n in per.items() if n) + ")")
             if r["stream"] is not None:
                 s = {k: statistics.median(x[k] for x in r["stats"][1:]) for k in r["stats"][0]}
                 st = r["stream"].stats
