@@ -95,10 +95,8 @@ class Comm:
             raise error
         raise RuntimeError(summary)
 
-    def agree_on_state(self, error: Optional[BaseException], resumed: bool, steps: int) -> None:
-        """Every rank opened its share of the state (all_succeeded), all resumed or none, and
-        all at the same step."""
-        self.all_succeeded("open the optimizer's state", error)
+    def agree_on_state(self, resumed: bool, steps: int) -> None:
+        """Every rank's share of the state resumed or none, and all at the same step."""
         self.agree("whether the state was resumed", int(resumed))
         self.agree("the steps taken", steps)
 

@@ -159,7 +159,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 raise failed
         else:
             try:
-                self._comm.agree_on_state(failed, self.resumed, self.steps_taken)
+                self._comm.all_succeeded("open the optimizer's state", failed)
+                self._comm.agree_on_state(self.resumed, self.steps_taken)
             except BaseException:
                 self.close()
                 raise
