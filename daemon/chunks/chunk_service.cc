@@ -44,27 +44,6 @@ absl::Status CheckOperator(const Session& session, absl::string_view what) {
 
 }  // namespace
 
-absl::Status ValidateChunkName(absl::string_view name) {
-  if (name.empty() || name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk name must be 1 to ", kMaxNameBytes, " bytes, not ", name.size()));
-  }
-  for (char c : name) {
-    if (!absl::ascii_isalnum(c) && c != '.' && c != '_' && c != '-' && c != '/') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk name '", absl::CHexEscape(name),
-                       "' has a character outside letters, digits and '._-/'"));
-    }
-  }
-  for (absl::string_view part : absl::StrSplit(name, '/')) {
-    if (part.empty() || part == "." || part == "..") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("chunk name '", name, "' has an empty, '.' or '..' path component"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
     : tiers_(tiers),
       clock_(clock),
@@ -204,7 +183,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     result[i] = found.id;
   }
 
-  Sessions::State& state = sessions_.Of(session);
+  SessionLedger::State& state = sessions_.Of(session);
   const uint64_t fresh = std::count(result.begin(), result.end(), ChunkId{0});
   if (absl::Status s = ledger_.CheckChunks(tenant, state.owned.size(), fresh); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("Allocate: ", s.message()));
@@ -339,7 +318,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   AcquireResult result;
   result.ready = batch->token;
   result.locations.reserve(ids.size());
-  Sessions::State& state = sessions_.Of(session);
+  SessionLedger::State& state = sessions_.Of(session);
   if (waited_for_room) sessions_.AddStall(session.id, tier, clock_.Now() - arrived);
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
@@ -363,7 +342,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   if (session.ended) return Ended(session);
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
-  Sessions::State& state = sessions_.Of(session);
+  SessionLedger::State& state = sessions_.Of(session);
   for (const ChunkMeta* chunk : *chunks) {
     if (!state.pins.contains(chunk->id)) {
       return absl::FailedPreconditionError(
@@ -373,7 +352,7 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   for (ChunkMeta* chunk : *chunks) {
     Unpin(*chunk);
     auto it = state.pins.find(chunk->id);
-    Sessions::Pins& pins = it->second;
+    SessionLedger::Pins& pins = it->second;
     // Reads are released first: a write in effect keeps the chunk from being copied longest.
     if (--pins.count < pins.writes) {
       --pins.writes;
@@ -385,12 +364,6 @@ absl::Status ChunkService::Release(const Session& session, std::span<const Chunk
   room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return absl::OkStatus();
-}
-
-absl::Time PrefetchDeadline(absl::Time now, int priority) {
-  // Clamped so that the product cannot overflow; the I/O engine caps any wait anyway.
-  constexpr int kLimit = 24 * 3600 * 1000;
-  return now - kPriorityUnit * std::clamp(priority, -kLimit, kLimit);
 }
 
 absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
@@ -514,7 +487,7 @@ ChunkPage ChunkService::List(const Session& session, ChunkId page_token, uint32_
   absl::MutexLock lock(&mu_);
   static const std::set<ChunkId> kNone;
   const std::set<ChunkId>* owned = &kNone;
-  if (const Sessions::State* state = sessions_.Find(session.id)) owned = &state->owned;
+  if (const SessionLedger::State* state = sessions_.Find(session.id)) owned = &state->owned;
   const std::set<ChunkId>* persistent = &chunks_.PersistentOf(session.peer.uid);
   ChunkPage page;
   auto a = owned->lower_bound(page_token);
@@ -645,7 +618,7 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
   ApplyAccess(chunk, tier, access);
   if (!Writes(access)) return;
   if (NeedsMark(chunk)) mover_.Mark(chunk, batch);
-  Sessions::State* state = sessions_.Find(session);
+  SessionLedger::State* state = sessions_.Find(session);
   if (state == nullptr) return;
   auto pins = state->pins.find(chunk.id);
   // A write whose acquisition was released before its data arrived has nothing left to guard.
@@ -655,7 +628,7 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
 }
 
 // ---- schedules as clients declare them (validated here, kept by Schedules) and the planning
-// round (PlanRound collects and applies; daemon/planner/planner.h plans) ----
+// round (RunPlanningRound: PlanRound collects and applies, daemon/planner/planner.h plans) ----
 
 absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest request) {
   uint64_t accesses = 0;
@@ -720,7 +693,7 @@ absl::Status ChunkService::SetBandwidthWeight(const Session& session, uint32_t w
   return absl::OkStatus();
 }
 
-size_t ChunkService::PlanRound(absl::Time now) {
+size_t ChunkService::RunPlanningRound(absl::Time now) {
   // The planner's input is taken under the lock; the plan is computed without it (other tenants'
   // requests go on meanwhile), and its moves are checked again against the table as they start.
   PlanInput in;
@@ -736,7 +709,7 @@ size_t ChunkService::PlanRound(absl::Time now) {
 
 SessionStats ChunkService::session_stats(const Session& session) const {
   absl::MutexLock lock(&mu_);
-  const Sessions::State* state = sessions_.Find(session.id);
+  const SessionLedger::State* state = sessions_.Find(session.id);
   if (state == nullptr) return SessionStats{};
   SessionStats stats = state->stats;
   stats.bandwidth_weight = state->weight;
@@ -894,7 +867,7 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
   if (chunk.persistent && tiers_.index != nullptr && (chunk.written || chunk.memory_home))
     tiers_.index->Forget(chunk.tenant, chunk.name);
   if (!chunk.persistent) {
-    if (Sessions::State* owner = sessions_.Find(chunk.owner)) owner->owned.erase(chunk.id);
+    if (SessionLedger::State* owner = sessions_.Find(chunk.owner)) owner->owned.erase(chunk.id);
   }
   sessions_.ForgetLease(chunk.id);
   chunks_.Erase(chunk);
@@ -903,7 +876,7 @@ void ChunkService::Destroy(ChunkMeta& chunk) {
 size_t ChunkService::CloseSession(const Session& session) {
   absl::MutexLock lock(&mu_);
   session.ended = true;
-  std::optional<Sessions::State> state = sessions_.End(session.id);
+  std::optional<SessionLedger::State> state = sessions_.End(session.id);
   if (!state) return 0;
   schedules_.End(session);
   for (const auto& [id, pins] : state->pins) {
@@ -931,10 +904,6 @@ size_t ChunkService::CloseSession(const Session& session) {
 
 // ---- operators' requests over every session's chunks (drain a tier, list the node, what each
 // session and job holds) and the node-wide figures the metrics endpoint reads ----
-
-bool IsOperator(const Session& session) {
-  return session.peer.uid == 0 || session.peer.uid == geteuid();
-}
 
 absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind tier,
                                                 std::span<const ChunkId> ids) {

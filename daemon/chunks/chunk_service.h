@@ -10,8 +10,8 @@
 //   RoomMaker (room made by writing copies down), Schedules and PlanRound (the planner's rounds)
 //   -> Mover (moves over routes of hops; settles under this lock)
 //   -> Space (reservations against tier and quota), WaitList (requests waiting on chunks),
-//      Sessions (per-session state, leases, figures), ChunkTable, TenantLedger, PathMeter (the
-//      paths' bandwidth, under a lock of its own).
+//      SessionLedger (per-session state, leases, figures), ChunkTable, TenantLedger, PathMeter
+//      (the paths' bandwidth, under a lock of its own).
 // All but the PathMeter are kept under this class's lock (docs/architecture.md, "chunks/").
 #pragma once
 
@@ -33,10 +33,11 @@
 #include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/plan_round.h"
+#include "daemon/chunks/requests.h"
 #include "daemon/chunks/room_maker.h"
 #include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
-#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/session_ledger.h"
 #include "daemon/chunks/space.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/chunks/wait_list.h"
@@ -49,72 +50,6 @@
 #include "daemon/util/metrics.h"
 
 namespace tierd::daemon {
-
-struct ChunkRequest {
-  uint64_t size = 0;
-  TierKind home = TierKind::kHost;
-  std::string name;
-  bool persistent = false;
-  std::vector<std::string> tags;
-  bool open_existing = false;
-  bool must_exist = false;  // with open_existing: open only
-  bool shared = false;      // the lease on a persistent chunk may be shared
-};
-
-struct AcquireResult {
-  std::vector<Placement> locations;  // in request order
-  SlotToken ready;                   // completes when every chunk is there
-};
-
-// Node-wide figures for the metrics endpoint: what every session's acquisitions cost and what the
-// planner did (summed since start-up), the chunks by state and residency, and moves in flight.
-struct NodeStats {
-  SessionStats totals;
-  uint64_t chunks_ready = 0, chunks_moving = 0, chunks_pinned = 0, chunks_persistent = 0;
-  TierArray<uint64_t> resident_chunks, resident_bytes{};
-  // Space held in each tier by acquired chunks: not reclaimable until they are released.
-  TierArray<uint64_t> pinned_bytes;
-  PathArray<uint64_t> in_flight, queued_bytes{};
-};
-
-struct DrainResult {
-  SlotToken token;
-  uint64_t chunks = 0, bytes = 0;  // moving out of the tier
-  uint64_t pinned = 0;             // left there, acquired
-};
-
-// What a session holds: its scratch chunks and the persistent chunks it has a lease on.
-struct SessionHoldings {
-  uint64_t chunks = 0, bytes = 0, pinned = 0;
-  uint64_t moved_bytes = 0;  // of its chunks, over every path, while it held them
-};
-
-// Whether the session's user may act on every session's chunks: root, or the daemon's own user.
-bool IsOperator(const Session& session);
-
-struct ChunkPage {
-  std::vector<ChunkMeta> chunks;
-  ChunkId next_page_token = 0;
-};
-
-// Limits that keep one request from monopolizing the daemon.
-inline constexpr size_t kMaxBatch = 1'000'000;
-inline constexpr size_t kMaxNameBytes = 255;
-inline constexpr size_t kMaxTags = 16;
-inline constexpr size_t kMaxTagBytes = 128;
-inline constexpr uint32_t kDefaultPageSize = 1000;
-inline constexpr uint32_t kMaxPageSize = 100'000;
-
-// A valid chunk name: 1-255 bytes of [A-Za-z0-9._-/], '/'-separated components that are neither
-// empty nor "." nor "..".
-absl::Status ValidateChunkName(absl::string_view name);
-
-// One unit of a Prefetch's priority: how much sooner its I/O is due than a request made with a
-// priority one lower.
-inline constexpr absl::Duration kPriorityUnit = absl::Milliseconds(1);
-
-// When the I/O of a Prefetch made at `now` with `priority` is due.
-absl::Time PrefetchDeadline(absl::Time now, int priority);
 
 struct Batch;
 
@@ -221,7 +156,7 @@ class ChunkService : private Mover::Listener {
   // One planning round: reads the scheduled sessions' cursors, updates their step times, plans
   // (daemon/planner/planner.h, without holding the service's lock) and starts the moves that still
   // make sense. Returns how many it started.
-  size_t PlanRound(absl::Time now);
+  size_t RunPlanningRound(absl::Time now);
   size_t chunk_count() const;
   NodeStats node_stats() const;
   // How long each move took, start to settle, by path (the daemon's transfer latency).
@@ -318,7 +253,7 @@ class ChunkService : private Mover::Listener {
   mutable absl::Mutex mu_;
   uint64_t use_clock_ ABSL_GUARDED_BY(mu_) = 0;
   ChunkTable chunks_ ABSL_GUARDED_BY(mu_);
-  Sessions sessions_ ABSL_GUARDED_BY(mu_);
+  SessionLedger sessions_ ABSL_GUARDED_BY(mu_);
   WaitList waiters_ ABSL_GUARDED_BY(mu_);
   PathMeter meter_;  // thread-safe; its lock is taken after mu_
   // 10 us to 21 s, doubling.
@@ -334,7 +269,7 @@ class ChunkService : private Mover::Listener {
   // The sessions' schedules and traces, and the planner's input they make.
   Schedules schedules_ ABSL_GUARDED_BY(mu_);
   // The halves of a planning round that run under the lock.
-  ::tierd::daemon::PlanRound round_ ABSL_GUARDED_BY(mu_);
+  PlanRound round_ ABSL_GUARDED_BY(mu_);
   // The moves, which borrow mu_ and settle under it (WaitForIdle alone runs without it).
   // Declared last: destroyed first, once the last callback handed to a hop has let go.
   Mover mover_ ABSL_GUARDED_BY(mu_);

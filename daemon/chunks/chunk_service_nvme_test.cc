@@ -903,7 +903,7 @@ TEST_F(ChunkServiceNvmeTest, ATraceRecordsOneIterationsAcquisitionsByStepAndInst
   // and after the traced iteration (ids 3).
   ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, ids, TierKind::kNvme)).ok());
   step(6);  // the next iteration: the trace becomes the schedule
-  EXPECT_EQ(service_->PlanRound(absl::Now()), 3u);
+  EXPECT_EQ(service_->RunPlanningRound(absl::Now()), 3u);
   service_->WaitForIdle();
   const auto stat = service_->Stat(*session_, ids);
   ASSERT_TRUE(stat.ok()) << stat.status();

@@ -20,7 +20,7 @@ class PlanLoop {
           absl::Duration pause = interval;
           while (!stop_.WaitForNotificationWithTimeout(pause)) {
             const absl::Time start = absl::Now();
-            chunks->PlanRound(start);
+            chunks->RunPlanningRound(start);
             pause = std::max(interval, absl::Now() - start);
           }
         }) {}

@@ -65,7 +65,7 @@ size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
       case PlannedMove::Kind::kDrop:
         if (c.pins > 0 || !CleanIn(c.resident, m.tier)) break;
         space_.DropCopy(c, m.tier);
-        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
+        sessions_.CountPlanner(c.owner, SessionLedger::PlannerMove::kDrop);
         break;
       case PlannedMove::Kind::kFetch: {
         if (c.resident.contains(m.tier) || c.pins > 0 || !mover_.CheckFetchable(c, m.tier).ok())
@@ -86,7 +86,7 @@ size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
           }
           break;
         }
-        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kFetch);
+        sessions_.CountPlanner(c.owner, SessionLedger::PlannerMove::kFetch);
         ++started;
         break;
       }
@@ -96,14 +96,14 @@ size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
         // Only where the fetch found no room: a spare dropped elsewhere frees nothing it can use.
         if (!NoRoom(fetch, unplaced->second).contains(m.tier)) break;
         space_.DropCopy(c, m.tier);
-        sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kDrop);
+        sessions_.CountPlanner(c.owner, SessionLedger::PlannerMove::kDrop);
         if (fetch.state != ChunkState::kReady || !NoRoom(fetch, unplaced->second).empty() ||
             !Fetch(fetch, unplaced->second, unplaced_when).ok()) {
           break;
         }
         unplaced.reset();
         stuck = stuck_before_unplaced;
-        sessions_.CountPlanner(fetch.owner, Sessions::PlannerMove::kFetch);
+        sessions_.CountPlanner(fetch.owner, SessionLedger::PlannerMove::kFetch);
         ++started;
         break;
       }
@@ -119,7 +119,7 @@ size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
                            sessions_.OrderFor(c.owner, clock_.Now()))
                 .ok() &&
             c.state == ChunkState::kMoving) {
-          sessions_.CountPlanner(c.owner, Sessions::PlannerMove::kWriteBack);
+          sessions_.CountPlanner(c.owner, SessionLedger::PlannerMove::kWriteBack);
           ++started;
         }
         break;

@@ -14,7 +14,7 @@
 #include "daemon/chunks/mover.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/schedules.h"
-#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/session_ledger.h"
 #include "daemon/chunks/space.h"
 #include "daemon/planner/planner.h"
 #include "daemon/tiers/hop.h"
@@ -24,7 +24,7 @@ namespace tierd::daemon {
 
 class PlanRound {
  public:
-  PlanRound(ChunkTable& chunks, Space& space, Mover& mover, Sessions& sessions,
+  PlanRound(ChunkTable& chunks, Space& space, Mover& mover, SessionLedger& sessions,
             Schedules& schedules, const PathMeter& meter, const Tiers& tiers, const Clock& clock)
       : chunks_(chunks),
         space_(space),
@@ -55,7 +55,7 @@ class PlanRound {
   ChunkTable& chunks_;
   Space& space_;
   Mover& mover_;
-  Sessions& sessions_;
+  SessionLedger& sessions_;
   Schedules& schedules_;
   const PathMeter& meter_;
   const Tiers tiers_;

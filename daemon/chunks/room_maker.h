@@ -17,7 +17,7 @@
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/mover.h"
-#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/session_ledger.h"
 #include "daemon/chunks/space.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/chunks/wait_list.h"
@@ -30,7 +30,7 @@ class RoomMaker {
  public:
   // All but `clock` are the service's, read and changed under its lock.
   RoomMaker(ChunkTable& chunks, TenantLedger& ledger, const Tiers& tiers, Space& space,
-            Mover& mover, WaitList& waiters, const Sessions& sessions, const Clock& clock)
+            Mover& mover, WaitList& waiters, const SessionLedger& sessions, const Clock& clock)
       : chunks_(chunks),
         ledger_(ledger),
         tiers_(tiers),
@@ -78,7 +78,7 @@ class RoomMaker {
   Space& space_;
   Mover& mover_;
   WaitList& waiters_;
-  const Sessions& sessions_;
+  const SessionLedger& sessions_;
   const Clock& clock_;
   // Fetches waiting for room that write-downs are making, in arrival order; the write-downs in
   // flight (chunk -> the tier it frees) and the bytes they will free, by tier.

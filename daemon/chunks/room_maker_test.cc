@@ -90,7 +90,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
   TenantLedger ledger_;
   PathMeter meter_;
   WaitList waiters_;
-  Sessions sessions_;
+  SessionLedger sessions_;
   std::unique_ptr<Space> space_;
   std::unique_ptr<Mover> mover_;
   std::unique_ptr<RoomMaker> room_;

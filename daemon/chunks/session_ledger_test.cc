@@ -1,4 +1,4 @@
-#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/session_ledger.h"
 
 #include <gtest/gtest.h>
 
@@ -18,14 +18,14 @@ std::unique_ptr<Session> Make(SessionId id, std::string job = "") {
 }
 
 TEST(SessionsTest, EveryFigureCountsForTheSessionAndTheNode) {
-  Sessions sessions;
+  SessionLedger sessions;
   const auto a = Make(1), b = Make(2);
   sessions.CountAcquired(sessions.Of(*a), /*ready=*/true);
   sessions.CountAcquired(sessions.Of(*b), /*ready=*/false);
   sessions.AddStall(2, TierKind::kHost, absl::Milliseconds(5));
-  sessions.CountPlanner(1, Sessions::PlannerMove::kFetch);
-  sessions.CountPlanner(2, Sessions::PlannerMove::kWriteBack);
-  sessions.CountPlanner(9, Sessions::PlannerMove::kDrop);  // a chunk whose holder has gone
+  sessions.CountPlanner(1, SessionLedger::PlannerMove::kFetch);
+  sessions.CountPlanner(2, SessionLedger::PlannerMove::kWriteBack);
+  sessions.CountPlanner(9, SessionLedger::PlannerMove::kDrop);  // a chunk whose holder has gone
   EXPECT_EQ(sessions.Find(1)->stats.ready, 1u);
   EXPECT_EQ(sessions.Find(2)->stats.waited, 1u);
   EXPECT_EQ(sessions.Find(2)->stats.stall[TierKind::kHost], absl::Milliseconds(5));
@@ -41,7 +41,7 @@ TEST(SessionsTest, EveryFigureCountsForTheSessionAndTheNode) {
 }
 
 TEST(SessionsTest, AJobsTrafficLastsUntilItsLastSessionEnds) {
-  Sessions sessions;
+  SessionLedger sessions;
   const auto a = Make(1, "run-42"), b = Make(2, "run-42"), c = Make(3);
   sessions.Of(*a);
   sessions.Of(*b);
@@ -61,7 +61,7 @@ TEST(SessionsTest, AJobsTrafficLastsUntilItsLastSessionEnds) {
 }
 
 TEST(SessionsTest, NvmeIoIsOrderedByTheHoldersWeight) {
-  Sessions sessions;
+  SessionLedger sessions;
   sessions.Of(*Make(1)).weight = 4;
   const absl::Time due = absl::FromUnixSeconds(100);
   const IoOrder mine = sessions.OrderFor(1, due);
@@ -72,7 +72,7 @@ TEST(SessionsTest, NvmeIoIsOrderedByTheHoldersWeight) {
 }
 
 TEST(SessionsTest, ALeaseKeepsOthersOutUnlessEveryHolderShares) {
-  Sessions sessions;
+  SessionLedger sessions;
   const auto a = Make(1);
   sessions.Of(*a);
   sessions.Grant(/*id=*/10, 1, /*shared=*/false);

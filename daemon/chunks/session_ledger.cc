@@ -1,4 +1,4 @@
-#include "daemon/chunks/sessions.h"
+#include "daemon/chunks/session_ledger.h"
 
 #include <algorithm>
 
@@ -6,7 +6,7 @@
 
 namespace tierd::daemon {
 
-Sessions::State& Sessions::Of(const Session& session) {
+SessionLedger::State& SessionLedger::Of(const Session& session) {
   auto [it, made] = states_.try_emplace(session.id);
   if (made) {
     it->second.description = session.Describe();
@@ -16,17 +16,17 @@ Sessions::State& Sessions::Of(const Session& session) {
   return it->second;
 }
 
-Sessions::State* Sessions::Find(SessionId id) {
+SessionLedger::State* SessionLedger::Find(SessionId id) {
   auto it = states_.find(id);
   return it == states_.end() ? nullptr : &it->second;
 }
 
-const Sessions::State* Sessions::Find(SessionId id) const {
+const SessionLedger::State* SessionLedger::Find(SessionId id) const {
   auto it = states_.find(id);
   return it == states_.end() ? nullptr : &it->second;
 }
 
-std::optional<Sessions::State> Sessions::End(SessionId id) {
+std::optional<SessionLedger::State> SessionLedger::End(SessionId id) {
   auto it = states_.find(id);
   if (it == states_.end()) return std::nullopt;
   State state = std::move(it->second);
@@ -37,17 +37,17 @@ std::optional<Sessions::State> Sessions::End(SessionId id) {
   return state;
 }
 
-void Sessions::CountAcquired(State& state, bool ready) {
+void SessionLedger::CountAcquired(State& state, bool ready) {
   ++(ready ? state.stats.ready : state.stats.waited);
   ++(ready ? totals_.ready : totals_.waited);
 }
 
-void Sessions::AddStall(SessionId id, TierKind tier, absl::Duration stalled) {
+void SessionLedger::AddStall(SessionId id, TierKind tier, absl::Duration stalled) {
   if (State* s = Find(id)) s->stats.stall[tier] += stalled;
   totals_.stall[tier] += stalled;
 }
 
-void Sessions::CountPlanner(SessionId owner, PlannerMove move) {
+void SessionLedger::CountPlanner(SessionId owner, PlannerMove move) {
   auto count = [move](SessionStats& stats) -> uint64_t& {
     switch (move) {
       case PlannerMove::kFetch:
@@ -63,7 +63,7 @@ void Sessions::CountPlanner(SessionId owner, PlannerMove move) {
   ++count(totals_);
 }
 
-void Sessions::AddMoved(SessionId holder, const PathArray<uint64_t>& bytes) {
+void SessionLedger::AddMoved(SessionId holder, const PathArray<uint64_t>& bytes) {
   State* s = Find(holder);
   if (s == nullptr) return;
   Job* job = s->job.empty() ? nullptr : &jobs_[s->job];
@@ -73,22 +73,22 @@ void Sessions::AddMoved(SessionId holder, const PathArray<uint64_t>& bytes) {
   }
 }
 
-std::map<std::string, PathArray<uint64_t>> Sessions::JobTraffic() const {
+std::map<std::string, PathArray<uint64_t>> SessionLedger::JobTraffic() const {
   std::map<std::string, PathArray<uint64_t>> out;
   for (const auto& [name, job] : jobs_) out[name] = job.moved;
   return out;
 }
 
-IoOrder Sessions::OrderFor(SessionId owner, absl::Time deadline) const {
+IoOrder SessionLedger::OrderFor(SessionId owner, absl::Time deadline) const {
   const State* s = Find(owner);
   return IoOrder{.deadline = deadline, .flow = owner, .weight = s == nullptr ? 1 : s->weight};
 }
 
-void Sessions::Grant(ChunkId id, SessionId session, bool shared) {
+void SessionLedger::Grant(ChunkId id, SessionId session, bool shared) {
   leases_[id] = Lease{{session}, shared};
 }
 
-SessionId Sessions::Join(ChunkId id, SessionId session, bool shared) {
+SessionId SessionLedger::Join(ChunkId id, SessionId session, bool shared) {
   Lease& lease = leases_[id];
   if (std::find(lease.holders.begin(), lease.holders.end(), session) == lease.holders.end()) {
     lease.holders.push_back(session);
@@ -97,8 +97,8 @@ SessionId Sessions::Join(ChunkId id, SessionId session, bool shared) {
   return lease.holders.front();
 }
 
-absl::Status Sessions::CheckLease(ChunkId id, absl::string_view name, SessionId session,
-                                  bool shared, absl::string_view verb) const {
+absl::Status SessionLedger::CheckLease(ChunkId id, absl::string_view name, SessionId session,
+                                       bool shared, absl::string_view verb) const {
   auto lease = leases_.find(id);
   if (lease == leases_.end()) return absl::OkStatus();
   for (SessionId holder : lease->second.holders) {
@@ -115,7 +115,7 @@ absl::Status Sessions::CheckLease(ChunkId id, absl::string_view name, SessionId 
   return absl::OkStatus();
 }
 
-std::optional<SessionId> Sessions::Leave(ChunkId id, SessionId session) {
+std::optional<SessionId> SessionLedger::Leave(ChunkId id, SessionId session) {
   auto lease = leases_.find(id);
   if (lease == leases_.end()) return std::nullopt;
   std::erase(lease->second.holders, session);

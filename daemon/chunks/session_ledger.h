@@ -39,7 +39,7 @@ struct SessionStats {
   uint32_t bandwidth_weight = 1;
 };
 
-class Sessions {
+class SessionLedger {
  public:
   struct Pins {
     uint32_t count = 0;   // Acquires not yet released
