@@ -47,7 +47,6 @@ class Hop {
   using OnPiece = std::function<void(uint64_t offset, uint64_t length)>;
 
   virtual ~Hop() = default;
-  virtual Path path() const = 0;
   virtual void Copy(const HopJob& job, Done done) = 0;
   // Copy, calling `on_piece(offset, length)` as each stretch of about `piece` bytes lands (on the
   // hop's thread; it must not block), so that the next hop of a route can carry it on before the

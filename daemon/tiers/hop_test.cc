@@ -19,14 +19,12 @@ namespace {
 // there fails instead.
 class ThreadHop final : public Hop {
  public:
-  ThreadHop(Path path, uint64_t block, uint64_t checksum)
-      : path_(path), block_(block), checksum_(checksum) {}
+  ThreadHop(uint64_t block, uint64_t checksum) : block_(block), checksum_(checksum) {}
   ~ThreadHop() override {
     absl::MutexLock lock(&mu_);
     for (std::thread& t : threads_) t.join();
   }
   void FailAt(uint64_t offset) { fail_at_ = offset; }
-  Path path() const override { return path_; }
 
   void Copy(const HopJob& job, Done done) override {
     Spawn([this, job, done = std::move(done)] {
@@ -62,7 +60,6 @@ class ThreadHop final : public Hop {
     threads_.emplace_back(std::move(f));
   }
 
-  const Path path_;
   const uint64_t block_;
   const uint64_t checksum_;
   uint64_t fail_at_ = ~0ull;
@@ -109,8 +106,8 @@ class CopyAlongTest : public ::testing::Test {
 };
 
 TEST_F(CopyAlongTest, EveryPieceCrossesBothHopsAndTheRouteCallsBackOnce) {
-  ThreadHop read(Path::kNvmeToHost, 4096, 0xfeed);
-  ThreadHop copy(Path::kHostToDevice, 1, 0);
+  ThreadHop read(4096, 0xfeed);
+  ThreadHop copy(1, 0);
   absl::Status status = absl::UnknownError("not called");
   uint64_t checksum = 0;
   EXPECT_EQ(Run(read, copy, &status, &checksum), 1);
@@ -120,8 +117,8 @@ TEST_F(CopyAlongTest, EveryPieceCrossesBothHopsAndTheRouteCallsBackOnce) {
 }
 
 TEST_F(CopyAlongTest, APieceThatFailsOnTheSecondHopFailsTheRouteOnce) {
-  ThreadHop read(Path::kNvmeToHost, 4096, 0);
-  ThreadHop copy(Path::kHostToDevice, 1, 0);
+  ThreadHop read(4096, 0);
+  ThreadHop copy(1, 0);
   copy.FailAt(3 * kPiece);
   absl::Status status;
   uint64_t checksum = 0;
@@ -133,8 +130,8 @@ TEST_F(CopyAlongTest, APieceThatFailsOnTheSecondHopFailsTheRouteOnce) {
 }
 
 TEST_F(CopyAlongTest, AFirstHopThatFailsFailsTheRouteAndItsPieceGoesNoFurther) {
-  ThreadHop read(Path::kNvmeToHost, 4096, 0);
-  ThreadHop copy(Path::kHostToDevice, 1, 0);
+  ThreadHop read(4096, 0);
+  ThreadHop copy(1, 0);
   read.FailAt(2 * kPiece);
   absl::Status status;
   uint64_t checksum = 0;

@@ -36,7 +36,6 @@ class TierSet {
   constexpr void insert(TierKind t) { bits_ |= Bit(t); }
   constexpr void erase(TierKind t) { bits_ &= ~Bit(t); }
   constexpr bool empty() const { return bits_ == 0; }
-  constexpr uint8_t bits() const { return bits_; }
 
  private:
   static constexpr uint8_t Bit(TierKind t) {

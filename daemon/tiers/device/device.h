@@ -33,7 +33,6 @@ class Device;
 class DeviceHop final : public Hop {
  public:
   DeviceHop(Device* device, Path path) : device_(device), path_(path) {}
-  Path path() const override { return path_; }
   void Copy(const HopJob& job, Done done) override;
 
  private:

@@ -114,7 +114,6 @@ class NvmeTier final : public Tier, public PersistentIndex {
   class ReadHop final : public Hop {
    public:
     explicit ReadHop(NvmeTier* tier) : tier_(tier) {}
-    Path path() const override { return Path::kNvmeToHost; }
     void Copy(const HopJob& job, Done done) override;
     void CopyInPieces(const HopJob& job, uint64_t piece, OnPiece on_piece, Done done) override;
 
@@ -124,7 +123,6 @@ class NvmeTier final : public Tier, public PersistentIndex {
   class WriteHop final : public Hop {
    public:
     explicit WriteHop(NvmeTier* tier) : tier_(tier) {}
-    Path path() const override { return Path::kHostToNvme; }
     void Copy(const HopJob& job, Done done) override;
 
    private:
