@@ -93,6 +93,22 @@ std::span<const tierd::ChunkId> Ids(size_t n, const tierd_chunk_id* ids) { retur
 tierd::CompletionToken Token(tierd_completion c) { return {c.slot, c.sequence}; }
 tierd_completion Token(tierd::CompletionToken t) { return {t.slot, t.sequence}; }
 
+// Of `ids`, those to release or free now: a chunk that a DLPack view still holds is handed to its
+// last view instead when `defer(its entry)` says so (and marks it).
+template <typename Defer>
+std::vector<tierd::ChunkId> HandToViews(tierd_client* client, size_t n, const tierd_chunk_id* ids,
+                                        Defer defer)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(client->views->mu) {
+  auto& held = client->views->held;
+  std::vector<tierd::ChunkId> now;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = held.find(ids[i]);
+    if (it != held.end() && it->second.views > 0 && defer(it->second)) continue;
+    now.push_back(ids[i]);
+  }
+  return now;
+}
+
 }  // namespace
 
 extern "C" {
@@ -188,17 +204,11 @@ tierd_status tierd_release_deferred(tierd_client* client, size_t n, const tierd_
   }
   return Guard([&] {
     absl::MutexLock lock(&client->views->mu);
-    auto& held = client->views->held;
-    std::vector<tierd::ChunkId> now;
-    for (size_t i = 0; i < n; ++i) {
-      auto it = held.find(ids[i]);
-      if (it != held.end() && it->second.views > 0 &&
-          it->second.pins <= it->second.deferred_releases + 1) {
-        ++it->second.deferred_releases;  // the last pin under a view: the view releases it
-        continue;
-      }
-      now.push_back(ids[i]);
-    }
+    const std::vector<tierd::ChunkId> now = HandToViews(client, n, ids, [](auto& held) {
+      if (held.pins > held.deferred_releases + 1) return false;
+      ++held.deferred_releases;  // the last pin under a view: the view releases it
+      return true;
+    });
     if (now.empty()) return TIERD_OK;
     if (absl::Status s = client->client->Release(now); !s.ok()) return Fail(s);
     client->views->Released(now);
@@ -212,19 +222,13 @@ tierd_status tierd_free_deferred(tierd_client* client, size_t n, const tierd_chu
   }
   return Guard([&] {
     absl::MutexLock lock(&client->views->mu);
-    auto& held = client->views->held;
-    std::vector<tierd::ChunkId> now;
-    for (size_t i = 0; i < n; ++i) {
-      auto it = held.find(ids[i]);
-      if (it != held.end() && it->second.views > 0) {
-        it->second.deferred_free = true;  // the last view frees it, its pins released first
-        continue;
-      }
-      now.push_back(ids[i]);
-    }
+    const std::vector<tierd::ChunkId> now = HandToViews(client, n, ids, [](auto& held) {
+      held.deferred_free = true;  // the last view frees it, its pins released first
+      return true;
+    });
     if (now.empty()) return TIERD_OK;
     if (absl::Status s = client->client->Free(now); !s.ok()) return Fail(s);
-    for (tierd::ChunkId id : now) held.erase(id);  // freeing drops the session's pins
+    for (tierd::ChunkId id : now) client->views->held.erase(id);  // freeing drops the pins
     return TIERD_OK;
   });
 }
