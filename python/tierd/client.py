@@ -14,7 +14,7 @@ import asyncio
 import ctypes
 import enum
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 from . import _abi
 from ._abi import TierdError, check, library

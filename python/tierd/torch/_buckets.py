@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import _abi
-from ._storage import STEPPED_DTYPES
+from ._storage import STEPPED_DTYPES, end_to_end
 from .streaming import StreamRange, stream_ranges
 
 _STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
@@ -36,13 +36,7 @@ class Bucket:
         self.slot: Optional[int] = None  # the tierd group's index in this rank's state
         self.params: Optional[List[torch.Tensor]] = list(params)  # None once dormant
         self._refs: List[weakref.ref] = []
-        self.sizes = [p.numel() for p in params]
-        self.offsets = []
-        n = 0
-        for size in self.sizes:
-            self.offsets.append(n)
-            n += size
-        self.numel = n
+        self.sizes, self.offsets, self.numel = end_to_end(params)
         self.dtype = params[0].dtype
         self.device = params[0].device
         k = len(params)

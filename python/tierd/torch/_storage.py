@@ -5,7 +5,7 @@ helpers here speak of storage, not of tensors: resize, test for empty, find a pa
 gradient accumulator while it has none. `STEPPED_DTYPES` is the one list of the dtypes the
 optimizer steps (and so the dtypes a streamed unit may hold), with their C ABI codes.
 """
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.dlpack
@@ -29,6 +29,16 @@ def as_tensor(acquisition: Acquisition, i: int, dtype: torch.dtype = torch.uint8
     host chunk, CUDA memory for a device chunk. The chunk cannot be released while the tensor (or
     any view of its storage) lives."""
     return torch.utils.dlpack.from_dlpack(acquisition.dlpack(i, dl_name(dtype), shape, offset))
+
+
+def end_to_end(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], int]:
+    """Tensors laid end to end, flat: (each one's elements, each one's offset, the total)."""
+    sizes = [t.numel() for t in tensors]
+    offsets, n = [], 0
+    for size in sizes:
+        offsets.append(n)
+        n += size
+    return sizes, offsets, n
 
 
 def storage(t: torch.Tensor):

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..client import Access, Acquisition, Client, Tier
-from ._storage import STEPPED_DTYPES, as_tensor, resize
+from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, resize
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
 
@@ -36,13 +36,7 @@ class Range:
     def __init__(self, params: List[torch.Tensor], extra: int):
         self.params = params
         self.dtype = params[0].dtype
-        self.sizes = [p.numel() for p in params]
-        self.offsets = []
-        n = 0
-        for size in self.sizes:
-            self.offsets.append(n)
-            n += size
-        self.numel = n
+        self.sizes, self.offsets, self.numel = end_to_end(params)
         self.extra = extra
         self.offset = 0         # bytes, in each version's chunk
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
