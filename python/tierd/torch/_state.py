@@ -40,7 +40,7 @@ class OptimizerState:
         self.home = home
 
     @staticmethod
-    def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str,
+    def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
              socket_dir, home: Optional[str], host_budget_bytes: int, threads: int, resume,
              reset: bool, state_dtype: torch.dtype, speculative: bool, defaults: Dict[str, Any]
              ) -> "OptimizerState":
@@ -60,7 +60,7 @@ class OptimizerState:
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
                           "NVMe tier: it lives in host memory only and is lost when the daemon "
-                          "stops", RuntimeWarning, stacklevel=3)
+                          "stops", RuntimeWarning, stacklevel=4)
         options = _adam.Adam.options()
         if socket_dir:
             options.socket_dir = socket_dir.encode()
@@ -278,3 +278,30 @@ class OptimizerState:
 
     def close(self) -> None:
         self.adam.close()
+
+
+def open_on_every_rank(owned: List[Bucket], comm, **options) -> OptimizerState:
+    """Opens this rank's share of the state in its own node's daemon (OptimizerState.open with
+    `options`) and gives the `owned` buckets their state. Sharded over ranks (`comm`), one rank
+    that cannot (no daemon on its node) must not leave the others waiting in a collective: every
+    rank learns it and raises, naming it; and every share must be resumed or none, at one step."""
+    state, failed = None, None
+    try:
+        if comm is not None:
+            options["rank_suffix"] = f".rank{comm.rank}of{comm.world}"
+        state = OptimizerState.open(owned, **options)
+        state.initialize(owned, {})
+    except Exception as e:  # noqa: BLE001 (re-raised here or by all_succeeded)
+        failed = e
+    try:
+        if comm is None:
+            if failed is not None:
+                raise failed
+        else:
+            comm.all_succeeded("open the optimizer's state", failed)
+            comm.agree_on_state(state.resumed, state.adam.steps_taken)
+    except BaseException:
+        if state is not None:
+            state.close()
+        raise
+    return state

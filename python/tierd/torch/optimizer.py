@@ -20,7 +20,7 @@ from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
 from ._shard import Comm
-from ._state import OptimizerState
+from ._state import OptimizerState, open_on_every_rank
 from ._verdict import Verdict
 
 _DEFAULT_BUCKET_PARAMS = 4 << 20
@@ -141,29 +141,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._verdict = Verdict(max_grad_norm, skip_nonfinite, overlap_backward and (
             max_grad_norm is not None or skip_nonfinite), self._comm)
         self._layout = BucketLayout(lambda: self.param_groups, bucket_params, self._comm)
-        # Each rank opens its share of the state in its own node's daemon. One that cannot (no
-        # daemon on its node) must not leave the others waiting in a collective: all learn it.
-        failed = None
-        try:
-            self._state = OptimizerState.open(
-                self._layout.owned, name=name, scratch_id=id(self),
-                rank_suffix=f".rank{self._comm.rank}of{self._comm.world}" if self._comm else "",
-                socket_dir=socket_dir, home=home, host_budget_bytes=host_budget_bytes,
-                threads=threads, resume=resume, reset=reset, state_dtype=state_dtype,
-                speculative=self._verdict.speculate, defaults=self.defaults)
-            self._state.initialize(self._layout.owned, {})
-        except Exception as e:  # noqa: BLE001 (re-raised here or by all_succeeded)
-            failed = e
-        if self._comm is None:
-            if failed is not None:
-                raise failed
-        else:
-            try:
-                self._comm.all_succeeded("open the optimizer's state", failed)
-                self._comm.agree_on_state(self.resumed, self.steps_taken)
-            except BaseException:
-                self.close()
-                raise
+        self._state = open_on_every_rank(
+            self._layout.owned, self._comm, name=name, scratch_id=id(self), socket_dir=socket_dir,
+            home=home, host_budget_bytes=host_budget_bytes, threads=threads, resume=resume,
+            reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
+            defaults=self.defaults)
+        if self._comm is not None:
             self._comm.share_params(self._layout.buckets)
         for b in self._layout.buckets:
             b.mirror()
