@@ -21,6 +21,7 @@ set(level_room_maker 2)
 set(level_plan_round 3)
 set(level_chunk_service 4)
 set(level_plan_loop 5)
+set(level_chunk_service_nvme_fixture 5)  # the NVMe tests' fixture, over the service
 
 file(GLOB files ${DIR}/*.h ${DIR}/*.cc)
 set(failures "")

@@ -1,6 +1,6 @@
 // Schedules on their own: real sessions with their completion pages (the cursor is what the client
 // writes there), a real ledger, a fake clock. The service's end-to-end trace and planner tests are
-// in nvme_service_test.
+// in chunk_service_nvme_test.
 #include "daemon/chunks/schedules.h"
 
 #include <sys/mman.h>
