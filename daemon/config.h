@@ -71,31 +71,6 @@ absl::Status ApplyTomlFile(const std::string& path, DaemonConfig* config);
 // daemon runs this before it touches anything; an error is a configuration error (exit 2).
 absl::Status ValidateConfig(const DaemonConfig& config);
 
-struct ConfigKey;
-
-// The command line: `--config FILE` and a flag per key, in the forms Abseil's flags take
-// (`--name=value`, `--name value`, `-name=value`; for true/false keys also `--name` and
-// `--noname`), `--help` and `--version`.
-struct CommandLine {
-  std::string config_file;
-  std::vector<std::pair<const ConfigKey*, std::string>> flags;  // in the order given
-  bool help = false;
-  bool version = false;
-  bool check = false;  // --check: build and check the configuration, then exit
-};
-// `args` is argv, the program's name first. An unknown flag, a flag without its value or an
-// argument that is not a flag is an error naming it.
-absl::StatusOr<CommandLine> ParseCommandLine(absl::Span<const char* const> args);
-
-// The built-in defaults, then the file, then the flags in their order, then ValidateConfig. Errors
-// name the file and line, or the flag.
-absl::StatusOr<DaemonConfig> BuildConfig(const CommandLine& line);
-
-// What `tierd --help` prints: each flag with its value, help, key and default.
-std::string UsageText();
-// What `tierd --check` prints: each key of the file with its value in `config`, one a line.
-std::string ConfigText(const DaemonConfig& config);
-
 absl::StatusOr<HugePagePolicy> ParseHugePagePolicy(absl::string_view text);
 absl::string_view HugePagePolicyName(HugePagePolicy policy);
 absl::Status ValidateLogLevel(absl::string_view level);

@@ -1,5 +1,7 @@
 // The command line and --help, both read from the key table (config_keys.h): a key with a flag is
 // set from the command line exactly as from the file, with the same checks and messages.
+#include "daemon/config_flags.h"
+
 #include <optional>
 #include <variant>
 

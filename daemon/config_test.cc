@@ -1,4 +1,5 @@
 #include "daemon/config.h"
+#include "daemon/config_flags.h"
 
 #include <fstream>
 #include <sstream>

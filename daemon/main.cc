@@ -20,6 +20,7 @@
 #include "common/fmt_absl.h"
 #include "common/version.h"
 #include "daemon/config.h"
+#include "daemon/config_flags.h"
 #include "daemon/daemon.h"
 #include "daemon/util/daemon_files.h"
 #include "daemon/util/memory_trimmer.h"

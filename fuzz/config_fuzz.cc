@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 
 #include "daemon/config.h"
+#include "daemon/config_flags.h"
 #include "spdlog/spdlog.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
