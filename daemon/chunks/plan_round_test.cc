@@ -1,0 +1,147 @@
+// PlanRound over what it stands on, all real: a host tier and an NVMe region in a file, the chunk
+// table, Space, the Mover, a session's schedule in its completion page. It is tested here as the
+// service runs it (collect, plan, apply) without the service: what it collects, and which planned
+// moves it starts now that the table may have changed since the plan.
+#include "daemon/chunks/plan_round.h"
+
+#include <sys/mman.h>
+
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "testing/scratch_tiers.h"
+
+namespace tierd::daemon {
+namespace {
+
+constexpr uint64_t kSeg = 4 << 20;
+constexpr uint32_t kAlice = 1000;
+
+class PlanRoundTest : public ::testing::Test, public Mover::Listener {
+ protected:
+  void SetUp() override {
+    ledger_.Configure(Limits{}, Quotas{});
+    auto rig = testing::ScratchTiers::Make(
+        {.segment_size = kSeg, .host_bytes = 4 * kSeg, .nvme_bytes = 64u << 20});
+    rig_ = std::move(rig).value();  // dies with the error when the tiers cannot be made
+    const Tiers tiers = rig_->tiers();
+    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
+    mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), *this);
+    schedules_ = std::make_unique<Schedules>(chunks_, ledger_, Clock::Real());
+    round_ = std::make_unique<PlanRound>(chunks_, *space_, *mover_, sessions_, *schedules_, meter_,
+                                         tiers, Clock::Real());
+    session_ = *registry_.Open({kAlice, kAlice, 1}, "trainer");
+  }
+  void TearDown() override {
+    if (mover_ != nullptr) mover_->WaitForIdle();
+    round_.reset();
+    schedules_.reset();
+    mover_.reset();
+    space_.reset();
+    rig_.reset();
+  }
+
+  // A chunk of the session's whose only copy is on NVMe (never written: it reads as zeros).
+  ChunkMeta& NvmeChunk() {
+    ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
+    c.owner = session_->id;
+    c.size = kSeg;
+    c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
+    c.allocated.insert(TierKind::kNvme);
+    c.resident.insert(TierKind::kNvme);
+    return c;
+  }
+  // One step reading `ids` on the host.
+  void Schedule(std::vector<ChunkId> ids) {
+    ScheduleRequest r;
+    auto& step = r.steps.emplace_back();
+    for (ChunkId id : ids) step.push_back({.id = id, .tier = TierKind::kHost});
+    schedules_->Set(*session_, std::move(r));
+  }
+  static PlannedMove Fetch(ChunkId id) {
+    return {.kind = PlannedMove::Kind::kFetch, .id = id, .tier = TierKind::kHost};
+  }
+
+  void MoveSettled(ChunkMeta&, const Mover::Settlement& settled) override {
+    EXPECT_TRUE(settled.status.ok()) << settled.status;
+  }
+
+  std::unique_ptr<testing::ScratchTiers> rig_;
+  absl::Mutex mu_;
+  ChunkTable chunks_;
+  TenantLedger ledger_;
+  PathMeter meter_;
+  SessionLedger sessions_;
+  SessionRegistry registry_;
+  std::shared_ptr<Session> session_;
+  std::unique_ptr<Space> space_;
+  std::unique_ptr<Mover> mover_;
+  std::unique_ptr<Schedules> schedules_;
+  std::unique_ptr<PlanRound> round_;
+};
+
+TEST_F(PlanRoundTest, WithoutAScheduleThereIsNothingToCollect) {
+  absl::MutexLock lock(&mu_);
+  NvmeChunk();
+  Schedules::Round round;
+  PlanInput in;
+  EXPECT_FALSE(round_->Collect(absl::Now(), round, in));
+  EXPECT_TRUE(in.sessions.empty());
+  EXPECT_TRUE(in.chunks.empty());
+}
+
+TEST_F(PlanRoundTest, CollectTakesTheScheduledChunksAndTheTiersRoomButNotTheRest) {
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& named = NvmeChunk();
+  ChunkMeta& other = NvmeChunk();  // on NVMe only, named by no schedule: no planner's business
+  Schedule({named.id});
+  Schedules::Round round;
+  PlanInput in;
+  ASSERT_TRUE(round_->Collect(absl::Now(), round, in));
+  ASSERT_EQ(in.sessions.size(), 1u);
+  EXPECT_EQ(in.sessions[0].session, session_->id);
+  ASSERT_EQ(in.sessions[0].steps->size(), 1u);
+  EXPECT_TRUE(in.chunks.contains(named.id));
+  EXPECT_FALSE(in.chunks.contains(other.id));
+  EXPECT_TRUE(in.chunks.at(named.id).resident.contains(TierKind::kNvme));
+  EXPECT_EQ(in.capacity[TierKind::kHost], 4 * kSeg);
+  EXPECT_EQ(in.free[TierKind::kHost], 4 * kSeg);
+}
+
+TEST_F(PlanRoundTest, ApplyStartsAPlannedFetchAndCountsItToTheChunksSession) {
+  ChunkMeta* c;
+  {
+    absl::MutexLock lock(&mu_);
+    c = &NvmeChunk();
+    sessions_.Of(*session_);
+    EXPECT_EQ(round_->Apply({Fetch(c->id)}), 1u);
+    EXPECT_EQ(c->state, ChunkState::kMoving);
+    EXPECT_EQ(c->moving_to, TierKind::kHost);
+    EXPECT_EQ(sessions_.Find(session_->id)->stats.planner_fetches, 1u);
+  }
+  mover_->WaitForIdle();
+  absl::MutexLock lock(&mu_);
+  EXPECT_TRUE(c->resident.contains(TierKind::kHost));
+}
+
+TEST_F(PlanRoundTest, ApplySkipsMovesTheTableNoLongerAllows) {
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& pinned = NvmeChunk();
+  ChunkMeta& doomed = NvmeChunk();
+  pinned.pins = 1;       // acquired since the plan: not the planner's to move
+  doomed.doomed = true;  // freed since the plan
+  const ChunkId gone = 999'999;
+  EXPECT_EQ(round_->Apply({Fetch(pinned.id), Fetch(doomed.id), Fetch(gone)}), 0u);
+  EXPECT_EQ(pinned.state, ChunkState::kReady);
+  EXPECT_EQ(doomed.state, ChunkState::kReady);
+  // A drop of a chunk's only copy would lose it: refused too.
+  ChunkMeta& only = NvmeChunk();
+  EXPECT_EQ(
+      round_->Apply({{.kind = PlannedMove::Kind::kDrop, .id = only.id, .tier = TierKind::kNvme}}),
+      0u);
+  EXPECT_TRUE(only.resident.contains(TierKind::kNvme));
+}
+
+}  // namespace
+}  // namespace tierd::daemon
