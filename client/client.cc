@@ -28,6 +28,26 @@
 #include "tierd/v1/tierd.grpc.pb.h"
 
 namespace tierd {
+
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+    case Tier::kDevice:
+      return "device";
+  }
+  return "?";
+}
+
+std::optional<Tier> ParseTier(std::string_view name) {
+  for (Tier t : {Tier::kHost, Tier::kNvme, Tier::kDevice}) {
+    if (name == TierName(t)) return t;
+  }
+  return std::nullopt;
+}
+
 namespace {
 
 namespace pb = ::tierd::v1;
@@ -305,8 +325,7 @@ struct Client::Impl {
       mapped.host_accessible = false;
     } else {
       absl::StatusOr<Mapping> m = Mapping::Map(
-          fd.get(), d.size_bytes,
-          absl::StrCat(tier == Tier::kHost ? "host" : "device", " segment ", d.segment));
+          fd.get(), d.size_bytes, absl::StrCat(TierName(tier), " segment ", d.segment));
       if (!m.ok()) return m.status();
       mapped.mapping = std::move(*m);
       if (tier == Tier::kHost && cuda != nullptr && options.cuda_register_host) {

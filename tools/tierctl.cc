@@ -83,25 +83,6 @@ void PrintJson(const Json& j) {
   std::printf("%s\n", j.dump(-1, ' ', false, Json::error_handler_t::replace).c_str());
 }
 
-const char* TierName(Tier t) {
-  switch (t) {
-    case Tier::kDevice:
-      return "device";
-    case Tier::kHost:
-      return "host";
-    case Tier::kNvme:
-      return "nvme";
-  }
-  return "?";
-}
-
-std::optional<Tier> ParseTier(std::string_view s) {
-  if (s == "device") return Tier::kDevice;
-  if (s == "host") return Tier::kHost;
-  if (s == "nvme") return Tier::kNvme;
-  return std::nullopt;
-}
-
 std::string Rate(double bytes_per_second) {
   return FormatSize(static_cast<uint64_t>(std::max(0.0, bytes_per_second))) + "/s";
 }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,6 +25,11 @@ namespace tierd {
 using ChunkId = uint64_t;
 
 enum class Tier : int { kHost = 1, kNvme = 2, kDevice = 3 };
+// The tier's name, as the daemon's configuration, metrics and tierctl spell it: "host", "nvme",
+// "device" ("?" for a value that is none of them).
+const char* TierName(Tier tier);
+// The tier of that name; nullopt for any other.
+std::optional<Tier> ParseTier(std::string_view name);
 // kOverwrite: every byte is written before any is read (gradients, activations, an optimizer's
 // output). The old contents are not fetched, so the acquired bytes are undefined until written.
 enum class AccessMode : int { kRead = 1, kWrite = 2, kOverwrite = 3 };
