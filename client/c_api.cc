@@ -379,7 +379,7 @@ tierd_status tierd_chunk_dlpack(tierd_client* client, tierd_chunk_id id, int tie
     if (place == nullptr || place->data == nullptr) {
       return Fail(absl::FailedPreconditionError(
           absl::StrCat("tierd_chunk_dlpack: chunk ", id, " is not acquired in the ",
-                       tier == TIERD_TIER_HOST ? "host" : "device", " tier by this session")));
+                       tierd::TierName(static_cast<tierd::Tier>(tier)), " tier by this session")));
     }
     if (offset > place->size || bytes > place->size - offset) {
       return Fail(

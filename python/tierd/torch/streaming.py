@@ -253,7 +253,6 @@ class StreamRange:
         self._unit = unit
         self._range = r
         self.params = r.params
-        self.dtype = r.dtype
         self._next = None   # the next version, held from next_version() to publish/discard
         self._grads = None  # the gradient chunk, held from gradients() to release_gradients
 
