@@ -3,8 +3,9 @@ BUILD ?= build
 BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
-# The second build of `make test`: clang, AddressSanitizer + UndefinedBehaviorSanitizer, and the
-# libFuzzer targets (fuzz/).
+# The second build of `make test`: clang, AddressSanitizer + UndefinedBehaviorSanitizer, the
+# invariants that cost O(chunks) checked where they are relied on, and the libFuzzer targets
+# (fuzz/).
 SANITIZED ?= build-asan
 FUZZ_SECONDS ?= 300
 
@@ -31,7 +32,7 @@ test-build: build
 
 configure-sanitized: deps
 	@CC=clang CXX=clang++ cmake -S . -B $(SANITIZED) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
-	  -DTIERD_SANITIZE=address -DTIERD_FUZZ=ON -DTIERD_CUDA=OFF $(CMAKE_ARGS) >/dev/null
+	  -DTIERD_SANITIZE=address -DTIERD_CHECK_INVARIANTS=ON -DTIERD_FUZZ=ON -DTIERD_CUDA=OFF $(CMAKE_ARGS) >/dev/null
 
 test-sanitized: configure-sanitized
 	@cmake --build $(SANITIZED) -j $(JOBS)

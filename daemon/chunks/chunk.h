@@ -39,10 +39,14 @@ struct ChunkMeta {
   // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
   // and a daemon that restarts without having written it down recovers it `lost`.
   bool memory_home = false;
-  bool marked = false;             // the index records that the current version is in memory
-  bool lost = false;               // recovered without its current version: opening it is DATA_LOSS
-  uint64_t checksum = 0;           // XXH3-64 of the bytes of the NVMe copy, when written
-  uint64_t last_use = 0;           // Acquire clock, for least-recently-used eviction
+  bool marked = false;    // the index records that the current version is in memory
+  bool lost = false;      // recovered without its current version: opening it is DATA_LOSS
+  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
+  // Where the chunk table's recency index holds the chunk, and under which use (ChunkTable::
+  // Reindex keeps these; nobody else writes them).
+  uint64_t indexed_use = 0;
+  TierSet indexed;
   TierArray<Placement> placement;  // valid where resident (or reserved)
   std::string name;
   std::vector<std::string> tags;

@@ -293,6 +293,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     for (ChunkMeta* chunk : *chunks) {
       if (chunk->state == ChunkState::kReady && chunk->allocated.contains(tier)) {
         chunk->resident.insert(tier);
+        chunks_.Reindex(*chunk);
       }
       all_ready = all_ready && CheckPin(*chunk, tier).ok();
     }
@@ -323,6 +324,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   for (ChunkMeta* chunk : *chunks) {
     Hold(*chunk);
     chunk->last_use = ++use_clock_;
+    chunks_.Reindex(*chunk);
     state.pins[chunk->id].count += 1;
     const bool ready = CheckPin(*chunk, tier).ok();
     sessions_.CountAcquired(state, ready);
@@ -597,7 +599,10 @@ void ChunkService::MoveSettled(ChunkMeta& chunk, const Mover::Settlement& settle
   mu_.AssertHeld();          // the Mover's call up, which the analysis cannot follow
   room_.MoveDone(chunk.id);  // a write-down for room: that room is no longer coming
   sessions_.AddMoved(chunk.owner, settled.crossed);
-  if (settled.brought_in) chunk.last_use = ++use_clock_;
+  if (settled.brought_in) {
+    chunk.last_use = ++use_clock_;
+    chunks_.Reindex(chunk);
+  }
   room_freed_.SignalAll();
   AfterMove(chunk, settled.status);
 }
@@ -616,6 +621,7 @@ void ChunkService::AfterMove(ChunkMeta& chunk, const absl::Status& moved) {
 void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, SessionId session,
                          const std::shared_ptr<Batch>& batch) {
   ApplyAccess(chunk, tier, access);
+  chunks_.Reindex(chunk);
   if (!Writes(access)) return;
   if (NeedsMark(chunk)) mover_.Mark(chunk, batch);
   SessionLedger::State* state = sessions_.Find(session);
@@ -737,6 +743,7 @@ ChunkMeta& ChunkService::Insert(uint32_t tenant, SessionId owner, uint64_t size,
   chunk.resident.insert(home.tier);
   chunk.placement[home.tier] = home;
   chunk.memory_home = persistent && home.tier != TierKind::kNvme;
+  chunks_.Reindex(chunk);
   return chunk;
 }
 
@@ -766,6 +773,7 @@ size_t ChunkService::Recover(const std::vector<IndexEntry>& entries) {
       chunk.lost = true;
       chunk.marked = true;
       chunk.resident = TierSet();
+      chunks_.Reindex(chunk);
       spdlog::error(
           "persistent chunk '{}' of uid {} was lost: its current version was in memory when the "
           "daemon stopped without a clean shutdown; opening it fails with DATA_LOSS until it is "

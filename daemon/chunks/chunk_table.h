@@ -1,6 +1,15 @@
-// Every chunk of the node by id, with the two indexes the chunk service finds chunks by: a user's
-// chunk by name, and a user's persistent chunks. Insert and Erase keep the indexes and the table
-// in step. Ids are never reused in the daemon's life.
+// Every chunk of the node by id, with the indexes the chunk service finds chunks by: a user's
+// chunk by name, a user's persistent chunks, and each tier's copies least recently used first.
+// Insert and Erase keep the indexes and the table in step. Ids are never reused in the daemon's
+// life.
+//
+// The recency index is what room is made from: a full tier's victim is found among the copies in
+// that tier, oldest first, without reading the rest of the table. Whoever gives a chunk a copy in
+// a tier or a new `last_use` calls Reindex(chunk) before room is next looked for; a copy that has
+// gone (dropped, overwritten) is found stale on the next visit and forgotten, so a missed Reindex
+// after a drop costs nothing but a step. A missed one after a copy arrives would hide it from
+// eviction: builds with TIERD_CHECK_INVARIANTS (the sanitized test build) check for that on every
+// visit.
 //
 // Node-based: a ChunkMeta never moves (pointers to it stay valid until it is erased), and a
 // million of them cost their own size plus a pointer slot each rather than a half-empty array of
@@ -14,8 +23,11 @@
 #include <set>
 #include <string>
 
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "daemon/chunks/chunk.h"
 
@@ -35,6 +47,16 @@ class ChunkTable {
   ChunkMeta& Insert(uint32_t tenant, const std::string& name, bool persistent);
   // Removes the chunk and its index entries. REQUIRES: it is in the table.
   void Erase(const ChunkMeta& chunk);
+
+  // Files the chunk in the recency index under its `resident` tiers and its `last_use`.
+  void Reindex(ChunkMeta& chunk);
+  // Calls visit(chunk) for each chunk with a copy in `tier`, least recently used first (ties by
+  // id), until it returns false. `visit` must not change the table; it may change the chunk after
+  // it returns false.
+  void VisitOldestIn(TierKind tier, absl::FunctionRef<bool(ChunkMeta&)> visit);
+  // OK when every copy of every chunk is in the recency index under the chunk's last use;
+  // otherwise names the first that is not. O(chunks): for tests and checked builds.
+  absl::Status CheckRecency() const;
 
   // The tenant's chunk named `name`, or null.
   ChunkMeta* FindByName(uint32_t tenant, absl::string_view name);
@@ -60,8 +82,9 @@ class ChunkTable {
 
   Map chunks_;
   ChunkId next_id_ = 1;
-  absl::flat_hash_map<std::string, ChunkId> names_;              // "uid/name" -> id
-  absl::flat_hash_map<uint32_t, std::set<ChunkId>> persistent_;  // by tenant
+  absl::flat_hash_map<std::string, ChunkId> names_;                   // "uid/name" -> id
+  absl::flat_hash_map<uint32_t, std::set<ChunkId>> persistent_;       // by tenant
+  TierArray<absl::btree_set<std::pair<uint64_t, ChunkId>>> recency_;  // (last_use, id) by tier
 };
 
 }  // namespace tierd::daemon

@@ -265,6 +265,7 @@ void Mover::SettleToDevice(ChunkId id, const absl::Status& status, bool host_fil
     if (host_filled) space_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);
   }
+  chunks_.Reindex(chunk);
   listener_.MoveSettled(chunk, settled);
 }
 
@@ -305,6 +306,7 @@ absl::Status Mover::SettleToHost(ChunkId id, const absl::Status& status, bool th
   } else if (!keep_source && chunk.pins == 0) {
     space_.DropCopy(chunk, TierKind::kDevice);
   }
+  chunks_.Reindex(chunk);
   listener_.MoveSettled(chunk, settled);
   return out;
 }
@@ -335,6 +337,7 @@ void Mover::SettleRead(ChunkId id, const absl::Status& status) {
     space_.DropCopy(chunk, TierKind::kHost);
     if (absl::IsDataLoss(status)) chunk.resident.erase(TierKind::kNvme);  // never trusted again
   }
+  chunks_.Reindex(chunk);
   listener_.MoveSettled(chunk, settled);
 }
 
@@ -413,6 +416,7 @@ void Mover::SettleWrite(ChunkId id, const absl::StatusOr<uint64_t>& checksum, bo
     chunk.dirty = TierSet();
     if (!keep_source && chunk.pins == 0) DropAbove(chunk, TierKind::kNvme);
   }
+  chunks_.Reindex(chunk);
   listener_.MoveSettled(chunk, settled);
 }
 

@@ -19,7 +19,7 @@ IoOrder Now() { return IoOrder{.deadline = absl::Now()}; }
 
 class RecordingListener final : public Mover::Listener {
  public:
-  explicit RecordingListener(absl::Mutex& mu) : mu_(mu) {}
+  RecordingListener(absl::Mutex& mu, ChunkTable& chunks) : mu_(mu), chunks_(chunks) {}
   void MoveSettled(ChunkMeta& chunk, const Mover::Settlement& s) override {
     mu_.AssertHeld();
     settled.emplace_back(chunk.id, s.status);
@@ -28,7 +28,10 @@ class RecordingListener final : public Mover::Listener {
       EXPECT_EQ(s.crossed[p], chunk.size) << PathName(p);
       paths.push_back(p);
     }
-    if (s.brought_in) chunk.last_use = ++uses;
+    if (s.brought_in) {
+      chunk.last_use = ++uses;
+      chunks_.Reindex(chunk);
+    }
   }
 
   std::vector<std::pair<ChunkId, absl::Status>> settled;
@@ -37,6 +40,7 @@ class RecordingListener final : public Mover::Listener {
 
  private:
   absl::Mutex& mu_;
+  ChunkTable& chunks_;
 };
 
 class MoverTest : public ::testing::Test {
@@ -68,6 +72,7 @@ class MoverTest : public ::testing::Test {
     c.placement[TierKind::kHost] = p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
+    chunks_.Reindex(c);
     auto* bytes = static_cast<uint8_t*>(rig_->host()->Address(p));
     for (uint64_t i = 0; i < kChunk; ++i) bytes[i] = static_cast<uint8_t>(i * 7 + seed);
     return c;
@@ -112,7 +117,7 @@ class MoverTest : public ::testing::Test {
   ChunkTable chunks_;
   TenantLedger ledger_;
   PathMeter meter_;
-  RecordingListener listener_{mu_};
+  RecordingListener listener_{mu_, chunks_};
   std::unique_ptr<Space> space_;
   std::unique_ptr<Mover> mover_;
 };

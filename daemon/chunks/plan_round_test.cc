@@ -50,6 +50,7 @@ class PlanRoundTest : public ::testing::Test, public Mover::Listener {
     c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
     c.allocated.insert(TierKind::kNvme);
     c.resident.insert(TierKind::kNvme);
+    chunks_.Reindex(c);
     return c;
   }
   // One step reading `ids` on the host.

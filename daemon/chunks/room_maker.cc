@@ -92,18 +92,15 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const bool can_write_down = Below(t) && tiers_.hop[PathDown(t)] != nullptr;
   if (!can_write_down) return coming > 0 || (!own && mover_.in_flight() > 0);
-  // Least recently used first. A linear scan, as in ReserveIn; it runs only when a tier is full
-  // of dirty copies.
+  // Least recently used first, from the tier's own copies.
   std::vector<ChunkMeta*> dirty;
-  for (auto& [id, c] : chunks_) {
-    if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !c.resident.contains(t) ||
-        CleanIn(c.resident, t) || (own && c.tenant != tenant)) {
-      continue;
+  chunks_.VisitOldestIn(t, [&](ChunkMeta& c) {
+    if (c.state == ChunkState::kReady && c.pins == 0 && !c.doomed && !CleanIn(c.resident, t) &&
+        (!own || c.tenant == tenant)) {
+      dirty.push_back(&c);
     }
-    dirty.push_back(&c);
-  }
-  std::sort(dirty.begin(), dirty.end(),
-            [](const ChunkMeta* a, const ChunkMeta* b) { return a->last_use < b->last_use; });
+    return true;
+  });
   bool started = false;  // at least one, in case the free bytes are there but not in one piece
   bool below = false;    // room is being made in the tier below for these to go to
   for (ChunkMeta* c : dirty) {

@@ -51,6 +51,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);
     c.dirty.insert(TierKind::kHost);
+    chunks_.Reindex(c);
     return c;
   }
 
@@ -63,6 +64,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
     }
     c.allocated.insert(TierKind::kNvme);
     c.resident.insert(TierKind::kNvme);
+    chunks_.Reindex(c);
     return c;
   }
 

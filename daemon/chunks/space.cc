@@ -30,6 +30,7 @@ void Space::DropCopy(ChunkMeta& chunk, TierKind tier) {
   chunk.allocated.erase(tier);
   chunk.resident.erase(tier);
   chunk.dirty.erase(tier);
+  chunks_.Reindex(chunk);
 }
 
 absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
@@ -42,14 +43,16 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, uint32_t tenant, uint6
         quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, tenant, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
-    // costs nothing to drop). A linear scan; the planner replaces this policy.
+    // costs nothing to drop).
     ChunkMeta* victim = nullptr;
-    for (auto& [id, c] : chunks_) {
-      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier))
-        continue;
-      if (quota_full && c.tenant != tenant) continue;
-      if (victim == nullptr || c.last_use < victim->last_use) victim = &c;
-    }
+    chunks_.VisitOldestIn(tier, [&](ChunkMeta& c) {
+      if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier) ||
+          (quota_full && c.tenant != tenant)) {
+        return true;
+      }
+      victim = &c;
+      return false;
+    });
     if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);
   }

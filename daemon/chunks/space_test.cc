@@ -44,6 +44,7 @@ class SpaceTest : public testing::Test {
     } else {
       c.dirty.insert(TierKind::kHost);
     }
+    chunks_.Reindex(c);
     return c;
   }
 
