@@ -10,29 +10,38 @@ SANITIZED ?= build-asan
 FUZZ_SECONDS ?= 300
 
 .PHONY: all deps configure build test test-build test-sanitized configure-sanitized fuzz demo \
-        bench install package gpu-kit test-torch2 clean
+        bench install package gpu-kit python-env clean
 
 all: build
 
+# Debian's packages; then the Python environment of requirements.txt (torch and the Hugging Face
+# libraries from PyPI), made once outside the clone and reused: deploy/python-env.sh.
 deps:
 	@deploy/install-deps.sh
+	@deploy/python-env.sh >/dev/null
+
+python-env: deps
+	@deploy/python-env.sh
+
+PYTHON = $$(deploy/python-env.sh)/bin/python
 
 configure: deps
-	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS) >/dev/null
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	  -DPython3_EXECUTABLE=$(PYTHON) $(CMAKE_ARGS) >/dev/null
 
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
 # Every test twice: the release build's suite, then the sanitized build's suite and a short run
-# of each fuzz target over its corpus; between them, the torch tests again on torch 2.x.
-test: test-build test-torch2 test-sanitized
+# of each fuzz target over its corpus. The Python tests run on requirements.txt's torch.
+test: test-build test-sanitized
 
 test-build: build
 	ctest --test-dir $(BUILD) --output-on-failure -j 2
 
 configure-sanitized: deps
 	@CC=clang CXX=clang++ cmake -S . -B $(SANITIZED) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
-	  -DTIERD_SANITIZE=address -DTIERD_CHECK_INVARIANTS=ON -DTIERD_FUZZ=ON -DTIERD_CUDA=OFF $(CMAKE_ARGS) >/dev/null
+	  -DPython3_EXECUTABLE=$(PYTHON) -DTIERD_SANITIZE=address -DTIERD_CHECK_INVARIANTS=ON -DTIERD_FUZZ=ON -DTIERD_CUDA=OFF $(CMAKE_ARGS) >/dev/null
 
 test-sanitized: configure-sanitized
 	@cmake --build $(SANITIZED) -j $(JOBS)
@@ -53,21 +62,16 @@ bench: build
 	$(BUILD)/bench/tierd-bench replay
 	$(BUILD)/bench/tierd-bench adam --params=1e7,1e8
 	$(BUILD)/bench/tierd-bench offload-step
-	/usr/bin/python3 bench/train_step.py --build $(BUILD)
-	/usr/bin/python3 bench/activation_offload.py --build $(BUILD)
-	/usr/bin/python3 bench/bf16_moments.py --build $(BUILD)
-	/usr/bin/python3 bench/param_stream.py --build $(BUILD)
-	/usr/bin/python3 bench/checkpoint.py --build $(BUILD)
+	$(PYTHON) bench/train_step.py --build $(BUILD)
+	$(PYTHON) bench/activation_offload.py --build $(BUILD)
+	$(PYTHON) bench/bf16_moments.py --build $(BUILD)
+	$(PYTHON) bench/param_stream.py --build $(BUILD)
+	$(PYTHON) bench/checkpoint.py --build $(BUILD)
 
 # The GPU kit (gpu-kit/tierd-gpu-kit.tar.gz): the CUDA build's daemon, client, tests and benches
 # with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).
 gpu-kit: build
 	@tests/gpu/make_kit.sh $(BUILD) gpu-kit
-
-# The Python package's tests on torch 2.x (Debian 13's, in a chroot made once under
-# $(BUILD)/torch2-root), against the kit's binaries: the torch 2.x paths without a GPU.
-test-torch2: build
-	@tests/torch2/run.sh $(BUILD)
 
 # PREFIX=/usr/local by default; DESTDIR works as usual.
 install: build

@@ -10,8 +10,9 @@ packages=(
   libxxhash-dev libsystemd-dev libcivetweb-dev libdlpack-dev prometheus-cpp-dev prometheus systemd
   nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-pytest python3-torch python3-numpy python3-yaml python3-tqdm python3-grpcio
-  fio patchelf debootstrap
+  python3 python3-venv python3-pytest python3-numpy python3-yaml python3-tqdm python3-grpcio
+  python3-protobuf
+  fio patchelf
 )
 
 missing=()

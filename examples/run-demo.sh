@@ -38,8 +38,7 @@ for _ in $(seq 600); do  # pinning a large pool takes a while on a slow machine
 done
 
 echo "== tierd running (pid $daemon), sockets in $socket_dir, log in $log"
-python=python3
-[[ -x /usr/bin/python3 ]] && python=/usr/bin/python3  # Debian's, with python3-torch
+python="$(deploy/python-env.sh)/bin/python"  # requirements.txt's torch (made by `make deps`)
 export TIERD_CLIENT_LIB="$build/client/libtierd_client.so.0" PYTHONPATH=python
 status=0
 "$python" examples/train_gpt.py --socket-dir "$socket_dir" --fresh --steps "${DEMO_STEPS:-40}" \

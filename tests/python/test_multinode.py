@@ -10,6 +10,7 @@ stopping too instead of waiting in a collective.
 
 Run by CTest with TIERD_BIN, TIERD_CLIENT_LIB and TIERCTL_BIN set.
 """
+import collections
 import json
 import os
 import pickle
@@ -343,6 +344,12 @@ def test_a_dcp_checkpoints_metadata_is_data_and_never_runs_code(nodes, tmp_path)
             opt.load_checkpoint(str(tmp_path / "ckpt"))
         assert "may not name posix.system" in str(refused.value)
         assert not marker.exists()
+        # getattr, which an enum member's pickle uses, reaches enum members only.
+        with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
+            pickle.dump(_Takes(collections.OrderedDict, "fromkeys"), f)
+        with pytest.raises(pickle.UnpicklingError) as refused:
+            opt.load_checkpoint(str(tmp_path / "ckpt"))
+        assert "may not take 'fromkeys'" in str(refused.value)
     finally:
         opt.close()
 
@@ -446,6 +453,16 @@ def test_the_kubernetes_jobs_torchrun_arguments_run_on_two_nodes(nodes):
     codes, outs = run_nodes([command, command], [node_env(d) for d in nodes])
     assert codes == [0, 0], "\n".join(outs)
     assert "2 ranks" in "".join(outs)
+
+
+class _Takes:
+    """Pickles as getattr(owner, name)."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
 
 
 class _Runs:

@@ -57,7 +57,7 @@ def train(m, opt, data, micro=1, clip=None, scale=1.0, poison=None, reference=Fa
         for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
             loss = loss_of(m, xs, ys) / micro
             (loss * scale).backward()
-            total += float(loss)
+            total += float(loss.detach())
         if poisoned is not None:
             poisoned.remove()
         losses.append(total)

@@ -299,7 +299,17 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         elif module in ("pathlib", "pathlib._local") and name in _PATHS:  # where it was saved
             return super().find_class(module, name)
+        elif (module, name) == ("builtins", "getattr"):  # how Python 3.11+ pickles an enum member
+            return _enum_member
         raise pickle.UnpicklingError(f"a checkpoint's metadata may not name {module}.{name}")
+
+
+def _enum_member(cls, name):
+    """getattr as an enum member's pickle uses it, and for nothing else."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
+            and name in cls.__members__):
+        raise pickle.UnpicklingError(f"a checkpoint's metadata may not take {name!r} of {cls!r}")
+    return cls.__members__[name]
 
 
 def _checked_reader(base, directory: str):
