@@ -16,8 +16,9 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # From the bottom up; modules on one level do not import each other.
 LEVELS = [
-    ["_storage"],                # tensors over tierd memory and storage that comes and goes
-    ["_units", "activations"],   # a stream's units and chunks; activation offload
+    ["_storage", "_pretrained"],  # tensors over tierd memory; checkpoints in the HF layout
+    ["_units", "activations", "_materialize"],  # units and chunks; activation offload; where
+                                                # a stream's weights come from
     ["_trace"],                  # the recorded order, the daemon's schedule
     ["_window"],                 # the device window
     ["_stream_hooks"],           # the hooks and the training state
@@ -27,7 +28,7 @@ LEVELS = [
     ["_layout", "_verdict"],     # the groups as buckets; clip, skip, speculation
     ["_intake"],                 # gradients in during backward
     ["optimizer"],               # OffloadedAdamW: the step's coordinator
-    ["__init__"],                # the public face
+    ["__init__", "hf"],          # the public face; transformers' Trainer for it
 ]
 
 

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..client import Access, Acquisition, Client, Tier
+from ..client import Access, Acquisition, Client, Completion, Tier
 from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, resize
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
@@ -264,6 +264,15 @@ class Units:
                     r.slice(dst, i).copy_(values[id(p)])
         self.point(u)
 
+    def write_down(self, u: Unit) -> Optional[Completion]:
+        """An NVMe unit's version 0, just written (laid out), goes down to NVMe now rather than
+        when room is next needed: an import larger than the host tier flows through it, and a
+        frozen unit is never written again. None for a host unit. (Call it once the views of
+        lay_out's writes are gone: a chunk still acquired does not move.)"""
+        if u.home != Tier.NVME:
+            return None
+        return self.client.evict([u.chunks.ids[0]], Tier.NVME)
+
     def point(self, u: Unit) -> None:
         """Points u's parameters at their places in its device storage (made with room for a
         moment: a view of an empty storage cannot be taken)."""
@@ -284,7 +293,8 @@ class Units:
 
     def grad_chunk(self, r: Range) -> None:
         """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
-        home in the host tier, held only during a step (hold_grad)."""
+        home in the host tier, made when its first gradient comes (a range of frozen
+        parameters never has one), held only during a step (hold_grad)."""
         if r.grad_chunk is None:
             r.grad_chunk = self.client.allocate([max(r.nbytes, 1)], Tier.HOST)
 

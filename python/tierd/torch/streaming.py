@@ -33,6 +33,8 @@ import torch.nn as nn
 
 from ..client import Access, Client, Tier, TierdError, connect
 from ._stream_hooks import StreamHooks, TrainingState
+from . import _pretrained
+from ._materialize import Init, placeholder, source_for, swap
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
 from ._window import Window
@@ -58,7 +60,8 @@ class ParameterStream:
                  device: Optional[torch.device] = None, device_budget_bytes: int = 8 << 30,
                  prefetch: int = 1, host_budget_bytes: Optional[int] = None,
                  name: Optional[str] = None, client: Optional[Client] = None,
-                 socket_dir: Optional[str] = None):
+                 socket_dir: Optional[str] = None, checkpoint: Optional[str] = None,
+                 init: Optional[Init] = None):
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, not {prefetch}")
@@ -76,6 +79,32 @@ class ParameterStream:
         streamed = {id(p) for u in found for p in u.params}
         self._resident = _resident_tensors(model, streamed)
         self._check_budget(found)
+        source = source_for(model, checkpoint, init)
+        self.built_on_meta = source.built_on_meta
+        try:
+            source.check([p for u in found for p in u.params], self._resident)
+            self._materialize(source, found)
+            self._set_up(found, source, client, socket_dir, host_budget_bytes)
+        finally:
+            source.close()
+
+    def _materialize(self, source, found: List[Unit]) -> None:
+        """The resident tensors made on the device; streamed parameters on meta replaced by
+        placeholders on it (the units' storage is pointed at them as they are laid out)."""
+        made = source.make_resident(self._resident, self.device)
+        for u in found:
+            for p in u.params:
+                if p.is_meta:
+                    made[id(p)] = placeholder(p, self.device)
+        swap(self.model, made)
+        source.follow(made)
+        self._resident = [made.get(id(t), t) for t in self._resident]
+        for u in found:
+            u.params = [made.get(id(p), p) for p in u.params]
+
+    def _set_up(self, found: List[Unit], source, client: Optional[Client],
+                socket_dir: Optional[str], host_budget_bytes: Optional[int]) -> None:
+        device = self.device
 
         self._own_client = client is None
         self._client = client if client is not None else connect(socket_dir, f"stream {self.name}")
@@ -91,11 +120,16 @@ class ParameterStream:
         self._hooks = StreamHooks(self._units, self._window)
         try:
             self._units.place(host_budget_bytes, has_nvme)
-            self._move_resident()
+            self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
             self.closed = False
-            for u in self._units:
-                self._units.lay_out(u, by_dtype(u.params), 1,
-                                    {id(p): p.detach().reshape(-1) for p in u.params})
+            written = []
+            for u in self._units:  # one unit's weights in the process at a time
+                self._units.lay_out(u, by_dtype(u.params), 1, source.unit_values(u.module,
+                                                                                 u.params))
+                written.append(self._units.write_down(u))
+            for w in written:
+                if w is not None:
+                    w.wait()
             for u in self._units:
                 for p in u.params:
                     _STREAMED[id(p)] = self
@@ -116,13 +150,6 @@ class ParameterStream:
                 f"below the {need:,} needed: {resident:,} resident + ({self.prefetch} prefetch + "
                 f"2) x {largest:,} (the largest unit) + {largest:,} (its gradients)")
 
-    def _move_resident(self) -> None:
-        with torch.no_grad():
-            for t in self._resident:
-                if t.device != self.device:
-                    t.data = t.data.to(self.device)
-        self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
-
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("stream_parameters: the stream was closed")
@@ -132,20 +159,24 @@ class ParameterStream:
     def _claim(self, layout: Dict[int, List[List[torch.Tensor]]]) -> Dict[int, List[Range]]:
         """Lays each unit (index -> lists of its parameters) out anew as one range per list, the
         rest of its parameters after them by dtype, moving the current weights. Between steps."""
-        out = {}
+        out, written = {}, []
         with self._window.lock:
             for index, groups in layout.items():
                 u = self._units[index]
-                if u.materialized or u.refs:
-                    raise RuntimeError("stream_parameters: units are rearranged between steps")
+                if u.refs:
+                    raise RuntimeError("stream_parameters: units are rearranged between steps, "
+                                       "not during a forward or backward")
+                self._window.release(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
                 rest = by_dtype([p for p in u.params if id(p) not in taken])
                 values = {id(p): w for p, w in self._units.weights(u)}
                 self._units.lay_out(u, groups + rest, 1, values)
-                out[index] = u.ranges[:len(groups)]
-                for r in out[index]:
-                    self._units.grad_chunk(r)
+                written.append(self._units.write_down(u))
+                out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
             self._trace.laid_out()
+        for w in written:
+            if w is not None:
+                w.wait()
         return out
 
     def _flipped(self, u: Unit, r: Range) -> None:
@@ -187,9 +218,55 @@ class ParameterStream:
         torch.no_grad(): it streams as training does."""
         return _Gathered(self)
 
-    def close(self) -> None:
-        """Removes the hooks, gives every streamed parameter its weights back as a CPU tensor
-        and frees the chunks."""
+    def save_pretrained(self, directory: str, max_shard_size="5GB") -> List[str]:
+        """Writes the model's weights (its state_dict: the streamed ones read unit by unit, the
+        resident ones from the device) as safetensors shards of at most max_shard_size ("5GB",
+        "500MB" or bytes) with an index, in the Hugging Face layout, and the model's config when
+        it has one (transformers' `config.save_pretrained`): `from_pretrained(directory)` loads
+        it. A weight tied to another is written once, under its first name. At most one shard
+        is in memory, never the whole model. Between steps; returns the files written."""
+        self._check_open()
+        if self._hooks.busy():
+            raise RuntimeError("stream_parameters: save_pretrained() during a forward or "
+                               "backward, or inside gathered()")
+        size = _pretrained.parse_size(max_shard_size)
+        entries, seen = [], set()
+        tensors: Dict[str, torch.Tensor] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue  # tied: written once
+            seen.add(id(t))
+            entries.append((name, tuple(t.shape), t.dtype))
+            tensors[name] = t
+        cached: Dict[int, Dict[int, torch.Tensor]] = {}  # the unit being written
+
+        def read(name: str) -> torch.Tensor:
+            t = tensors[name]
+            u = self._units.unit_of(t)
+            if u is None:
+                return t.detach().to("cpu", copy=True)
+            if u.index not in cached:
+                cached.clear()
+                cached[u.index] = {id(p): w for p, w in self._units.weights(u)}
+            return cached[u.index][id(t)].view(t.shape)
+
+        with self._window.lock:
+            written = _pretrained.write(directory, entries, read, size)
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+        return written
+
+    def close(self, keep_weights: Optional[bool] = None) -> None:
+        """Removes the hooks and frees the chunks. keep_weights: give every streamed parameter
+        its weights back as a CPU tensor first; by default, unless the model was built on the
+        meta device (a model larger than memory: save_pretrained() first), whose streamed
+        parameters are then left without storage."""
+        if keep_weights is None:
+            keep_weights = not getattr(self, "built_on_meta", False)
         if self.closed:
             if getattr(self, "_own_client", False) and getattr(self, "_client", None):
                 self._client.close()
@@ -201,7 +278,8 @@ class ParameterStream:
             for u in self._units:
                 self._window.release(u)
                 try:
-                    weights = self._units.weights(u) if u.chunks is not None else []
+                    weights = self._units.weights(u) if u.chunks is not None and keep_weights \
+                        else []
                 except TierdError as e:  # the daemon is gone: so are the weights
                     lost, weights = e, []
                 with torch.no_grad():
@@ -421,6 +499,7 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
                       device: Optional[torch.device] = None,
                       device_budget_bytes: int = 8 << 30, prefetch: int = 1,
                       host_budget_bytes: Optional[int] = None, name: Optional[str] = None,
+                      checkpoint: Optional[str] = None, init: Optional[Init] = None,
                       **kwargs) -> ParameterStream:
     """Streams the model's units' weights through a device window (see the module's text).
 
@@ -432,7 +511,17 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
     prefetch: units copied ahead of the one computing.
     host_budget_bytes: the units' chunks (two versions each) at home in the host tier up to this;
         the rest on NVMe. None: all in the host tier.
+    checkpoint: take the weights from this checkpoint in the Hugging Face layout (a .safetensors
+        file, or a directory with model.safetensors or shards and model.safetensors.index.json),
+        matched by state_dict name and converted to the model's dtypes; every key, shape and
+        dtype is checked before anything is written. The model may be built on the meta device
+        (with torch.device("meta"), accelerate's init_empty_weights()): each unit is read
+        straight into its chunks, one at a time, and the resident tensors made on `device`.
+    init: for a model built on the meta device without a checkpoint: init(module) makes the
+        weights of each unit (materialised on a CPU staging copy) and of each module holding
+        resident tensors (on `device`). Default: the model's own initialisation (transformers'
+        _init_weights, else each module's reset_parameters()).
     client, socket_dir: the daemon session (default: a session of its own).
     """
     return ParameterStream(model, units, device, device_budget_bytes, prefetch,
-                           host_budget_bytes, name, **kwargs)
+                           host_budget_bytes, name, checkpoint=checkpoint, init=init, **kwargs)

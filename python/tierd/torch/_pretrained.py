@@ -1,0 +1,219 @@
+"""Checkpoints in the Hugging Face layout: a `.safetensors` file, or a directory with
+`model.safetensors` or shards named by `model.safetensors.index.json`. Read one tensor at a time
+(every key's shape and dtype known, and checked, before a byte of data is read); written one
+shard at a time. Knows nothing of streams: streaming.py and _materialize.py use it.
+
+The files are read through the `safetensors` library (which checks each header against its
+file: offsets in order, inside the file, none overlapping); what it does not check, this does:
+an index's shards are files beside it, every key the index names is in its shard and no shard
+holds a key twice.
+"""
+import json
+import os
+import re
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.torch  # noqa: F401 (safe_open's torch framework)
+    except ImportError as e:  # pragma: no cover (requirements.txt has it)
+        raise ImportError("checkpoints in the Hugging Face layout need the safetensors package "
+                          "(pip install safetensors)") from e
+    return safetensors
+
+
+class Entry:
+    """One tensor of a checkpoint: where it is, its shape and dtype."""
+
+    def __init__(self, file: str, shape: Tuple[int, ...], dtype: torch.dtype):
+        self.file, self.shape, self.dtype = file, shape, dtype
+
+
+class Checkpoint:
+    """The tensors of a checkpoint by key, opened and checked at construction; tensors are read
+    one at a time by read()."""
+
+    def __init__(self, path: str):
+        path = os.fspath(path)
+        self.path = path
+        if os.path.isdir(path):
+            index = os.path.join(path, INDEX)
+            single = os.path.join(path, SINGLE)
+            if os.path.exists(index):
+                files = self._from_index(index)
+            elif os.path.exists(single):
+                files = {single: None}
+            else:
+                raise FileNotFoundError(f"{path}: no {SINGLE} and no {INDEX} in the directory")
+        elif os.path.isfile(path):
+            files = {path: None}
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        self.entries: Dict[str, Entry] = {}
+        for file, wanted in files.items():
+            self._scan(file, wanted)
+        self._open: Dict[str, object] = {}
+
+    def _from_index(self, index: str) -> Dict[str, List[str]]:
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map is not a mapping of keys to shards")
+        directory = os.path.dirname(index)
+        files: Dict[str, List[str]] = {}
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or os.path.basename(shard) != shard or \
+                    shard in ("", ".", ".."):
+                raise ValueError(f"{index}: key {key!r} names the shard {shard!r}, which is not "
+                                 "a file in the index's directory")
+            file = os.path.join(directory, shard)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index}: key {key!r} is in the shard {shard!r}, which "
+                                        "is missing")
+            files.setdefault(file, []).append(key)
+        return files
+
+    def _scan(self, file: str, wanted: Optional[List[str]]) -> None:
+        st = _safetensors()
+        try:
+            with st.safe_open(file, framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+                for key in keys:
+                    s = f.get_slice(key)
+                    dtype = _DTYPES.get(s.get_dtype())
+                    if dtype is None:
+                        raise ValueError(f"{file}: key {key!r} is of dtype {s.get_dtype()}, "
+                                         "which tierd does not read")
+                    if key in self.entries:
+                        raise ValueError(f"{file}: key {key!r} is also in "
+                                         f"{self.entries[key].file}")
+                    self.entries[key] = Entry(file, tuple(s.get_shape()), dtype)
+        except st.SafetensorError as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        except OSError as e:
+            raise ValueError(f"{file}: cannot be read ({e})") from None
+        if wanted is not None:
+            missing = sorted(set(wanted) - set(keys))
+            if missing:
+                raise ValueError(f"{file}: the index puts {missing[0]!r} in this shard, which "
+                                 f"does not hold it ({len(missing)} such keys)")
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor under `key`, as stored (a CPU tensor of its own)."""
+        e = self.entries[key]
+        f = self._open.get(e.file)
+        if f is None:
+            f = self._open[e.file] = _safetensors().safe_open(e.file, framework="pt",
+                                                              device="cpu")
+        try:
+            return f.get_tensor(key)
+        except Exception as err:  # the file changed under us: name it
+            raise ValueError(f"{e.file}: key {key!r} cannot be read ({err})") from None
+
+    def close(self) -> None:
+        self._open = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def convertible(stored: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether a stored dtype may be converted to the model's: floating point to floating point;
+    anything else only as it is."""
+    return stored == wanted or (stored.is_floating_point and wanted.is_floating_point)
+
+
+def parse_size(size) -> int:
+    """A shard size: bytes, or a string such as "5GB", "500MB", "2GiB" (as transformers takes)."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be > 0, not {size}")
+        return size
+    text = str(size).strip().upper()
+    units = [("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9),
+             ("MB", 10**6), ("KB", 10**3), ("B", 1)]
+    for suffix, scale in units:
+        if text.endswith(suffix):
+            try:
+                value = float(text[:-len(suffix)]) * scale
+            except ValueError:
+                break
+            if value > 0:
+                return int(value)
+            break
+    raise ValueError(f"max_shard_size: {size!r} is not a size such as 5GB or 500MB")
+
+
+def write(directory: str, tensors: List[Tuple[str, Tuple[int, ...], torch.dtype]],
+          read: Callable[[str], torch.Tensor], max_shard_size: int,
+          metadata: Optional[Dict[str, str]] = None) -> List[str]:
+    """Writes the tensors (name, shape, dtype), in that order, as safetensors shards of at most
+    max_shard_size bytes (a tensor larger than that gets a shard of its own) in the Hugging Face
+    layout: one `model.safetensors`, or `model-0000k-of-0000n.safetensors` and the index. Each
+    shard's tensors are asked of read(name) as it is written: at most one shard is in memory.
+    Returns the files written. Files are written under temporary names and renamed when whole;
+    the index (or the single file) last."""
+    st = _safetensors()
+    os.makedirs(directory, exist_ok=True)
+    shards: List[List[str]] = [[]]
+    sizes = [0]
+    total = 0
+    for name, shape, dtype in tensors:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        total += n
+        if shards[-1] and sizes[-1] + n > max_shard_size:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].append(name)
+        sizes[-1] += n
+    meta = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        names = [SINGLE]
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                 for k in range(len(shards))]
+    written = []
+    for shard, file in zip(shards, names):
+        data = {name: read(name).contiguous() for name in shard}
+        final = os.path.join(directory, file)
+        st.torch.save_file(data, final + ".tmp", metadata=meta)
+        os.replace(final + ".tmp", final)
+        written.append(final)
+        del data
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: file for shard, file in zip(shards, names)
+                                for name in shard}}
+        final = os.path.join(directory, INDEX)
+        with open(final + ".tmp", "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(final + ".tmp", final)
+        written.append(final)
+    # What an earlier save left that this one does not name: a single file or other shards.
+    for file in os.listdir(directory):
+        stale = os.path.join(directory, file)
+        if stale not in written and (file in (SINGLE, INDEX) or _SHARD.fullmatch(file)):
+            os.remove(stale)
+    return written
+

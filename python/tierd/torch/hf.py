@@ -1,0 +1,104 @@
+"""transformers' Trainer with OffloadedAdamW and a streamed model: the recipe, as a class.
+
+    from tierd.torch.hf import Trainer
+    stream = tierd.torch.stream_parameters(model, checkpoint=path, device_budget_bytes=...)
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=2e-5, overlap_backward=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      optimizers=(opt, get_linear_schedule_with_warmup(opt, 100, 1000)))
+    trainer.train()
+
+What it changes of transformers.Trainer, and why:
+
+- Clipping. Trainer clips with clip_grad_norm_ over the parameters' .grad before step(); with
+  overlap_backward (and always for streamed parameters) the gradients have left the device by
+  then, so that would clip, and report, the norm of what is left. Here `args.max_grad_norm` is
+  given to the optimizer, which clips exactly as clip_grad_norm_ would, over every gradient; the
+  logged grad_norm is the optimizer's (none is logged when the optimizer computes none).
+- Saving. The weights of a streamed model are in the daemon, not in its parameters: a
+  checkpoint or save_model() writes them with the stream's save_pretrained(). A PEFT model saves
+  its adapters as Trainer does (they are not streamed).
+
+Imports transformers (the rest of tierd.torch does not).
+"""
+import os
+from typing import Optional
+
+import torch
+import transformers
+
+from .optimizer import OffloadedAdamW
+from .streaming import stream_of
+
+__all__ = ["Trainer"]
+
+
+class _Norm(transformers.TrainerCallback):
+    """Fills the step's grad_norm once the optimizer has computed it."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        norm, self.trainer._pending_norm = self.trainer._pending_norm, None
+        opt = self.trainer._offloaded
+        if norm is not None and opt.last_grad_norm is not None:
+            norm.fill_(opt.last_grad_norm)
+
+
+class Trainer(transformers.Trainer):
+    """transformers.Trainer for OffloadedAdamW (see the module's text). Arguments as Trainer's;
+    `optimizers` must hold an OffloadedAdamW."""
+
+    def __init__(self, *args, **kwargs):
+        optimizer = (kwargs.get("optimizers") or (None, None))[0]
+        if not isinstance(optimizer, OffloadedAdamW):
+            raise TypeError("tierd.torch.hf.Trainer: give optimizers=(OffloadedAdamW(...), "
+                            "scheduler); Trainer's own optimizer would not see streamed "
+                            "gradients")
+        super().__init__(*args, **kwargs)
+        self._offloaded = optimizer
+        self._pending_norm: Optional[torch.Tensor] = None
+        wanted = self.args.max_grad_norm
+        if wanted and wanted > 0:
+            if optimizer.max_grad_norm is None:
+                optimizer.max_grad_norm = wanted
+            elif optimizer.max_grad_norm != wanted:
+                raise ValueError(f"tierd.torch.hf.Trainer: args.max_grad_norm ({wanted}) and "
+                                 f"the optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
+                                 "differ: set one")
+        self.add_callback(_Norm(self))
+
+    def _stream(self):
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        for p in model.parameters():
+            s = stream_of(p)
+            if s is not None:
+                return s
+        return None
+
+    def _lazy_norm(self) -> Optional[torch.Tensor]:
+        if self._offloaded.max_grad_norm is None and not self._offloaded.skip_nonfinite:
+            return None  # the optimizer computes no norm
+        self._pending_norm = torch.zeros((), dtype=torch.float64)
+        return self._pending_norm
+
+    def _clip_grad_norm(self, model):
+        return self._lazy_norm()  # the optimizer clips, in step()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm if grad_norm is not None else self._lazy_norm()
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        stream = self._stream()
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        peft = type(model).__module__.startswith("peft.")
+        if stream is None or peft:
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        stream.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
