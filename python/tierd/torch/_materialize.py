@@ -10,7 +10,7 @@ left without data is recomputed by the model's own code (transformers' `_init_we
 module's `reset_parameters`) and refused, by name, when neither recomputes it.
 """
 import copy
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -105,9 +105,9 @@ class Source:
     def check(self, streamed: List[torch.Tensor], resident: List[torch.Tensor]) -> None:
         """Raises, naming what is wrong, before anything is written."""
 
-    def unit_values(self, module: nn.Module, params: List[torch.Tensor]
-                    ) -> Dict[int, torch.Tensor]:
-        """Each of the unit's parameters (by id) -> its weights, flat, on the CPU."""
+    def unit_values(self, module: nn.Module, params: List[torch.Tensor]) -> Dict[int, Any]:
+        """Each of the unit's parameters (by id) -> its weights, flat, on the CPU, or a
+        function that writes them into the flat CPU tensor it is given (Units.lay_out)."""
         return {id(p): p.detach().reshape(-1) for p in params}
 
     def make_resident(self, resident: List[torch.Tensor], device: torch.device
@@ -247,7 +247,10 @@ class FromCheckpoint(Source):
         return self.checkpoint.read(self._key[id(t)]).to(t.dtype)
 
     def unit_values(self, module, params):
-        return {id(p): self._read(p).reshape(-1) for p in params}
+        """Readers that put each weight straight into its place in the unit's chunk."""
+        def reader(p):
+            return lambda out: self.checkpoint.read_into(self._key[id(p)], out)
+        return {id(p): reader(p) for p in params}
 
     def make_resident(self, resident, device):
         made: Dict[int, torch.Tensor] = {}

@@ -3,14 +3,16 @@
 (every key's shape and dtype known, and checked, before a byte of data is read); written one
 shard at a time. Knows nothing of streams: streaming.py and _materialize.py use it.
 
-The files are read through the `safetensors` library (which checks each header against its
-file: offsets in order, inside the file, none overlapping); what it does not check, this does:
-an index's shards are files beside it, every key the index names is in its shard and no shard
-holds a key twice.
+Each header is checked by the `safetensors` library (offsets in order, inside the file, none
+overlapping); what it does not check, this does: an index's shards are files beside it, every
+key the index names is in its shard and no shard holds a key twice. The data is then read with
+pread straight into where it goes (a chunk's memory, when the dtype is the model's): no mapping
+of the file, so the process's memory holds no more of it than the tensor being converted.
 """
 import json
 import os
 import re
+import struct
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -37,10 +39,12 @@ def _safetensors():
 
 
 class Entry:
-    """One tensor of a checkpoint: where it is, its shape and dtype."""
+    """One tensor of a checkpoint: where it is (its file, and its bytes there), shape, dtype."""
 
-    def __init__(self, file: str, shape: Tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, file: str, shape: Tuple[int, ...], dtype: torch.dtype, start: int,
+                 end: int):
         self.file, self.shape, self.dtype = file, shape, dtype
+        self.start, self.end = start, end
 
 
 class Checkpoint:
@@ -66,7 +70,7 @@ class Checkpoint:
         self.entries: Dict[str, Entry] = {}
         for file, wanted in files.items():
             self._scan(file, wanted)
-        self._open: Dict[str, object] = {}
+        self._open: Dict[str, int] = {}  # file -> descriptor
 
     def _from_index(self, index: str) -> Dict[str, List[str]]:
         try:
@@ -94,21 +98,25 @@ class Checkpoint:
         st = _safetensors()
         try:
             with st.safe_open(file, framework="pt", device="cpu") as f:
-                keys = list(f.keys())
-                for key in keys:
-                    s = f.get_slice(key)
-                    dtype = _DTYPES.get(s.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{file}: key {key!r} is of dtype {s.get_dtype()}, "
-                                         "which tierd does not read")
-                    if key in self.entries:
-                        raise ValueError(f"{file}: key {key!r} is also in "
-                                         f"{self.entries[key].file}")
-                    self.entries[key] = Entry(file, tuple(s.get_shape()), dtype)
+                keys = list(f.keys())  # the header checked against the file
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
         except st.SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        except OSError as e:
+        except (OSError, ValueError) as e:
             raise ValueError(f"{file}: cannot be read ({e})") from None
+        for key in keys:
+            info = header[key]
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{file}: key {key!r} is of dtype {info['dtype']}, which tierd "
+                                 "does not read")
+            if key in self.entries:
+                raise ValueError(f"{file}: key {key!r} is also in {self.entries[key].file}")
+            start, end = info["data_offsets"]
+            self.entries[key] = Entry(file, tuple(info["shape"]), dtype, 8 + n + start,
+                                      8 + n + end)
         if wanted is not None:
             missing = sorted(set(wanted) - set(keys))
             if missing:
@@ -118,16 +126,37 @@ class Checkpoint:
     def read(self, key: str) -> torch.Tensor:
         """The tensor under `key`, as stored (a CPU tensor of its own)."""
         e = self.entries[key]
-        f = self._open.get(e.file)
-        if f is None:
-            f = self._open[e.file] = _safetensors().safe_open(e.file, framework="pt",
-                                                              device="cpu")
-        try:
-            return f.get_tensor(key)
-        except Exception as err:  # the file changed under us: name it
-            raise ValueError(f"{e.file}: key {key!r} cannot be read ({err})") from None
+        out = torch.empty(e.shape, dtype=e.dtype)
+        self._pread(e, key, out)
+        return out
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """The tensor under `key` into `out` (contiguous, CPU, of its numel), converted to out's
+        dtype: read straight into it when the dtypes are the same."""
+        e = self.entries[key]
+        if out.dtype == e.dtype:
+            self._pread(e, key, out)
+        else:
+            out.copy_(self.read(key).reshape(-1))
+
+    def _pread(self, e: Entry, key: str, out: torch.Tensor) -> None:
+        fd = self._open.get(e.file)
+        if fd is None:
+            fd = self._open[e.file] = os.open(e.file, os.O_RDONLY | os.O_CLOEXEC)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        if len(view) != e.end - e.start:
+            raise ValueError(f"{e.file}: key {key!r} holds {e.end - e.start} bytes, not "
+                             f"{len(view)}")
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], e.start + done)
+            if n <= 0:  # the file is shorter than its header says: it changed under us
+                raise ValueError(f"{e.file}: key {key!r} ends past the end of the file")
+            done += n
 
     def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
         self._open = {}
 
     def __enter__(self):

@@ -236,7 +236,8 @@ class Units:
     def lay_out(self, u: Unit, groups: List[List[torch.Tensor]], extra_per_param: int,
                 values: Dict[int, torch.Tensor]) -> None:
         """Lays u out as one range per (non-empty) list of parameters, each of one dtype, and
-        writes `values` (parameter id -> flat weights) into version 0, current in every range.
+        writes `values` (parameter id -> flat weights, or a function that writes them into the
+        flat tensor it is given) into version 0, current in every range.
         The old ranges are retired, their gradient chunks freed."""
         ranges = [Range(g, extra_per_param * len(g)) for g in groups if g]
         offset = 0
@@ -261,7 +262,11 @@ class Units:
             for r in u.ranges:
                 dst = self.range_view(view, r)
                 for i, p in enumerate(r.params):
-                    r.slice(dst, i).copy_(values[id(p)])
+                    v = values[id(p)]
+                    if callable(v):
+                        v(r.slice(dst, i))
+                    else:
+                        r.slice(dst, i).copy_(v)
         self.point(u)
 
     def write_down(self, u: Unit) -> Optional[Completion]:

@@ -1,0 +1,206 @@
+"""A checkpoint in, streamed: a Llama-shaped model's safetensors shards (written first, unit by
+unit, never the whole model in memory) read into the daemon's tiers by stream_parameters from a
+model built on the meta device — beside fio reading the same files sequentially, alternating,
+with the page cache dropped before each read when the machine allows it.
+
+Each import runs in a process of its own, so that its peak resident set (VmHWM) is the import's:
+it is printed beside the model's size and the bound the design promises (the largest unit's
+weights in the process, twice over: read, and converted).
+
+    python3 bench/pretrained.py [--layers 24 --hidden 2048 --intermediate 5504 --dtype bf16]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def arguments():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--shard-size", default="500MB")
+    ap.add_argument("--rounds", type=int, default=2, help="fio and import, alternating")
+    ap.add_argument("--dir", default=None, help="where the checkpoint is written (a temporary "
+                    "directory under the build directory by default)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("TIERD_CLIENT_LIB",
+                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    return args
+
+
+def config(args):
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, tie_word_embeddings=False,
+        torch_dtype="bfloat16" if args.dtype == "bf16" else "float32")
+
+
+def meta_model(args):
+    import torch
+    import transformers
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config(args), dtype=dtype)
+
+
+def write_checkpoint(args, directory: str) -> int:
+    """The model's checkpoint, each tensor made when its shard is written (normal(0, 0.02),
+    norms ones): one shard in memory at a time. Returns its bytes."""
+    import torch
+    from tierd.torch import _pretrained
+    model = meta_model(args)
+    entries = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+    g = torch.Generator().manual_seed(0)
+
+    def make(name):
+        shape, dtype = next((s, d) for n, s, d in entries if n == name)
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=dtype)
+        return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+    _pretrained.write(directory, entries, make, _pretrained.parse_size(args.shard_size))
+    config(args).save_pretrained(directory)
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+               if f.endswith(".safetensors"))
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fio(directory: str) -> float:
+    """fio's sequential read of the shards (1 MiB requests, io_uring, buffered as safetensors
+    reads), in bytes/s."""
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if f.endswith(".safetensors"))
+    # One job per file, one after another (--stonewall), each the file's own size; --readonly:
+    # fio lays out (writes) a file shorter than the size it is given, which must never happen.
+    cmd = ["fio", "--readonly", "--output-format=json"]
+    for i, f in enumerate(files):
+        cmd += [f"--name=read{i}", "--rw=read", "--bs=1M", "--ioengine=io_uring", "--direct=0",
+                f"--filename={f}", f"--size={os.path.getsize(f)}", "--stonewall"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    jobs = [j["read"] for j in json.loads(out.stdout)["jobs"]]
+    return sum(j["io_bytes"] for j in jobs) / (sum(j["runtime"] for j in jobs) / 1000.0)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_import(args) -> None:
+    """In a process of its own: the import, timed; prints JSON."""
+    import torch
+    import tierd.torch
+    model = meta_model(args)
+    before = _status("VmRSS")
+    anon_before = _status("RssAnon")
+    biggest = max(sum(p.numel() * p.element_size() for p in layer.parameters())
+                  for layer in model.model.layers)
+    peak = {"RssAnon": 0, "RssShmem": 0}
+    done = threading.Event()
+
+    def sample():  # the peaks of private memory and of the daemon's shared memory touched
+        while not done.wait(0.005):
+            for key in peak:
+                peak[key] = max(peak[key], _status(key))
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    stream = tierd.torch.stream_parameters(model, checkpoint=args.dir, device=torch.device("cpu"),
+                                           device_budget_bytes=64 << 30, host_budget_bytes=0,
+                                           socket_dir=args.child)
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    hwm = _status("VmHWM")
+    resident = stream.resident_bytes
+    stream.close()
+    print(json.dumps({"seconds": seconds, "peak_rss": hwm, "before": before,
+                      "anon_before": anon_before, "peak_anon": peak["RssAnon"],
+                      "peak_shmem": peak["RssShmem"],
+                      "largest_unit": biggest,
+                      "resident": resident}))
+
+
+def main():
+    args = arguments()
+    if args.child is not None:
+        return child_import(args)
+    import benchlib
+    own = args.dir is None
+    directory = args.dir or tempfile.mkdtemp(prefix="tierd-ckpt-", dir=args.build)
+    args.dir = directory
+    try:
+        start = time.perf_counter()
+        size = write_checkpoint(args, directory)
+        print(f"checkpoint: {size / 2**30:.2f} GiB in {len(os.listdir(directory)) - 2} shards, "
+              f"written unit by unit in {time.perf_counter() - start:.1f} s")
+        dropped = drop_caches()
+        print("page cache dropped before each read" if dropped else
+              "the page cache could not be dropped (not root): reads may come from memory")
+        nvme = f"{max(4, int(3 * size / 2**30) + 2)}GiB"  # two versions and room
+        with benchlib.daemon(args.build, host_capacity="1GiB", nvme=nvme) as sock:
+            rows = []
+            for r in range(args.rounds):
+                drop_caches()
+                f = fio(directory)
+                drop_caches()
+                env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+                out = subprocess.run([sys.executable, __file__, "--child", sock, "--dir",
+                                      directory, "--layers", str(args.layers), "--hidden",
+                                      str(args.hidden), "--intermediate", str(args.intermediate),
+                                      "--heads", str(args.heads), "--vocab", str(args.vocab),
+                                      "--dtype", args.dtype, "--build", args.build],
+                                     capture_output=True, text=True, env=env)
+                if out.returncode != 0:
+                    sys.exit(out.stderr)
+                imp = json.loads(out.stdout.strip().splitlines()[-1])
+                rate = size / imp["seconds"]
+                rows.append((f, rate, imp))
+                print(f"round {r + 1}: fio {f / 2**20:.0f} MiB/s, import {rate / 2**20:.0f} MiB/s "
+                      f"({rate / f:.2f}x fio), {imp['seconds']:.1f} s; the process's peak RSS "
+                      f"{imp['peak_rss'] / 2**20:.0f} MiB ({imp['before'] / 2**20:.0f} MiB "
+                      f"before, torch and transformers loaded) for a {size / 2**20:.0f} MiB model "
+                      f"(largest unit {imp['largest_unit'] / 2**20:.0f} MiB, resident "
+                      f"{imp['resident'] / 2**20:.0f} MiB); of it private memory grew by "
+                      f"{(imp['peak_anon'] - imp['anon_before']) / 2**20:.0f} MiB, the rest is "
+                      f"the daemon's shared memory written into (at most "
+                      f"{imp['peak_shmem'] / 2**20:.0f} MiB mapped at once)")
+            best = max(rows, key=lambda row: row[1] / row[0])
+            print(f"best round: import at {best[1] / best[0]:.2f}x fio's sequential read")
+    finally:
+        if own:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
