@@ -53,6 +53,12 @@ if [[ $status -eq 0 ]]; then
     --layers 12 --stream-parameters --device-budget 8MiB --steps "${DEMO_STREAM_STEPS:-8}" \
     || status=$?
 fi
+if [[ $status -eq 0 ]]; then
+  echo "== a Hugging Face checkpoint: built on meta, streamed from it, LoRA fine-tuned, saved,"
+  echo "   and loaded back by transformers and peft"
+  "$python" examples/finetune_hf.py --socket-dir "$socket_dir" --out var/finetune \
+    --steps "${DEMO_HF_STEPS:-20}" || status=$?
+fi
 
 kill -TERM "$daemon"
 daemon_status=0

@@ -240,7 +240,19 @@ def test_lora_on_a_streamed_frozen_base_trains_as_the_same_peft_model_in_memory(
         if s is not None:
             assert stats["units_on_nvme"] == 4
             assert nvme_written(daemon) == written[0], "the frozen base was written back"
+            # Saved as the user would: the base by the stream (as it was before peft), the
+            # adapters by peft; loaded back by transformers and peft.
+            s.save_pretrained(tmp_path / f"base-{which}")
+            model.save_pretrained(tmp_path / f"adapters-{which}")
+            x = tokens(50)
+            with torch.no_grad():
+                trained = model(input_ids=x).logits
             s.close(keep_weights=False)
+            back = peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"base-{which}"),
+                tmp_path / f"adapters-{which}")
+            with torch.no_grad():
+                assert torch.equal(back(input_ids=x).logits, trained)
         return losses, adapters, stats
 
     got, adapters, stats = run(True)

@@ -223,8 +223,10 @@ class ParameterStream:
         resident ones from the device) as safetensors shards of at most max_shard_size ("5GB",
         "500MB" or bytes) with an index, in the Hugging Face layout, and the model's config when
         it has one (transformers' `config.save_pretrained`): `from_pretrained(directory)` loads
-        it. A weight tied to another is written once, under its first name. At most one shard
-        is in memory, never the whole model. Between steps; returns the files written."""
+        it. A weight tied to another is written once, under its first name. On a base that peft
+        has wrapped, the base is written as it was (a LoRA layer's base_layer under the layer's
+        own name; the adapters are peft's to save). At most one shard is in memory, never the
+        whole model. Between steps; returns the files written."""
         self._check_open()
         if self._hooks.busy():
             raise RuntimeError("stream_parameters: save_pretrained() during a forward or "
@@ -232,7 +234,7 @@ class ParameterStream:
         size = _pretrained.parse_size(max_shard_size)
         entries, seen = [], set()
         tensors: Dict[str, torch.Tensor] = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
+        for name, t in _base_state(self.model).items():
             if id(t) in seen:
                 continue  # tied: written once
             seen.add(id(t))
@@ -309,6 +311,25 @@ class ParameterStream:
     def __repr__(self) -> str:
         return (f"ParameterStream({len(self._units)} units, window {self.window}, device "
                 f"{self.device}, budget {self.device_budget_bytes:,} bytes)")
+
+
+def _base_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state_dict (its tensors, not copies) as the model was before peft injected
+    adapter layers into it: each such layer's `base_layer` tensors under the layer's name, its
+    adapters left out."""
+    state = model.state_dict(keep_vars=True)
+    injected = [n for n, m in model.named_modules()
+                if type(m).__module__.startswith("peft.") and hasattr(m, "base_layer")]
+    if not injected:
+        return state
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        layer = next((n for n in injected if name.startswith(n + ".")), None)
+        if layer is None:
+            out[name] = t
+        elif name.startswith(layer + ".base_layer."):
+            out[layer + "." + name[len(layer + ".base_layer."):]] = t
+    return out
 
 
 def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
