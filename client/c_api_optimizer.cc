@@ -328,6 +328,15 @@ tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out
   });
 }
 
+tierd_status tierd_adam_wait_group(tierd_adam* adam, size_t group, int64_t timeout_ms) {
+  if (adam == nullptr) return Invalid("tierd_adam_wait_group: NULL optimizer");
+  if (timeout_ms < 0) return Invalid("tierd_adam_wait_group: a negative timeout");
+  return Guard([&] {
+    absl::Status s = adam->adam->WaitGroup(group, absl::Milliseconds(timeout_ms));
+    return s.ok() ? TIERD_OK : Fail(s);
+  });
+}
+
 tierd_status tierd_adam_abandon_step(tierd_adam* adam) {
   if (adam == nullptr) return Invalid("tierd_adam_abandon_step: NULL optimizer");
   return Guard([&] {

@@ -499,6 +499,11 @@ absl::Status OffloadedAdam::StepGroup(size_t group, const GroupStep& step) {
   return absl::OkStatus();
 }
 
+absl::Status OffloadedAdam::WaitGroup(size_t group, absl::Duration timeout) {
+  // The worker's own state, under its lock: what was queued this step and what it is done with.
+  return impl_->worker->WaitFor(group, timeout);
+}
+
 absl::Status OffloadedAdam::AbandonStep() {
   Impl& d = *impl_;
   if (!d.in_step) return absl::FailedPreconditionError("AbandonStep without BeginStep");

@@ -43,6 +43,8 @@ StepWorker::~StepWorker() {
 void StepWorker::Begin() {
   absl::MutexLock lock(&mu_);
   started_.assign(state_.groups.size(), false);
+  done_.assign(state_.groups.size(), false);
+  queued_.assign(state_.groups.size(), false);
   error_ = absl::OkStatus();
   stats_ = OptimizerStepStats{};
   shard_time_ = absl::ZeroDuration();
@@ -52,6 +54,7 @@ void StepWorker::Begin() {
 void StepWorker::Enqueue(Work work, std::vector<uint8_t> touched) {
   absl::MutexLock lock(&mu_);
   touched_[work.group] = std::move(touched);
+  queued_[work.group] = true;
   queue_.push_back(std::move(work));
   ++outstanding_;
 }
@@ -66,6 +69,30 @@ OptimizerStepStats StepWorker::Collect(absl::Status* error) {
 void StepWorker::End() {
   absl::MutexLock lock(&mu_);
   started_.assign(state_.groups.size(), false);
+  done_.assign(state_.groups.size(), false);
+  queued_.assign(state_.groups.size(), false);
+}
+
+absl::Status StepWorker::WaitFor(size_t g, absl::Duration timeout) {
+  struct Waiting {
+    StepWorker* self;
+    size_t g;
+  } waiting{this, g};
+  absl::MutexLock lock(&mu_);
+  if (g >= queued_.size() || !queued_[g]) {
+    return absl::FailedPreconditionError(absl::StrCat("group ", g, " was not queued this step"));
+  }
+  const absl::Condition done(
+      +[](Waiting* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu_ is held: the Condition's contract
+        return w->self->stopping_ || (w->g < w->self->done_.size() && w->self->done_[w->g]);
+      },
+      &waiting);
+  if (!mu_.AwaitWithTimeout(done, timeout)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("group ", g, " is not done within ", absl::FormatDuration(timeout)));
+  }
+  if (g < done_.size() && done_[g]) return absl::OkStatus();
+  return absl::FailedPreconditionError("the optimizer is closing");
 }
 
 absl::Status StepWorker::ReadAhead(size_t g, size_t k, size_t in_hand) {
@@ -75,6 +102,8 @@ absl::Status StepWorker::ReadAhead(size_t g, size_t k, size_t in_hand) {
 void StepWorker::Resize() {
   absl::MutexLock lock(&mu_);
   started_.assign(state_.groups.size(), false);
+  done_.assign(state_.groups.size(), false);
+  queued_.assign(state_.groups.size(), false);
   touched_.resize(state_.groups.size());
   for (size_t g = 0; g < state_.groups.size(); ++g) {
     touched_[g].resize(state_.groups[g].shards.size(), 1);
@@ -93,6 +122,8 @@ void StepWorker::Reindex(const std::vector<size_t>& index) {
     if (index[g] != std::string::npos) touched.push_back(std::move(touched_[g]));
   }
   touched_ = std::move(touched);
+  done_.assign(touched_.size(), false);
+  queued_.assign(touched_.size(), false);
 }
 
 absl::StatusOr<absl::Duration> StepWorker::Settle() {
@@ -157,6 +188,7 @@ void StepWorker::Run() {
     stats_.state_wait += delta.state_wait;
     stats_.write_wait += delta.write_wait;
     stats_.state_bytes += delta.state_bytes;
+    done_[work.group] = true;
     --outstanding_;
   }
 }

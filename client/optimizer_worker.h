@@ -44,6 +44,10 @@ class StepWorker {
   // Queues one group's work; `touched`: which of its shards the work reads or writes (what the
   // read-ahead expects of the group's next step too).
   void Enqueue(Work work, std::vector<uint8_t> touched);
+  // Waits until the worker is done with group `g`'s work this step (its gradients and `out` are
+  // no longer read or written), at most `timeout`: OK, DEADLINE_EXCEEDED, or FAILED_PRECONDITION
+  // when it was not queued this step or the worker stops. Any thread.
+  absl::Status WaitFor(size_t g, absl::Duration timeout);
   // The end of a step, finished or abandoned: waits for the worker to take every queued group,
   // drops what was read ahead for groups not given and waits for every write-back. Returns the
   // time the last two took (write wait), or the first error of either.
@@ -80,6 +84,8 @@ class StepWorker {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> started_ ABSL_GUARDED_BY(mu_);  // groups the worker has taken this step
+  std::vector<bool> queued_ ABSL_GUARDED_BY(mu_);   // groups queued this step
+  std::vector<bool> done_ ABSL_GUARDED_BY(mu_);     // groups the worker is done with this step
   // Each group's shards that its last step read or wrote: the read-ahead expects the same of the
   // next step, so that shards of frozen tensors are not brought up for nothing.
   std::vector<std::vector<uint8_t>> touched_ ABSL_GUARDED_BY(mu_);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -391,6 +392,34 @@ TEST_F(OptimizerTest, AStepThatDidNotFinishIsReportedAsDataLoss) {
   OffloadedAdamOptions reset = Options();
   reset.reset = true;
   EXPECT_TRUE(OffloadedAdam::Create(kGroups, reset).ok());
+}
+
+TEST_F(OptimizerTest, AGroupsGradientsMayBeReleasedOnceItsStepIsDoneWithThem) {
+  auto opt = Create(Options());
+  ASSERT_NE(opt, nullptr);
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+  auto grads = Gradients(1, 1.0f);
+  ASSERT_TRUE(opt->BeginStep().ok());
+  // Not queued this step: nothing to wait for.
+  EXPECT_EQ(opt->WaitGroup(0, absl::Seconds(1)).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(opt->StepGroup(1, grads[1].data(), ScalarType::kBFloat16).ok());
+  // Waited for from another thread, as a framework's releasing thread does while the driving
+  // thread queues the next group.
+  absl::Status waited;
+  std::thread releaser([&] { waited = opt->WaitGroup(1, absl::Seconds(60)); });
+  ASSERT_TRUE(opt->StepGroup(0, grads[0].data(), ScalarType::kBFloat16).ok());
+  releaser.join();
+  ASSERT_TRUE(waited.ok()) << waited;
+  // Done with group 1's gradients: overwriting them now cannot change the step.
+  std::fill(grads[1].begin(), grads[1].end(), kernels::ToBF16(1000.0f));
+  ASSERT_TRUE(opt->WaitGroup(0, absl::Seconds(60)).ok());
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  grads = Gradients(1, 1.0f);
+  ReferenceStep(grads, 1, 1.0f, {0, 1});
+  ExpectParams(*opt, "gradients overwritten after WaitGroup");
+  // The step is over: nothing is queued.
+  EXPECT_EQ(opt->WaitGroup(1, absl::Seconds(1)).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(OptimizerTest, ASpeculativeStepCanBeAbandonedAndLeavesTheStateAsItWas) {

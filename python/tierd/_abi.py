@@ -158,7 +158,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 
 def load_library():
@@ -256,6 +256,7 @@ def _bind_optimizer(lib):
     lib.tierd_adam_step_group.argtypes = [p, ctypes.c_size_t, p, ctypes.c_int, p, ctypes.c_int]
     lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(AdamStepStats)]
     lib.tierd_adam_abandon_step.argtypes = [p]
+    lib.tierd_adam_wait_group.argtypes = [p, ctypes.c_size_t, ctypes.c_int64]
 
 
 _lib = None

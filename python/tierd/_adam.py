@@ -115,6 +115,11 @@ class Adam:
         check(library().tierd_adam_finish_step(
             self._handle, ctypes.byref(stats) if stats is not None else None))
 
+    def wait_group(self, slot: int, timeout_s: float) -> None:
+        """Returns once the slot's queued step no longer reads its gradients nor writes its
+        `out`; TierdError DEADLINE_EXCEEDED after timeout_s. Any thread."""
+        check(library().tierd_adam_wait_group(self._handle, slot, int(timeout_s * 1000)))
+
     def abandon_step(self) -> None:
         check(library().tierd_adam_abandon_step(self._handle))
 

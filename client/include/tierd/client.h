@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 7
+#define TIERD_C_ABI_VERSION 8
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -23,7 +23,8 @@ extern "C" {
  *    _remove_groups, _group_count, _get/set_tensor_steps, _step_tensors); a viewed chunk's
  *    release and free handed to its last view (tierd_release_deferred, tierd_free_deferred)
  * 7: schedules naming pairs of chunks picked by version bits (tierd_set_paired_schedule,
- *    tierd_set_version) */
+ *    tierd_set_version)
+ * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -342,6 +343,12 @@ tierd_status tierd_adam_step_group(tierd_adam* adam, size_t group, const void* g
 tierd_status tierd_adam_step_tensors(tierd_adam* adam, size_t group, const void* grad,
                                      int grad_dtype, void* out, int out_dtype, const uint8_t* flags,
                                      size_t n_flags, const float* weights);
+/* Waits until group `group`'s queued step no longer reads its grad nor writes its out (they may be
+ * released from then on; the state's write-back may still run), at most timeout_ms:
+ * TIERD_DEADLINE_EXCEEDED when it is not, TIERD_FAILED_PRECONDITION when the group was not queued
+ * this step. Unlike the other calls of a step, any thread may make it while another drives the
+ * step. */
+tierd_status tierd_adam_wait_group(tierd_adam* adam, size_t group, int64_t timeout_ms);
 tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
 /* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */
 tierd_status tierd_adam_abandon_step(tierd_adam* adam);

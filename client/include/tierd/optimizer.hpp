@@ -195,6 +195,11 @@ class OffloadedAdam {
   // kFloat32).
   absl::Status StepGroup(size_t group, const void* grad, ScalarType grad_type, void* out = nullptr,
                          ScalarType out_type = ScalarType::kBFloat16);
+  // Waits until group `group`'s queued step is done with its gradients and `out` (they may be
+  // released or reused from then on; the state's write-back may still run), at most `timeout`:
+  // OK, DEADLINE_EXCEEDED, or FAILED_PRECONDITION when the group was not queued this step. Unlike
+  // the rest, any thread may call it while another drives the step.
+  absl::Status WaitGroup(size_t group, absl::Duration timeout);
   // Speculative optimizers: waits for the queued groups and discards what they computed, leaving
   // every group's state as it was at BeginStep; the step is not counted (begin it again to redo
   // it). FAILED_PRECONDITION outside a step or when not speculative.
