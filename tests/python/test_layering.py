@@ -25,7 +25,8 @@ LEVELS = [
     ["streaming"],               # ParameterStream, and StreamRange: the seam to the optimizer
     ["_buckets", "_shard", "_checkpoint", "testing"],
     ["_state"],                  # the optimizer's state record
-    ["_layout", "_verdict"],     # the groups as buckets; clip, skip, speculation
+    ["_layout", "_verdict", "_release"],  # the groups as buckets; clip, skip, speculation;
+                                          # what a step holds, given back early
     ["_intake"],                 # gradients in during backward
     ["optimizer"],               # OffloadedAdamW: the step's coordinator
     ["__init__", "hf"],          # the public face; transformers' Trainer for it

@@ -92,6 +92,17 @@ class Bucket:
     def need_grad(self) -> None:
         """Makes `grad` writable for this step's gradients (always, here)."""
 
+    def pages(self) -> bool:
+        """Whether what the bucket holds during a step is given back as soon as the library is
+        done with it (release_early): a streamed bucket of a unit at home on NVMe."""
+        return False
+
+    def release_early(self, free_grads: bool) -> None:
+        """The library is done with this step's gradients and new weights (see pages())."""
+
+    def grads_aside(self) -> None:
+        """After a read of `grad` between the kernel and the step's end: let it go again."""
+
     def bind(self) -> None:
         """Makes `out` writable for this step's new weights (always, here)."""
 
@@ -235,6 +246,9 @@ def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[An
     Returns the CUDA event after the copies into GPU weights (None when there are none): `out`
     is not to be written again before it."""
     for b in stepped:  # weights only taken: `out` keeps them as the model has them
+        if not any(b.flags[i] == _TAKE for i in range(len(b.sizes))):
+            continue
+        b.bind()  # held again if it was released early
         for i, values in b.slices(b.out):
             if b.flags[i] == _TAKE:
                 values.copy_(b.weight(i))
@@ -265,19 +279,75 @@ class StreamBucket(Bucket):
     version, current from publish() on; the weights as the model has them are the current
     version."""
 
+    # `grad` and `out` are views of the range's chunks while held; a bucket of an NVMe unit
+    # lets them go once the library is done with them (release_early), and reading `grad` or
+    # `out` holds them again as they are.
+    _grad = _grad_ext = _out = _out_ext = None
+
     def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
         self.range = rng
         super().__init__(serial, name, group, rng.params)
+
+    @property
+    def grad(self) -> Optional[torch.Tensor]:
+        if self._grad is None and self.range.gradients_aside():
+            self.need_grad()
+        return self._grad
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._grad = value
+
+    @property
+    def grad_ext(self) -> Optional[torch.Tensor]:
+        if self._grad_ext is None and self.range.gradients_aside():
+            self.need_grad()
+        return self._grad_ext
+
+    @grad_ext.setter
+    def grad_ext(self, value) -> None:
+        self._grad_ext = value
+
+    @property
+    def out(self) -> Optional[torch.Tensor]:
+        return self._out
+
+    @out.setter
+    def out(self, value) -> None:
+        self._out = value
+
+    @property
+    def out_ext(self) -> Optional[torch.Tensor]:
+        return self._out_ext
+
+    @out_ext.setter
+    def out_ext(self, value) -> None:
+        self._out_ext = value
 
     def _buffers(self) -> None:
         self.out_ext = self.out = None
         self.grad_ext = self.grad = None
 
     def need_grad(self) -> None:
-        """Holds the gradient chunk from the step's first gradient to its end."""
-        if self.grad is None:
-            self.grad_ext = self.range.gradients()
-            self.grad = self.grad_ext[:self.numel]
+        """Holds the gradient chunk from the step's first gradient to its end (or, for an NVMe
+        unit, until the library is done with it)."""
+        if self._grad is None:
+            self._grad_ext = self.range.gradients()
+            self._grad = self._grad_ext[:self.numel]
+
+    def pages(self) -> bool:
+        return self.range.pages
+
+    def release_early(self, free_grads: bool) -> None:
+        self.out_ext = self.out = None
+        self.range.set_aside()
+        self.grad_ext = self.grad = None
+        self.range.set_gradients_aside(free_grads)
+
+    def grads_aside(self) -> None:
+        if self.pages() and self._grad is not None:
+            self.grad_ext = self.grad = None
+            self.range.set_gradients_aside(free=False)
 
     def weight(self, i: int) -> torch.Tensor:
         return self.range.read(i)

@@ -259,6 +259,17 @@ class OptimizerState:
         self.adam.step_tensors(b.slot, _ptr(b.grad), code, _ptr(b.out), code, b.flags,
                                len(b.sizes), _ptr(b.weights))
 
+    def wait(self, b: Bucket, timeout_s: float) -> bool:
+        """Whether the library is done with bucket b's gradients and `out` (launched this step),
+        waiting at most timeout_s; raises when b is not in the step (it ended)."""
+        try:
+            self.adam.wait_group(b.slot, timeout_s)
+            return True
+        except TierdError as e:
+            if e.code == _abi.Status.DEADLINE_EXCEEDED:
+                return False
+            raise
+
     def finish(self) -> Dict[str, float]:
         """Waits for the step's groups; the library's figures of it."""
         stats = _abi.AdamStepStats()

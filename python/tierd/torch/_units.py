@@ -296,24 +296,29 @@ class Units:
 
     # ---- the optimizer's gradients ----
 
-    def grad_chunk(self, r: Range) -> None:
+    def grad_chunk(self, u: Unit, r: Range) -> None:
         """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
-        home in the host tier, made when its first gradient comes (a range of frozen
-        parameters never has one), held only during a step (hold_grad)."""
+        home where the unit is (on NVMe, it can be written down while the step runs), made when
+        its first gradient comes (a range of frozen parameters never has one)."""
         if r.grad_chunk is None:
-            r.grad_chunk = self.client.allocate([max(r.nbytes, 1)], Tier.HOST)
+            r.grad_chunk = self.client.allocate([max(r.nbytes, 1)], u.home)
 
-    def hold_grad(self, r: Range):
-        """(a view of range r's gradient chunk, its acquisition to release when done)."""
-        self.grad_chunk(r)
-        held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.OVERWRITE)
+    def hold_grad(self, u: Unit, r: Range, keep: bool = False):
+        """(a view of range r's gradient chunk in host memory, its acquisition to release when
+        done). keep: what the chunk holds is wanted (gradients held again), else overwritten."""
+        self.grad_chunk(u, r)
+        held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.WRITE if keep
+                                   else Access.OVERWRITE)
         return as_tensor(held, 0, r.dtype, [r.numel + r.extra]), held
+
+    def drop_grad(self, r: Range) -> None:
+        if r.grad_chunk is not None:
+            chunks, r.grad_chunk = r.grad_chunk, None
+            chunks.free_deferred()
 
     def drop_grads(self, u: Unit) -> None:
         for r in u.ranges:
-            if r.grad_chunk is not None:
-                chunks, r.grad_chunk = r.grad_chunk, None
-                chunks.free_deferred()
+            self.drop_grad(r)
 
     def free(self, u: Unit) -> None:
         """Frees u's chunks (its weights are to be read first)."""

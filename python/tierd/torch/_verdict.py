@@ -61,10 +61,14 @@ class Verdict:
         In the parameter groups' order (as clip_grad_norm_ over the model's parameters), not the
         buckets': the norm is one float sum whatever the bucketing. Sharded: over every rank."""
         order = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
-        keyed = [(order.get(id(b.params[i]), len(order)), torch.norm(
-                  values if inv is None else values * inv, 2.0))
-                 for b in buckets if any(b.has)
-                 for i, values in b.slices(b.grad) if b.has[i]]
+        keyed = []
+        for b in buckets:
+            if not any(b.has):
+                continue
+            keyed += [(order.get(id(b.params[i]), len(order)),
+                       torch.norm(values if inv is None else values * inv, 2.0))
+                      for i, values in b.slices(b.grad) if b.has[i]]
+            b.grads_aside()  # one bucket's gradients in memory at a time
         norms = [n for _, n in sorted(keyed, key=lambda kv: kv[0])]
         if self._comm is not None:
             return self._comm.grad_norm(norms)
@@ -93,3 +97,4 @@ class Verdict:
         for b in buckets:
             if b.grad is not None:
                 b.grad.mul_(factor)
+                b.grads_aside()

@@ -19,6 +19,7 @@ from . import _checkpoint
 from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
+from ._release import EarlyRelease
 from ._shard import Comm
 from ._state import OptimizerState, open_on_every_rank
 from ._verdict import Verdict
@@ -126,6 +127,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         differentiable=False, fused=fused)
         self._state: Optional[OptimizerState] = None  # before anything that can fail: close()
         self._intake: Optional[GradientIntake] = None
+        self._release: Optional[EarlyRelease] = None
         super().__init__(params, defaults)
         self.overlap_backward = overlap_backward
         self.accumulation_steps = accumulation_steps
@@ -152,6 +154,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             b.mirror()
         self._intake = GradientIntake(self._layout, accumulation_steps, self._comm is not None,
                                       self._prepare, self._hand_over)
+        if self._comm is None:  # sharded, a rank's buckets are broadcast from `out` at the end
+            self._release = EarlyRelease(self._state.wait)
         self._install_hooks()
 
     # ---- what the user reads and sets ----
@@ -209,6 +213,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         rank's buckets whose sums are in). On the hand-over thread, in completion order."""
         if self._comm is not None:
             self._comm.reduce_ready(self._layout.active())
+        if self._comm is None:
+            b.grads_aside()  # (an NVMe unit's) its gradients wait for their launch unheld
         if not self._verdict.steps_early():
             return
         ready = [b] if self._comm is None else self._comm.reduced(self._layout.owned, wait=False)
@@ -238,6 +244,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         start = time.perf_counter()
         try:
             self._settle()
+            self._drain()
         except BaseException:
             self._abandon()
             raise
@@ -322,9 +329,13 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._begin(self._verdict.spec_scale if self._verdict.speculate else 1.0)
         if b.event is not None:
             b.event.synchronize()
+        if self._release is not None:
+            self._release.room_to_launch(b)
         b.bind()
         self._state.launch(b)
         b.launched = True
+        if self._release is not None:  # unless the step may be taken again, its grads go
+            self._release.launched(b, free_grads=not self._verdict.speculate)
 
     def _finish(self, start: float, rolled_back: bool) -> None:
         """Waits for the library's step, then puts the new weights into the model."""
@@ -335,6 +346,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         except BaseException:
             self._end_step()
             raise
+        self._drain()
         written = self._stepped()
         self._end_step(unbind=False)
         try:
@@ -348,7 +360,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                       "rolled_back": float(rolled_back), "tail_s": time.perf_counter() - start})
         self.last_stats = stats
 
+    def _drain(self) -> None:
+        if self._release is not None:
+            self._release.drain()
+
     def _end_step(self, unbind: bool = True) -> None:
+        self._drain()
         self.phase = StepPhase.IDLE
         self._early = 0
         if self._comm is not None:
@@ -435,6 +452,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._intake is not None:
             self._intake.close()
             self._intake = None
+        if self._release is not None:
+            self._release.close()
+            self._release = None
         self._state.close()
         self._state = None
 

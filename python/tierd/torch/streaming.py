@@ -354,6 +354,16 @@ class StreamRange:
         self.params = r.params
         self._next = None   # the next version, held from next_version() to publish/discard
         self._grads = None  # the gradient chunk, held from gradients() to release_gradients
+        # Set aside: written this step but not held (set_aside, set_gradients_aside); held again
+        # with their contents kept.
+        self._next_aside = False
+        self._grads_aside = False
+
+    @property
+    def pages(self) -> bool:
+        """Whether the range's unit is at home on NVMe: what it holds during a step is worth
+        giving back as soon as the step is done with it (set_aside, set_gradients_aside)."""
+        return self._unit.home == Tier.NVME
 
     def _check(self) -> Range:
         if self._stream.closed:
@@ -384,16 +394,23 @@ class StreamRange:
         publish() or discard()."""
         if self._next is None:
             r = self._check()
-            view, held = self._stream._units.hold(self._unit, 1 - r.current, Access.OVERWRITE)
+            access = Access.WRITE if self._next_aside else Access.OVERWRITE
+            view, held = self._stream._units.hold(self._unit, 1 - r.current, access)
             self._next = (Units.range_view(view, r), held)
         return self._next[0]
 
+    def set_aside(self) -> None:
+        """The step's kernel is done writing the next version: its hold goes (the daemon may
+        write it down), its contents stay for publish()."""
+        self._let_go_next()
+        self._next_aside = True
+
     def publish(self, stepped: Sequence[bool]) -> None:
         """The next version becomes current: the new weights where `stepped`, the current ones
-        copied across elsewhere."""
+        copied across elsewhere (only then is the next version held again)."""
         r = self._check()
-        out = self.next_version()
         if not all(stepped):
+            out = self.next_version()
             now = self.read()
             for i in range(len(stepped)):
                 if not stepped[i]:
@@ -404,18 +421,40 @@ class StreamRange:
 
     def discard(self) -> None:
         """Lets the next version go, unpublished (a step abandoned, or published)."""
+        self._let_go_next()
+        self._next_aside = False
+
+    def _let_go_next(self) -> None:
         if self._next is not None:
             held, self._next = self._next[1], None
             if held is not None:
                 held.release_deferred()
 
     def gradients(self) -> torch.Tensor:
-        """A view of the gradient chunk (values, then extras), held until release_gradients()."""
+        """A view of the gradient chunk (values, then extras), held until release_gradients()
+        or set_gradients_aside()."""
         if self._grads is None:
-            self._grads = self._stream._units.hold_grad(self._check())
+            self._grads = self._stream._units.hold_grad(self._unit, self._check(),
+                                                        keep=self._grads_aside)
         return self._grads[0]
 
+    def gradients_aside(self) -> bool:
+        return self._grads_aside
+
+    def set_gradients_aside(self, free: bool) -> None:
+        """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
+        them again this step (the chunk goes, made anew at the next step's first gradient);
+        else they are kept, and gradients() holds them again as they are."""
+        self._let_go_grads()
+        if free:
+            self._stream._units.drop_grad(self._range)
+        self._grads_aside = not free
+
     def release_gradients(self) -> None:
+        self._let_go_grads()
+        self._grads_aside = False
+
+    def _let_go_grads(self) -> None:
         if self._grads is not None:
             held, self._grads = self._grads[1], None
             held.release_deferred()

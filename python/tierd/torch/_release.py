@@ -1,0 +1,92 @@
+"""What a step holds, given back as the library finishes with it.
+
+A streamed unit at home on NVMe holds two things in the daemon's host memory while a step runs:
+its gradient chunk and the version its new weights are written into. Held to the step's end,
+every stepped unit's would be in host memory at once (twice the model's weights in the model's
+dtype), which is what a model larger than the host tier cannot have. Instead, once the library
+says it is done with a bucket (tierd_adam_wait_group), a thread of this room lets both go: the
+new weights stay in their chunk for the step's end to publish (the daemon may write them down
+meanwhile), and the gradients are freed, or kept unheld when the step may be taken again
+(speculation: the norm is not known yet).
+
+Between its gradients' arrival and its launch a bucket holds nothing (its gradients wait
+unheld, and may be written down), and at most IN_FLIGHT paging buckets are launched and not yet
+released: the library queues work with the addresses it is given, so what is queued is held.
+
+The releasing thread only releases: it never acquires, so it cannot wait for room that only its
+own releases would make.
+"""
+import queue
+import threading
+from typing import Callable, Optional
+
+from ._buckets import Bucket
+
+_WAIT_S = 1.0  # how long one wait for the library lasts before the thread looks up again
+IN_FLIGHT = 2  # paging buckets launched and not released: one stepped, one read ahead
+
+
+class EarlyRelease:
+    """Releases launched buckets (Bucket.pages()) as the library is done with them; drain()
+    waits for every one launched so far."""
+
+    def __init__(self, wait: Callable[[Bucket, float], bool]):
+        self._wait = wait  # (bucket, timeout) -> done; False: not within the timeout
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._lock = threading.Condition()
+        self._pending = 0
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    def launched(self, b: Bucket, free_grads: bool) -> None:
+        """b was given to the library this step; `free_grads`: nothing reads its gradients
+        again this step."""
+        if not b.pages():
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierd-release",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((b, free_grads))
+
+    def room_to_launch(self, b: Bucket) -> None:
+        """Before b is launched: waits while IN_FLIGHT paging buckets are launched and not yet
+        released."""
+        if b.pages():
+            with self._lock:
+                self._lock.wait_for(lambda: self._pending < IN_FLIGHT)
+
+    def drain(self) -> None:
+        """Returns when every bucket launched so far is released (or was found not to be done:
+        the step's end releases it)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._pending == 0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            b, free_grads = item
+            try:
+                while not self._closed:
+                    if self._wait(b, _WAIT_S):
+                        b.release_early(free_grads)
+                        break
+            except Exception:  # noqa: BLE001 (not done, or the step failed: its end releases b)
+                pass
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._lock.notify_all()
