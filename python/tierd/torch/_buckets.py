@@ -346,6 +346,8 @@ class StreamBucket(Bucket):
 
     def grads_aside(self) -> None:
         if self.pages() and self._grad is not None:
+            if self.event is not None:  # the copies into them (from a GPU) are done first
+                self.event.synchronize()
             self.grad_ext = self.grad = None
             self.range.set_gradients_aside(free=False)
 

@@ -8,6 +8,7 @@ event this room raises: `ready`), so that autograd's thread goes on with backwar
 end-of-backward callback waits for what was handed over (`settle`).
 """
 import concurrent.futures
+import threading
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -31,6 +32,7 @@ class GradientIntake:
         self.hooks: Dict[int, Any] = {}
         self._counts: Dict[int, int] = {}  # backward passes that gave each parameter a gradient
         self._handing = None  # the hand-over thread (made at the first complete bucket)
+        self._handing_made = threading.Lock()
         self._handed: List[Any] = []  # its work of this step
         self._settle_queued = False  # an end-of-backward callback waits for it
         self._stream = None  # the side stream of copies off the GPU
@@ -86,10 +88,19 @@ class GradientIntake:
         if b.arrived < b.expected:
             return
         self.complete(b)  # the rest: frozen parameters that still hold a gradient
-        if self._handing is None:
-            self._handing = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="tierd-hand-over")
-        self._handed.append(self._handing.submit(self._ready, b))
+        self._handed.append(self._hand_over_thread().submit(self._ready, b))
+
+    def _hand_over_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._handing_made:
+            if self._handing is None:
+                self._handing = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tierd-hand-over")
+            return self._handing
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Runs fn on the hand-over thread, after what was handed over so far; from any thread.
+        Not waited for by settle(): fn keeps its own errors."""
+        self._hand_over_thread().submit(fn)
 
     def _end_backward(self) -> None:
         self._settle_queued = False

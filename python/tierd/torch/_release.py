@@ -12,6 +12,8 @@ meanwhile), and the gradients are freed, or kept unheld when the step may be tak
 Between its gradients' arrival and its launch a bucket holds nothing (its gradients wait
 unheld, and may be written down), and at most IN_FLIGHT paging buckets are launched and not yet
 released: the library queues work with the addresses it is given, so what is queued is held.
+The optimizer launches the buckets waiting as releases make room (`released`), on its hand-over
+thread, which therefore never waits for room itself.
 
 The releasing thread only releases: it never acquires, so it cannot wait for room that only its
 own releases would make.
@@ -30,8 +32,9 @@ class EarlyRelease:
     """Releases launched buckets (Bucket.pages()) as the library is done with them; drain()
     waits for every one launched so far."""
 
-    def __init__(self, wait: Callable[[Bucket, float], bool]):
+    def __init__(self, wait: Callable[[Bucket, float], bool], released: Callable[[], None]):
         self._wait = wait  # (bucket, timeout) -> done; False: not within the timeout
+        self._released = released  # after each release (room to launch another): must not block
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._lock = threading.Condition()
         self._pending = 0
@@ -52,6 +55,11 @@ class EarlyRelease:
                                                 daemon=True)
                 self._thread.start()
         self._queue.put((b, free_grads))
+
+    def has_room(self, b: Bucket) -> bool:
+        """Whether b may be launched now without waiting (room_to_launch)."""
+        with self._lock:
+            return not b.pages() or self._pending < IN_FLIGHT
 
     def room_to_launch(self, b: Bucket) -> None:
         """Before b is launched: waits while IN_FLIGHT paging buckets are launched and not yet
@@ -90,3 +98,4 @@ class EarlyRelease:
                 with self._lock:
                     self._pending -= 1
                     self._lock.notify_all()
+            self._released()

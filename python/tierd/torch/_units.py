@@ -13,7 +13,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..client import Access, Acquisition, Client, Completion, Tier
+from .._abi import Status
+from ..client import Access, Acquisition, Client, Completion, Tier, TierdError
 from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, resize
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
@@ -155,6 +156,7 @@ class Units:
         self.all = units
         self.client = client
         self.device = device
+        self.has_nvme = False  # the daemon has an NVMe tier (place() learns it)
         self._unit_of: Dict[int, Unit] = {id(p): u for u in units for p in u.params}
 
     def __iter__(self) -> Iterator[Unit]:
@@ -176,6 +178,7 @@ class Units:
 
     def place(self, host_budget_bytes: Optional[int], has_nvme: bool) -> None:
         """Each unit's chunks (two versions), at home on the host up to the budget."""
+        self.has_nvme = has_nvme
         host_left = host_budget_bytes
         for u in self.all:
             u.chunk_bytes = sum(align(p.numel() * p.element_size() + p.element_size())
@@ -298,10 +301,19 @@ class Units:
 
     def grad_chunk(self, u: Unit, r: Range) -> None:
         """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
-        home where the unit is (on NVMe, it can be written down while the step runs), made when
-        its first gradient comes (a range of frozen parameters never has one)."""
-        if r.grad_chunk is None:
-            r.grad_chunk = self.client.allocate([max(r.nbytes, 1)], u.home)
+        home where the unit is (on NVMe, it can be written down while the step runs; a host
+        unit's goes to NVMe too when the host tier has no room for it, where the daemon makes
+        room by writing other copies down), made when its first gradient comes (a range of
+        frozen parameters never has one)."""
+        if r.grad_chunk is not None:
+            return
+        size = [max(r.nbytes, 1)]
+        try:
+            r.grad_chunk = self.client.allocate(size, u.home)
+        except TierdError as e:
+            if u.home != Tier.HOST or e.code != Status.RESOURCE_EXHAUSTED or not self.has_nvme:
+                raise
+            r.grad_chunk = self.client.allocate(size, Tier.NVME)
 
     def hold_grad(self, u: Unit, r: Range, keep: bool = False):
         """(a view of range r's gradient chunk in host memory, its acquisition to release when

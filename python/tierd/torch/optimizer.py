@@ -7,10 +7,12 @@ whether speculation holds), _shard.py (the collectives over ranks), _checkpoint.
 file decides when each happens; the kernels and the state's I/O run in the client library, which
 carries out what is decided here (steps, abandons) and decides nothing of a step itself.
 """
+import collections
 import enum
 import math
+import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 
@@ -154,8 +156,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
             b.mirror()
         self._intake = GradientIntake(self._layout, accumulation_steps, self._comm is not None,
                                       self._prepare, self._hand_over)
+        self._waiting: Deque[Bucket] = collections.deque()  # complete, not launched for want
+        self._launching = threading.Lock()                 # of room (EarlyRelease)
+        self._launch_error: Optional[BaseException] = None
         if self._comm is None:  # sharded, a rank's buckets are broadcast from `out` at the end
-            self._release = EarlyRelease(self._state.wait)
+            self._release = EarlyRelease(self._state.wait, self._room_made)
         self._install_hooks()
 
     # ---- what the user reads and sets ----
@@ -211,17 +216,38 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _hand_over(self, b: Bucket) -> None:
         """Steps the complete bucket b (sharded: issues the reduces in order, and steps this
         rank's buckets whose sums are in). On the hand-over thread, in completion order."""
-        if self._comm is not None:
-            self._comm.reduce_ready(self._layout.active())
         if self._comm is None:
             b.grads_aside()  # (an NVMe unit's) its gradients wait for their launch unheld
+            if self._verdict.steps_early():
+                with self._launching:
+                    self._waiting.append(b)
+                self._launch_waiting()
+            return
+        self._comm.reduce_ready(self._layout.active())
         if not self._verdict.steps_early():
             return
-        ready = [b] if self._comm is None else self._comm.reduced(self._layout.owned, wait=False)
-        for owned in ready:  # sharded: this rank's buckets whose gradients are summed by now
-            if owned.flag():
+        for owned in self._comm.reduced(self._layout.owned, wait=False):
+            if owned.flag():  # this rank's buckets whose gradients are summed by now
                 self._launch(owned)
                 self._early += 1
+
+    def _launch_waiting(self) -> None:
+        """Launches the complete buckets, in order, while there is room for them (never waiting
+        for it: the hand-over thread, also when a release makes room)."""
+        try:
+            with self._launching:
+                while self._waiting and self._release.has_room(self._waiting[0]):
+                    b = self._waiting.popleft()
+                    if b.flag():
+                        self._launch(b)
+                        self._early += 1
+        except BaseException as e:  # noqa: B036 (raised by step())
+            self._launch_error = self._launch_error or e
+
+    def _room_made(self) -> None:
+        """The releasing thread made room: the buckets waiting are launched (not by it)."""
+        if self._waiting:
+            self._intake.submit(self._launch_waiting)
 
     def _install_hooks(self) -> None:
         if self.overlap_backward:  # every parameter that requires a gradient now
@@ -244,6 +270,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         start = time.perf_counter()
         try:
             self._settle()
+            with self._launching:  # the rest are launched below, in order
+                self._waiting.clear()
+            error, self._launch_error = self._launch_error, None
+            if error is not None:
+                raise error
             self._drain()
         except BaseException:
             self._abandon()
@@ -365,6 +396,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._release.drain()
 
     def _end_step(self, unbind: bool = True) -> None:
+        with self._launching:
+            self._waiting.clear()
         self._drain()
         self.phase = StepPhase.IDLE
         self._early = 0
@@ -449,12 +482,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._abandon()
         except TierdError:
             pass
-        if self._intake is not None:
-            self._intake.close()
-            self._intake = None
         if self._release is not None:
             self._release.close()
             self._release = None
+        if self._intake is not None:
+            self._intake.close()
+            self._intake = None
         self._state.close()
         self._state = None
 
