@@ -4,10 +4,15 @@ model built on the meta device — beside fio reading the same files sequentiall
 with the page cache dropped before each read when the machine allows it.
 
 Each import runs in a process of its own, so that its peak resident set (VmHWM) is the import's:
-it is printed beside the model's size and the bound the design promises (the largest unit's
-weights in the process, twice over: read, and converted).
+it is printed beside the model's size, split into the process's private memory and the daemon's
+shared memory written into.
+
+--lora N: then N LoRA steps (peft, r=16 on q/k/v/o) of the model streamed from the checkpoint
+with OffloadedAdamW, beside the same PEFT model loaded in memory by from_pretrained with
+torch.optim.AdamW, alternating blocks of steps; the median step of each and their ratio.
 
     python3 bench/pretrained.py [--layers 24 --hidden 2048 --intermediate 5504 --dtype bf16]
+    python3 bench/pretrained.py --rounds 0 --lora 12 [--tokens 512]
 """
 import argparse
 import json
@@ -35,6 +40,8 @@ def arguments():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--shard-size", default="500MB")
     ap.add_argument("--rounds", type=int, default=2, help="fio and import, alternating")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA steps of each, after the import")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens a LoRA step (one sequence)")
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (a temporary "
                     "directory under the build directory by default)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -151,6 +158,53 @@ def child_import(args) -> None:
                       "resident": resident}))
 
 
+def lora(args, directory: str, sock: str) -> None:
+    """LoRA steps streamed beside in memory (see the module's text)."""
+    import statistics
+    import torch
+    import peft
+    import transformers
+    import tierd.torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = dict(r=16, lora_alpha=32, lora_dropout=0.0,
+                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    torch.manual_seed(0)
+    base = meta_model(args)
+    stream = tierd.torch.stream_parameters(base, checkpoint=directory, device=torch.device("cpu"),
+                                           device_budget_bytes=64 << 30, socket_dir=sock)
+    streamed = peft.get_peft_model(base, peft.LoraConfig(**config))
+    s_opt = tierd.torch.OffloadedAdamW([p for p in streamed.parameters() if p.requires_grad],
+                                       lr=1e-4, socket_dir=sock, home="host",
+                                       overlap_backward=True)
+    torch.manual_seed(0)
+    memory = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                 peft.LoraConfig(**config))
+    m_opt = torch.optim.AdamW([p for p in memory.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
+    times = {"streamed": [], "memory": []}
+    runs = [("streamed", streamed, s_opt), ("memory", memory, m_opt)]
+    for block in range(args.lora // 2 + 1):
+        for name, model, opt in runs if block % 2 == 0 else runs[::-1]:
+            for _ in range(2):
+                t0 = time.perf_counter()
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if block > 0:  # the first block warms up
+                    times[name].append(time.perf_counter() - t0)
+    s, m = statistics.median(times["streamed"]), statistics.median(times["memory"])
+    trainable = sum(p.numel() for p in streamed.parameters() if p.requires_grad)
+    print(f"LoRA (r=16 on q/k/v/o, {trainable / 1e6:.1f} M trainable), {args.tokens} tokens a "
+          f"step, median of {len(times['streamed'])}: streamed from the checkpoint "
+          f"{s * 1000:.0f} ms, the same PEFT model in memory with torch's AdamW "
+          f"{m * 1000:.0f} ms: {s / m:.2f}x; base traffic {stream.stats['h2d_bytes'] / 2**30:.1f} "
+          f"GiB in, {stream.stats['d2h_bytes']} bytes out")
+    s_opt.close()
+    stream.close()
+
+
 def main():
     args = arguments()
     if args.child is not None:
@@ -162,7 +216,8 @@ def main():
     try:
         start = time.perf_counter()
         size = write_checkpoint(args, directory)
-        print(f"checkpoint: {size / 2**30:.2f} GiB in {len(os.listdir(directory)) - 2} shards, "
+        shards = len([f for f in os.listdir(directory) if f.endswith(".safetensors")])
+        print(f"checkpoint: {size / 2**30:.2f} GiB in {shards} safetensors file(s), "
               f"written unit by unit in {time.perf_counter() - start:.1f} s")
         dropped = drop_caches()
         print("page cache dropped before each read" if dropped else
@@ -195,8 +250,11 @@ def main():
                       f"{(imp['peak_anon'] - imp['anon_before']) / 2**20:.0f} MiB, the rest is "
                       f"the daemon's shared memory written into (at most "
                       f"{imp['peak_shmem'] / 2**20:.0f} MiB mapped at once)")
-            best = max(rows, key=lambda row: row[1] / row[0])
-            print(f"best round: import at {best[1] / best[0]:.2f}x fio's sequential read")
+            if rows:
+                best = max(rows, key=lambda row: row[1] / row[0])
+                print(f"best round: import at {best[1] / best[0]:.2f}x fio's sequential read")
+            if args.lora:
+                lora(args, directory, sock)
     finally:
         if own:
             shutil.rmtree(directory, ignore_errors=True)
