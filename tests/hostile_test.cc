@@ -669,6 +669,23 @@ constexpr bool kSanitized = false;
 // requests from clients that die): every tier's bytes in use stay the space its chunks take, and
 // the daemon's resident set levels off. It grew by hundreds of MiB before: glibc kept the memory
 // the largest requests' parses freed in each of its arenas (docs/benchmarks.md).
+// The daemon's resident set once what it gives back has gone back: memory is trimmed at most
+// every 2 s after large requests, by a thread of its own that a loaded machine runs late, so
+// the set is read until it has not fallen for a second (after at least 4 s, at most 20 s).
+uint64_t SettledRss(pid_t pid) {
+  const absl::Time start = absl::Now();
+  uint64_t last = testing::RssBytes(pid);
+  int level = 0;  // readings in a row that did not fall
+  for (;;) {
+    absl::SleepFor(absl::Milliseconds(500));
+    const uint64_t now = testing::RssBytes(pid);
+    level = now + (1 << 20) < last ? 0 : level + 1;
+    last = now;
+    const absl::Duration waited = absl::Now() - start;
+    if ((level >= 2 && waited >= absl::Seconds(4)) || waited >= absl::Seconds(20)) return now;
+  }
+}
+
 TEST(HostileTrafficTest, RoundsOfItLeaveTheResidentSetLevelAndEveryTierAccounted) {
   auto daemon = DaemonProcess::Start(
       {.binary = DaemonBinary(),
@@ -690,8 +707,7 @@ TEST(HostileTrafficTest, RoundsOfItLeaveTheResidentSetLevelAndEveryTierAccounted
       EXPECT_EQ(a->used_bytes[t], a->copies_bytes[t]) << "tier " << t << ", round " << round;
     }
     ASSERT_TRUE(testing::FreeEverything(dir).ok());
-    absl::SleepFor(absl::Seconds(3));  // memory goes back at most every 2 s after large requests
-    rss.push_back(testing::RssBytes((*daemon)->pid()));
+    rss.push_back(SettledRss((*daemon)->pid()));
   }
   EXPECT_EQ((*daemon)->StopWithin(absl::Seconds(20)), 0) << (*daemon)->Log();
   // AddressSanitizer's allocator keeps what is freed in its quarantine: the resident set says

@@ -7,14 +7,18 @@ Small configs, random initialisation, no download.
 """
 import json
 import os
+import re
 import struct
+import sys
 
 import pytest
 import torch
 
-import tierd.torch
-from tierd.client import Tier, connect
 from test_c_abi import daemon  # noqa: F401 (a fixture)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import tierd.torch  # noqa: E402
+from tierd.client import Tier, connect  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -444,7 +448,6 @@ def test_a_bad_checkpoint_is_refused_naming_it_before_anything_is_written(
     before = host_bytes(daemon)
     with pytest.raises((ValueError, FileNotFoundError)) as refused:
         stream(model, daemon, checkpoint=str(path))
-    import re
     assert re.search(message, str(refused.value)), str(refused.value)
     assert str(path.name) in str(refused.value) or str(path) in str(refused.value)
     assert host_bytes(daemon) == before, "a chunk was left behind"
