@@ -63,6 +63,15 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def daemon_peak_rss(root: str) -> int:
+    """The daemon's peak resident set (VmHWM) so far, in bytes."""
+    pid = int(open(os.path.join(root, "tierd.lock")).read().split()[0])
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def requests(root: str) -> Dict[str, float]:
     """The daemon's requests so far by operation (its tierd_requests_total, every status), read
     from its metrics endpoint (named in its log)."""

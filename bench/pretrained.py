@@ -11,8 +11,16 @@ shared memory written into.
 with OffloadedAdamW, beside the same PEFT model loaded in memory by from_pretrained with
 torch.optim.AdamW, alternating blocks of steps; the median step of each and their ratio.
 
+--scale: the scale run. A model whose weights and optimizer state are larger than the machine's
+memory (default 36 blocks of hidden 2048: 1.98 B parameters, 3.7 GiB of bf16 weights and 22 GiB
+of fp32 optimizer state), its checkpoint written unit by unit, then in a process each: a few
+LoRA steps, and a few steps of full fine-tuning, of the model built on meta and streamed from the
+checkpoint with every block and the optimizer's state at home on NVMe; each step's loss and time,
+the process's peak memory, the daemon's peak memory and host tier, and the NVMe bytes.
+
     python3 bench/pretrained.py [--layers 24 --hidden 2048 --intermediate 5504 --dtype bf16]
     python3 bench/pretrained.py --rounds 0 --lora 12 [--tokens 512]
+    python3 bench/pretrained.py --scale [--layers 36 --steps 2 --host-capacity 2GiB]
 """
 import argparse
 import json
@@ -23,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Tuple
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -42,6 +51,12 @@ def arguments():
     ap.add_argument("--rounds", type=int, default=2, help="fio and import, alternating")
     ap.add_argument("--lora", type=int, default=0, help="LoRA steps of each, after the import")
     ap.add_argument("--tokens", type=int, default=512, help="tokens a LoRA step (one sequence)")
+    ap.add_argument("--scale", action="store_true", help="the scale run (see above)")
+    ap.add_argument("--steps", type=int, default=2, help="steps of each in the scale run")
+    ap.add_argument("--host-capacity", default="2GiB", help="the daemon's host tier (--scale)")
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    if "--scale" in sys.argv:
+        ap.set_defaults(layers=36, hidden=2048, intermediate=5632, tokens=256)
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (a temporary "
                     "directory under the build directory by default)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -205,14 +220,115 @@ def lora(args, directory: str, sock: str) -> None:
     stream.close()
 
 
+def _nvme_bytes(client) -> Tuple[int, int]:
+    return client.path_bytes("nvme_to_host"), client.path_bytes("host_to_nvme")
+
+
+def child_train(args) -> None:
+    """In a process of its own (--scale): LoRA or full fine-tuning steps of the model streamed
+    from the checkpoint; prints JSON."""
+    import torch
+    import tierd
+    import tierd.torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    sock = args.child
+    model = meta_model(args)
+    probe = tierd.connect(sock, "bench probe")
+    start = time.perf_counter()
+    stream = tierd.torch.stream_parameters(model, checkpoint=args.dir, device=torch.device("cpu"),
+                                           device_budget_bytes=8 << 30, host_budget_bytes=0,
+                                           socket_dir=sock, name=f"scale-{args.mode}")
+    import_s = time.perf_counter() - start
+    if args.mode == "lora":
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = time.perf_counter()
+    opt = tierd.torch.OffloadedAdamW(params, lr=1e-5, socket_dir=sock, home="nvme",
+                                     host_budget_bytes=256 << 20, overlap_backward=True)
+    opt_s = time.perf_counter() - start
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    before = _nvme_bytes(probe)
+    for step in range(args.steps):
+        x = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps.append({"loss": loss.item(), "seconds": time.perf_counter() - t0})
+        print(json.dumps({"progress": steps[-1]}), flush=True)
+    after = _nvme_bytes(probe)
+    host = probe.tier_usage(tierd.Tier.HOST)
+    out = {"import_s": import_s, "optimizer_s": opt_s, "steps": steps,
+           "trainable": sum(p.numel() for p in params),
+           "state_bytes": opt.state_bytes, "peak_rss": _status("VmHWM"),
+           "rss_anon": _status("RssAnon"), "nvme_read": after[0] - before[0],
+           "nvme_written": after[1] - before[1], "host_used": host.used_bytes,
+           "host_capacity": host.capacity_bytes}
+    opt.close()
+    stream.close()
+    probe.close()
+    print(json.dumps(out), flush=True)
+
+
+def scale(args, directory: str) -> None:
+    """The scale run (see the module's text)."""
+    import benchlib
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    model = meta_model(args)
+    n = sum(p.numel() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = 12 * n
+    print(f"scale: {n / 1e9:.2f} B parameters, {weights / 2**30:.1f} GiB of {args.dtype} weights "
+          f"and {state / 2**30:.1f} GiB of fp32 optimizer state: {(weights + state) / 2**30:.1f} "
+          f"GiB, the machine has {mem / 2**30:.1f} GiB of memory", flush=True)
+    start = time.perf_counter()
+    size = write_checkpoint(args, directory)
+    print(f"checkpoint: {size / 2**30:.2f} GiB written unit by unit in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    nvme = f"{int((2 * weights + 2 * state + (1 << 30)) / 2**30) + 4}GiB"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme=nvme) as sock:
+        for mode in ("lora", "full"):
+            cmd = [sys.executable, __file__, "--child", sock, "--mode", mode, "--dir", directory,
+                   "--layers", str(args.layers), "--hidden", str(args.hidden),
+                   "--intermediate", str(args.intermediate), "--heads", str(args.heads),
+                   "--vocab", str(args.vocab), "--dtype", args.dtype, "--build", args.build,
+                   "--steps", str(args.steps), "--tokens", str(args.tokens)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if out.returncode != 0:
+                sys.exit(f"{mode}: {out.stderr[-4000:]}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            daemon_peak = benchlib.daemon_peak_rss(sock)
+            steps = ", ".join(f"{s['loss']:.4f} in {s['seconds']:.0f} s" for s in r["steps"])
+            print(f"{mode}: {r['trainable'] / 1e6:,.1f} M trainable, optimizer state "
+                  f"{r['state_bytes'] / 2**30:.2f} GiB; import {r['import_s']:.0f} s, optimizer "
+                  f"made in {r['optimizer_s']:.0f} s; steps (loss, time): {steps}; process peak "
+                  f"RSS {r['peak_rss'] / 2**30:.2f} GiB (private {r['rss_anon'] / 2**30:.2f} GiB "
+                  f"at the end); daemon peak RSS {daemon_peak / 2**30:.2f} GiB, host tier "
+                  f"{r['host_used'] / 2**30:.2f} of {r['host_capacity'] / 2**30:.2f} GiB in use "
+                  f"at the end; NVMe over the steps: {r['nvme_read'] / 2**30:.1f} GiB read, "
+                  f"{r['nvme_written'] / 2**30:.1f} GiB written", flush=True)
+
+
 def main():
     args = arguments()
     if args.child is not None:
-        return child_import(args)
+        return child_train(args) if args.mode else child_import(args)
     import benchlib
     own = args.dir is None
     directory = args.dir or tempfile.mkdtemp(prefix="tierd-ckpt-", dir=args.build)
     args.dir = directory
+    if args.scale:
+        try:
+            return scale(args, directory)
+        finally:
+            if own:
+                shutil.rmtree(directory, ignore_errors=True)
     try:
         start = time.perf_counter()
         size = write_checkpoint(args, directory)
