@@ -57,14 +57,6 @@ def reset_peak() -> None:
         f.write("5")
 
 
-def daemon_rss(root: str) -> int:
-    pid = int(open(os.path.join(root, "tierd.lock")).read().split()[0])
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def setup(args, root, variant, device):
     """(model, optimizer, stream or None) of one variant."""
     import tierd.torch
@@ -299,7 +291,7 @@ def scale(args):
               f"{anon / 2**30:.2f} GiB and the daemon's memory mapped in "
               f"{m['RssShmem'] / 2**30:.2f} GiB now (building the model in the process before "
               f"streaming it peaked at {built / 2**30:.2f} GiB); daemon peak RSS "
-              f"{daemon_rss(root) / 2**30:.2f} GiB, its host tier "
+              f"{benchlib.daemon_peak_rss(root) / 2**30:.2f} GiB, its host tier "
               f"{host.used_bytes / 2**30:.2f} GiB in use of {host.capacity_bytes / 2**30:.2f}")
         opt.close()
         stream.close()
