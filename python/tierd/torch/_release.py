@@ -18,9 +18,10 @@ thread, which therefore never waits for room itself.
 The releasing thread only releases: it never acquires, so it cannot wait for room that only its
 own releases would make.
 """
+import collections
 import queue
 import threading
-from typing import Callable, Optional
+from typing import Callable, Deque, Optional
 
 from ._buckets import Bucket
 
@@ -99,3 +100,44 @@ class EarlyRelease:
                     self._pending -= 1
                     self._lock.notify_all()
             self._released()
+
+
+class Launcher:
+    """Complete buckets, launched in the order they completed while EarlyRelease has room for
+    them; never waiting for room (the hand-over thread calls it, and so, through `submit`, does
+    a release that made room)."""
+
+    def __init__(self, release: EarlyRelease, launch: Callable[[Bucket], None],
+                 submit: Callable[[Callable[[], None]], None]):
+        self._release = release
+        self._launch = launch  # gives one bucket to the library
+        self._submit = submit  # runs a function on the hand-over thread
+        self._waiting: Deque[Bucket] = collections.deque()
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+
+    def add(self, b: Bucket) -> None:
+        with self._lock:
+            self._waiting.append(b)
+        self.launch_ready()
+
+    def launch_ready(self) -> None:
+        try:
+            with self._lock:
+                while self._waiting and self._release.has_room(self._waiting[0]):
+                    self._launch(self._waiting.popleft())
+        except BaseException as e:  # noqa: B036 (taken by take_error())
+            self._error = self._error or e
+
+    def room_made(self) -> None:
+        """A release made room: the buckets waiting are launched on the hand-over thread."""
+        if self._waiting:
+            self._submit(self.launch_ready)
+
+    def clear(self) -> Optional[BaseException]:
+        """Forgets the buckets waiting (step() launches them as the rest of the step); returns
+        the first error of a launch, if any."""
+        with self._lock:
+            self._waiting.clear()
+            error, self._error = self._error, None
+        return error

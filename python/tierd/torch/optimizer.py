@@ -7,12 +7,10 @@ whether speculation holds), _shard.py (the collectives over ranks), _checkpoint.
 file decides when each happens; the kernels and the state's I/O run in the client library, which
 carries out what is decided here (steps, abandons) and decides nothing of a step itself.
 """
-import collections
 import enum
 import math
-import threading
 import time
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -21,7 +19,7 @@ from . import _checkpoint
 from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
-from ._release import EarlyRelease
+from ._release import EarlyRelease, Launcher
 from ._shard import Comm
 from ._state import OptimizerState, open_on_every_rank
 from ._verdict import Verdict
@@ -156,11 +154,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
             b.mirror()
         self._intake = GradientIntake(self._layout, accumulation_steps, self._comm is not None,
                                       self._prepare, self._hand_over)
-        self._waiting: Deque[Bucket] = collections.deque()  # complete, not launched for want
-        self._launching = threading.Lock()                 # of room (EarlyRelease)
-        self._launch_error: Optional[BaseException] = None
+        self._launcher: Optional[Launcher] = None
         if self._comm is None:  # sharded, a rank's buckets are broadcast from `out` at the end
-            self._release = EarlyRelease(self._state.wait, self._room_made)
+            self._release = EarlyRelease(self._state.wait, lambda: self._launcher.room_made())
+            self._launcher = Launcher(self._release, self._launch_early, self._intake.submit)
         self._install_hooks()
 
     # ---- what the user reads and sets ----
@@ -219,9 +216,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._comm is None:
             b.grads_aside()  # (an NVMe unit's) its gradients wait for their launch unheld
             if self._verdict.steps_early():
-                with self._launching:
-                    self._waiting.append(b)
-                self._launch_waiting()
+                self._launcher.add(b)
             return
         self._comm.reduce_ready(self._layout.active())
         if not self._verdict.steps_early():
@@ -231,23 +226,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 self._launch(owned)
                 self._early += 1
 
-    def _launch_waiting(self) -> None:
-        """Launches the complete buckets, in order, while there is room for them (never waiting
-        for it: the hand-over thread, also when a release makes room)."""
-        try:
-            with self._launching:
-                while self._waiting and self._release.has_room(self._waiting[0]):
-                    b = self._waiting.popleft()
-                    if b.flag():
-                        self._launch(b)
-                        self._early += 1
-        except BaseException as e:  # noqa: B036 (raised by step())
-            self._launch_error = self._launch_error or e
-
-    def _room_made(self) -> None:
-        """The releasing thread made room: the buckets waiting are launched (not by it)."""
-        if self._waiting:
-            self._intake.submit(self._launch_waiting)
+    def _launch_early(self, b: Bucket) -> None:
+        if b.flag():
+            self._launch(b)
+            self._early += 1
 
     def _install_hooks(self) -> None:
         if self.overlap_backward:  # every parameter that requires a gradient now
@@ -270,9 +252,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         start = time.perf_counter()
         try:
             self._settle()
-            with self._launching:  # the rest are launched below, in order
-                self._waiting.clear()
-            error, self._launch_error = self._launch_error, None
+            error = self._launcher.clear() if self._launcher else None  # the rest: below
             if error is not None:
                 raise error
             self._drain()
@@ -396,8 +376,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._release.drain()
 
     def _end_step(self, unbind: bool = True) -> None:
-        with self._launching:
-            self._waiting.clear()
+        if self._launcher is not None:
+            self._launcher.clear()
         self._drain()
         self.phase = StepPhase.IDLE
         self._early = 0
