@@ -26,6 +26,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, home="host", threads=2,
              overlap_backward=True, host_budget_bytes=1 << 20)
 VOCAB = 128
+BUDGET = 4 << 20  # the device window: the models here are 4 blocks of under 100 KiB
 
 
 def config(kind: str):
@@ -61,13 +62,8 @@ def tokens(step: int, n: int = 2, length: int = 16):
     return torch.randint(0, VOCAB, (n, length), generator=g)
 
 
-def budget(model) -> int:
-    return 4 << 20
-
-
 def stream(model, daemon, **kwargs):  # noqa: F811
-    options = dict(device=torch.device("cpu"), device_budget_bytes=budget(model),
-                   socket_dir=daemon)
+    options = dict(device=torch.device("cpu"), device_budget_bytes=BUDGET, socket_dir=daemon)
     options.update(kwargs)
     return tierd.torch.stream_parameters(model, **options)
 
