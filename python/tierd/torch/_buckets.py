@@ -280,9 +280,9 @@ class StreamBucket(Bucket):
     version."""
 
     # `grad` and `out` are views of the range's chunks while held; a bucket of an NVMe unit
-    # lets them go once the library is done with them (release_early), and reading `grad` or
-    # `out` holds them again as they are.
-    _grad = _grad_ext = _out = _out_ext = None
+    # lets them go once the library is done with them (release_early). Reading `grad` holds the
+    # gradients again as they are; `out` is held again by bind().
+    _grad = _grad_ext = None
 
     def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
         self.range = rng
@@ -307,22 +307,6 @@ class StreamBucket(Bucket):
     @grad_ext.setter
     def grad_ext(self, value) -> None:
         self._grad_ext = value
-
-    @property
-    def out(self) -> Optional[torch.Tensor]:
-        return self._out
-
-    @out.setter
-    def out(self, value) -> None:
-        self._out = value
-
-    @property
-    def out_ext(self) -> Optional[torch.Tensor]:
-        return self._out_ext
-
-    @out_ext.setter
-    def out_ext(self, value) -> None:
-        self._out_ext = value
 
     def _buffers(self) -> None:
         self.out_ext = self.out = None

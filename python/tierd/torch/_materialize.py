@@ -27,29 +27,24 @@ class Names:
     def __init__(self, model: nn.Module):
         self.of: Dict[int, List[str]] = {}
         self.owner: Dict[str, nn.Module] = {}
-        self.persistent_buffers = set()
+        self.state_names = set()  # ids of the tensors in the state_dict
         for mname, m in model.named_modules(remove_duplicate=False):
             prefix = mname + "." if mname else ""
             for n, p in m.named_parameters(recurse=False):
                 self._add(prefix + n, p, m)
+                self.state_names.add(id(p))
             for n, b in m.named_buffers(recurse=False):
                 if b is None:
                     continue
                 self._add(prefix + n, b, m)
                 if n not in m._non_persistent_buffers_set:
-                    self.persistent_buffers.add(id(b))
-        self.state_names = {id(t) for t in self._tensors(model)
-                            if isinstance(t, nn.Parameter) or id(t) in self.persistent_buffers}
+                    self.state_names.add(id(b))
 
     def _add(self, name: str, t: torch.Tensor, m: nn.Module) -> None:
         names = self.of.setdefault(id(t), [])
         if name not in names:
             names.append(name)
         self.owner.setdefault(name, m)
-
-    @staticmethod
-    def _tensors(model: nn.Module) -> List[torch.Tensor]:
-        return list(model.parameters()) + [b for b in model.buffers() if b is not None]
 
     def saved(self, t: torch.Tensor) -> bool:
         """Whether t is in the model's state_dict (a parameter or a persistent buffer)."""
@@ -60,10 +55,9 @@ class Names:
         for old, new in made.items():
             if old in self.of:
                 self.of[id(new)] = self.of.pop(old)
-            for ids in (self.state_names, self.persistent_buffers):
-                if old in ids:
-                    ids.discard(old)
-                    ids.add(id(new))
+            if old in self.state_names:
+                self.state_names.discard(old)
+                self.state_names.add(id(new))
 
 
 def on_meta(model: nn.Module) -> List[str]:
@@ -87,11 +81,6 @@ def own_init(model: nn.Module) -> Init:
         elif hasattr(m, "reset_parameters"):
             m.reset_parameters()
     return init
-
-
-def _directly_owned(m: nn.Module) -> List[torch.Tensor]:
-    return [t for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-            if t is not None]
 
 
 class Source:
@@ -288,8 +277,8 @@ class FromInit(Source):
     def check(self, streamed, resident) -> None:
         if self.init is None and not callable(getattr(self.model, "_init_weights", None)):
             for name, m in self.model.named_modules():
-                own = [t for t in _directly_owned(m) if isinstance(t, nn.Parameter) and t.is_meta]
-                if own and not hasattr(m, "reset_parameters"):
+                on_meta_here = any(p.is_meta for p in m.parameters(recurse=False))
+                if on_meta_here and not hasattr(m, "reset_parameters"):
                     raise ValueError(f"stream_parameters: module {name!r} "
                                      f"({type(m).__name__}) has parameters on meta and no "
                                      "reset_parameters(): give init= to initialise them")

@@ -159,12 +159,6 @@ class Checkpoint:
             os.close(fd)
         self._open = {}
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def convertible(stored: torch.dtype, wanted: torch.dtype) -> bool:
     """Whether a stored dtype may be converted to the model's: floating point to floating point;
@@ -208,7 +202,7 @@ def write(directory: str, tensors: List[Tuple[str, Tuple[int, ...], torch.dtype]
     sizes = [0]
     total = 0
     for name, shape, dtype in tensors:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         total += n
         if shards[-1] and sizes[-1] + n > max_shard_size:
             shards.append([])

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from ..client import Access, Client, Tier, TierdError, connect
+from ..client import Access, Acquisition, Client, Tier, TierdError, connect
 from ._stream_hooks import StreamHooks, TrainingState
 from . import _pretrained
 from ._materialize import Init, placeholder, source_for, swap
@@ -402,7 +402,7 @@ class StreamRange:
     def set_aside(self) -> None:
         """The step's kernel is done writing the next version: its hold goes (the daemon may
         write it down), its contents stay for publish()."""
-        self._let_go_next()
+        self._next = _let_go(self._next)
         self._next_aside = True
 
     def publish(self, stepped: Sequence[bool]) -> None:
@@ -421,14 +421,8 @@ class StreamRange:
 
     def discard(self) -> None:
         """Lets the next version go, unpublished (a step abandoned, or published)."""
-        self._let_go_next()
+        self._next = _let_go(self._next)
         self._next_aside = False
-
-    def _let_go_next(self) -> None:
-        if self._next is not None:
-            held, self._next = self._next[1], None
-            if held is not None:
-                held.release_deferred()
 
     def gradients(self) -> torch.Tensor:
         """A view of the gradient chunk (values, then extras), held until release_gradients()
@@ -445,19 +439,14 @@ class StreamRange:
         """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
         them again this step (the chunk goes, made anew at the next step's first gradient);
         else they are kept, and gradients() holds them again as they are."""
-        self._let_go_grads()
+        self._grads = _let_go(self._grads)
         if free:
             self._stream._units.drop_grad(self._range)
         self._grads_aside = not free
 
     def release_gradients(self) -> None:
-        self._let_go_grads()
+        self._grads = _let_go(self._grads)
         self._grads_aside = False
-
-    def _let_go_grads(self) -> None:
-        if self._grads is not None:
-            held, self._grads = self._grads[1], None
-            held.release_deferred()
 
     def gradient_sent(self, i: int) -> None:
         """Parameter i's gradient was taken off the device (and is dropped there)."""
@@ -471,6 +460,13 @@ class StreamRange:
 
     def clear_edited(self, i: int) -> None:
         self._unit.edited.discard(id(self.params[i]))
+
+
+def _let_go(held: Optional[Tuple[torch.Tensor, Optional[Acquisition]]]) -> None:
+    """Releases a (view, acquisition) hold once its views are gone; None, to store back."""
+    if held is not None and held[1] is not None:
+        held[1].release_deferred()
+    return None
 
 
 def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
