@@ -440,56 +440,60 @@ def test_resumes_by_name_across_a_daemon_restart():
             assert torch.equal(results[True][1][k], v), k
 
 
+def train_nvme_homed(root, streamed, steps, after_step=lambda: None, **opt_kwargs):
+    """8 blocks of d 192, streamed with every block at home on NVMe (or in memory), trained with
+    the optimizer's state on NVMe: (losses, weights, steps rolled back, the stream's stats)."""
+    torch.manual_seed(0)
+    model = GPT(8, 192, 4, CTX)
+    stream = None
+    if streamed:
+        stream = poison(tierd.torch.stream_parameters(
+            model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+            host_budget_bytes=0, socket_dir=root))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root, home="nvme",
+                                     overlap_backward=True, threads=2, **opt_kwargs)
+    losses = []
+    try:
+        for step in range(steps):
+            loss = model(*batch(step))
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            after_step()
+        stats = stream.stats if stream is not None else None
+        rolled = opt.rolled_back_steps
+    finally:
+        opt.close()
+        if stream is not None:
+            stream.close()
+    return losses, model.state_dict(), rolled, stats
+
+
 def test_nvme_homed_blocks_come_back_by_the_schedule_under_memory_pressure():
     """Blocks at home on NVMe, pushed out of the daemon's host memory by another job's burst
     after every step: the daemon's planner brings them back up ahead of their turn by the
     schedule the first iteration traced; the run is still bit-equal."""
     with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
-        # 64 MiB: a step holds every block's gradients and new weights in host memory (15 MB
-        # each here) besides the two host-homed blocks and the optimizer's budget.
         proc = start_daemon(root, "--device=none", "--probe_bytes=0", "--host_capacity=48MiB",
                             f"--nvme_regions={root}/nvme.region:256MiB")
-        try:
-            def run(streamed):
-                torch.manual_seed(0)
-                model = GPT(8, 192, 4, CTX)
-                stream = None
-                if streamed:
-                    stream = poison(tierd.torch.stream_parameters(
-                        model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                        host_budget_bytes=0, socket_dir=root))
-                opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
-                                                 home="nvme", overlap_backward=True,
-                                                 host_budget_bytes=4 << 20, threads=2)
-                losses = []
-                try:
-                    for step in range(4):
-                        loss = model(*batch(step))
-                        losses.append(loss.item())
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                        with tierd.connect(root, "another job") as other:
-                            # A burst of another job's: the blocks' copies in host memory go.
-                            with other.allocate([12 << 20] * 2, tierd.Tier.NVME) as burst:
-                                held = other.acquire(burst, tierd.Tier.HOST,
-                                                     tierd.Access.OVERWRITE)
-                                held.ready.wait()
-                                held.release()
-                    stats = stream.stats if stream is not None else None
-                finally:
-                    opt.close()
-                    if stream is not None:
-                        stream.close()
-                return losses, model.state_dict(), stats
 
-            want, got = run(False), run(True)
+        def burst():
+            with tierd.connect(root, "another job") as other:
+                # A burst of another job's: the blocks' copies in host memory go.
+                with other.allocate([12 << 20] * 2, tierd.Tier.NVME) as chunks:
+                    held = other.acquire(chunks, tierd.Tier.HOST, tierd.Access.OVERWRITE)
+                    held.ready.wait()
+                    held.release()
+        try:
+            want = train_nvme_homed(root, False, 4, burst, host_budget_bytes=4 << 20)
+            got = train_nvme_homed(root, True, 4, burst, host_budget_bytes=4 << 20)
         finally:
             stop_daemon(proc, root)
     assert got[0] == want[0]
     for k, v in want[1].items():
         assert torch.equal(got[1][k], v), k
-    stats = got[2]
+    stats = got[3]
     assert stats["units_on_nvme"] == 8
     # Declared once, after the first iteration: each step flips versions by their bits only.
     assert stats["schedules"] == 1
@@ -510,35 +514,8 @@ def test_a_step_whose_gradients_and_new_weights_exceed_host_memory_trains_bit_eq
                             "--host_segment_size=4MiB",
                             f"--nvme_regions={root}/nvme.region:256MiB")
         try:
-            def run(streamed):
-                torch.manual_seed(0)
-                model = GPT(8, 192, 4, CTX)
-                stream = None
-                if streamed:
-                    stream = poison(tierd.torch.stream_parameters(
-                        model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                        host_budget_bytes=0, socket_dir=root))
-                opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, **extra,
-                                                 socket_dir=root, home="nvme",
-                                                 overlap_backward=True,
-                                                 host_budget_bytes=2 << 20, threads=2)
-                losses = []
-                try:
-                    for step in range(3):
-                        loss = model(*batch(step))
-                        losses.append(loss.item())
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                    rolled = opt.rolled_back_steps
-                finally:
-                    opt.close()
-                    if stream is not None:
-                        stream.close()
-                return losses, model.state_dict(), rolled
-
-            want = run(False)
-            got = run(True)
+            want = train_nvme_homed(root, False, 3, host_budget_bytes=2 << 20, **extra)
+            got = train_nvme_homed(root, True, 3, host_budget_bytes=2 << 20, **extra)
         finally:
             stop_daemon(proc, root)
     assert got[0] == want[0]
