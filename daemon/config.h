@@ -20,6 +20,9 @@ struct DaemonConfig {
   // [daemon]
   std::string socket_dir;    // holds tierd.sock (gRPC) and tierd.session.sock
   std::string socket_group;  // group that may connect (sockets are 0660); empty: the daemon's
+  // Groups (names or gids, comma-separated) whose members a shared base may be shared with by a
+  // creator in them; empty: bases are opened by their creator's uid and operators only.
+  std::string base_groups;
   std::string log_level = "info";
   std::string state_dir;  // instance id and the default NVMe region
   // [host]

@@ -6,8 +6,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/fmt_absl.h"
 #include "common/unix_socket.h"
 #include "common/wire.h"
@@ -201,6 +203,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
       NodeTiers(d.host.get(), d.nvme.get(), d.device_pool.get(), d.device.get()));
   d.chunks->set_limits(config.limits, config.quotas);
   d.chunks->set_max_bandwidth_weight(config.planner.max_session_weight);
+  std::vector<uint32_t> base_gids;
+  for (absl::string_view group : absl::StrSplit(config.base_groups, ',', absl::SkipWhitespace())) {
+    absl::StatusOr<gid_t> gid = ResolveGroup(std::string(absl::StripAsciiWhitespace(group)));
+    if (!gid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("daemon.base_groups: ", gid.status().message()));
+    }
+    base_gids.push_back(*gid);
+  }
+  d.chunks->set_base_groups(std::move(base_gids));
   if (d.nvme != nullptr) {
     const size_t recovered = d.chunks->Recover(d.nvme->RecoveredEntries());
     spdlog::info("NVMe tier: recovered {} persistent chunks", recovered);

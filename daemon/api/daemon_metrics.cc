@@ -139,6 +139,18 @@ std::string RenderMetrics(const MetricsSources& src) {
   w.Sample({}, static_cast<double>(node.chunks_pinned));
   w.Family("tierd_chunks_persistent", Type::Gauge, "Persistent (named) chunks.");
   w.Sample({}, static_cast<double>(node.chunks_persistent));
+  w.Family("tierd_shared_bases", Type::Gauge,
+           "Shared bases: read-only sets of chunks that every job allowed to opens (one copy per "
+           "node).");
+  w.Sample({}, static_cast<double>(node.shared_bases));
+  w.Family("tierd_shared_base_holders", Type::Gauge,
+           "Sessions holding a shared base, summed over the bases.");
+  w.Sample({}, static_cast<double>(node.shared_base_holders));
+  w.Family("tierd_shared_base_bytes", Type::Gauge,
+           "Bytes of shared bases' copies in each tier, counted once however many jobs hold them.");
+  for (const auto& [t, u] : usage) {
+    w.Sample(TierLabel(t), static_cast<double>(node.shared_base_bytes[t]));
+  }
 
   // Moves between tiers.
   const PathArray<PathStatus> paths = src.chunks->path_status();

@@ -264,6 +264,87 @@ class TierdService final : public pb::Tierd::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status OpenBase(grpc::ServerContext* ctx, const pb::OpenBaseRequest* req,
+                        pb::OpenBaseResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    std::optional<BaseRequest> create;
+    if (req->create()) {
+      create.emplace();
+      if (static_cast<size_t>(req->chunks_size()) > kMaxBaseChunks) {
+        return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+            "OpenBase: ", req->chunks_size(), " chunks; a base has at most ", kMaxBaseChunks)));
+      }
+      for (const pb::BaseChunk& c : req->chunks()) {
+        absl::StatusOr<TierKind> home = FromProto(c.home_tier());
+        if (!home.ok()) return ToGrpc(home.status());
+        create->sizes.push_back(c.size_bytes());
+        create->homes.push_back(*home);
+      }
+      create->descriptor = req->contents();
+      if (req->share_with_group()) create->group = req->group();
+    }
+    absl::StatusOr<OpenedBase> base =
+        deps_.chunks->OpenBase(**session, req->name(), create ? &*create : nullptr);
+    if (!base.ok()) return ToGrpc(base.status());
+    resp->set_created(base->created);
+    resp->set_contents(base->descriptor);
+    resp->set_creator_uid(base->creator);
+    for (size_t i = 0; i < base->chunks.size(); ++i) {
+      resp->add_chunk_ids(base->chunks[i]);
+      pb::BaseChunk* c = resp->add_chunks();
+      c->set_size_bytes(base->sizes[i]);
+      c->set_home_tier(ToProto(base->homes[i]));
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status SealBase(grpc::ServerContext* ctx, const pb::SealBaseRequest* req,
+                        pb::SealBaseResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->SealBase(**session, req->name(), req->contents()));
+  }
+
+  grpc::Status ReleaseBase(grpc::ServerContext* ctx, const pb::ReleaseBaseRequest* req,
+                           pb::ReleaseBaseResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->ReleaseBase(**session, req->name()));
+  }
+
+  grpc::Status PinBase(grpc::ServerContext* ctx, const pb::PinBaseRequest* req,
+                       pb::PinBaseResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->PinBase(**session, req->name(), req->pinned()));
+  }
+
+  grpc::Status ListBases(grpc::ServerContext* ctx, const pb::ListBasesRequest*,
+                         pb::ListBasesResponse* resp) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    for (const BaseStatus& b : deps_.chunks->ListBases(**session)) {
+      pb::BaseInfo* out = resp->add_bases();
+      out->set_name(b.name);
+      out->set_creator_uid(b.creator);
+      out->set_shared_with_group(b.group.has_value());
+      out->set_group(b.group.value_or(0));
+      out->set_sealed(b.sealed);
+      out->set_pinned(b.pinned);
+      out->set_chunks(b.chunks);
+      out->set_bytes(b.bytes);
+      for (TierKind t : kAllTiers) {
+        if (b.resident_bytes[t] == 0) continue;
+        pb::TierSpace* r = out->add_resident();
+        r->set_tier(ToProto(t));
+        r->set_bytes(b.resident_bytes[t]);
+      }
+      for (const std::string& h : b.holders) out->add_holders(h);
+    }
+    return grpc::Status::OK;
+  }
+
   grpc::Status Release(grpc::ServerContext* ctx, const pb::ReleaseRequest* req,
                        pb::ReleaseResponse*) override {
     auto session = Authenticate(ctx);
@@ -299,7 +380,11 @@ class TierdService final : public pb::Tierd::Service {
     } else {
       page = deps_.chunks->List(**session, req->page_token(), req->page_size());
     }
-    for (const ChunkMeta& c : page.chunks) ToProto(c, resp->add_chunks());
+    for (const ChunkMeta& c : page.chunks) {
+      pb::ChunkInfo* info = resp->add_chunks();
+      ToProto(c, info);
+      if (auto it = page.bases.find(c.base); it != page.bases.end()) info->set_base(it->second);
+    }
     resp->set_next_page_token(page.next_page_token);
     return grpc::Status::OK;
   }

@@ -106,6 +106,26 @@ void SessionBroker::Run() {
   }
 }
 
+namespace {
+
+// The peer's supplementary groups (who may open a base shared with a group); none where the
+// kernel cannot say (SO_PEERGROUPS, Linux 4.13).
+std::vector<uint32_t> PeerGroups(int fd) {
+  std::vector<gid_t> groups(64);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    socklen_t len = groups.size() * sizeof(gid_t);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      return {groups.begin(), groups.end()};
+    }
+    if (errno != ERANGE || len / sizeof(gid_t) > 65536) break;
+    groups.resize(len / sizeof(gid_t));
+  }
+  return {};
+}
+
+}  // namespace
+
 void SessionBroker::Accept() {
   for (;;) {
     UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
@@ -141,7 +161,7 @@ void SessionBroker::Accept() {
     }
     ++held;
     auto conn = std::make_unique<Connection>();
-    conn->peer = PeerCredentials{cred.uid, cred.gid, cred.pid};
+    conn->peer = PeerCredentials{cred.uid, cred.gid, cred.pid, PeerGroups(fd.get())};
     const int raw = fd.get();
     conn->fd = std::move(fd);
     connections_[raw] = std::move(conn);
@@ -257,6 +277,13 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   }
   SegmentInfo info;
   absl::StatusOr<UniqueFd> fd = pool->SegmentFd(request.segment, conn.peer.uid, &info);
+  if (const uint32_t owner = pool->OwnerOf(request.segment);
+      !fd.ok() && pool == host_ && owner >= kFirstBaseOwner && owner != kNoTenant) {
+    // A shared base's segment: for the sessions holding the base, read-only once it is sealed.
+    absl::StatusOr<bool> writable = chunks_->MayMapBaseSegment(conn.session, owner);
+    fd = writable.ok() ? pool->SegmentFd(request.segment, owner, &info, !*writable)
+                       : absl::StatusOr<UniqueFd>(writable.status());
+  }
   if (!fd.ok()) {
     reply.status_code = static_cast<int32_t>(fd.status().code());
     CopyString(reply.message, fd.status().message());

@@ -21,7 +21,8 @@ struct ChunkMeta {
   ChunkId id = 0;
   uint64_t size = 0;
   SessionId owner = 0;  // the session that allocated or opened it; 0 for a detached persistent one
-  uint32_t tenant = 0;  // uid of the owner
+  uint32_t tenant = 0;  // uid of the owner (of a shared base's chunk: the base's creator)
+  BaseId base = 0;      // the shared base it belongs to (read-only once sealed); 0: none
   uint32_t pins = 0;    // Acquire count over all sessions
   // Acquisitions for write whose effect has applied (the client may be writing now): no copy is
   // made from the chunk until they are released, or the copy would miss what is being written.
@@ -54,6 +55,17 @@ struct ChunkMeta {
 
 // The budget the issue sets: the table is built for millions of chunks.
 static_assert(sizeof(ChunkMeta) <= 256, "ChunkMeta must stay within 256 bytes per chunk");
+
+// Whose a chunk's space is: the user charged for it (quotas and limits), and the owner of the
+// segments it may share (its user, or a shared base's own: see kFirstBaseOwner).
+struct SpaceOwner {
+  uint32_t tenant = 0;
+  uint32_t segments = 0;
+};
+inline SpaceOwner OwnerOf(const ChunkMeta& chunk) {
+  return {chunk.tenant, chunk.base == 0 ? chunk.tenant : SegmentOwnerOfBase(chunk.base)};
+}
+inline SpaceOwner UserOwner(uint32_t uid) { return {uid, uid}; }
 
 // Acquire(tier, access): the chunk must be resident there and not being moved.
 absl::Status CheckPin(const ChunkMeta& chunk, TierKind tier);

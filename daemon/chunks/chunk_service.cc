@@ -85,9 +85,16 @@ absl::StatusOr<std::vector<ChunkMeta*>> ChunkService::Resolve(const Session& ses
       return absl::NotFoundError(absl::StrCat("chunk ", id, " does not exist"));
     }
     ChunkMeta& chunk = it->second;
-    const bool allowed =
-        chunk.persistent ? chunk.tenant == session.peer.uid : chunk.owner == session.id;
-    if (!allowed) {
+    if (chunk.base != 0) {
+      const Base* base = bases_.Find(chunk.base);
+      if (base == nullptr || !base->holders.contains(session.id)) {
+        return absl::PermissionDeniedError(absl::StrCat("chunk ", id, " belongs to a shared base ",
+                                                        session.Describe(),
+                                                        " has not opened (OpenBase)"));
+      }
+    } else if (const bool allowed =
+                   chunk.persistent ? chunk.tenant == session.peer.uid : chunk.owner == session.id;
+               !allowed) {
       return absl::PermissionDeniedError(absl::StrCat("chunk ", id, " belongs to another ",
                                                       chunk.persistent ? "tenant" : "session", "; ",
                                                       session.Describe(), " cannot use it"));
@@ -194,7 +201,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
   for (size_t i = 0; i < requests.size(); ++i) {
     if (result[i] != 0) continue;
     absl::StatusOr<Placement> p =
-        space_.Reserve(requests[i].home, tenant,
+        space_.Reserve(requests[i].home, UserOwner(tenant),
                        space_.SpaceIn(requests[i].home, requests[i].size, requests[i].persistent));
     if (!p.ok()) {
       for (size_t j = 0; j < i; ++j) {
@@ -237,6 +244,10 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
+    if (chunk->base != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "chunk ", chunk->id, " belongs to a shared base: it goes with the base (ReleaseBase)"));
+    }
     if (absl::Status s = CheckFreeable(*chunk); !s.ok()) return s;
     // Nothing frees state another live session holds.
     if (absl::Status s = sessions_.CheckLease(chunk->id, chunk->name, session.id, false, "free");
@@ -268,6 +279,10 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     if (session.ended) return Ended(session);
     chunks = Resolve(session, ids);
     if (!chunks.ok()) return chunks.status();
+    for (const ChunkMeta* chunk : *chunks) {
+      if (chunk->base == 0) continue;
+      if (absl::Status s = CheckBaseUse(*chunk, tier, access); !s.ok()) return s;
+    }
     all_ready = true;
     for (const ChunkMeta* chunk : *chunks) {
       if (CheckPin(*chunk, tier).ok()) continue;
@@ -380,6 +395,9 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
+    if (chunk->base != 0) {
+      if (absl::Status s = CheckBaseUse(*chunk, tier, std::nullopt); !s.ok()) return s;
+    }
     if (chunk->resident.contains(tier) || chunk->state == ChunkState::kMoving) continue;
     if (absl::Status s = mover_.CheckFetchable(*chunk, tier); !s.ok()) return s;
   }
@@ -905,6 +923,7 @@ size_t ChunkService::CloseSession(const Session& session) {
       chunks_.at(id).owner = *holder;
     }
   }
+  for (BaseId id : bases_.HeldBy(session.id)) LeaveBase(*bases_.Find(id), session.id);
   room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return freed;
@@ -982,7 +1001,12 @@ absl::StatusOr<ChunkPage> ChunkService::ListAll(const Session& session, ChunkId 
   ChunkPage page;
   const size_t n = std::min<size_t>(ids.size(), page_size);
   std::partial_sort(ids.begin(), ids.begin() + n, ids.end());
-  for (size_t i = 0; i < n; ++i) page.chunks.push_back(chunks_.at(ids[i]));
+  for (size_t i = 0; i < n; ++i) {
+    const ChunkMeta& chunk = chunks_.at(ids[i]);
+    page.chunks.push_back(chunk);
+    if (chunk.base == 0) continue;
+    if (const Base* base = bases_.Find(chunk.base)) page.bases[chunk.base] = base->name;
+  }
   if (ids.size() > n) page.next_page_token = *std::min_element(ids.begin() + n, ids.end());
   return page;
 }
@@ -1032,7 +1056,12 @@ NodeStats ChunkService::node_stats() const {
       if (!c.resident.contains(t)) continue;
       ++out.resident_chunks[t];
       out.resident_bytes[t] += c.size;
+      if (c.base != 0) out.shared_base_bytes[t] += c.size;
     }
+  }
+  for (const Base* base : bases_.All()) {
+    ++out.shared_bases;
+    out.shared_base_holders += base->holders.size();
   }
   const PathArray<PathLoad> load = meter_.Load();
   for (Path p : kAllPaths) {

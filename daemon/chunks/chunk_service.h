@@ -28,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/completion_page.h"
+#include "daemon/chunks/bases.h"
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/mover.h"
@@ -102,6 +103,36 @@ class ChunkService : private Mover::Listener {
   // The session ended: drops its pins, frees its non-persistent chunks and detaches its persistent
   // ones. Returns the number of chunks freed.
   size_t CloseSession(const Session& session);
+
+  // --- Shared bases (chunk_service_bases.cc; docs/streaming.md, "One copy per node"). ---
+  // Opens the base `name` (it must be sealed, and shared with the session), holding it until
+  // ReleaseBase or the session's end. When there is none and `create` is given, makes it, empty,
+  // for this session to fill and seal; a base that exists with other chunk sizes or another
+  // descriptor than `create` says is ALREADY_EXISTS, one still being loaded UNAVAILABLE.
+  absl::StatusOr<OpenedBase> OpenBase(const Session& session, absl::string_view name,
+                                      const BaseRequest* create);
+  // The loader is done: nobody writes the base from now on, and its descriptor is `descriptor`
+  // unless that is empty. FAILED_PRECONDITION while the loader still holds a chunk of it acquired
+  // for writing.
+  absl::Status SealBase(const Session& session, absl::string_view name,
+                        std::string descriptor = "");
+  // Drops the session's hold (the loader's, before sealing: the base is abandoned). The base goes
+  // when nobody holds it and it is not pinned. FAILED_PRECONDITION while the session has a chunk
+  // of it acquired.
+  absl::Status ReleaseBase(const Session& session, absl::string_view name);
+  // Keeps a sealed base without holders (its creator or an operator), or lets it go.
+  absl::Status PinBase(const Session& session, absl::string_view name, bool pinned);
+  // The bases the session may open (operators: every one), by name.
+  std::vector<BaseStatus> ListBases(const Session& session) const;
+  // For the session socket: whether the session may map a segment of `owner` (a base's segments,
+  // kFirstBaseOwner up), and whether for writing (the loader, before sealing). PERMISSION_DENIED
+  // when it holds no such base.
+  absl::StatusOr<bool> MayMapBaseSegment(SessionId session, uint32_t owner) const;
+  // The operator's groups that bases may be shared with (daemon.base_groups).
+  void set_base_groups(std::vector<uint32_t> gids) {
+    absl::MutexLock lock(&mu_);
+    bases_.set_share_groups(std::move(gids));
+  }
 
   SessionStats session_stats(const Session& session) const;
   PathArray<PathStatus> path_status() const { return meter_.Status(); }
@@ -178,6 +209,14 @@ class ChunkService : private Mover::Listener {
   absl::Status CheckTier(TierKind tier, absl::string_view what) const;
   // REQUIRES: no move of the chunk is in flight (see Retire).
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why the session cannot use the base chunk as `access` in `tier` (OK when it may).
+  absl::Status CheckBaseUse(const ChunkMeta& chunk, TierKind tier,
+                            std::optional<Access> access) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `session` lets go of the base; it goes (its chunks retired) when that was its loader before
+  // sealing, or the last hold of an unpinned base.
+  void LeaveBase(Base& base, SessionId session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DestroyBase(Base& base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  OpenedBase Opened(const Base& base, bool created) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates a chunk resident in its home tier at `home` and indexes its name; the caller records
   // a scratch chunk in its session's state.
   ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
@@ -263,6 +302,7 @@ class ChunkService : private Mover::Listener {
   absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
+  BaseRegistry bases_ ABSL_GUARDED_BY(mu_);
   // Space in the tiers (over chunks_ and ledger_), and room made on demand by moving copies down.
   Space space_ ABSL_GUARDED_BY(mu_);
   RoomMaker room_ ABSL_GUARDED_BY(mu_);

@@ -3,6 +3,7 @@
 # bottom, may include one another. The one call up, the Mover's "a move settled", is a virtual
 # call through Mover::Listener and needs no include.
 #   cmake -DDIR=daemon/chunks -P levels.cmake
+set(level_bases 0)
 set(level_chunk 0)
 set(level_limits 0)
 set(level_completion_ring 0)
@@ -20,6 +21,7 @@ set(level_schedules 2)
 set(level_room_maker 2)
 set(level_plan_round 3)
 set(level_chunk_service 4)
+set(level_chunk_service_bases 4)
 set(level_plan_loop 5)
 set(level_chunk_service_nvme_fixture 5)  # the NVMe tests' fixture, over the service
 

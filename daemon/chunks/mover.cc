@@ -74,7 +74,7 @@ ChunkMeta& Mover::Moving(ChunkId id) {
 absl::Status Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier) {
   if (chunk.allocated.contains(tier)) return absl::OkStatus();
   absl::StatusOr<Placement> p =
-      space_.ReserveIn(tier, chunk.tenant, space_.SpaceIn(tier, chunk.size, chunk.persistent));
+      space_.ReserveIn(tier, OwnerOf(chunk), space_.SpaceIn(tier, chunk.size, chunk.persistent));
   if (!p.ok()) {
     return absl::Status(p.status().code(),
                         absl::StrCat("chunk ", chunk.id, ": ", p.status().message()));
@@ -353,7 +353,7 @@ absl::Status Mover::StartWrite(ChunkMeta& chunk, const std::shared_ptr<Batch>& b
   if (chunk.persistent && chunk.written && chunk.allocated.contains(TierKind::kNvme)) {
     // Briefly two copies: the second is not held against the user's quota.
     absl::StatusOr<Placement> fresh = space_.Reserve(
-        TierKind::kNvme, chunk.tenant, space_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
+        TierKind::kNvme, OwnerOf(chunk), space_.SpaceIn(TierKind::kNvme, chunk.size, true), false);
     if (!fresh.ok()) {
       return absl::Status(fresh.status().code(),
                           absl::StrCat("chunk ", chunk.id,

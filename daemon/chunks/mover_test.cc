@@ -68,7 +68,7 @@ class MoverTest : public ::testing::Test {
     ChunkMeta& c = chunks_.Insert(1000, "", /*persistent=*/false);
     c.owner = 7;
     c.size = kChunk;
-    const Placement p = *space_->Reserve(TierKind::kHost, c.tenant, kChunk);
+    const Placement p = *space_->Reserve(TierKind::kHost, UserOwner(c.tenant), kChunk);
     c.placement[TierKind::kHost] = p;
     c.allocated.insert(TierKind::kHost);
     c.resident.insert(TierKind::kHost);

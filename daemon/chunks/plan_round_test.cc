@@ -47,7 +47,7 @@ class PlanRoundTest : public ::testing::Test, public Mover::Listener {
     ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
     c.owner = session_->id;
     c.size = kSeg;
-    c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
+    c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, UserOwner(kAlice), kSeg);
     c.allocated.insert(TierKind::kNvme);
     c.resident.insert(TierKind::kNvme);
     chunks_.Reindex(c);

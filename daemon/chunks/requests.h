@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,10 @@ struct NodeStats {
   // Space held in each tier by acquired chunks: not reclaimable until they are released.
   TierArray<uint64_t> pinned_bytes;
   PathArray<uint64_t> in_flight, queued_bytes{};
+  // Shared bases: how many, the sessions holding them (a session counted once per base), and the
+  // bytes of their copies in each tier (counted once, however many hold them).
+  uint64_t shared_bases = 0, shared_base_holders = 0;
+  TierArray<uint64_t> shared_base_bytes{};
 };
 
 struct DrainResult {
@@ -65,6 +70,7 @@ bool IsOperator(const Session& session);
 struct ChunkPage {
   std::vector<ChunkMeta> chunks;
   ChunkId next_page_token = 0;
+  std::map<BaseId, std::string> bases;  // the names of the shared bases its chunks belong to
 };
 
 // Limits that keep one request from monopolizing the daemon.

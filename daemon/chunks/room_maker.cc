@@ -35,7 +35,7 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
     for (TierKind t : RoomNeeded(*c, tier, access)) {
       absl::StatusOr<Placement> p =
-          space_.ReserveIn(t, c->tenant, space_.SpaceIn(t, c->size, c->persistent));
+          space_.ReserveIn(t, OwnerOf(*c), space_.SpaceIn(t, c->size, c->persistent));
       if (p.ok()) {
         c->placement[t] = *p;
         c->allocated.insert(t);

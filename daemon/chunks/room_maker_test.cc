@@ -45,7 +45,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
     ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
     c.size = kSeg;
     c.last_use = last_use;
-    absl::StatusOr<Placement> p = space_->Reserve(TierKind::kHost, kAlice, kSeg);
+    absl::StatusOr<Placement> p = space_->Reserve(TierKind::kHost, UserOwner(kAlice), kSeg);
     EXPECT_TRUE(p.ok()) << p.status();
     c.placement[TierKind::kHost] = *p;
     c.allocated.insert(TierKind::kHost);
@@ -60,7 +60,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
     ChunkMeta& c = chunks_.Insert(kAlice, "", /*persistent=*/false);
     c.size = kSeg;
     if (rig_->nvme() != nullptr) {
-      c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, kAlice, kSeg);
+      c.placement[TierKind::kNvme] = *space_->Reserve(TierKind::kNvme, UserOwner(kAlice), kSeg);
     }
     c.allocated.insert(TierKind::kNvme);
     c.resident.insert(TierKind::kNvme);

@@ -43,6 +43,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Open(const PeerCredent
                                                                absl::string_view client_name,
                                                                absl::string_view job) {
   if (absl::Status s = ValidateJob(job); !s.ok()) return s;
+  if (peer.uid >= kFirstBaseOwner) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "uid ", peer.uid, " is in the range tierd keeps for shared bases' segments (from ",
+        kFirstBaseOwner, "); run the client as another user"));
+  }
   auto session = std::make_shared<Session>();
   session->peer = peer;
   session->client_name = std::string(client_name);

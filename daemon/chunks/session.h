@@ -27,6 +27,7 @@ struct PeerCredentials {
   uint32_t uid = 0;
   uint32_t gid = 0;
   pid_t pid = 0;
+  std::vector<uint32_t> groups;  // supplementary groups (SO_PEERGROUPS), for shared bases
 };
 
 struct Session : std::enable_shared_from_this<Session> {

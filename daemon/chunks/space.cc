@@ -7,9 +7,10 @@
 
 namespace tierd::daemon {
 
-absl::StatusOr<Placement> Space::Reserve(TierKind kind, uint32_t tenant, uint64_t size,
+absl::StatusOr<Placement> Space::Reserve(TierKind kind, SpaceOwner owner, uint64_t size,
                                          bool quota) {
-  absl::StatusOr<Placement> p = tier(kind)->Reserve(tenant, size);
+  const uint32_t tenant = owner.tenant;
+  absl::StatusOr<Placement> p = tier(kind)->Reserve(owner.segments, size);
   if (!p.ok()) return p;
   if (absl::Status s = quota ? ledger_.CheckBytes(tenant, kind, p->size) : absl::OkStatus();
       !s.ok()) {
@@ -33,14 +34,15 @@ void Space::DropCopy(ChunkMeta& chunk, TierKind tier) {
   chunks_.Reindex(chunk);
 }
 
-absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, uint32_t tenant, uint64_t size) {
+absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint64_t size) {
+  const uint32_t tenant = owner.tenant;
   for (;;) {
     // When the tenant's quota is what is full, only its own copies make room for it.
     const uint64_t needed = AlignUp(size, kSegmentAlignment);
     const bool quota_full = ledger_.Headroom(tenant, tier) < needed;
     if (quota_full && planning_) return ledger_.CheckBytes(tenant, tier, needed);
     absl::StatusOr<Placement> p =
-        quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, tenant, size);
+        quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, owner, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
     // costs nothing to drop).

@@ -25,10 +25,10 @@ class Space {
   Space(const Space&) = delete;
   Space& operator=(const Space&) = delete;
 
-  // Space in `tier` for `tenant`; RESOURCE_EXHAUSTED naming the quota or the tier when it does not
-  // fit. `quota` false: held by the user but not checked against its quota (a rewrite's second
-  // copy).
-  absl::StatusOr<Placement> Reserve(TierKind tier, uint32_t tenant, uint64_t size,
+  // Space in `tier` for `owner` (its segments', charged to its tenant); RESOURCE_EXHAUSTED naming
+  // the quota or the tier when it does not fit. `quota` false: held by the user but not checked
+  // against its quota (a rewrite's second copy).
+  absl::StatusOr<Placement> Reserve(TierKind tier, SpaceOwner owner, uint64_t size,
                                     bool quota = true);
   void Release(uint32_t tenant, const Placement& placement);
   // Drops the chunk's copy in `tier` and gives its space back.
@@ -36,7 +36,7 @@ class Space {
   // Reserve, dropping clean copies in the tier (least recently used first) while it is full —
   // only the tenant's own when its quota is what is full. While the planner's moves start
   // (planning), nothing is dropped: the plan made its own room.
-  absl::StatusOr<Placement> ReserveIn(TierKind tier, uint32_t tenant, uint64_t size);
+  absl::StatusOr<Placement> ReserveIn(TierKind tier, SpaceOwner owner, uint64_t size);
   // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
   // index's persistent granule, so that the index of persistent chunks cannot fill first.
   uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;

@@ -33,7 +33,7 @@ class SpaceTest : public testing::Test {
     ChunkMeta& c = chunks_.Insert(tenant, "", /*persistent=*/false);
     c.size = kSeg;
     c.last_use = last_use;
-    absl::StatusOr<Placement> p = space_->Reserve(TierKind::kHost, tenant, kSeg);
+    absl::StatusOr<Placement> p = space_->Reserve(TierKind::kHost, UserOwner(tenant), kSeg);
     EXPECT_TRUE(p.ok()) << p.status();
     c.placement[TierKind::kHost] = *p;
     c.allocated.insert(TierKind::kHost);
@@ -58,7 +58,7 @@ TEST_F(SpaceTest, AFullTierDropsTheLeastRecentlyUsedCleanCopyAndNothingElse) {
   Space& space = Make();
   std::vector<ChunkMeta*> held;
   for (uint64_t use : {4, 1, 3, 2}) held.push_back(&HostChunk(kAlice, use, /*clean=*/true));
-  absl::StatusOr<Placement> p = space.ReserveIn(TierKind::kHost, kAlice, kSeg);
+  absl::StatusOr<Placement> p = space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_FALSE(held[1]->resident.contains(TierKind::kHost));  // last used first
   EXPECT_TRUE(held[1]->resident.contains(TierKind::kNvme));   // its lower copy stays
@@ -69,7 +69,7 @@ TEST_F(SpaceTest, AFullTierDropsTheLeastRecentlyUsedCleanCopyAndNothingElse) {
 TEST_F(SpaceTest, DirtyCopiesAreNeverDropped) {
   Space& space = Make();
   for (uint64_t use : {1, 2, 3, 4}) HostChunk(kAlice, use, /*clean=*/false);
-  absl::Status s = space.ReserveIn(TierKind::kHost, kAlice, kSeg).status();
+  absl::Status s = space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).status();
   EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
   for (const auto& [id, c] : chunks_) EXPECT_TRUE(c.resident.contains(TierKind::kHost)) << id;
 }
@@ -82,7 +82,7 @@ TEST_F(SpaceTest, AUserAtItsQuotaMakesRoomOnlyFromItsOwnCopies) {
   ChunkMeta& bob_older = HostChunk(kBob, 0, /*clean=*/true);
   ChunkMeta& alice_a = HostChunk(kAlice, 5, /*clean=*/true);
   ChunkMeta& alice_b = HostChunk(kAlice, 3, /*clean=*/true);
-  absl::StatusOr<Placement> p = space.ReserveIn(TierKind::kHost, kAlice, kSeg);
+  absl::StatusOr<Placement> p = space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg);
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_FALSE(alice_b.resident.contains(TierKind::kHost));
   EXPECT_TRUE(alice_a.resident.contains(TierKind::kHost));
@@ -94,10 +94,11 @@ TEST_F(SpaceTest, WhileThePlannersMovesStartNothingIsDropped) {
   Space& space = Make();
   for (uint64_t use : {1, 2, 3, 4}) HostChunk(kAlice, use, /*clean=*/true);
   space.set_planning(true);
-  EXPECT_TRUE(absl::IsResourceExhausted(space.ReserveIn(TierKind::kHost, kAlice, kSeg).status()));
+  EXPECT_TRUE(absl::IsResourceExhausted(
+      space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).status()));
   for (const auto& [id, c] : chunks_) EXPECT_TRUE(c.resident.contains(TierKind::kHost)) << id;
   space.set_planning(false);
-  EXPECT_TRUE(space.ReserveIn(TierKind::kHost, kAlice, kSeg).ok());
+  EXPECT_TRUE(space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).ok());
 }
 
 TEST(RoomNeededTest, AFetchToTheDeviceStagesThroughTheHostAndAnOverwriteNeedsOnlyItsLanding) {

@@ -199,8 +199,13 @@ std::string SegmentPool::DescribeLocked() const {
                       FormatSize(capacity_), "), ", backing_->Describe());
 }
 
+uint32_t SegmentPool::OwnerOf(uint32_t segment) const {
+  absl::MutexLock lock(&mu_);
+  return segment < segments_.size() ? segments_[segment].owner : kNoTenant;
+}
+
 absl::StatusOr<UniqueFd> SegmentPool::SegmentFd(uint32_t segment, uint32_t tenant,
-                                                SegmentInfo* info) const {
+                                                SegmentInfo* info, bool read_only) const {
   absl::MutexLock lock(&mu_);
   if (segment >= segments_.size()) {
     return absl::NotFoundError(absl::StrCat(
@@ -211,8 +216,16 @@ absl::StatusOr<UniqueFd> SegmentPool::SegmentFd(uint32_t segment, uint32_t tenan
     return absl::PermissionDeniedError(absl::StrCat(TierName(kind_), " segment ", segment,
                                                     " does not hold chunks of uid ", tenant));
   }
-  UniqueFd fd(fcntl(s.memory.fd.get(), F_DUPFD_CLOEXEC, 0));
-  if (!fd) return absl::ErrnoToStatus(errno, "dup of a host segment fd");
+  UniqueFd fd;
+  if (read_only) {
+    // A new open file description, read-only: mmap with PROT_WRITE and MAP_SHARED fails on it.
+    const std::string path = absl::StrCat("/proc/self/fd/", s.memory.fd.get());
+    fd = UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd) return absl::ErrnoToStatus(errno, "reopening a host segment read-only");
+  } else {
+    fd = UniqueFd(fcntl(s.memory.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!fd) return absl::ErrnoToStatus(errno, "dup of a host segment fd");
+  }
   if (info != nullptr) *info = SegmentInfo{segment, s.generation, segment_size_};
   return fd;
 }

@@ -69,8 +69,13 @@ class SegmentPool final : public Tier {
   TierUsage Usage() const override;
   std::string Describe() const override;
 
-  // A duplicate of the segment's fd, if the segment currently belongs to `tenant`.
-  absl::StatusOr<UniqueFd> SegmentFd(uint32_t segment, uint32_t tenant, SegmentInfo* info) const;
+  // A duplicate of the segment's fd, if the segment currently belongs to `tenant`; with
+  // `read_only`, the memory opened anew for reading only, so that whoever maps it cannot write
+  // it (a shared base's segment passed to a session that only reads it).
+  absl::StatusOr<UniqueFd> SegmentFd(uint32_t segment, uint32_t tenant, SegmentInfo* info,
+                                     bool read_only = false) const;
+  // The tenant the segment belongs to now; kNoTenant when empty or out of range.
+  uint32_t OwnerOf(uint32_t segment) const;
   // The segments that currently belong to `tenant`.
   std::vector<SegmentInfo> SegmentsOf(uint32_t tenant) const;
   // The daemon's own address of a placement (host pointer, or device pointer).

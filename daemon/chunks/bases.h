@@ -1,0 +1,126 @@
+// Shared bases: named, read-only sets of chunks that every session allowed to may open, so that one
+// copy of a frozen model serves every job on the node (docs/streaming.md, "One copy per node").
+//
+// A base is made by one session (its loader), which fills its chunks and seals it; from then on
+// nobody writes it. It lives while a session holds it or it is pinned; the user who made it is
+// charged for its space; its chunks sit in segments of their own (kFirstBaseOwner), which sessions
+// that hold it map read-only. A leaf: it knows bases, who holds them and who may open them; the
+// chunk service makes and retires their chunks.
+//
+// Not thread-safe: the chunk service keeps it under its lock.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "daemon/chunks/session.h"
+#include "daemon/types/ids.h"
+#include "daemon/types/tiers.h"
+
+namespace tierd::daemon {
+
+// Bounds on what one client can make the daemon keep.
+inline constexpr size_t kMaxBaseNameBytes = 255;
+inline constexpr size_t kMaxBaseDescriptorBytes = 1 << 20;  // the client's record of its layout
+inline constexpr size_t kMaxBaseChunks = 1 << 16;
+inline constexpr size_t kMaxBasesPerUser = 64;
+
+struct Base {
+  BaseId id = 0;
+  std::string name;
+  uint32_t creator = 0;  // uid, charged for the base's space
+  uint32_t group = 0;    // with `shared_with_group`: members may open it
+  bool shared_with_group = false;
+  SessionId loader = 0;  // the session filling it; 0 once sealed
+  bool sealed = false;
+  bool pinned = false;     // kept without a holder (tierctl base pin)
+  std::string descriptor;  // opaque to the daemon: what the loader says the chunks hold
+  std::vector<ChunkId> chunks;
+  std::set<SessionId> holders;
+};
+
+// OpenBase's request to make the base when it does not exist: its chunks (each a size and a home
+// tier, host or NVMe), the group it is shared with, and the loader's descriptor of its contents.
+struct BaseRequest {
+  std::vector<uint64_t> sizes;
+  std::vector<TierKind> homes;
+  std::optional<uint32_t> group;
+  std::string descriptor;
+};
+
+// A base as a session that opened it sees it.
+struct OpenedBase {
+  BaseId id = 0;
+  bool created = false;  // this session made it and loads it: it writes the chunks, then seals
+  uint32_t creator = 0;
+  std::vector<ChunkId> chunks;
+  std::vector<uint64_t> sizes;
+  std::vector<TierKind> homes;
+  std::string descriptor;
+};
+
+// A base as tierctl and the metrics see it.
+struct BaseStatus {
+  BaseId id = 0;
+  std::string name;
+  uint32_t creator = 0;
+  std::optional<uint32_t> group;
+  bool sealed = false, pinned = false;
+  uint64_t chunks = 0, bytes = 0;
+  TierArray<uint64_t> resident_bytes{};
+  std::vector<std::string> holders;  // the sessions holding it, described
+  uint64_t descriptor_bytes = 0;
+};
+
+// OK for a base name: 1 to kMaxBaseNameBytes of letters, digits and "._-/@:", no empty path
+// component.
+absl::Status ValidateBaseName(absl::string_view name);
+
+class BaseRegistry {
+ public:
+  // Node-wide groups whose members a base may be shared with (the operator's daemon.base_groups).
+  void set_share_groups(std::vector<uint32_t> gids) { share_groups_ = std::move(gids); }
+  const std::vector<uint32_t>& share_groups() const { return share_groups_; }
+
+  Base* Find(absl::string_view name);
+  Base* Find(BaseId id);
+  const Base* Find(BaseId id) const;
+  // The base whose segments `owner` (kFirstBaseOwner + id) names; null for a user's uid.
+  const Base* FindBySegmentOwner(uint32_t owner) const;
+
+  // A new, unsealed base that `loader` fills. ALREADY_EXISTS for a name in use; RESOURCE_EXHAUSTED
+  // when the user holds kMaxBasesPerUser bases or the daemon has made every base id it can;
+  // PERMISSION_DENIED for a group the operator did not name, or one the creator is not in (an
+  // operator shares with any group the operator named).
+  absl::StatusOr<Base*> Create(absl::string_view name, const Session& loader,
+                               std::optional<uint32_t> group, std::string descriptor);
+  void Erase(BaseId id);
+
+  // Whether the session may open the base: its creator's uid, an operator, or a member of the
+  // group it is shared with (a group the operator named).
+  bool MayOpen(const Base& base, const Session& session) const;
+  // The bases the session holds, or loads.
+  std::vector<BaseId> HeldBy(SessionId session) const;
+  // Every base, by name.
+  std::vector<const Base*> All() const;
+  size_t size() const { return by_id_.size(); }
+
+ private:
+  std::map<BaseId, std::unique_ptr<Base>> by_id_;
+  std::map<std::string, BaseId, std::less<>> by_name_;
+  std::vector<uint32_t> share_groups_;
+  BaseId next_id_ = 1;  // never reused: a base's segments are fresh memory for the next owner
+};
+
+// Whether the peer is in group `gid` (its primary group or one of its supplementary ones).
+bool InGroup(const PeerCredentials& peer, uint32_t gid);
+
+}  // namespace tierd::daemon
