@@ -595,6 +595,73 @@ tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight) {
   return Guard([&] { return Done(client->client->SetBandwidthWeight(weight)); });
 }
 
+struct tierd_base {
+  tierd::OpenedBase opened;
+  std::vector<uint64_t> sizes;
+  std::vector<int> homes;
+};
+
+tierd_status tierd_base_open(tierd_client* client, const char* name,
+                             const tierd_base_create* create, tierd_base** out,
+                             tierd_base_info* info) {
+  if (client == nullptr || name == nullptr || out == nullptr || info == nullptr) {
+    return Invalid("tierd_base_open: NULL argument");
+  }
+  if (create != nullptr &&
+      ((create->n_chunks > 0 && (create->sizes == nullptr || create->homes == nullptr)) ||
+       (create->descriptor_len > 0 && create->descriptor == nullptr))) {
+    return Invalid("tierd_base_open: NULL array in create");
+  }
+  return Guard([&] {
+    tierd::BaseCreate spec;
+    if (create != nullptr) {
+      for (size_t i = 0; i < create->n_chunks; ++i) {
+        spec.chunks.push_back({create->sizes[i], static_cast<tierd::Tier>(create->homes[i])});
+      }
+      spec.descriptor.assign(static_cast<const char*>(create->descriptor), create->descriptor_len);
+      if (create->share_with_group) spec.share_with_group = create->group;
+    }
+    absl::StatusOr<tierd::OpenedBase> opened =
+        client->client->OpenBase(name, create != nullptr ? &spec : nullptr);
+    if (!opened.ok()) return Fail(opened.status());
+    auto base = std::make_unique<tierd_base>();
+    base->opened = std::move(*opened);
+    for (const tierd::BaseChunkSpec& c : base->opened.chunks) {
+      base->sizes.push_back(c.size_bytes);
+      base->homes.push_back(static_cast<int>(c.home_tier));
+    }
+    const tierd::OpenedBase& b = base->opened;
+    *info = tierd_base_info{b.created ? 1 : 0,   b.creator_uid,      b.chunk_ids.size(),
+                            b.chunk_ids.data(),  base->sizes.data(), base->homes.data(),
+                            b.descriptor.data(), b.descriptor.size()};
+    *out = base.release();
+    return TIERD_OK;
+  });
+}
+
+void tierd_base_free(tierd_base* base) { delete base; }
+
+tierd_status tierd_base_seal(tierd_client* client, const char* name, const void* descriptor,
+                             size_t descriptor_len) {
+  if (client == nullptr || name == nullptr || (descriptor == nullptr && descriptor_len > 0)) {
+    return Invalid("tierd_base_seal: NULL argument");
+  }
+  return Guard([&] {
+    return Done(client->client->SealBase(
+        name, std::string(static_cast<const char*>(descriptor), descriptor_len)));
+  });
+}
+
+tierd_status tierd_base_release(tierd_client* client, const char* name) {
+  if (client == nullptr || name == nullptr) return Invalid("tierd_base_release: NULL argument");
+  return Guard([&] { return Done(client->client->ReleaseBase(name)); });
+}
+
+tierd_status tierd_base_pin(tierd_client* client, const char* name, int pinned) {
+  if (client == nullptr || name == nullptr) return Invalid("tierd_base_pin: NULL argument");
+  return Guard([&] { return Done(client->client->PinBase(name, pinned != 0)); });
+}
+
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {
   if (client == nullptr || out == nullptr) return Invalid("tierd_tier_usage_get: NULL argument");
   return Guard([&] {

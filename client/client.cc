@@ -1,5 +1,6 @@
 #include "tierd/client.hpp"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -58,17 +59,19 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view rpc) {
                       absl::StrCat(rpc, ": ", s.error_message()));
 }
 
-// A read-write shared mapping of a whole fd.
+// A shared mapping of a whole fd.
 class Mapping {
  public:
   Mapping() = default;
   Mapping(void* base, size_t size) : base_(base), size_(size) {}
-  Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), size_(o.size_) {}
+  Mapping(Mapping&& o) noexcept
+      : base_(std::exchange(o.base_, nullptr)), size_(o.size_), read_only_(o.read_only_) {}
   Mapping& operator=(Mapping&& o) noexcept {
     if (this != &o) {
       Reset();
       base_ = std::exchange(o.base_, nullptr);
       size_ = o.size_;
+      read_only_ = o.read_only_;
     }
     return *this;
   }
@@ -76,11 +79,20 @@ class Mapping {
   void* base() const { return base_; }
   size_t size() const { return size_; }
 
+  // Read-only where the daemon passed the fd read-only (a sealed shared base's segment): a write
+  // through the mapping faults rather than reaching memory other processes read.
   static absl::StatusOr<Mapping> Map(int fd, size_t size, absl::string_view what) {
-    void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags < 0) return absl::ErrnoToStatus(errno, absl::StrCat("fcntl of ", what));
+    const bool read_only = (flags & O_ACCMODE) == O_RDONLY;
+    void* base =
+        mmap(nullptr, size, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (base == MAP_FAILED) return absl::ErrnoToStatus(errno, absl::StrCat("mmap of ", what));
-    return Mapping(base, size);
+    Mapping m(base, size);
+    m.read_only_ = read_only;
+    return m;
   }
+  bool read_only() const { return read_only_; }
 
  private:
   void Reset() {
@@ -89,6 +101,7 @@ class Mapping {
   }
   void* base_ = nullptr;
   size_t size_ = 0;
+  bool read_only_ = false;
 };
 
 // A segment this process has mapped: host memory (host tier, emulated device), registered with
@@ -131,6 +144,7 @@ ChunkInfo FromProto(const pb::ChunkInfo& c) {
   info.pins = c.pins();
   info.owner_session = c.owner_session();
   info.lost = c.lost();
+  info.base = c.base();
   for (const pb::TierSpace& s : c.space()) info.space.emplace_back(FromProto(s.tier()), s.bytes());
   return info;
 }
@@ -281,8 +295,8 @@ struct Client::Impl {
   // are staged through the driver, slower, and the first refusal is reported on stderr.
   void RegisterSegment(uint64_t key, MappedSegment& segment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(segments_mu) {
-    absl::StatusOr<client_internal::HostRegistration> reg =
-        cuda->RegisterHost(segment.mapping.base(), segment.mapping.size());
+    absl::StatusOr<client_internal::HostRegistration> reg = cuda->RegisterHost(
+        segment.mapping.base(), segment.mapping.size(), segment.mapping.read_only());
     if (reg.ok()) {
       segment.registration = std::move(*reg);
       return;
@@ -828,6 +842,86 @@ absl::Status Client::SetBandwidthWeight(uint32_t weight) {
   req.set_weight(weight);
   pb::SetBandwidthWeightResponse resp;
   return impl_->Call(&pb::Tierd::Stub::SetBandwidthWeight, req, &resp, "SetBandwidthWeight");
+}
+
+absl::StatusOr<OpenedBase> Client::OpenBase(const std::string& name, const BaseCreate* create) {
+  pb::OpenBaseRequest req;
+  req.set_name(name);
+  if (create != nullptr) {
+    req.set_create(true);
+    for (const BaseChunkSpec& c : create->chunks) {
+      pb::BaseChunk* out = req.add_chunks();
+      out->set_size_bytes(c.size_bytes);
+      out->set_home_tier(ToProto(c.home_tier));
+    }
+    req.set_contents(create->descriptor);
+    if (create->share_with_group) {
+      req.set_share_with_group(true);
+      req.set_group(*create->share_with_group);
+    }
+  }
+  pb::OpenBaseResponse resp;
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::OpenBase, req, &resp, "OpenBase"); !s.ok()) {
+    return s;
+  }
+  OpenedBase out;
+  out.created = resp.created();
+  out.descriptor = resp.contents();
+  out.creator_uid = resp.creator_uid();
+  out.chunk_ids.assign(resp.chunk_ids().begin(), resp.chunk_ids().end());
+  for (const pb::BaseChunk& c : resp.chunks()) {
+    out.chunks.push_back({c.size_bytes(), static_cast<Tier>(c.home_tier())});
+  }
+  return out;
+}
+
+absl::Status Client::SealBase(const std::string& name, const std::string& descriptor) {
+  pb::SealBaseRequest req;
+  req.set_name(name);
+  req.set_contents(descriptor);
+  pb::SealBaseResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::SealBase, req, &resp, "SealBase");
+}
+
+absl::Status Client::ReleaseBase(const std::string& name) {
+  pb::ReleaseBaseRequest req;
+  req.set_name(name);
+  pb::ReleaseBaseResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::ReleaseBase, req, &resp, "ReleaseBase");
+}
+
+absl::Status Client::PinBase(const std::string& name, bool pinned) {
+  pb::PinBaseRequest req;
+  req.set_name(name);
+  req.set_pinned(pinned);
+  pb::PinBaseResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::PinBase, req, &resp, "PinBase");
+}
+
+absl::StatusOr<std::vector<BaseStatus>> Client::ListBases() {
+  pb::ListBasesRequest req;
+  pb::ListBasesResponse resp;
+  if (absl::Status s = impl_->Call(&pb::Tierd::Stub::ListBases, req, &resp, "ListBases"); !s.ok()) {
+    return s;
+  }
+  std::vector<BaseStatus> out;
+  for (const pb::BaseInfo& b : resp.bases()) {
+    BaseStatus s;
+    s.name = b.name();
+    s.creator_uid = b.creator_uid();
+    if (b.shared_with_group()) s.group = b.group();
+    s.sealed = b.sealed();
+    s.pinned = b.pinned();
+    s.chunks = b.chunks();
+    s.bytes = b.bytes();
+    for (const pb::TierSpace& r : b.resident()) {
+      if (r.tier() == pb::TIER_HOST) s.host_bytes = r.bytes();
+      if (r.tier() == pb::TIER_NVME) s.nvme_bytes = r.bytes();
+    }
+    s.holders.assign(b.holders().begin(), b.holders().end());
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 absl::StatusOr<int> Client::CudaDevice() {

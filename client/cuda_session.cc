@@ -65,14 +65,15 @@ CudaSession::~CudaSession() {
   if (context_ != nullptr) Driver(driver_).cuDevicePrimaryCtxRelease(device_);
 }
 
-absl::StatusOr<HostRegistration> CudaSession::RegisterHost(void* base, size_t size) const {
+absl::StatusOr<HostRegistration> CudaSession::RegisterHost(void* base, size_t size,
+                                                           bool read_only) const {
   const CudaDriver& d = Driver(driver_);
   ScopedContext scope(d, context_);
   if (auto s = scope.status(); !s.ok()) return s;
-  if (auto s = d.Check(d.cuMemHostRegister(
-                           base, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP),
-                       "cuMemHostRegister");
-      !s.ok()) {
+  // Pages mapped read-only are registered only as such (the device may read, not write them).
+  const unsigned flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP |
+                         (read_only ? CU_MEMHOSTREGISTER_READ_ONLY : 0u);
+  if (auto s = d.Check(d.cuMemHostRegister(base, size, flags), "cuMemHostRegister"); !s.ok()) {
     return s;
   }
   CUdeviceptr device = 0;

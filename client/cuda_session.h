@@ -83,7 +83,9 @@ class CudaSession {
   int ordinal() const { return ordinal_; }
 
   // Page-locks and maps host memory for this GPU. `base` and `size` must be page-aligned.
-  absl::StatusOr<HostRegistration> RegisterHost(void* base, size_t size) const;
+  // `read_only`: the memory is mapped for reading only (a sealed shared base's segment).
+  absl::StatusOr<HostRegistration> RegisterHost(void* base, size_t size,
+                                                bool read_only = false) const;
   // Imports a VMM allocation exported by the daemon as a POSIX fd (the fd is not consumed).
   absl::StatusOr<std::unique_ptr<DeviceMapping>> Import(int fd, uint64_t size) const;
   // Enqueues on `stream` (a CUstream / cudaStream_t; 0 is the legacy default stream) a wait until

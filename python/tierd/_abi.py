@@ -55,6 +55,20 @@ class TierdError(Exception):
         super().__init__(f"{self.code_name}: {message}")
 
 
+class BaseCreate(ctypes.Structure):
+    _fields_ = [("n_chunks", ctypes.c_size_t), ("sizes", ctypes.POINTER(ctypes.c_uint64)),
+                ("homes", ctypes.POINTER(ctypes.c_int)), ("descriptor", ctypes.c_char_p),
+                ("descriptor_len", ctypes.c_size_t), ("share_with_group", ctypes.c_int),
+                ("group", ctypes.c_uint32)]
+
+
+class BaseInfo(ctypes.Structure):
+    _fields_ = [("created", ctypes.c_int), ("creator_uid", ctypes.c_uint32),
+                ("n_chunks", ctypes.c_size_t), ("ids", ctypes.POINTER(ctypes.c_uint64)),
+                ("sizes", ctypes.POINTER(ctypes.c_uint64)), ("homes", ctypes.POINTER(ctypes.c_int)),
+                ("descriptor", ctypes.c_void_p), ("descriptor_len", ctypes.c_size_t)]
+
+
 class Completion(ctypes.Structure):
     _fields_ = [("slot", ctypes.c_uint32), ("sequence", ctypes.c_uint32)]
 
@@ -158,7 +172,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 
 def load_library():
@@ -210,6 +224,13 @@ def load_library():
     lib.tierd_set_version.argtypes = [p, ctypes.c_uint32, ctypes.c_int]
     lib.tierd_session_stats_get.argtypes = [p, ctypes.POINTER(SessionStats)]
     lib.tierd_set_bandwidth_weight.argtypes = [p, ctypes.c_uint32]
+    lib.tierd_base_open.argtypes = [p, ctypes.c_char_p, ctypes.POINTER(BaseCreate),
+                                    ctypes.POINTER(p), ctypes.POINTER(BaseInfo)]
+    lib.tierd_base_free.argtypes = [p]
+    lib.tierd_base_free.restype = None
+    lib.tierd_base_seal.argtypes = [p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    lib.tierd_base_release.argtypes = [p, ctypes.c_char_p]
+    lib.tierd_base_pin.argtypes = [p, ctypes.c_char_p, ctypes.c_int]
     lib.tierd_chunk_dlpack.argtypes = [p, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(p)]

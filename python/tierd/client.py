@@ -259,6 +259,23 @@ class TierUsage:
     largest_free_bytes: int
 
 
+class OpenedBase:
+    """A shared base as Client.open_base returned it: `created` when this session made it (and
+    is to write its chunks and seal it), its chunk ids, sizes and home tiers, the descriptor its
+    loader gave, and its creator's uid."""
+
+    def __init__(self, name: str, info):
+        self.name = name
+        self.created = bool(info.created)
+        self.creator_uid = int(info.creator_uid)
+        n = int(info.n_chunks)
+        self.ids = [int(info.ids[i]) for i in range(n)]
+        self.sizes = [int(info.sizes[i]) for i in range(n)]
+        self.homes = [Tier(info.homes[i]) for i in range(n)]
+        self.descriptor = ctypes.string_at(info.descriptor, info.descriptor_len) \
+            if info.descriptor_len else b""
+
+
 class Client:
     """One session with the node's tierd. A context manager: closed on exit (the daemon reclaims
     every scratch chunk the session still holds)."""
@@ -300,6 +317,46 @@ class Client:
         ids = (ctypes.c_uint64 * len(sizes))()
         check(library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))
         return ChunkSet(self, list(ids), sizes)
+
+    # ---- shared bases (docs/streaming.md, "One copy per node") ----
+
+    def open_base(self, name: str, sizes: Optional[Sequence[int]] = None,
+                  homes: Optional[Sequence[Tier]] = None, descriptor: bytes = b"",
+                  group: Optional[int] = None) -> OpenedBase:
+        """Opens the node's shared base `name`, held until release_base() or the session's end.
+        With `sizes` (and each chunk's home), makes it when there is none: then `created` is true
+        and this session writes the chunks and calls seal_base(). `group`: a gid whose members may
+        open it too (one the daemon's base_groups names, and this user's). TierdError
+        ALREADY_EXISTS when it exists with other chunks or descriptor, UNAVAILABLE while another
+        session loads it, PERMISSION_DENIED when it is not shared with this user."""
+        create = None
+        if sizes is not None:
+            sizes = [int(s) for s in sizes]
+            homes = [int(h) for h in (homes if homes is not None else [Tier.HOST] * len(sizes))]
+            create = _abi.BaseCreate(len(sizes), (ctypes.c_uint64 * len(sizes))(*sizes),
+                                     (ctypes.c_int * len(homes))(*homes), bytes(descriptor),
+                                     len(descriptor), int(group is not None), int(group or 0))
+        handle = ctypes.c_void_p()
+        info = _abi.BaseInfo()
+        check(library().tierd_base_open(self._handle, name.encode(),
+                                          ctypes.byref(create) if create is not None else None,
+                                          ctypes.byref(handle), ctypes.byref(info)))
+        try:
+            return OpenedBase(name, info)
+        finally:
+            library().tierd_base_free(handle)
+
+    def seal_base(self, name: str, descriptor: bytes = b"") -> None:
+        """The base this session made is written: read-only from now on, and open to others;
+        `descriptor`, when given, replaces the one it was made with."""
+        check(library().tierd_base_seal(self._handle, name.encode(), bytes(descriptor),
+                                          len(descriptor)))
+
+    def release_base(self, name: str) -> None:
+        check(library().tierd_base_release(self._handle, name.encode()))
+
+    def pin_base(self, name: str, pinned: bool = True) -> None:
+        check(library().tierd_base_pin(self._handle, name.encode(), int(pinned)))
 
     def prefetch(self, chunks, tier: Tier) -> Completion:
         return self._move(library().tierd_prefetch, chunks, tier)

@@ -9,4 +9,5 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tierd._abi import (ACCESS_OVERWRITE, ACCESS_READ, ACCESS_WRITE, FAILED_PRECONDITION,  # noqa: E402,F401
                         INVALID_ARGUMENT, NOT_FOUND, OK, RESOURCE_EXHAUSTED, TIER_DEVICE, TIER_HOST,
-                        TIER_NVME, Completion, SessionStats, TierUsage, load_library)
+                        TIER_NVME, BaseCreate, BaseInfo, Completion, SessionStats, TierUsage,
+                        load_library)

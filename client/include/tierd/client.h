@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 8
+#define TIERD_C_ABI_VERSION 9
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -211,6 +211,51 @@ tierd_status tierd_session_stats_get(tierd_client* client, tierd_session_stats* 
 /* This session's share of NVMe bandwidth while other sessions' I/O waits too: bytes in proportion
  * to its weight (default 1; at most the daemon's planner.max_session_weight). */
 tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight);
+
+/* ---- Shared bases (docs/streaming.md, "One copy per node") ---- */
+
+/* What to make when the base does not exist: its chunks (size, home tier: host or NVMe), the
+ * loader's descriptor of their contents, and a group (a gid the daemon's base_groups names) whose
+ * members may open it too. */
+typedef struct tierd_base_create {
+  size_t n_chunks;
+  const uint64_t* sizes;
+  const int* homes;
+  const void* descriptor;
+  size_t descriptor_len;
+  int share_with_group;
+  uint32_t group;
+} tierd_base_create;
+
+/* A base as opened: its pointers stay valid until tierd_base_free(handle). */
+typedef struct tierd_base_info {
+  int created; /* this session made it: write the chunks, then tierd_base_seal */
+  uint32_t creator_uid;
+  size_t n_chunks;
+  const tierd_chunk_id* ids;
+  const uint64_t* sizes;
+  const int* homes;
+  const void* descriptor;
+  size_t descriptor_len;
+} tierd_base_info;
+
+typedef struct tierd_base tierd_base;
+
+/* Opens the base `name` (held until tierd_base_release or the session's end); with `create`
+ * (NULL: open only) and no base of that name, makes it. ALREADY_EXISTS: it exists with other
+ * chunks or descriptor; UNAVAILABLE: another session is loading it; PERMISSION_DENIED: it is not
+ * shared with this user; NOT_FOUND: none, and no `create`. */
+tierd_status tierd_base_open(tierd_client* client, const char* name,
+                             const tierd_base_create* create, tierd_base** out,
+                             tierd_base_info* info);
+/* Frees the handle (and its info's arrays), not the hold. */
+void tierd_base_free(tierd_base* base);
+/* Seals the base this session loads: read-only from now on, with `descriptor` (when
+ * descriptor_len > 0) replacing the one given to tierd_base_open. */
+tierd_status tierd_base_seal(tierd_client* client, const char* name, const void* descriptor,
+                             size_t descriptor_len);
+tierd_status tierd_base_release(tierd_client* client, const char* name);
+tierd_status tierd_base_pin(tierd_client* client, const char* name, int pinned);
 
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);

@@ -80,6 +80,7 @@ struct ChunkInfo {
   // The space each tier holds for it (ChunkInfo.space in the protocol): once nothing moves, a
   // tier's used_bytes is the sum of these over its chunks.
   std::vector<std::pair<Tier, uint64_t>> space;
+  std::string base;  // the shared base it belongs to (ListChunks with all_sessions)
 };
 
 struct RegionStatus {
@@ -215,6 +216,34 @@ struct SessionStats {
 
 // An asynchronous request's handle. Ready() and a Wait() on a completed request read shared
 // memory only (no system call); a Wait() on a pending one sleeps on a futex.
+// A shared base (docs/streaming.md, "One copy per node"): a named, read-only set of chunks one
+// session loads and seals and every session its creator allows opens.
+struct BaseChunkSpec {
+  uint64_t size_bytes = 0;
+  Tier home_tier = Tier::kHost;  // host or NVMe
+};
+struct BaseCreate {
+  std::vector<BaseChunkSpec> chunks;
+  std::string descriptor;  // what the chunks hold, as the loader says (compared byte for byte)
+  std::optional<uint32_t> share_with_group;  // a gid the operator named in daemon.base_groups
+};
+struct OpenedBase {
+  bool created = false;  // this session made it: write the chunks, then SealBase
+  std::vector<ChunkId> chunk_ids;
+  std::vector<BaseChunkSpec> chunks;
+  std::string descriptor;
+  uint32_t creator_uid = 0;
+};
+struct BaseStatus {
+  std::string name;
+  uint32_t creator_uid = 0;
+  std::optional<uint32_t> group;
+  bool sealed = false, pinned = false;
+  uint64_t chunks = 0, bytes = 0;
+  uint64_t host_bytes = 0, nvme_bytes = 0;  // with a copy in each tier
+  std::vector<std::string> holders;
+};
+
 struct CompletionToken {
   uint32_t slot = 0;
   uint32_t sequence = 0;
@@ -397,6 +426,18 @@ class Client {
   // proportion to its weight (default 1; at most the daemon's planner.max_session_weight,
   // INVALID_ARGUMENT beyond). Within the session, reads and writes go by deadline.
   absl::Status SetBandwidthWeight(uint32_t weight);
+
+  // --- shared bases ---
+  // Opens the base `name`, held until ReleaseBase or the session's end; with `create` and no base
+  // of that name, makes it for this session to write and seal. ALREADY_EXISTS when it exists with
+  // other chunks or descriptor than `create`, UNAVAILABLE while another session loads it,
+  // PERMISSION_DENIED when it is not shared with this user, NOT_FOUND without `create`.
+  absl::StatusOr<OpenedBase> OpenBase(const std::string& name, const BaseCreate* create = nullptr);
+  // `descriptor`, when not empty, replaces the one given when the base was made.
+  absl::Status SealBase(const std::string& name, const std::string& descriptor = "");
+  absl::Status ReleaseBase(const std::string& name);
+  absl::Status PinBase(const std::string& name, bool pinned);
+  absl::StatusOr<std::vector<BaseStatus>> ListBases();
 
   // --- the daemon's GPU in this process ---
   // Opens the daemon's GPU through CUDA (found by UUID; its primary context, the one the CUDA
