@@ -4,6 +4,7 @@
 //   tierctl [--socket_dir=DIR] [--json] health
 //   tierctl [--socket_dir=DIR] [--json] chunks [--tier=T] [--name=PREFIX] [--state=S]
 //                                              [--session=ID] [--pinned]
+//   tierctl [--socket_dir=DIR] [--json] bases [pin NAME | unpin NAME]
 //   tierctl [--socket_dir=DIR] [--json] drain --tier=device|host [--timeout=10m]
 //   tierctl [--socket_dir=DIR] [--json] evict --tier=device|host ID...
 //   tierctl [--socket_dir=DIR] [--json] bench [--size=1GiB] [--chunk=16MiB]
@@ -41,6 +42,8 @@ constexpr const char kUsage[] =
     "  health                     exit 0 when the daemon answers and its tiers are up\n"
     "  chunks [--tier=T] [--name=PREFIX] [--state=ready|moving] [--session=ID] [--pinned]\n"
     "                             every chunk on the node (root or the daemon's user)\n"
+    "  bases [pin NAME | unpin NAME]\n"
+    "                             shared bases: holders and bytes; keep one without holders\n"
     "  drain --tier=device|host [--timeout=10m]\n"
     "                             move every chunk out of a tier before maintenance\n"
     "  evict --tier=device|host ID...\n"
@@ -104,6 +107,7 @@ class Tierctl {
         {"status", {"sample"}},
         {"health", {}},
         {"chunks", {"tier", "name", "state", "session", "pinned"}},
+        {"bases", {}},
         {"drain", {"tier", "timeout"}},
         {"evict", {"tier"}},
         {"bench", {"size", "chunk"}},
@@ -116,7 +120,7 @@ class Tierctl {
         return Usage(absl::StrCat("'", args_.command, "' takes no --", key));
       }
     }
-    if (args_.command != "evict" && !args_.positional.empty()) {
+    if (args_.command != "evict" && args_.command != "bases" && !args_.positional.empty()) {
       return Usage(
           absl::StrCat("'", args_.command, "' takes no argument '", args_.positional.front(), "'"));
     }
@@ -130,6 +134,7 @@ class Tierctl {
     if (args_.command == "status") return Status();
     if (args_.command == "health") return Health();
     if (args_.command == "chunks") return Chunks();
+    if (args_.command == "bases") return Bases();
     if (args_.command == "bench") return Bench();
     return Drain();
   }
@@ -165,10 +170,72 @@ class Tierctl {
       }
       info = std::move(*after);
     }
+    absl::StatusOr<std::vector<BaseStatus>> bases = client_->ListBases();
+    if (!bases.ok()) return Fail(bases.status(), "ListBases");
     if (json_) {
-      PrintStatusJson(info, recent, sample);
+      PrintStatusJson(info, recent, sample, *bases);
     } else {
       PrintStatus(info, recent, sample);
+      if (!bases->empty()) {
+        std::printf("\n");
+        PrintBases(*bases);
+      }
+    }
+    return 0;
+  }
+
+  static Json BasesJson(const std::vector<BaseStatus>& bases) {
+    Json rows = Json::array();
+    for (const BaseStatus& b : bases) {
+      rows.push_back({{"name", b.name},
+                      {"creator_uid", b.creator_uid},
+                      {"group", b.group ? Json(*b.group) : Json()},
+                      {"sealed", b.sealed},
+                      {"pinned", b.pinned},
+                      {"chunks", b.chunks},
+                      {"bytes", b.bytes},
+                      {"host_bytes", b.host_bytes},
+                      {"nvme_bytes", b.nvme_bytes},
+                      {"holders", b.holders}});
+    }
+    return rows;
+  }
+
+  static void PrintBases(const std::vector<BaseStatus>& bases) {
+    std::printf("%-28s %7s %7s %-8s %7s %12s %12s %12s  %s\n", "SHARED BASE", "CREATOR", "GROUP",
+                "STATE", "CHUNKS", "BYTES", "IN HOST", "ON NVME", "HOLDERS");
+    for (const BaseStatus& b : bases) {
+      std::printf("%-28s %7u %7s %-8s %7llu %12s %12s %12s  %s\n", b.name.c_str(), b.creator_uid,
+                  b.group ? absl::StrCat(*b.group).c_str() : "-",
+                  !b.sealed  ? "loading"
+                  : b.pinned ? "pinned"
+                             : "sealed",
+                  static_cast<unsigned long long>(b.chunks), FormatSize(b.bytes).c_str(),
+                  FormatSize(b.host_bytes).c_str(), FormatSize(b.nvme_bytes).c_str(),
+                  b.holders.empty() ? "-" : absl::StrJoin(b.holders, "; ").c_str());
+    }
+  }
+
+  // bases: the shared bases this user may open (an operator: every one); `pin NAME` keeps one
+  // without holders, `unpin NAME` lets it go with its last holder.
+  int Bases() {
+    const std::vector<std::string>& p = args_.positional;
+    if (!p.empty()) {
+      if (p.size() != 2 || (p[0] != "pin" && p[0] != "unpin")) {
+        return Usage("bases takes nothing, or pin NAME, or unpin NAME");
+      }
+      if (absl::Status s = client_->PinBase(p[1], p[0] == "pin"); !s.ok()) {
+        return Fail(s, "PinBase");
+      }
+    }
+    absl::StatusOr<std::vector<BaseStatus>> bases = client_->ListBases();
+    if (!bases.ok()) return Fail(bases.status(), "ListBases");
+    if (json_) {
+      PrintJson(BasesJson(*bases));
+    } else if (bases->empty()) {
+      std::printf("no shared bases\n");
+    } else {
+      PrintBases(*bases);
     }
     return 0;
   }
@@ -269,7 +336,7 @@ class Tierctl {
   }
 
   void PrintStatusJson(const NodeInfo& n, const std::map<std::string, double>& recent,
-                       absl::Duration sample) const {
+                       absl::Duration sample, const std::vector<BaseStatus>& bases) const {
     Json device = n.device_uuid.empty() ? Json{{"uuid", nullptr}, {"status", n.device_status}}
                                         : Json{{"uuid", n.device_uuid},
                                                {"emulated", n.device_emulated},
@@ -347,6 +414,7 @@ class Tierctl {
                {"paths", std::move(paths)},
                {"session_list", std::move(sessions)},
                {"tenants", std::move(tenants)},
+               {"bases", BasesJson(bases)},
                {"limits",
                 {{"connections_per_uid", l.connections_per_uid},
                  {"sessions_per_uid", l.sessions_per_uid},
@@ -434,7 +502,8 @@ class Tierctl {
                         {"state", c->moving ? "moving" : "ready"},
                         {"pins", c->pins},
                         {"owner_session", c->owner_session},
-                        {"lost", c->lost}});
+                        {"lost", c->lost},
+                        {"base", c->base.empty() ? Json() : Json(c->base)}});
       }
       PrintJson(rows);
       return 0;
@@ -451,7 +520,7 @@ class Tierctl {
                   : c->moving ? "moving"
                               : "ready",
                   c->pins, c->owner_session ? absl::StrCat(c->owner_session).c_str() : "-",
-                  c->name.c_str());
+                  c->base.empty() ? c->name.c_str() : absl::StrCat("base ", c->base).c_str());
     }
     std::printf("%zu of %zu chunk(s), %s\n", shown.size(), all->size(), FormatSize(bytes).c_str());
     return 0;

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 
+from tierd_abi import BaseCreate, BaseInfo
+
 from test_c_abi import (ACCESS_READ, ACCESS_WRITE, OK, TIER_HOST, Completion, client, daemon,  # noqa: F401
                         lib, load_library)
 
@@ -237,6 +239,12 @@ def json_outputs(lib, client, daemon, tmp_path):
     assert lib.tierd_allocate(client, n, sizes, TIER_HOST, ids) == OK, lib.tierd_last_error()
     fill(lib, client, ids, n, size, 0x40)
     session = lib.tierd_session_id(client)
+    create = BaseCreate(1, (ctypes.c_uint64 * 1)(size), (ctypes.c_int * 1)(TIER_HOST), b"d", 1, 0, 0)
+    base, info = ctypes.c_void_p(), BaseInfo()
+    assert lib.tierd_base_open(client, b"schema/base@1", ctypes.byref(create), ctypes.byref(base),
+                               ctypes.byref(info)) == OK, lib.tierd_last_error()
+    lib.tierd_base_free(base)
+    assert lib.tierd_base_seal(client, b"schema/base@1", None, 0) == OK
     rc, doctor, err = tierctl(daemon, "--json", "doctor")
     assert rc in (0, 1), err  # 1: a check failed on this machine; the output is the same shape
     rc, unhealthy, _ = tierctl(str(tmp_path), "--json", "health")
@@ -246,12 +254,14 @@ def json_outputs(lib, client, daemon, tmp_path):
         "health": tierctl_json(daemon, "health"),
         "unhealthy": json.loads(unhealthy),
         "chunks": tierctl_json(daemon, "chunks", f"--session={session}"),
+        "bases": tierctl_json(daemon, "bases"),
         "drain": tierctl_json(daemon, "drain", "--tier=device"),
         "evict": tierctl_json(daemon, "evict", "--tier=host", str(ids[0])),
         "bench": tierctl_json(daemon, "bench", "--size=4MiB", "--chunk=2MiB"),
         "doctor": json.loads(doctor),
     }
     assert lib.tierd_free(client, n, ids) == OK
+    assert lib.tierd_base_release(client, b"schema/base@1") == OK
     return outputs
 
 
