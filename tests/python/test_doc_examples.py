@@ -51,6 +51,26 @@ torch.manual_seed(0)
 model = GPT(6, 64, 2, 32)
 data = [(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 256, (4, 33))) for _ in range(3)]
 """},
+    # A small llama's checkpoint, a way to build it on meta and a LoRA config, as the shared
+    # base's example assumes (the device: the emulated one).
+    "a checkpoint and a model on meta": {"python": """
+import tempfile
+import peft
+import torch
+import transformers
+import tierd.torch
+config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                  max_position_embeddings=64)
+torch.manual_seed(0)
+ckpt = tempfile.mkdtemp()
+transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+def build_on_meta():
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+lora_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+device = torch.device("cpu")
+"""},
     # A connected client, as the C++ examples on one call assume.
     "a client": {"cpp": """
 auto connected = tierd::Client::Connect({});

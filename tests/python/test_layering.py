@@ -19,7 +19,7 @@ LEVELS = [
     ["_storage", "_pretrained"],  # tensors over tierd memory; checkpoints in the HF layout
     ["_units", "activations", "_materialize"],  # units and chunks; activation offload; where
                                                 # a stream's weights come from
-    ["_trace"],                  # the recorded order, the daemon's schedule
+    ["_trace", "_base"],         # the recorded order, the daemon's schedule; a shared base
     ["_window"],                 # the device window
     ["_stream_hooks"],           # the hooks and the training state
     ["streaming"],               # ParameterStream, and StreamRange: the seam to the optimizer

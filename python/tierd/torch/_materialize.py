@@ -94,6 +94,12 @@ class Source:
     def check(self, streamed: List[torch.Tensor], resident: List[torch.Tensor]) -> None:
         """Raises, naming what is wrong, before anything is written."""
 
+    def identity(self) -> Dict[str, str]:
+        """Where the weights come from, as a shared base records and compares it: "weights" (the
+        model's own, compared by their contents), "checkpoint" (with its digest) or "init"
+        (made up: no base is made from it or opened with it)."""
+        return {"kind": "weights"}
+
     def unit_values(self, module: nn.Module, params: List[torch.Tensor]) -> Dict[int, Any]:
         """Each of the unit's parameters (by id) -> its weights, flat, on the CPU, or a
         function that writes them into the flat CPU tensor it is given (Units.lay_out)."""
@@ -226,6 +232,9 @@ class FromCheckpoint(Source):
                              f"parameter or saved buffer of the model ({len(unexpected)} such "
                              "keys)")
 
+    def identity(self) -> Dict[str, str]:
+        return {"kind": "checkpoint", "digest": self.checkpoint.digest()}
+
     def follow(self, made) -> None:
         super().follow(made)
         for old, new in made.items():
@@ -264,6 +273,9 @@ class FromInit(Source):
     def __init__(self, model: nn.Module, init: Optional[Init]):
         super().__init__(model)
         self.init = init
+
+    def identity(self) -> Dict[str, str]:
+        return {"kind": "init"}
 
     def _apply(self, module: nn.Module, whole: bool) -> None:
         with torch.no_grad():

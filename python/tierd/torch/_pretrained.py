@@ -9,6 +9,7 @@ key the index names is in its shard and no shard holds a key twice. The data is 
 pread straight into where it goes (a chunk's memory, when the dtype is the model's): no mapping
 of the file, so the process's memory holds no more of it than the tensor being converted.
 """
+import hashlib
 import json
 import os
 import re
@@ -123,6 +124,29 @@ class Checkpoint:
                 raise ValueError(f"{file}: the index puts {missing[0]!r} in this shard, which "
                                  f"does not hold it ({len(missing)} such keys)")
 
+    SAMPLE = 4096  # bytes of each end of every tensor that digest() reads
+
+    def digest(self) -> str:
+        """What identifies the checkpoint without reading all of it: a SHA-256 of each key's
+        shape, dtype, file name and byte range, and of the first and last SAMPLE bytes of its
+        data (a fine-tune of the same model differs there, as a rule)."""
+        h = hashlib.sha256()
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            h.update(json.dumps([key, list(e.shape), str(e.dtype), os.path.basename(e.file),
+                                 e.start, e.end]).encode())
+            fd = self._fd(e.file)
+            n = min(self.SAMPLE, e.end - e.start)
+            h.update(os.pread(fd, n, e.start))
+            h.update(os.pread(fd, n, e.end - n))
+        return h.hexdigest()
+
+    def _fd(self, file: str) -> int:
+        fd = self._open.get(file)
+        if fd is None:
+            fd = self._open[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
     def read(self, key: str) -> torch.Tensor:
         """The tensor under `key`, as stored (a CPU tensor of its own)."""
         e = self.entries[key]
@@ -140,9 +164,7 @@ class Checkpoint:
             out.copy_(self.read(key).reshape(-1))
 
     def _pread(self, e: Entry, key: str, out: torch.Tensor) -> None:
-        fd = self._open.get(e.file)
-        if fd is None:
-            fd = self._open[e.file] = os.open(e.file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._fd(e.file)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         if len(view) != e.end - e.start:
             raise ValueError(f"{e.file}: key {key!r} holds {e.end - e.start} bytes, not "

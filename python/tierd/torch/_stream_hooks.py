@@ -138,6 +138,7 @@ class StreamHooks:
             self.window.release_unused()
             self.state = TrainingState.IDLE
             self.window.trace.end_iteration()
+        self.units.check_frozen()
 
     def _recover(self) -> None:
         """After a backward that raised: nothing it fetched stays, its iteration is not traced."""

@@ -105,12 +105,13 @@ class Trace:
     def declare(self) -> None:
         """The trace as the daemon's schedule: step k of an iteration reads the current versions
         of the k-th unit the trace names, each range as the pair of its versions picked by its
-        version bit (a host-homed unit's step reads nothing: it stays held)."""
+        version bit, and its chunk of a shared base (what is at home in host memory is held and
+        not named)."""
         self._stale = False
-        nvme = [u for u in self.units if u.home == Tier.NVME]
+        nvme = [u for u in self.units if u.on_nvme()]
         if not nvme:
             return
-        ranges = [r for u in nvme for r in u.ranges]
+        ranges = [r for u in nvme if u.home == Tier.NVME for r in u.ranges if not r.in_base]
         self._paired = len(ranges) <= _abi.VERSION_BITS  # else the current chunks, as they are
         if self._paired:
             for bit, r in enumerate(ranges):
@@ -119,13 +120,16 @@ class Trace:
         steps = []
         for index in self.order:
             u = self.units[index]
-            if u.home != Tier.NVME:
-                steps.append([])
-            elif self._paired:
-                steps.append([(u.chunks.ids[0], Tier.HOST, Access.READ, u.chunks.ids[1],
-                               r.version_bit) for r in u.ranges])
-            else:
-                steps.append([(i, Tier.HOST, Access.READ) for i in u.current_chunks()])
+            step = []
+            if u.home == Tier.NVME and self._paired:
+                step = [(u.chunks.ids[0], Tier.HOST, Access.READ, u.chunks.ids[1], r.version_bit)
+                        for r in u.ranges if not r.in_base]
+            elif u.home == Tier.NVME:
+                step = [(u.chunk_id(v), Tier.HOST, Access.READ)
+                        for v in sorted({r.current for r in u.ranges if not r.in_base})]
+            if u.base is not None and u.base.home == Tier.NVME:  # never flipped: no pair
+                step.append((u.base.id, Tier.HOST, Access.READ))
+            steps.append(step)
         self.units.client.set_schedule(steps)
         self.declared = True
         self._cursor_base = 0

@@ -5,7 +5,8 @@ written). The window, the trace and the hooks build on this; it knows nothing of
 A unit's parameters are laid out as *ranges*: parameters of one dtype end to end, each range at an
 aligned offset in both versions of the unit's chunk, and at an element offset in the unit's device
 storage of its dtype. A range's `current` version holds its weights; the other receives the next
-step's (streaming.StreamRange flips it).
+step's (streaming.StreamRange flips it). A unit whose frozen parameters are in a shared base
+(_base.py) has ranges of a third kind: in the base's read-only chunk (version BASE), never flipped.
 """
 import contextlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -18,6 +19,7 @@ from ..client import Access, Acquisition, Client, Completion, Tier, TierdError
 from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, resize
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
+BASE = 2     # the "version" of a range in the unit's chunk of a shared base (0, 1: its own)
 
 
 def align(n: int) -> int:
@@ -45,6 +47,7 @@ class Range:
         self.version_bit = None  # the daemon's bit for `current`, once the schedule names it
         self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (Units.grad_chunk)
         self.retired = False    # the unit was laid out anew: this range is no more
+        self.in_base = False    # in the shared base's chunk (current is BASE, for good)
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +71,8 @@ class Unit:
         self.home = Tier.HOST
         self.held = None            # a host unit's acquisition of both versions, kept
         self.views: Dict[int, torch.Tensor] = {}  # version -> uint8 view of a held chunk
+        self.base = None            # its chunk of a shared base (_base.BaseChunk), if any
+        self.base_ranges: List[Range] = []  # its frozen parameters there
         self.refs = 0               # forward and backward passes using it now
         self.bwd_refs = 0           # of them, backward passes its inputs' gradients end
         self.recompute_refs = 0     # of them, recomputes in its backward (which may stop early)
@@ -81,9 +86,24 @@ class Unit:
     def device_bytes(self) -> int:
         return sum(r.numel * r.params[0].element_size() for r in self.ranges)
 
+    def chunk_id(self, version: int) -> int:
+        return self.base.id if version == BASE else self.chunks.ids[version]
+
+    def chunk_size(self, version: int) -> int:
+        return self.base.nbytes if version == BASE else self.chunk_bytes
+
+    def on_nvme(self) -> bool:
+        """Whether a chunk it reads is at home on NVMe (its own, or its part of a base)."""
+        return self.home == Tier.NVME or (self.base is not None and self.base.home == Tier.NVME)
+
+    def own_params(self) -> List[torch.Tensor]:
+        """Its parameters in its own chunks (not in a shared base)."""
+        inside = {id(p) for r in self.base_ranges for p in r.params}
+        return [p for p in self.params if id(p) not in inside]
+
     def current_chunks(self) -> List[int]:
         """The chunk ids of the versions its ranges read now."""
-        return sorted({self.chunks.ids[r.current] for r in self.ranges})
+        return sorted({self.chunk_id(r.current) for r in self.ranges})
 
 
 def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[Unit]:
@@ -168,6 +188,20 @@ class Units:
     def __getitem__(self, index: int) -> Unit:
         return self.all[index]
 
+    def check_frozen(self) -> None:
+        """Raises when a parameter of a shared base has a gradient (made trainable after the
+        stream was made): the base is read-only, and leaving it untrained would be a silent
+        difference."""
+        for u in self.all:
+            for r in u.base_ranges:
+                for p in r.params:
+                    if p.grad is not None:
+                        raise RuntimeError(
+                            f"stream_parameters: a parameter of unit {u.name!r} (shape "
+                            f"{tuple(p.shape)}) has a gradient, but it is in a shared base, "
+                            "which is read-only: keep it frozen (train adapters beside it), or "
+                            "stream without shared_base")
+
     def unit_of(self, p: torch.Tensor) -> Optional[Unit]:
         return self._unit_of.get(id(p))
 
@@ -176,14 +210,17 @@ class Units:
 
     # ---- chunks ----
 
-    def place(self, host_budget_bytes: Optional[int], has_nvme: bool) -> None:
-        """Each unit's chunks (two versions), at home on the host up to the budget."""
+    def place(self, host_budget_bytes: Optional[int], has_nvme: bool,
+              in_base: Optional[Dict[int, int]] = None) -> None:
+        """Each unit's chunks (two versions), at home on the host up to the budget, which
+        counts the bytes each unit (by index) has in a shared base being made (`in_base`; its
+        own parameters are those not in the base)."""
         self.has_nvme = has_nvme
         host_left = host_budget_bytes
         for u in self.all:
             u.chunk_bytes = sum(align(p.numel() * p.element_size() + p.element_size())
-                                for p in u.params) + ALIGN * len(STEPPED_DTYPES)
-            size = 2 * u.chunk_bytes
+                                for p in u.own_params()) + ALIGN * len(STEPPED_DTYPES)
+            size = 2 * u.chunk_bytes + (in_base or {}).get(u.index, 0)
             if host_left is None or size <= host_left or not has_nvme:
                 u.home = Tier.HOST
                 if host_left is not None:
@@ -200,10 +237,10 @@ class Units:
              ) -> Tuple[torch.Tensor, Optional[Acquisition]]:
         """A uint8 CPU view of version `version` of u's chunk, and the acquisition to release
         when done (None for a host unit, whose chunks stay held)."""
-        if u.home == Tier.HOST:
+        if version in u.views:
             return u.views[version], None
-        acq = self.client.acquire([u.chunks.ids[version]], Tier.HOST, access)
-        return as_tensor(acq, 0, torch.uint8, [u.chunk_bytes]), acq
+        acq = self.client.acquire([u.chunk_id(version)], Tier.HOST, access)
+        return as_tensor(acq, 0, torch.uint8, [u.chunk_size(version)]), acq
 
     @contextlib.contextmanager
     def holding(self, u: Unit, version: int, access: Access):
@@ -223,7 +260,7 @@ class Units:
     def weights(self, u: Unit) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Every parameter of u with a copy of its current weights (flat, on the CPU)."""
         out = []
-        for v in (0, 1):
+        for v in (0, 1, BASE):
             rs = [r for r in u.ranges if r.current == v]
             if not rs:
                 continue
@@ -238,9 +275,10 @@ class Units:
 
     def lay_out(self, u: Unit, groups: List[List[torch.Tensor]], extra_per_param: int,
                 values: Dict[int, torch.Tensor]) -> None:
-        """Lays u out as one range per (non-empty) list of parameters, each of one dtype, and
-        writes `values` (parameter id -> flat weights, or a function that writes them into the
-        flat tensor it is given) into version 0, current in every range.
+        """Lays u out as one range per (non-empty) list of its own parameters, each of one
+        dtype, and writes `values` (parameter id -> flat weights, or a function that writes them
+        into the flat tensor it is given) into version 0, current in every range; its ranges in
+        a shared base stay where they are, after them on the device.
         The old ranges are retired, their gradient chunks freed."""
         ranges = [Range(g, extra_per_param * len(g)) for g in groups if g]
         offset = 0
@@ -248,6 +286,7 @@ class Units:
         for r in ranges:
             r.offset = offset
             offset += align(r.nbytes)
+        for r in ranges + u.base_ranges:
             r.device_offset = device_offsets.get(r.dtype, 0)
             device_offsets[r.dtype] = r.device_offset + r.numel
         if offset > u.chunk_bytes:
@@ -255,14 +294,14 @@ class Units:
                              f"for this layout, it has {u.chunk_bytes}")
         self.drop_grads(u)
         for r in u.ranges:
-            r.retired = True
-        u.ranges = ranges
+            r.retired = not r.in_base
+        u.ranges = ranges + u.base_ranges
         u.flat = {d: torch.empty(n, dtype=d, device=self.device)
                   for d, n in device_offsets.items()}
         for f in u.flat.values():
             resize(f, 0)
         with self.holding(u, 0, Access.OVERWRITE) as view:
-            for r in u.ranges:
+            for r in ranges:
                 dst = self.range_view(view, r)
                 for i, p in enumerate(r.params):
                     v = values[id(p)]
@@ -336,6 +375,8 @@ class Units:
         """Frees u's chunks (its weights are to be read first)."""
         u.views = {}
         self.drop_grads(u)
+        if u.base is not None:
+            u.base.let_go()
         if u.held is not None:
             u.held.release_deferred()
         if u.chunks is not None:

@@ -94,7 +94,7 @@ class Window:
         for nxt in self.trace.upcoming(in_backward):
             if len(ahead) >= self.size:
                 break
-            if nxt.home == Tier.NVME and not nxt.materialized and nxt not in ahead:
+            if nxt.on_nvme() and not nxt.materialized and nxt not in ahead:
                 ahead.append(nxt)
         ahead = [x for x in ahead if not x.host_asked]
         if ahead:
@@ -127,14 +127,13 @@ class Window:
         self.add_resident(u.device_bytes)
         self._stats["fetches"] += 1
         self._stats["h2d_bytes"] += u.device_bytes
-        if u.home == Tier.NVME:
-            versions = sorted({r.current for r in u.ranges})
-            u.reading = self.units.client.acquire([u.chunks.ids[v] for v in versions], Tier.HOST,
+        views = dict(u.views)  # the chunks held in host memory for good
+        versions = sorted({r.current for r in u.ranges} - set(views))
+        if versions:  # at home on NVMe: held while the copy reads them
+            u.reading = self.units.client.acquire([u.chunk_id(v) for v in versions], Tier.HOST,
                                                   Access.READ)
-            views = {v: as_tensor(u.reading, k, torch.uint8, [u.chunk_bytes])
-                     for k, v in enumerate(versions)}
-        else:
-            views = u.views
+            for k, v in enumerate(versions):
+                views[v] = as_tensor(u.reading, k, torch.uint8, [u.chunk_size(v)])
         pairs = []
         for r in u.ranges:
             src = Units.range_view(views[r.current], r)[:r.numel]

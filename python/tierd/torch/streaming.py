@@ -35,6 +35,7 @@ from ..client import Access, Acquisition, Client, Tier, TierdError, connect
 from ._stream_hooks import StreamHooks, TrainingState
 from . import _pretrained
 from ._materialize import Init, placeholder, source_for, swap
+from ._base import SharedBase
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
 from ._window import Window
@@ -53,6 +54,11 @@ def stream_of(p: torch.Tensor) -> Optional["ParameterStream"]:
     return s
 
 
+def _in_base(s: "ParameterStream", p: torch.Tensor) -> bool:
+    u = s._units.unit_of(p)
+    return any(q is p for r in u.base_ranges for q in r.params)
+
+
 class ParameterStream:
     """The hooks and the chunks of stream_parameters(); see the module's text."""
 
@@ -61,7 +67,8 @@ class ParameterStream:
                  prefetch: int = 1, host_budget_bytes: Optional[int] = None,
                  name: Optional[str] = None, client: Optional[Client] = None,
                  socket_dir: Optional[str] = None, checkpoint: Optional[str] = None,
-                 init: Optional[Init] = None):
+                 init: Optional[Init] = None, shared_base: Optional[str] = None,
+                 share_with_group: Optional[int] = None, base_wait_s: float = 3600.0):
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, not {prefetch}")
@@ -75,6 +82,8 @@ class ParameterStream:
         self.window = self.prefetch + 2
         self.host_budget_bytes = host_budget_bytes
         self.name = name or type(model).__name__
+        self.shared_base = shared_base
+        self._base = None
         found = find_units(model, units)
         streamed = {id(p) for u in found for p in u.params}
         self._resident = _resident_tensors(model, streamed)
@@ -84,7 +93,8 @@ class ParameterStream:
         try:
             source.check([p for u in found for p in u.params], self._resident)
             self._materialize(source, found)
-            self._set_up(found, source, client, socket_dir, host_budget_bytes)
+            self._set_up(found, source, client, socket_dir, host_budget_bytes,
+                         (shared_base, share_with_group, base_wait_s))
         finally:
             source.close()
 
@@ -103,7 +113,7 @@ class ParameterStream:
             u.params = [made.get(id(p), p) for p in u.params]
 
     def _set_up(self, found: List[Unit], source, client: Optional[Client],
-                socket_dir: Optional[str], host_budget_bytes: Optional[int]) -> None:
+                socket_dir: Optional[str], host_budget_bytes: Optional[int], base) -> None:
         device = self.device
 
         self._own_client = client is None
@@ -119,13 +129,21 @@ class ParameterStream:
         self._window = Window(self._units, self._trace, device, self.prefetch, self._stats)
         self._hooks = StreamHooks(self._units, self._window)
         try:
-            self._units.place(host_budget_bytes, has_nvme)
+            name, group, wait_s = base
+            if name is not None:
+                self._base = SharedBase(self._client, name, self._units, source.names.of, group,
+                                        wait_s)
+            self._units.place(host_budget_bytes, has_nvme,
+                              self._base.bytes if self._base is not None else None)
+            if self._base is not None:
+                self._base.attach(source, {u.index: u.home for u in self._units})
             self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
             self.closed = False
             written = []
             for u in self._units:  # one unit's weights in the process at a time
-                self._units.lay_out(u, by_dtype(u.params), 1, source.unit_values(u.module,
-                                                                                 u.params))
+                own = u.own_params()
+                self._units.lay_out(u, by_dtype(own), 1, source.unit_values(u.module, own)
+                                    if own else {})
                 written.append(self._units.write_down(u))
             for w in written:
                 if w is not None:
@@ -168,8 +186,9 @@ class ParameterStream:
                                        "not during a forward or backward")
                 self._window.release(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
-                rest = by_dtype([p for p in u.params if id(p) not in taken])
-                values = {id(p): w for p, w in self._units.weights(u)}
+                rest = by_dtype([p for p in u.own_params() if id(p) not in taken])
+                own = {id(p) for p in u.own_params()}
+                values = {id(p): w for p, w in self._units.weights(u) if id(p) in own}
                 self._units.lay_out(u, groups + rest, 1, values)
                 written.append(self._units.write_down(u))
                 out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
@@ -270,6 +289,8 @@ class ParameterStream:
         if keep_weights is None:
             keep_weights = not getattr(self, "built_on_meta", False)
         if self.closed:
+            if getattr(self, "_base", None) is not None:  # a set-up that failed after opening it
+                self._base.release()
             if getattr(self, "_own_client", False) and getattr(self, "_client", None):
                 self._client.close()
                 self._client = None
@@ -291,6 +312,8 @@ class ParameterStream:
                     self._units.free(u)
                 except TierdError as e:
                     lost = lost or e
+            if self._base is not None:
+                self._base.release()
         finally:
             self.closed = True
             self._window.close()
@@ -475,7 +498,8 @@ def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
     the key a parameter group's index. Each unit with a parameter among them is laid out anew:
     one range per key and dtype of its parameters there (its other parameters after them);
     returns those ranges as (key, StreamRange), keys in descending order and within a key the
-    units in backward's order, and the parameters not streamed, as given. Between steps."""
+    units in backward's order, and the parameters not streamed, as given. Parameters of a
+    shared base are left out (frozen; refused when they require gradients). Between steps."""
     layouts: Dict[int, Dict[int, Dict[Tuple[Any, str], List[torch.Tensor]]]] = {}
     streams: Dict[int, ParameterStream] = {}
     plain = []
@@ -483,6 +507,12 @@ def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
         s = stream_of(p)
         if s is None:
             plain.append((key, p))
+            continue
+        if _in_base(s, p):  # read-only: never stepped, and never given state
+            if p.requires_grad:
+                raise ValueError(f"OffloadedAdamW: a parameter of shape {tuple(p.shape)} is in "
+                                 f"the shared base {s.shared_base!r}, which is read-only: keep "
+                                 "it frozen (requires_grad=False) and train adapters beside it")
             continue
         streams[id(s)] = s
         u = s._units.unit_of(p)
@@ -541,6 +571,12 @@ class _Gathered:
                 for r in u.ranges:
                     if not any(id(p) in changed for p in r.params):
                         continue
+                    if r.in_base:
+                        units.point(u)
+                        raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} "
+                                           "was changed inside gathered(), but it is in the "
+                                           f"shared base {s.shared_base!r}, which is read-only; "
+                                           "its weights stay as they were")
                     with units.holding(u, r.current, Access.WRITE) as view:
                         values = units.range_view(view, r)
                         for i, p in enumerate(r.params):
@@ -577,6 +613,15 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
         weights of each unit (materialised on a CPU staging copy) and of each module holding
         resident tensors (on `device`). Default: the model's own initialisation (transformers'
         _init_weights, else each module's reset_parameters()).
+    shared_base: the name of a shared base on the node ("llama-3-8b@main"): every streamed
+        parameter is frozen and read from one read-only copy that every job on the node opens
+        by this name; the first job makes it from its checkpoint (or the model's weights), the
+        others open it, and the daemon counts it once. Adapters added afterwards (peft) are the
+        job's own. A base of another layout or other weights under the name is refused.
+        (docs/streaming.md, "One copy per node")
+    share_with_group: a gid whose members may open the base too (one the daemon's base_groups
+        names); default: this user's jobs only.
+    base_wait_s: how long to wait for another job that is making the base.
     client, socket_dir: the daemon session (default: a session of its own).
     """
     return ParameterStream(model, units, device, device_budget_bytes, prefetch,

@@ -1,0 +1,333 @@
+"""One copy per node: a frozen base streamed from one read-only set of chunks that every job on the
+node opens by name (docs/streaming.md, "One copy per node").
+
+Each job is its own daemon session, as it is its own process in use; the kill and the other-user
+cases run real processes. Small configs, random initialisation, no download.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+
+from test_c_abi import daemon, start_daemon, stop_daemon  # noqa: F401 (daemon: a fixture)
+from test_pretrained import HYPER, on_meta, saved, stream, tokens
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import tierd.torch  # noqa: E402
+from tierd.client import Access, Tier, TierdError, connect  # noqa: E402
+from tierd._abi import Status  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def tierctl_json(daemon_dir, *args):  # noqa: F811
+    r = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon_dir}", "--json", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def tierd_bases(daemon_dir):  # noqa: F811
+    return tierctl_json(daemon_dir, "bases")
+
+
+def host_used(daemon_dir):  # noqa: F811
+    with connect(daemon_dir, "probe") as c:
+        return c.tier_usage(Tier.HOST).used_bytes
+
+
+class Job:
+    """One LoRA fine-tuning job: a llama built on meta, streamed from its checkpoint (or opening
+    the shared base), peft's adapters, OffloadedAdamW over them."""
+
+    def __init__(self, daemon_dir, ckpt, seed, **stream_options):  # noqa: F811
+        self.seed = seed
+        self.model = on_meta("llama")
+        self.stream = stream(self.model, daemon_dir, checkpoint=str(ckpt), **stream_options)
+        torch.manual_seed(seed)  # the adapters' initialisation
+        self.model = peft.get_peft_model(self.model, peft.LoraConfig(**LORA))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = tierd.torch.OffloadedAdamW(params, socket_dir=daemon_dir, **HYPER)
+        self.losses = []
+
+    def step(self, k):
+        x = tokens(100 * self.seed + k)
+        loss = self.model(input_ids=x, labels=x).loss
+        self.losses.append(loss.item())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def adapters(self):
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora" in k}
+
+    def close(self):
+        self.opt.close()
+        self.stream.close()
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_two_lora_jobs_on_one_shared_base_each_train_as_alone(daemon, tmp_path, home):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    budget = dict(host_budget_bytes=None if home == "host" else 0)
+    alone = {}
+    for seed in (1, 2):
+        job = Job(daemon, ckpt, seed, **budget)
+        for k in range(4):
+            job.step(k)
+        alone[seed] = (job.losses, job.adapters())
+        job.close()
+
+    before = host_used(daemon)
+    a = Job(daemon, ckpt, 1, shared_base=f"llama-test@{home}", **budget)
+    with_one = host_used(daemon) - before
+    b = Job(daemon, ckpt, 2, shared_base=f"llama-test@{home}", **budget)
+    with_two = host_used(daemon) - before
+    try:
+        listed = tierctl_json(daemon, "bases")
+        assert [x["name"] for x in listed] == [f"llama-test@{home}"]
+        assert len(listed[0]["holders"]) == 2 and listed[0]["sealed"]
+        base_bytes = listed[0]["bytes"]
+        if home == "host":  # the second job adds its own small chunks, not a second base
+            assert with_one >= base_bytes and with_two - with_one < base_bytes
+        for k in range(4):  # interleaved, as two jobs on one node run
+            a.step(k)
+            b.step(k)
+        for job in (a, b):
+            losses, adapters = alone[job.seed]
+            assert job.losses == losses
+            got = job.adapters()
+            assert all(torch.equal(got[k], adapters[k]) for k in adapters)
+    finally:
+        a.close()
+        b.close()
+    assert tierctl_json(daemon, "bases") == []  # gone with its last holder
+
+
+def test_the_base_is_read_only_for_a_job_that_opens_it(daemon, tmp_path):  # noqa: F811
+    """Another process that maps the base and writes to it faults; the bytes stay, the daemon
+    serves on."""
+    ckpt = saved(tmp_path, "llama")
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt), shared_base="ro@1")
+    try:
+        with s.gathered():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        script = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")!r})
+            from tierd.client import Access, Tier, TierdError, connect
+            from tierd._abi import Status
+            c = connect({daemon!r}, "scribbler")
+            base = c.open_base("ro@1")
+            try:
+                c.acquire(base.ids[:1], Tier.HOST, Access.WRITE)
+                print("write acquired")
+            except TierdError as e:
+                print("refused:", Status(e.code).name, flush=True)
+            held = c.acquire(base.ids[:1], Tier.HOST, Access.READ)
+            held.memoryview(0)[0] = 7  # mapped read-only: this faults
+            print("wrote")
+            """)
+        asan = os.environ.get("ASAN_OPTIONS", "")  # let the fault kill it under a sanitizer too
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, ASAN_OPTIONS=asan + ":handle_segv=0"))
+        assert "refused: PERMISSION_DENIED" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == -signal.SIGSEGV, r.stdout + r.stderr
+        with s.gathered():
+            after = dict(model.named_parameters())
+            assert all(torch.equal(after[n], before[n]) for n in before)
+        x = tokens(0)
+        with torch.no_grad():
+            model(input_ids=x)  # the stream still reads it
+        assert len(tierctl_json(daemon, "bases")[0]["holders"]) == 1  # the scribbler's went
+    finally:
+        s.close()
+
+
+def test_a_base_of_another_layout_or_other_weights_is_refused_and_left_as_it_is(
+        daemon, tmp_path):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    other = saved(tmp_path, "llama", name="fine-tuned", seed=1)  # the same layout, other weights
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt), shared_base="m@1")
+    try:
+        with s.gathered():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match="another model's layout"):
+            stream(transformers.AutoModelForCausalLM.from_config(
+                transformers.LlamaConfig(hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=128)),
+                daemon, shared_base="m@1")
+        with pytest.raises(ValueError, match="needs checkpoint="):
+            stream(on_meta("llama"), daemon, shared_base="m@1")
+        with pytest.raises(ValueError, match="not from this checkpoint"):
+            stream(on_meta("llama"), daemon, checkpoint=str(other), shared_base="m@1")
+        torch.manual_seed(5)
+        in_memory = transformers.AutoModelForCausalLM.from_config(model.config)
+        with pytest.raises(ValueError, match="other weights"):
+            stream(in_memory, daemon, shared_base="m@1")
+        # The same weights in memory, and a model on meta with the same checkpoint, open it.
+        same = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+        t = stream(same, daemon, shared_base="m@1")
+        u = stream(on_meta("llama"), daemon, checkpoint=str(ckpt), shared_base="m@1")
+        listed = tierctl_json(daemon, "bases")
+        assert len(listed) == 1 and len(listed[0]["holders"]) == 3
+        x = tokens(3)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x).logits, u.model(input_ids=x).logits)
+        t.close()
+        u.close()
+        with s.gathered():
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        s.close()
+    assert tierd_bases(daemon) == []
+
+
+def test_a_frozen_base_parameter_cannot_be_trained(daemon, tmp_path):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt), shared_base="frozen@1")
+    try:
+        streamed = [p for n, p in model.named_parameters() if ".layers." in n]
+        assert streamed and not any(p.requires_grad for p in streamed)
+        # Given to the optimizer frozen: left out, as torch leaves a parameter without gradient.
+        opt = tierd.torch.OffloadedAdamW(list(model.parameters()), socket_dir=daemon, **HYPER)
+        x = tokens(0)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.close()
+        streamed[0].requires_grad_(True)
+        with pytest.raises(ValueError, match="read-only"):
+            tierd.torch.OffloadedAdamW(streamed[:1], socket_dir=daemon, **HYPER)
+        with pytest.raises(RuntimeError, match="shared base"):
+            model(input_ids=x, labels=x).loss.backward()
+        streamed[0].requires_grad_(False)
+        streamed[0].grad = None
+        with pytest.raises(RuntimeError, match="read-only"):
+            with s.gathered():
+                with torch.no_grad():
+                    streamed[0].add_(1.0)
+        with s.gathered():  # left as it was
+            assert torch.isfinite(streamed[0]).all()
+    finally:
+        s.close()
+
+
+HOLDER = """
+import os, sys, time
+sys.path.insert(0, {python!r}); sys.path.insert(0, {tests!r})
+from test_pretrained import on_meta, stream
+s = stream(on_meta("llama"), {daemon!r}, checkpoint={ckpt!r}, shared_base="held@1")
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_job_lets_go_of_the_base_and_the_others_keep_it(daemon, tmp_path):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = HOLDER.format(python=os.path.join(here, "..", "..", "python"), tests=here,
+                           daemon=daemon, ckpt=str(ckpt))
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        model = on_meta("llama")
+        s = stream(model, daemon, checkpoint=str(ckpt), shared_base="held@1")
+        assert len(tierctl_json(daemon, "bases")[0]["holders"]) == 2
+        holder.kill()  # made it, and dies holding it
+        holder.wait(timeout=30)
+        listed = tierctl_json(daemon, "bases")
+        assert len(listed) == 1 and len(listed[0]["holders"]) == 1
+        x = tokens(1)
+        with torch.no_grad():
+            model(input_ids=x)
+        # Pinned, it outlives its last job.
+        subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "bases", "pin",
+                        "held@1"], check=True, capture_output=True)
+        s.close()
+        listed = tierctl_json(daemon, "bases")
+        assert listed[0]["pinned"] and listed[0]["holders"] == []
+        t = stream(on_meta("llama"), daemon, checkpoint=str(ckpt), shared_base="held@1")
+        t.close()
+        subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "bases", "unpin",
+                        "held@1"], check=True, capture_output=True)
+        assert tierctl_json(daemon, "bases") == []
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+OTHER_USER = """
+import sys
+sys.path.insert(0, {python!r})
+from tierd.client import Access, Tier, TierdError, connect
+from tierd._abi import Status
+c = connect({daemon!r}, "other user")
+for name in ("team@1", "private@1"):
+    try:
+        base = c.open_base(name)
+        with c.acquire(base.ids, Tier.HOST, Access.READ) as held:
+            print(name, "read", bytes(held.memoryview(0)[:4]).hex(), flush=True)
+    except TierdError as e:
+        print(name, Status(e.code).name, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another user")
+def test_another_user_opens_a_base_only_when_it_is_shared_with_a_group_it_is_in():
+    group = 4242  # a gid nobody else uses; the daemon takes it by number
+    root = tempfile.mkdtemp(prefix="tierd-bases-")
+    os.chmod(root, 0o755)  # the other user reaches the sockets inside
+    proc = start_daemon(root, f"--socket_group={group}", f"--base_groups={group}")
+    try:
+        os.chown(root, 0, 0)
+        with connect(root, "maker") as c:
+            for name, shared in (("team@1", group), ("private@1", None)):
+                base = c.open_base(name, [4096], [Tier.HOST], b"d", shared)
+                with c.acquire(base.ids, Tier.HOST, Access.OVERWRITE) as held:
+                    held.memoryview(0)[:4] = b"\x01\x02\x03\x04"
+                c.seal_base(name)
+            # The package and library where the other user can read them (a checkout or the
+            # virtual environment may be in root's home); the system's interpreter runs them.
+            kit = os.path.join(root, "kit")
+            here = os.path.dirname(os.path.abspath(__file__))
+            package = os.path.join(here, "..", "..", "python", "tierd")
+            os.makedirs(os.path.join(kit, "tierd"))
+            for f in ("__init__.py", "_abi.py", "client.py"):
+                shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
+            lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
+            for d, _, files in os.walk(kit):
+                os.chmod(d, 0o755)
+                for f in files:
+                    os.chmod(os.path.join(d, f), 0o755)
+            script = OTHER_USER.format(python=kit, daemon=root)
+
+            def as_nobody():
+                os.setgroups([])
+                os.setgid(group)
+                os.setuid(65534)
+            r = subprocess.run([getattr(sys, "_base_executable", sys.executable), "-c", script],
+                               capture_output=True, text=True, timeout=60, preexec_fn=as_nobody,
+                               env=dict(os.environ, TIERD_CLIENT_LIB=lib))
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert "team@1 read 01020304" in r.stdout, r.stdout
+            assert "private@1 PERMISSION_DENIED" in r.stdout, r.stdout
+            with pytest.raises(TierdError) as refused:  # a group the operator did not name
+                c.open_base("other-group@1", [4096], [Tier.HOST], b"d", 4343)
+            assert refused.value.code == Status.PERMISSION_DENIED
+    finally:
+        stop_daemon(proc, root)
+        shutil.rmtree(root, ignore_errors=True)
