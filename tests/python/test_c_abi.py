@@ -13,7 +13,8 @@ import pytest
 
 from tierd_abi import (ACCESS_OVERWRITE, ACCESS_READ, ACCESS_WRITE, FAILED_PRECONDITION,  # noqa: F401
                        INVALID_ARGUMENT, NOT_FOUND, OK, RESOURCE_EXHAUSTED, TIER_DEVICE, TIER_HOST,
-                       TIER_NVME, Completion, SessionStats, TierUsage, load_library)
+                       TIER_NVME, BaseCreate, BaseInfo, Completion, SessionStats, TierUsage,
+                       load_library)
 
 
 def ids_array(values):
@@ -336,3 +337,28 @@ def test_bandwidth_weight_within_the_daemons_limit(lib, client):
     assert lib.tierd_set_bandwidth_weight(client, 0) == INVALID_ARGUMENT
     assert b"between 1 and 16" in lib.tierd_last_error()
     assert lib.tierd_set_bandwidth_weight(None, 1) == INVALID_ARGUMENT
+
+
+def test_shared_base_calls_refuse_bad_arguments_and_change_nothing(lib, client):
+    base, info = ctypes.c_void_p(), BaseInfo()
+    sizes, homes = (ctypes.c_uint64 * 1)(4096), (ctypes.c_int * 1)(TIER_HOST)
+    assert lib.tierd_base_open(None, b"b", None, ctypes.byref(base), ctypes.byref(info)) == \
+        INVALID_ARGUMENT
+    assert lib.tierd_base_open(client, None, None, ctypes.byref(base), ctypes.byref(info)) == \
+        INVALID_ARGUMENT
+    no_sizes = BaseCreate(1, None, homes, None, 0, 0, 0)
+    assert lib.tierd_base_open(client, b"b", ctypes.byref(no_sizes), ctypes.byref(base),
+                               ctypes.byref(info)) == INVALID_ARGUMENT
+    no_descriptor = BaseCreate(1, sizes, homes, None, 5, 0, 0)
+    assert lib.tierd_base_open(client, b"b", ctypes.byref(no_descriptor), ctypes.byref(base),
+                               ctypes.byref(info)) == INVALID_ARGUMENT
+    bad_name = BaseCreate(1, sizes, homes, None, 0, 0, 0)
+    assert lib.tierd_base_open(client, b"a//b", ctypes.byref(bad_name), ctypes.byref(base),
+                               ctypes.byref(info)) == INVALID_ARGUMENT
+    assert lib.tierd_base_open(client, b"b", None, ctypes.byref(base), ctypes.byref(info)) == \
+        NOT_FOUND
+    assert lib.tierd_base_seal(client, b"b", None, 3) == INVALID_ARGUMENT
+    assert lib.tierd_base_seal(client, b"b", None, 0) == NOT_FOUND
+    assert lib.tierd_base_release(None, b"b") == INVALID_ARGUMENT
+    assert lib.tierd_base_pin(client, b"b", 1) == NOT_FOUND
+    lib.tierd_base_free(None)  # nothing to free
