@@ -620,6 +620,7 @@ tierd_status tierd_base_open(tierd_client* client, const char* name,
       }
       spec.descriptor.assign(static_cast<const char*>(create->descriptor), create->descriptor_len);
       if (create->share_with_group) spec.share_with_group = create->group;
+      spec.job_writable = create->job_writable != 0;
     }
     absl::StatusOr<tierd::OpenedBase> opened =
         client->client->OpenBase(name, create != nullptr ? &spec : nullptr);

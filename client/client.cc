@@ -859,6 +859,7 @@ absl::StatusOr<OpenedBase> Client::OpenBase(const std::string& name, const BaseC
       req.set_share_with_group(true);
       req.set_group(*create->share_with_group);
     }
+    req.set_job_writable(create->job_writable);
   }
   pb::OpenBaseResponse resp;
   if (absl::Status s = impl_->Call(&pb::Tierd::Stub::OpenBase, req, &resp, "OpenBase"); !s.ok()) {
@@ -912,6 +913,7 @@ absl::StatusOr<std::vector<BaseStatus>> Client::ListBases() {
     if (b.shared_with_group()) s.group = b.group();
     s.sealed = b.sealed();
     s.pinned = b.pinned();
+    s.job = b.job();
     s.chunks = b.chunks();
     s.bytes = b.bytes();
     for (const pb::TierSpace& r : b.resident()) {

@@ -191,6 +191,7 @@ class Tierctl {
                       {"creator_uid", b.creator_uid},
                       {"group", b.group ? Json(*b.group) : Json()},
                       {"sealed", b.sealed},
+                      {"job", b.job.empty() ? Json() : Json(b.job)},
                       {"pinned", b.pinned},
                       {"chunks", b.chunks},
                       {"bytes", b.bytes},
@@ -202,11 +203,14 @@ class Tierctl {
   }
 
   static void PrintBases(const std::vector<BaseStatus>& bases) {
-    std::printf("%-28s %7s %7s %-8s %7s %12s %12s %12s  %s\n", "SHARED BASE", "CREATOR", "GROUP",
-                "STATE", "CHUNKS", "BYTES", "IN HOST", "ON NVME", "HOLDERS");
+    std::printf("%-28s %7s %-16s %-8s %7s %12s %12s %12s  %s\n", "SHARED BASE", "CREATOR",
+                "SHARED WITH", "STATE", "CHUNKS", "BYTES", "IN HOST", "ON NVME", "HOLDERS");
     for (const BaseStatus& b : bases) {
-      std::printf("%-28s %7u %7s %-8s %7llu %12s %12s %12s  %s\n", b.name.c_str(), b.creator_uid,
-                  b.group ? absl::StrCat(*b.group).c_str() : "-",
+      const std::string with = !b.job.empty() ? absl::StrCat("job ", b.job)
+                               : b.group      ? absl::StrCat("group ", *b.group)
+                                              : "-";
+      std::printf("%-28s %7u %-16s %-8s %7llu %12s %12s %12s  %s\n", b.name.c_str(), b.creator_uid,
+                  with.c_str(),
                   !b.sealed  ? "loading"
                   : b.pinned ? "pinned"
                              : "sealed",

@@ -283,6 +283,7 @@ class TierdService final : public pb::Tierd::Service {
       }
       create->descriptor = req->contents();
       if (req->share_with_group()) create->group = req->group();
+      create->job_writable = req->job_writable();
     }
     absl::StatusOr<OpenedBase> base =
         deps_.chunks->OpenBase(**session, req->name(), create ? &*create : nullptr);
@@ -331,6 +332,7 @@ class TierdService final : public pb::Tierd::Service {
       out->set_shared_with_group(b.group.has_value());
       out->set_group(b.group.value_or(0));
       out->set_sealed(b.sealed);
+      out->set_job(b.job);
       out->set_pinned(b.pinned);
       out->set_chunks(b.chunks);
       out->set_bytes(b.bytes);

@@ -234,6 +234,7 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   conn.session = (*session)->id;
+  conn.opened = *session;
   reply.uid = conn.peer.uid;
   reply.session_id = (*session)->id;
   CopyString(reply.token_hex, (*session)->TokenHex());
@@ -280,7 +281,7 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   if (const uint32_t owner = pool->OwnerOf(request.segment);
       !fd.ok() && pool == host_ && owner >= kFirstBaseOwner && owner != kNoTenant) {
     // A shared base's segment: for the sessions holding the base, read-only once it is sealed.
-    absl::StatusOr<bool> writable = chunks_->MayMapBaseSegment(conn.session, owner);
+    absl::StatusOr<bool> writable = chunks_->MayMapBaseSegment(*conn.opened, owner);
     fd = writable.ok() ? pool->SegmentFd(request.segment, owner, &info, !*writable)
                        : absl::StatusOr<UniqueFd>(writable.status());
   }

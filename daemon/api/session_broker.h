@@ -37,6 +37,7 @@ class SessionBroker {
     UniqueFd fd;
     PeerCredentials peer;
     SessionId session = 0;
+    std::shared_ptr<Session> opened;  // the session, once hello opened it
   };
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,

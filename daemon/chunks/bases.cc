@@ -55,8 +55,13 @@ const Base* BaseRegistry::FindBySegmentOwner(uint32_t owner) const {
 }
 
 absl::StatusOr<Base*> BaseRegistry::Create(absl::string_view name, const Session& loader,
-                                           std::optional<uint32_t> group, std::string descriptor) {
+                                           std::optional<uint32_t> group, std::string descriptor,
+                                           bool job_writable) {
   if (absl::Status s = ValidateBaseName(name); !s.ok()) return s;
+  if (job_writable && (loader.job.empty() || group.has_value())) {
+    return absl::InvalidArgumentError(
+        "a base its job writes needs a session that declared its job, and no group");
+  }
   if (descriptor.size() > kMaxBaseDescriptorBytes) {
     return absl::InvalidArgumentError(absl::StrCat("a base's descriptor is at most ",
                                                    kMaxBaseDescriptorBytes, " bytes, not ",
@@ -98,6 +103,7 @@ absl::StatusOr<Base*> BaseRegistry::Create(absl::string_view name, const Session
   base->shared_with_group = group.has_value();
   base->group = group.value_or(0);
   base->loader = loader.id;
+  if (job_writable) base->job = loader.job;
   base->descriptor = std::move(descriptor);
   base->holders.insert(loader.id);
   Base* out = base.get();
@@ -114,8 +120,16 @@ void BaseRegistry::Erase(BaseId id) {
 }
 
 bool BaseRegistry::MayOpen(const Base& base, const Session& session) const {
-  if (session.peer.uid == base.creator || IsOperator(session)) return true;
+  if (IsOperator(session)) return true;
+  if (!base.job.empty()) return session.peer.uid == base.creator && session.job == base.job;
+  if (session.peer.uid == base.creator) return true;
   return base.shared_with_group && InGroup(session.peer, base.group);
+}
+
+bool BaseRegistry::MayWrite(const Base& base, SessionId session, uint32_t uid,
+                            absl::string_view job) {
+  if (!base.sealed) return base.loader == session;
+  return !base.job.empty() && uid == base.creator && job == base.job;
 }
 
 std::vector<BaseId> BaseRegistry::HeldBy(SessionId session) const {

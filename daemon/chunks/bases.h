@@ -39,6 +39,7 @@ struct Base {
   uint32_t creator = 0;  // uid, charged for the base's space
   uint32_t group = 0;    // with `shared_with_group`: members may open it
   bool shared_with_group = false;
+  std::string job;       // job_writable: the job whose sessions write it; else empty
   SessionId loader = 0;  // the session filling it; 0 once sealed
   bool sealed = false;
   bool pinned = false;     // kept without a holder (tierctl base pin)
@@ -54,6 +55,10 @@ struct BaseRequest {
   std::vector<TierKind> homes;
   std::optional<uint32_t> group;
   std::string descriptor;
+  // The ranks of one job share one set of weights they all step: once sealed, the base stays
+  // writable by the sessions of its creator's user that declared the creator's job, and only
+  // they (and operators, read-only) open it. Needs a job.
+  bool job_writable = false;
 };
 
 // A base as a session that opened it sees it.
@@ -74,6 +79,7 @@ struct BaseStatus {
   uint32_t creator = 0;
   std::optional<uint32_t> group;
   bool sealed = false, pinned = false;
+  std::string job;  // a base its job writes
   uint64_t chunks = 0, bytes = 0;
   TierArray<uint64_t> resident_bytes{};
   std::vector<std::string> holders;  // the sessions holding it, described
@@ -100,13 +106,20 @@ class BaseRegistry {
   // when the user holds kMaxBasesPerUser bases or the daemon has made every base id it can;
   // PERMISSION_DENIED for a group the operator did not name, or one the creator is not in (an
   // operator shares with any group the operator named).
+  // With `job_writable`, the base is its loader's job's (Base::job): INVALID_ARGUMENT when the
+  // loader declared none, or with a group too.
   absl::StatusOr<Base*> Create(absl::string_view name, const Session& loader,
-                               std::optional<uint32_t> group, std::string descriptor);
+                               std::optional<uint32_t> group, std::string descriptor,
+                               bool job_writable = false);
   void Erase(BaseId id);
 
   // Whether the session may open the base: its creator's uid, an operator, or a member of the
-  // group it is shared with (a group the operator named).
+  // group it is shared with (a group the operator named); a job's base: an operator, or a
+  // session of its creator's user in its job.
   bool MayOpen(const Base& base, const Session& session) const;
+  // Whether the session writes the base: its loader before sealing; a job's base, a session of
+  // its creator's user in its job.
+  static bool MayWrite(const Base& base, SessionId session, uint32_t uid, absl::string_view job);
   // The bases the session holds, or loads.
   std::vector<BaseId> HeldBy(SessionId session) const;
   // Every base, by name.

@@ -281,7 +281,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     if (!chunks.ok()) return chunks.status();
     for (const ChunkMeta* chunk : *chunks) {
       if (chunk->base == 0) continue;
-      if (absl::Status s = CheckBaseUse(*chunk, tier, access); !s.ok()) return s;
+      if (absl::Status s = CheckBaseUse(session, *chunk, tier, access); !s.ok()) return s;
     }
     all_ready = true;
     for (const ChunkMeta* chunk : *chunks) {
@@ -396,7 +396,7 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
     if (chunk->base != 0) {
-      if (absl::Status s = CheckBaseUse(*chunk, tier, std::nullopt); !s.ok()) return s;
+      if (absl::Status s = CheckBaseUse(session, *chunk, tier, std::nullopt); !s.ok()) return s;
     }
     if (chunk->resident.contains(tier) || chunk->state == ChunkState::kMoving) continue;
     if (absl::Status s = mover_.CheckFetchable(*chunk, tier); !s.ok()) return s;

@@ -127,7 +127,7 @@ class ChunkService : private Mover::Listener {
   // For the session socket: whether the session may map a segment of `owner` (a base's segments,
   // kFirstBaseOwner up), and whether for writing (the loader, before sealing). PERMISSION_DENIED
   // when it holds no such base.
-  absl::StatusOr<bool> MayMapBaseSegment(SessionId session, uint32_t owner) const;
+  absl::StatusOr<bool> MayMapBaseSegment(const Session& session, uint32_t owner) const;
   // The operator's groups that bases may be shared with (daemon.base_groups).
   void set_base_groups(std::vector<uint32_t> gids) {
     absl::MutexLock lock(&mu_);
@@ -210,7 +210,7 @@ class ChunkService : private Mover::Listener {
   // REQUIRES: no move of the chunk is in flight (see Retire).
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why the session cannot use the base chunk as `access` in `tier` (OK when it may).
-  absl::Status CheckBaseUse(const ChunkMeta& chunk, TierKind tier,
+  absl::Status CheckBaseUse(const Session& session, const ChunkMeta& chunk, TierKind tier,
                             std::optional<Access> access) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `session` lets go of the base; it goes (its chunks retired) when that was its loader before
   // sealing, or the last hold of an unpinned base.

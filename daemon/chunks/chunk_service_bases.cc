@@ -92,7 +92,8 @@ absl::StatusOr<OpenedBase> ChunkService::OpenBase(const Session& session, absl::
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("OpenBase: ", s.message()));
   }
-  absl::StatusOr<Base*> made = bases_.Create(name, session, create->group, create->descriptor);
+  absl::StatusOr<Base*> made =
+      bases_.Create(name, session, create->group, create->descriptor, create->job_writable);
   if (!made.ok()) return made.status();
   Base& base = **made;
   const SpaceOwner owner{uid, SegmentOwnerOfBase(base.id)};
@@ -153,7 +154,7 @@ absl::Status ChunkService::SealBase(const Session& session, absl::string_view na
         absl::StrCat("only the session loading the shared base '", name, "' seals it"));
   }
   for (ChunkId id : base->chunks) {
-    if (chunks_.at(id).writers > 0) {
+    if (base->job.empty() && chunks_.at(id).writers > 0) {  // a job's base: written on
       return absl::FailedPreconditionError(
           absl::StrCat("SealBase: chunk ", id, " of the shared base '", name,
                        "' is still acquired for writing; release it first"));
@@ -239,6 +240,7 @@ std::vector<BaseStatus> ChunkService::ListBases(const Session& session) const {
     if (base->shared_with_group) s.group = base->group;
     s.sealed = base->sealed;
     s.pinned = base->pinned;
+    s.job = base->job;
     s.chunks = base->chunks.size();
     s.descriptor_bytes = base->descriptor.size();
     for (ChunkId id : base->chunks) {
@@ -257,18 +259,18 @@ std::vector<BaseStatus> ChunkService::ListBases(const Session& session) const {
   return out;
 }
 
-absl::StatusOr<bool> ChunkService::MayMapBaseSegment(SessionId session, uint32_t owner) const {
+absl::StatusOr<bool> ChunkService::MayMapBaseSegment(const Session& session, uint32_t owner) const {
   absl::MutexLock lock(&mu_);
   const Base* base = bases_.FindBySegmentOwner(owner);
-  if (base == nullptr || !base->holders.contains(session)) {
+  if (base == nullptr || !base->holders.contains(session.id)) {
     return absl::PermissionDeniedError(
         "the segment holds a shared base this session has not opened");
   }
-  return !base->sealed && base->loader == session;
+  return BaseRegistry::MayWrite(*base, session.id, session.peer.uid, session.job);
 }
 
-absl::Status ChunkService::CheckBaseUse(const ChunkMeta& chunk, TierKind tier,
-                                        std::optional<Access> access) const {
+absl::Status ChunkService::CheckBaseUse(const Session& session, const ChunkMeta& chunk,
+                                        TierKind tier, std::optional<Access> access) const {
   const Base* base = bases_.Find(chunk.base);
   if (base == nullptr) return absl::OkStatus();  // its base went: the chunk is being retired
   if (tier == TierKind::kDevice) {
@@ -276,9 +278,12 @@ absl::Status ChunkService::CheckBaseUse(const ChunkMeta& chunk, TierKind tier,
         "chunk ", chunk.id, " belongs to the shared base '", base->name,
         "', whose chunks stay in the host and NVMe tiers (copy them to the device yourself)"));
   }
-  if (access && Writes(*access) && base->sealed) {
+  if (access && Writes(*access) &&
+      !BaseRegistry::MayWrite(*base, session.id, session.peer.uid, session.job)) {
     return absl::PermissionDeniedError(absl::StrCat(
-        "chunk ", chunk.id, " belongs to the shared base '", base->name, "', which is read-only"));
+        "chunk ", chunk.id, " belongs to the shared base '", base->name, "', which is ",
+        base->job.empty() ? std::string("read-only")
+                          : absl::StrCat("written by the sessions of job '", base->job, "' only")));
   }
   return absl::OkStatus();
 }

@@ -106,10 +106,9 @@ TEST_F(ChunkServiceBasesTest, ItsChunksAreNotTheChunksOfThoseWithoutAHold) {
   EXPECT_TRUE(absl::IsPermissionDenied(
       service_->Acquire(*bob_, made.chunks, TierKind::kHost, Access::kRead).status()));
   EXPECT_TRUE(absl::IsPermissionDenied(
-      service_->MayMapBaseSegment(bob_->id, SegmentOwnerOfBase(made.id)).status()));
+      service_->MayMapBaseSegment(*bob_, SegmentOwnerOfBase(made.id)).status()));
   ASSERT_TRUE(service_->OpenBase(*bob_, "llama@1", nullptr).ok());
-  absl::StatusOr<bool> writable =
-      service_->MayMapBaseSegment(bob_->id, SegmentOwnerOfBase(made.id));
+  absl::StatusOr<bool> writable = service_->MayMapBaseSegment(*bob_, SegmentOwnerOfBase(made.id));
   ASSERT_TRUE(writable.ok());
   EXPECT_FALSE(*writable);
 }
@@ -243,6 +242,53 @@ TEST_F(ChunkServiceBasesTest, ItsSegmentsHoldNothingElse) {
   EXPECT_NE(base->locations[0].segment, mine->locations[0].segment);
   EXPECT_EQ(pool_->OwnerOf(base->locations[0].segment), SegmentOwnerOfBase(made.id));
   EXPECT_EQ(pool_->OwnerOf(mine->locations[0].segment), kAlice);
+}
+
+TEST_F(ChunkServiceBasesTest, AJobsRanksWriteTheirBaseAndNobodyElseDoes) {
+  std::shared_ptr<Session> rank0 = *sessions_.Open({kAlice, kAlice, 11}, "rank0", "run-7");
+  std::shared_ptr<Session> rank1 = *sessions_.Open({kAlice, kAlice, 12}, "rank1", "run-7");
+  std::shared_ptr<Session> other_job = *sessions_.Open({kAlice, kAlice, 13}, "x", "run-8");
+  std::shared_ptr<Session> other_user = *sessions_.Open({kBob, kBob, 14}, "y", "run-7");
+  BaseRequest r = Request({4096, 4096});
+  r.job_writable = true;
+  absl::StatusOr<OpenedBase> made = service_->OpenBase(*rank0, "ranks/llama", &r);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_TRUE(service_->SealBase(*rank0, "ranks/llama").ok());
+  absl::StatusOr<OpenedBase> opened = service_->OpenBase(*rank1, "ranks/llama", nullptr);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  for (const auto& rank : {rank0, rank1}) {  // both write it, and map it writable
+    absl::StatusOr<AcquireResult> w =
+        service_->Acquire(*rank, made->chunks, TierKind::kHost, Access::kWrite);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE(service_->Release(*rank, made->chunks).ok());
+    absl::StatusOr<bool> writable =
+        service_->MayMapBaseSegment(*rank, SegmentOwnerOfBase(opened->id));
+    ASSERT_TRUE(writable.ok());
+    EXPECT_TRUE(*writable);
+  }
+  // Another job of the same user and the same job's name under another user: not theirs.
+  EXPECT_TRUE(
+      absl::IsPermissionDenied(service_->OpenBase(*other_job, "ranks/llama", nullptr).status()));
+  EXPECT_TRUE(
+      absl::IsPermissionDenied(service_->OpenBase(*other_user, "ranks/llama", nullptr).status()));
+  // An operator reads it, and does not write it.
+  std::shared_ptr<Session> root = *sessions_.Open({0, 0, 15}, "root");
+  ASSERT_TRUE(service_->OpenBase(*root, "ranks/llama", nullptr).ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      service_->Acquire(*root, made->chunks, TierKind::kHost, Access::kWrite).status()));
+  // It goes with the job's last session.
+  service_->CloseSession(*root);
+  service_->CloseSession(*rank0);
+  EXPECT_EQ(service_->chunk_count(), 2u);
+  service_->CloseSession(*rank1);
+  EXPECT_EQ(service_->chunk_count(), 0u);
+}
+
+TEST_F(ChunkServiceBasesTest, ABaseItsJobWritesNeedsAJob) {
+  BaseRequest r = Request({4096});
+  r.job_writable = true;
+  EXPECT_TRUE(absl::IsInvalidArgument(service_->OpenBase(*alice_, "ranks/x", &r).status()));
+  EXPECT_EQ(service_->chunk_count(), 0u);
 }
 
 TEST(SessionRegistryBasesTest, UidsInTheBasesRangeAreRefused) {

@@ -59,7 +59,7 @@ class BaseCreate(ctypes.Structure):
     _fields_ = [("n_chunks", ctypes.c_size_t), ("sizes", ctypes.POINTER(ctypes.c_uint64)),
                 ("homes", ctypes.POINTER(ctypes.c_int)), ("descriptor", ctypes.c_char_p),
                 ("descriptor_len", ctypes.c_size_t), ("share_with_group", ctypes.c_int),
-                ("group", ctypes.c_uint32)]
+                ("group", ctypes.c_uint32), ("job_writable", ctypes.c_int)]
 
 
 class BaseInfo(ctypes.Structure):

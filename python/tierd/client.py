@@ -322,11 +322,12 @@ class Client:
 
     def open_base(self, name: str, sizes: Optional[Sequence[int]] = None,
                   homes: Optional[Sequence[Tier]] = None, descriptor: bytes = b"",
-                  group: Optional[int] = None) -> OpenedBase:
+                  group: Optional[int] = None, job_writable: bool = False) -> OpenedBase:
         """Opens the node's shared base `name`, held until release_base() or the session's end.
         With `sizes` (and each chunk's home), makes it when there is none: then `created` is true
         and this session writes the chunks and calls seal_base(). `group`: a gid whose members may
-        open it too (one the daemon's base_groups names, and this user's). TierdError
+        open it too (one the daemon's base_groups names, and this user's). `job_writable`: a
+        base the sessions of this session's job (its ranks) open and write. TierdError
         ALREADY_EXISTS when it exists with other chunks or descriptor, UNAVAILABLE while another
         session loads it, PERMISSION_DENIED when it is not shared with this user."""
         create = None
@@ -335,7 +336,8 @@ class Client:
             homes = [int(h) for h in (homes if homes is not None else [Tier.HOST] * len(sizes))]
             create = _abi.BaseCreate(len(sizes), (ctypes.c_uint64 * len(sizes))(*sizes),
                                      (ctypes.c_int * len(homes))(*homes), bytes(descriptor),
-                                     len(descriptor), int(group is not None), int(group or 0))
+                                     len(descriptor), int(group is not None), int(group or 0),
+                                     int(job_writable))
         handle = ctypes.c_void_p()
         info = _abi.BaseInfo()
         check(library().tierd_base_open(self._handle, name.encode(),

@@ -216,7 +216,7 @@ tierd_status tierd_set_bandwidth_weight(tierd_client* client, uint32_t weight);
 
 /* What to make when the base does not exist: its chunks (size, home tier: host or NVMe), the
  * loader's descriptor of their contents, and a group (a gid the daemon's base_groups names) whose
- * members may open it too. */
+ * members may open it too; or, job_writable, a base the ranks of this session's job write. */
 typedef struct tierd_base_create {
   size_t n_chunks;
   const uint64_t* sizes;
@@ -225,6 +225,7 @@ typedef struct tierd_base_create {
   size_t descriptor_len;
   int share_with_group;
   uint32_t group;
+  int job_writable;
 } tierd_base_create;
 
 /* A base as opened: its pointers stay valid until tierd_base_free(handle). */

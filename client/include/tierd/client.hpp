@@ -226,6 +226,8 @@ struct BaseCreate {
   std::vector<BaseChunkSpec> chunks;
   std::string descriptor;  // what the chunks hold, as the loader says (compared byte for byte)
   std::optional<uint32_t> share_with_group;  // a gid the operator named in daemon.base_groups
+  // The ranks of this session's job write it (their shared weights); needs a declared job.
+  bool job_writable = false;
 };
 struct OpenedBase {
   bool created = false;  // this session made it: write the chunks, then SealBase
@@ -239,6 +241,7 @@ struct BaseStatus {
   uint32_t creator_uid = 0;
   std::optional<uint32_t> group;
   bool sealed = false, pinned = false;
+  std::string job;  // a base its job's ranks write: the job
   uint64_t chunks = 0, bytes = 0;
   uint64_t host_bytes = 0, nvme_bytes = 0;  // with a copy in each tier
   std::vector<std::string> holders;
