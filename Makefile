@@ -69,6 +69,7 @@ bench: build
 	$(PYTHON) bench/checkpoint.py --build $(BUILD)
 	$(PYTHON) bench/pretrained.py --build $(BUILD)
 	$(PYTHON) bench/shared_base.py --build $(BUILD)
+	$(PYTHON) bench/rank_stream.py --build $(BUILD)
 
 # The GPU kit (gpu-kit/tierd-gpu-kit.tar.gz): the CUDA build's daemon, client, tests and benches
 # with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).

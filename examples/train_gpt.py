@@ -167,6 +167,9 @@ def main():
                     help="device bytes for the model's weights and gradients when streaming "
                     "(e.g. 8MiB; default: the least that works)")
     ap.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead when streaming")
+    ap.add_argument("--share-ranks", action="store_true",
+                    help="with several ranks streaming: the ranks on a node stream one set of "
+                    "weights (stream_parameters(share_ranks=True))")
     ap.add_argument("--weights-host-budget", type=size, default=None,
                     help="host bytes for the streamed weights; the rest at home on NVMe")
     ap.add_argument("--seed", type=int, default=1)
@@ -212,7 +215,8 @@ def main():
             stream = tierd.torch.stream_parameters(
                 model, device=device, device_budget_bytes=args.device_budget or least,
                 prefetch=args.prefetch, host_budget_bytes=args.weights_host_budget,
-                name=f"{args.name} rank {rank}", socket_dir=args.socket_dir)
+                name=args.name if args.share_ranks else f"{args.name} rank {rank}",
+                socket_dir=args.socket_dir, share_ranks=args.share_ranks)
         except (ValueError, tierd.TierdError) as e:
             print(f"train_gpt: {e}", file=sys.stderr)
             return 2

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,13 +22,15 @@ ROOT = os.path.join(HERE, "..", "..")
 STEPS = 30
 
 
-def torchrun(*args, timeout=300):
-    """Two ranks on this node (python3 -m tierd.torchrun: torchrun that also runs where torch
-    1.13's own fails on Python 3.11)."""
+def torchrun(*args, timeout=300, ranks=2, check=True):
+    """Ranks on this node (python3 -m tierd.torchrun: torchrun that also runs where torch
+    1.13's own fails on Python 3.11). With check, their output; else the finished process."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "tierd.torchrun", "--standalone",
-                        "--nproc_per_node=2", *args], capture_output=True, text=True,
+                        f"--nproc_per_node={ranks}", *args], capture_output=True, text=True,
                        timeout=timeout, env=env)
+    if not check:
+        return r
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
@@ -162,3 +165,73 @@ def test_two_ranks_each_streaming_their_model_train_as_two_ranks_in_memory(daemo
         runs[streamed] = (torchrun(example, *small, *flags, "--name", f"pytest/gpt-s{streamed}",
                                    "--save", out), torch.load(out))
     assert_streamed_trains_as_in_memory(runs)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_streaming_one_copy_train_as_ranks_streaming_a_copy_each(daemon, tmp_path, ranks):  # noqa: F811,E501
+    """share_ranks: the ranks on the node stream one set of weights, each bucket's owner stepping
+    it into the shared next version: the same losses, final weights and optimizer state as each
+    rank streaming its own copy, bit for bit (clipping that triggers, buckets stepped during
+    backward), with the node holding the weights once."""
+    example = os.path.join(ROOT, "examples", "train_gpt.py")
+    small = ["--socket-dir", daemon, "--layers", "3", "--d-model", "64", "--ctx", "32",
+             "--steps", "6", "--warmup", "2", "--batch", "8", "--fresh", "--max-grad-norm", "0.5",
+             "--activations", "memory", "--stream-parameters", "--prefetch", "0"]
+    runs = {}
+    for shared in (False, True):
+        flags = ["--share-ranks"] if shared else []
+        out = str(tmp_path / f"shared-{shared}.pt")
+        runs[shared] = (torchrun(example, *small, *flags, "--name", f"pytest/gpt-r{ranks}{shared}",
+                                 "--save", out, ranks=ranks), torch.load(out))
+    assert f"{ranks} ranks" in runs[True][0]
+    assert losses_of(runs[True][0]) == losses_of(runs[False][0])
+    for k, v in runs[False][1]["model"].items():
+        assert torch.equal(runs[True][1]["model"][k], v), k
+    for k, v in runs[False][1]["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(runs[True][1]["optimizer"]["state"][k][key], v[key]), (k, key)
+
+
+def test_the_ranks_share_one_base_that_goes_with_the_job(daemon, tmp_path):  # noqa: F811
+    script = os.path.join(HERE, "share_ranks_rank.py")
+    out = str(tmp_path / "shared.pt")
+    torchrun(script, daemon, out, ranks=2)
+    got = torch.load(out)
+    assert [b["name"] for b in got["bases"]] == ["ranks/pytest_shared-gpt"], got["bases"]
+    base = got["bases"][0]
+    assert base["job"] == "pytest-share-ranks" and len(base["holders"]) == 2
+    blocks = sum(v.numel() * v.element_size() for k, v in got["weights"].items()
+                 if k.startswith("blocks."))
+    assert 2 * blocks <= base["bytes"] < 2 * blocks + (64 << 10)  # two versions, once a node
+    assert base["host_bytes"] == base["bytes"]
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    listed = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "--json",
+                             "bases"], check=True, capture_output=True, text=True).stdout
+    assert listed.strip() == "[]"  # gone with the job's last session
+
+
+def test_a_rank_with_another_model_makes_every_rank_fail_naming_it(daemon, tmp_path):  # noqa: F811
+    script = os.path.join(HERE, "share_ranks_rank.py")
+    r = torchrun(script, daemon, str(tmp_path / "x.pt"), "--layers-of-rank", "1:2", ranks=2,
+                 check=False)
+    assert r.returncode != 0
+    text = r.stdout + r.stderr
+    assert "another model's layout" in text, text
+    assert "rank 1 on" in text, text  # rank 0's error names it
+    listed = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "--json",
+                             "bases"], check=True, capture_output=True, text=True).stdout
+    assert listed.strip() == "[]"
+
+
+def test_a_rank_killed_mid_step_fails_the_job_in_seconds_and_leaves_nothing(daemon, tmp_path):  # noqa: F811,E501
+    script = os.path.join(HERE, "share_ranks_rank.py")
+    started = time.monotonic()
+    r = torchrun(script, daemon, str(tmp_path / "x.pt"), "--die-at-step", "2", "--steps", "6",
+                 ranks=2, check=False)
+    assert r.returncode != 0
+    assert time.monotonic() - started < 60
+    text = r.stdout + r.stderr
+    assert re.search(r"rank\s*:\s*1", text) or "rank 1" in text, text
+    listed = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "--json",
+                             "bases"], check=True, capture_output=True, text=True).stdout
+    assert listed.strip() == "[]"

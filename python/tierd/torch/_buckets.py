@@ -106,6 +106,15 @@ class Bucket:
     def bind(self) -> None:
         """Makes `out` writable for this step's new weights (always, here)."""
 
+    @property
+    def shared(self) -> bool:
+        """Whether the ranks on the node share its weights (a rank-shared stream's range): its
+        owner writes the next version, the others only learn which parameters it stepped."""
+        return False
+
+    def finish_next(self, flags: List[int]) -> None:
+        """A shared bucket's owner, before the others learn its flags: its next version whole."""
+
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
         for i, values in self.slices(self.out):
@@ -253,8 +262,9 @@ def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[An
             if b.flags[i] == _TAKE:
                 values.copy_(b.weight(i))
     if comm is not None:
-        for b in active:  # every bucket's new weights arrive into its `out`
-            b.bind()
+        for b in active:  # every bucket's new weights arrive into its `out` (a shared one's are
+            if b.owner == comm.rank or not b.shared:  # in its owner's, the ranks' own)
+                b.bind()
         new = comm.broadcast_weights(active, stepped)
     else:
         new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
@@ -363,10 +373,20 @@ class StreamBucket(Bucket):
             self.out_ext = self.range.next_version()
             self.out = self.out_ext[:self.numel]
 
+    @property
+    def shared(self) -> bool:
+        return self.range.shared
+
+    def finish_next(self, flags: List[int]) -> None:
+        self.range.complete([bool(f & _STEP) for f in flags])
+
     def publish(self, flags: List[int]) -> None:
         """The next version becomes current: the new weights where stepped, the current ones
-        copied across elsewhere."""
-        self.range.publish([bool(f & _STEP) for f in flags])
+        copied across elsewhere (a shared bucket's owner did that in finish_next())."""
+        if self.shared:
+            self.range.flip()
+        else:
+            self.range.publish([bool(f & _STEP) for f in flags])
         for i in range(len(flags)):
             if flags[i]:
                 self.remember(i)

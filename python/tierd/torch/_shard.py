@@ -157,20 +157,27 @@ class Comm:
     def broadcast_weights(self, buckets, stepped) -> List:
         """Every bucket's new weights (its `out` buffer, with the flags its owner stepped each
         parameter with) from its owner to every rank; returns (bucket, flags) of the buckets whose
-        owner stepped them."""
-        works = []
+        owner stepped them. A bucket the node's ranks share (b.shared) sends its flags alone:
+        its owner wrote the shared next version, made whole before the flags leave, so every
+        rank may flip it once they arrive."""
+        works, messages = [], []
         for b in buckets:
+            message = b.out_ext[b.numel:] if not b.shared else torch.zeros(len(b.sizes))
             if b.owner == self.rank:
                 launched = any(b is s for s in stepped)
-                b.out_ext[b.numel:] = torch.tensor(
-                    [float(b.flags[i]) if launched else 0.0 for i in range(len(b.sizes))])
-            works.append(dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
+                flags = [b.flags[i] if launched else 0 for i in range(len(b.sizes))]
+                if b.shared and any(flags):
+                    b.finish_next(flags)
+                message.copy_(torch.tensor([float(f) for f in flags]))
+            messages.append(message)
+            works.append(dist.broadcast(b.out_ext if not b.shared else message,
+                                        src=_global_rank(self.group, b.owner),
                                         group=self.group, async_op=True))
         for w in works:
             w.wait()
         out = []
-        for b in buckets:
-            flags = [int(x) for x in b.out_ext[b.numel:].tolist()]
+        for b, message in zip(buckets, messages):
+            flags = [int(x) for x in message.tolist()]
             if any(flags):
                 out.append((b, flags))
         return out
@@ -179,7 +186,7 @@ class Comm:
         """Every bucket's parameters as its owner has them (after a resume, or when the ranks
         began from different weights)."""
         for b in buckets:
-            if b.numel == 0:
+            if b.numel == 0 or b.shared:  # the ranks of the node read the same weights
                 continue
             flat = torch.cat([b.weight(i) for i in range(len(b.sizes))])
             dist.broadcast(flat, src=_global_rank(self.group, b.owner), group=self.group)

@@ -211,10 +211,11 @@ class Units:
     # ---- chunks ----
 
     def place(self, host_budget_bytes: Optional[int], has_nvme: bool,
-              in_base: Optional[Dict[int, int]] = None) -> None:
+              in_base: Optional[Dict[int, int]] = None, allocate: bool = True) -> None:
         """Each unit's chunks (two versions), at home on the host up to the budget, which
         counts the bytes each unit (by index) has in a shared base being made (`in_base`; its
-        own parameters are those not in the base)."""
+        own parameters are those not in the base). Without `allocate`, only their sizes and
+        homes (the chunks are the ranks' shared ones: _ranks.py)."""
         self.has_nvme = has_nvme
         host_left = host_budget_bytes
         for u in self.all:
@@ -227,6 +228,8 @@ class Units:
                     host_left -= min(size, host_left)
             else:
                 u.home = Tier.NVME
+            if not allocate:
+                continue
             u.chunks = self.client.allocate([u.chunk_bytes, u.chunk_bytes], u.home)
             if u.home == Tier.HOST:
                 u.held = self.client.acquire(u.chunks, Tier.HOST, Access.WRITE)
@@ -274,11 +277,12 @@ class Units:
     # ---- layout ----
 
     def lay_out(self, u: Unit, groups: List[List[torch.Tensor]], extra_per_param: int,
-                values: Dict[int, torch.Tensor]) -> None:
+                values: Dict[int, torch.Tensor], write: bool = True) -> None:
         """Lays u out as one range per (non-empty) list of its own parameters, each of one
         dtype, and writes `values` (parameter id -> flat weights, or a function that writes them
         into the flat tensor it is given) into version 0, current in every range; its ranges in
-        a shared base stay where they are, after them on the device.
+        a shared base stay where they are, after them on the device. Without `write`, the layout
+        only (another rank of the node writes the chunks they share).
         The old ranges are retired, their gradient chunks freed."""
         ranges = [Range(g, extra_per_param * len(g)) for g in groups if g]
         offset = 0
@@ -300,6 +304,9 @@ class Units:
                   for d, n in device_offsets.items()}
         for f in u.flat.values():
             resize(f, 0)
+        if not write:
+            self.point(u)
+            return
         with self.holding(u, 0, Access.OVERWRITE) as view:
             for r in ranges:
                 dst = self.range_view(view, r)

@@ -36,6 +36,7 @@ from ._stream_hooks import StreamHooks, TrainingState
 from . import _pretrained
 from ._materialize import Init, placeholder, source_for, swap
 from ._base import SharedBase
+from ._ranks import RankWeights
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
 from ._window import Window
@@ -68,7 +69,8 @@ class ParameterStream:
                  name: Optional[str] = None, client: Optional[Client] = None,
                  socket_dir: Optional[str] = None, checkpoint: Optional[str] = None,
                  init: Optional[Init] = None, shared_base: Optional[str] = None,
-                 share_with_group: Optional[int] = None, base_wait_s: float = 3600.0):
+                 share_with_group: Optional[int] = None, base_wait_s: float = 3600.0,
+                 share_ranks: bool = False):
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, not {prefetch}")
@@ -84,6 +86,10 @@ class ParameterStream:
         self.name = name or type(model).__name__
         self.shared_base = shared_base
         self._base = None
+        self._ranks = None
+        if share_ranks and shared_base is not None:
+            raise ValueError("stream_parameters: shared_base (a frozen base, read-only) and "
+                             "share_ranks (the ranks' weights, trained) do not go together")
         found = find_units(model, units)
         streamed = {id(p) for u in found for p in u.params}
         self._resident = _resident_tensors(model, streamed)
@@ -94,7 +100,7 @@ class ParameterStream:
             source.check([p for u in found for p in u.params], self._resident)
             self._materialize(source, found)
             self._set_up(found, source, client, socket_dir, host_budget_bytes,
-                         (shared_base, share_with_group, base_wait_s))
+                         (shared_base, share_with_group, base_wait_s), share_ranks)
         finally:
             source.close()
 
@@ -113,7 +119,8 @@ class ParameterStream:
             u.params = [made.get(id(p), p) for p in u.params]
 
     def _set_up(self, found: List[Unit], source, client: Optional[Client],
-                socket_dir: Optional[str], host_budget_bytes: Optional[int], base) -> None:
+                socket_dir: Optional[str], host_budget_bytes: Optional[int], base,
+                share_ranks: bool) -> None:
         device = self.device
 
         self._own_client = client is None
@@ -133,21 +140,19 @@ class ParameterStream:
             if name is not None:
                 self._base = SharedBase(self._client, name, self._units, source.names.of, group,
                                         wait_s)
+            if share_ranks:
+                self._ranks = RankWeights(self._client, self.name, self._units, source.names.of)
             self._units.place(host_budget_bytes, has_nvme,
-                              self._base.bytes if self._base is not None else None)
+                              self._base.bytes if self._base is not None else None,
+                              allocate=self._ranks is None)
             if self._base is not None:
                 self._base.attach(source, {u.index: u.home for u in self._units})
             self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
             self.closed = False
-            written = []
-            for u in self._units:  # one unit's weights in the process at a time
-                own = u.own_params()
-                self._units.lay_out(u, by_dtype(own), 1, source.unit_values(u.module, own)
-                                    if own else {})
-                written.append(self._units.write_down(u))
-            for w in written:
-                if w is not None:
-                    w.wait()
+            if self._ranks is None:
+                self._lay_out_all(source, write=True)
+            else:
+                self._lay_out_ranks(source)
             for u in self._units:
                 for p in u.params:
                     _STREAMED[id(p)] = self
@@ -155,6 +160,42 @@ class ParameterStream:
         except BaseException:
             self.close()
             raise
+
+    def _lay_out_all(self, source, write: bool) -> None:
+        """Every unit laid out, its weights written from `source` (one unit's in the process at
+        a time) and an NVMe unit's written down; without `write`, the layout only."""
+        written = []
+        for u in self._units:
+            own = u.own_params()
+            values = source.unit_values(u.module, own) if own and write else {}
+            self._units.lay_out(u, by_dtype(own), 1, values, write=write)
+            if write:
+                written.append(self._units.write_down(u))
+        for w in written:
+            if w is not None:
+                w.wait()
+
+    def _lay_out_ranks(self, source) -> None:
+        """The node's first rank makes the ranks' base and writes the weights, then the others
+        open it; a rank that fails makes every rank fail, naming it (_ranks.py)."""
+        ranks = self._ranks
+        error = None
+        if ranks.leader:
+            try:
+                ranks.make()
+                self._lay_out_all(source, write=True)
+                ranks.seal()
+            except Exception as e:  # noqa: BLE001 (every rank learns of it)
+                error = e
+        ranks.agree(error)
+        error = None
+        if not ranks.leader:
+            try:
+                ranks.open()
+                self._lay_out_all(source, write=False)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        ranks.agree(error)
 
     def _check_budget(self, units: List[Unit]) -> None:
         resident = sum(t.numel() * t.element_size() for t in self._resident)
@@ -187,15 +228,20 @@ class ParameterStream:
                 self._window.release(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
                 rest = by_dtype([p for p in u.own_params() if id(p) not in taken])
+                write = self._ranks is None or self._ranks.leader
                 own = {id(p) for p in u.own_params()}
-                values = {id(p): w for p, w in self._units.weights(u) if id(p) in own}
-                self._units.lay_out(u, groups + rest, 1, values)
-                written.append(self._units.write_down(u))
+                values = {id(p): w for p, w in self._units.weights(u) if id(p) in own} \
+                    if write else {}
+                self._units.lay_out(u, groups + rest, 1, values, write=write)
+                if write:
+                    written.append(self._units.write_down(u))
                 out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
             self._trace.laid_out()
         for w in written:
             if w is not None:
                 w.wait()
+        if self._ranks is not None:  # the node's first rank has moved the weights
+            self._ranks.barrier()
         return out
 
     def _flipped(self, u: Unit, r: Range) -> None:
@@ -291,6 +337,8 @@ class ParameterStream:
         if self.closed:
             if getattr(self, "_base", None) is not None:  # a set-up that failed after opening it
                 self._base.release()
+            if getattr(self, "_ranks", None) is not None:
+                self._ranks.release()
             if getattr(self, "_own_client", False) and getattr(self, "_client", None):
                 self._client.close()
                 self._client = None
@@ -314,6 +362,8 @@ class ParameterStream:
                     lost = lost or e
             if self._base is not None:
                 self._base.release()
+            if self._ranks is not None:
+                self._ranks.release()
         finally:
             self.closed = True
             self._window.close()
@@ -383,6 +433,13 @@ class StreamRange:
         self._grads_aside = False
 
     @property
+    def shared(self) -> bool:
+        """Whether every rank of the job shares the range's chunks (share_ranks, one node): its
+        next version is its owner's to write, and every rank flips it."""
+        ranks = self._stream._ranks
+        return ranks is not None and ranks.whole_job_here
+
+    @property
     def pages(self) -> bool:
         """Whether the range's unit is at home on NVMe: what it holds during a step is worth
         giving back as soon as the step is done with it (set_aside, set_gradients_aside)."""
@@ -431,6 +488,11 @@ class StreamRange:
     def publish(self, stepped: Sequence[bool]) -> None:
         """The next version becomes current: the new weights where `stepped`, the current ones
         copied across elsewhere (only then is the next version held again)."""
+        self.complete(stepped)
+        self.flip()
+
+    def complete(self, stepped: Sequence[bool]) -> None:
+        """The next version made whole: the current weights copied across where not `stepped`."""
         r = self._check()
         if not all(stepped):
             out = self.next_version()
@@ -438,6 +500,10 @@ class StreamRange:
             for i in range(len(stepped)):
                 if not stepped[i]:
                     r.slice(out, i).copy_(r.slice(now, i))
+
+    def flip(self) -> None:
+        """The next version (complete) becomes current."""
+        r = self._check()
         r.current = 1 - r.current
         self.discard()
         self._stream._flipped(self._unit, r)
@@ -613,6 +679,12 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
         weights of each unit (materialised on a CPU staging copy) and of each module holding
         resident tensors (on `device`). Default: the model's own initialisation (transformers'
         _init_weights, else each module's reset_parameters()).
+    share_ranks: with torch.distributed initialised, the job's ranks on each node stream one set
+        of weights (each unit's two versions) instead of one each: the node's first rank writes
+        them, OffloadedAdamW (sharded over the ranks) has each bucket's owner step it into the
+        shared next version, and every rank flips it at the same point of the step. Needs the
+        same `name` on every rank and the sessions' job declared ($TIERD_JOB).
+        (docs/streaming.md, "A job's ranks on one node")
     shared_base: the name of a shared base on the node ("llama-3-8b@main"): every streamed
         parameter is frozen and read from one read-only copy that every job on the node opens
         by this name; the first job makes it from its checkpoint (or the model's weights), the

@@ -1,0 +1,135 @@
+"""A data-parallel job's ranks on one node streaming one set of weights (share_ranks=True) beside
+each rank streaming its own copy: the daemon's host-tier bytes while they train, and the step.
+
+For 1, 2 and 4 ranks (torchrun on this node, gloo) and each way on a fresh daemon: the example's
+GPT (its blocks streamed, the optimizer sharded over the ranks, ZeRO-1), a few steps of the same
+global batch; rank 0 reports the host tier's bytes once every rank is set up and the median step,
+and the final loss (the same both ways).
+
+    python3 bench/rank_stream.py [--ranks 1,2,4] [--layers 8 --d-model 512]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)
+
+
+def arguments():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--host-capacity", default="4GiB")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("TIERD_CLIENT_LIB",
+                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    return args
+
+
+def rank(args):
+    """One rank under torchrun."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from train_gpt import GPT
+    import tierd.torch
+    from tierd.client import Tier, connect
+    os.environ["TIERD_JOB"] = "bench-rank-stream"
+    dist.init_process_group("gloo")
+    r, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    model = GPT(args.layers, args.d_model, 8, args.ctx)
+    stream = tierd.torch.stream_parameters(
+        model, device=torch.device("cpu"), device_budget_bytes=1 << 30, prefetch=1,
+        name="bench/gpt" if args.share else f"bench/gpt-{r}", socket_dir=args.child,
+        share_ranks=args.share)
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=1e-3, socket_dir=args.child,
+                                     overlap_backward=True, threads=1, home="host",
+                                     name=f"bench/gpt-state-{args.share}", reset=True)
+    dist.barrier()
+    with connect(args.child, "bench probe") as c:
+        host = c.tier_usage(Tier.HOST).used_bytes
+    g = torch.Generator().manual_seed(7)
+    times, losses = [], []
+    for _ in range(args.steps):
+        x = torch.randint(0, 256, (args.batch, args.ctx + 1), generator=g)
+        xs = x.chunk(world)[r]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(xs[:, :-1], xs[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    if r == 0:
+        with open(args.out, "w") as f:
+            json.dump({"host_bytes": host, "step_s": statistics.median(times[1:]),
+                       "losses": losses}, f)
+    opt.close()
+    stream.close()
+    dist.destroy_process_group()
+
+
+def run(args, ranks, share):
+    import benchlib
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme="4GiB") as sock:
+        out = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, "-m", "tierd.torchrun", "--standalone", f"--nproc_per_node={ranks}",
+               os.path.abspath(__file__), "--child", sock, "--out", out,
+               "--layers", str(args.layers), "--d-model", str(args.d_model), "--ctx",
+               str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
+        if share:
+            cmd.append("--share")
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            sys.exit(r.stdout[-3000:] + r.stderr[-3000:])
+        with open(out) as f:
+            got = json.load(f)
+        os.unlink(out)
+        return got
+
+
+def main():
+    args = arguments()
+    if args.child is not None:
+        return rank(args)
+    mib = 1 << 20
+    rows = []
+    for ranks in [int(x) for x in args.ranks.split(",")]:
+        own = run(args, ranks, False)
+        one = run(args, ranks, True)
+        rows.append((ranks, own, one))
+        print(json.dumps({"ranks": ranks, "own": own, "shared": one}))
+    print(f"GPT of {args.layers} blocks, d_model {args.d_model} (fp32), the batch of "
+          f"{args.batch} sequences split over the ranks:")
+    for ranks, own, one in rows:
+        ratio = one["host_bytes"] / own["host_bytes"]
+        print(f"  {ranks} rank(s): host tier  own copies {own['host_bytes'] / mib:7.1f} MiB   "
+              f"shared {one['host_bytes'] / mib:7.1f} MiB  ({ratio:.2f} x)   median step  own "
+              f"{own['step_s'] * 1e3:5.0f} ms   shared {one['step_s'] * 1e3:5.0f} ms  "
+              f"({one['step_s'] / own['step_s']:.2f} x)   losses the same: "
+              f"{own['losses'] == one['losses']}")
+
+
+if __name__ == "__main__":
+    main()

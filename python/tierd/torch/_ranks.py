@@ -1,0 +1,153 @@
+"""One set of weights for a job's ranks on a node (docs/streaming.md, "A job's ranks on one node").
+
+stream_parameters(..., share_ranks=True), torch.distributed initialised on every rank: the ranks
+of the job on one node (one daemon) stream one set of weight chunks, each unit's two versions,
+instead of one set each. They sit in a shared base that the job's sessions write (the daemon's
+job-writable base, named after the stream): the node's first rank makes it and writes the
+weights, the others open it, every rank of the node maps the same memory. OffloadedAdamW sharded
+over the ranks (ZeRO-1) has each bucket's owner step it into the shared next version and tells
+the other ranks only which parameters it stepped; every rank flips the version at that
+collective, so the node's copy is the last complete step's whatever fails after it.
+
+The sessions must declare the job ($TIERD_JOB, the same on every rank): the daemon lets only the
+job's sessions of the same user open and write the base, and frees it when the last one ends.
+"""
+import json
+import re
+import socket
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .._abi import Status
+from ..client import Access, Client, Tier, TierdError
+from ._base import canonical
+from ._storage import as_tensor
+from ._units import Units
+
+FORMAT = "tierd.ranks/1"
+
+
+class SharedIds:
+    """A unit's two version chunks in the job's base: the chunk ids, freed with the base."""
+
+    def __init__(self, ids: List[int]):
+        self.ids = ids
+
+    def free_deferred(self) -> None:
+        pass  # the base's: it goes with its last holder
+
+
+class RankWeights:
+    """The job's base on this node: who makes it (the node's first rank), made or opened."""
+
+    def __init__(self, client: Client, name: str, units: Units, names: Dict[int, List[str]]):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("stream_parameters: share_ranks=True needs torch.distributed "
+                             "initialised on every rank")
+        self.client = client
+        self.name = "ranks/" + re.sub(r"[^A-Za-z0-9._\-@:]", "_", name)
+        self.units = units
+        self.group = dist.new_group(backend="gloo")  # every rank makes it, at the same point
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        hosts = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        local = [r for r in range(self.world) if hosts[r] == hosts[self.rank]]
+        self.leader = local[0] == self.rank
+        self.local = len(local)
+        # Every rank of the job on this node: a step's new weights need not travel at all (on
+        # several nodes, each node's copy receives them through torch.distributed).
+        self.whole_job_here = self.local == self.world
+        self.held = False
+        self.descriptor = json.dumps({
+            "format": FORMAT, "world": self.world, "ranks_on_node": self.local,
+            "units": [{"unit": u.name, "bytes": u.chunk_bytes,
+                       "params": [[canonical(names[id(p)][0]), str(p.dtype), list(p.shape)]
+                                  for p in u.params]} for u in units]}, sort_keys=True)
+
+    def make(self) -> None:
+        """The node's first rank: makes the base (each unit's two versions, at home where
+        Units.place put them) and gives the units its chunks, to be written and sealed."""
+        sizes, homes = [], []
+        for u in self.units:
+            sizes += [u.chunk_bytes, u.chunk_bytes]
+            homes += [u.home, u.home]
+        try:
+            opened = self.client.open_base(self.name, sizes, homes, self.descriptor.encode(),
+                                           job_writable=True)
+        except TierdError as e:
+            if e.code == Status.INVALID_ARGUMENT and "job" in str(e):
+                raise ValueError("stream_parameters: share_ranks=True needs the ranks' sessions "
+                                 "to declare their job: set TIERD_JOB, the same on every rank "
+                                 f"({e})") from None
+            if e.code == Status.ALREADY_EXISTS:
+                raise ValueError(f"stream_parameters: a base named {self.name!r} is in use on "
+                                 "this node (another job, or a run of this one with another "
+                                 "model or number of ranks): give the stream another name=")
+            raise
+        self.held = True
+        if not opened.created:
+            raise ValueError(f"stream_parameters: the ranks' base {self.name!r} exists already "
+                             "(a job of this name runs on this node): give the stream another "
+                             "name=")
+        self._take(opened)
+
+    def seal(self) -> None:
+        self.client.seal_base(self.name)
+
+    def open(self, wait_s: float = 600.0) -> None:
+        """The node's other ranks, once its first rank sealed the base: open it and check that
+        it is this job's model on as many ranks."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                opened = self.client.open_base(self.name)
+                break
+            except TierdError as e:
+                if e.code != Status.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.held = True
+        if opened.descriptor != self.descriptor.encode():
+            theirs = json.loads(opened.descriptor.decode())
+            what = (f"{theirs.get('world')} ranks, here {self.world}"
+                    if theirs.get("world") != self.world else "another model's layout")
+            raise ValueError(f"stream_parameters: the ranks' base {self.name!r} was made for "
+                             f"{what}: every rank of the job streams the same model")
+        self._take(opened)
+
+    def _take(self, opened) -> None:
+        for k, u in enumerate(self.units):
+            ids = opened.ids[2 * k:2 * k + 2]
+            u.home = opened.homes[2 * k]
+            u.chunks = SharedIds(ids)
+            if u.home == Tier.HOST:
+                u.held = self.client.acquire(ids, Tier.HOST, Access.WRITE)
+                for v in (0, 1):
+                    u.views[v] = as_tensor(u.held, v, torch.uint8, [u.chunk_bytes])
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def agree(self, error) -> None:
+        """Raises on every rank when one failed to make or open the base (its own error on the
+        failed rank, an error naming it on the others), so that no rank goes on alone."""
+        mine = None if error is None else f"rank {self.rank} on {socket.gethostname()}: {error}"
+        outcomes = [None] * self.world
+        dist.all_gather_object(outcomes, mine, group=self.group)
+        if error is not None:
+            raise error
+        failed = [o for o in outcomes if o is not None]
+        if failed:
+            raise RuntimeError("stream_parameters: the ranks' weights could not be set up: " +
+                               "; ".join(failed))
+
+    def release(self) -> None:
+        if self.held and not self.client.closed:
+            self.held = False
+            try:
+                self.client.release_base(self.name)
+            except TierdError:
+                pass
