@@ -3,9 +3,13 @@ streamed with share_ranks=True (every rank on this node streams one set of weigh
 with OffloadedAdamW sharded over the ranks.
 
     share_ranks_rank.py SOCKET_DIR OUT [--layers-of-rank R:N] [--die-at-step K] [--steps N]
+                        [--own] [--accumulate N] [--poison-step K]
 
 --layers-of-rank R:N: rank R builds N blocks (another model's layout: refused on every rank).
 --die-at-step K: rank 1 kills itself (SIGKILL) in step K, after its backward.
+--own: each rank streams its own copy instead (the reference).
+--accumulate N: N micro-batches a step. --poison-step K: rank 1's loss is not finite in step K,
+which every rank skips (skip_nonfinite).
 Rank 0 writes the losses, the host tier's bytes while every rank streamed, and the bases the
 daemon listed then, to OUT.
 """
@@ -34,6 +38,9 @@ def main():
     ap.add_argument("--layers-of-rank", default=None)
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--own", action="store_true")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--poison-step", type=int, default=None)
     args = ap.parse_args()
     os.environ["TIERD_JOB"] = "pytest-share-ranks"
     dist.init_process_group("gloo")
@@ -46,11 +53,15 @@ def main():
     model = GPT(layers, 64, 2, 32)
     stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
                                            device_budget_bytes=8 << 20, prefetch=0,
-                                           host_budget_bytes=None, name="pytest/shared-gpt",
-                                           socket_dir=args.socket_dir, share_ranks=True)
+                                           host_budget_bytes=None,
+                                           name=f"pytest/own-gpt-{rank}" if args.own
+                                           else "pytest/shared-gpt",
+                                           socket_dir=args.socket_dir, share_ranks=not args.own)
     opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=2e-3, socket_dir=args.socket_dir,
-                                     overlap_backward=True, max_grad_norm=1.0, threads=1,
-                                     name="pytest/shared-gpt-state", reset=True)
+                                     overlap_backward=True, max_grad_norm=0.5, threads=1,
+                                     accumulation_steps=args.accumulate,
+                                     skip_nonfinite=args.poison_step is not None,
+                                     name=f"pytest/shared-gpt-state-{args.own}", reset=True)
     with connect(args.socket_dir, "probe") as c:
         host = c.tier_usage(Tier.HOST).used_bytes
     bases = json.loads(subprocess.run(
@@ -59,22 +70,26 @@ def main():
     g = torch.Generator().manual_seed(7)
     losses = []
     for step in range(args.steps):
-        x = torch.randint(0, 256, (8, 33), generator=g)
-        xs = x.chunk(world)[rank]
-        loss = model(xs[:, :-1], xs[:, 1:])
-        loss.backward()
+        mean = torch.zeros(())
+        for _ in range(args.accumulate):
+            x = torch.randint(0, 256, (8, 33), generator=g)
+            xs = x.chunk(world)[rank]
+            loss = model(xs[:, :-1], xs[:, 1:]) / args.accumulate
+            mean += loss.detach()
+            if args.poison_step == step and rank == 1:
+                loss = loss * float("inf")
+            loss.backward()
         if args.die_at_step == step and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     if rank == 0:
         with stream.gathered():
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        torch.save({"losses": losses, "host_bytes": host, "bases": bases, "weights": weights},
-                   args.out)
+        torch.save({"losses": losses, "host_bytes": host, "bases": bases, "weights": weights,
+                    "skipped": opt.skipped_steps}, args.out)
     opt.close()
     stream.close()
     dist.destroy_process_group()

@@ -192,6 +192,22 @@ def test_ranks_streaming_one_copy_train_as_ranks_streaming_a_copy_each(daemon, t
             assert torch.equal(runs[True][1]["optimizer"]["state"][k][key], v[key]), (k, key)
 
 
+def test_ranks_sharing_one_copy_accumulate_and_skip_as_ranks_with_a_copy_each(daemon, tmp_path):  # noqa: F811,E501
+    """Two micro-batches a step, clipping, and a step one rank's inf makes every rank skip: one
+    shared copy trains as a copy each, bit for bit."""
+    script = os.path.join(HERE, "share_ranks_rank.py")
+    got = {}
+    for own in (True, False):
+        out = str(tmp_path / f"own-{own}.pt")
+        torchrun(script, daemon, out, "--steps", "5", "--accumulate", "2", "--poison-step", "2",
+                 *(["--own"] if own else []), ranks=2)
+        got[own] = torch.load(out)
+    assert got[True]["skipped"] == got[False]["skipped"] == 1
+    assert got[True]["losses"] == got[False]["losses"]
+    for k, v in got[True]["weights"].items():
+        assert torch.equal(got[False]["weights"][k], v), k
+
+
 def test_the_ranks_share_one_base_that_goes_with_the_job(daemon, tmp_path):  # noqa: F811
     script = os.path.join(HERE, "share_ranks_rank.py")
     out = str(tmp_path / "shared.pt")
