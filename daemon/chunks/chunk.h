@@ -23,7 +23,10 @@ struct ChunkMeta {
   SessionId owner = 0;  // the session that allocated or opened it; 0 for a detached persistent one
   uint32_t tenant = 0;  // uid of the owner (of a shared base's chunk: the base's creator)
   BaseId base = 0;      // the shared base it belongs to (read-only once sealed); 0: none
-  uint32_t pins = 0;    // Acquire count over all sessions
+  // A base's chunk in segments of the base's own (every base but a job's, whose readers are
+  // its creator's sessions: in the creator's segments).
+  bool base_segments = false;
+  uint32_t pins = 0;  // Acquire count over all sessions
   // Acquisitions for write whose effect has applied (the client may be writing now): no copy is
   // made from the chunk until they are released, or the copy would miss what is being written.
   uint32_t writers = 0;
@@ -63,7 +66,7 @@ struct SpaceOwner {
   uint32_t segments = 0;
 };
 inline SpaceOwner OwnerOf(const ChunkMeta& chunk) {
-  return {chunk.tenant, chunk.base == 0 ? chunk.tenant : SegmentOwnerOfBase(chunk.base)};
+  return {chunk.tenant, chunk.base_segments ? SegmentOwnerOfBase(chunk.base) : chunk.tenant};
 }
 inline SpaceOwner UserOwner(uint32_t uid) { return {uid, uid}; }
 

@@ -96,15 +96,28 @@ absl::StatusOr<OpenedBase> ChunkService::OpenBase(const Session& session, absl::
       bases_.Create(name, session, create->group, create->descriptor, create->job_writable);
   if (!made.ok()) return made.status();
   Base& base = **made;
-  const SpaceOwner owner{uid, SegmentOwnerOfBase(base.id)};
+  // A base others read sits in segments of its own, which hold nothing else; a job's base is
+  // read and written by its creator's sessions only, and sits in the creator's segments (no
+  // segment of its own to find: a segment goes to a new owner only when empty).
+  const SpaceOwner owner{uid, create->job_writable ? uid : SegmentOwnerOfBase(base.id)};
   std::vector<Placement> placements;
   for (size_t i = 0; i < create->sizes.size(); ++i) {
     absl::StatusOr<Placement> p = space_.Reserve(create->homes[i], owner, create->sizes[i]);
     if (!p.ok()) {
       for (const Placement& q : placements) space_.Release(uid, q);
       bases_.Erase(base.id);
-      return absl::Status(p.status().code(),
-                          absl::StrCat("OpenBase, chunk #", i, ": ", p.status().message()));
+      const bool own_segments = owner.segments != uid && create->homes[i] == TierKind::kHost;
+      return absl::Status(
+          p.status().code(),
+          absl::StrCat("OpenBase, chunk #", i, ": ",
+                       own_segments && absl::IsResourceExhausted(p.status())
+                           ? "a shared base others read takes host segments of its own (they "
+                             "hold nothing else), and one is found only when a segment is empty; "
+                             "make the base before the jobs fill the host tier, give it an NVMe "
+                             "home, or give the host tier more, smaller segments "
+                             "(host.segment_size): "
+                           : "",
+                       p.status().message()));
     }
     placements.push_back(*p);
   }
@@ -112,6 +125,7 @@ absl::StatusOr<OpenedBase> ChunkService::OpenBase(const Session& session, absl::
   for (size_t i = 0; i < placements.size(); ++i) {
     ChunkMeta& chunk = Insert(uid, /*owner=*/0, create->sizes[i], placements[i], "", false);
     chunk.base = base.id;
+    chunk.base_segments = !create->job_writable;
     base.chunks.push_back(chunk.id);
   }
   TIERD_LOG_LIMITED(info, "{} made the shared base '{}' ({} chunks, {})", session.Describe(), name,

@@ -256,15 +256,12 @@ TEST_F(ChunkServiceBasesTest, AJobsRanksWriteTheirBaseAndNobodyElseDoes) {
   ASSERT_TRUE(service_->SealBase(*rank0, "ranks/llama").ok());
   absl::StatusOr<OpenedBase> opened = service_->OpenBase(*rank1, "ranks/llama", nullptr);
   ASSERT_TRUE(opened.ok()) << opened.status();
-  for (const auto& rank : {rank0, rank1}) {  // both write it, and map it writable
+  for (const auto& rank : {rank0, rank1}) {  // both write it, in their user's segments
     absl::StatusOr<AcquireResult> w =
         service_->Acquire(*rank, made->chunks, TierKind::kHost, Access::kWrite);
     ASSERT_TRUE(w.ok()) << w.status();
+    EXPECT_EQ(pool_->OwnerOf(w->locations[0].segment), kAlice);
     ASSERT_TRUE(service_->Release(*rank, made->chunks).ok());
-    absl::StatusOr<bool> writable =
-        service_->MayMapBaseSegment(*rank, SegmentOwnerOfBase(opened->id));
-    ASSERT_TRUE(writable.ok());
-    EXPECT_TRUE(*writable);
   }
   // Another job of the same user and the same job's name under another user: not theirs.
   EXPECT_TRUE(
@@ -282,6 +279,20 @@ TEST_F(ChunkServiceBasesTest, AJobsRanksWriteTheirBaseAndNobodyElseDoes) {
   EXPECT_EQ(service_->chunk_count(), 2u);
   service_->CloseSession(*rank1);
   EXPECT_EQ(service_->chunk_count(), 0u);
+}
+
+TEST_F(ChunkServiceBasesTest, ABaseOthersReadNeedsASegmentOfItsOwnAJobsBaseDoesNot) {
+  // Every segment holds some of alice's chunks: none is free for a base's own.
+  std::vector<ChunkRequest> r(4, ChunkRequest{.size = kSeg - 4096});
+  ASSERT_TRUE(service_->Allocate(*alice_, r).ok());
+  BaseRequest read_only = Request({4096});
+  absl::Status s = service_->OpenBase(*alice_, "ro", &read_only).status();
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  std::shared_ptr<Session> rank0 = *sessions_.Open({kAlice, kAlice, 11}, "rank0", "run-7");
+  BaseRequest job = Request({4096, 4096});
+  job.job_writable = true;
+  absl::StatusOr<OpenedBase> made = service_->OpenBase(*rank0, "ranks/x", &job);
+  EXPECT_TRUE(made.ok()) << made.status();
 }
 
 TEST_F(ChunkServiceBasesTest, ABaseItsJobWritesNeedsAJob) {
