@@ -3,8 +3,11 @@ each rank streaming its own copy: the daemon's host-tier bytes while they train,
 
 For 1, 2 and 4 ranks (torchrun on this node, gloo) and each way on a fresh daemon: the example's
 GPT (its blocks streamed, the optimizer sharded over the ranks, ZeRO-1), a few steps of the same
-global batch; rank 0 reports the host tier's bytes once every rank is set up and the median step,
-and the final loss (the same both ways).
+global batch; rank 0 reports the host tier's bytes (the most after a step: every rank's
+gradients made), the median step and the losses. Then the gradients' sum alone: each rank's --reduce-mib of fp32 gradients in the
+daemon's memory, each rank summing its shard of them from every rank's in rank order (what
+share_ranks's owners do), beside gloo reducing the same bytes to each shard's owner (what each
+rank with its own copy does) and gloo's all_reduce of them.
 
     python3 bench/rank_stream.py [--ranks 1,2,4] [--layers 8 --d-model 512]
 """
@@ -36,6 +39,9 @@ def arguments():
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--share", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reduce-mib", type=int, default=64,
+                    help="each rank's gradients for the sum's comparison (0: skip it)")
+    ap.add_argument("--sum", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
@@ -62,9 +68,8 @@ def rank(args):
     opt = tierd.torch.OffloadedAdamW(model.parameters(), lr=1e-3, socket_dir=args.child,
                                      overlap_backward=True, threads=1, home="host",
                                      name=f"bench/gpt-state-{args.share}", reset=True)
-    dist.barrier()
-    with connect(args.child, "bench probe") as c:
-        host = c.tier_usage(Tier.HOST).used_bytes
+    probe = connect(args.child, "bench probe")
+    host = 0  # the host tier's bytes, the most after a step (each rank's gradients made)
     g = torch.Generator().manual_seed(7)
     times, losses = [], []
     for _ in range(args.steps):
@@ -77,6 +82,8 @@ def rank(args):
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        dist.barrier()
+        host = max(host, probe.tier_usage(Tier.HOST).used_bytes)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
@@ -84,12 +91,75 @@ def rank(args):
         with open(args.out, "w") as f:
             json.dump({"host_bytes": host, "step_s": statistics.median(times[1:]),
                        "losses": losses}, f)
+    probe.close()
     opt.close()
     stream.close()
     dist.destroy_process_group()
 
 
-def run(args, ranks, share):
+def reduce_rank(args):
+    """One rank of --reduce: the gradient sum through the daemon's memory beside gloo's."""
+    import torch
+    import torch.distributed as dist
+    from tierd.client import Access, Tier, connect
+    os.environ["TIERD_JOB"] = "bench-reduce"
+    dist.init_process_group("gloo")
+    r, world = dist.get_rank(), dist.get_world_size()
+    n = args.reduce_mib * (1 << 20) // 4  # fp32 elements a rank sums over
+    shard = n // world
+    c = connect(args.child, f"bench reduce {r}")
+    if r == 0:  # one chunk a rank, in the job's base, as share_ranks's gradient chunks
+        ids = c.open_base("ranks/bench-reduce", [n * 4] * world, [Tier.HOST] * world, b"bench",
+                          job_writable=True).ids
+        c.seal_base("ranks/bench-reduce")
+    dist.barrier()
+    if r != 0:
+        ids = c.open_base("ranks/bench-reduce").ids
+    held = c.acquire(ids, Tier.HOST, Access.WRITE)
+    views = [torch.from_dlpack(held.dlpack(k, "float32", [n])) for k in range(world)]
+    g = torch.Generator().manual_seed(r)
+    mine = torch.randn(n, generator=g)
+    views[r].copy_(mine)
+    out = torch.empty(shard)
+    timings = {"shared memory": [], "gloo reduce": [], "gloo all_reduce": []}
+    for _ in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        lo = r * shard
+        out.copy_(views[0][lo:lo + shard])
+        for k in range(1, world):
+            out.add_(views[k][lo:lo + shard])
+        dist.barrier()
+        timings["shared memory"].append(time.perf_counter() - t0)
+        buf = mine.clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.reduce(buf[k * shard:(k + 1) * shard], dst=k, async_op=True)
+                 for k in range(world)]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        timings["gloo reduce"].append(time.perf_counter() - t0)
+        buf = mine.clone()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        dist.barrier()
+        timings["gloo all_reduce"].append(time.perf_counter() - t0)
+    expected = sum(torch.randn(n, generator=torch.Generator().manual_seed(k))[r * shard:(r + 1) * shard]
+                   for k in range(world))
+    ok = bool(torch.allclose(out, expected, rtol=1e-5, atol=1e-5))
+    if r == 0:
+        with open(args.out, "w") as f:
+            json.dump({k: statistics.median(v) for k, v in timings.items()} | {"ok": ok}, f)
+    del views
+    dist.barrier()  # every rank done reading the others' chunks
+    held.release()
+    c.close()
+    dist.destroy_process_group()
+
+
+def run(args, ranks, share, reduce=False):
     import benchlib
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme="4GiB") as sock:
         out = tempfile.mktemp(suffix=".json")
@@ -99,6 +169,8 @@ def run(args, ranks, share):
                str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
         if share:
             cmd.append("--share")
+        if reduce:
+            cmd += ["--sum", "--reduce-mib", str(args.reduce_mib)]
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
@@ -112,7 +184,7 @@ def run(args, ranks, share):
 def main():
     args = arguments()
     if args.child is not None:
-        return rank(args)
+        return reduce_rank(args) if args.sum else rank(args)
     mib = 1 << 20
     rows = []
     for ranks in [int(x) for x in args.ranks.split(",")]:
@@ -129,6 +201,17 @@ def main():
               f"{own['step_s'] * 1e3:5.0f} ms   shared {one['step_s'] * 1e3:5.0f} ms  "
               f"({one['step_s'] / own['step_s']:.2f} x)   losses the same: "
               f"{own['losses'] == one['losses']}")
+    if args.reduce_mib:
+        print(f"Summing {args.reduce_mib} MiB of fp32 gradients a rank, each rank's shard of the "
+              "sum (what ZeRO-1 needs), median of the steps:")
+        for ranks in [int(x) for x in args.ranks.split(",") if int(x) > 1]:
+            got = run(args, ranks, False, reduce=True)
+            print(json.dumps({"ranks": ranks, "sum": got}))
+            shm = got["shared memory"]
+            red, allr = got["gloo reduce"], got["gloo all_reduce"]
+            print(f"  {ranks} ranks: through the daemon's memory {shm * 1e3:6.1f} ms   gloo "
+                  f"reduce to each shard's owner {red * 1e3:6.1f} ms ({red / shm:.1f} x)   gloo "
+                  f"all_reduce {allr * 1e3:6.1f} ms ({allr / shm:.1f} x)   right: {got['ok']}")
 
 
 if __name__ == "__main__":

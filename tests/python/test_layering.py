@@ -20,7 +20,7 @@ LEVELS = [
     ["_units", "activations", "_materialize"],  # units and chunks; activation offload; where
                                                 # a stream's weights come from
     ["_trace", "_base"],         # the recorded order, the daemon's schedule; a shared base
-    ["_window"],                 # the device window
+    ["_window", "_ranks"],       # the device window; the ranks' one set of weights
     ["_stream_hooks"],           # the hooks and the training state
     ["streaming"],               # ParameterStream, and StreamRange: the seam to the optimizer
     ["_buckets", "_shard", "_checkpoint", "testing"],

@@ -169,10 +169,12 @@ def test_two_ranks_each_streaming_their_model_train_as_two_ranks_in_memory(daemo
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ranks_streaming_one_copy_train_as_ranks_streaming_a_copy_each(daemon, tmp_path, ranks):  # noqa: F811,E501
-    """share_ranks: the ranks on the node stream one set of weights, each bucket's owner stepping
-    it into the shared next version: the same losses, final weights and optimizer state as each
-    rank streaming its own copy, bit for bit (clipping that triggers, buckets stepped during
-    backward), with the node holding the weights once."""
+    """share_ranks: the ranks on the node stream one set of weights, each bucket's owner summing
+    the ranks' gradients where they are and stepping it into the shared next version: the same
+    losses, final weights and optimizer state as each rank streaming its own copy (clipping that
+    triggers, buckets stepped during backward). Bit for bit with two ranks (a sum of two has one
+    order); with four, the owner's sum ((g0 + g1) + g2) + g3 is not gloo's order, and Adam
+    carries that rounding into the weights: within 1e-4 relative."""
     example = os.path.join(ROOT, "examples", "train_gpt.py")
     small = ["--socket-dir", daemon, "--layers", "3", "--d-model", "64", "--ctx", "32",
              "--steps", "6", "--warmup", "2", "--batch", "8", "--fresh", "--max-grad-norm", "0.5",
@@ -184,12 +186,19 @@ def test_ranks_streaming_one_copy_train_as_ranks_streaming_a_copy_each(daemon, t
         runs[shared] = (torchrun(example, *small, *flags, "--name", f"pytest/gpt-r{ranks}{shared}",
                                  "--save", out, ranks=ranks), torch.load(out))
     assert f"{ranks} ranks" in runs[True][0]
-    assert losses_of(runs[True][0]) == losses_of(runs[False][0])
+
+    def same(a, b, what):
+        if ranks == 2:
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=what)
+    same(torch.tensor(losses_of(runs[True][0])), torch.tensor(losses_of(runs[False][0])),
+         "losses")
     for k, v in runs[False][1]["model"].items():
-        assert torch.equal(runs[True][1]["model"][k], v), k
+        same(runs[True][1]["model"][k], v, k)
     for k, v in runs[False][1]["optimizer"]["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(runs[True][1]["optimizer"]["state"][k][key], v[key]), (k, key)
+            same(runs[True][1]["optimizer"]["state"][k][key], v[key], (k, key))
 
 
 def test_ranks_sharing_one_copy_accumulate_and_skip_as_ranks_with_a_copy_each(daemon, tmp_path):  # noqa: F811,E501
@@ -218,7 +227,8 @@ def test_the_ranks_share_one_base_that_goes_with_the_job(daemon, tmp_path):  # n
     assert base["job"] == "pytest-share-ranks" and len(base["holders"]) == 2
     blocks = sum(v.numel() * v.element_size() for k, v in got["weights"].items()
                  if k.startswith("blocks."))
-    assert 2 * blocks <= base["bytes"] < 2 * blocks + (64 << 10)  # two versions, once a node
+    # Two versions and each rank's gradients, once a node.
+    assert 4 * blocks <= base["bytes"] < 4 * blocks + (64 << 10)
     assert base["host_bytes"] == base["bytes"]
     assert all(torch.isfinite(torch.tensor(got["losses"])))
     listed = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "--json",

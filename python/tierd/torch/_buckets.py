@@ -115,6 +115,9 @@ class Bucket:
     def finish_next(self, flags: List[int]) -> None:
         """A shared bucket's owner, before the others learn its flags: its next version whole."""
 
+    def sum_gradients(self) -> None:
+        """A shared bucket's owner, once every rank's gradients are in: their sum in `grad`."""
+
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
         for i, values in self.slices(self.out):
@@ -379,6 +382,10 @@ class StreamBucket(Bucket):
 
     def finish_next(self, flags: List[int]) -> None:
         self.range.complete([bool(f & _STEP) for f in flags])
+
+    def sum_gradients(self) -> None:
+        self.need_grad()
+        self.range.sum_gradients()
 
     def publish(self, flags: List[int]) -> None:
         """The next version becomes current: the new weights where stepped, the current ones

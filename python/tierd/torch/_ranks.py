@@ -58,8 +58,12 @@ class RankWeights:
         self.leader = local[0] == self.rank
         self.local = len(local)
         # Every rank of the job on this node: a step's new weights need not travel at all (on
-        # several nodes, each node's copy receives them through torch.distributed).
+        # several nodes, each node's copy receives them through torch.distributed), and the
+        # gradients are summed where the ranks' backward left them: a gradient chunk per rank
+        # and unit in the base.
         self.whole_job_here = self.local == self.world
+        self.slab = local.index(self.rank)
+        self.slabs = self.local if self.whole_job_here else 0
         self.held = False
         self.descriptor = json.dumps({
             "format": FORMAT, "world": self.world, "ranks_on_node": self.local,
@@ -71,9 +75,10 @@ class RankWeights:
         """The node's first rank: makes the base (each unit's two versions, at home where
         Units.place put them) and gives the units its chunks, to be written and sealed."""
         sizes, homes = [], []
+        per_unit = 2 + self.slabs
         for u in self.units:
-            sizes += [u.chunk_bytes, u.chunk_bytes]
-            homes += [u.home, u.home]
+            sizes += [u.chunk_bytes] * per_unit
+            homes += [u.home] * per_unit
         try:
             opened = self.client.open_base(self.name, sizes, homes, self.descriptor.encode(),
                                            job_writable=True)
@@ -119,10 +124,14 @@ class RankWeights:
         self._take(opened)
 
     def _take(self, opened) -> None:
+        per_unit = 2 + self.slabs
         for k, u in enumerate(self.units):
-            ids = opened.ids[2 * k:2 * k + 2]
-            u.home = opened.homes[2 * k]
+            ids = opened.ids[per_unit * k:per_unit * k + 2]
+            u.home = opened.homes[per_unit * k]
             u.chunks = SharedIds(ids)
+            if self.slabs:
+                u.grad_slabs = opened.ids[per_unit * k + 2:per_unit * (k + 1)]
+                u.slab = self.slab
             if u.home == Tier.HOST:
                 u.held = self.client.acquire(ids, Tier.HOST, Access.WRITE)
                 for v in (0, 1):

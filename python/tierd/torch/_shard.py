@@ -126,7 +126,10 @@ class Comm:
                 b.event.synchronize()
             b.need_grad()
             b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.got])
-            self._works[b.serial] = dist.reduce(b.grad_ext, dst=_global_rank(self.group, b.owner),
+            # A bucket the node's ranks share sends the counts alone: its owner reads the
+            # gradients where each rank left them (sum_gradients) once the counts are in.
+            message = b.grad_ext[b.numel:] if b.shared else b.grad_ext
+            self._works[b.serial] = dist.reduce(message, dst=_global_rank(self.group, b.owner),
                                                 group=self.group, async_op=True)
             self._next += 1
 
@@ -141,6 +144,8 @@ class Comm:
             work.wait()
             del self._works[b.serial]
             b.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
+            if b.shared:
+                b.sum_gradients()
             b.grad.div_(self.world)
             yield b
 

@@ -72,6 +72,10 @@ class Unit:
         self.held = None            # a host unit's acquisition of both versions, kept
         self.views: Dict[int, torch.Tensor] = {}  # version -> uint8 view of a held chunk
         self.base = None            # its chunk of a shared base (_base.BaseChunk), if any
+        # share_ranks on one node: the ranks' gradient chunks (by local rank; _ranks.py), this
+        # rank's among them; its ranges' gradients at their offsets, as the weights.
+        self.grad_slabs: Optional[List[int]] = None
+        self.slab = 0
         self.base_ranges: List[Range] = []  # its frozen parameters there
         self.refs = 0               # forward and backward passes using it now
         self.bwd_refs = 0           # of them, backward passes its inputs' gradients end
@@ -363,11 +367,35 @@ class Units:
 
     def hold_grad(self, u: Unit, r: Range, keep: bool = False):
         """(a view of range r's gradient chunk in host memory, its acquisition to release when
-        done). keep: what the chunk holds is wanted (gradients held again), else overwritten."""
+        done). keep: what the chunk holds is wanted (gradients held again), else overwritten.
+        With the ranks' gradient chunks, its range of this rank's (held for writing: the other
+        ranges of the chunk keep what they hold)."""
+        if u.grad_slabs is not None:
+            held = self.client.acquire([u.grad_slabs[u.slab]], Tier.HOST, Access.WRITE)
+            view = as_tensor(held, 0, torch.uint8, [u.chunk_bytes])
+            return self.range_view(view, r), held
         self.grad_chunk(u, r)
         held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.WRITE if keep
                                    else Access.OVERWRITE)
         return as_tensor(held, 0, r.dtype, [r.numel + r.extra]), held
+
+    def sum_rank_grads(self, u: Unit, r: Range, mine: torch.Tensor) -> None:
+        """Range r's gradients of every rank on the node summed into `mine` (this rank's, held),
+        read where each rank's backward left them: ((g0 + g1) + g2) + ..., in rank order, in the
+        range's dtype, whichever rank sums."""
+        others = [k for k in range(len(u.grad_slabs)) if k != u.slab]
+        held = self.client.acquire([u.grad_slabs[k] for k in others], Tier.HOST, Access.READ)
+        try:
+            views = {k: self.range_view(as_tensor(held, i, torch.uint8, [u.chunk_bytes]),
+                                        r)[:r.numel] for i, k in enumerate(others)}
+            views[u.slab] = mine[:r.numel]
+            total = views[0].clone()
+            for k in range(1, len(u.grad_slabs)):
+                total.add_(views[k])
+            mine[:r.numel].copy_(total)
+            del views
+        finally:
+            held.release_deferred()
 
     def drop_grad(self, r: Range) -> None:
         if r.grad_chunk is not None:

@@ -524,6 +524,11 @@ class StreamRange:
     def gradients_aside(self) -> bool:
         return self._grads_aside
 
+    def sum_gradients(self) -> None:
+        """Every rank's gradients of the range (shared: each left in the daemon's memory by its
+        backward) summed into this rank's, held: the owner's reduce, without moving them."""
+        self._stream._units.sum_rank_grads(self._unit, self._check(), self.gradients())
+
     def set_gradients_aside(self, free: bool) -> None:
         """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
         them again this step (the chunk goes, made anew at the next step's first gradient);
