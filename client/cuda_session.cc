@@ -161,7 +161,7 @@ absl::StatusOr<std::unique_ptr<CudaSession>> CudaSession::Open(absl::string_view
       "this client library was built without CUDA and cannot use the daemon's GPU");
 }
 CudaSession::~CudaSession() = default;
-absl::StatusOr<HostRegistration> CudaSession::RegisterHost(void*, size_t) const {
+absl::StatusOr<HostRegistration> CudaSession::RegisterHost(void*, size_t, bool) const {
   return absl::FailedPreconditionError("built without CUDA");
 }
 absl::StatusOr<std::unique_ptr<DeviceMapping>> CudaSession::Import(int, uint64_t) const {
