@@ -13,6 +13,7 @@ daemon's message; nothing is returned half done.
 import asyncio
 import ctypes
 import enum
+import os
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -282,6 +283,9 @@ class Client:
 
     def __init__(self, socket_dir: Optional[str] = None, name: Optional[str] = None):
         name = name or "python"
+        # Where the daemon is, as the library finds it: which daemon (node) the session is on.
+        self.socket_dir = os.path.realpath(
+            socket_dir or os.environ.get("TIERD_SOCKET_DIR") or "/run/tierd")
         self._handle = ctypes.c_void_p()
         check(library().tierd_connect(socket_dir.encode() if socket_dir else None,
                                         name.encode(), ctypes.byref(self._handle)))

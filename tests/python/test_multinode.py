@@ -83,9 +83,9 @@ def torchrun_nodes(socket_dirs, script, *args, nproc=1, timeout=300):
     return run_nodes(commands, [node_env(d) for d in socket_dirs], timeout)
 
 
-def example_on_nodes(socket_dirs, *args, timeout=300):
+def example_on_nodes(socket_dirs, *args, timeout=300, nproc=1):
     return torchrun_nodes(socket_dirs, EXAMPLE, "--socket-dir", "{socket_dir}", *args,
-                          timeout=timeout)
+                          timeout=timeout, nproc=nproc)
 
 
 def state_chunks(socket_dir, name):
@@ -128,6 +128,25 @@ def test_two_nodes_streaming_their_weights_train_as_without(nodes, tmp_path):
         assert codes == [0, 0], "\n".join(outs)
         runs[streamed] = ("".join(outs), torch.load(out))
     assert_streamed_trains_as_in_memory(runs)
+
+
+def test_two_ranks_a_node_sharing_their_nodes_copy_train_as_a_copy_each(nodes, tmp_path):
+    """share_ranks on two nodes of two ranks: each node's ranks stream their node's one copy (a
+    step's new weights reach the other node through torch.distributed): bit for bit as each rank
+    streaming its own."""
+    runs = {}
+    for shared in (False, True):
+        flags = ["--share-ranks"] if shared else []
+        out = tmp_path / f"shared-{shared}.pt"
+        codes, outs = example_on_nodes(nodes, *SMALL, "--stream-parameters", "--prefetch", "0",
+                                       *flags, "--name", f"pytest/nodes-share{shared}", "--save",
+                                       str(out), nproc=2)
+        assert codes == [0, 0], "\n".join(outs)
+        runs[shared] = ("".join(outs), torch.load(out))
+    assert "4 ranks" in runs[True][0]
+    assert losses_of(runs[True][0]) == losses_of(runs[False][0])
+    for k, v in runs[False][1]["model"].items():
+        assert torch.equal(runs[True][1]["model"][k], v), k
 
 
 def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nodes, tmp_path):

@@ -52,9 +52,11 @@ class RankWeights:
         self.units = units
         self.group = dist.new_group(backend="gloo")  # every rank makes it, at the same point
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        hosts = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        local = [r for r in range(self.world) if hosts[r] == hosts[self.rank]]
+        # The ranks on this node: those whose sessions are with this daemon (its host and socket
+        # directory: two daemons on one machine stand for two nodes).
+        nodes = [None] * self.world
+        dist.all_gather_object(nodes, (socket.gethostname(), client.socket_dir), group=self.group)
+        local = [r for r in range(self.world) if nodes[r] == nodes[self.rank]]
         self.leader = local[0] == self.rank
         self.local = len(local)
         # Every rank of the job on this node: a step's new weights need not travel at all (on
