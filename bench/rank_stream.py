@@ -3,11 +3,11 @@ each rank streaming its own copy: the daemon's host-tier bytes while they train,
 
 For 1, 2 and 4 ranks (torchrun on this node, gloo) and each way on a fresh daemon: the example's
 GPT (its blocks streamed, the optimizer sharded over the ranks, ZeRO-1), a few steps of the same
-global batch; rank 0 reports the host tier's bytes (the most after a step: every rank's
-gradients made), the median step and the losses. Then the gradients' sum alone: each rank's --reduce-mib of fp32 gradients in the
-daemon's memory, each rank summing its shard of them from every rank's in rank order (what
-share_ranks's owners do), beside gloo reducing the same bytes to each shard's owner (what each
-rank with its own copy does) and gloo's all_reduce of them.
+global batch; rank 0 reports the host tier's bytes (the most after a step: every rank's gradients
+made), the median step and the losses. Then the gradients' sum alone: each rank's --reduce-mib of
+fp32 gradients in the daemon's memory, each rank summing its shard of them from every rank's in
+rank order (what share_ranks's owners do), beside gloo reducing the same bytes to each shard's
+owner (what each rank with its own copy does) and gloo's all_reduce of them.
 
     python3 bench/rank_stream.py [--ranks 1,2,4] [--layers 8 --d-model 512]
 """
@@ -121,11 +121,11 @@ def reduce_rank(args):
     mine = torch.randn(n, generator=g)
     views[r].copy_(mine)
     out = torch.empty(shard)
+    lo = r * shard  # this rank's shard of the sum
     timings = {"shared memory": [], "gloo reduce": [], "gloo all_reduce": []}
     for _ in range(args.steps):
         dist.barrier()
         t0 = time.perf_counter()
-        lo = r * shard
         out.copy_(views[0][lo:lo + shard])
         for k in range(1, world):
             out.add_(views[k][lo:lo + shard])
@@ -146,7 +146,7 @@ def reduce_rank(args):
         dist.all_reduce(buf)
         dist.barrier()
         timings["gloo all_reduce"].append(time.perf_counter() - t0)
-    expected = sum(torch.randn(n, generator=torch.Generator().manual_seed(k))[r * shard:(r + 1) * shard]
+    expected = sum(torch.randn(n, generator=torch.Generator().manual_seed(k))[lo:lo + shard]
                    for k in range(world))
     ok = bool(torch.allclose(out, expected, rtol=1e-5, atol=1e-5))
     if r == 0:

@@ -123,9 +123,10 @@ def test_the_base_is_read_only_for_a_job_that_opens_it(daemon, tmp_path):  # noq
     try:
         with s.gathered():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        python = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
         script = textwrap.dedent(f"""
             import sys
-            sys.path.insert(0, {os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")!r})
+            sys.path.insert(0, {python!r})
             from tierd.client import Access, Tier, TierdError, connect
             from tierd._abi import Status
             c = connect({daemon!r}, "scribbler")

@@ -239,7 +239,8 @@ def json_outputs(lib, client, daemon, tmp_path):
     assert lib.tierd_allocate(client, n, sizes, TIER_HOST, ids) == OK, lib.tierd_last_error()
     fill(lib, client, ids, n, size, 0x40)
     session = lib.tierd_session_id(client)
-    create = BaseCreate(1, (ctypes.c_uint64 * 1)(size), (ctypes.c_int * 1)(TIER_HOST), b"d", 1, 0, 0)
+    create = BaseCreate(1, (ctypes.c_uint64 * 1)(size), (ctypes.c_int * 1)(TIER_HOST), b"d", 1,
+                        0, 0)
     base, info = ctypes.c_void_p(), BaseInfo()
     assert lib.tierd_base_open(client, b"schema/base@1", ctypes.byref(create), ctypes.byref(base),
                                ctypes.byref(info)) == OK, lib.tierd_last_error()

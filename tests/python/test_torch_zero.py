@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from test_c_abi import daemon  # noqa: F401 (fixture)
+from test_c_abi import daemon, start_daemon, stop_daemon  # noqa: F401 (daemon: a fixture)
 from test_torch_optimizer import HYPER, batches, model, train
 from zero_rank import partial_forward
 
@@ -261,3 +261,36 @@ def test_a_rank_killed_mid_step_fails_the_job_in_seconds_and_leaves_nothing(daem
     listed = subprocess.run([os.environ["TIERCTL_BIN"], f"--socket_dir={daemon}", "--json",
                              "bases"], check=True, capture_output=True, text=True).stdout
     assert listed.strip() == "[]"
+
+
+def test_ranks_sharing_one_copy_resume_after_a_daemon_restart_as_a_copy_each(tmp_path):
+    """share_ranks across a daemon restart: three steps and a checkpoint, the daemon stopped and
+    started again (the ranks' base is gone with it), three more steps from the checkpoint, with
+    the base made again: bit for bit as the same run with a copy each."""
+    example = os.path.join(ROOT, "examples", "train_gpt.py")
+    root = str(tmp_path / "node")
+    os.mkdir(root)
+    small = ["--socket-dir", root, "--layers", "3", "--d-model", "64", "--ctx", "32",
+             "--warmup", "2", "--batch", "8", "--max-grad-norm", "0.5", "--activations",
+             "memory", "--stream-parameters", "--prefetch", "0"]
+    got = {}
+    for shared in (False, True):
+        flags = ["--share-ranks"] if shared else []
+        name = f"pytest/restart-{shared}"
+        ckpt, out = str(tmp_path / f"ckpt-{shared}"), str(tmp_path / f"out-{shared}.pt")
+        proc = start_daemon(root)
+        try:
+            torchrun(example, *small, *flags, "--steps", "3", "--fresh", "--name", name,
+                     "--checkpoint", ckpt)
+        finally:
+            stop_daemon(proc, root)
+        proc = start_daemon(root)
+        try:
+            text = torchrun(example, *small, *flags, "--steps", "3", "--fresh", "--name", name,
+                            "--from-checkpoint", ckpt, "--save", out)
+        finally:
+            stop_daemon(proc, root)
+        got[shared] = (losses_of(text), torch.load(out))
+    assert got[True][0] == got[False][0] and len(got[True][0]) == 3
+    for k, v in got[False][1]["model"].items():
+        assert torch.equal(got[True][1]["model"][k], v), k

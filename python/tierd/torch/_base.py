@@ -3,10 +3,11 @@ the node (docs/streaming.md, "One copy per node").
 
 stream_parameters(..., shared_base=NAME) puts every streamed parameter, frozen, in one chunk per
 unit of the daemon's shared base NAME: the base of LoRA fine-tuning (peft's adapters, added after,
-are the job's own and stay on the device), a model evaluated. The first job to ask makes the base: it lays the chunks out, writes the weights from its source
-(a checkpoint, or the model's own), and seals it; every later job opens the same chunks, which its
-session maps read-only. The daemon counts the base once, charges it to its maker, and frees it
-when its last holder goes (a job that dies lets go of its hold) unless it is pinned.
+are the job's own and stay on the device), a model evaluated. The first job to ask makes the base:
+it lays the chunks out, writes the weights from its source (a checkpoint, or the model's own), and
+seals it; every later job opens the same chunks, which its session maps read-only. The daemon
+counts the base once, charges it to its maker, and frees it when its last holder goes (a job that
+dies lets go of its hold) unless it is pinned.
 
 What the base holds is written down in its descriptor, which the daemon keeps for its maker: the
 layout (each unit's parameters by name, dtype, shape and offset), where the weights came from (a
@@ -26,7 +27,7 @@ import torch
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._storage import as_tensor
-from ._units import ALIGN, BASE, Range, Unit, Units, align, by_dtype
+from ._units import ALIGN, BASE, Range, Units, align, by_dtype
 
 FORMAT = "tierd.base/1"
 
@@ -89,7 +90,8 @@ class SharedBase:
             u.base_ranges = ranges  # its own chunks hold none of them
             self.bytes[u.index] = max(offset, ALIGN)
             layout.append({"unit": u.name, "bytes": self.bytes[u.index], "params": [
-                [canonical(names[id(p)][0]), str(p.dtype), list(p.shape), r.offset + o * p.element_size()]
+                [canonical(names[id(p)][0]), str(p.dtype), list(p.shape),
+                 r.offset + o * p.element_size()]
                 for r in ranges for p, o in zip(r.params, r.offsets)]})
         self.layout = layout
 
