@@ -16,7 +16,8 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # From the bottom up; modules on one level do not import each other.
 LEVELS = [
-    ["_storage", "_pretrained"],  # tensors over tierd memory; checkpoints in the HF layout
+    ["_storage", "_pretrained", "_agree"],  # tensors over tierd memory; checkpoints in the HF
+                                            # layout; every rank's outcome
     ["_units", "activations", "_materialize"],  # units and chunks; activation offload; where
                                                 # a stream's weights come from
     ["_trace", "_base"],         # the recorded order, the daemon's schedule; a shared base

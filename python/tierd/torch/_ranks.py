@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
+from ._agree import all_succeeded
 from ._base import canonical
 from ._storage import as_tensor
 from ._units import Units
@@ -142,18 +143,9 @@ class RankWeights:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def agree(self, error) -> None:
-        """Raises on every rank when one failed to make or open the base (its own error on the
-        failed rank, an error naming it on the others), so that no rank goes on alone."""
-        mine = None if error is None else f"rank {self.rank} on {socket.gethostname()}: {error}"
-        outcomes = [None] * self.world
-        dist.all_gather_object(outcomes, mine, group=self.group)
-        if error is not None:
-            raise error
-        failed = [o for o in outcomes if o is not None]
-        if failed:
-            raise RuntimeError("stream_parameters: the ranks' weights could not be set up: " +
-                               "; ".join(failed))
+    def agree(self, doing: str, error) -> None:
+        """Raises on every rank when one failed `doing`, naming it (_agree.all_succeeded)."""
+        all_succeeded(self.group, "stream_parameters", doing, error)
 
     def release(self) -> None:
         if self.held and not self.client.closed:

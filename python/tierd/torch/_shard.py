@@ -15,11 +15,12 @@ element per parameter: the count of ranks that had a gradient for it (reduces) o
 owner stepped it with (broadcasts), so that a parameter no rank had a gradient for is left as it
 is, as in one process (DDP averages over the ranks, the ranks without one adding zeros).
 """
-import socket
 from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from ._agree import all_succeeded
 
 
 def _global_rank(group, rank: int) -> int:
@@ -78,22 +79,8 @@ class Comm:
                 slot += 1
 
     def all_succeeded(self, doing: str, error: Optional[BaseException]) -> None:
-        """Every rank's outcome of `doing`, which only some may have failed (a node without a
-        daemon): raises on every rank when any failed, naming each such rank, its node and its
-        error, so that no rank goes on into a collective the failed one never reaches. A failed
-        rank raises its own error, with the others' named in the note."""
-        mine = None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}"
-        outcomes = [None] * self.world
-        dist.all_gather_object(outcomes, mine, group=self.group)
-        failed = [o for o in outcomes if o is not None]
-        if not failed:
-            return
-        summary = f"OffloadedAdamW: could not {doing} on every rank; " + "; ".join(failed)
-        if error is not None:
-            if hasattr(error, "add_note"):  # Python 3.11
-                error.add_note(summary)
-            raise error
-        raise RuntimeError(summary)
+        """Every rank's outcome of `doing` (_agree.all_succeeded)."""
+        all_succeeded(self.group, "OffloadedAdamW", doing, error)
 
     def agree_on_state(self, resumed: bool, steps: int) -> None:
         """Every rank's share of the state resumed or none, and all at the same step."""

@@ -187,7 +187,7 @@ class ParameterStream:
                 ranks.seal()
             except Exception as e:  # noqa: BLE001 (every rank learns of it)
                 error = e
-        ranks.agree(error)
+        ranks.agree("make the ranks' weights", error)
         error = None
         if not ranks.leader:
             try:
@@ -195,7 +195,7 @@ class ParameterStream:
                 self._lay_out_all(source, write=False)
             except Exception as e:  # noqa: BLE001
                 error = e
-        ranks.agree(error)
+        ranks.agree("open the ranks' weights", error)
 
     def _check_budget(self, units: List[Unit]) -> None:
         resident = sum(t.numel() * t.element_size() for t in self._resident)
