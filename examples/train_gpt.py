@@ -289,9 +289,14 @@ def main():
         dt = time.perf_counter() - t0
         after = moved()
         loss = loss.detach()
+        traffic = ""
         if world > 1:  # the mean over ranks: the loss of the whole batch
             dist.all_reduce(loss)
             loss /= world
+            sent = torch.tensor(opt.last_stats["dist_bytes"], dtype=torch.float64,
+                                device=loss.device)
+            dist.all_reduce(sent)  # what the ranks' gradients and weights moved between them
+            traffic = f"  torch.distributed {sent.item() / 2**20:.2f} MiB"
         losses.append(loss.item())
         times.append(dt)
         tails.append(opt.last_stats["tail_s"])
@@ -301,7 +306,7 @@ def main():
             f"{int(opt.last_stats['buckets'])} buckets during backward"
             f"{'; clipped: stepped again' if opt.last_stats.get('rolled_back') else ''})  "
             f"NVMe read {(after[0] - before[0]) / 2**20:5.1f} MiB "
-            f"write {(after[1] - before[1]) / 2**20:5.1f} MiB")
+            f"write {(after[1] - before[1]) / 2**20:5.1f} MiB{traffic}")
     if offload is not None:
         a, n_steps = offload.stats, max(len(times), 1)
         say(f"train_gpt: activations: {a.stored / n_steps:.0f} tensors a step in tierd "

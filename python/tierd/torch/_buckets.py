@@ -107,16 +107,18 @@ class Bucket:
         """Makes `out` writable for this step's new weights (always, here)."""
 
     @property
-    def shared(self) -> bool:
-        """Whether the ranks on the node share its weights (a rank-shared stream's range): its
-        owner writes the next version, the others only learn which parameters it stepped."""
-        return False
+    def nodes(self):
+        """Whether the ranks of each node share its weights and gradient chunks (a rank-shared
+        stream's range): the ranks by node (_ranks.Nodes), else None. Such a bucket's owner
+        writes the next version, the node owners on other nodes receive it, and the others only
+        learn which parameters were stepped (_shard.py)."""
+        return None
 
     def finish_next(self, flags: List[int]) -> None:
         """A shared bucket's owner, before the others learn its flags: its next version whole."""
 
     def sum_gradients(self) -> None:
-        """A shared bucket's owner, once every rank's gradients are in: their sum in `grad`."""
+        """A shared bucket's node owner, once the node's gradients are in: their sum in `grad`."""
 
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
@@ -265,8 +267,8 @@ def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[An
             if b.flags[i] == _TAKE:
                 values.copy_(b.weight(i))
     if comm is not None:
-        for b in active:  # every bucket's new weights arrive into its `out` (a shared one's are
-            if b.owner == comm.rank or not b.shared:  # in its owner's, the ranks' own)
+        for b in active:  # every bucket's new weights arrive into its `out` (a shared one's
+            if comm.writes_next(b):  # into its owner's and node owners' only)
                 b.bind()
         new = comm.broadcast_weights(active, stepped)
     else:
@@ -377,8 +379,8 @@ class StreamBucket(Bucket):
             self.out = self.out_ext[:self.numel]
 
     @property
-    def shared(self) -> bool:
-        return self.range.shared
+    def nodes(self):
+        return self.range.nodes
 
     def finish_next(self, flags: List[int]) -> None:
         self.range.complete([bool(f & _STEP) for f in flags])
@@ -390,7 +392,7 @@ class StreamBucket(Bucket):
     def publish(self, flags: List[int]) -> None:
         """The next version becomes current: the new weights where stepped, the current ones
         copied across elsewhere (a shared bucket's owner did that in finish_next())."""
-        if self.shared:
+        if self.nodes is not None:
             self.range.flip()
         else:
             self.range.publish([bool(f & _STEP) for f in flags])

@@ -9,6 +9,11 @@ over the ranks (ZeRO-1) has each bucket's owner step it into the shared next ver
 the other ranks only which parameters it stepped; every rank flips the version at that
 collective, so the node's copy is the last complete step's whatever fails after it.
 
+Each rank's gradients stay in the node's memory (a gradient chunk per rank and unit in the base),
+where one rank of the node sums them. On several nodes, a bucket's node owner on each node (the
+rank with its owner's local index: Nodes) sums the node's, only those sums travel between nodes
+(to the owner), and the owner's new weights travel back to the node owners alone.
+
 The sessions must declare the job ($TIERD_JOB, the same on every rank): the daemon lets only the
 job's sessions of the same user open and write the base, and frees it when the last one ends.
 """
@@ -16,7 +21,7 @@ import json
 import re
 import socket
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,40 @@ class SharedIds:
         pass  # the base's: it goes with its last holder
 
 
+class Nodes:
+    """The job's ranks by node (the ranks of one daemon), and the gloo groups a shared bucket's
+    gradients and new weights travel in: this node's ranks (group), and the ranks of this rank's
+    local index on every node (peers; None on one node). Every node has as many ranks."""
+
+    def __init__(self, rank: int, node_of: List[Any]):
+        order = list(dict.fromkeys(node_of))  # the nodes, by their first rank
+        members = [[r for r, n in enumerate(node_of) if n == node] for node in order]
+        if len({len(m) for m in members}) != 1:
+            counts = ", ".join(f"{len(m)} on {n[0]}:{n[1]}" for m, n in zip(members, order))
+            raise ValueError("stream_parameters: share_ranks on several nodes needs as many "
+                             f"ranks on every node (here {counts})")
+        self.count = len(members)
+        self.per_node = len(members[0])
+        self.local = members[order.index(node_of[rank])]  # this node's ranks
+        self.index = self.local.index(rank)               # this rank's among them
+        self._index = {r: k for m in members for k, r in enumerate(m)}
+        # new_group is a collective of every rank, for every group, in the same order.
+        self.group = self.peers = None
+        for m in members:
+            g = dist.new_group(ranks=m, backend="gloo")
+            self.group = g if rank in m else self.group
+        if self.count > 1:
+            for k in range(self.per_node):
+                g = dist.new_group(ranks=[m[k] for m in members], backend="gloo")
+                self.peers = g if k == self.index else self.peers
+
+    def node_owner(self, owner: int) -> int:
+        """The rank of this node that sums a bucket of `owner` (a global rank) over the node and
+        receives its new weights: the one with the owner's local index (the owner, on its own
+        node)."""
+        return self.local[self._index[owner]]
+
+
 class RankWeights:
     """The job's base on this node: who makes it (the node's first rank), made or opened."""
 
@@ -55,21 +94,18 @@ class RankWeights:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # The ranks on this node: those whose sessions are with this daemon (its host and socket
         # directory: two daemons on one machine stand for two nodes).
-        nodes = [None] * self.world
-        dist.all_gather_object(nodes, (socket.gethostname(), client.socket_dir), group=self.group)
-        local = [r for r in range(self.world) if nodes[r] == nodes[self.rank]]
-        self.leader = local[0] == self.rank
-        self.local = len(local)
-        # Every rank of the job on this node: a step's new weights need not travel at all (on
-        # several nodes, each node's copy receives them through torch.distributed), and the
-        # gradients are summed where the ranks' backward left them: a gradient chunk per rank
-        # and unit in the base.
-        self.whole_job_here = self.local == self.world
-        self.slab = local.index(self.rank)
-        self.slabs = self.local if self.whole_job_here else 0
+        node_of = [None] * self.world
+        dist.all_gather_object(node_of, (socket.gethostname(), client.socket_dir),
+                               group=self.group)
+        self.nodes = Nodes(self.rank, node_of)
+        self.leader = self.nodes.index == 0
+        # The gradients are summed where the ranks' backward left them: a gradient chunk per
+        # rank of the node and unit in the base, this rank's the one of its local index.
+        self.slabs = self.nodes.per_node
+        self.slab = self.nodes.index
         self.held = False
         self.descriptor = json.dumps({
-            "format": FORMAT, "world": self.world, "ranks_on_node": self.local,
+            "format": FORMAT, "world": self.world, "ranks_on_node": self.slabs,
             "units": [{"unit": u.name, "bytes": u.chunk_bytes,
                        "params": [[canonical(names[id(p)][0]), str(p.dtype), list(p.shape)]
                                   for p in u.params]} for u in units]}, sort_keys=True)
@@ -132,9 +168,8 @@ class RankWeights:
             ids = opened.ids[per_unit * k:per_unit * k + 2]
             u.home = opened.homes[per_unit * k]
             u.chunks = SharedIds(ids)
-            if self.slabs:
-                u.grad_slabs = opened.ids[per_unit * k + 2:per_unit * (k + 1)]
-                u.slab = self.slab
+            u.grad_slabs = opened.ids[per_unit * k + 2:per_unit * (k + 1)]
+            u.slab = self.slab
             if u.home == Tier.HOST:
                 u.held = self.client.acquire(ids, Tier.HOST, Access.WRITE)
                 for v in (0, 1):

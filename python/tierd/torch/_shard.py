@@ -14,7 +14,16 @@ the buckets before it, and step() issues whatever backward did not. Each buffer 
 element per parameter: the count of ranks that had a gradient for it (reduces) or the flags its
 owner stepped it with (broadcasts), so that a parameter no rank had a gradient for is left as it
 is, as in one process (DDP averages over the ranks, the ranks without one adding zeros).
+
+A bucket whose weights and gradient chunks the ranks of each node share (share_ranks: b.nodes,
+_ranks.Nodes) moves less. Its gradients: the counts alone are reduced over the node to the
+bucket's node owner (the rank of the owner's local index), which sums the node's gradients where
+they lie, in local rank order; on several nodes, the node sums (with the counts) are reduced over
+the node owners to the owner (torch.distributed's order, fixed for a number of nodes). Its new
+weights: the owner writes them into its node's next version, broadcasts them to the other nodes'
+node owners (into theirs), and each node owner tells its node the flags alone.
 """
+import collections
 from typing import Iterator, List, Optional
 
 import torch
@@ -28,6 +37,10 @@ def _global_rank(group, rank: int) -> int:
         return rank
     convert = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
     return convert(group, rank)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Comm:
@@ -55,8 +68,11 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self._next = 0       # the next bucket whose reduce is to be issued this step
-        self._works = {}     # bucket index -> its reduce in flight
+        self._works = {}     # bucket serial -> the reduce into this rank, its owner, in flight
+        self._summing = collections.deque()  # (bucket, its reduce over the node) to sum here
+        self._sent = []      # this rank's reduces into other ranks, waited for at the end
         self.early = 0       # reduces issued during this step's backward
+        self.moved = 0       # bytes this rank put through torch.distributed since take_moved()
 
     def assign(self, buckets, existing) -> None:
         """Sets each new bucket's owner (balanced by parameters with the `existing` ones, the same
@@ -113,17 +129,51 @@ class Comm:
                 b.event.synchronize()
             b.need_grad()
             b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.got])
-            # A bucket the node's ranks share sends the counts alone: its owner reads the
-            # gradients where each rank left them (sum_gradients) once the counts are in.
-            message = b.grad_ext[b.numel:] if b.shared else b.grad_ext
-            self._works[b.serial] = dist.reduce(message, dst=_global_rank(self.group, b.owner),
-                                                group=self.group, async_op=True)
+            owner = _global_rank(self.group, b.owner)
+            nodes = b.nodes
+            if nodes is None:
+                work = dist.reduce(b.grad_ext, dst=owner, group=self.group, async_op=True)
+                self._works[b.serial] = work
+                self.moved += _nbytes(b.grad_ext)
+            else:  # the counts alone, to the rank of the node that sums the node's gradients
+                here = nodes.node_owner(owner)
+                work = dist.reduce(b.grad_ext[b.numel:], dst=here, group=nodes.group,
+                                   async_op=True)
+                self.moved += _nbytes(b.grad_ext[b.numel:])
+                if here == dist.get_rank():
+                    self._summing.append((b, work))
+                else:
+                    self._sent.append(work)
             self._next += 1
+        self._sum_nodes(wait=False)
+
+    def _sum_nodes(self, wait: bool) -> None:
+        """The node's sums of the shared buckets this rank is the node owner of, in bucket order,
+        as their counts are in (waiting for each when `wait`); on several nodes, each sum then
+        reduced over the node owners into the bucket's owner."""
+        while self._summing:
+            b, work = self._summing[0]
+            if not (wait or work.is_completed()):
+                return
+            work.wait()
+            self._summing.popleft()
+            b.sum_gradients()
+            owner, peers = _global_rank(self.group, b.owner), b.nodes.peers
+            if peers is None:  # one node: its sum is the job's
+                self._works[b.serial] = work
+                continue
+            work = dist.reduce(b.grad_ext, dst=owner, group=peers, async_op=True)
+            self.moved += _nbytes(b.grad_ext)
+            if owner == dist.get_rank():
+                self._works[b.serial] = work
+            else:
+                self._sent.append(work)
 
     def reduced(self, owned, wait: bool) -> Iterator:
         """Of this rank's buckets `owned`, those whose reduce has finished (waiting for each when
         `wait`), once each, averaged, with `has` saying which parameters any rank had a gradient
-        for."""
+        for. First the node sums this rank forms (_sum_nodes), for its own buckets and others'."""
+        self._sum_nodes(wait)
         for b in owned:
             work = self._works.get(b.serial)
             if work is None or not (wait or work.is_completed()):
@@ -131,8 +181,6 @@ class Comm:
             work.wait()
             del self._works[b.serial]
             b.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
-            if b.shared:
-                b.sum_gradients()
             b.grad.div_(self.world)
             yield b
 
@@ -146,25 +194,53 @@ class Comm:
 
     # ---- weights ----
 
+    def writes_next(self, b) -> bool:
+        """Whether this rank's `out` of bucket b receives its new weights: every rank's, or of a
+        bucket the node's ranks share, the owner's and the node owners' (their node's next
+        version)."""
+        nodes = b.nodes
+        return nodes is None or nodes.node_owner(_global_rank(self.group, b.owner)) == \
+            dist.get_rank()
+
     def broadcast_weights(self, buckets, stepped) -> List:
         """Every bucket's new weights (its `out` buffer, with the flags its owner stepped each
         parameter with) from its owner to every rank; returns (bucket, flags) of the buckets whose
-        owner stepped them. A bucket the node's ranks share (b.shared) sends its flags alone:
-        its owner wrote the shared next version, made whole before the flags leave, so every
-        rank may flip it once they arrive."""
-        works, messages = [], []
-        for b in buckets:
-            message = b.out_ext[b.numel:] if not b.shared else torch.zeros(len(b.sizes))
+        owner stepped them. A bucket the node's ranks share (b.nodes) has its owner make its
+        node's next version whole, the other nodes' node owners receive it into theirs, and each
+        node owner then sends its node the flags alone: every rank may flip once they arrive."""
+        for b in buckets:  # the flags into the owner's `out`
             if b.owner == self.rank:
                 launched = any(b is s for s in stepped)
                 flags = [b.flags[i] if launched else 0 for i in range(len(b.sizes))]
-                if b.shared and any(flags):
+                if b.nodes is not None and any(flags):
                     b.finish_next(flags)
-                message.copy_(torch.tensor([float(f) for f in flags]))
+                b.out_ext[b.numel:] = torch.tensor([float(f) for f in flags])
+        across = {}  # shared buckets' weights to the other nodes first, all issued at once
+        for b in buckets:
+            nodes = b.nodes
+            if nodes is not None and nodes.peers is not None and self.writes_next(b):
+                across[b.serial] = dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
+                                                  group=nodes.peers, async_op=True)
+                self.moved += _nbytes(b.out_ext)
+        works, messages = [], []
+        for b in buckets:
+            nodes = b.nodes
+            if nodes is None:
+                messages.append(b.out_ext[b.numel:])
+                works.append(dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
+                                            group=self.group, async_op=True))
+                self.moved += _nbytes(b.out_ext)
+                continue
+            message = torch.zeros(len(b.sizes))
+            if self.writes_next(b):
+                if b.serial in across:
+                    across.pop(b.serial).wait()
+                message.copy_(b.out_ext[b.numel:])
             messages.append(message)
-            works.append(dist.broadcast(b.out_ext if not b.shared else message,
-                                        src=_global_rank(self.group, b.owner),
-                                        group=self.group, async_op=True))
+            works.append(dist.broadcast(
+                message, src=nodes.node_owner(_global_rank(self.group, b.owner)),
+                group=nodes.group, async_op=True))
+            self.moved += _nbytes(message)
         for w in works:
             w.wait()
         out = []
@@ -176,18 +252,33 @@ class Comm:
 
     def share_params(self, buckets) -> None:
         """Every bucket's parameters as its owner has them (after a resume, or when the ranks
-        began from different weights)."""
+        began from different weights). A bucket the node's ranks share: to each node's copy,
+        through its node owner."""
         for b in buckets:
-            if b.numel == 0 or b.shared:  # the ranks of the node read the same weights
+            nodes, owner = b.nodes, _global_rank(self.group, b.owner)
+            if b.numel == 0 or (nodes is not None and (nodes.peers is None
+                                                      or not self.writes_next(b))):
                 continue
             flat = torch.cat([b.weight(i) for i in range(len(b.sizes))])
-            dist.broadcast(flat, src=_global_rank(self.group, b.owner), group=self.group)
+            dist.broadcast(flat, src=owner, group=self.group if nodes is None else nodes.peers)
             if b.owner != self.rank:
                 b.set_weights(flat)
+        if any(b.nodes is not None and b.nodes.peers is not None for b in buckets):
+            self.barrier()  # the node's other ranks read its copy once it is written
+
+    def take_moved(self) -> int:
+        """The bytes of gradients, counts and weights this rank sent or received through
+        torch.distributed since the last call (each collective's buffer, once)."""
+        moved, self.moved = self.moved, 0
+        return moved
 
     def end_step(self) -> None:
-        for work in self._works.values():  # an abandoned step: let what was issued finish
+        # The reduces into other ranks read this rank's buffers until done; and an abandoned
+        # step: let what was issued finish.
+        for work in [*self._sent, *self._works.values(), *(w for _, w in self._summing)]:
             work.wait()
         self._works.clear()
+        self._sent.clear()
+        self._summing.clear()
         self._next = 0
         self.early = 0

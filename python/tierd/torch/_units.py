@@ -72,7 +72,7 @@ class Unit:
         self.held = None            # a host unit's acquisition of both versions, kept
         self.views: Dict[int, torch.Tensor] = {}  # version -> uint8 view of a held chunk
         self.base = None            # its chunk of a shared base (_base.BaseChunk), if any
-        # share_ranks on one node: the ranks' gradient chunks (by local rank; _ranks.py), this
+        # share_ranks: the gradient chunks of the node's ranks (by local rank; _ranks.py), this
         # rank's among them; its ranges' gradients at their offsets, as the weights.
         self.grad_slabs: Optional[List[int]] = None
         self.slab = 0
@@ -384,6 +384,8 @@ class Units:
         read where each rank's backward left them: ((g0 + g1) + g2) + ..., in rank order, in the
         range's dtype, whichever rank sums."""
         others = [k for k in range(len(u.grad_slabs)) if k != u.slab]
+        if not others:  # one rank on the node: its gradients are the node's sum
+            return
         held = self.client.acquire([u.grad_slabs[k] for k in others], Tier.HOST, Access.READ)
         try:
             views = {k: self.range_view(as_tensor(held, i, torch.uint8, [u.chunk_bytes]),

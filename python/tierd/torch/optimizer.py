@@ -294,6 +294,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                     self.skipped_steps += 1
                     self._end_step()
                     self.last_stats = {"skipped": 1.0, "rolled_back": float(rolled_back),
+                                       "dist_bytes": self._dist_bytes(),
                                        "tail_s": time.perf_counter() - start}
                     return loss
             self._begin(1.0)
@@ -368,8 +369,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         stats.update({"buckets": float(len([b for b in self._layout.owned if b.active])),
                       "buckets_during_backward": float(early),
                       "reduces_during_backward": float(reduces_early),
-                      "rolled_back": float(rolled_back), "tail_s": time.perf_counter() - start})
+                      "rolled_back": float(rolled_back), "dist_bytes": self._dist_bytes(),
+                      "tail_s": time.perf_counter() - start})
         self.last_stats = stats
+
+    def _dist_bytes(self) -> float:
+        return float(self._comm.take_moved()) if self._comm is not None else 0.0
 
     def _drain(self) -> None:
         if self._release is not None:

@@ -433,11 +433,12 @@ class StreamRange:
         self._grads_aside = False
 
     @property
-    def shared(self) -> bool:
-        """Whether every rank of the job shares the range's chunks (share_ranks, one node): its
-        next version is its owner's to write, and every rank flips it."""
+    def nodes(self):
+        """With share_ranks, the job's ranks by node (_ranks.Nodes): the ranks of each node share
+        the range's chunks, its next version is written by one rank of the node (the bucket's
+        owner, or its node owner) and every rank flips it. None: the chunks are this rank's."""
         ranks = self._stream._ranks
-        return ranks is not None and ranks.whole_job_here
+        return ranks.nodes if ranks is not None else None
 
     @property
     def pages(self) -> bool:
@@ -525,8 +526,8 @@ class StreamRange:
         return self._grads_aside
 
     def sum_gradients(self) -> None:
-        """Every rank's gradients of the range (shared: each left in the daemon's memory by its
-        backward) summed into this rank's, held: the owner's reduce, without moving them."""
+        """The gradients of the node's ranks of the range (each left in the daemon's memory by
+        its backward) summed into this rank's, held: a reduce over the node, nothing moved."""
         self._stream._units.sum_rank_grads(self._unit, self._check(), self.gradients())
 
     def set_gradients_aside(self, free: bool) -> None:
@@ -687,8 +688,10 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
     share_ranks: with torch.distributed initialised, the job's ranks on each node stream one set
         of weights (each unit's two versions) instead of one each: the node's first rank writes
         them, OffloadedAdamW (sharded over the ranks) has each bucket's owner step it into the
-        shared next version, and every rank flips it at the same point of the step. Needs the
-        same `name` on every rank and the sessions' job declared ($TIERD_JOB).
+        shared next version, and every rank flips it at the same point of the step. The ranks'
+        gradients are summed in the node's memory; on several nodes (as many ranks on each),
+        only the node sums and each node's new weights travel between them. Needs the same
+        `name` on every rank and the sessions' job declared ($TIERD_JOB).
         (docs/streaming.md, "A job's ranks on one node")
     shared_base: the name of a shared base on the node ("llama-3-8b@main"): every streamed
         parameter is frozen and read from one read-only copy that every job on the node opens
