@@ -1,9 +1,10 @@
 """share_ranks: the ranks of a data-parallel job on one node (one daemon) streaming one set of
 weights, started by torchrun, each a session of the daemon: the same training as each rank
 streaming its own copy (bit for bit with two ranks; within the rounding of the sum's order with
-four), with accumulation, clipping and a skipped step, across a daemon restart; one base the
-job's ranks write, gone with the job; a rank with another model or a rank killed mid-step ending
-the job at once and leaving nothing. Two nodes of two ranks are in test_multinode.py."""
+four) and as one process taking the ranks' shares as micro-batches, with accumulation, clipping
+and a skipped step, across a daemon restart; one base the job's ranks write, gone with the job; a
+rank with another model or a rank killed mid-step ending the job at once and leaving nothing. Two
+nodes of one and two ranks are in test_multinode.py."""
 import os
 import re
 import subprocess
@@ -67,6 +68,21 @@ def test_ranks_sharing_one_copy_accumulate_and_skip_as_ranks_with_a_copy_each(da
     assert got[True]["losses"] == got[False]["losses"]
     for k, v in got[True]["weights"].items():
         assert torch.equal(got[False]["weights"][k], v), k
+
+
+def test_ranks_sharing_one_copy_train_as_one_process_with_their_micro_batches(daemon, tmp_path):  # noqa: F811,E501
+    """Two ranks sharing one copy, each a half of the batch, and one process taking the two
+    halves as two micro-batches a step, with clipping: bit for bit. The ranks' (g0 + g1) / 2 and
+    the process's g0 / 2 + g1 / 2 are the same bits (halving is exact); the clipping norm's
+    squares are summed in another order, but in float64, and rounded to float32 alike."""
+    script = os.path.join(HERE, "share_ranks_rank.py")
+    ranks, one = str(tmp_path / "ranks.pt"), str(tmp_path / "one.pt")
+    torchrun(script, daemon, ranks, "--steps", "4", ranks=2)
+    torchrun(script, daemon, one, "--steps", "4", "--micro-batches", "2", ranks=1)
+    got, want = torch.load(ranks), torch.load(one)
+    assert got["losses"] == want["losses"]
+    for k, v in want["weights"].items():
+        assert torch.equal(got["weights"][k], v), k
 
 
 def test_the_ranks_share_one_base_that_goes_with_the_job(daemon, tmp_path):  # noqa: F811
