@@ -7,14 +7,18 @@ global batch; rank 0 reports the host tier's bytes (the most after a step: every
 made), the median step and the losses. Then the gradients' sum alone: each rank's --reduce-mib of
 fp32 gradients in the daemon's memory, each rank summing its shard of them from every rank's in
 rank order (what share_ranks's owners do), beside gloo reducing the same bytes to each shard's
-owner (what each rank with its own copy does) and gloo's all_reduce of them.
+owner (what each rank with its own copy does) and gloo's all_reduce of them. Last, two nodes
+(two daemons on this machine, a torchrun each) of --per-node ranks each way: the bytes the
+ranks' gradients and new weights put through torch.distributed a step (share_ranks: only the node
+sums and each node's new weights), each node's host tier and the step.
 
-    python3 bench/rank_stream.py [--ranks 1,2,4] [--layers 8 --d-model 512]
+    python3 bench/rank_stream.py [--ranks 1,2,4] [--layers 8 --d-model 512] [--per-node 2]
 """
 import argparse
 import json
 import os
 import statistics
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +46,8 @@ def arguments():
     ap.add_argument("--reduce-mib", type=int, default=64,
                     help="each rank's gradients for the sum's comparison (0: skip it)")
     ap.add_argument("--sum", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--per-node", type=int, default=2,
+                    help="ranks on each of two nodes for the nodes' comparison (0: skip it)")
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
@@ -71,7 +77,7 @@ def rank(args):
     probe = connect(args.child, "bench probe")
     host = 0  # the host tier's bytes, the most after a step (each rank's gradients made)
     g = torch.Generator().manual_seed(7)
-    times, losses = [], []
+    times, losses, moved = [], [], []
     for _ in range(args.steps):
         x = torch.randint(0, 256, (args.batch, args.ctx + 1), generator=g)
         xs = x.chunk(world)[r]
@@ -87,10 +93,16 @@ def rank(args):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
+        sent = torch.tensor(opt.last_stats["dist_bytes"], dtype=torch.float64)
+        dist.all_reduce(sent)
+        moved.append(float(sent))
+    nodes = [None] * world  # each node's host tier (its daemon's socket directory)
+    dist.all_gather_object(nodes, (args.child, host))
     if r == 0:
         with open(args.out, "w") as f:
             json.dump({"host_bytes": host, "step_s": statistics.median(times[1:]),
-                       "losses": losses}, f)
+                       "losses": losses, "dist_bytes": statistics.median(moved[1:]),
+                       "node_host_bytes": list(dict(nodes).values())}, f)
     probe.close()
     opt.close()
     stream.close()
@@ -181,6 +193,37 @@ def run(args, ranks, share, reduce=False):
         return got
 
 
+def run_nodes(args, per_node, share):
+    """The training on two nodes (two daemons, a torchrun each with one c10d rendezvous)."""
+    import benchlib
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme="4GiB") as a, \
+            benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme="4GiB") as b:
+        out = tempfile.mktemp(suffix=".json")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for sock in (a, b):
+            cmd = [sys.executable, "-m", "tierd.torchrun", "--nnodes=2",
+                   f"--nproc_per_node={per_node}", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=bench-nodes",
+                   "--max_restarts=0", os.path.abspath(__file__), "--child", sock, "--out", out,
+                   "--layers", str(args.layers), "--d-model", str(args.d_model), "--ctx",
+                   str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
+            if share:
+                cmd.append("--share")
+            env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, env=env))
+        outs = [p.communicate()[0] for p in procs]
+        if any(p.returncode != 0 for p in procs):
+            sys.exit("\n".join(o[-3000:] for o in outs))
+        with open(out) as f:
+            got = json.load(f)
+        os.unlink(out)
+        return got
+
+
 def main():
     args = arguments()
     if args.child is not None:
@@ -212,6 +255,19 @@ def main():
             print(f"  {ranks} ranks: through the daemon's memory {shm * 1e3:6.1f} ms   gloo "
                   f"reduce to each shard's owner {red * 1e3:6.1f} ms ({red / shm:.1f} x)   gloo "
                   f"all_reduce {allr * 1e3:6.1f} ms ({allr / shm:.1f} x)   right: {got['ok']}")
+    if args.per_node:
+        own = run_nodes(args, args.per_node, False)
+        one = run_nodes(args, args.per_node, True)
+        print(json.dumps({"nodes": 2, "per_node": args.per_node, "own": own, "shared": one}))
+        print(f"Two nodes of {args.per_node} ranks, a step (median), all ranks:")
+        for what, got in (("own copies", own), ("shared   ", one)):
+            print(f"  {what}: through torch.distributed {got['dist_bytes'] / mib:7.1f} MiB   "
+                  "host tier " + " + ".join(f"{h / mib:.1f}" for h in got["node_host_bytes"]) +
+                  f" MiB   step {got['step_s'] * 1e3:5.0f} ms")
+        print(f"  shared / own: torch.distributed {one['dist_bytes'] / own['dist_bytes']:.2f} x"
+              f"   host tier {sum(one['node_host_bytes']) / sum(own['node_host_bytes']):.2f} x"
+              f"   step {one['step_s'] / own['step_s']:.2f} x   losses within 1e-4: "
+              f"{all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(one['losses'], own['losses']))}")
 
 
 if __name__ == "__main__":
