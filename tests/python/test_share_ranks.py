@@ -73,8 +73,8 @@ def test_ranks_sharing_one_copy_accumulate_and_skip_as_ranks_with_a_copy_each(da
 def test_ranks_sharing_one_copy_train_as_one_process_with_their_micro_batches(daemon, tmp_path):  # noqa: F811,E501
     """Two ranks sharing one copy, each a half of the batch, and one process taking the two
     halves as two micro-batches a step, with clipping: bit for bit. The ranks' (g0 + g1) / 2 and
-    the process's g0 / 2 + g1 / 2 are the same bits (halving is exact); the clipping norm's
-    squares are summed in another order, but in float64, and rounded to float32 alike."""
+    the process's g0 / 2 + g1 / 2 are the same bits (halving is exact), and the clipping norm is
+    formed from every rank's per-parameter norms as one process forms it."""
     script = os.path.join(HERE, "share_ranks_rank.py")
     ranks, one = str(tmp_path / "ranks.pt"), str(tmp_path / "one.pt")
     torchrun(script, daemon, ranks, "--steps", "4", ranks=2)

@@ -24,7 +24,7 @@ weights: the owner writes them into its node's next version, broadcasts them to 
 node owners (into theirs), and each node owner tells its node the flags alone.
 """
 import collections
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -184,13 +184,14 @@ class Comm:
             b.grad.div_(self.world)
             yield b
 
-    def grad_norm(self, norms: List[torch.Tensor]) -> torch.Tensor:
-        """The global L2 norm over every rank's gradients, from this rank's per-parameter norms."""
-        squares = torch.zeros((), dtype=torch.float64)
-        if norms:
-            squares = torch.stack(norms).double().square().sum()
-        dist.all_reduce(squares, group=self.group)
-        return squares.sqrt().float()
+    def gather_norms(self, keyed: List[Tuple[int, torch.Tensor]]) -> List:
+        """Every rank's (key, per-parameter norm) pairs, from this rank's: the parameters of its
+        buckets. A few bytes a parameter, so that the global norm is formed as one process forms
+        it (each rank the same, in the same order)."""
+        mine = [(k, n.item(), n.dtype) for k, n in keyed]  # a float holds any norm's value
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        return [(k, torch.tensor(n, dtype=dtype)) for pairs in every for k, n, dtype in pairs]
 
     # ---- weights ----
 

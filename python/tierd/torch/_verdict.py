@@ -59,7 +59,8 @@ class Verdict:
         """As clip_grad_norm_: each gradient's 2-norm (of the parameters that have one), then the
         norm of those (of the gradients times `inv` when given, as unscaling them would make).
         In the parameter groups' order (as clip_grad_norm_ over the model's parameters), not the
-        buckets': the norm is one float sum whatever the bucketing. Sharded: over every rank."""
+        buckets': the norm is one float sum whatever the bucketing. Sharded: every rank's norms
+        gathered, then the same sum, so that it is the one process's norm bit for bit."""
         order = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
         keyed = []
         for b in buckets:
@@ -69,9 +70,9 @@ class Verdict:
                        torch.norm(values if inv is None else values * inv, 2.0))
                       for i, values in b.slices(b.grad) if b.has[i]]
             b.grads_aside()  # one bucket's gradients in memory at a time
+        if self._comm is not None:  # every rank's norms, then the same sum as below
+            keyed = self._comm.gather_norms(keyed)
         norms = [n for _, n in sorted(keyed, key=lambda kv: kv[0])]
-        if self._comm is not None:
-            return self._comm.grad_norm(norms)
         if not norms:
             return torch.zeros(())
         return torch.norm(torch.stack(norms), 2.0)
