@@ -70,6 +70,7 @@ bench: build
 	$(PYTHON) bench/pretrained.py --build $(BUILD)
 	$(PYTHON) bench/shared_base.py --build $(BUILD)
 	$(PYTHON) bench/rank_stream.py --build $(BUILD)
+	$(PYTHON) bench/deepspeed_side_by_side.py --build $(BUILD)
 
 # The GPU kit (gpu-kit/tierd-gpu-kit.tar.gz): the CUDA build's daemon, client, tests and benches
 # with the Debian libraries they load, to unpack and run on a GPU machine (docs/gpu.md).

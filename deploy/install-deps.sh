@@ -12,7 +12,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pytest python3-numpy python3-yaml python3-tqdm python3-grpcio
   python3-protobuf
-  fio patchelf
+  fio patchelf libaio-dev
 )
 
 missing=()

@@ -31,7 +31,8 @@ mkdir -p "$kit/python/tierd/torch"
 cp "$src"/python/tierd/*.py "$kit/python/tierd/"
 cp "$src"/python/tierd/torch/*.py "$kit/python/tierd/torch/"
 cp "$src/bench/adam_torch.py" "$src/bench/train_step.py" "$src/bench/activation_offload.py" \
-  "$src/bench/param_stream.py" "$src/bench/benchlib.py" "$kit/bench/"
+  "$src/bench/param_stream.py" "$src/bench/benchlib.py" "$src/bench/deepspeed_side_by_side.py" \
+  "$kit/bench/"
 mkdir -p "$kit/examples"
 cp "$src/examples/train_gpt.py" "$kit/examples/"
 

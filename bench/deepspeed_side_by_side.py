@@ -1,0 +1,312 @@
+"""tierd beside DeepSpeed, measured in one run: the same Llama-shaped model, data, batch and AdamW
+hyperparameters trained by
+
+  ds-offload   DeepSpeed ZeRO-3, offload_optimizer to the CPU (DeepSpeedCPUAdam)
+  ds-infinity  DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe (ZeRO-Infinity)
+  tierd-state  tierd's OffloadedAdamW, its state at home on NVMe (the weights in memory)
+  tierd-stream tierd streaming the weights (at home on NVMe) and OffloadedAdamW's state on NVMe
+
+each in a process of its own (DeepSpeed: its CPU accelerator and gloo on a machine without a GPU,
+its CUDA one with a GPU; tierd: a fresh daemon, its NVMe region a file beside DeepSpeed's swap
+directory), alternating mode by mode for --rounds rounds. Each child takes one warm-up step and
+--steps timed ones; it reports its median step, its peak RSS (VmHWM), the bytes it and its daemon
+read and wrote to storage over the timed steps (/proc/PID/io) and its losses. A mode that cannot
+run here is reported with its error. The table gives each mode's step as a ratio to tierd's
+streamed one, and the losses' largest difference from the first mode's.
+
+    python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
+        [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
+        [--device cpu|cuda]
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)
+
+MODES = ["ds-offload", "ds-infinity", "tierd-state", "tierd-stream"]
+HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def arguments():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps a child, after a warm-up")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=1376)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dir", default=None, help="where NVMe files go (DeepSpeed's swap, tierd's "
+                    "region): a temporary directory under the build directory by default")
+    ap.add_argument("--host-capacity", default="1GiB", help="tierd's host tier (the daemon "
+                    "maps and populates it whole at start: its RSS)")
+    ap.add_argument("--nvme", default="8GiB")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--socket-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lr", type=float, default=HYPER["lr"])
+    args = ap.parse_args()
+    os.environ.setdefault("TIERD_CLIENT_LIB",
+                          os.path.join(args.build, "client", "libtierd_client.so.0"))
+    return args
+
+
+# ---- a child: one mode's training ----
+
+def _status(pid, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _io(pid) -> list:
+    """Bytes the process read from and wrote to storage (not the page cache)."""
+    got = {}
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            got[k] = int(v)
+    return [got["read_bytes"], got["write_bytes"]]
+
+
+def model_of(args):
+    import torch
+    import transformers
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, tie_word_embeddings=False,
+        max_position_embeddings=max(args.seq, 128))
+    torch.manual_seed(0)  # the same initial weights in every mode
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def batches(args, n):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(n)]
+
+
+def deepspeed_engine(args, model, swap):
+    import deepspeed
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "stage3_param_persistence_threshold": 0}
+    if args.child == "ds-infinity":
+        largest = max(p.numel() for p in model.parameters())
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False,
+                                 "buffer_count": 5, "buffer_size": largest}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False,
+                                     "buffer_count": 4}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "zero_optimization": zero, "gradient_clipping": 0.0, "steps_per_print": 1 << 30,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": HYPER["lr"], "betas": list(HYPER["betas"]), "eps": HYPER["eps"],
+            "weight_decay": HYPER["weight_decay"]}},
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+                "single_submit": False, "overlap_events": True},
+        "bf16": {"enabled": args.dtype == "bf16"},
+    }
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    return engine
+
+
+def child(args) -> None:
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    mode = args.child
+    device = torch.device(args.device)
+    data = batches(args, 1 + args.steps)
+    model = model_of(args)
+    daemon_pid = probe = None
+    cleanup = []
+    HYPER["lr"] = args.lr
+    if mode.startswith("ds-"):
+        swap = os.path.join(args.dir, f"swap-{os.getpid()}")
+        os.makedirs(swap, exist_ok=True)
+        engine = deepspeed_engine(args, model.to(device), swap)
+
+        def step(x):
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+    else:
+        import tierd.torch
+        with open(os.path.join(args.socket_dir, "tierd.lock")) as f:
+            daemon_pid = int(f.read().split()[0])
+        probe = tierd.connect(args.socket_dir, "bench probe")
+        cleanup.append(probe.close)
+        if mode == "tierd-stream":
+            stream = tierd.torch.stream_parameters(
+                model, device=device, device_budget_bytes=8 << 30, host_budget_bytes=0,
+                socket_dir=args.socket_dir, name="bench/ds-stream")
+            cleanup.append(stream.close)
+        else:
+            model.to(device)
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
+                                         host_budget_bytes=256 << 20, overlap_backward=True,
+                                         socket_dir=args.socket_dir, name="bench/ds-state",
+                                         reset=True)
+        cleanup.insert(0, opt.close)
+
+        def step(x):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    losses, times = [], []
+    io = None
+    host = 0  # the daemon's host tier in use, the most after a step
+    for k, x in enumerate(data):
+        if k == 1:  # after the warm-up step
+            io = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
+        x = x.to(device)
+        t0 = time.perf_counter()
+        loss = step(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))
+        if probe is not None:
+            host = max(host, probe.tier_usage(tierd.Tier.HOST).used_bytes)
+    after = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
+    moved = [sum(a[i] - b[i] for a, b in zip(after, io)) for i in (0, 1)]
+    out = {"mode": mode, "step_s": statistics.median(times[1:]), "steps_s": times[1:],
+           "losses": losses, "peak_rss": _status("self", "VmHWM"),
+           "read_bytes": moved[0] / args.steps, "written_bytes": moved[1] / args.steps,
+           "host_tier_peak": host}
+    for close in cleanup:
+        close()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ---- the parent: alternate the modes ----
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _memlock_unlimited():  # DeepSpeed's aio pins its buffers
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY,
+                                                     resource.RLIM_INFINITY))
+    except (ValueError, OSError):
+        pass
+
+
+def run_child(args, mode, directory):
+    import benchlib
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", directory,
+           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
+           "--layers", str(args.layers), "--heads", str(args.heads), "--vocab", str(args.vocab),
+           "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
+           "--dtype", args.dtype, "--device", args.device, "--build", args.build,
+           "--lr", str(args.lr)]
+    path = os.pathsep.join([os.path.join(ROOT, "python")] + [os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               LOCAL_WORLD_SIZE="1")
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+
+    def launch(extra):
+        r = subprocess.run(cmd + extra, capture_output=True, text=True, env=env,
+                           preexec_fn=_memlock_unlimited)
+        for line in r.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        text = (r.stdout + r.stderr).strip().splitlines()
+        errors = [ln for ln in text if "Error" in ln or "error:" in ln]
+        return {"mode": mode, "error": (errors[-1] if errors else text[-1] if text else
+                                        f"exit status {r.returncode}")[:400]}
+    if not mode.startswith("tierd"):
+        return launch([])
+    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         nvme=args.nvme) as sock:
+        got = launch(["--socket-dir", sock])
+        got["daemon_peak_rss"] = benchlib.daemon_peak_rss(sock)
+        return got
+
+
+def report(args, runs) -> None:
+    mib = 1 << 20
+    modes = [m for m in args.modes.split(",") if m in runs]
+    print(f"\nLlama-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+          f"{args.dtype}, batch {args.batch} x {args.seq} tokens, AdamW "
+          f"{dict(HYPER, lr=args.lr)}; "
+          f"{args.rounds} rounds of {args.steps} timed steps, median:")
+    ok = {m: [r for r in runs[m] if "error" not in r] for m in modes}
+    first = next((m for m in modes if ok[m]), None)
+    ref = statistics.median(r["step_s"] for r in ok["tierd-stream"]) \
+        if ok.get("tierd-stream") else None
+    for m in modes:
+        if not ok[m]:
+            print(f"  {m:13s} could not run here: {runs[m][0]['error']}")
+            continue
+        step = statistics.median(r["step_s"] for r in ok[m])
+        rss = max(r["peak_rss"] for r in ok[m])
+        daemon = max((r.get("daemon_peak_rss", 0) for r in ok[m]), default=0)
+        host = max((r.get("host_tier_peak", 0) for r in ok[m]), default=0)
+        read = statistics.median(r["read_bytes"] for r in ok[m])
+        written = statistics.median(r["written_bytes"] for r in ok[m])
+        diff = max(abs(a - b) / abs(b) for r in ok[m] for a, b in
+                   zip(r["losses"], ok[first][0]["losses"]))
+        ratio = f"{step / ref:5.2f} x tierd-stream" if ref else ""
+        print(f"  {m:13s} step {step * 1e3:7.0f} ms  {ratio}   peak RSS {rss / mib:6.0f} MiB"
+              + (f" + daemon {daemon / mib:5.0f} MiB (its host tier: {host / mib:.0f} MiB in "
+                 "use)" if daemon else "")
+              + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
+              f"MiB   losses vs {first}: {diff:.1e}")
+    print(json.dumps({"args": vars(args), "runs": runs}))
+
+
+def main():
+    args = arguments()
+    if args.child is not None:
+        return child(args)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"unknown modes {unknown}: {MODES}")
+    top = args.dir or os.path.join(args.build, "bench-tmp")
+    os.makedirs(top, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="ds-side-by-side-", dir=top)
+    runs = {m: [] for m in modes}
+    try:
+        for rnd in range(args.rounds):
+            for m in modes:
+                got = run_child(args, m, directory)
+                print(json.dumps({"round": rnd, **got}), flush=True)
+                runs[m].append(got)
+    finally:
+        subprocess.run(["rm", "-rf", directory])
+    report(args, runs)
+
+
+if __name__ == "__main__":
+    main()
