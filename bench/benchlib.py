@@ -63,13 +63,39 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def proc_status(pid="self") -> Dict[str, int]:
+    """A process's memory figures from /proc/PID/status, in bytes: each line given in kB (VmHWM,
+    VmRSS, RssAnon, RssShmem, RssFile, ...)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields = value.split()
+            if len(fields) == 2 and fields[1] == "kB":
+                out[key] = int(fields[0]) * 1024
+    return out
+
+
+def daemon_pid(root: str) -> int:
+    """The pid of the daemon whose socket directory is `root` (from its lock file)."""
+    with open(os.path.join(root, "tierd.lock")) as f:
+        return int(f.read().split()[0])
+
+
 def daemon_peak_rss(root: str) -> int:
     """The daemon's peak resident set (VmHWM) so far, in bytes."""
-    pid = int(open(os.path.join(root, "tierd.lock")).read().split()[0])
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status(daemon_pid(root)).get("VmHWM", 0)
+
+
+def llama_config(args, dtype: str, **more):
+    """The benchmarks' Llama shape from their flags (--vocab, --hidden, --intermediate,
+    --layers, --heads; as many key-value heads, an untied head), in `dtype` ("bfloat16",
+    "float32")."""
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, tie_word_embeddings=False, torch_dtype=dtype, **more)
 
 
 def requests(root: str) -> Dict[str, float]:

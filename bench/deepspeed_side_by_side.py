@@ -34,6 +34,8 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, HERE)
 
+import benchlib  # noqa: E402
+
 MODES = ["ds-offload", "ds-infinity", "tierd-state", "tierd-stream"]
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -69,14 +71,6 @@ def arguments():
 
 # ---- a child: one mode's training ----
 
-def _status(pid, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _io(pid) -> list:
     """Bytes the process read from and wrote to storage (not the page cache)."""
     got = {}
@@ -90,13 +84,10 @@ def _io(pid) -> list:
 def model_of(args):
     import torch
     import transformers
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, tie_word_embeddings=False,
-        max_position_embeddings=max(args.seq, 128))
-    torch.manual_seed(0)  # the same initial weights in every mode
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    config = benchlib.llama_config(args, str(dtype).removeprefix("torch."),
+                                   max_position_embeddings=max(args.seq, 128))
+    torch.manual_seed(0)  # the same initial weights in every mode
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
@@ -154,8 +145,7 @@ def child(args) -> None:
             return loss
     else:
         import tierd.torch
-        with open(os.path.join(args.socket_dir, "tierd.lock")) as f:
-            daemon_pid = int(f.read().split()[0])
+        daemon_pid = benchlib.daemon_pid(args.socket_dir)
         probe = tierd.connect(args.socket_dir, "bench probe")
         cleanup.append(probe.close)
         if mode == "tierd-stream":
@@ -195,7 +185,7 @@ def child(args) -> None:
     after = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
     moved = [sum(a[i] - b[i] for a, b in zip(after, io)) for i in (0, 1)]
     out = {"mode": mode, "step_s": statistics.median(times[1:]), "steps_s": times[1:],
-           "losses": losses, "peak_rss": _status("self", "VmHWM"),
+           "losses": losses, "peak_rss": benchlib.proc_status()["VmHWM"],
            "read_bytes": moved[0] / args.steps, "written_bytes": moved[1] / args.steps,
            "host_tier_peak": host}
     for close in cleanup:
@@ -220,7 +210,6 @@ def _memlock_unlimited():  # DeepSpeed's aio pins its buffers
 
 
 def run_child(args, mode, directory):
-    import benchlib
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", directory,
            "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
            "--layers", str(args.layers), "--heads", str(args.heads), "--vocab", str(args.vocab),

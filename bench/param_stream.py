@@ -40,16 +40,6 @@ import benchlib  # noqa: E402
 VARIANTS = ("memory", "stream-host", "stream-nvme")
 
 
-def proc_status() -> dict:
-    """This process's memory figures from /proc (bytes): peak, resident, anonymous, shared."""
-    out = {}
-    for line in open("/proc/self/status"):
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssAnon", "RssShmem", "RssFile"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def reset_peak() -> None:
     """Starts the process's peak RSS (VmHWM) afresh from now: training's peak, not the model's
     construction in the process before it was streamed."""
@@ -231,7 +221,7 @@ def memory_of(args, variant):
             opt.zero_grad(set_to_none=True)
         with tierd.connect(root, "probe") as c:
             host = c.tier_usage(tierd.Tier.HOST).used_bytes
-        m = proc_status()
+        m = benchlib.proc_status()
         m.update(host_used=host, params=sum(p.numel() for p in model.parameters()))
         opt.close()
         if stream is not None:
@@ -254,7 +244,7 @@ def scale(args):
         t0 = time.perf_counter()
         model, opt, stream = setup(args, root, "stream-nvme", device)
         setup_s = time.perf_counter() - t0
-        built = proc_status()["VmHWM"]
+        built = benchlib.proc_status()["VmHWM"]
         reset_peak()
         params = sum(p.numel() for p in model.parameters())
         weights = params * torch.finfo(getattr(torch, args.dtype)).bits // 8
@@ -273,19 +263,19 @@ def scale(args):
             x, y = train_gpt.batch(data, step, Shape, device)
             t0 = time.perf_counter()
             loss = model(x, y)
-            anon = max(anon, proc_status()["RssAnon"])
+            anon = max(anon, benchlib.proc_status()["RssAnon"])
             loss.backward()
-            anon = max(anon, proc_status()["RssAnon"])
+            anon = max(anon, benchlib.proc_status()["RssAnon"])
             opt.step()
             opt.zero_grad(set_to_none=True)
-            anon = max(anon, proc_status()["RssAnon"])
+            anon = max(anon, benchlib.proc_status()["RssAnon"])
             st = stream.stats
             print(f"  step {step + 1}: loss {loss.item():.4f}, {time.perf_counter() - t0:.1f} s; "
                   f"device peak {st['device_peak_bytes'] / 2**20:.0f} MiB; compute waited "
                   f"{st['wait_s']:.1f} s in all", flush=True)
         with tierd.connect(root, "probe") as c:
             host = c.tier_usage(tierd.Tier.HOST)
-        m = proc_status()
+        m = benchlib.proc_status()
         print(f"  process peak RSS while training {m['VmHWM'] / 2**30:.2f} GiB, of which its own "
               f"(anonymous, the most after a forward, a backward or a step) "
               f"{anon / 2**30:.2f} GiB and the daemon's memory mapped in "

@@ -67,12 +67,8 @@ def arguments():
 
 
 def config(args):
-    import transformers
-    return transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, tie_word_embeddings=False,
-        torch_dtype="bfloat16" if args.dtype == "bf16" else "float32")
+    import benchlib
+    return benchlib.llama_config(args, "bfloat16" if args.dtype == "bf16" else "float32")
 
 
 def meta_model(args):
@@ -131,11 +127,8 @@ def fio(directory: str) -> float:
 
 
 def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    import benchlib
+    return benchlib.proc_status().get(key, 0)
 
 
 def child_import(args) -> None:

@@ -171,16 +171,19 @@ def reduce_rank(args):
     dist.destroy_process_group()
 
 
+def child_args(args, sock, out, share):
+    """This script as one rank: the daemon at `sock`, rank 0's report into `out`."""
+    return [os.path.abspath(__file__), "--child", sock, "--out", out, "--layers",
+            str(args.layers), "--d-model", str(args.d_model), "--ctx", str(args.ctx), "--batch",
+            str(args.batch), "--steps", str(args.steps)] + (["--share"] if share else [])
+
+
 def run(args, ranks, share, reduce=False):
     import benchlib
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme="4GiB") as sock:
         out = tempfile.mktemp(suffix=".json")
         cmd = [sys.executable, "-m", "tierd.torchrun", "--standalone", f"--nproc_per_node={ranks}",
-               os.path.abspath(__file__), "--child", sock, "--out", out,
-               "--layers", str(args.layers), "--d-model", str(args.d_model), "--ctx",
-               str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
-        if share:
-            cmd.append("--share")
+               *child_args(args, sock, out, share)]
         if reduce:
             cmd += ["--sum", "--reduce-mib", str(args.reduce_mib)]
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
@@ -207,11 +210,7 @@ def run_nodes(args, per_node, share):
             cmd = [sys.executable, "-m", "tierd.torchrun", "--nnodes=2",
                    f"--nproc_per_node={per_node}", "--rdzv_backend=c10d",
                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=bench-nodes",
-                   "--max_restarts=0", os.path.abspath(__file__), "--child", sock, "--out", out,
-                   "--layers", str(args.layers), "--d-model", str(args.d_model), "--ctx",
-                   str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps)]
-            if share:
-                cmd.append("--share")
+                   "--max_restarts=0", *child_args(args, sock, out, share)]
             env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1")
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, env=env))

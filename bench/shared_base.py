@@ -50,11 +50,8 @@ def arguments():
 
 
 def llama(args):
-    import transformers
-    return transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, tie_word_embeddings=False, torch_dtype="bfloat16")
+    import benchlib
+    return benchlib.llama_config(args, "bfloat16")
 
 
 def write_checkpoint(args, directory):
