@@ -100,10 +100,13 @@ class Unit:
         """Whether a chunk it reads is at home on NVMe (its own, or its part of a base)."""
         return self.home == Tier.NVME or (self.base is not None and self.base.home == Tier.NVME)
 
+    def in_base(self, p: torch.Tensor) -> bool:
+        """Whether parameter p is in its chunk of a shared base (read-only)."""
+        return any(q is p for r in self.base_ranges for q in r.params)
+
     def own_params(self) -> List[torch.Tensor]:
         """Its parameters in its own chunks (not in a shared base)."""
-        inside = {id(p) for r in self.base_ranges for p in r.params}
-        return [p for p in self.params if id(p) not in inside]
+        return [p for p in self.params if not self.in_base(p)]
 
     def current_chunks(self) -> List[int]:
         """The chunk ids of the versions its ranges read now."""
@@ -391,11 +394,14 @@ class Units:
             views = {k: self.range_view(as_tensor(held, i, torch.uint8, [u.chunk_bytes]),
                                         r)[:r.numel] for i, k in enumerate(others)}
             views[u.slab] = mine[:r.numel]
-            total = views[0].clone()
+            # Summed into this rank's own when it is the first (else a copy of the first, so
+            # that the order stays the same).
+            total = views[0] if u.slab == 0 else views[0].clone()
             for k in range(1, len(u.grad_slabs)):
                 total.add_(views[k])
-            mine[:r.numel].copy_(total)
-            del views
+            if u.slab != 0:
+                views[u.slab].copy_(total)
+            del views, total
         finally:
             held.release_deferred()
 

@@ -55,11 +55,6 @@ def stream_of(p: torch.Tensor) -> Optional["ParameterStream"]:
     return s
 
 
-def _in_base(s: "ParameterStream", p: torch.Tensor) -> bool:
-    u = s._units.unit_of(p)
-    return any(q is p for r in u.base_ranges for q in r.params)
-
-
 class ParameterStream:
     """The hooks and the chunks of stream_parameters(); see the module's text."""
 
@@ -227,10 +222,11 @@ class ParameterStream:
                                        "not during a forward or backward")
                 self._window.release(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
-                rest = by_dtype([p for p in u.own_params() if id(p) not in taken])
+                own = u.own_params()
+                rest = by_dtype([p for p in own if id(p) not in taken])
                 write = self._ranks is None or self._ranks.leader
-                own = {id(p) for p in u.own_params()}
-                values = {id(p): w for p, w in self._units.weights(u) if id(p) in own} \
+                mine = {id(p) for p in own}
+                values = {id(p): w for p, w in self._units.weights(u) if id(p) in mine} \
                     if write else {}
                 self._units.lay_out(u, groups + rest, 1, values, write=write)
                 if write:
@@ -580,7 +576,7 @@ def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
         if s is None:
             plain.append((key, p))
             continue
-        if _in_base(s, p):  # read-only: never stepped, and never given state
+        if s._units.unit_of(p).in_base(p):  # read-only: never stepped, never given state
             if p.requires_grad:
                 raise ValueError(f"OffloadedAdamW: a parameter of shape {tuple(p.shape)} is in "
                                  f"the shared base {s.shared_base!r}, which is read-only: keep "
