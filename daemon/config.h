@@ -36,6 +36,7 @@ struct DaemonConfig {
     uint64_t segment_size = 256ull << 20;
     double emulated_gbps = 24.0;
     int64_t emulated_latency_us = 10;
+    int64_t emulated_upload_failures_from = 0;
   } device;
   // [planner]
   struct Planner {

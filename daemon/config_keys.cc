@@ -142,6 +142,13 @@ constexpr ConfigKey kKeys[] = {
     {.key = "device.emulated_latency_us",
      .field = [](DaemonConfig& c) -> ConfigField { return &c.device.emulated_latency_us; },
      .help = "emulated device: latency added to each copy, in microseconds"},
+    {.key = "device.emulated_upload_failures_from",
+     .flag = "emulated_upload_failures_from",
+     .field = [](DaemonConfig& c) -> ConfigField {
+       return &c.device.emulated_upload_failures_from;
+     },
+     .help = "emulated device: the host-to-device copy of this number (from 1) and every later "
+             "one fail, as over a failing link (for tests); 0: none fail"},
     // [planner]
     {.key = "planner.probe_bytes",
      .flag = "probe_bytes",

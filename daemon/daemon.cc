@@ -71,8 +71,11 @@ absl::Status OpenDevice(const DaemonConfig& config, DaemonParts& d) {
         !s.ok()) {
       return Named("device tier", s);
     }
-    d.device = MakeEmulatedDevice({config.device.capacity, config.device.emulated_gbps,
-                                   absl::Microseconds(config.device.emulated_latency_us)});
+    d.device =
+        MakeEmulatedDevice({.memory_bytes = config.device.capacity,
+                            .gbps = config.device.emulated_gbps,
+                            .latency = absl::Microseconds(config.device.emulated_latency_us),
+                            .upload_failures_from = config.device.emulated_upload_failures_from});
     spdlog::warn("device tier: EMULATED ({}): host memory stands in for GPU memory",
                  d.device->description().name);
   } else if (backend == "auto" || backend == "cuda") {

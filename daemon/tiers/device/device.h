@@ -106,6 +106,9 @@ struct EmulatedDeviceOptions {
   uint64_t memory_bytes = 8ull << 30;
   double gbps = 24.0;  // per direction, like a PCIe 4.0 x16 link
   absl::Duration latency = absl::Microseconds(10);
+  // The host-to-device copy of this number (from 1) and every later one fail (a failing link, for
+  // tests); 0: none fail.
+  int64_t upload_failures_from = 0;
 };
 
 std::unique_ptr<Device> MakeEmulatedDevice(const EmulatedDeviceOptions& options);

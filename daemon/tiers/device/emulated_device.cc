@@ -15,13 +15,20 @@ namespace tierd::daemon {
 namespace {
 
 // One direction of the link: copies run in submission order on the queue's thread, each taking
-// latency + bytes / rate.
+// latency + bytes / rate. From copy `failures_from` on (counting from 1; 0: never), each fails
+// without copying.
 class EmulatedStream {
  public:
-  EmulatedStream(double gbps, absl::Duration latency) : bytes_per_ns_(gbps), latency_(latency) {}
+  EmulatedStream(double gbps, absl::Duration latency, int64_t failures_from = 0)
+      : bytes_per_ns_(gbps), latency_(latency), failures_from_(failures_from) {}
 
   void Copy(void* dst, const void* src, uint64_t bytes, Device::Callback done) {
     queue_.Post([this, dst, src, bytes, done = std::move(done)] {
+      if (failures_from_ > 0 && ++copies_ >= failures_from_) {
+        done(absl::UnavailableError(
+            "the emulated device's link failed (device.emulated_upload_failures_from)"));
+        return;
+      }
       const absl::Time start = std::max(absl::Now(), link_free_);
       const absl::Time end =
           start + latency_ + absl::Nanoseconds(static_cast<int64_t>(bytes / bytes_per_ns_));
@@ -36,6 +43,8 @@ class EmulatedStream {
  private:
   const double bytes_per_ns_;  // GB/s == bytes/ns
   const absl::Duration latency_;
+  const int64_t failures_from_;
+  int64_t copies_ = 0;                           // queue thread only
   absl::Time link_free_ = absl::InfinitePast();  // queue thread only
   WorkQueue queue_;  // last: its thread stops before the members it uses go
 };
@@ -44,7 +53,7 @@ class EmulatedDevice final : public Device {
  public:
   explicit EmulatedDevice(const EmulatedDeviceOptions& options)
       : options_(options),
-        to_device_(options.gbps, options.latency),
+        to_device_(options.gbps, options.latency, options.upload_failures_from),
         to_host_(options.gbps, options.latency) {
     description_.uuid = "GPU-emulated-0";
     description_.name = absl::StrFormat("emulated device (%.1f GB/s per direction, %s latency)",
