@@ -18,6 +18,7 @@ using tierd::c_abi::ValidDType;
 
 struct tierd_adam {
   std::unique_ptr<tierd::OffloadedAdam> adam;
+  tierd_adam_lanes lanes{.share = -1};  // the last step's
 };
 
 namespace {
@@ -324,6 +325,11 @@ tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out
                                 .state_bytes = s->state_bytes,
                                 .skipped_groups = static_cast<uint32_t>(s->skipped_groups.size())};
     }
+    adam->lanes = {.host_params = s->host_params,
+                   .host_ns = static_cast<uint64_t>(Nanos(s->host_busy)),
+                   .device_params = s->device_params,
+                   .device_ns = static_cast<uint64_t>(Nanos(s->device_busy)),
+                   .share = adam->adam->DeviceShare()};
     return TIERD_OK;
   });
 }
@@ -335,6 +341,26 @@ tierd_status tierd_adam_wait_group(tierd_adam* adam, size_t group, int64_t timeo
     absl::Status s = adam->adam->WaitGroup(group, absl::Milliseconds(timeout_ms));
     return s.ok() ? TIERD_OK : Fail(s);
   });
+}
+
+tierd_status tierd_adam_set_group_place(tierd_adam* adam, size_t group, int place) {
+  if (adam == nullptr) return Invalid("tierd_adam_set_group_place: NULL optimizer");
+  if (place != TIERD_ADAM_ON_HOST && place != TIERD_ADAM_ON_DEVICE) {
+    return Invalid("tierd_adam_set_group_place: place is TIERD_ADAM_ON_HOST or _ON_DEVICE");
+  }
+  return Guard(
+      [&] { return Done(adam->adam->SetGroupPlace(group, static_cast<tierd::StepPlace>(place))); });
+}
+
+int tierd_adam_group_place(const tierd_adam* adam, size_t group) {
+  if (adam == nullptr) return TIERD_ADAM_ON_HOST;
+  return static_cast<int>(adam->adam->group_place(group));
+}
+
+tierd_status tierd_adam_lanes_get(const tierd_adam* adam, tierd_adam_lanes* out) {
+  if (adam == nullptr || out == nullptr) return Invalid("tierd_adam_lanes_get: NULL argument");
+  *out = adam->lanes;
+  return TIERD_OK;
 }
 
 tierd_status tierd_adam_abandon_step(tierd_adam* adam) {

@@ -59,7 +59,9 @@ absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
 
 struct OffloadedAdam::Impl {
   ~Impl() {
-    worker.reset();  // the thread stops before the window and the record it uses
+    // The threads stop before the window and the record they use.
+    device_lane.reset();
+    worker.reset();
     (void)window.WaitWrites(0);
   }
 
@@ -77,14 +79,76 @@ struct OffloadedAdam::Impl {
     if (largest == 0) largest = ShardOf(0, state.shard_params, state.options.state_type).bytes();
     window.set_slots(std::max<uint64_t>(1, state.options.host_budget_bytes / largest));
     worker->Resize();
+    if (device_lane != nullptr) device_lane->Resize();
+  }
+
+  // The lane that steps group g.
+  internal::StepWorker& lane(size_t g) {
+    return state.groups[g].on_device ? *device_lane : *worker;
+  }
+  // Both lanes, the device's when there is one.
+  std::vector<internal::StepWorker*> lanes() {
+    std::vector<internal::StepWorker*> all{worker.get()};
+    if (device_lane != nullptr) all.push_back(device_lane.get());
+    return all;
+  }
+  // The device lane, made the first time a group is placed on the device: the kernels of the
+  // daemon's device, emulated or a GPU.
+  absl::Status OpenDeviceLane() {
+    if (device_lane != nullptr) return absl::OkStatus();
+    absl::StatusOr<NodeInfo> info = client->GetNodeInfo();
+    if (!info.ok()) return info.status();
+    if (info->device_uuid.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a group stepped on the device needs the daemon's device tier: ", info->device_status));
+    }
+    std::unique_ptr<internal::DeviceKernels> kernels;
+    if (info->device_emulated) {
+      kernels = internal::MakeEmulatedKernels(state.options.threads);
+    } else {
+      absl::StatusOr<int> ordinal = client->CudaDevice();
+      if (!ordinal.ok()) return ordinal.status();
+      absl::StatusOr<std::unique_ptr<internal::DeviceKernels>> cuda =
+          internal::MakeCudaKernels(*ordinal);
+      if (!cuda.ok()) return cuda.status();
+      kernels = std::move(*cuda);
+    }
+    device_lane = std::make_unique<internal::StepWorker>(state, window, std::move(kernels));
+    device_lane->Resize();
+    return absl::OkStatus();
   }
 
   std::unique_ptr<Client> client;  // outlives the record, the window and the worker
   internal::StateRecord state;
   internal::ReadAheadWindow window;  // the host budget's shards read ahead and written back
-  std::unique_ptr<internal::StepWorker> worker;
+  std::unique_ptr<internal::StepWorker> worker;       // the host lane
+  std::unique_ptr<internal::StepWorker> device_lane;  // null until a group is placed there
+  // Each lane's seconds per parameter over the last steps (each step's counting half); 0 until
+  // measured.
+  double host_rate = 0;
+  double device_rate = 0;
   double lr = 0;
   std::vector<AdamHyperparameters> hyper;  // each group's
+
+  // The end of a step: both lanes settled; the longer wait for write-backs, or the first error.
+  absl::StatusOr<absl::Duration> Settle() {
+    absl::StatusOr<absl::Duration> host = worker->Settle();
+    if (device_lane == nullptr) return host;
+    absl::StatusOr<absl::Duration> device = device_lane->Settle();
+    if (!host.ok()) return host;
+    if (!device.ok()) return device;
+    return std::max(*host, *device);
+  }
+  // Each lane's rate, from a step that stepped enough of it to be measured.
+  void Measure(const OptimizerStepStats& stats) {
+    auto update = [](double* rate, absl::Duration busy, uint64_t params) {
+      if (params == 0) return;
+      const double now = absl::ToDoubleSeconds(busy) / static_cast<double>(params);
+      *rate = *rate == 0 ? now : (*rate + now) / 2;
+    };
+    update(&host_rate, stats.host_busy, stats.host_params);
+    update(&device_rate, stats.device_busy, stats.device_params);
+  }
 
   // The step in progress (the driving thread's; the worker has what it needs in its Work).
   bool in_step = false;
@@ -177,6 +241,59 @@ void OffloadedAdam::SetLearningRate(double lr) {
   for (AdamHyperparameters& h : impl_->hyper) h.lr = lr;
 }
 double OffloadedAdam::learning_rate() const { return impl_->lr; }
+
+double BalancedDeviceShare(double host_seconds_per_param, double device_seconds_per_param) {
+  if (!(host_seconds_per_param > 0) || !(device_seconds_per_param > 0)) {
+    return host_seconds_per_param > 0 ? 1.0 : 0.0;  // a lane that costs nothing takes it all
+  }
+  // (1 - s) * host = s * device.
+  return host_seconds_per_param / (host_seconds_per_param + device_seconds_per_param);
+}
+
+double OffloadedAdam::DeviceShare() const {
+  if (impl_->host_rate == 0 || impl_->device_rate == 0) return -1;
+  return BalancedDeviceShare(impl_->host_rate, impl_->device_rate);
+}
+
+StepPlace OffloadedAdam::group_place(size_t group) const {
+  return group < impl_->state.groups.size() && impl_->state.groups[group].on_device
+             ? StepPlace::kDevice
+             : StepPlace::kHost;
+}
+
+absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
+  Impl& d = *impl_;
+  if (group >= d.state.groups.size()) {
+    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
+  }
+  if (place != StepPlace::kHost && place != StepPlace::kDevice) {
+    return absl::InvalidArgumentError("SetGroupPlace: the place is kHost or kDevice");
+  }
+  if (d.in_step) return absl::FailedPreconditionError("SetGroupPlace during a step");
+  Group& g = d.state.groups[group];
+  if ((place == StepPlace::kDevice) == g.on_device) return absl::OkStatus();
+  if (place == StepPlace::kHost) {
+    g.on_device = false;
+    return absl::OkStatus();
+  }
+  if (d.state.options.state_type != ScalarType::kFloat32) {
+    return absl::FailedPreconditionError(
+        "a group stepped on the device keeps fp32 moments (the GPU kernels have no bf16 ones): "
+        "this optimizer's state_type is bfloat16");
+  }
+  if (absl::Status s = d.OpenDeviceLane(); !s.ok()) return s;
+  // Its shards leave the host lane: nothing of theirs read ahead or kept pinned there.
+  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
+  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
+  for (const Shard& s : g.shards) {
+    for (ChunkId id : {s.id, s.other}) {
+      if (id == 0) continue;
+      if (absl::Status st = d.state.Unkeep(id); !st.ok()) return st;
+    }
+  }
+  g.on_device = true;
+  return absl::OkStatus();
+}
 
 absl::Status OffloadedAdam::SetGroupHyperparameters(size_t group,
                                                     const AdamHyperparameters& hyper) {
@@ -316,7 +433,7 @@ absl::Status OffloadedAdam::RemoveGroups(std::span<const size_t> which) {
   }
   d.state.groups = std::move(kept_groups);
   d.hyper = std::move(kept_hyper);
-  d.worker->Reindex(index);
+  for (internal::StepWorker* lane : d.lanes()) lane->Reindex(index);
   d.Resize();
   if (absl::Status s = d.state.WriteMeta(false); !s.ok()) return s;
   if (freed.empty()) return absl::OkStatus();
@@ -434,7 +551,7 @@ absl::Status OffloadedAdam::BeginStep(float grad_scale) {
     for (Shard& s : g.shards) s.written = false;
   }
   d.step_order.clear();
-  d.worker->Begin();
+  for (internal::StepWorker* lane : d.lanes()) lane->Begin();
   return absl::OkStatus();
 }
 
@@ -495,13 +612,16 @@ absl::Status OffloadedAdam::StepGroup(size_t group, const GroupStep& step) {
   internal::Work work{
       .group = group, .step = step, .options = d.step_options[group], .number = d.state.steps + 1};
   work.step.tensors = d.step_flags[group];
-  d.worker->Enqueue(std::move(work), std::move(touched));
+  d.lane(group).Enqueue(std::move(work), std::move(touched));
   return absl::OkStatus();
 }
 
 absl::Status OffloadedAdam::WaitGroup(size_t group, absl::Duration timeout) {
-  // The worker's own state, under its lock: what was queued this step and what it is done with.
-  return impl_->worker->WaitFor(group, timeout);
+  // The lane's own state, under its lock: what was queued this step and what it is done with.
+  // A group's place changes between steps only, while no other thread waits.
+  Impl& d = *impl_;
+  if (group >= d.state.groups.size()) return d.worker->WaitFor(group, timeout);
+  return d.lane(group).WaitFor(group, timeout);
 }
 
 absl::Status OffloadedAdam::AbandonStep() {
@@ -511,9 +631,9 @@ absl::Status OffloadedAdam::AbandonStep() {
     return absl::FailedPreconditionError(
         "AbandonStep: the optimizer is not speculative, so its steps update the state in place");
   }
-  absl::StatusOr<absl::Duration> settled = d.worker->Settle();
+  absl::StatusOr<absl::Duration> settled = d.Settle();
   d.in_step = false;
-  d.worker->End();
+  for (internal::StepWorker* lane : d.lanes()) lane->End();
   // Nothing the step wrote is the state; the meta chunk says no step is running.
   if (absl::Status s = d.state.WriteMeta(false); !s.ok()) return s;
   if (!settled.ok()) return settled.status();
@@ -523,11 +643,25 @@ absl::Status OffloadedAdam::AbandonStep() {
 absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   Impl& d = *impl_;
   if (!d.in_step) return absl::FailedPreconditionError("FinishStep without BeginStep");
-  absl::StatusOr<absl::Duration> settled = d.worker->Settle();
+  absl::StatusOr<absl::Duration> settled = d.Settle();
   absl::Status error;
   OptimizerStepStats stats = d.worker->Collect(&error);
+  if (d.device_lane != nullptr) {
+    absl::Status device_error;
+    const OptimizerStepStats device = d.device_lane->Collect(&device_error);
+    if (error.ok()) error = device_error;
+    stats.compute += device.compute;
+    stats.state_wait += device.state_wait;
+    stats.write_wait += device.write_wait;
+    stats.state_bytes += device.state_bytes;
+    stats.skipped_groups.insert(stats.skipped_groups.end(), device.skipped_groups.begin(),
+                                device.skipped_groups.end());
+    stats.device_params = device.device_params;
+    stats.device_busy = device.device_busy;
+  }
   d.in_step = false;
   if (!error.ok()) return error;
+  d.Measure(stats);
   if (!settled.ok()) return settled.status();
   stats.write_wait += *settled;
   for (size_t g = 0; g < d.state.groups.size(); ++g) {
@@ -551,7 +685,7 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   // The next step is expected in this one's order; its first shards come up while the caller
   // runs forward and backward.
   if (d.step_order.size() == d.state.groups.size()) d.worker->expected_order = d.step_order;
-  d.worker->End();
+  for (internal::StepWorker* lane : d.lanes()) lane->End();
   if (absl::Status s = d.worker->ReadAhead(std::string::npos, 0, 0); !s.ok()) return s;
   stats.step = d.state.steps;
   stats.wall = absl::Now() - d.step_start;

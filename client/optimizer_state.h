@@ -57,6 +57,8 @@ struct Group {
   std::vector<int64_t> tensor_steps;   // steps each tensor has taken (torch's "step")
   std::vector<Shard> shards;
   bool initialized = false;
+  // Stepped by the device lane (OffloadedAdam::SetGroupPlace); changed between steps only.
+  bool on_device = false;
 };
 
 // A tensor's elements within one shard: [begin, end) counted from the shard's first.

@@ -32,6 +32,12 @@ StepWorker::StepWorker(StateRecord& state, ReadAheadWindow& window, int threads)
   thread_ = std::thread([this] { Run(); });
 }
 
+StepWorker::StepWorker(StateRecord& state, ReadAheadWindow& window,
+                       std::unique_ptr<DeviceKernels> device)
+    : state_(state), window_(window), device_(std::move(device)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
 StepWorker::~StepWorker() {
   {
     absl::MutexLock lock(&mu_);
@@ -96,6 +102,7 @@ absl::Status StepWorker::WaitFor(size_t g, absl::Duration timeout) {
 }
 
 absl::Status StepWorker::ReadAhead(size_t g, size_t k, size_t in_hand) {
+  if (device_ != nullptr) return absl::OkStatus();  // the device lane reads nothing ahead
   return window_.Fill(in_hand, pace_, [&](size_t want) { return Expected(g, k, want); });
 }
 
@@ -135,6 +142,10 @@ absl::StatusOr<absl::Duration> StepWorker::Settle() {
         this));
   }
   const absl::Time start = absl::Now();
+  if (device_ != nullptr) {
+    if (absl::Status s = WaitHomeward(); !s.ok()) return s;
+    return absl::Now() - start;
+  }
   absl::Status dropped = window_.Drop();
   absl::StatusOr<absl::Duration> drained = window_.WaitWrites(0);
   if (!dropped.ok()) return dropped;
@@ -153,7 +164,8 @@ std::vector<ChunkId> StepWorker::Expected(size_t g, size_t k, size_t want) {
     }
   }
   auto add = [&](size_t group, size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!state_.groups[group].initialized) return;  // nothing to read yet
+    // Nothing to read yet, or stepped by the device lane.
+    if (!state_.groups[group].initialized || state_.groups[group].on_device) return;
     for (size_t i = from; i < state_.groups[group].shards.size() && ids.size() < want; ++i) {
       if (touched_[group][i]) ids.push_back(state_.groups[group].shards[i].id);
     }
@@ -180,8 +192,20 @@ void StepWorker::Run() {
     }
     OptimizerStepStats delta;
     bool skipped = false;
-    absl::Status s = StepOne(work, &delta, &skipped);
+    const absl::Time start = absl::Now();
+    absl::Status s =
+        device_ != nullptr ? StepOnDevice(work, &delta, &skipped) : StepOne(work, &delta, &skipped);
+    const absl::Duration busy = absl::Now() - start;
+    uint64_t params = 0;
+    if (s.ok() && !skipped) {
+      const Group& group = state_.groups[work.group];
+      for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
+        if (work.step.tensors[t] & kTensorStep) params += group.spec.tensors[t];
+      }
+    }
     absl::MutexLock lock(&mu_);
+    (device_ != nullptr ? stats_.device_busy : stats_.host_busy) += busy;
+    (device_ != nullptr ? stats_.device_params : stats_.host_params) += params;
     if (!s.ok() && error_.ok()) error_ = s;
     if (skipped) stats_.skipped_groups.push_back(work.group);
     stats_.compute += delta.compute;

@@ -1,8 +1,11 @@
-// The out-of-core optimizer's worker: one thread that steps the groups the coordinator queues, in
-// the order queued, shard by shard (each read ahead or pinned, stepped by the kernels, written
-// back), and keeps the read-ahead window filled with the shards expected next, at the pace it
-// measured. It decides nothing of a step: what is stepped, with which options and flags, comes in
-// each Work; the first error is kept for the coordinator's FinishStep.
+// The out-of-core optimizer's workers: each one thread that steps the groups the coordinator queues
+// to it, in the order queued, shard by shard. The host lane's shards are read ahead or pinned in
+// the host tier, stepped by the CPU kernels and written back, and it keeps the read-ahead window
+// filled with the shards expected next, at the pace it measured. The device lane's are acquired in
+// the device tier one ahead of their turn (the daemon brings them up through the host), stepped
+// there by the device kernels and sent home again. A worker decides nothing of a step: what is
+// stepped, with which options and flags, comes in each Work; the first error is kept for the
+// coordinator's FinishStep.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/device_kernels.h"
 #include "client/optimizer_state.h"
 #include "client/read_ahead.h"
 #include "kernels/cpu_adam.h"
@@ -33,8 +37,11 @@ struct Work {
 
 class StepWorker {
  public:
-  // `state` and `window` outlive the worker; `threads` run the kernels (0: one per CPU).
+  // The host lane: `state` and `window` outlive the worker; `threads` run the kernels (0: one per
+  // CPU).
   StepWorker(StateRecord& state, ReadAheadWindow& window, int threads);
+  // The device lane: the groups placed on the device, stepped by `device`.
+  StepWorker(StateRecord& state, ReadAheadWindow& window, std::unique_ptr<DeviceKernels> device);
   ~StepWorker();  // stops the thread (once what is queued is taken)
   StepWorker(const StepWorker&) = delete;
   StepWorker& operator=(const StepWorker&) = delete;
@@ -49,8 +56,9 @@ class StepWorker {
   // when it was not queued this step or the worker stops. Any thread.
   absl::Status WaitFor(size_t g, absl::Duration timeout);
   // The end of a step, finished or abandoned: waits for the worker to take every queued group,
-  // drops what was read ahead for groups not given and waits for every write-back. Returns the
-  // time the last two took (write wait), or the first error of either.
+  // drops what was read ahead for groups not given and waits for every write-back (the device
+  // lane: for its shards to reach their home). Returns the time the last two took (write wait), or
+  // the first error of either.
   absl::StatusOr<absl::Duration> Settle();
   // After Settle: the step's figures and its first error; the pace a shard is measured from it.
   OptimizerStepStats Collect(absl::Status* error);
@@ -71,13 +79,19 @@ class StepWorker {
  private:
   void Run();
   absl::Status StepOne(const Work& w, OptimizerStepStats* delta, bool* skipped);
+  // The device lane's StepOne (optimizer_device.cc).
+  absl::Status StepOnDevice(const Work& w, OptimizerStepStats* delta, bool* skipped);
+  // The device lane's Settle after the queue is empty: its shards' moves home, waited for.
+  absl::Status WaitHomeward();
   // The shards expected to be stepped next, in order: the rest of group `g` from shard `k` (none
   // when g is npos), the groups queued, then the groups not given yet in last step's order.
   std::vector<ChunkId> Expected(size_t g, size_t k, size_t want);
 
   StateRecord& state_;
   ReadAheadWindow& window_;
-  std::unique_ptr<kernels::ThreadPool> pool_;
+  std::unique_ptr<kernels::ThreadPool> pool_;  // the host lane's
+  std::unique_ptr<DeviceKernels> device_;      // the device lane's
+  std::vector<CompletionToken> homeward_;      // the device lane's shards going home
   absl::Mutex mu_;
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   size_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;

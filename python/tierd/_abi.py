@@ -110,6 +110,7 @@ class AdamOptions(ctypes.Structure):
 ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
 # Flags per tensor of tierd_adam_step_tensors: stepped (it has a gradient); master weights taken.
 ADAM_TENSOR_STEP, ADAM_TENSOR_TAKE_WEIGHTS = 1, 2
+ADAM_ON_HOST, ADAM_ON_DEVICE = 0, 1  # where a group is stepped (tierd_adam_set_group_place)
 
 
 class AdamGroup(ctypes.Structure):
@@ -123,6 +124,13 @@ class AdamStepStats(ctypes.Structure):
                 ("compute_ns", ctypes.c_uint64), ("state_wait_ns", ctypes.c_uint64),
                 ("write_wait_ns", ctypes.c_uint64), ("state_bytes", ctypes.c_uint64),
                 ("skipped_groups", ctypes.c_uint32)]
+
+
+class AdamLanes(ctypes.Structure):
+    """tierd_adam_lanes: the last step's host and device lanes."""
+    _fields_ = [("host_params", ctypes.c_uint64), ("host_ns", ctypes.c_uint64),
+                ("device_params", ctypes.c_uint64), ("device_ns", ctypes.c_uint64),
+                ("share", ctypes.c_double)]
 
 
 class DLDevice(ctypes.Structure):
@@ -172,7 +180,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 def load_library():
@@ -278,6 +286,9 @@ def _bind_optimizer(lib):
     lib.tierd_adam_finish_step.argtypes = [p, ctypes.POINTER(AdamStepStats)]
     lib.tierd_adam_abandon_step.argtypes = [p]
     lib.tierd_adam_wait_group.argtypes = [p, ctypes.c_size_t, ctypes.c_int64]
+    lib.tierd_adam_set_group_place.argtypes = [p, ctypes.c_size_t, ctypes.c_int]
+    lib.tierd_adam_group_place.argtypes = [p, ctypes.c_size_t]
+    lib.tierd_adam_lanes_get.argtypes = [p, ctypes.POINTER(AdamLanes)]
 
 
 _lib = None

@@ -120,6 +120,20 @@ class Adam:
         `out`; TierdError DEADLINE_EXCEEDED after timeout_s. Any thread."""
         check(library().tierd_adam_wait_group(self._handle, slot, int(timeout_s * 1000)))
 
+    def set_group_place(self, slot: int, on_device: bool) -> None:
+        """Where the slot's group is stepped from the next step on (between steps)."""
+        place = _abi.ADAM_ON_DEVICE if on_device else _abi.ADAM_ON_HOST
+        check(library().tierd_adam_set_group_place(self._handle, slot, place))
+
+    def on_device(self, slot: int) -> bool:
+        return library().tierd_adam_group_place(self._handle, slot) == _abi.ADAM_ON_DEVICE
+
+    def lanes(self) -> _abi.AdamLanes:
+        """The last step's lanes: parameters each stepped, its busy time, the balanced share."""
+        lanes = _abi.AdamLanes()
+        check(library().tierd_adam_lanes_get(self._handle, ctypes.byref(lanes)))
+        return lanes
+
     def abandon_step(self) -> None:
         check(library().tierd_adam_abandon_step(self._handle))
 

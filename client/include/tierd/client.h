@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 9
+#define TIERD_C_ABI_VERSION 10
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -24,7 +24,8 @@ extern "C" {
  *    release and free handed to its last view (tierd_release_deferred, tierd_free_deferred)
  * 7: schedules naming pairs of chunks picked by version bits (tierd_set_paired_schedule,
  *    tierd_set_version)
- * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end) */
+ * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end)
+ * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -396,6 +397,27 @@ tierd_status tierd_adam_step_tensors(tierd_adam* adam, size_t group, const void*
  * step. */
 tierd_status tierd_adam_wait_group(tierd_adam* adam, size_t group, int64_t timeout_ms);
 tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out);
+/* Where a group is stepped from the next step on (tierd::StepPlace): on the host by the CPU
+ * kernels, or on the device, its state brought up into the daemon's device tier each step and sent
+ * home again. A device group's grad and out are memory the device reaches: device memory, or
+ * pinned host memory it reads and writes in place over the link (any host memory on an emulated
+ * device); its weights are host memory. FAILED_PRECONDITION without the daemon's device tier, with
+ * bf16 moments, or on a GPU with a library built without CUDA; not during a step. */
+#define TIERD_ADAM_ON_HOST 0
+#define TIERD_ADAM_ON_DEVICE 1
+tierd_status tierd_adam_set_group_place(tierd_adam* adam, size_t group, int place);
+int tierd_adam_group_place(const tierd_adam* adam, size_t group);
+/* The last finished step's two lanes: parameters each stepped and the time each was busy with
+ * them; share: the device share that would balance them, from the rates of the last steps (-1
+ * until both lanes have stepped). */
+typedef struct tierd_adam_lanes {
+  uint64_t host_params;
+  uint64_t host_ns;
+  uint64_t device_params;
+  uint64_t device_ns;
+  double share;
+} tierd_adam_lanes;
+tierd_status tierd_adam_lanes_get(const tierd_adam* adam, tierd_adam_lanes* out);
 /* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */
 tierd_status tierd_adam_abandon_step(tierd_adam* adam);
 

@@ -130,7 +130,30 @@ struct OptimizerStepStats {
   absl::Duration write_wait;           // waiting for write-backs (the budget, and the step's end)
   uint64_t state_bytes = 0;            // optimizer state the step touched
   std::vector<size_t> skipped_groups;  // groups whose gradients were not finite
+  // Each lane (SetGroupPlace): the parameters it stepped, and the time it was busy with them,
+  // waiting for their state included.
+  uint64_t host_params = 0;
+  absl::Duration host_busy;
+  uint64_t device_params = 0;
+  absl::Duration device_busy;
 };
+
+// Where a group is stepped (OffloadedAdam::SetGroupPlace).
+enum class StepPlace : int {
+  // By the CPU kernels, its state streamed through the host budget (or kept in the host tier).
+  kHost = 0,
+  // By the device's kernels: each step brings the group's state up into the daemon's device tier
+  // (through the host), steps it there and sends it home again. Its gradients and `out` are
+  // memory the device reaches: device memory, or pinned host memory the kernels read and write in
+  // place over the link (any host memory on an emulated device); the weights it takes are host
+  // memory.
+  kDevice = 1,
+};
+
+// The share of the parameters to step on the device that balances the two lanes, from the seconds
+// each takes per parameter: each then takes as long. The lanes run side by side during backward,
+// so the longer of the two is what a step waits for.
+double BalancedDeviceShare(double host_seconds_per_param, double device_seconds_per_param);
 
 class OffloadedAdam {
  public:
@@ -178,6 +201,15 @@ class OffloadedAdam {
   // keep their order (a group's index is its place in that order). Not during a step.
   absl::Status AddGroups(std::span<const ParamGroup> groups);
   absl::Status RemoveGroups(std::span<const size_t> groups);
+  // Where group `group` is stepped from the next step on (kHost at first). kDevice needs the
+  // daemon's device tier, fp32 moments, and, on a GPU, a client library built with CUDA:
+  // FAILED_PRECONDITION otherwise. Not during a step.
+  absl::Status SetGroupPlace(size_t group, StepPlace place);
+  StepPlace group_place(size_t group) const;
+  // The share of the parameters that would balance the lanes (BalancedDeviceShare), from the rates
+  // measured over the last steps (each step's counting half); -1 until both lanes have stepped.
+  double DeviceShare() const;
+
   // Takes effect from the next BeginStep (learning-rate schedules): every group's rate.
   void SetLearningRate(double lr);
   double learning_rate() const;

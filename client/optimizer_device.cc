@@ -1,0 +1,205 @@
+// The device lane's part of StepWorker: a group placed on the device is stepped shard by shard in
+// the daemon's device tier. Each shard is acquired there one ahead of its turn (the daemon brings
+// it up from its home through the host while the one before is stepped), stepped by the device
+// kernels over the device's gradients, released, and sent home with its device copy dropped, so
+// that the device tier holds at most two shards of the lane's at a time (four when speculative)
+// and the state is at home, as after a host step, once the step settles.
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/optimizer_worker.h"
+
+namespace tierd::internal {
+namespace {
+
+size_t ElementBytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
+
+kernels::DType ToDType(ScalarType t) {
+  return t == ScalarType::kFloat32    ? kernels::DType::kF32
+         : t == ScalarType::kBFloat16 ? kernels::DType::kBF16
+                                      : kernels::DType::kF16;
+}
+
+// One shard's chunks acquired in the device tier: the state's, and for a speculative step the
+// other version it writes.
+struct OnDevice {
+  size_t k = 0;
+  std::optional<Acquired> state;
+  std::optional<Acquired> other;
+};
+
+}  // namespace
+
+absl::Status StepWorker::WaitHomeward() {
+  absl::Status first;
+  for (const CompletionToken& t : homeward_) {
+    absl::Status s = state_.client->Wait(t);
+    if (first.ok() && !s.ok()) first = s;
+  }
+  homeward_.clear();
+  return first;
+}
+
+absl::Status StepWorker::StepOnDevice(const Work& w, OptimizerStepStats* delta, bool* skipped) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!error_.ok()) return absl::OkStatus();  // the step already failed; leave the rest
+  }
+  Group& group = state_.groups[w.group];
+  const GroupStep& st = w.step;
+  const size_t grad_bytes = ElementBytes(st.grad_type), out_bytes = ElementBytes(st.out_type);
+  const bool speculative = state_.options.speculative;
+  Client& client = *state_.client;
+  auto failed = [&](size_t k, const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("optimizer state of group '", group.spec.name,
+                                               "', shard ", k, " on the device: ", s.message()));
+  };
+  if (state_.options.check_finite) {
+    std::vector<kernels::AdamTensor> grads;
+    for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
+      if ((st.tensors[t] & kTensorStep) == 0 || group.spec.tensors[t] == 0) continue;
+      grads.push_back(
+          {.grad = static_cast<const char*>(st.grad) + group.tensor_first[t] * grad_bytes,
+           .grad_type = ToDType(st.grad_type),
+           .n = group.spec.tensors[t]});
+    }
+    const absl::Time t0 = absl::Now();
+    absl::StatusOr<bool> finite = device_->Finite(grads);
+    delta->compute += absl::Now() - t0;
+    if (!finite.ok()) return finite.status();
+    if (!*finite) {
+      *skipped = true;
+      return absl::OkStatus();
+    }
+  }
+
+  std::vector<size_t> todo;  // the shards something of which changes
+  for (size_t k = 0; k < group.shards.size(); ++k) {
+    if (!PiecesOf(group, group.shards[k], st.tensors).empty()) todo.push_back(k);
+  }
+  // Acquires shard k: the state for writing (speculative: for reading, and the other version to
+  // overwrite). The requests complete while the shard before is stepped.
+  auto acquire = [&](size_t k, OnDevice* out) -> absl::Status {
+    const Shard& shard = group.shards[k];
+    out->k = k;
+    absl::StatusOr<Acquired> a = client.AcquireIds(
+        {&shard.id, 1}, Tier::kDevice, speculative ? AccessMode::kRead : AccessMode::kWrite);
+    if (!a.ok()) return a.status();
+    out->state = std::move(*a);
+    if (!speculative) return absl::OkStatus();
+    a = client.AcquireIds({&shard.other, 1}, Tier::kDevice, AccessMode::kOverwrite);
+    if (!a.ok()) return a.status();
+    out->other = std::move(*a);
+    return absl::OkStatus();
+  };
+  // Lets go of what `on` holds without using it (a failure): abandoned and released.
+  auto give_up = [&](OnDevice& on) {
+    for (std::optional<Acquired>* a : {&on.state, &on.other}) {
+      if (!a->has_value()) continue;
+      client.Abandon((*a)->ready);
+      (void)client.Release({&(*a)->chunks[0].id, 1});
+      a->reset();
+    }
+  };
+  // Releases a stepped shard's chunks and sends them home (the version a speculative step read is
+  // clean: its device copy is only dropped).
+  auto send_home = [&](OnDevice& on) -> absl::Status {
+    absl::Status first;
+    for (std::optional<Acquired>* a : {&on.state, &on.other}) {
+      if (!a->has_value()) continue;
+      const ChunkId id = (*a)->chunks[0].id;
+      a->reset();
+      absl::Status s = client.Release({&id, 1});
+      if (s.ok()) {
+        absl::StatusOr<CompletionToken> t = client.EvictIds({&id, 1}, state_.options.home);
+        if (t.ok()) homeward_.push_back(*t);
+        s = t.status();
+      }
+      if (first.ok() && !s.ok()) first = s;
+    }
+    return first;
+  };
+
+  OnDevice next;
+  if (!todo.empty()) {
+    if (absl::Status s = acquire(todo[0], &next); !s.ok()) {
+      give_up(next);
+      return failed(todo[0], s);
+    }
+  }
+  for (size_t i = 0; i < todo.size(); ++i) {
+    OnDevice on = std::move(next);
+    next = OnDevice{};
+    const size_t k = on.k;
+    Shard& shard = group.shards[k];
+    const absl::Time t0 = absl::Now();
+    absl::Status s = client.Wait(on.state->ready);
+    if (s.ok() && on.other.has_value()) s = client.Wait(on.other->ready);
+    if (!s.ok()) {
+      give_up(on);
+      return failed(k, s);
+    }
+    if (i + 1 < todo.size()) {
+      if (s = acquire(todo[i + 1], &next); !s.ok()) {
+        give_up(next);
+        give_up(on);
+        return failed(todo[i + 1], s);
+      }
+    }
+    const absl::Time t1 = absl::Now();
+    char* base = static_cast<char*>(on.state->chunks[0].data);
+    if (on.other.has_value()) {
+      char* to = static_cast<char*>(on.other->chunks[0].data);
+      s = device_->Copy(to, base, shard.bytes());
+      base = to;
+    }
+    float* p = reinterpret_cast<float*>(base);
+    float* out32 = st.out_type == ScalarType::kFloat32 ? static_cast<float*>(st.out) : nullptr;
+    const std::vector<Piece> pieces = PiecesOf(group, shard, st.tensors);
+    std::vector<kernels::AdamTensor> stepped;
+    for (const Piece& piece : pieces) {
+      const uint64_t at = shard.first + piece.begin, n = piece.end - piece.begin;
+      if (s.ok() && (piece.flags & kTensorTakeWeights)) {
+        s = device_->Upload(p + piece.begin, st.weights + at, n * 4);
+      }
+      if ((piece.flags & kTensorStep) == 0) continue;
+      stepped.push_back({.param = p + piece.begin,
+                         .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * 4,
+                         .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * 4,
+                         .grad = static_cast<const char*>(st.grad) + at * grad_bytes,
+                         .grad_type = ToDType(st.grad_type),
+                         .out = st.out == nullptr || out32 != nullptr
+                                    ? nullptr
+                                    : static_cast<char*>(st.out) + at * out_bytes,
+                         .out_type = ToDType(st.out_type),
+                         .n = n,
+                         .step = group.tensor_steps[piece.tensor] + 1});
+    }
+    if (s.ok()) s = device_->Step(stepped, w.options);
+    for (const Piece& piece : pieces) {
+      if (!s.ok() || out32 == nullptr || (piece.flags & kTensorStep) == 0) continue;
+      s = device_->Copy(out32 + shard.first + piece.begin, p + piece.begin,
+                        (piece.end - piece.begin) * 4);
+    }
+    if (!s.ok()) {
+      give_up(next);
+      (void)send_home(on);  // what the device wrote goes home: the step's error reports it
+      return failed(k, s);
+    }
+    shard.written = true;
+    const absl::Time t2 = absl::Now();
+    delta->state_wait += t1 - t0;
+    delta->compute += t2 - t1;
+    delta->state_bytes += shard.bytes();
+    if (s = send_home(on); !s.ok()) {
+      give_up(next);
+      return failed(k, s);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tierd::internal
