@@ -39,17 +39,20 @@ def arguments(doc: str, steps: int, **defaults) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme: str = "1GiB"):
+def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme: str = "1GiB",
+           emulated: str = ""):
     """Yields the socket directory once the daemon listens. With a CUDA `device` the daemon has
-    its GPU tier, and clients can register its host memory with CUDA for DMA."""
-    backend = "cuda" if str(device).startswith("cuda") else "none"
+    its GPU tier, and clients can register its host memory with CUDA for DMA; on the CPU,
+    `emulated` (a capacity) gives it an emulated device tier."""
+    backend = "cuda" if str(device).startswith("cuda") else "emulated" if emulated else "none"
+    extra = [f"--device_capacity={emulated}"] if backend == "emulated" else []
     root = tempfile.mkdtemp(prefix="tierd-bench-")
     log = open(os.path.join(root, "daemon.log"), "w")
     proc = subprocess.Popen(
         [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
          f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
          f"--nvme_regions={root}/nvme.region:{nvme}", f"--device={backend}",
-         "--metrics_listen=127.0.0.1:0"], stdout=log, stderr=log)
+         "--metrics_listen=127.0.0.1:0", *extra], stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(os.path.join(root, "tierd.sock")):

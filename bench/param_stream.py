@@ -70,7 +70,8 @@ def setup(args, root, variant, device):
     opt = tierd.torch.OffloadedAdamW(
         model.parameters(), lr=args.lr, weight_decay=0.1, home=args.state_home,
         host_budget_bytes=args.state_host_budget, overlap_backward=True,
-        bucket_params=max(params // 16, 1 << 16), socket_dir=root, name=None)
+        bucket_params=max(params // 16, 1 << 16), socket_dir=root, name=None,
+        device_share=args.device_share)
     return model, opt, stream
 
 
@@ -117,6 +118,7 @@ def compare(args):
         seed, ctx, batch = 1, args.ctx, args.batch
 
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         emulated="1GiB" if args.device_share is not None else "",
                          nvme=args.nvme_region) as root:
         bw = probe(root, device)
         runs = {}
@@ -140,6 +142,7 @@ def compare(args):
                         torch.cuda.synchronize()
                     r["times"].append(time.perf_counter() - t0)
                     r["losses"].append(loss.item())
+                    r.setdefault("lanes", []).append(dict(r["opt"].last_stats))
                     now = benchlib.requests(root)
                     r["requests"].append({op: n - asked.get(op, 0) for op, n in now.items()})
                     if before is not None:
@@ -184,6 +187,13 @@ def compare(args):
                          f"({st['device_peak_bytes'] / model_bytes * 100:.0f} % of the model's "
                          f"weights); {st['on_demand']} fetches on demand, "
                          f"{st['trace_misses']} off the trace")
+            lanes = r["lanes"][1:]
+            if lanes and "device_params" in lanes[-1]:
+                line += ("\n               optimizer lanes: device share "
+                         f"{lanes[-1]['device_share']:.2f}, host busy "
+                         f"{statistics.median(x['host_busy_s'] for x in lanes) * 1e3:.1f} ms, "
+                         f"device busy "
+                         f"{statistics.median(x['device_busy_s'] for x in lanes) * 1e3:.1f} ms")
             print(line)
         for r in runs.values():
             r["opt"].close()
@@ -211,6 +221,7 @@ def memory_of(args, variant):
         seed, ctx, batch = 1, args.ctx, args.batch
 
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         emulated="1GiB" if args.device_share is not None else "",
                          nvme=args.nvme_region) as root:
         model, opt, stream = setup(args, root, variant, device)
         reset_peak()
@@ -240,6 +251,7 @@ def scale(args):
         seed, ctx, batch = 1, args.ctx, args.batch
 
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                         emulated="1GiB" if args.device_share is not None else "",
                          nvme=args.nvme_region) as root:
         t0 = time.perf_counter()
         model, opt, stream = setup(args, root, "stream-nvme", device)
@@ -312,6 +324,10 @@ def main():
     extra.add_argument("--host-capacity", default="6GiB" if scaled else "1GiB",
                        help="the daemon's host tier")
     extra.add_argument("--nvme-region", default="16GiB" if scaled else "1GiB")
+    extra.add_argument("--device-share", default=None,
+                       type=lambda s: s if s == "auto" else float(s),
+                       help="OffloadedAdamW's device_share: the share of the parameters stepped "
+                            "on the device (a number in [0, 1] or auto); default: all on the CPU")
     extra.add_argument("--variants", default=",".join(VARIANTS),
                        help="which of memory, stream-host, stream-nvme to run; memory first")
     known, rest = extra.parse_known_args()

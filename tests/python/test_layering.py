@@ -25,6 +25,7 @@ LEVELS = [
     ["_stream_hooks"],           # the hooks and the training state
     ["streaming"],               # ParameterStream, and StreamRange: the seam to the optimizer
     ["_buckets", "_shard", "_checkpoint", "testing"],
+    ["_lanes"],                  # which buckets the device steps
     ["_state"],                  # the optimizer's state record
     ["_layout", "_verdict", "_release"],  # the groups as buckets; clip, skip, speculation;
                                           # what a step holds, given back early

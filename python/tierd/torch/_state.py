@@ -15,6 +15,7 @@ import torch
 from .. import _abi, _adam
 from ..client import Tier, TierdError, connect
 from ._buckets import Bucket
+from ._lanes import DeviceLanes
 from ._storage import STEPPED_DTYPES
 
 _PARTS = (("master", _abi.ADAM_PARAMS), ("exp_avg", _abi.ADAM_M), ("exp_avg_sq", _abi.ADAM_V))
@@ -38,6 +39,8 @@ class OptimizerState:
         self.name = name
         self.persistent = persistent
         self.home = home
+        self.lanes = DeviceLanes(None)  # where the buckets are stepped (OffloadedAdamW sets it)
+        self._measured: Optional[float] = None  # the lanes' balanced share, as last measured
 
     @staticmethod
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
@@ -249,6 +252,7 @@ class OptimizerState:
 
     def begin(self, owned: List[Bucket], grad_scale: float) -> None:
         """Begins the library's step, each group with its parameter group's hyperparameters."""
+        self.lanes.place(self.adam, owned, self._measured)
         for b in owned:
             self.adam.set_group_hyper(b.slot, hyper(b.group))
         self.adam.begin_step(grad_scale)
@@ -256,6 +260,7 @@ class OptimizerState:
     def launch(self, b: Bucket) -> None:
         """Queues bucket b's step (its gradients, flags, taken weights and `out`)."""
         code = STEPPED_DTYPES[b.dtype]
+        self.lanes.launched(b)
         self.adam.step_tensors(b.slot, _ptr(b.grad), code, _ptr(b.out), code, b.flags,
                                len(b.sizes), _ptr(b.weights))
 
@@ -274,10 +279,19 @@ class OptimizerState:
         """Waits for the step's groups; the library's figures of it."""
         stats = _abi.AdamStepStats()
         self.adam.finish_step(stats)
-        return {"step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
-                "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
-                "write_wait_s": stats.write_wait_ns / 1e9,
-                "state_bytes": float(stats.state_bytes)}
+        figures = {"step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
+                   "compute_s": stats.compute_ns / 1e9, "state_wait_s": stats.state_wait_ns / 1e9,
+                   "write_wait_s": stats.write_wait_ns / 1e9,
+                   "state_bytes": float(stats.state_bytes)}
+        if self.lanes.enabled:
+            lanes = self.adam.lanes()
+            self._measured = lanes.share
+            figures.update({"device_share": self.lanes.share,
+                            "host_params": float(lanes.host_params),
+                            "host_busy_s": lanes.host_ns / 1e9,
+                            "device_params": float(lanes.device_params),
+                            "device_busy_s": lanes.device_ns / 1e9})
+        return figures
 
     def give_up(self, speculative: bool) -> None:
         """Ends a step without applying more: abandoned (the state as before it) when it was

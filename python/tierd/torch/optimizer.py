@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..client import TierdError
-from . import _checkpoint
+from . import _checkpoint, _lanes
 from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
@@ -94,6 +94,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     bucket_params: parameters per bucket (the unit stepped during backward).
     socket_dir: the daemon's socket directory ($TIERD_SOCKET_DIR, else /run/tierd).
     threads: kernel threads (0: one per CPU this process may use).
+    device_share: None (every bucket stepped by the CPU), a number in [0, 1] or "auto": that
+        share of the parameters (in whole buckets, those whose gradients come last in backward)
+        is stepped by the device's kernels, their state brought up into the daemon's device tier
+        each step and sent home again, while the CPU steps the rest; "auto" balances the two
+        lanes from their measured rates. The same results as the CPU's (bit for bit on an
+        emulated device; see docs/optimizer.md). Needs the daemon's device tier and fp32 moments.
     process_group: data-parallel ranks to shard the state over, ZeRO-1 style: each rank keeps
         and steps its share of the buckets, gradients are averaged over the ranks (as DDP does;
         the model need not be wrapped in DDP) and the new weights are broadcast. None: torch's
@@ -117,7 +123,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None,
                  skip_nonfinite: bool = False, overlap_backward: bool = False,
                  accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
-                 socket_dir: Optional[str] = None, threads: int = 0, process_group=None):
+                 socket_dir: Optional[str] = None, threads: int = 0, process_group=None,
+                 device_share: _lanes.Setting = None):
+        _lanes.check(device_share)
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
                          differentiable, max_grad_norm, accumulation_steps, bucket_params, home,
                          state_dtype, name, resume, reset)
@@ -148,6 +156,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             home=home, host_budget_bytes=host_budget_bytes, threads=threads, resume=resume,
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
             defaults=self.defaults)
+        self._state.lanes = _lanes.DeviceLanes(device_share)
+        self._state.lanes.place(self._state.adam, self._layout.owned, None)  # refused here
         if self._comm is not None:
             self._comm.share_params(self._layout.buckets)
         for b in self._layout.buckets:

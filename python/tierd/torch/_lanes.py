@@ -1,0 +1,73 @@
+"""OffloadedAdamW's two lanes: which buckets the client library steps on the device.
+
+With `device_share` set, a share of this rank's buckets is stepped by the device's kernels: each
+step their state comes up into the daemon's device tier and goes home again, while the CPU steps
+the rest (docs/optimizer.md, "Stepping on the device"). The buckets given to the device are those
+whose gradients come last in backward (the last step's launch order; before any step, the reverse
+of backward's, the model's first buckets): the CPU lane's tail after backward is then shortest.
+"auto" takes the share that balances the lanes' rates as the library measured them over the last
+steps, 0.5 until both lanes have stepped. Placement changes between the library's steps only.
+"""
+from typing import List, Optional, Union
+
+from ._buckets import Bucket
+
+Setting = Union[None, float, str]
+
+
+def check(setting: Setting) -> None:
+    if setting is None or setting == "auto":
+        return
+    if isinstance(setting, bool) or not isinstance(setting, (int, float)) or \
+            not 0.0 <= setting <= 1.0:
+        raise ValueError(f"device_share must be None, 'auto' or a number in [0, 1], not "
+                         f"{setting!r}")
+
+
+class DeviceLanes:
+    def __init__(self, setting: Setting):
+        check(setting)
+        self.setting = setting
+        self.share = 0.0  # the share of the parameters placed on the device, as placed
+        self._order: List[int] = []  # bucket serials in the order the last step launched them
+
+    @property
+    def enabled(self) -> bool:
+        return self.setting is not None
+
+    def launched(self, b: Bucket) -> None:
+        self._order.append(b.serial)
+
+    def target(self, measured: float) -> float:
+        """The share to place: the setting, or the balanced one measured (-1: not yet)."""
+        if self.setting == "auto":
+            return measured if measured >= 0 else 0.5
+        return float(self.setting)
+
+    def choose(self, owned: List[Bucket], target: float) -> List[Bucket]:
+        """The buckets to step on the device: the last to arrive, as many as bring the share of
+        parameters nearest the target."""
+        active = [b for b in owned if b.active]
+        rank = {serial: i for i, serial in enumerate(self._order)}
+        # Arrival order: the last step's; buckets it did not launch first, in backward's order.
+        arrival = sorted(active, key=lambda b: (b.serial in rank, rank.get(b.serial, -b.serial)))
+        total = sum(b.numel for b in active)
+        chosen, placed = [], 0
+        for b in reversed(arrival):
+            if total == 0 or abs(placed + b.numel - target * total) > abs(placed - target * total):
+                break
+            chosen.append(b)
+            placed += b.numel
+        self.share = placed / total if total else 0.0
+        return chosen
+
+    def place(self, adam, owned: List[Bucket], measured: Optional[float]) -> None:
+        """Places this rank's buckets for the step about to begin."""
+        if not self.enabled:
+            return
+        on_device = {b.serial for b in self.choose(owned, self.target(
+            -1.0 if measured is None else measured))}
+        for b in owned:
+            if b.slot is not None:
+                adam.set_group_place(b.slot, b.serial in on_device)
+        self._order = []

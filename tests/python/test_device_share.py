@@ -1,0 +1,113 @@
+"""OffloadedAdamW with device_share: a share of the buckets stepped by the daemon's device (here the
+emulated one, which runs the CPU kernels on its memory) beside the CPU lane. Against the same
+optimizer with every bucket on the CPU, trained on the same model, seed and data: the same losses
+and weights bit for bit, with state on NVMe and in the host tier, with gradients taken during
+backward, with speculative clipping that rolls back, and through a state_dict; the auto share; and
+the refusals."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from test_c_abi import daemon, start_daemon, stop_daemon  # noqa: F401 (daemon: a fixture)
+from test_torch_optimizer import HYPER, batches, model, train
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import tierd  # noqa: E402
+import tierd.torch  # noqa: E402
+
+STEPS = 12
+
+
+def run(daemon, share, steps=STEPS, **kwargs):  # noqa: F811
+    """Trains the test model with this device share; its losses, model, and each step's stats."""
+    m = model()
+    options = dict(HYPER, socket_dir=daemon, host_budget_bytes=1 << 20, threads=2,
+                   bucket_params=40_000, device_share=share)
+    options.update(kwargs)
+    opt = tierd.torch.OffloadedAdamW(m.parameters(), **options)
+    stats = []
+    try:
+        losses = []
+        for batch in batches(steps):
+            losses += train(m, opt, [batch], clip=kwargs.get("max_grad_norm"))
+            stats.append(dict(opt.last_stats))
+        state = opt.state_dict()
+    finally:
+        opt.close()
+    return losses, m, stats, state
+
+
+def assert_bit_equal(a, b):
+    assert a[0] == b[0], "losses differ"
+    for (name, p), q in zip(a[1].named_parameters(), b[1].parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("home,overlap,share", [("nvme", False, 0.5), ("nvme", True, 1.0),
+                                                ("host", True, 0.5), ("nvme", True, "auto")])
+def test_steps_on_the_device_train_bit_for_bit_as_on_the_cpu(daemon, home, overlap,  # noqa: F811
+                                                              share):
+    cpu = run(daemon, None, home=home, overlap_backward=overlap)
+    split = run(daemon, share, home=home, overlap_backward=overlap)
+    assert_bit_equal(cpu, split)
+    params = sum(p.numel() for p in split[1].parameters())
+    for s in split[2]:
+        assert s["device_params"] > 0 and s["device_busy_s"] > 0, s
+        assert s["host_params"] + s["device_params"] == params
+    if share == 1.0:
+        assert all(s["host_params"] == 0 and s["device_share"] == 1.0 for s in split[2])
+    else:  # the first bucket (embedding, 6144) and the second (196,864) of three
+        assert all(0.0 < s["device_share"] < 1.0 for s in split[2]), split[2]
+    assert "device_params" not in cpu[2][-1]
+
+
+def test_the_buckets_whose_gradients_come_last_go_to_the_device(daemon):  # noqa: F811
+    # Backward gives the last layer's gradients first: the device gets the first buckets.
+    sizes = [p.numel() for p in model().parameters()]
+    _, _, stats, _ = run(daemon, 0.03, steps=2, overlap_backward=True)
+    assert stats[-1]["device_params"] == sizes[0]  # the embedding's bucket alone
+    _, _, stats, _ = run(daemon, 0.0, steps=2, overlap_backward=True)
+    assert stats[-1]["device_params"] == 0
+
+
+def test_clipping_that_rolls_back_a_speculative_step_is_exact_on_the_device(daemon):  # noqa: F811
+    options = dict(overlap_backward=True, max_grad_norm=0.5, home="nvme")
+    cpu = run(daemon, None, **options)
+    split = run(daemon, 0.5, **options)
+    assert_bit_equal(cpu, split)
+    # The state_dict (moments and steps) is the CPU's too.
+    for key, state in cpu[3]["state"].items():
+        for part, value in state.items():
+            other = split[3]["state"][key][part]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (key, part)
+
+
+def test_device_share_is_refused_clearly_where_it_cannot_be(daemon):  # noqa: F811
+    m = model()
+    for bad in (1.5, -0.1, "fast", True):
+        with pytest.raises(ValueError, match="device_share"):
+            tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=daemon, device_share=bad)
+    with pytest.raises(tierd.TierdError, match="fp32 moments"):
+        tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=daemon, device_share=0.5,
+                                   state_dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            with pytest.raises(tierd.TierdError, match="device tier"):
+                tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=root, device_share=0.5)
+        finally:
+            stop_daemon(proc, root)
+
+
+@pytest.mark.parametrize("case", ["nvme", "clipping rolls back"])
+def test_streamed_units_step_on_the_device_as_on_the_cpu(daemon, case):  # noqa: F811
+    # The example GPT with its blocks streamed (from NVMe: their gradients in the daemon's chunks).
+    from test_streaming import CASES, assert_equal
+    from test_streaming import train as train_streamed
+    kwargs = dict(CASES[case])
+    want = train_streamed(daemon, True, **kwargs)
+    got = train_streamed(daemon, True, device_share=0.5, **kwargs)
+    assert_equal(got, want)
