@@ -109,6 +109,26 @@ std::vector<tierd::ChunkId> HandToViews(tierd_client* client, size_t n, const ti
   return now;
 }
 
+// tierd_allocate and tierd_allocate_transient.
+tierd_status Allocate(tierd_client* client, size_t n, const uint64_t* sizes, int home_tier,
+                      bool transient, tierd_chunk_id* out_ids) {
+  if (client == nullptr || (n > 0 && (sizes == nullptr || out_ids == nullptr))) {
+    return Invalid("tierd_allocate: NULL client, sizes or out_ids");
+  }
+  return Guard([&] {
+    std::vector<tierd::ChunkSpec> specs(n);
+    for (size_t i = 0; i < n; ++i) {
+      specs[i].size = sizes[i];
+      specs[i].home = static_cast<tierd::Tier>(home_tier);
+      specs[i].transient = transient;
+    }
+    absl::StatusOr<std::vector<tierd::ChunkId>> ids = client->client->AllocateIds(specs);
+    if (!ids.ok()) return Fail(ids.status());
+    std::copy(ids->begin(), ids->end(), out_ids);
+    return TIERD_OK;
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -142,20 +162,12 @@ uint64_t tierd_session_id(const tierd_client* client) {
 
 tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* sizes, int home_tier,
                             tierd_chunk_id* out_ids) {
-  if (client == nullptr || (n > 0 && (sizes == nullptr || out_ids == nullptr))) {
-    return Invalid("tierd_allocate: NULL client, sizes or out_ids");
-  }
-  return Guard([&] {
-    std::vector<tierd::ChunkSpec> specs(n);
-    for (size_t i = 0; i < n; ++i) {
-      specs[i].size = sizes[i];
-      specs[i].home = static_cast<tierd::Tier>(home_tier);
-    }
-    absl::StatusOr<std::vector<tierd::ChunkId>> ids = client->client->AllocateIds(specs);
-    if (!ids.ok()) return Fail(ids.status());
-    std::copy(ids->begin(), ids->end(), out_ids);
-    return TIERD_OK;
-  });
+  return Allocate(client, n, sizes, home_tier, false, out_ids);
+}
+
+tierd_status tierd_allocate_transient(tierd_client* client, size_t n, const uint64_t* sizes,
+                                      int home_tier, tierd_chunk_id* out_ids) {
+  return Allocate(client, n, sizes, home_tier, true, out_ids);
 }
 
 tierd_status tierd_allocate_named(tierd_client* client, const char* name, uint64_t size,

@@ -521,6 +521,7 @@ absl::StatusOr<std::vector<ChunkId>> Client::AllocateIds(std::span<const ChunkSp
     s->set_open_existing(spec.open_existing);
     s->set_must_exist(spec.must_exist);
     s->set_shared(spec.shared);
+    s->set_transient(spec.transient);
   }
   pb::AllocateResponse resp;
   if (absl::Status s = impl_->Call(&pb::Tierd::Stub::Allocate, req, &resp, "Allocate"); !s.ok()) {

@@ -95,7 +95,8 @@ class TierdService final : public pb::Tierd::Service {
                                       {spec.tags().begin(), spec.tags().end()},
                                       spec.open_existing(),
                                       spec.must_exist(),
-                                      spec.shared()});
+                                      spec.shared(),
+                                      spec.transient()});
     }
     absl::StatusOr<std::vector<ChunkId>> ids = deps_.chunks->Allocate(**session, requests);
     if (!ids.ok()) return ToGrpc(ids.status());

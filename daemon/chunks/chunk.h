@@ -37,8 +37,9 @@ struct ChunkMeta {
   TierSet resident;   // tiers holding a valid copy (a subset of allocated)
   TierSet dirty;      // tiers whose copy is newer than the home tier's
   bool persistent = false;
-  bool written = false;  // the NVMe space has held data (else reading it yields zeros)
-  bool doomed = false;   // freed while moving: destroyed when the move settles
+  bool transient = false;  // written down only for room (ChunkRequest::transient)
+  bool written = false;    // the NVMe space has held data (else reading it yields zeros)
+  bool doomed = false;     // freed while moving: destroyed when the move settles
   // Persistent and at home in memory (created with a host or device home): written to NVMe at a
   // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
   // and a daemon that restarts without having written it down recovers it `lost`.

@@ -149,6 +149,10 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     if (r.must_exist && !(r.open_existing && r.persistent)) {
       return fail(absl::InvalidArgumentError("must_exist goes with open_existing and persistent"));
     }
+    if (r.transient && r.persistent) {
+      return fail(absl::InvalidArgumentError(
+          "a transient chunk's contents are wanted briefly: it cannot be persistent"));
+    }
     if (r.name.empty()) continue;
     if (absl::Status s = ValidateChunkName(r.name); !s.ok()) return fail(s);
     if (!batch_names.insert(r.name).second) {
@@ -223,6 +227,7 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     }
     ChunkMeta& chunk = Insert(tenant, session.id, r.size, placements[i], r.name, r.persistent);
     chunk.tags = r.tags;
+    chunk.transient = r.transient;
     if (r.persistent && tiers_.index == nullptr) ++volatile_persistent;
     if (r.persistent) sessions_.Grant(chunk.id, session.id, r.shared);
     if (!r.persistent) state.owned.insert(chunk.id);

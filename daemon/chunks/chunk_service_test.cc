@@ -111,6 +111,15 @@ TEST_F(ChunkServiceTest, AbsurdSizeAndUnconfiguredTierAreRejected) {
   auto ids = Alloc(*alice_, {4096});
   EXPECT_TRUE(
       absl::IsFailedPrecondition(service_->Prefetch(*alice_, ids, TierKind::kDevice, 0).status()));
+  // A transient chunk's contents are wanted briefly: it cannot outlive the session.
+  std::vector<ChunkRequest> kept = {
+      {.size = 4096, .name = "grads", .persistent = true, .transient = true}};
+  s = service_->Allocate(*alice_, kept).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("transient"), std::string::npos) << s;
+  std::vector<ChunkRequest> brief = {{.size = 4096, .transient = true}};
+  auto made = service_->Allocate(*alice_, brief);
+  ASSERT_TRUE(made.ok()) << made.status();
 }
 
 TEST_F(ChunkServiceTest, FreeWhileAcquiredFailsUntilReleased) {

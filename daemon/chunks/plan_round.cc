@@ -25,6 +25,7 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
                                  .moving = c.state == ChunkState::kMoving || c.doomed,
                                  .moving_to = c.moving_to,
                                  .pinned = c.pins > 0,
+                                 .transient = c.transient,
                                  .last_use = c.last_use};
   }
   for (TierKind t : kAllTiers) {

@@ -106,8 +106,20 @@ TEST_F(PlanRoundTest, CollectTakesTheScheduledChunksAndTheTiersRoomButNotTheRest
   EXPECT_TRUE(in.chunks.contains(named.id));
   EXPECT_FALSE(in.chunks.contains(other.id));
   EXPECT_TRUE(in.chunks.at(named.id).resident.contains(TierKind::kNvme));
+  EXPECT_FALSE(in.chunks.at(named.id).transient);
   EXPECT_EQ(in.capacity[TierKind::kHost], 4 * kSeg);
   EXPECT_EQ(in.free[TierKind::kHost], 4 * kSeg);
+}
+
+TEST_F(PlanRoundTest, ATransientChunkIsTransientToThePlanner) {
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& grads = NvmeChunk();
+  grads.transient = true;  // as Allocate makes it for ChunkRequest::transient
+  Schedule({grads.id});
+  Schedules::Round round;
+  PlanInput in;
+  ASSERT_TRUE(round_->Collect(absl::Now(), round, in));
+  EXPECT_TRUE(in.chunks.at(grads.id).transient);
 }
 
 TEST_F(PlanRoundTest, ApplyStartsAPlannedFetchAndCountsItToTheChunksSession) {

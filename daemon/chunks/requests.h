@@ -30,6 +30,7 @@ struct ChunkRequest {
   bool open_existing = false;
   bool must_exist = false;  // with open_existing: open only
   bool shared = false;      // the lease on a persistent chunk may be shared
+  bool transient = false;   // written down only for room (pb::ChunkSpec.transient)
 };
 
 struct AcquireResult {

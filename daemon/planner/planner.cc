@@ -301,7 +301,8 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   for (const PlannedMove& m : write_backs) out.push_back(m);
 
   // Early write-back: dirty copies not needed for a while go down while the path is idle, so that
-  // dropping them later costs nothing. One per path per round.
+  // dropping them later costs nothing (but a transient chunk's, likely freed before it would be
+  // dropped). One per path per round.
   PathArray<bool> path_used;
   for (const PlannedMove& m : write_backs) path_used[PathDown(m.tier)] = true;
   // The highest copy that exists nowhere below goes one tier down (a device copy already copied to
@@ -318,7 +319,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in) {
   };
   std::vector<const PlannerChunk*> dirty;
   for (const auto& [id, c] : in.chunks) {
-    if (c.pinned || c.moving || written_back.contains(id)) continue;
+    if (c.pinned || c.moving || c.transient || written_back.contains(id)) continue;
     if (!only_copy(c)) continue;
     dirty.push_back(&c);
   }

@@ -42,6 +42,8 @@ struct PlannerChunk {
   bool moving = false;
   TierKind moving_to = TierKind::kHost;
   bool pinned = false;
+  // Its contents are wanted briefly: written down for room, never early (ChunkSpec.transient).
+  bool transient = false;
   uint64_t last_use = 0;  // larger is more recent
 };
 

@@ -206,6 +206,24 @@ TEST_F(PlannerTest, DirtyCopiesNotNeededForAWhileAreWrittenBackEarlyWhenThePathI
   EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
 }
 
+TEST_F(PlannerTest, TransientCopiesAreWrittenBackOnlyWhenTheirSpaceIsNeeded) {
+  HostCapacity(2);
+  PlannerChunk& grad = Chunk(1, {TierKind::kHost});
+  grad.resident.erase(TierKind::kNvme);
+  grad.dirty.insert(TierKind::kHost);
+  grad.transient = true;
+  Chunk(2, {TierKind::kHost});
+  Chunk(3);
+  // Not needed for a while and the path idle: a transient copy stays where it is.
+  Schedule({Read({2}), Read({2}), Read({2})}, /*cursor=*/1, absl::Milliseconds(10));
+  EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
+  // Its space is wanted (chunk 3 is due and the tier is full): it goes down first.
+  Schedule({Read({2}), Read({2, 3})}, /*cursor=*/0, absl::Milliseconds(10));
+  std::vector<PlannedMove> wb = Only(Plan(in_), Kind::kWriteBack);
+  ASSERT_EQ(wb.size(), 1u);
+  EXPECT_EQ(wb[0].id, 1u);
+}
+
 TEST_F(PlannerTest, AFetchToTheDeviceFromNvmeNeedsRoomInBothTiers) {
   HostCapacity(1);
   in_.capacity[TierKind::kDevice] = 4 * kMiB;

@@ -200,6 +200,7 @@ def load_library():
     lib.tierd_session_id.argtypes = [p]
     lib.tierd_session_id.restype = ctypes.c_uint64
     lib.tierd_allocate.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, u64p]
+    lib.tierd_allocate_transient.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, u64p]
     lib.tierd_allocate_named.argtypes = [p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int,
                                          ctypes.c_int, ctypes.c_int, u64p]
     lib.tierd_free.argtypes = [p, ctypes.c_size_t, u64p]

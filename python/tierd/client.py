@@ -312,14 +312,18 @@ class Client:
     def __del__(self):
         self.close()
 
-    def allocate(self, sizes: Sequence[int], home: Tier = Tier.HOST) -> ChunkSet:
-        """Scratch chunks of these sizes (bytes), with a copy in `home` (HOST or NVME)."""
+    def allocate(self, sizes: Sequence[int], home: Tier = Tier.HOST,
+                 transient: bool = False) -> ChunkSet:
+        """Scratch chunks of these sizes (bytes), with a copy in `home` (HOST or NVME).
+        `transient`: their contents are wanted briefly (a step's gradients), so the daemon
+        writes them down only when a tier needs the room, not early while a path is idle."""
         sizes = [int(s) for s in sizes]
         if not sizes:
             raise TierdError(_abi.Status.INVALID_ARGUMENT, "allocate: no sizes given")
         arr = (ctypes.c_uint64 * len(sizes))(*sizes)
         ids = (ctypes.c_uint64 * len(sizes))()
-        check(library().tierd_allocate(self._handle, len(sizes), arr, int(home), ids))
+        fn = library().tierd_allocate_transient if transient else library().tierd_allocate
+        check(fn(self._handle, len(sizes), arr, int(home), ids))
         return ChunkSet(self, list(ids), sizes)
 
     # ---- shared bases (docs/streaming.md, "One copy per node") ----

@@ -25,7 +25,8 @@ extern "C" {
  * 7: schedules naming pairs of chunks picked by version bits (tierd_set_paired_schedule,
  *    tierd_set_version)
  * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end)
- * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get) */
+ * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get);
+ *     tierd_allocate_transient */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -108,6 +109,10 @@ uint64_t tierd_session_id(const tierd_client* client);
 /* Allocates n scratch chunks of sizes[i] bytes in home_tier; ids go to out_ids[0..n). */
 tierd_status tierd_allocate(tierd_client* client, size_t n, const uint64_t* sizes, int home_tier,
                             tierd_chunk_id* out_ids);
+/* As tierd_allocate, the chunks transient: their contents are wanted briefly (a step's
+ * gradients), so the daemon writes their copies down only when a tier needs the room. */
+tierd_status tierd_allocate_transient(tierd_client* client, size_t n, const uint64_t* sizes,
+                                      int home_tier, tierd_chunk_id* out_ids);
 /* Allocates one named chunk; persistent chunks outlive the session. `open` is a set of flags:
  * TIERD_OPEN_EXISTING opens the user's persistent chunk of that name if there is one (else creates
  * it); with TIERD_OPEN_MUST_EXIST too, only opens (NOT_FOUND when there is none); TIERD_OPEN_SHARED

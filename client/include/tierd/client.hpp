@@ -62,6 +62,9 @@ struct ChunkSpec {
   // This session holds a lease on the persistent chunks it creates or opens until it ends; another
   // session can open (or free) them only when both set shared.
   bool shared = false;
+  // Its contents are wanted briefly (a step's gradients): the daemon writes its copies down only
+  // when their tier needs the room, never early while a path is idle. Not with persistent.
+  bool transient = false;
 };
 
 struct ChunkInfo {

@@ -354,19 +354,20 @@ class Units:
 
     def grad_chunk(self, u: Unit, r: Range) -> None:
         """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
-        home where the unit is (on NVMe, it can be written down while the step runs; a host
-        unit's goes to NVMe too when the host tier has no room for it, where the daemon makes
-        room by writing other copies down), made when its first gradient comes (a range of
-        frozen parameters never has one)."""
+        home where the unit is (on NVMe, it can be written down while the step runs if the host
+        tier needs the room; a host unit's goes to NVMe too when the host tier has no room for
+        it, where the daemon makes room by writing other copies down), made when its first
+        gradient comes (a range of frozen parameters never has one). Transient: freed after the
+        step, it is not written down early while the NVMe path is idle."""
         if r.grad_chunk is not None:
             return
         size = [max(r.nbytes, 1)]
         try:
-            r.grad_chunk = self.client.allocate(size, u.home)
+            r.grad_chunk = self.client.allocate(size, u.home, transient=True)
         except TierdError as e:
             if u.home != Tier.HOST or e.code != Status.RESOURCE_EXHAUSTED or not self.has_nvme:
                 raise
-            r.grad_chunk = self.client.allocate(size, Tier.NVME)
+            r.grad_chunk = self.client.allocate(size, Tier.NVME, transient=True)
 
     def hold_grad(self, u: Unit, r: Range, keep: bool = False):
         """(a view of range r's gradient chunk in host memory, its acquisition to release when
