@@ -115,3 +115,27 @@ def requests(root: str) -> Dict[str, float]:
         if op is not None:
             out[op.group(1)] = out.get(op.group(1), 0.0) + float(m.group(2))
     return out
+
+
+# Dense bf16 peaks (TFLOPS, without sparsity) of the cards the GPU figures are measured on, by the
+# name torch reports; others print no share of peak.
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "RTX 4090": 165.2}
+
+
+def model_tflops(params: int, layers: int, d_model: int, ctx: int, tokens: int,
+                 seconds: float) -> float:
+    """A decoder's training throughput in TFLOPS as the field counts it: 6 flops per parameter and
+    token (forward and backward), plus attention's scores and weighted sums, 12 per layer, token,
+    context position and model dimension (causal masking not discounted)."""
+    flops = 6 * params * tokens + 12 * layers * d_model * ctx * tokens
+    return flops / seconds / 1e12
+
+
+def peak_share(tflops: float, device) -> str:
+    """", x % of the card's bf16 peak" where the card is known, else ""."""
+    import torch
+    if getattr(device, "type", str(device)) != "cuda":
+        return ""
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+    return "" if peak is None else f", {tflops / peak * 100:.1f} % of the {name}'s bf16 peak"

@@ -164,8 +164,11 @@ def compare(args):
         ideal = statistics.median(runs["memory"]["times"][1:])
         for v, r in runs.items():
             med = statistics.median(r["times"][1:])
+            tflops = benchlib.model_tflops(params, args.layers, args.d_model, args.ctx,
+                                           args.batch * args.ctx, med)
             line = (f"  {v:12s} median step {med * 1e3:7.1f} ms  {ideal / med * 100:5.1f} % of "
-                    f"the ideal ({med / ideal:.3f}x)")
+                    f"the ideal ({med / ideal:.3f}x), {tflops:.2f} TFLOPS"
+                    f"{benchlib.peak_share(tflops, device)}")
             # The daemon's requests in a step after the first (median by operation; the
             # schedule's cursor and version bits are stores into shared memory, not requests).
             ops = sorted({op for x in r["requests"][2:] for op in x})
@@ -281,10 +284,20 @@ def scale(args):
             opt.step()
             opt.zero_grad(set_to_none=True)
             anon = max(anon, benchlib.proc_status()["RssAnon"])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            took = time.perf_counter() - t0
             st = stream.stats
-            print(f"  step {step + 1}: loss {loss.item():.4f}, {time.perf_counter() - t0:.1f} s; "
-                  f"device peak {st['device_peak_bytes'] / 2**20:.0f} MiB; compute waited "
-                  f"{st['wait_s']:.1f} s in all", flush=True)
+            tflops = benchlib.model_tflops(params, args.layers, args.d_model, args.ctx,
+                                           args.batch * args.ctx, took)
+            lanes = opt.last_stats
+            print(f"  step {step + 1}: loss {loss.item():.4f}, {took:.2f} s, {tflops:.1f} TFLOPS"
+                  f"{benchlib.peak_share(tflops, device)}; device peak "
+                  f"{st['device_peak_bytes'] / 2**20:.0f} MiB; compute waited "
+                  f"{st['wait_s']:.1f} s in all"
+                  + (f"; optimizer lanes: device share {lanes['device_share']:.2f}, host busy "
+                     f"{lanes['host_busy_s']:.2f} s, device busy {lanes['device_busy_s']:.2f} s"
+                     if "device_params" in lanes else ""), flush=True)
         with tierd.connect(root, "probe") as c:
             host = c.tier_usage(tierd.Tier.HOST)
         m = benchlib.proc_status()
