@@ -73,6 +73,71 @@ def test_the_buckets_whose_gradients_come_last_go_to_the_device(daemon):  # noqa
     assert stats[-1]["device_params"] == 0
 
 
+class _Bucket:
+    def __init__(self, serial, numel):
+        self.serial, self.numel, self.active = serial, numel, True
+
+
+def test_the_share_is_placed_in_whole_buckets_from_the_last_to_arrive():
+    lanes = tierd.torch._lanes.DeviceLanes(0.5)
+    owned = [_Bucket(s, n) for s, n in enumerate([10, 30, 20, 40])]
+    # Before any step: the layout's order is backward's, so the last buckets laid out go first.
+    assert [b.serial for b in lanes.choose(owned, 0.5)] == [3, 2]
+    assert lanes.share == 0.6
+    assert [b.serial for b in lanes.choose(owned, 0.45)] == [3]  # 0.4 is nearer than 0.6
+    assert lanes.choose(owned, 0.1) == [] and lanes.share == 0.0  # nearer than the 0.4 of one
+    assert [b.serial for b in lanes.choose(owned, 1.0)] == [3, 2, 1, 0]
+    # After a step: the order its buckets were launched in.
+    for serial in (2, 0, 3, 1):
+        lanes.launched(owned[serial])
+    assert [b.serial for b in lanes.choose(owned, 0.3)] == [1]
+    assert [b.serial for b in lanes.choose(owned, 0.7)] == [1, 3]
+    owned[1].active = False  # a bucket whose parameters left the groups is not placed
+    assert [b.serial for b in lanes.choose(owned, 0.5)] == [3]
+    assert lanes.target(-1.0) == 0.5 and tierd.torch._lanes.DeviceLanes("auto").target(-1.0) == 0.5
+    assert tierd.torch._lanes.DeviceLanes("auto").target(0.2) == 0.2
+
+
+def layers(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(8)])
+
+
+def test_auto_takes_the_share_the_lanes_measured_rates_balance():
+    # Eight buckets of one layer each, the state on NVMe for both lanes. Over a slow link (5 MB/s
+    # each way) the device lane costs far more a parameter than the CPU: "auto" soon gives it at
+    # most one bucket of the eight (none in the release build); over the emulated PCIe link, where
+    # both lanes run the same kernels, about half.
+    finals = {}
+    for gbps in ("0.005", "24"):
+        with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+            proc = start_daemon(root, "--device=emulated", "--device_capacity=32MiB",
+                                "--device_segment_size=16MiB", f"--emulated_gbps={gbps}",
+                                "--probe_bytes=0")
+            try:
+                m = layers()
+                opt = tierd.torch.OffloadedAdamW(
+                    m.parameters(), **HYPER, socket_dir=root, host_budget_bytes=1 << 20,
+                    threads=2, bucket_params=20_000, home="nvme", overlap_backward=True,
+                    device_share="auto")
+                try:
+                    shares = []
+                    for step in range(5):
+                        x = torch.randn(16, 128, generator=torch.Generator().manual_seed(step))
+                        m(x).square().mean().backward()
+                        opt.step()
+                        opt.zero_grad()
+                        shares.append(opt.last_stats["device_share"])
+                finally:
+                    opt.close()
+            finally:
+                stop_daemon(proc, root)
+        assert shares[0] == pytest.approx(0.5, abs=0.07), shares  # unmeasured: about half
+        finals[gbps] = shares[-1]
+    assert finals["0.005"] <= 0.125, finals
+    assert finals["24"] >= 0.25, finals
+
+
 def test_clipping_that_rolls_back_a_speculative_step_is_exact_on_the_device(daemon):  # noqa: F811
     options = dict(overlap_backward=True, max_grad_norm=0.5, home="nvme")
     cpu = run(daemon, None, **options)

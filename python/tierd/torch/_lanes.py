@@ -3,8 +3,9 @@
 With `device_share` set, a share of this rank's buckets is stepped by the device's kernels: each
 step their state comes up into the daemon's device tier and goes home again, while the CPU steps
 the rest (docs/optimizer.md, "Stepping on the device"). The buckets given to the device are those
-whose gradients come last in backward (the last step's launch order; before any step, the reverse
-of backward's, the model's first buckets): the CPU lane's tail after backward is then shortest.
+whose gradients come last in backward (the last step's launch order; before any step, the order
+the buckets were laid out in, which is backward's): the CPU lane's tail after backward is then
+shortest.
 "auto" takes the share that balances the lanes' rates as the library measured them over the last
 steps, 0.5 until both lanes have stepped. Placement changes between the library's steps only.
 """
@@ -49,8 +50,9 @@ class DeviceLanes:
         parameters nearest the target."""
         active = [b for b in owned if b.active]
         rank = {serial: i for i, serial in enumerate(self._order)}
-        # Arrival order: the last step's; buckets it did not launch first, in backward's order.
-        arrival = sorted(active, key=lambda b: (b.serial in rank, rank.get(b.serial, -b.serial)))
+        # Arrival order: the last step's; buckets it did not launch first, in the layout's order
+        # (backward's: _buckets.plan).
+        arrival = sorted(active, key=lambda b: (b.serial in rank, rank.get(b.serial, b.serial)))
         total = sum(b.numel for b in active)
         chosen, placed = [], 0
         for b in reversed(arrival):
