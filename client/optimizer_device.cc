@@ -15,14 +15,6 @@
 namespace tierd::internal {
 namespace {
 
-size_t ElementBytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
-
-kernels::DType ToDType(ScalarType t) {
-  return t == ScalarType::kFloat32    ? kernels::DType::kF32
-         : t == ScalarType::kBFloat16 ? kernels::DType::kBF16
-                                      : kernels::DType::kF16;
-}
-
 // One shard's chunks acquired in the device tier: the state's, and for a speculative step the
 // other version it writes.
 struct OnDevice {
@@ -44,13 +36,8 @@ absl::Status StepWorker::WaitHomeward() {
 }
 
 absl::Status StepWorker::StepOnDevice(const Work& w, OptimizerStepStats* delta, bool* skipped) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!error_.ok()) return absl::OkStatus();  // the step already failed; leave the rest
-  }
   Group& group = state_.groups[w.group];
   const GroupStep& st = w.step;
-  const size_t grad_bytes = ElementBytes(st.grad_type), out_bytes = ElementBytes(st.out_type);
   const bool speculative = state_.options.speculative;
   Client& client = *state_.client;
   auto failed = [&](size_t k, const absl::Status& s) {
@@ -58,16 +45,8 @@ absl::Status StepWorker::StepOnDevice(const Work& w, OptimizerStepStats* delta, 
                                                "', shard ", k, " on the device: ", s.message()));
   };
   if (state_.options.check_finite) {
-    std::vector<kernels::AdamTensor> grads;
-    for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
-      if ((st.tensors[t] & kTensorStep) == 0 || group.spec.tensors[t] == 0) continue;
-      grads.push_back(
-          {.grad = static_cast<const char*>(st.grad) + group.tensor_first[t] * grad_bytes,
-           .grad_type = ToDType(st.grad_type),
-           .n = group.spec.tensors[t]});
-    }
     const absl::Time t0 = absl::Now();
-    absl::StatusOr<bool> finite = device_->Finite(grads);
+    absl::StatusOr<bool> finite = device_->Finite(SteppedGradients(group, st));
     delta->compute += absl::Now() - t0;
     if (!finite.ok()) return finite.status();
     if (!*finite) {
@@ -166,17 +145,7 @@ absl::Status StepWorker::StepOnDevice(const Work& w, OptimizerStepStats* delta, 
         s = device_->Upload(p + piece.begin, st.weights + at, n * 4);
       }
       if ((piece.flags & kTensorStep) == 0) continue;
-      stepped.push_back({.param = p + piece.begin,
-                         .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * 4,
-                         .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * 4,
-                         .grad = static_cast<const char*>(st.grad) + at * grad_bytes,
-                         .grad_type = ToDType(st.grad_type),
-                         .out = st.out == nullptr || out32 != nullptr
-                                    ? nullptr
-                                    : static_cast<char*>(st.out) + at * out_bytes,
-                         .out_type = ToDType(st.out_type),
-                         .n = n,
-                         .step = group.tensor_steps[piece.tensor] + 1});
+      stepped.push_back(PieceTensor(group, w.group, k, piece, base, st, ScalarType::kFloat32));
     }
     if (s.ok()) s = device_->Step(stepped, w.options);
     for (const Piece& piece : pieces) {

@@ -9,7 +9,6 @@
 #include "absl/time/clock.h"
 
 namespace tierd::internal {
-namespace {
 
 size_t ElementBytes(ScalarType t) { return t == ScalarType::kFloat32 ? 4 : 2; }
 
@@ -25,7 +24,42 @@ kernels::DType ToDType(ScalarType t) {
   return kernels::DType::kF32;
 }
 
-}  // namespace
+kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Piece& piece,
+                                char* base, const GroupStep& step, ScalarType state_type) {
+  const Shard& shard = group.shards[k];
+  const uint64_t at = shard.first + piece.begin;
+  const uint64_t moment_bytes = (StateBytesPerParam(state_type) - 4) / 2;
+  const bool out32 = step.out_type == ScalarType::kFloat32;
+  return {.param = reinterpret_cast<float*>(base) + piece.begin,
+          .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * moment_bytes,
+          .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * moment_bytes,
+          .grad = static_cast<const char*>(step.grad) + at * ElementBytes(step.grad_type),
+          .grad_type = ToDType(step.grad_type),
+          .out = step.out == nullptr || out32
+                     ? nullptr
+                     : static_cast<char*>(step.out) + at * ElementBytes(step.out_type),
+          .out_type = ToDType(step.out_type),
+          .n = piece.end - piece.begin,
+          .state_type = ToDType(state_type),
+          // Rounds bf16 state differently in every shard and tensor, the same way on every
+          // resumption.
+          .seed = (static_cast<uint32_t>(g << 16) ^ static_cast<uint32_t>(k)) +
+                  0x9e3779b9u * static_cast<uint32_t>(piece.tensor),
+          .step = group.tensor_steps[piece.tensor] + 1};
+}
+
+std::vector<kernels::AdamTensor> SteppedGradients(const Group& group, const GroupStep& step) {
+  const size_t grad_bytes = ElementBytes(step.grad_type);
+  std::vector<kernels::AdamTensor> grads;
+  for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
+    if ((step.tensors[t] & kTensorStep) == 0 || group.spec.tensors[t] == 0) continue;
+    grads.push_back(
+        {.grad = static_cast<const char*>(step.grad) + group.tensor_first[t] * grad_bytes,
+         .grad_type = ToDType(step.grad_type),
+         .n = group.spec.tensors[t]});
+  }
+  return grads;
+}
 
 StepWorker::StepWorker(StateRecord& state, ReadAheadWindow& window, int threads)
     : state_(state), window_(window), pool_(std::make_unique<kernels::ThreadPool>(threads)) {
@@ -178,6 +212,7 @@ std::vector<ChunkId> StepWorker::Expected(size_t g, size_t k, size_t want) {
 void StepWorker::Run() {
   for (;;) {
     Work work;
+    bool failed = false;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -189,15 +224,17 @@ void StepWorker::Run() {
       work = queue_.front();
       queue_.pop_front();
       started_[work.group] = true;
+      failed = !error_.ok();  // the step already failed: the rest is left as it is
     }
     OptimizerStepStats delta;
     bool skipped = false;
     const absl::Time start = absl::Now();
-    absl::Status s =
-        device_ != nullptr ? StepOnDevice(work, &delta, &skipped) : StepOne(work, &delta, &skipped);
+    absl::Status s = failed               ? absl::OkStatus()
+                     : device_ != nullptr ? StepOnDevice(work, &delta, &skipped)
+                                          : StepOne(work, &delta, &skipped);
     const absl::Duration busy = absl::Now() - start;
     uint64_t params = 0;
-    if (s.ok() && !skipped) {
+    if (s.ok() && !failed && !skipped) {
       const Group& group = state_.groups[work.group];
       for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
         if (work.step.tensors[t] & kTensorStep) params += group.spec.tensors[t];
@@ -218,26 +255,11 @@ void StepWorker::Run() {
 }
 
 absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool* skipped) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (!error_.ok()) return absl::OkStatus();  // the step already failed; leave the rest
-  }
   Group& group = state_.groups[w.group];
   const GroupStep& st = w.step;
-  const size_t grad_bytes = ElementBytes(st.grad_type), out_bytes = ElementBytes(st.out_type);
-  const uint64_t moment_bytes = (StateBytesPerParam(state_.options.state_type) - 4) / 2;
   if (state_.options.check_finite) {
-    // The stepped tensors' gradients only: the others' may hold anything.
-    std::vector<kernels::AdamTensor> grads;
-    for (size_t t = 0; t < group.spec.tensors.size(); ++t) {
-      if ((st.tensors[t] & kTensorStep) == 0 || group.spec.tensors[t] == 0) continue;
-      grads.push_back(
-          {.grad = static_cast<const char*>(st.grad) + group.tensor_first[t] * grad_bytes,
-           .grad_type = ToDType(st.grad_type),
-           .n = group.spec.tensors[t]});
-    }
     const absl::Time t0 = absl::Now();
-    const bool finite = kernels::GradientsFinite(grads, *pool_);
+    const bool finite = kernels::GradientsFinite(SteppedGradients(group, st), *pool_);
     delta->compute += absl::Now() - t0;
     if (!finite) {
       *skipped = true;
@@ -306,23 +328,7 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
         std::memcpy(p + piece.begin, st.weights + at, n * 4);
       }
       if ((piece.flags & kTensorStep) == 0) continue;
-      stepped.push_back(
-          {.param = p + piece.begin,
-           .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * moment_bytes,
-           .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * moment_bytes,
-           .grad = static_cast<const char*>(st.grad) + at * grad_bytes,
-           .grad_type = ToDType(st.grad_type),
-           .out = st.out == nullptr || out32 != nullptr
-                      ? nullptr
-                      : static_cast<char*>(st.out) + at * out_bytes,
-           .out_type = ToDType(st.out_type),
-           .n = n,
-           .state_type = ToDType(state_.options.state_type),
-           // Rounds bf16 state differently in every shard and tensor, the same way on every
-           // resumption.
-           .seed = (static_cast<uint32_t>(w.group << 16) ^ static_cast<uint32_t>(k)) +
-                   0x9e3779b9u * static_cast<uint32_t>(piece.tensor),
-           .step = group.tensor_steps[piece.tensor] + 1});
+      stepped.push_back(PieceTensor(group, w.group, k, piece, base, st, state_.options.state_type));
     }
     if (!stepped.empty()) kernels::AdamStep(stepped, w.options, w.number, *pool_);
     if (out32 != nullptr) {

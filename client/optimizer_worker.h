@@ -27,6 +27,17 @@
 
 namespace tierd::internal {
 
+// Bytes of one value of `t`, and the kernels' name for it.
+size_t ElementBytes(ScalarType t);
+kernels::DType ToDType(ScalarType t);
+// The kernels' tensor for `piece` of group `group` (index g)'s shard k, whose state is at `base`,
+// stepped with `step`'s gradients and out (an fp32 out is copied from the weights instead).
+kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Piece& piece,
+                                char* base, const GroupStep& step, ScalarType state_type);
+// The gradients of the tensors `step` steps (the others' may hold anything), for the non-finite
+// check.
+std::vector<kernels::AdamTensor> SteppedGradients(const Group& group, const GroupStep& step);
+
 // One group's part of a step, as the coordinator queues it.
 struct Work {
   size_t group = 0;
