@@ -178,6 +178,28 @@ INSTANTIATE_TEST_SUITE_P(Homes, DeviceLaneTest, ::testing::Values(Tier::kNvme, T
                                                             : std::string("Host");
                          });
 
+TEST(DeviceLane, AGroupKeepsItsPlaceWhenOthersAreRemovedOrAdded) {
+  auto daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  auto opt = Create(Options(*daemon, "groups/adam", Tier::kNvme));
+  ASSERT_NE(opt, nullptr);
+  ASSERT_TRUE(opt->SetGroupPlace(1, StepPlace::kDevice).ok());
+  ASSERT_TRUE(opt->RemoveGroups(std::vector<size_t>{0}).ok());
+  EXPECT_EQ(opt->group_place(0), StepPlace::kDevice);  // "layer0", now group 0
+  ASSERT_TRUE(opt->AddGroups(std::vector<ParamGroup>{{"head", 40000, {}}}).ok());
+  EXPECT_EQ(opt->group_place(1), StepPlace::kHost);
+  ASSERT_TRUE(opt->SetParams(1, std::vector<float>(40000, 0.5f)).ok());
+  ASSERT_TRUE(opt->BeginStep().ok());
+  const std::vector<uint16_t> g0 = Gradient(kGroups[1], 1, 1);
+  const std::vector<float> g1(40000, 0.25f);
+  ASSERT_TRUE(opt->StepGroup(0, g0.data(), ScalarType::kBFloat16).ok());
+  ASSERT_TRUE(opt->StepGroup(1, g1.data(), ScalarType::kFloat32).ok());
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->device_params, kGroups[1].params);
+  EXPECT_EQ(stats->host_params, 40000u);
+}
+
 TEST(DeviceLane, ASpeculativeStepOnTheDeviceCanBeAbandoned) {
   auto daemon = StartDaemon();
   ASSERT_NE(daemon, nullptr);

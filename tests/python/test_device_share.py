@@ -176,3 +176,23 @@ def test_streamed_units_step_on_the_device_as_on_the_cpu(daemon, case):  # noqa:
     want = train_streamed(daemon, True, **kwargs)
     got = train_streamed(daemon, True, device_share=0.5, **kwargs)
     assert_equal(got, want)
+
+
+def test_two_ranks_step_their_shares_on_the_device_as_on_the_cpu(daemon, tmp_path):  # noqa: F811
+    # Sharded over two ranks (ZeRO-1): each rank places its own buckets; with all of them on the
+    # device the training is the CPU's, bit for bit, on both ranks.
+    from test_torch_zero import HERE as ZERO_HERE, torchrun
+    got = {}
+    for share in (None, 1.0):
+        out = str(tmp_path / f"ranks-{share}.pt")
+        flags = ["--home", "nvme", "--steps", "8", "--overlap", "--clip", "0.5"]
+        flags += ["--device-share", str(share)] if share is not None else []
+        torchrun(os.path.join(ZERO_HERE, "zero_rank.py"), daemon, out, *flags)
+        got[share] = torch.load(out)
+    cpu, device = got[None], got[1.0]
+    assert [r["losses"] for r in device["ranks"]] == [r["losses"] for r in cpu["ranks"]]
+    for a, b in zip(cpu["params"], device["params"]):
+        assert torch.equal(a, b)
+    assert torch.equal(device["weights_of_ranks"][0], device["weights_of_ranks"][1])
+    assert all(r["device_params"] > 0 for r in device["ranks"]), device["ranks"]
+    assert all(r["device_params"] is None for r in cpu["ranks"])

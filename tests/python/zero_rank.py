@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--skip", type=int, default=0)
     ap.add_argument("--bucket-params", type=int, default=40_000)
     ap.add_argument("--checkpoint-format")
+    ap.add_argument("--device-share", type=float)
     args = ap.parse_args()
 
     os.environ["TIERD_JOB"] = "pytest-zero"  # both ranks' sessions: one job
@@ -64,7 +65,7 @@ def main():
         m.parameters(), **HYPER, socket_dir=args.socket_dir, host_budget_bytes=BUDGET, threads=1,
         home=args.home, name=args.name, reset=True, overlap_backward=args.overlap,
         max_grad_norm=args.clip, skip_nonfinite=args.poison is not None,
-        bucket_params=args.bucket_params)
+        bucket_params=args.bucket_params, device_share=args.device_share)
     if args.load_checkpoint:
         opt.load_checkpoint(args.load_checkpoint)
     initial = [p.detach().clone() for p in m.parameters()]  # the owners' weights, on every rank
@@ -102,7 +103,8 @@ def main():
               "steps": opt.steps_taken, "owned": sorted(shard), "state_name": opt.state_name,
               "buckets": opt.last_stats.get("buckets"),
               "stepped_during_backward": opt.last_stats.get("buckets_during_backward"),
-              "reduced_during_backward": opt.last_stats.get("reduces_during_backward")}
+              "reduced_during_backward": opt.last_stats.get("reduces_during_backward"),
+              "device_params": opt.last_stats.get("device_params")}
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
