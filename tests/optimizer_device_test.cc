@@ -240,18 +240,30 @@ TEST(DeviceLane, TheShareBalancesTheLanesMeasuredRates) {
   auto opt = Create(Options(*daemon, "share/adam", Tier::kNvme));
   ASSERT_NE(opt, nullptr);
   std::vector<std::vector<uint16_t>> out;
-  ASSERT_TRUE(Step(*opt, 1, out).ok());
+  auto rate = [](absl::Duration busy, uint64_t params) {
+    return absl::ToDoubleSeconds(busy) / static_cast<double>(params);
+  };
+  auto first = Step(*opt, 1, out);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->device_params, 0u);
   EXPECT_EQ(opt->DeviceShare(), -1) << "the device lane has not stepped yet";
   ASSERT_TRUE(opt->SetGroupPlace(1, StepPlace::kDevice).ok());
-  auto stats = Step(*opt, 2, out);
-  ASSERT_TRUE(stats.ok()) << stats.status();
-  const double host = absl::ToDoubleSeconds(stats->host_busy) / stats->host_params;
-  const double device = absl::ToDoubleSeconds(stats->device_busy) / stats->device_params;
-  // The host rate is the mean of steps 1 and 2; the device's is step 2's.
-  const double share = opt->DeviceShare();
-  EXPECT_GT(share, 0.0);
-  EXPECT_LT(share, 1.0);
-  EXPECT_GE(share, std::min(BalancedDeviceShare(host, device), 0.5) * 0.1);
+  auto second = Step(*opt, 2, out);
+  ASSERT_TRUE(second.ok()) << second.status();
+  // The host lane's rate is the mean of steps 1 and 2 (each step counts half); the device's is
+  // step 2's, its first.
+  const double host =
+      (rate(first->host_busy, first->host_params) + rate(second->host_busy, second->host_params)) /
+      2;
+  double device = rate(second->device_busy, second->device_params);
+  EXPECT_DOUBLE_EQ(opt->DeviceShare(), BalancedDeviceShare(host, device));
+  // Step 3 with both groups on the device: the device rate moves halfway to step 3's.
+  ASSERT_TRUE(opt->SetGroupPlace(0, StepPlace::kDevice).ok());
+  auto third = Step(*opt, 3, out);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(third->host_params, 0u);
+  device = (device + rate(third->device_busy, third->device_params)) / 2;
+  EXPECT_DOUBLE_EQ(opt->DeviceShare(), BalancedDeviceShare(host, device));
 }
 
 TEST(DeviceLane, AFailingLinkFailsTheStepAndLeavesTheStateAtHomeAsItWas) {
