@@ -16,7 +16,7 @@ streamed one, and the losses' largest difference from the first mode's.
 
     python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
         [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--device-share 0.5|auto]
 """
 import argparse
 import json
@@ -63,6 +63,10 @@ def arguments():
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--socket-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lr", type=float, default=HYPER["lr"])
+    ap.add_argument("--device-share", default=None,
+                    type=lambda s: s if s == "auto" else float(s),
+                    help="tierd modes: OffloadedAdamW's device_share (a number in [0, 1] or "
+                         "auto); on the CPU the daemon gets an emulated device for it")
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
@@ -158,7 +162,7 @@ def child(args) -> None:
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
                                          host_budget_bytes=256 << 20, overlap_backward=True,
                                          socket_dir=args.socket_dir, name="bench/ds-state",
-                                         reset=True)
+                                         reset=True, device_share=args.device_share)
         cleanup.insert(0, opt.close)
 
         def step(x):
@@ -216,6 +220,8 @@ def run_child(args, mode, directory):
            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
            "--dtype", args.dtype, "--device", args.device, "--build", args.build,
            "--lr", str(args.lr)]
+    if args.device_share is not None:
+        cmd += ["--device-share", str(args.device_share)]
     path = os.pathsep.join([os.path.join(ROOT, "python")] + [os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
@@ -236,7 +242,8 @@ def run_child(args, mode, directory):
     if not mode.startswith("tierd"):
         return launch([])
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
-                         nvme=args.nvme) as sock:
+                         nvme=args.nvme,
+                         emulated="1GiB" if args.device_share is not None else "") as sock:
         got = launch(["--socket-dir", sock])
         got["daemon_peak_rss"] = benchlib.daemon_peak_rss(sock)
         return got
