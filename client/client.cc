@@ -144,6 +144,7 @@ ChunkInfo FromProto(const pb::ChunkInfo& c) {
   info.pins = c.pins();
   info.owner_session = c.owner_session();
   info.lost = c.lost();
+  info.transient = c.transient();
   info.base = c.base();
   for (const pb::TierSpace& s : c.space()) info.space.emplace_back(FromProto(s.tier()), s.bytes());
   return info;

@@ -307,6 +307,35 @@ TEST_F(DaemonTest, PersistentChunkKeepsItsDataAcrossSessions) {
   EXPECT_EQ(bytes[(1 << 20) - 1], 0x77);
 }
 
+TEST_F(DaemonTest, ATransientChunkIsReportedAndItsDataGoesDownWhenAskedFor) {
+  auto a = Connect("transient");
+  auto ids = a->AllocateIds(
+      std::vector<ChunkSpec>{{.size = 1 << 20, .home = Tier::kNvme},
+                             {.size = 1 << 20, .home = Tier::kNvme, .transient = true}});
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  auto stat = a->Stat(*ids);
+  ASSERT_TRUE(stat.ok()) << stat.status();
+  EXPECT_FALSE((*stat)[0].transient);
+  EXPECT_TRUE((*stat)[1].transient);
+  {
+    auto w = a->Acquire({&(*ids)[1], 1}, Tier::kHost, AccessMode::kOverwrite);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::memset((*w)[0].data, 0x5A, 1 << 20);
+  }
+  // Not written early; written when its room is wanted (an eviction here), and read back whole.
+  auto down = a->EvictIds({&(*ids)[1], 1}, Tier::kNvme);
+  ASSERT_TRUE(down.ok()) << down.status();
+  ASSERT_TRUE(a->Wait(*down).ok());
+  stat = a->Stat({&(*ids)[1], 1});
+  ASSERT_TRUE(stat.ok()) << stat.status();
+  EXPECT_EQ((*stat)[0].resident, std::vector<Tier>{Tier::kNvme});
+  auto r = a->Acquire({&(*ids)[1], 1}, Tier::kHost, AccessMode::kRead);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const auto* bytes = static_cast<const unsigned char*>((*r)[0].data);
+  EXPECT_EQ(bytes[0], 0x5A);
+  EXPECT_EQ(bytes[(1 << 20) - 1], 0x5A);
+}
+
 TEST_F(DaemonTest, CompletionsAreReadyWithoutAnRpcAndWaitAcknowledges) {
   auto c = Connect();
   auto ids = c->AllocateIds(std::vector<ChunkSpec>(3, ChunkSpec{.size = 4096}));

@@ -59,6 +59,7 @@ void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_pins(c.pins);
   out->set_owner_session(c.owner);
   out->set_lost(c.lost);
+  out->set_transient(c.transient);
 }
 
 void ToProto(SlotToken token, pb::Completion* out) {

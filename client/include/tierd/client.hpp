@@ -79,7 +79,8 @@ struct ChunkInfo {
   bool moving = false;
   uint32_t pins = 0;
   uint64_t owner_session = 0;
-  bool lost = false;  // lost in a daemon crash (see ChunkInfo.lost in the protocol)
+  bool lost = false;       // lost in a daemon crash (see ChunkInfo.lost in the protocol)
+  bool transient = false;  // allocated transient (ChunkSpec::transient)
   // The space each tier holds for it (ChunkInfo.space in the protocol): once nothing moves, a
   // tier's used_bytes is the sum of these over its chunks.
   std::vector<std::pair<Tier, uint64_t>> space;
