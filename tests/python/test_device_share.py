@@ -150,6 +150,28 @@ def test_clipping_that_rolls_back_a_speculative_step_is_exact_on_the_device(daem
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (key, part)
 
 
+def test_the_share_set_between_steps_is_placed_at_once(daemon):  # noqa: F811
+    cpu = run(daemon, None, home="nvme", overlap_backward=True)
+    m = model()
+    opt = tierd.torch.OffloadedAdamW(m.parameters(), **HYPER, socket_dir=daemon,
+                                     host_budget_bytes=1 << 20, threads=2, bucket_params=40_000,
+                                     home="nvme", overlap_backward=True)
+    settings = {3: 0.5, 6: None, 9: "auto"}
+    losses, on_device = [], []
+    try:
+        for step, batch in enumerate(batches(STEPS)):
+            if step in settings:
+                opt.device_share = settings[step]
+                assert opt.device_share == settings[step]
+            losses += train(m, opt, [batch])
+            on_device.append(opt.last_stats.get("device_params", 0.0))
+    finally:
+        opt.close()
+    assert_bit_equal(cpu, (losses, m))
+    assert on_device[:3] == [0.0] * 3 and all(n > 0 for n in on_device[3:6])
+    assert on_device[6:9] == [0.0] * 3 and all(n > 0 for n in on_device[9:])
+
+
 def test_device_share_is_refused_clearly_where_it_cannot_be(daemon):  # noqa: F811
     m = model()
     for bad in (1.5, -0.1, "fast", True):
@@ -163,6 +185,15 @@ def test_device_share_is_refused_clearly_where_it_cannot_be(daemon):  # noqa: F8
         try:
             with pytest.raises(tierd.TierdError, match="device tier"):
                 tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=root, device_share=0.5)
+            opt = tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=root)
+            try:
+                with pytest.raises(tierd.TierdError, match="device tier"):
+                    opt.device_share = "auto"
+                assert opt.device_share is None
+                with pytest.raises(ValueError, match="device_share"):
+                    opt.device_share = 2
+            finally:
+                opt.close()
         finally:
             stop_daemon(proc, root)
 

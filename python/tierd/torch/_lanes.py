@@ -30,6 +30,7 @@ class DeviceLanes:
         check(setting)
         self.setting = setting
         self.share = 0.0  # the share of the parameters placed on the device, as placed
+        self._placed = False  # some bucket may be on the device
         self._order: List[int] = []  # bucket serials in the order the last step launched them
 
     @property
@@ -64,12 +65,18 @@ class DeviceLanes:
         return chosen
 
     def place(self, adam, owned: List[Bucket], measured: Optional[float]) -> None:
-        """Places this rank's buckets for the step about to begin."""
-        if not self.enabled:
+        """Places this rank's buckets for the step about to begin (between the library's steps);
+        turned off, every bucket goes back to the CPU once."""
+        if not self.enabled and not self._placed:
             return
-        on_device = {b.serial for b in self.choose(owned, self.target(
-            -1.0 if measured is None else measured))}
+        on_device = set()
+        if self.enabled:
+            on_device = {b.serial for b in self.choose(owned, self.target(
+                -1.0 if measured is None else measured))}
+        else:
+            self.share = 0.0
         for b in owned:
             if b.slot is not None:
                 adam.set_group_place(b.slot, b.serial in on_device)
+        self._placed = self.enabled
         self._order = []

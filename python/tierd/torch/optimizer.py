@@ -177,6 +177,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
     skip_nonfinite = property(lambda self: self._verdict.skip_nonfinite,
                               lambda self, v: setattr(self._verdict, "skip_nonfinite", v))
     home = property(lambda self: self._state.home)
+
+    @property
+    def device_share(self) -> _lanes.Setting:
+        """The share of the parameters stepped on the device (see the class's text). Set between
+        steps: placed at once (and refused at once where it cannot be), None puts every bucket
+        back on the CPU."""
+        return self._state.lanes.setting
+
+    @device_share.setter
+    def device_share(self, value: _lanes.Setting) -> None:
+        _lanes.check(value)
+        self._between_steps("setting device_share")
+        lanes, before = self._state.lanes, self._state.lanes.setting
+        lanes.setting = value
+        try:
+            lanes.place(self._state.adam, self._layout.owned, None)
+        except BaseException:
+            lanes.setting = before
+            lanes.place(self._state.adam, self._layout.owned, None)
+            raise
     persistent = property(lambda self: self._state.persistent)
     state_name = property(lambda self: self._state.name)
     resumed = property(lambda self: self._state.resumed)
