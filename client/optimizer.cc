@@ -648,16 +648,8 @@ absl::StatusOr<OptimizerStepStats> OffloadedAdam::FinishStep() {
   OptimizerStepStats stats = d.worker->Collect(&error);
   if (d.device_lane != nullptr) {
     absl::Status device_error;
-    const OptimizerStepStats device = d.device_lane->Collect(&device_error);
+    internal::AddStepStats(d.device_lane->Collect(&device_error), &stats);
     if (error.ok()) error = device_error;
-    stats.compute += device.compute;
-    stats.state_wait += device.state_wait;
-    stats.write_wait += device.write_wait;
-    stats.state_bytes += device.state_bytes;
-    stats.skipped_groups.insert(stats.skipped_groups.end(), device.skipped_groups.begin(),
-                                device.skipped_groups.end());
-    stats.device_params = device.device_params;
-    stats.device_busy = device.device_busy;
   }
   d.in_step = false;
   if (!error.ok()) return error;

@@ -48,6 +48,19 @@ kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Pi
           .step = group.tensor_steps[piece.tensor] + 1};
 }
 
+void AddStepStats(const OptimizerStepStats& from, OptimizerStepStats* into) {
+  into->compute += from.compute;
+  into->state_wait += from.state_wait;
+  into->write_wait += from.write_wait;
+  into->state_bytes += from.state_bytes;
+  into->skipped_groups.insert(into->skipped_groups.end(), from.skipped_groups.begin(),
+                              from.skipped_groups.end());
+  into->host_params += from.host_params;
+  into->host_busy += from.host_busy;
+  into->device_params += from.device_params;
+  into->device_busy += from.device_busy;
+}
+
 std::vector<kernels::AdamTensor> SteppedGradients(const Group& group, const GroupStep& step) {
   const size_t grad_bytes = ElementBytes(step.grad_type);
   std::vector<kernels::AdamTensor> grads;
@@ -240,15 +253,12 @@ void StepWorker::Run() {
         if (work.step.tensors[t] & kTensorStep) params += group.spec.tensors[t];
       }
     }
+    (device_ != nullptr ? delta.device_busy : delta.host_busy) = busy;
+    (device_ != nullptr ? delta.device_params : delta.host_params) = params;
+    if (skipped) delta.skipped_groups.push_back(work.group);
     absl::MutexLock lock(&mu_);
-    (device_ != nullptr ? stats_.device_busy : stats_.host_busy) += busy;
-    (device_ != nullptr ? stats_.device_params : stats_.host_params) += params;
     if (!s.ok() && error_.ok()) error_ = s;
-    if (skipped) stats_.skipped_groups.push_back(work.group);
-    stats_.compute += delta.compute;
-    stats_.state_wait += delta.state_wait;
-    stats_.write_wait += delta.write_wait;
-    stats_.state_bytes += delta.state_bytes;
+    AddStepStats(delta, &stats_);
     done_[work.group] = true;
     --outstanding_;
   }

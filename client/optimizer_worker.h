@@ -34,6 +34,8 @@ kernels::DType ToDType(ScalarType t);
 // stepped with `step`'s gradients and out (an fp32 out is copied from the weights instead).
 kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Piece& piece,
                                 char* base, const GroupStep& step, ScalarType state_type);
+// Adds a group's (or a lane's) figures of a step to `into`'s.
+void AddStepStats(const OptimizerStepStats& from, OptimizerStepStats* into);
 // The gradients of the tensors `step` steps (the others' may hold anything), for the non-finite
 // check.
 std::vector<kernels::AdamTensor> SteppedGradients(const Group& group, const GroupStep& step);
