@@ -125,9 +125,6 @@ class Adam:
         place = _abi.ADAM_ON_DEVICE if on_device else _abi.ADAM_ON_HOST
         check(library().tierd_adam_set_group_place(self._handle, slot, place))
 
-    def on_device(self, slot: int) -> bool:
-        return library().tierd_adam_group_place(self._handle, slot) == _abi.ADAM_ON_DEVICE
-
     def lanes(self) -> _abi.AdamLanes:
         """The last step's lanes: parameters each stepped, its busy time, the balanced share."""
         lanes = _abi.AdamLanes()

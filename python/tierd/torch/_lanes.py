@@ -9,7 +9,7 @@ shortest.
 "auto" takes the share that balances the lanes' rates as the library measured them over the last
 steps, 0.5 until both lanes have stepped. Placement changes between the library's steps only.
 """
-from typing import List, Optional, Union
+from typing import List, Union
 
 from ._buckets import Bucket
 
@@ -31,6 +31,7 @@ class DeviceLanes:
         self.setting = setting
         self.share = 0.0  # the share of the parameters placed on the device, as placed
         self._placed = False  # some bucket may be on the device
+        self.measured = -1.0  # the library's balanced share, as last measured (-1: not yet)
         self._order: List[int] = []  # bucket serials in the order the last step launched them
 
     @property
@@ -40,10 +41,10 @@ class DeviceLanes:
     def launched(self, b: Bucket) -> None:
         self._order.append(b.serial)
 
-    def target(self, measured: float) -> float:
-        """The share to place: the setting, or the balanced one measured (-1: not yet)."""
+    def target(self) -> float:
+        """The share to place: the setting, or the balanced one measured (0.5 before)."""
         if self.setting == "auto":
-            return measured if measured >= 0 else 0.5
+            return self.measured if self.measured >= 0 else 0.5
         return float(self.setting)
 
     def choose(self, owned: List[Bucket], target: float) -> List[Bucket]:
@@ -64,15 +65,14 @@ class DeviceLanes:
         self.share = placed / total if total else 0.0
         return chosen
 
-    def place(self, adam, owned: List[Bucket], measured: Optional[float]) -> None:
+    def place(self, adam, owned: List[Bucket]) -> None:
         """Places this rank's buckets for the step about to begin (between the library's steps);
         turned off, every bucket goes back to the CPU once."""
         if not self.enabled and not self._placed:
             return
         on_device = set()
         if self.enabled:
-            on_device = {b.serial for b in self.choose(owned, self.target(
-                -1.0 if measured is None else measured))}
+            on_device = {b.serial for b in self.choose(owned, self.target())}
         else:
             self.share = 0.0
         for b in owned:

@@ -40,7 +40,6 @@ class OptimizerState:
         self.persistent = persistent
         self.home = home
         self.lanes = DeviceLanes(None)  # where the buckets are stepped (OffloadedAdamW sets it)
-        self._measured: Optional[float] = None  # the lanes' balanced share, as last measured
 
     @staticmethod
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
@@ -252,7 +251,7 @@ class OptimizerState:
 
     def begin(self, owned: List[Bucket], grad_scale: float) -> None:
         """Begins the library's step, each group with its parameter group's hyperparameters."""
-        self.lanes.place(self.adam, owned, self._measured)
+        self.lanes.place(self.adam, owned)
         for b in owned:
             self.adam.set_group_hyper(b.slot, hyper(b.group))
         self.adam.begin_step(grad_scale)
@@ -285,7 +284,7 @@ class OptimizerState:
                    "state_bytes": float(stats.state_bytes)}
         if self.lanes.enabled:
             lanes = self.adam.lanes()
-            self._measured = lanes.share
+            self.lanes.measured = lanes.share
             figures.update({"device_share": self.lanes.share,
                             "host_params": float(lanes.host_params),
                             "host_busy_s": lanes.host_ns / 1e9,

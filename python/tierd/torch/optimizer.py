@@ -157,7 +157,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
             defaults=self.defaults)
         self._state.lanes = _lanes.DeviceLanes(device_share)
-        self._state.lanes.place(self._state.adam, self._layout.owned, None)  # refused here
+        self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
             self._comm.share_params(self._layout.buckets)
         for b in self._layout.buckets:
@@ -178,6 +178,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
                               lambda self, v: setattr(self._verdict, "skip_nonfinite", v))
     home = property(lambda self: self._state.home)
 
+    persistent = property(lambda self: self._state.persistent)
+    state_name = property(lambda self: self._state.name)
+    resumed = property(lambda self: self._state.resumed)
+    steps_taken = property(lambda self: self._state.adam.steps_taken)
+    state_bytes = property(lambda self: self._state.adam.state_bytes)
+
     @property
     def device_share(self) -> _lanes.Setting:
         """The share of the parameters stepped on the device (see the class's text). Set between
@@ -192,16 +198,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         lanes, before = self._state.lanes, self._state.lanes.setting
         lanes.setting = value
         try:
-            lanes.place(self._state.adam, self._layout.owned, None)
+            lanes.place(self._state.adam, self._layout.owned)
         except BaseException:
             lanes.setting = before
-            lanes.place(self._state.adam, self._layout.owned, None)
+            lanes.place(self._state.adam, self._layout.owned)
             raise
-    persistent = property(lambda self: self._state.persistent)
-    state_name = property(lambda self: self._state.name)
-    resumed = property(lambda self: self._state.resumed)
-    steps_taken = property(lambda self: self._state.adam.steps_taken)
-    state_bytes = property(lambda self: self._state.adam.state_bytes)
 
     # ---- the parameter groups, as they are now ----
 
