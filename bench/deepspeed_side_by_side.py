@@ -5,6 +5,9 @@ hyperparameters trained by
   ds-infinity  DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe (ZeRO-Infinity)
   tierd-state  tierd's OffloadedAdamW, its state at home on NVMe (the weights in memory)
   tierd-stream tierd streaming the weights (at home on NVMe) and OffloadedAdamW's state on NVMe
+  tierd-state-split, tierd-stream-split (not run unless named)
+               the same with --device-share of the optimizer stepped on the device (on the
+               CPU, the daemon's emulated one)
 
 each in a process of its own (DeepSpeed: its CPU accelerator and gloo on a machine without a GPU,
 its CUDA one with a GPU; tierd: a fresh daemon, its NVMe region a file beside DeepSpeed's swap
@@ -16,7 +19,7 @@ streamed one, and the losses' largest difference from the first mode's.
 
     python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
         [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
-        [--device cpu|cuda] [--device-share 0.5|auto]
+        [--device cpu|cuda] [--device-share auto|0.5]
 """
 import argparse
 import json
@@ -37,6 +40,7 @@ sys.path.insert(0, HERE)
 import benchlib  # noqa: E402
 
 MODES = ["ds-offload", "ds-infinity", "tierd-state", "tierd-stream"]
+SPLIT = ["tierd-state-split", "tierd-stream-split"]  # the optimizer split with the device
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -63,10 +67,10 @@ def arguments():
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--socket-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lr", type=float, default=HYPER["lr"])
-    ap.add_argument("--device-share", default=None,
+    ap.add_argument("--device-share", default="auto",
                     type=lambda s: s if s == "auto" else float(s),
-                    help="tierd modes: OffloadedAdamW's device_share (a number in [0, 1] or "
-                         "auto); on the CPU the daemon gets an emulated device for it")
+                    help="the -split modes' OffloadedAdamW device_share (a number in [0, 1] or "
+                         "auto); on the CPU their daemon gets an emulated device for it")
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
@@ -152,7 +156,7 @@ def child(args) -> None:
         daemon_pid = benchlib.daemon_pid(args.socket_dir)
         probe = tierd.connect(args.socket_dir, "bench probe")
         cleanup.append(probe.close)
-        if mode == "tierd-stream":
+        if mode.startswith("tierd-stream"):
             stream = tierd.torch.stream_parameters(
                 model, device=device, device_budget_bytes=8 << 30, host_budget_bytes=0,
                 socket_dir=args.socket_dir, name="bench/ds-stream")
@@ -162,7 +166,8 @@ def child(args) -> None:
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
                                          host_budget_bytes=256 << 20, overlap_backward=True,
                                          socket_dir=args.socket_dir, name="bench/ds-state",
-                                         reset=True, device_share=args.device_share)
+                                         reset=True,
+                                         device_share=args.device_share if mode in SPLIT else None)
         cleanup.insert(0, opt.close)
 
         def step(x):
@@ -220,7 +225,8 @@ def run_child(args, mode, directory):
            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
            "--dtype", args.dtype, "--device", args.device, "--build", args.build,
            "--lr", str(args.lr)]
-    if args.device_share is not None:
+    split = mode in SPLIT
+    if split:
         cmd += ["--device-share", str(args.device_share)]
     path = os.pathsep.join([os.path.join(ROOT, "python")] + [os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, MASTER_ADDR="127.0.0.1",
@@ -242,8 +248,7 @@ def run_child(args, mode, directory):
     if not mode.startswith("tierd"):
         return launch([])
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
-                         nvme=args.nvme,
-                         emulated="1GiB" if args.device_share is not None else "") as sock:
+                         nvme=args.nvme, emulated="1GiB" if split else "") as sock:
         got = launch(["--socket-dir", sock])
         got["daemon_peak_rss"] = benchlib.daemon_peak_rss(sock)
         return got
@@ -262,7 +267,7 @@ def report(args, runs) -> None:
         if ok.get("tierd-stream") else None
     for m in modes:
         if not ok[m]:
-            print(f"  {m:13s} could not run here: {runs[m][0]['error']}")
+            print(f"  {m:18s} could not run here: {runs[m][0]['error']}")
             continue
         step = statistics.median(r["step_s"] for r in ok[m])
         rss = max(r["peak_rss"] for r in ok[m])
@@ -273,7 +278,7 @@ def report(args, runs) -> None:
         diff = max(abs(a - b) / abs(b) for r in ok[m] for a, b in
                    zip(r["losses"], ok[first][0]["losses"]))
         ratio = f"{step / ref:5.2f} x tierd-stream" if ref else ""
-        print(f"  {m:13s} step {step * 1e3:7.0f} ms  {ratio}   peak RSS {rss / mib:6.0f} MiB"
+        print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   peak RSS {rss / mib:6.0f} MiB"
               + (f" + daemon {daemon / mib:5.0f} MiB (its host tier: {host / mib:.0f} MiB in "
                  "use)" if daemon else "")
               + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
@@ -286,9 +291,9 @@ def main():
     if args.child is not None:
         return child(args)
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES + SPLIT]
     if unknown:
-        sys.exit(f"unknown modes {unknown}: {MODES}")
+        sys.exit(f"unknown modes {unknown}: {MODES + SPLIT}")
     top = args.dir or os.path.join(args.build, "bench-tmp")
     os.makedirs(top, exist_ok=True)
     directory = tempfile.mkdtemp(prefix="ds-side-by-side-", dir=top)
