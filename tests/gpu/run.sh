@@ -5,14 +5,17 @@
 # Runs from an unpacked GPU kit (`make gpu-kit`: nothing to build, no -dev packages needed) or from
 # the source tree, where it uses (and, if missing, builds) a CUDA build folder.
 #
-#   tests/gpu/run.sh [--out=DIR] [--device=cuda|emulated] [--build=DIR] [--list] [STEP...]
+#   tests/gpu/run.sh [--out=DIR] [--device=cuda|emulated] [--build=DIR] [--python=PY] [--list]
+#                    [STEP...]
 #
 #   --out=DIR    where logs and figures go (default: gpu-results-<date> in the current folder)
 #   --device=    the daemons' device backend (default cuda; emulated checks the kit without a GPU)
 #   --build=DIR  source tree only: the CUDA build folder (default build)
+#   --python=PY  the Python with torch that the torch steps run (default: $TIERD_PYTHON, else
+#                python3); a Python without torch skips those steps, saying so
 #   STEP...      run only these steps (default: all, in order); --list names them
 #
-# Exit status: 0 when every step passed, 1 when one failed or ran out of time.
+# Exit status: 0 when every step passed or was skipped, 1 when one failed or ran out of time.
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,14 +23,16 @@ steps_all=(environment doctor gpu-tests pcie gpu-adam torch torch-train torch-st
 out="gpu-results-$(date +%Y%m%d-%H%M%S)"
 build=""
 device=cuda
+python=${TIERD_PYTHON:-python3}
 steps=()
 for arg in "$@"; do
   case "$arg" in
     --out=*) out=${arg#--out=} ;;
     --build=*) build=${arg#--build=} ;;
     --device=cuda|--device=emulated) device=${arg#--device=} ;;
+    --python=*) python=${arg#--python=} ;;
     --list) printf '%s\n' "${steps_all[@]}"; exit 0 ;;
-    -h|--help) sed -n 2,14p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
     *)
       if [[ " ${steps_all[*]} " != *" $arg "* ]]; then
@@ -68,7 +73,8 @@ run_environment() {
   echo "memlock limit: $(ulimit -l)"
   echo "cpus: $(nproc); memory: $(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
   [[ -f "$root/KIT" ]] && cat "$root/KIT"
-  command -v python3 >/dev/null && python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1
+  "$python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 ||
+    echo "python: $python has no torch: the torch steps skip (--python=PY names another)"
   # A daemon's start-up log says which fallbacks it chose (io_uring, memlock, CUDA, huge pages).
   local dir="$scratch/env"
   mkdir -p "$dir"
@@ -106,16 +112,27 @@ run_pcie() {
   "$bin/bench/tierd-bench" pcie --device="$device" --dir="$scratch" --json | tee "$out/pcie.json"
 }
 run_gpu-adam() { "$bin/bench/tierd-bench" gpu-adam --json | tee "$out/gpu-adam.json"; }
+# The torch steps need a Python with torch: without one they are skipped (77), saying which
+# Python was tried, rather than failing on an import.
+with_torch() {
+  if ! "$python" -c 'import torch' >/dev/null 2>&1; then
+    echo "skipped: $python cannot import torch (give --python=PY or TIERD_PYTHON)"
+    return 77
+  fi
+}
 run_torch() {
-  TIERD_BIN="$bin/daemon/tierd" python3 "$root/tests/gpu/torch_cuda.py" --json="$out/torch.json"
+  with_torch || return
+  TIERD_BIN="$bin/daemon/tierd" "$python" "$root/tests/gpu/torch_cuda.py" --json="$out/torch.json"
 }
 
 run_torch-train() {
-  python3 "$root/tests/gpu/torch_train.py" --build="$bin" --json="$out/torch-train.json"
+  with_torch || return
+  "$python" "$root/tests/gpu/torch_train.py" --build="$bin" --json="$out/torch-train.json"
 }
 
 run_torch-stream() {
-  python3 "$root/tests/gpu/torch_stream.py" --build="$bin" --json="$out/torch-stream.json"
+  with_torch || return
+  "$python" "$root/tests/gpu/torch_stream.py" --build="$bin" --json="$out/torch-stream.json"
 }
 
 declare -A limit=([environment]=90 [doctor]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240 [torch]=150 [torch-train]=540 [torch-stream]=540)
@@ -127,7 +144,7 @@ for step in "${steps[@]}"; do
   echo "== $step (limit ${limit[$step]} s)"
   start=$(date +%s%N)
   # Each step in its own process group, killed whole at its limit.
-  timeout -k 10 "${limit[$step]}" bash -c "set -o pipefail; $(declare -f "run_$step"); $(declare -p bin out root scratch device); run_$step" \
+  timeout -k 10 "${limit[$step]}" bash -c "set -o pipefail; $(declare -f "run_$step" with_torch); $(declare -p bin out root scratch device python); run_$step" \
     >"$out/$step.log" 2>&1
   rc=$?
   took=$(( ($(date +%s%N) - start) / 1000000000 ))
