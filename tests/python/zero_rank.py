@@ -86,7 +86,7 @@ def main():
             loss = torch.nn.functional.cross_entropy(partial_forward(m, xs, step), ys)
         else:
             loss = loss_of(m, xs, ys)
-        mean = loss.detach().clone()
+        mean = loss.detach().double()  # the ranks' sum exact: as the reference's micro-batches
         if args.poison == step and rank == 1:  # one rank's gradient is not finite
             loss = loss + next(iter(m.parameters()))[0, 0] * float("inf")
         loss.backward()
