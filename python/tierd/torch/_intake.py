@@ -25,7 +25,7 @@ class GradientIntake:
         `ready`: called on the hand-over thread with each complete bucket, in completion
         order."""
         self._layout = layout
-        self._accumulation_steps = accumulation_steps
+        self.accumulation_steps = accumulation_steps  # set between steps
         self._sharded = sharded  # the ranks' buffers are summed: a missing gradient is zeros
         self._prepare = prepare
         self._ready = ready
@@ -73,15 +73,23 @@ class GradientIntake:
         b, i = place
         self._counts[key] = self._counts.get(key, 0) + 1
         count = self._counts[key]
+        if count > self.accumulation_steps:
+            # Its bucket may be stepped already: this gradient would be lost without a word.
+            raise RuntimeError(
+                f"OffloadedAdamW: a parameter of shape {tuple(b.params[i].shape)} got its "
+                f"gradient {count} times before step(), but accumulation_steps is "
+                f"{self.accumulation_steps}: with overlap_backward its bucket is stepped after "
+                "that many backward passes. Set accumulation_steps to the backward passes of "
+                "a step (gradient accumulation), or call step() after each")
         if isinstance(b, StreamBucket):
             # Each pass's gradient leaves the device at once, summed into the bucket's.
-            if b.launched or count > self._accumulation_steps:
+            if b.launched:
                 return
             self.copy_grad(b, i, add=count > 1)
-            if count < self._accumulation_steps:
+            if count < self.accumulation_steps:
                 return
         else:
-            if count < self._accumulation_steps or b.launched or b.got[i]:
+            if count < self.accumulation_steps or b.launched or b.got[i]:
                 return
             self.copy_grad(b, i)
         b.arrived += 1

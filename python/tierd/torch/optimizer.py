@@ -138,7 +138,6 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._release: Optional[EarlyRelease] = None
         super().__init__(params, defaults)
         self.overlap_backward = overlap_backward
-        self.accumulation_steps = accumulation_steps
         self.bucket_params = bucket_params
         self.last_grad_norm: Optional[float] = None
         self.last_stats: Dict[str, float] = {}
@@ -177,6 +176,19 @@ class OffloadedAdamW(torch.optim.Optimizer):
     skip_nonfinite = property(lambda self: self._verdict.skip_nonfinite,
                               lambda self, v: setattr(self._verdict, "skip_nonfinite", v))
     home = property(lambda self: self._state.home)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Backward passes per step (overlap_backward): a bucket is stepped once each of its
+        parameters has had this many gradients. Set between steps."""
+        return self._intake.accumulation_steps
+
+    @accumulation_steps.setter
+    def accumulation_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"accumulation_steps must be an int >= 1, not {value!r}")
+        self._between_steps("setting accumulation_steps")
+        self._intake.accumulation_steps = value
 
     persistent = property(lambda self: self._state.persistent)
     state_name = property(lambda self: self._state.name)
