@@ -14,6 +14,9 @@ What it changes of transformers.Trainer, and why:
   then, so that would clip, and report, the norm of what is left. Here `args.max_grad_norm` is
   given to the optimizer, which clips exactly as clip_grad_norm_ would, over every gradient; the
   logged grad_norm is the optimizer's (none is logged when the optimizer computes none).
+- Gradient accumulation. With overlap_backward a bucket is stepped once its gradients of
+  `accumulation_steps` backward passes are in: `args.gradient_accumulation_steps` is given to the
+  optimizer (a different value set on both is refused).
 - Saving. The weights of a streamed model are in the daemon, not in its parameters: a
   checkpoint or save_model() writes them with the stream's save_pretrained(). A PEFT model saves
   its adapters as Trainer does (they are not streamed).
@@ -45,6 +48,35 @@ class _Norm(transformers.TrainerCallback):
             norm.fill_(opt.last_grad_norm)
 
 
+def _refuse(args, streamed: bool) -> None:
+    """Refuses, naming the field, each TrainingArguments knob this Trainer cannot honour as
+    transformers' own does (docs/models.md has the table of every knob)."""
+    why = None
+    reentrant = (args.activation_checkpointing_kwargs or {}).get("use_reentrant", False) or \
+        (args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
+    if args.fp16:
+        why = ("fp16: Trainer's GradScaler unscales the gradients still on the device, and "
+               "OffloadedAdamW has taken them during backward; train in bf16, or scale in "
+               "your own loop with step(grad_scale=...)")
+    elif args.deepspeed or args.fsdp:
+        why = (f"{'deepspeed' if args.deepspeed else 'fsdp'}: OffloadedAdamW is the optimizer "
+               "and does its own offload and sharding; the two do not go together")
+    elif args.torch_compile:
+        why = "torch_compile: not tested with OffloadedAdamW's gradient hooks and streaming"
+    elif args.world_size > 1:
+        why = ("world_size > 1 (DDP under torchrun): Trainer would wrap the model in DDP, whose "
+               "all-reduce OffloadedAdamW does itself (sharded over the ranks): not supported "
+               "through Trainer yet")
+    elif streamed and reentrant:
+        why = ("activation_checkpointing_kwargs use_reentrant=True: a streamed model needs "
+               "use_reentrant=False (docs/streaming.md, \"Limits\")")
+    elif streamed and args.load_best_model_at_end:
+        why = ("load_best_model_at_end: loads a checkpoint's weights with load_state_dict, "
+               "which a streamed model does not take yet")
+    if why is not None:
+        raise ValueError(f"tierd.torch.hf.Trainer: TrainingArguments.{why}")
+
+
 class Trainer(transformers.Trainer):
     """transformers.Trainer for OffloadedAdamW (see the module's text). Arguments as Trainer's;
     `optimizers` must hold an OffloadedAdamW."""
@@ -56,6 +88,7 @@ class Trainer(transformers.Trainer):
                             "scheduler); Trainer's own optimizer would not see streamed "
                             "gradients")
         super().__init__(*args, **kwargs)
+        _refuse(self.args, streamed=self._stream() is not None)
         self._offloaded = optimizer
         self._pending_norm: Optional[torch.Tensor] = None
         wanted = self.args.max_grad_norm
@@ -66,7 +99,23 @@ class Trainer(transformers.Trainer):
                 raise ValueError(f"tierd.torch.hf.Trainer: args.max_grad_norm ({wanted}) and "
                                  f"the optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
                                  "differ: set one")
+        accumulate = self.args.gradient_accumulation_steps
+        if optimizer.accumulation_steps == 1:
+            optimizer.accumulation_steps = accumulate
+        elif optimizer.accumulation_steps != accumulate:
+            raise ValueError(f"tierd.torch.hf.Trainer: args.gradient_accumulation_steps "
+                             f"({accumulate}) and the optimizer's accumulation_steps "
+                             f"({optimizer.accumulation_steps}) differ: set one")
         self.add_callback(_Norm(self))
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint and self._stream() is not None:
+            raise ValueError(
+                "tierd.torch.hf.Trainer: train(resume_from_checkpoint=...) loads the model's "
+                "weights with load_state_dict, which a streamed model does not take yet: stream "
+                "the checkpoint's weights (stream_parameters(checkpoint=<its directory>)) and "
+                "resume the optimizer by its name= (or load_checkpoint) instead")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _stream(self):
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

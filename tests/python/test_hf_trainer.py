@@ -1,0 +1,198 @@
+"""tierd.torch.hf.Trainer against transformers' own Trainer with torch.optim.AdamW in memory: each
+TrainingArguments knob that touches gradients, the optimizer, saving or resuming gives the same
+losses, logged norms and weights, or is refused when the Trainer is made, naming it.
+
+OffloadedAdamW's kernel evaluates AdamW's formula in another order than torch's (fp32 rounding,
+docs/optimizer.md), so from the second step the two runs differ by that rounding only: the first
+step's loss and logged norm are equal bit for bit (same weights, same gradients), the rest within
+the tolerance test_torch_optimizer.py derives for one kernel against the other.
+"""
+import pytest
+import torch
+
+from test_c_abi import daemon  # noqa: F401 (a fixture)
+from test_pretrained import HYPER, on_meta, saved, stream, tokens
+
+import tierd.torch  # noqa: E402 (test_pretrained puts python/ on the path)
+
+transformers = pytest.importorskip("transformers")
+
+TORCH_HYPER = dict(lr=HYPER["lr"], betas=HYPER["betas"], weight_decay=HYPER["weight_decay"])
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        x = tokens(i, n=1)[0]
+        return {"input_ids": x, "labels": x}
+
+
+def _args(out, **kwargs):
+    options = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=3,
+                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                   max_grad_norm=0.5, lr_scheduler_type="constant")
+    options.update(kwargs)
+    return transformers.TrainingArguments(**options)
+
+
+def _logged(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+def _tierd_run(ckpt, out, daemon, **kwargs):  # noqa: F811
+    from tierd.torch.hf import Trainer
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, **HYPER)
+    try:
+        trainer = Trainer(model=model, args=_args(out, **kwargs), train_dataset=_Tokens(),
+                          eval_dataset=_Tokens(), optimizers=(opt, None))
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        return trainer, opt.accumulation_steps
+    finally:
+        opt.close()
+        s.close(keep_weights=False)
+
+
+def _torch_run(ckpt, out, **kwargs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    opt = torch.optim.AdamW(model.parameters(), **TORCH_HYPER)
+    trainer = transformers.Trainer(model=model, args=_args(out, **kwargs),
+                                   train_dataset=_Tokens(), eval_dataset=_Tokens(),
+                                   optimizers=(opt, None))
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    return trainer
+
+
+def _assert_same_training(got, want, got_dir, want_dir):
+    losses, norms = _logged(got)
+    want_losses, want_norms = _logged(want)
+    assert len(losses) == len(want_losses) > 1
+    assert losses[0] == want_losses[0] and norms[0] == want_norms[0]  # before any update
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5,
+                               atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-4, atol=0)
+    a = transformers.AutoModelForCausalLM.from_pretrained(got_dir).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(want_dir).state_dict()
+    assert a.keys() == b.keys()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_gradient_accumulation_trains_on_every_micro_batch_as_transformers_does(
+        daemon, tmp_path):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    got, accumulation = _tierd_run(ckpt, tmp_path / "tierd", daemon,
+                                   gradient_accumulation_steps=2)
+    assert accumulation == 2  # given to the optimizer
+    want = _torch_run(ckpt, tmp_path / "torch", gradient_accumulation_steps=2)
+    _assert_same_training(got, want, tmp_path / "tierd" / "final", tmp_path / "torch" / "final")
+
+
+# Each knob beside transformers' Trainer: the scheduler kinds (Trainer makes the schedule on the
+# optimizer given), bf16 autocast, activation checkpointing (transformers 5's default,
+# use_reentrant=False), checkpoints every step with a limit, evaluation during training.
+KNOBS = {
+    "linear-warmup": dict(lr_scheduler_type="linear", warmup_steps=1),
+    "cosine": dict(lr_scheduler_type="cosine"),
+    "bf16": dict(bf16=True),
+    "activation-checkpointing": dict(activation_checkpointing=True),
+    "save-steps": dict(save_strategy="steps", save_steps=1, save_total_limit=2),
+    "eval-steps": dict(eval_strategy="steps", eval_steps=1),
+}
+
+
+@pytest.mark.parametrize("knob", list(KNOBS))
+def test_each_knob_trains_as_transformers_trainer_does(daemon, tmp_path, knob):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    got, _ = _tierd_run(ckpt, tmp_path / "tierd", daemon, **KNOBS[knob])
+    want = _torch_run(ckpt, tmp_path / "torch", **KNOBS[knob])
+    _assert_same_training(got, want, tmp_path / "tierd" / "final", tmp_path / "torch" / "final")
+    if knob == "save-steps":  # the last two checkpoints kept, each with what Trainer writes
+        kept = sorted(p.name for p in (tmp_path / "tierd").glob("checkpoint-*"))
+        assert kept == sorted(p.name for p in (tmp_path / "torch").glob("checkpoint-*"))
+        assert kept == ["checkpoint-2", "checkpoint-3"]
+        for name in kept:
+            a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tierd" / name)
+            b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "torch" / name)
+            for k, v in b.state_dict().items():
+                torch.testing.assert_close(a.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=k)
+            assert (tmp_path / "tierd" / name / "optimizer.pt").exists()
+    if knob == "eval-steps":
+        evals = [h["eval_loss"] for h in got.state.log_history if "eval_loss" in h]
+        want_evals = [h["eval_loss"] for h in want.state.log_history if "eval_loss" in h]
+        assert len(evals) == len(want_evals) == 3
+        torch.testing.assert_close(torch.tensor(evals), torch.tensor(want_evals), rtol=1e-5,
+                                   atol=0)
+
+
+REFUSED = {
+    "torch_compile": dict(torch_compile=True),
+    "load_best_model_at_end": dict(load_best_model_at_end=True, eval_strategy="steps",
+                                   save_strategy="steps"),
+    "activation_checkpointing_kwargs": dict(activation_checkpointing=True,
+                               activation_checkpointing_kwargs={"use_reentrant": True}),
+}
+
+
+@pytest.mark.parametrize("knob", list(REFUSED))
+def test_a_knob_it_cannot_honour_is_refused_naming_it(daemon, tmp_path, knob):  # noqa: F811
+    from tierd.torch.hf import Trainer
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(saved(tmp_path, "llama")))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, **HYPER)
+    try:
+        with pytest.raises(ValueError, match=f"TrainingArguments.{knob}"):
+            Trainer(model=model, args=_args(tmp_path / "out", **REFUSED[knob]),
+                    train_dataset=_Tokens(), eval_dataset=_Tokens(), optimizers=(opt, None))
+    finally:
+        opt.close()
+        s.close(keep_weights=False)
+
+
+def test_resuming_a_streamed_model_through_trainer_is_refused_not_a_crash(daemon, tmp_path):  # noqa: F811,E501
+    ckpt = saved(tmp_path, "llama")
+    _tierd_run(ckpt, tmp_path / "first", daemon, save_strategy="steps", save_steps=3)
+    from tierd.torch.hf import Trainer
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, **HYPER)
+    try:
+        trainer = Trainer(model=model, args=_args(tmp_path / "again", max_steps=4),
+                          train_dataset=_Tokens(), optimizers=(opt, None))
+        with pytest.raises(ValueError, match="resume_from_checkpoint"):
+            trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-3"))
+    finally:
+        opt.close()
+        s.close(keep_weights=False)
+
+
+def test_an_accumulation_the_optimizer_was_given_otherwise_is_refused(daemon, tmp_path):  # noqa: F811,E501
+    from tierd.torch.hf import Trainer
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved(tmp_path, "llama"))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon,
+                                     **dict(HYPER, accumulation_steps=4))
+    try:
+        with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+            Trainer(model=model, args=_args(tmp_path, gradient_accumulation_steps=2),
+                    train_dataset=_Tokens(), optimizers=(opt, None))
+    finally:
+        opt.close()
+
+
+def test_more_backward_passes_than_accumulation_steps_raise_instead_of_dropping_gradients(
+        daemon, tmp_path):  # noqa: F811
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved(tmp_path, "llama"))
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, **HYPER)
+    try:
+        x = tokens(0)
+        model(input_ids=x, labels=x).loss.backward()
+        with pytest.raises(RuntimeError, match="accumulation_steps is 1"):
+            model(input_ids=x, labels=x).loss.backward()
+    finally:
+        opt.close()
