@@ -431,9 +431,66 @@ def _no_checkpoint_there(tmp_path):
     return tmp_path / "empty", "no model.safetensors and no model.safetensors.index.json"
 
 
+# Special files, anywhere a checkpoint names a file: refused at once (a FIFO would block the
+# reader forever), naming the path and what it is.
+
+def _fifo_in_the_directory(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.mkfifo(d / "model.safetensors")
+    return d, "model.safetensors: the checkpoint's file is a FIFO"
+
+
+def _fifo_given_as_the_file(tmp_path):
+    f = tmp_path / "model.safetensors"
+    os.mkfifo(f)
+    return f, "the checkpoint is a FIFO"
+
+
+def _a_shard_is_a_fifo(tmp_path):
+    d = saved(tmp_path, "llama")
+    shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.norm.weight"]
+    os.remove(d / shard)
+    os.mkfifo(d / shard)
+    return d, f"{shard}: the shard of key '.*' is a FIFO"
+
+
+def _a_shard_is_a_directory(tmp_path):
+    d = saved(tmp_path, "llama")
+    shard = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.norm.weight"]
+    os.remove(d / shard)
+    os.mkdir(d / shard)
+    return d, f"{shard}: the shard of key '.*' is a directory"
+
+
+def _the_file_links_to_a_device(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.symlink("/dev/zero", d / "model.safetensors")
+    return d, "model.safetensors: the checkpoint's file is a character device"
+
+
+def _the_index_is_a_socket(tmp_path):
+    import socket
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    s, cwd = socket.socket(socket.AF_UNIX), os.getcwd()
+    os.chdir(d)  # a socket's path is short: bound relative to its directory
+    try:
+        s.bind("model.safetensors.index.json")
+    finally:
+        os.chdir(cwd)
+        s.close()
+    return d, "model.safetensors.index.json: the checkpoint's index is a socket"
+
+
 BAD = [_missing_key, _unexpected_key, _wrong_shape, _wrong_dtype, _truncated, _not_safetensors,
        _overlapping_offsets, _index_names_a_missing_shard, _index_reaches_outside,
-       _index_key_not_in_its_shard, _no_checkpoint_there]
+       _index_key_not_in_its_shard, _no_checkpoint_there, _fifo_in_the_directory,
+       _fifo_given_as_the_file, _a_shard_is_a_fifo, _a_shard_is_a_directory,
+       _the_file_links_to_a_device, _the_index_is_a_socket]
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[b.__name__[1:] for b in BAD])

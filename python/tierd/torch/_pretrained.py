@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +28,41 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _regular(path: str, what: str) -> bool:
+    """Whether `path` exists: False when it does not, True when it is a regular file (or a link
+    to one); anything else (a FIFO would block the reader forever, a device or a socket, a
+    directory named like a file) is refused at once, naming it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise ValueError(f"{path}: {what} cannot be read ({e})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: {what} is {_kind(mode)}, not a regular file")
+    return True
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of `path`, opened without blocking (a FIFO swapped in since it was checked
+    is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ValueError(f"{path}: a checkpoint file is {_kind(mode)}, not a regular file")
+    return fd
 
 
 def _safetensors():
@@ -58,20 +94,24 @@ class Checkpoint:
         if os.path.isdir(path):
             index = os.path.join(path, INDEX)
             single = os.path.join(path, SINGLE)
-            if os.path.exists(index):
+            if _regular(index, "the checkpoint's index"):
                 files = self._from_index(index)
-            elif os.path.exists(single):
+            elif _regular(single, "the checkpoint's file"):
                 files = {single: None}
             else:
                 raise FileNotFoundError(f"{path}: no {SINGLE} and no {INDEX} in the directory")
-        elif os.path.isfile(path):
+        elif _regular(path, "the checkpoint"):
             files = {path: None}
         else:
             raise FileNotFoundError(f"{path}: no such file or directory")
         self.entries: Dict[str, Entry] = {}
-        for file, wanted in files.items():
-            self._scan(file, wanted)
         self._open: Dict[str, int] = {}  # file -> descriptor
+        try:
+            for file, wanted in files.items():
+                self._scan(file, wanted)
+        except BaseException:
+            self.close()
+            raise
 
     def _from_index(self, index: str) -> Dict[str, List[str]]:
         try:
@@ -89,7 +129,7 @@ class Checkpoint:
                 raise ValueError(f"{index}: key {key!r} names the shard {shard!r}, which is not "
                                  "a file in the index's directory")
             file = os.path.join(directory, shard)
-            if not os.path.isfile(file):
+            if not _regular(file, f"the shard of key {key!r}"):
                 raise FileNotFoundError(f"{index}: key {key!r} is in the shard {shard!r}, which "
                                         "is missing")
             files.setdefault(file, []).append(key)
@@ -98,11 +138,12 @@ class Checkpoint:
     def _scan(self, file: str, wanted: Optional[List[str]]) -> None:
         st = _safetensors()
         try:
-            with st.safe_open(file, framework="pt", device="cpu") as f:
+            fd = self._fd(file)  # a regular file, checked on its descriptor
+            # safe_open reads the very file that was checked, not what the path names now.
+            with st.safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as f:
                 keys = list(f.keys())  # the header checked against the file
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, n, 8))
         except st.SafetensorError as e:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
         except (OSError, ValueError) as e:
@@ -144,7 +185,7 @@ class Checkpoint:
     def _fd(self, file: str) -> int:
         fd = self._open.get(file)
         if fd is None:
-            fd = self._open[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open[file] = _open_regular(file)
         return fd
 
     def read(self, key: str) -> torch.Tensor:
