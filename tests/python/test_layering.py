@@ -18,11 +18,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 LEVELS = [
     ["_storage", "_pretrained", "_agree"],  # tensors over tierd memory; checkpoints in the HF
                                             # layout; every rank's outcome
-    ["_units", "activations", "_materialize"],  # units and chunks; activation offload; where
-                                                # a stream's weights come from
+    ["_units", "activations", "_materialize", "_guard"],  # units and chunks; activation
+                                                # offload; where a stream's weights come from;
+                                                # a streamed parameter outside the window
     ["_trace", "_base"],         # the recorded order, the daemon's schedule; a shared base
     ["_window", "_ranks"],       # the device window; the ranks' one set of weights
-    ["_stream_hooks"],           # the hooks and the training state
+    ["_stream_hooks", "_loading"],  # the hooks and the training state; load_state_dict
     ["streaming"],               # ParameterStream, and StreamRange: the seam to the optimizer
     ["_buckets", "_shard", "_checkpoint", "testing"],
     ["_lanes"],                  # which buckets the device steps

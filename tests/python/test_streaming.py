@@ -318,6 +318,80 @@ def test_evaluation_streams_under_no_grad_and_gathered_weights_can_be_edited(dae
         assert torch.equal(got[1][k], v), k
 
 
+USES = {
+    "norm": lambda m, w: w.norm(),
+    "arithmetic": lambda m, w: w + 1,
+    ".data": lambda m, w: w.data.sum(),
+    "state_dict": lambda m, w: m.state_dict()["blocks.1.fc.weight"].sum(),
+    "copy_": lambda m, w: w.data.copy_(torch.zeros(w.shape)),
+    "clone": lambda m, w: w.clone(),
+    "to another dtype": lambda m, w: w.to(torch.float16),
+    "torch.save": lambda m, w: torch.save(m.state_dict(), os.devnull),
+    "comparison": lambda m, w: w == 0,
+}
+
+
+@pytest.mark.parametrize("use", list(USES))
+def test_a_streamed_parameter_used_outside_the_window_raises_not_a_signal(daemon, use):  # noqa: F811,E501
+    """Outside the window a streamed parameter has its shape but no bytes: reading it raises a
+    RuntimeError that says where its weights are (before, it read freed memory and died of a
+    segfault). What reads no element still works: its shape and dtype, a model.to() to where it
+    is, printing (which says where it is)."""
+    model, stream, opt = streamed_or_not(daemon, True)
+    try:
+        w = model.blocks[1].fc.weight
+        with pytest.raises(RuntimeError, match="outside the device window"):
+            USES[use](model, w)
+        assert w.shape == (4 * 32, 32) and w.dtype == torch.float32 and w.requires_grad
+        assert model.to("cpu").blocks[1].fc.weight is w
+        assert "streamed by tierd: outside the device window" in repr(w)
+        model(*batch(0)).backward()  # and it trains on, inside the window
+        opt.step()
+    finally:
+        opt.close()
+        stream.close()
+    assert type(w) is torch.nn.Parameter and torch.isfinite(w).all()  # its own again
+
+
+def test_load_state_dict_writes_a_streamed_model_through_its_stream(daemon):  # noqa: F811
+    """model.load_state_dict() of a streamed model writes each unit's weights into its chunks
+    (what resuming a checkpoint needs): the model then computes, and trains, as the same model
+    in memory that loaded the same state_dict; a key of the wrong shape is torch's own error."""
+    g = torch.Generator().manual_seed(5)
+    loaded = {k: v + 0.01 * torch.randn(v.shape, generator=g)
+              for k, v in make().state_dict().items()}
+    runs = []
+    for streamed in (False, True):
+        model, stream, opt = streamed_or_not(daemon, streamed)
+        try:
+            if stream is not None:  # torch's own error; the other keys load, as in torch
+                bad = dict(loaded, **{"blocks.2.fc.weight": torch.zeros(3, 3)})
+                with pytest.raises(RuntimeError, match="size mismatch for blocks.2.fc.weight"):
+                    model.load_state_dict(bad)
+            assert not model.load_state_dict(loaded).missing_keys
+            losses = []
+            for step in range(3):
+                loss = model(*batch(step))
+                losses.append(loss.item())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if stream is not None:
+                with stream.gathered():
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
+            else:
+                weights = model.state_dict()
+        finally:
+            opt.close()
+            if stream is not None:
+                stream.close()
+        runs.append((losses, weights))
+    (want, want_w), (got, got_w) = runs
+    assert got == want
+    for k, v in want_w.items():
+        assert torch.equal(got_w[k], v), k
+
+
 def test_a_backward_that_raises_leaves_the_stream_working(daemon):  # noqa: F811
     """An error in the middle of backward (a hook that raises) ends it without the callback that
     closes an iteration: the next forward starts afresh, and training goes on as in memory."""

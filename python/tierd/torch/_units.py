@@ -281,6 +281,23 @@ class Units:
                         out.append((p, r.slice(values, i).clone()))
         return out
 
+    def write_weights(self, u: Unit, changed: Dict[int, torch.Tensor]) -> None:
+        """Writes new weights (parameter id -> flat CPU values of its dtype) into u's current
+        versions and marks them edited (the optimizer takes them as its master weights at its
+        next step). A parameter in a shared base is refused: the base is read-only."""
+        for r in u.ranges:
+            if r.in_base and any(id(p) in changed for p in r.params):
+                raise ValueError(f"unit {u.name!r}: a parameter in the shared base is read-only")
+        for r in u.ranges:
+            if not any(id(p) in changed for p in r.params):
+                continue
+            with self.holding(u, r.current, Access.WRITE) as view:
+                values = self.range_view(view, r)
+                for i, p in enumerate(r.params):
+                    if id(p) in changed:
+                        r.slice(values, i).copy_(changed[id(p)])
+        u.edited |= set(changed)
+
     # ---- layout ----
 
     def lay_out(self, u: Unit, groups: List[List[torch.Tensor]], extra_per_param: int,

@@ -36,6 +36,8 @@ from ._stream_hooks import StreamHooks, TrainingState
 from . import _pretrained
 from ._materialize import Init, placeholder, source_for, swap
 from ._base import SharedBase
+from ._guard import guard, unguard
+from ._loading import StateDictLoading
 from ._ranks import RankWeights
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
@@ -130,6 +132,7 @@ class ParameterStream:
         self._trace = Trace(self._units, self._stats)
         self._window = Window(self._units, self._trace, device, self.prefetch, self._stats)
         self._hooks = StreamHooks(self._units, self._window)
+        self._loading = StateDictLoading(self._units, self._window, self._hooks.busy)
         try:
             name, group, wait_s = base
             if name is not None:
@@ -151,7 +154,9 @@ class ParameterStream:
             for u in self._units:
                 for p in u.params:
                     _STREAMED[id(p)] = self
+                    guard(p)  # outside the window, a use that reads it raises
             self._hooks.install()
+            self._loading.install()
         except BaseException:
             self.close()
             raise
@@ -340,6 +345,7 @@ class ParameterStream:
                 self._client = None
             return
         self._hooks.remove()
+        self._loading.remove()
         lost = None
         try:
             for u in self._units:
@@ -352,6 +358,7 @@ class ParameterStream:
                 with torch.no_grad():
                     for p, w in weights:
                         p.data = w.view(p.shape)
+                        unguard(p)  # a plain parameter again, with its weights
                 try:  # a dead daemon's chunks are gone with it
                     self._units.free(u)
                 except TierdError as e:
@@ -635,23 +642,15 @@ class _Gathered:
                                        "shape changed inside gathered()")
                 if not torch.equal(now, w):
                     changed[id(p)] = now.clone()
-            if changed:
-                for r in u.ranges:
-                    if not any(id(p) in changed for p in r.params):
-                        continue
-                    if r.in_base:
-                        units.point(u)
-                        raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} "
-                                           "was changed inside gathered(), but it is in the "
-                                           f"shared base {s.shared_base!r}, which is read-only; "
-                                           "its weights stay as they were")
-                    with units.holding(u, r.current, Access.WRITE) as view:
-                        values = units.range_view(view, r)
-                        for i, p in enumerate(r.params):
-                            if id(p) in changed:
-                                r.slice(values, i).copy_(changed[id(p)])
-                u.edited |= set(changed)
-            units.point(u)
+            try:
+                units.write_weights(u, changed)
+            except ValueError:
+                raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} was "
+                                   "changed inside gathered(), but it is in the shared base "
+                                   f"{s.shared_base!r}, which is read-only; its weights stay as "
+                                   "they were") from None
+            finally:
+                units.point(u)
         self.before = []
 
 
