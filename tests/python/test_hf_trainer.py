@@ -155,9 +155,13 @@ def test_a_knob_it_cannot_honour_is_refused_naming_it(daemon, tmp_path, knob):  
         s.close(keep_weights=False)
 
 
-def test_resuming_a_streamed_model_through_trainer_is_refused_not_a_crash(daemon, tmp_path):  # noqa: F811,E501
+def test_resuming_a_streamed_model_goes_on_as_the_run_that_was_not_stopped(daemon, tmp_path):  # noqa: F811,E501
+    """train(resume_from_checkpoint=...) loads the checkpoint's weights into the streamed model
+    (through the stream: load_state_dict) and its optimizer state, and the last steps are those
+    of the run that was not stopped, bit for bit (it died of SIGSEGV inside load_state_dict)."""
     ckpt = saved(tmp_path, "llama")
-    _tierd_run(ckpt, tmp_path / "first", daemon, save_strategy="steps", save_steps=3)
+    whole, _ = _tierd_run(ckpt, tmp_path / "whole", daemon, max_steps=4, save_strategy="steps",
+                          save_steps=2)
     from tierd.torch.hf import Trainer
     model = on_meta("llama")
     s = stream(model, daemon, checkpoint=str(ckpt))
@@ -165,11 +169,17 @@ def test_resuming_a_streamed_model_through_trainer_is_refused_not_a_crash(daemon
     try:
         trainer = Trainer(model=model, args=_args(tmp_path / "again", max_steps=4),
                           train_dataset=_Tokens(), optimizers=(opt, None))
-        with pytest.raises(ValueError, match="resume_from_checkpoint"):
-            trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-3"))
+        trainer.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+        trainer.save_model(str(tmp_path / "again" / "final"))
     finally:
         opt.close()
         s.close(keep_weights=False)
+    assert trainer.state.global_step == 4
+    assert _logged(trainer) == _logged(whole)  # the first two logs are the checkpoint's
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again" / "final")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final")
+    for k, v in b.state_dict().items():
+        assert torch.equal(a.state_dict()[k], v), k
 
 
 def test_an_accumulation_the_optimizer_was_given_otherwise_is_refused(daemon, tmp_path):  # noqa: F811,E501

@@ -71,8 +71,8 @@ def _refuse(args, streamed: bool) -> None:
         why = ("activation_checkpointing_kwargs use_reentrant=True: a streamed model needs "
                "use_reentrant=False (docs/streaming.md, \"Limits\")")
     elif streamed and args.load_best_model_at_end:
-        why = ("load_best_model_at_end: loads a checkpoint's weights with load_state_dict, "
-               "which a streamed model does not take yet")
+        why = ("load_best_model_at_end: not tested with a streamed model yet (its weights "
+               "load through the stream, as resume_from_checkpoint's do)")
     if why is not None:
         raise ValueError(f"tierd.torch.hf.Trainer: TrainingArguments.{why}")
 
@@ -107,15 +107,6 @@ class Trainer(transformers.Trainer):
                              f"({accumulate}) and the optimizer's accumulation_steps "
                              f"({optimizer.accumulation_steps}) differ: set one")
         self.add_callback(_Norm(self))
-
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint and self._stream() is not None:
-            raise ValueError(
-                "tierd.torch.hf.Trainer: train(resume_from_checkpoint=...) loads the model's "
-                "weights with load_state_dict, which a streamed model does not take yet: stream "
-                "the checkpoint's weights (stream_parameters(checkpoint=<its directory>)) and "
-                "resume the optimizer by its name= (or load_checkpoint) instead")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _stream(self):
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
