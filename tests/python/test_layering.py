@@ -16,8 +16,9 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # From the bottom up; modules on one level do not import each other.
 LEVELS = [
-    ["_storage", "_pretrained", "_agree"],  # tensors over tierd memory; checkpoints in the HF
-                                            # layout; every rank's outcome
+    ["_storage", "_pretrained", "_agree", "_hf_keys"],  # tensors over tierd memory;
+                                            # checkpoints in the HF layout; every rank's
+                                            # outcome; keys as transformers names them
     ["_units", "activations", "_materialize", "_guard"],  # units and chunks; activation
                                                 # offload; where a stream's weights come from;
                                                 # a streamed parameter outside the window

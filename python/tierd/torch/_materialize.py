@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from ._hf_keys import KeyNames
 from ._pretrained import Checkpoint, convertible
 
 Init = Callable[[nn.Module], None]
@@ -210,14 +211,27 @@ class FromCheckpoint(Source):
 
     def check(self, streamed, resident) -> None:
         entries = self.checkpoint.entries
+        # Each key under the model's name for it, as from_pretrained renames it (_hf_keys.py).
+        keys = KeyNames(self.model)
+        names = {n for ns in self.names.of.values() for n in ns}
+        by_name, converted = {}, {}
+        for key in entries:
+            name, pattern = keys.to_model(key, names)
+            if pattern is not None:
+                converted[key] = pattern
+            else:
+                by_name.setdefault(name, key)
         used = set()
         for t in streamed + [t for t in resident if self.names.saved(t)]:
             names = self.names.of[id(t)]
-            key = next((n for n in names if n in entries), None)
+            key = next((by_name[n] for n in names if n in by_name), None)
             if key is None:
+                near = next(iter(converted), None)
+                why = f"; key {near!r} needs transformers' conversion {converted[near]!r}, " \
+                    "which tierd does not stream" if near is not None else ""
                 raise ValueError(f"{self.checkpoint.path}: no key {names[0]!r} (the model's "
                                  f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'}"
-                                 f" of shape {tuple(t.shape)})")
+                                 f" of shape {tuple(t.shape)}){why}")
             e = entries[key]
             if e.shape != tuple(t.shape):
                 raise ValueError(f"{e.file}: key {key!r} has shape {e.shape}; the model's is "
@@ -225,8 +239,9 @@ class FromCheckpoint(Source):
             if not convertible(e.dtype, t.dtype):
                 raise ValueError(f"{e.file}: key {key!r} is {e.dtype}; the model's is {t.dtype}")
             self._key[id(t)] = key
-            used.update(n for n in names if n in entries)
-        unexpected = sorted(set(entries) - used)
+            used.update(by_name[n] for n in names if n in by_name)
+        unused = set(entries) - used
+        unexpected = sorted(unused - keys.ignored(unused))
         if unexpected:
             raise ValueError(f"{entries[unexpected[0]].file}: key {unexpected[0]!r} is not a "
                              f"parameter or saved buffer of the model ({len(unexpected)} such "

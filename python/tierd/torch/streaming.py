@@ -37,6 +37,7 @@ from . import _pretrained
 from ._materialize import Init, placeholder, source_for, swap
 from ._base import SharedBase
 from ._guard import guard, unguard
+from ._hf_keys import KeyNames
 from ._loading import StateDictLoading
 from ._ranks import RankWeights
 from ._trace import Trace
@@ -300,12 +301,14 @@ class ParameterStream:
         size = _pretrained.parse_size(max_shard_size)
         entries, seen = [], set()
         tensors: Dict[str, torch.Tensor] = {}
+        keys = KeyNames(self.model)  # the keys save_pretrained writes
         for name, t in _base_state(self.model).items():
             if id(t) in seen:
                 continue  # tied: written once
             seen.add(id(t))
-            entries.append((name, tuple(t.shape), t.dtype))
-            tensors[name] = t
+            key = keys.to_checkpoint(name)
+            entries.append((key, tuple(t.shape), t.dtype))
+            tensors[key] = t
         cached: Dict[int, Dict[int, torch.Tensor]] = {}  # the unit being written
 
         def read(name: str) -> torch.Tensor:
