@@ -278,6 +278,11 @@ def test_generate_and_gradient_checkpointing_are_as_in_memory(daemon, tmp_path):
         want = reference.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                   pad_token_id=0)
         assert got.shape[1] == 16 and torch.equal(got, want)  # through the KV cache
+        # Each of its 10 forwards fetched the 4 blocks, each but the first prefetched while the
+        # one before computed; and none is left in the window.
+        stats = s.stats
+        assert stats["fetches"] == 40 and stats["on_demand"] == 10, stats
+        assert stats["device_live_bytes"] == s.resident_bytes
         for m in (model, reference):  # transformers 5 for gradient_checkpointing_enable
             m.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False})

@@ -28,9 +28,16 @@ class Trace:
         self._stale = False     # to be declared again as the next iteration starts
         self._paired = False    # declared with pairs: versions follow by their bits
         self._cursor_base = 0   # the schedule's cursor at this iteration's start
+        self._untraced: Optional[int] = None  # the last unit a forward without gradients used
+
+    def pass_by(self, u: Unit) -> None:
+        """A forward without gradients (evaluation, generate) uses u: not recorded, but what
+        comes next is the forward's next unit."""
+        self._untraced = u.index
 
     def follow(self, u: Unit) -> None:
         """Moves this iteration's place to u's use (a miss when it is not next)."""
+        self._untraced = None
         self._recording.append(u.index)
         order = self.order
         if order is None:
@@ -55,8 +62,16 @@ class Trace:
 
     def upcoming(self, in_backward: bool) -> Iterator[Unit]:
         """The units the trace says come next (before the first trace: forward's order, then
-        backward's)."""
+        backward's). In a forward without gradients: the forward's units after the last one it
+        used (the trace's forward, else the units' order), to its end: each forward of a
+        generate leaves the window empty."""
         units = self.units
+        if self._untraced is not None:
+            forward = self._forward()
+            if self._untraced in forward:
+                for index in forward[forward.index(self._untraced) + 1:]:
+                    yield units[index]
+            return
         if self.order is not None:
             for k in range(self._pos, len(self.order)):
                 yield units[self.order[k]]
@@ -68,10 +83,22 @@ class Trace:
         for i in range(last - 1 if in_backward else len(units) - 1, -1, -1):
             yield units[i]
 
+    def _forward(self) -> List[int]:
+        """The units a forward uses, in its order: the trace's up to its first repeat (the last
+        block of forward is the first of backward), else every unit in order."""
+        if self.order is None:
+            return list(range(len(self.units)))
+        seen: List[int] = []
+        for index in self.order:
+            if index in seen:
+                break
+            seen.append(index)
+        return seen
+
     def scheduled_ahead(self) -> bool:
         """Whether the daemon's planner brings the units still to come up (the schedule is
         declared and this iteration is on it)."""
-        return self.declared and self._pos < len(self.order)
+        return self._untraced is None and self.declared and self._pos < len(self.order)
 
     def end_iteration(self) -> None:
         """An iteration's backward ended: the first one becomes the trace."""
@@ -83,6 +110,7 @@ class Trace:
             self._cursor_base += len(self.order)
         self._recording = []
         self._pos = 0
+        self._untraced = None
 
     def abandon_iteration(self) -> None:
         """An iteration that raised: it is not recorded, the next one starts afresh."""

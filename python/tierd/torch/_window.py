@@ -51,6 +51,8 @@ class Window:
         with self.lock:
             if traced:
                 self.trace.follow(u)
+            else:
+                self.trace.pass_by(u)
             if u.refs == 0 and not u.materialized:
                 self._stats["on_demand"] += 1
             u.refs += 1
