@@ -216,6 +216,40 @@ def test_add_param_group_unfreezes_as_torch_does(daemon, overlap):  # noqa: F811
     assert exported["param_groups"][1]["lr"] == 3e-3
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_frozen_parameters_get_no_state_until_they_train_as_torch_does(daemon, overlap):  # noqa: F811,E501
+    """Every parameter given, the lower part frozen: as torch.optim.AdamW, which makes a
+    parameter's state at its first step with a gradient, the frozen part has none (it cost its
+    full fp32 state before); unfrozen in place at step 5, it gets its state then and trains as
+    torch's does."""
+    ref, m, upper_only = TwoPart(), TwoPart(), TwoPart()
+    for model in (ref, m, upper_only):
+        model.lower.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = offloaded(m.parameters(), daemon, overlap_backward=overlap, bucket_params=1000)
+    alone = offloaded(upper_only.upper.parameters(), daemon, bucket_params=1000)
+    try:
+        assert opt.state_bytes == alone.state_bytes > 0
+        losses, ref_losses = [], []
+        for step in range(12):
+            if step == 5:
+                ref.lower.requires_grad_(True)
+                m.lower.requires_grad_(True)
+            ref_losses.append(two_part_step(ref, ref_opt, step))
+            losses.append(two_part_step(m, opt, step))
+            if step == 5:
+                assert opt.state_bytes > alone.state_bytes
+        exported = opt.state_dict()
+    finally:
+        opt.close()
+        alone.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    close_weights(m, ref)
+    torch_state = ref_opt.state_dict()["state"]
+    assert {i: float(s["step"]) for i, s in exported["state"].items()} == \
+        {i: float(s["step"]) for i, s in torch_state.items()}
+
+
 def test_a_parameter_replaced_in_a_group_and_brought_back(daemon):  # noqa: F811
     """A head replaced by a new one (its state fresh, the old one's kept), then the old one put
     back: torch steps it on from the state it had."""

@@ -105,7 +105,8 @@ def test_two_ranks_train_as_one_process_does(daemon, tmp_path, options):  # noqa
     if options.get("partial"):
         stepped.discard(0)  # the frozen embedding: no state, as in torch
     assert owned[0] | owned[1] == stepped
-    assert ranks[0]["buckets"] + ranks[1]["buckets"] == 3
+    # The frozen embedding is given no bucket (no state, as in torch): one bucket fewer.
+    assert ranks[0]["buckets"] + ranks[1]["buckets"] == (2 if options.get("partial") else 3)
     # With overlap, every bucket's gradients were on their way to its owner during backward
     # (whether the owner could step it then, before backward ended, is a matter of timing).
     expected = 3 if options["overlap"] else 0

@@ -38,20 +38,32 @@ class BucketLayout:
 
     def _wanted(self) -> List[Tuple[int, Dict[str, Any], torch.Tensor]]:
         """(group index, group, parameter) for every parameter in the groups, checked as
-        torch.optim checks them."""
+        torch.optim checks them, but those frozen that have no place yet: as torch makes a
+        parameter's state at its first step with a gradient, a frozen one gets none (a LoRA
+        job's base costs no state) until it requires a gradient."""
         seen = set()
         out = []
+        placed = getattr(self, "where", {})
         for gi, g in enumerate(self._groups()):
             for p in g["params"]:
                 if id(p) in seen:
                     raise ValueError("some parameters appear in more than one parameter group")
                 seen.add(id(p))
                 check_dtype(p)
-                out.append((gi, g, p))
+                if p.requires_grad or id(p) in placed:
+                    out.append((gi, g, p))
         return out
 
+    def frozen(self) -> List[torch.Tensor]:
+        """The parameters in the groups that have no place, being frozen (streamed ones left
+        out: their weights are the stream's)."""
+        return [p for g in self._groups() for p in g["params"]
+                if id(p) not in self.where and not p.requires_grad and stream_of(p) is None]
+
     def signature(self):
-        return tuple((id(g), tuple(id(p) for p in g["params"])) for g in self._groups())
+        """The groups as the buckets follow them: each parameter, and whether it is frozen."""
+        return tuple((id(g), tuple((id(p), p.requires_grad) for p in g["params"]))
+                     for g in self._groups())
 
     def changed(self) -> bool:
         """Whether the groups changed since the buckets last followed them."""
@@ -108,9 +120,10 @@ class BucketLayout:
             else:
                 moves.append((gi, g, p, b, i))
         if any(stream_of(m[2]) is not None for m in moves):
-            raise ValueError("OffloadedAdamW: a streamed parameter (stream_parameters) joined or "
-                             "moved between parameter groups after the optimizer was made: give "
-                             "the constructor every streamed parameter, in its final group")
+            raise ValueError("OffloadedAdamW: a streamed parameter (stream_parameters) joined "
+                             "(added, or unfrozen: a frozen one is given no state) or moved "
+                             "between parameter groups after the optimizer was made: give the "
+                             "constructor every streamed parameter to train, in its final group")
         carried = [m for m in moves if m[3] is not None]
         if carried and self._comm is not None:
             raise RuntimeError("OffloadedAdamW: sharded over ranks, a parameter with state "

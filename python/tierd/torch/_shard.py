@@ -24,7 +24,7 @@ weights: the owner writes them into its node's next version, broadcasts them to 
 node owners (into theirs), and each node owner tells its node the flags alone.
 """
 import collections
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -266,6 +266,26 @@ class Comm:
                 b.set_weights(flat)
         if any(b.nodes is not None and b.nodes.peers is not None for b in buckets):
             self.barrier()  # the node's other ranks read its copy once it is written
+
+    def share_frozen(self, params) -> None:
+        """Frozen parameters, which have no bucket (no state), as the group's first rank has
+        them, as share_params gives each bucket's: the ranks may have begun from different
+        weights. One broadcast per dtype."""
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in params:
+            if p.numel():
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype in sorted(by_dtype, key=str):
+            ps = by_dtype[dtype]
+            flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in ps])
+            dist.broadcast(flat, src=_global_rank(self.group, 0), group=self.group)
+            if self.rank == 0:
+                continue
+            offset = 0
+            with torch.no_grad():
+                for p in ps:
+                    p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+                    offset += p.numel()
 
     def take_moved(self) -> int:
         """The bytes of gradients, counts and weights this rank sent or received through

@@ -159,6 +159,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
             self._comm.share_params(self._layout.buckets)
+            self._comm.share_frozen(self._layout.frozen())
         for b in self._layout.buckets:
             b.mirror()
         self._intake = GradientIntake(self._layout, accumulation_steps, self._comm is not None,
