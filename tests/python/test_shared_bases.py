@@ -197,6 +197,45 @@ def test_a_base_of_another_layout_or_other_weights_is_refused_and_left_as_it_is(
     assert tierd_bases(daemon) == []
 
 
+def _wide(tmp_path, name, change=None):
+    """A checkpoint of a llama whose blocks' tensors are over 8 KiB (the digest samples 4 KiB at
+    each end of a tensor); `change` edits its state_dict before saving."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        tie_word_embeddings=False))
+    if change is not None:
+        with torch.no_grad():
+            change(model.state_dict())
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name, model.config
+
+
+def test_a_checkpoint_that_differs_only_mid_tensor_does_not_open_the_base(daemon, tmp_path):  # noqa: F811,E501
+    """The base's maker records a SHA-256 of every byte it wrote; an opener checks every byte of
+    its own checkpoint against it. A fine-tune that differs from the base's checkpoint only in
+    the middle of a tensor (where the digest's samples do not look) was opened, and trained on
+    the base's weights without a word."""
+    ckpt, config = _wide(tmp_path, "genuine")
+
+    def middle(sd):
+        w = sd["model.layers.1.mlp.up_proj.weight"]
+        w.view(-1)[w.numel() // 2] += 0.25
+    other, _ = _wide(tmp_path, "mid-tensor", middle)
+
+    def meta():
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    s = stream(meta(), daemon, checkpoint=str(ckpt), shared_base="wide@1")
+    try:
+        with pytest.raises(ValueError, match="holds other weights than this checkpoint's"):
+            stream(meta(), daemon, checkpoint=str(other), shared_base="wide@1")
+        stream(meta(), daemon, checkpoint=str(ckpt), shared_base="wide@1").close()  # the same
+    finally:
+        s.close()
+
+
 def test_a_frozen_base_parameter_cannot_be_trained(daemon, tmp_path):  # noqa: F811
     ckpt = saved(tmp_path, "llama")
     model = on_meta("llama")
@@ -330,5 +369,81 @@ def test_another_user_opens_a_base_only_when_it_is_shared_with_a_group_it_is_in(
                 c.open_base("other-group@1", [4096], [Tier.HOST], b"d", 4343)
             assert refused.value.code == Status.PERMISSION_DENIED
     finally:
+        stop_daemon(proc, root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+IMPOSTOR = """
+import sys
+sys.path.insert(0, {python!r})
+from tierd.client import Access, Tier, connect
+c = connect({daemon!r}, "impostor")
+# Another model's bytes under a copy of the genuine base's chunks and descriptor.
+base = c.open_base("look-alike@1", {sizes!r}, [Tier.HOST] * {n}, bytes.fromhex({descriptor!r}),
+                   {group})
+for i, size in enumerate({sizes!r}):
+    with c.acquire([base.ids[i]], Tier.HOST, Access.OVERWRITE) as held:
+        held.memoryview(0)[:size] = bytes([7]) * size
+c.seal_base("look-alike@1")
+print("made", flush=True)
+import time
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another user")
+def test_a_base_another_user_made_opens_only_when_its_maker_is_trusted(tmp_path):
+    """A group member publishes other bytes under a copy of a genuine base's descriptor: a job
+    holding the genuine checkpoint opened it and computed other logits. A base made by another
+    user is now refused unless the job names its maker in trust_base_makers."""
+    group = 4243
+    root = tempfile.mkdtemp(prefix="tierd-bases-")
+    os.chmod(root, 0o755)
+    proc = start_daemon(root, f"--socket_group={group}", f"--base_groups={group}")
+    impostor = None
+    try:
+        os.chown(root, 0, 0)
+        ckpt = saved(tmp_path, "llama")
+        genuine = stream(on_meta("llama"), root, checkpoint=str(ckpt), shared_base="real@1",
+                         host_budget_bytes=None)
+        with connect(root, "reader") as c:
+            opened = c.open_base("real@1")
+            sizes, descriptor = list(opened.sizes), opened.descriptor
+            c.release_base("real@1")
+        genuine.close()
+        kit = os.path.join(root, "kit")
+        package = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
+                               "tierd")
+        os.makedirs(os.path.join(kit, "tierd"))
+        for f in ("__init__.py", "_abi.py", "client.py"):
+            shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
+        lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
+        for d, _, files in os.walk(kit):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o755)
+
+        def as_nobody():
+            os.setgroups([])
+            os.setgid(group)
+            os.setuid(65534)
+        script = IMPOSTOR.format(python=kit, daemon=root, sizes=sizes, n=len(sizes),
+                                 descriptor=descriptor.hex(), group=group)
+        impostor = subprocess.Popen([getattr(sys, "_base_executable", sys.executable), "-c",
+                                     script], stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=as_nobody, env=dict(os.environ,
+                                                                   TIERD_CLIENT_LIB=lib))
+        assert impostor.stdout.readline().strip() == "made"
+        with pytest.raises(PermissionError, match="made by nobody .uid 65534., whom this job "
+                                                  "does not trust"):
+            stream(on_meta("llama"), root, checkpoint=str(ckpt), shared_base="look-alike@1")
+        # Named as trusted, it opens: the user's own choice (its descriptor is taken as said).
+        trusted = stream(on_meta("llama"), root, checkpoint=str(ckpt),
+                         shared_base="look-alike@1", trust_base_makers=["nobody"])
+        trusted.close()
+    finally:
+        if impostor is not None:
+            impostor.kill()
+            impostor.wait()
         stop_daemon(proc, root)
         shutil.rmtree(root, ignore_errors=True)

@@ -11,16 +11,22 @@ dies lets go of its hold) unless it is pinned.
 
 What the base holds is written down in its descriptor, which the daemon keeps for its maker: the
 layout (each unit's parameters by name, dtype, shape and offset), where the weights came from (a
-checkpoint's digest, or the model's own weights) and a SHA-256 of the bytes. A job that opens it
-checks the layout, and a checkpoint's digest (its layout and a sample of every tensor's bytes) or,
-with weights of its own, the bytes: a job never trains on another model's weights under the same
-name. A model built on the meta device gives the checkpoint all the same: the weights outside the
-units (embeddings, head, norms) are the job's own, on its device, and come from there.
+checkpoint's digest, or the model's own weights) and a SHA-256 of the bytes written. A job that
+opens it checks the layout, the checkpoint's digest (its layout and a sample of every tensor's
+bytes: a quick first refusal), and then the SHA-256 of every byte its own source would have
+written against the maker's: a job never trains on other weights than its own under the same
+name, however little they differ. The descriptor is the maker's word, so a base is opened only
+when its maker is trusted: this user, root, or a user named in trust_base_makers (a group member
+could otherwise publish other bytes under a copied descriptor). A model built on the meta device
+gives the checkpoint all the same: the weights outside the units (embeddings, head, norms) are the
+job's own, on its device, and come from there.
 """
 import hashlib
 import json
+import os
+import pwd
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -61,12 +67,13 @@ class SharedBase:
     """A stream's part in one shared base: the plan of its chunks, and opening or making it."""
 
     def __init__(self, client: Client, name: str, units: Units, names: Dict[int, List[str]],
-                 group: Optional[int], wait_s: float):
+                 group: Optional[int], wait_s: float, trusted: Sequence[Union[int, str]] = ()):
         self.client = client
         self.name = name
         self.units = units
         self.group = group
         self.wait_s = wait_s
+        self.trusted = {os.getuid(), 0} | {_uid(who) for who in trusted}
         self.held = False
         # Each unit's frozen parameters, as ranges of its chunk in the base (by index).
         self.plan: Dict[int, List[Range]] = {}
@@ -126,6 +133,7 @@ class SharedBase:
         self.held = True
         try:
             if not opened.created:
+                self._check_maker(opened.creator_uid)
                 self._check(opened.descriptor, source, identity)
             if len(opened.ids) != len(order):
                 raise ValueError(f"shared base {self.name!r} has {len(opened.ids)} chunks; this "
@@ -212,18 +220,39 @@ class SharedBase:
             raise ValueError(f"shared base {self.name!r} was made from "
                              f"{_source_text(theirs['source'])}, not from this checkpoint "
                              f"(layout digest {identity['digest'][:16]}...)")
-        if kind == "weights":
-            h = hashlib.sha256()
-            for index in sorted(self.plan):
-                values = source.unit_values(self.units[index].module,
-                                            [p for r in self.plan[index] for p in r.params])
-                for r in self.plan[index]:
-                    for p in r.params:
-                        h.update(values[id(p)].contiguous().view(torch.uint8).numpy().data)
-            if h.hexdigest() != theirs["contents"]:
-                raise ValueError(f"shared base {self.name!r} holds other weights than this "
-                                 "model's frozen parameters (another checkpoint or fine-tune "
-                                 "under the same name): give the base another name")
+        if self._contents(source) != theirs["contents"]:
+            raise ValueError(f"shared base {self.name!r} holds other weights than this "
+                             f"{'checkpoint' if kind == 'checkpoint' else 'model'}'s frozen "
+                             "parameters (another checkpoint or fine-tune under the same name): "
+                             "give the base another name")
+
+    def _contents(self, source) -> str:
+        """The SHA-256 of every byte the source gives the base, in the order its maker hashed
+        what it wrote (one tensor in memory at a time)."""
+        h = hashlib.sha256()
+        for index in sorted(self.plan):
+            params = [p for r in self.plan[index] for p in r.params]
+            values = source.unit_values(self.units[index].module, params)
+            for p in params:
+                v = values[id(p)]
+                if callable(v):  # a checkpoint's reader: into a tensor of the model's dtype
+                    out = torch.empty(p.numel(), dtype=p.dtype)
+                    v(out)
+                    v = out
+                h.update(v.contiguous().view(torch.uint8).numpy().data)
+        return h.hexdigest()
+
+    def _check_maker(self, creator_uid: int) -> None:
+        if creator_uid in self.trusted:
+            return
+        try:
+            who = f"{pwd.getpwuid(creator_uid).pw_name} (uid {creator_uid})"
+        except KeyError:
+            who = f"uid {creator_uid}"
+        raise PermissionError(f"shared base {self.name!r} was made by {who}, whom this job does "
+                              "not trust: its descriptor is that user's word for what it holds. "
+                              "Give trust_base_makers=[...] naming that user to open it, or "
+                              "another base name to make your own")
 
     def release(self) -> None:
         """Lets the base go (the daemon frees it with its last holder, unless it is pinned)."""
@@ -237,6 +266,15 @@ class SharedBase:
                 self.client.release_base(self.name)
             except TierdError:
                 pass  # the daemon is gone, and the hold with it
+
+
+def _uid(who: Union[int, str]) -> int:
+    if isinstance(who, int):
+        return who
+    try:
+        return pwd.getpwnam(who).pw_uid
+    except KeyError:
+        raise ValueError(f"trust_base_makers: no user {who!r} on this machine") from None
 
 
 def _first_difference(theirs: list, ours: list) -> str:

@@ -68,6 +68,7 @@ class ParameterStream:
                  socket_dir: Optional[str] = None, checkpoint: Optional[str] = None,
                  init: Optional[Init] = None, shared_base: Optional[str] = None,
                  share_with_group: Optional[int] = None, base_wait_s: float = 3600.0,
+                 trust_base_makers: Sequence[Any] = (),
                  share_ranks: bool = False):
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
@@ -98,7 +99,8 @@ class ParameterStream:
             source.check([p for u in found for p in u.params], self._resident)
             self._materialize(source, found)
             self._set_up(found, source, client, socket_dir, host_budget_bytes,
-                         (shared_base, share_with_group, base_wait_s), share_ranks)
+                         (shared_base, share_with_group, base_wait_s, trust_base_makers),
+                         share_ranks)
         finally:
             source.close()
 
@@ -135,10 +137,10 @@ class ParameterStream:
         self._hooks = StreamHooks(self._units, self._window)
         self._loading = StateDictLoading(self._units, self._window, self._hooks.busy)
         try:
-            name, group, wait_s = base
+            name, group, wait_s, trusted = base
             if name is not None:
                 self._base = SharedBase(self._client, name, self._units, source.names.of, group,
-                                        wait_s)
+                                        wait_s, trusted)
             if share_ranks:
                 self._ranks = RankWeights(self._client, self.name, self._units, source.names.of)
             self._units.place(host_budget_bytes, has_nvme,
@@ -700,6 +702,9 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
     share_with_group: a gid whose members may open the base too (one the daemon's base_groups
         names); default: this user's jobs only.
     base_wait_s: how long to wait for another job that is making the base.
+    trust_base_makers: users (names or uids) besides this one and root whose bases this job
+        opens: a base made by anyone else is refused (PermissionError), since its descriptor
+        is its maker's word for what it holds.
     client, socket_dir: the daemon session (default: a session of its own).
     """
     return ParameterStream(model, units, device, device_budget_bytes, prefetch,
