@@ -160,8 +160,9 @@ class TierdService final : public pb::Tierd::Service {
             absl::StrCat("Acquire: access mode ", static_cast<int>(req->mode()),
                          " is not ACCESS_MODE_READ, ACCESS_MODE_WRITE or ACCESS_MODE_OVERWRITE")));
     }
-    absl::StatusOr<AcquireResult> result =
-        deps_.chunks->Acquire(**session, Span(req->chunk_ids()), *tier, access);
+    // Waiting for room lasts no longer than the caller waits for the answer.
+    absl::StatusOr<AcquireResult> result = deps_.chunks->Acquire(
+        **session, Span(req->chunk_ids()), *tier, access, absl::FromChrono(ctx->deadline()));
     if (!result.ok()) return ToGrpc(result.status());
     resp->mutable_locations()->Reserve(req->chunk_ids_size());
     for (int i = 0; i < req->chunk_ids_size(); ++i) {

@@ -269,14 +269,17 @@ absl::Status ChunkService::Free(const Session& session, std::span<const ChunkId>
 
 absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
                                                     std::span<const ChunkId> ids, TierKind tier,
-                                                    Access access) {
+                                                    Access access, absl::Time deadline) {
   if (absl::Status s = CheckBatch(ids.size(), "Acquire"); !s.ok()) return s;
   if (absl::Status s = CheckTier(tier, "Acquire"); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   // When a tier the chunks must come into is full of copies that exist nowhere else, this waits
-  // (the lock released) while the oldest of them are written down, then validates again.
+  // (the lock released) while the oldest of them are written down, or while other sessions hold
+  // what fills it pinned, then validates again.
   const absl::Time arrived = clock_.Now();
-  const absl::Time give_up = absl::Now() + absl::Minutes(1);  // real time: a condition wait
+  // Real time: a condition wait.
+  const absl::Time started = absl::Now();
+  const absl::Time give_up = std::min(deadline, started + absl::Minutes(1));
   absl::StatusOr<std::vector<ChunkMeta*>> chunks;
   bool all_ready;
   bool waited_for_room = false;
@@ -296,15 +299,24 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
       if (absl::Status s = CheckAcquirable(*chunk, tier); !s.ok()) return s;
     }
     if (all_ready) break;
-    absl::StatusOr<bool> reserved = room_.ReserveForAcquire(*chunks, tier, access);
+    absl::StatusOr<bool> reserved = room_.ReserveForAcquire(*chunks, tier, access, session.id);
     if (!reserved.ok()) return reserved.status();
     if (*reserved) break;
     if (absl::Now() >= give_up) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("Acquire: no room in the ", TierName(tier),
-                       " tier came free within a minute; what is there is pinned or moving"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "Acquire: no room in the ", TierName(tier), " tier came free within ",
+          absl::FormatDuration(absl::Now() - started),
+          " (the call's deadline, at most a minute); what is there is pinned or moving"));
     }
+    SessionLedger::State& state = sessions_.Of(session);
+    if (state.acquires_waiting >= kMaxWaitingAcquires) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "Acquire: no room in the ", TierName(tier), " tier now, and ", kMaxWaitingAcquires,
+          " Acquires of ", session.Describe(), " already wait for room"));
+    }
+    ++state.acquires_waiting;
     room_freed_.WaitWithDeadline(&mu_, give_up);
+    if (SessionLedger::State* still = sessions_.Find(session.id)) --still->acquires_waiting;
     waited_for_room = true;
   }
   // An overwrite lands in the room reserved for it: the old contents are not wanted.

@@ -86,8 +86,14 @@ class ChunkService : private Mover::Listener {
   absl::Status Free(const Session& session, std::span<const ChunkId> ids);
   // Pins the chunks in `tier`. Chunks not there yet are brought in (or, on their way, waited
   // for): the locations are final at once, and `ready` completes when the last one has arrived.
+  // Where the tier has no room now but will (write-downs under way, or copies other sessions
+  // hold pinned and will release), it waits, the lock released, until `deadline` (at most a
+  // minute; the caller's RPC deadline), counted as a stall; what cannot fit beside the session's
+  // own pins is refused at once. At most kMaxWaitingAcquires of a session wait at a time.
   absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
-                                        TierKind tier, Access access);
+                                        TierKind tier, Access access,
+                                        absl::Time deadline = absl::InfiniteFuture());
+  static constexpr uint32_t kMaxWaitingAcquires = 4;
   absl::Status Release(const Session& session, std::span<const ChunkId> ids);
   // Brings the chunks into `tier` without pinning them. Their reads are due `priority` units
   // before now (see PrefetchDeadline): the session's I/O is served by deadline, so a negative

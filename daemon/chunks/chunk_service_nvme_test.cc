@@ -262,6 +262,82 @@ TEST_F(ChunkServiceNvmeTest, AcquireWithNoRoomComingFailsAtOnceAndPinsNothing) {
   EXPECT_TRUE(service_->Release(*session_, away).ok());
 }
 
+// What fills the tier is pinned by another session, which lets go a moment later (in training,
+// a kernel's time): the Acquire waits for that room instead of failing, and the wait is counted
+// as the session's stall.
+TEST_F(ChunkServiceNvmeTest, AcquireWaitsForRoomAnotherSessionHoldsAndGetsItOnRelease) {
+  std::shared_ptr<Session> other = *sessions_.Open({1000, 1000, 2}, "other");
+  MapPage(*other);
+  auto away = Alloc(*session_, {1 << 20});
+  Write(*session_, away, 3);
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
+  auto filler = Alloc(*other, {kSeg, kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*other, filler, TierKind::kHost, Access::kRead).ok());
+  std::thread releaser([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    EXPECT_TRUE(service_->Release(*other, filler).ok());
+  });
+  const absl::Time asked = absl::Now();
+  auto a = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead);
+  releaser.join();
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(150));
+  ASSERT_TRUE(Wait(*session_, a->ready).ok());
+  EXPECT_GT(service_->session_stats(*session_).stall[TierKind::kHost], absl::ZeroDuration());
+  EXPECT_TRUE(service_->Release(*session_, away).ok());
+  EXPECT_TRUE(Check(*session_, away, 3, {1 << 20}));  // what came back is what was written
+  service_->CloseSession(*other);
+}
+
+// The wait is bounded by the caller's deadline (its RPC's): past it, RESOURCE_EXHAUSTED naming
+// the tier, nothing pinned, and the chunk acquirable once the room is there.
+TEST_F(ChunkServiceNvmeTest, AcquireWaitingForAnotherSessionsPinsGivesUpAtItsDeadline) {
+  std::shared_ptr<Session> other = *sessions_.Open({1000, 1000, 2}, "other");
+  MapPage(*other);
+  auto away = Alloc(*session_, {1 << 20});
+  ASSERT_TRUE(Wait(*session_, service_->Evict(*session_, away, TierKind::kNvme)).ok());
+  auto filler = Alloc(*other, {kSeg, kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*other, filler, TierKind::kHost, Access::kRead).ok());
+  const absl::Time asked = absl::Now();
+  auto a = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead,
+                             asked + absl::Milliseconds(150));
+  EXPECT_TRUE(absl::IsResourceExhausted(a.status())) << a.status();
+  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(150));
+  EXPECT_NE(a.status().message().find("host tier came free within"), std::string::npos)
+      << a.status();
+  EXPECT_EQ(service_->Stat(*session_, away)->at(0).pins, 0u);
+  ASSERT_TRUE(service_->Release(*other, filler).ok());
+  auto retry = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_TRUE(Wait(*session_, retry->ready).ok());
+  EXPECT_TRUE(service_->Release(*session_, away).ok());
+  service_->CloseSession(*other);
+}
+
+// What can never fit is refused at once, whatever others hold: here the tenant's quota, which
+// its own pinned chunk fills.
+TEST_F(ChunkServiceNvmeTest, AChunkThatCannotFitBesideTheSessionsOwnPinsIsRefusedAtOnce) {
+  Quotas q;
+  q.by_uid[1000][TierKind::kHost] = 1 << 20;
+  service_->set_limits(Limits{}, q);
+  std::shared_ptr<Session> other = *sessions_.Open({2000, 2000, 2}, "other");
+  MapPage(*other);
+  auto mine = Alloc(*session_, {1 << 20});
+  ASSERT_TRUE(service_->Acquire(*session_, mine, TierKind::kHost, Access::kRead).ok());
+  auto away = Alloc(*session_, {1 << 20}, TierKind::kNvme);
+  auto filler = Alloc(*other, {kSeg, kSeg, kSeg});
+  ASSERT_TRUE(service_->Acquire(*other, filler, TierKind::kHost, Access::kRead).ok());
+  const absl::Time asked = absl::Now();
+  auto a =
+      service_->Acquire(*session_, away, TierKind::kHost, Access::kRead, asked + absl::Seconds(30));
+  EXPECT_TRUE(absl::IsResourceExhausted(a.status())) << a.status();
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(5));
+  EXPECT_EQ(service_->Stat(*session_, away)->at(0).pins, 0u);
+  ASSERT_TRUE(service_->Release(*other, filler).ok());
+  ASSERT_TRUE(service_->Release(*session_, mine).ok());
+  service_->CloseSession(*other);
+}
+
 // An overwrite wants room, not the old contents: it is ready at once, nothing is read from NVMe,
 // and what it writes is what comes back.
 TEST_F(ChunkServiceNvmeTest, AnOverwriteReadsNothingAndItsWritesComeBack) {

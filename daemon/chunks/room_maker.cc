@@ -25,7 +25,7 @@ absl::Status RoomMaker::FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time
 }
 
 absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
-                                                  Access access) {
+                                                  Access access, SessionId session) {
   // Held meanwhile, so that room for one is never made by dropping another.
   for (ChunkMeta* c : chunks) Hold(*c);
   absl::StatusOr<bool> reserved = true;
@@ -42,6 +42,10 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
         made.emplace_back(c, t);
       } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier, access)) {
         reserved = false;  // wait for the room being made
+      } else if (absl::IsResourceExhausted(p.status()) &&
+                 PinsOfOthersHoldRoom(session, c->tenant, t,
+                                      space_.SpaceIn(t, c->size, c->persistent))) {
+        reserved = false;  // wait for other sessions to let go of their pins
       } else {
         reserved = absl::Status(p.status().code(),
                                 absl::StrCat("chunk ", c->id, ": ", p.status().message()));
@@ -70,6 +74,24 @@ bool RoomMaker::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access
     for (TierKind t : needs) coming |= MakeRoomIn(t, chunk.size, chunk.tenant);
   }
   return coming;
+}
+
+bool RoomMaker::PinsOfOthersHoldRoom(SessionId session, uint32_t tenant, TierKind tier,
+                                     uint64_t size) const {
+  uint64_t own = 0;
+  bool others = false;
+  for (const auto& [id, state] : sessions_.all()) {
+    for (const auto& [chunk_id, pins] : state.pins) {
+      auto it = chunks_.find(chunk_id);
+      if (it == chunks_.end() || !it->second.allocated.contains(tier)) continue;
+      if (id == session) {
+        own += it->second.placement[tier].size;
+      } else {
+        others = true;
+      }
+    }
+  }
+  return others && space_.CouldHold(tenant, tier, size, own);
 }
 
 uint64_t RoomMaker::RoomComingFor(uint32_t tenant, TierKind t) const {

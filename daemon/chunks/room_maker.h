@@ -49,10 +49,13 @@ class RoomMaker {
   absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline);
   // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
   // final. False when room is being made (write-downs, or moves in flight that will leave copies
-  // to drop): try again once a move settles. RESOURCE_EXHAUSTED when no room can come. An
-  // overwrite of a chunk not moving needs room only in `tier`.
+  // to drop), or when what fills the tier is pinned by other sessions and the chunk would fit
+  // beside `session`'s own pins: try again once a move settles or a pin goes. RESOURCE_EXHAUSTED
+  // when no room can come: nothing of another session's to wait for, or the chunk does not fit
+  // beside the session's own pins in the tier or its tenant's quota. An overwrite of a chunk not
+  // moving needs room only in `tier`.
   absl::StatusOr<bool> ReserveForAcquire(std::span<ChunkMeta* const> chunks, TierKind tier,
-                                         Access access);
+                                         Access access, SessionId session);
   // A move of the chunk settled: if it was a write-down for room, that room is no longer coming
   // (it is free, or the move failed).
   void MoveDone(ChunkId id);
@@ -69,6 +72,11 @@ class RoomMaker {
   bool MakeRoomIn(TierKind tier, uint64_t bytes, uint32_t tenant);
   // Bytes the tenant's write-downs in flight will free in `tier`.
   uint64_t RoomComingFor(uint32_t tenant, TierKind tier) const;
+  // Whether room for a chunk of `size` of `tenant`'s in `tier` can come free by other sessions
+  // letting go of their pins there: another session holds a chunk pinned in the tier, and the
+  // chunk fits beside what `session` itself holds pinned there (which it may never let go of
+  // while it waits). O(the sessions and their pins).
+  bool PinsOfOthersHoldRoom(SessionId session, uint32_t tenant, TierKind tier, uint64_t size) const;
   // Starts the fetch of a chunk requests wait on (Mover::Fetch, in its holder's I/O order).
   absl::Status Fetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline);
 

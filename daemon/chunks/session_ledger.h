@@ -51,8 +51,9 @@ class SessionLedger {
     PathArray<uint64_t> moved;  // bytes of the chunks it holds, by path
     std::set<ChunkId> owned;    // non-persistent (the persistent ones it holds are leased)
     absl::flat_hash_map<ChunkId, Pins> pins;
-    SessionStats stats;   // its schedule's figures are the Schedules'
-    uint32_t weight = 1;  // its share of NVMe bandwidth against other sessions'
+    SessionStats stats;             // its schedule's figures are the Schedules'
+    uint32_t weight = 1;            // its share of NVMe bandwidth against other sessions'
+    uint32_t acquires_waiting = 0;  // its Acquires waiting for room now
   };
   // The live sessions holding a lease on a persistent chunk: its creator or openers, several
   // only when every one of them asked to share.

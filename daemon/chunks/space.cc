@@ -71,6 +71,13 @@ uint64_t Space::FreeFor(uint32_t tenant, TierKind t) const {
   return std::min(free, ledger_.Headroom(tenant, t));
 }
 
+bool Space::CouldHold(uint32_t tenant, TierKind t, uint64_t size, uint64_t beside) const {
+  const uint64_t needed = AlignUp(size, kSegmentAlignment) + beside;
+  const uint64_t quota = ledger_.quotas().For(tenant)[t];
+  return size <= tier(t)->max_reservation() && needed <= tier(t)->Usage().capacity_bytes &&
+         (quota == 0 || needed <= quota);
+}
+
 std::vector<TierKind> RoomNeeded(const ChunkMeta& chunk, TierKind tier, Access access) {
   std::vector<TierKind> needs;
   if (access == Access::kOverwrite && chunk.state == ChunkState::kReady) {

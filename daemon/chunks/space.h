@@ -42,6 +42,10 @@ class Space {
   uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;
   // The bytes of `tier` the tenant could take now: the tier's free bytes, or less under its quota.
   uint64_t FreeFor(uint32_t tenant, TierKind tier) const;
+  // Whether a chunk of `size` could ever be the tenant's in `tier` beside `beside` bytes it
+  // keeps there: one reservation can be that large, and both fit the tier's capacity and the
+  // tenant's quota, whatever the tier holds now.
+  bool CouldHold(uint32_t tenant, TierKind tier, uint64_t size, uint64_t beside) const;
   void set_planning(bool planning) { planning_ = planning; }
 
  private:
