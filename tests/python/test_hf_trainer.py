@@ -11,22 +11,13 @@ import pytest
 import torch
 
 from test_c_abi import daemon  # noqa: F401 (a fixture)
-from test_pretrained import HYPER, on_meta, saved, stream, tokens
+from test_pretrained import HYPER, _Tokens, on_meta, saved, stream, tokens
 
 import tierd.torch  # noqa: E402 (test_pretrained puts python/ on the path)
 
 transformers = pytest.importorskip("transformers")
 
 TORCH_HYPER = dict(lr=HYPER["lr"], betas=HYPER["betas"], weight_decay=HYPER["weight_decay"])
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        x = tokens(i, n=1)[0]
-        return {"input_ids": x, "labels": x}
 
 
 def _args(out, **kwargs):

@@ -310,6 +310,24 @@ def test_a_killed_job_lets_go_of_the_base_and_the_others_keep_it(daemon, tmp_pat
         holder.wait()
 
 
+def _kit_for_another_user(root):
+    """The package's core and the library where another user can read them (a checkout or the
+    virtual environment may be in root's home); the system's interpreter runs them. Returns the
+    folder to put on sys.path and the library's path."""
+    kit = os.path.join(root, "kit")
+    package = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
+                           "tierd")
+    os.makedirs(os.path.join(kit, "tierd"))
+    for f in ("__init__.py", "_abi.py", "client.py"):
+        shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
+    lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
+    for d, _, files in os.walk(kit):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o755)
+    return kit, lib
+
+
 OTHER_USER = """
 import sys
 sys.path.insert(0, {python!r})
@@ -340,19 +358,7 @@ def test_another_user_opens_a_base_only_when_it_is_shared_with_a_group_it_is_in(
                 with c.acquire(base.ids, Tier.HOST, Access.OVERWRITE) as held:
                     held.memoryview(0)[:4] = b"\x01\x02\x03\x04"
                 c.seal_base(name)
-            # The package and library where the other user can read them (a checkout or the
-            # virtual environment may be in root's home); the system's interpreter runs them.
-            kit = os.path.join(root, "kit")
-            here = os.path.dirname(os.path.abspath(__file__))
-            package = os.path.join(here, "..", "..", "python", "tierd")
-            os.makedirs(os.path.join(kit, "tierd"))
-            for f in ("__init__.py", "_abi.py", "client.py"):
-                shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
-            lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
-            for d, _, files in os.walk(kit):
-                os.chmod(d, 0o755)
-                for f in files:
-                    os.chmod(os.path.join(d, f), 0o755)
+            kit, lib = _kit_for_another_user(root)
             script = OTHER_USER.format(python=kit, daemon=root)
 
             def as_nobody():
@@ -411,17 +417,7 @@ def test_a_base_another_user_made_opens_only_when_its_maker_is_trusted(tmp_path)
             sizes, descriptor = list(opened.sizes), opened.descriptor
             c.release_base("real@1")
         genuine.close()
-        kit = os.path.join(root, "kit")
-        package = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
-                               "tierd")
-        os.makedirs(os.path.join(kit, "tierd"))
-        for f in ("__init__.py", "_abi.py", "client.py"):
-            shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
-        lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
-        for d, _, files in os.walk(kit):
-            os.chmod(d, 0o755)
-            for f in files:
-                os.chmod(os.path.join(d, f), 0o755)
+        kit, lib = _kit_for_another_user(root)
 
         def as_nobody():
             os.setgroups([])
