@@ -28,7 +28,8 @@ ARCHITECTURES = {
                  embd_pdrop=0.0, attn_pdrop=0.0),
     "gpt_neox": dict(rotary_pct=0.5), "gptj": dict(n_embd=32, n_layer=2, n_head=4,
                                                     n_positions=64, rotary_dim=4),
-    "opt": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0), "bloom": dict(n_layer=2, n_head=4),
+    "opt": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0),
+    "bloom": dict(n_layer=2, n_head=4),
     "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=None), "stablelm": {},
     "starcoder2": {}, "olmo": {}, "olmo2": {}, "cohere": {}, "granite": {},
     "gpt_bigcode": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
@@ -40,9 +41,7 @@ ARCHITECTURES = {
 
 def config(kind: str):
     options = {k: v for k, v in dict(SMALL, **ARCHITECTURES[kind]).items() if v is not None}
-    cfg = transformers.AutoConfig.for_model(kind, **options)
-    cfg.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", False)
-    return cfg
+    return transformers.AutoConfig.for_model(kind, **options)
 
 
 def build(kind: str, seed: int = 0):

@@ -99,7 +99,7 @@ class _Guarded:
             if func in _VIEWS:
                 result = func(*args, **kwargs)
                 return result.as_subclass(GuardedView) if isinstance(result, T) else result
-            if func is T.__repr__:
+            if func in (T.__repr__, T.__format__):  # print(p), f"{p}"
                 t = out[0]
                 return (f"tensor(<streamed by tierd: outside the device window>, "
                         f"size={tuple(t.shape)}, dtype={t.dtype})")

@@ -41,8 +41,10 @@ class StateDictLoading:
 
     def _pre(self, u: Unit, state_dict, prefix, local_metadata, strict, missing_keys,
              unexpected_keys, error_msgs) -> None:
+        self._taken.pop(u.index, None)  # what an earlier load that raised left
         streamed = {id(p) for p in u.params}
-        named = [(prefix + name, p) for name, p in u.module.named_parameters(remove_duplicate=False)
+        named = [(prefix + name, p)
+                 for name, p in u.module.named_parameters(remove_duplicate=False)
                  if id(p) in streamed and prefix + name in state_dict]
         if not named:
             return
