@@ -67,14 +67,21 @@ absl::StatusOr<std::unique_ptr<SegmentPool>> SegmentPool::Create(
 }
 
 absl::Status SegmentPool::MapFresh(Segment& segment, uint32_t index) {
+  // The old memory goes before the new is made (populated, and locked where the pool locks), so
+  // that the pool never holds more than its capacity, not even for a moment: observers let go of
+  // it (unregister it) while it is still mapped, then it is unmapped. A segment whose new memory
+  // cannot be made is left without any (HasMemory) and made again when next picked.
+  if (HasMemory(segment.memory)) {
+    for (const auto& [id, observer] : observers_) {
+      observer(index, segment.memory.base, nullptr, segment_size_);
+    }
+    backing_->Destroy(segment.memory, segment_size_);
+    segment.memory = SegmentMemory();
+  }
   absl::StatusOr<SegmentMemory> memory = backing_->Create(index, segment_size_);
   if (!memory.ok()) return memory.status();
-  // Observers let go of the old memory (unregister it) while it is still mapped.
   for (const auto& [id, observer] : observers_) {
-    observer(index, segment.memory.base, memory->base, segment_size_);
-  }
-  if (segment.memory.base != nullptr || segment.memory.fd) {
-    backing_->Destroy(segment.memory, segment_size_);
+    observer(index, nullptr, memory->base, segment_size_);
   }
   segment.memory = std::move(*memory);
   segment.generation += 1;
@@ -132,7 +139,8 @@ absl::StatusOr<Placement> SegmentPool::Reserve(uint32_t tenant, uint64_t size) {
       }
     }
     if (best != nullptr) {
-      if (best->last_owner != kNoTenant && best->last_owner != tenant) {
+      if (!HasMemory(best->memory) ||
+          (best->last_owner != kNoTenant && best->last_owner != tenant)) {
         if (absl::Status s = MapFresh(*best, best_index); !s.ok()) return s;
       }
       best->owner = tenant;

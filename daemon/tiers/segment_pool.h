@@ -36,6 +36,11 @@ struct SegmentMemory {
   uint64_t handle = 0;  // backing-specific
 };
 
+// Whether the memory is there (a mapping, an fd or a backing's handle).
+inline bool HasMemory(const SegmentMemory& m) {
+  return m.base != nullptr || static_cast<bool>(m.fd) || m.handle != 0;
+}
+
 class SegmentBacking {
  public:
   virtual ~SegmentBacking() = default;

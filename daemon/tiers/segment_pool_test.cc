@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
@@ -95,6 +96,48 @@ TEST(SegmentPoolTest, SegmentPassesToAnotherTenantOnlyAsFreshZeroedMemory) {
   std::memset(pool->Address(*b), 0x5C, 4096);
   EXPECT_EQ(static_cast<unsigned char*>(view)[0], 0xAB);
   munmap(view, kSeg);
+}
+
+// Memory from the heap that counts how many segments' worth is live at once.
+class CountingBacking : public SegmentBacking {
+ public:
+  explicit CountingBacking(int* live, int* most) : live_(live), most_(most) {}
+  absl::StatusOr<SegmentMemory> Create(uint32_t, uint64_t size) override {
+    SegmentMemory m;
+    m.base = new char[size]();
+    *most_ = std::max(*most_, ++*live_);
+    return m;
+  }
+  void Destroy(SegmentMemory& memory, uint64_t) override {
+    delete[] static_cast<char*>(memory.base);
+    memory.base = nullptr;
+    --*live_;
+  }
+  std::string Describe() const override { return "counting"; }
+
+ private:
+  int* live_;
+  int* most_;
+};
+
+// A segment that passes to another tenant gives its old memory back before new memory is made:
+// the pool never holds more than its capacity, not even for a moment (it made a segment's worth
+// more, populated and locked, while the old was still mapped).
+TEST(SegmentPoolTest, ARecycledSegmentsOldMemoryGoesBeforeTheNewIsMade) {
+  int live = 0;
+  int most = 0;
+  auto pool = SegmentPool::Create(TierKind::kHost, "host", 2 * kSeg, kSeg,
+                                  std::make_unique<CountingBacking>(&live, &most));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  for (uint32_t tenant : {1000u, 2000u, 1000u}) {
+    auto a = (*pool)->Reserve(tenant, kSeg);
+    auto b = (*pool)->Reserve(tenant, kSeg);
+    ASSERT_TRUE(a.ok() && b.ok());
+    (*pool)->Unreserve(*a);
+    (*pool)->Unreserve(*b);
+  }
+  EXPECT_EQ(live, 2);
+  EXPECT_EQ(most, 2) << "more memory than the capacity was live at once";
 }
 
 TEST(SegmentPoolTest, SameTenantReusesItsSegmentWithoutRecycling) {
