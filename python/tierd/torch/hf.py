@@ -48,6 +48,15 @@ class _Norm(transformers.TrainerCallback):
             norm.fill_(opt.last_grad_norm)
 
 
+def _stream_of_model(model):
+    """The stream that streams the model's parameters, if any."""
+    for p in model.parameters():
+        s = stream_of(p)
+        if s is not None:
+            return s
+    return None
+
+
 def _refuse(args, streamed: bool) -> None:
     """Refuses, naming the field, each TrainingArguments knob this Trainer cannot honour as
     transformers' own does (docs/models.md has the table of every knob)."""
@@ -87,8 +96,13 @@ class Trainer(transformers.Trainer):
             raise TypeError("tierd.torch.hf.Trainer: give optimizers=(OffloadedAdamW(...), "
                             "scheduler); Trainer's own optimizer would not see streamed "
                             "gradients")
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        model = kwargs.get("model", args[0] if args else None)
+        if given is not None:  # before Trainer changes anything (the model's checkpointing)
+            _refuse(given, streamed=model is not None and _stream_of_model(model) is not None)
         super().__init__(*args, **kwargs)
-        _refuse(self.args, streamed=self._stream() is not None)
+        if given is None:  # Trainer's defaults
+            _refuse(self.args, streamed=self._stream() is not None)
         self._offloaded = optimizer
         self._pending_norm: Optional[torch.Tensor] = None
         wanted = self.args.max_grad_norm
@@ -109,12 +123,8 @@ class Trainer(transformers.Trainer):
         self.add_callback(_Norm(self))
 
     def _stream(self):
-        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        for p in model.parameters():
-            s = stream_of(p)
-            if s is not None:
-                return s
-        return None
+        return _stream_of_model(self.accelerator.unwrap_model(self.model,
+                                                              keep_torch_compile=False))
 
     def _lazy_norm(self) -> Optional[torch.Tensor]:
         if self._offloaded.max_grad_norm is None and not self._offloaded.skip_nonfinite:
