@@ -29,6 +29,8 @@ class Trace:
         self._paired = False    # declared with pairs: versions follow by their bits
         self._cursor_base = 0   # the schedule's cursor at this iteration's start
         self._untraced: Optional[int] = None  # the last unit a forward without gradients used
+        self._forward_order: List[int] = []  # _forward()'s answer for the trace `_forward_of`
+        self._forward_of: Optional[List[int]] = None
 
     def pass_by(self, u: Unit) -> None:
         """A forward without gradients (evaluation, generate) uses u: not recorded, but what
@@ -85,15 +87,20 @@ class Trace:
 
     def _forward(self) -> List[int]:
         """The units a forward uses, in its order: the trace's up to its first repeat (the last
-        block of forward is the first of backward), else every unit in order."""
+        block of forward is the first of backward), else every unit in order. Made once per
+        trace: each use of a forward without gradients asks for it."""
         if self.order is None:
             return list(range(len(self.units)))
-        seen: List[int] = []
-        for index in self.order:
-            if index in seen:
-                break
-            seen.append(index)
-        return seen
+        if self._forward_of is not self.order:
+            forward: List[int] = []
+            seen = set()
+            for index in self.order:
+                if index in seen:
+                    break
+                seen.add(index)
+                forward.append(index)
+            self._forward_order, self._forward_of = forward, self.order
+        return self._forward_order
 
     def scheduled_ahead(self) -> bool:
         """Whether the daemon's planner brings the units still to come up (the schedule is
