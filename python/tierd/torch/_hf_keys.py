@@ -14,7 +14,7 @@ reads each tensor into its place as it is stored, so those are refused.
 """
 import sys
 import types
-from typing import Iterable, Optional, Set, Tuple
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 import torch.nn as nn
 
@@ -42,12 +42,12 @@ class KeyNames:
         self._saving = [t.reverse_transform() for t in saving[::-1]
                         if isinstance(t, WeightRenaming)]
 
-    def to_model(self, key: str, names: Set[str]) -> Tuple[str, Optional[str]]:
-        """The model's name for checkpoint key `key` (`names`: the model's state_dict names),
-        and the pattern of the converter it needs (None when renaming is all)."""
+    def to_model(self, key: str, known: Dict[str, bool]) -> Tuple[str, Optional[str]]:
+        """The model's name for checkpoint key `key` (`known`: the model's state_dict names, each
+        mapped to True, as transformers takes them), and the pattern of the converter it needs
+        (None when renaming is all)."""
         if self._rename is None:
             return key, None
-        known = dict.fromkeys(names, True)
         prefix = getattr(self._model, "base_model_prefix", None) or None
         name, pattern = self._rename(key, self._renamings, self._converters, prefix, known)
         if name not in known and key in known:  # as from_pretrained: the key as it is

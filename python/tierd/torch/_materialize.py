@@ -213,10 +213,10 @@ class FromCheckpoint(Source):
         entries = self.checkpoint.entries
         # Each key under the model's name for it, as from_pretrained renames it (_hf_keys.py).
         keys = KeyNames(self.model)
-        names = {n for ns in self.names.of.values() for n in ns}
+        known = {n: True for ns in self.names.of.values() for n in ns}
         by_name, converted = {}, {}
         for key in entries:
-            name, pattern = keys.to_model(key, names)
+            name, pattern = keys.to_model(key, known)
             if pattern is not None:
                 converted[key] = pattern
             else:
