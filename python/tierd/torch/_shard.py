@@ -267,16 +267,26 @@ class Comm:
         if any(b.nodes is not None and b.nodes.peers is not None for b in buckets):
             self.barrier()  # the node's other ranks read its copy once it is written
 
+    FROZEN_BATCH_BYTES = 64 << 20  # a frozen base is broadcast this much at a time
+
     def share_frozen(self, params) -> None:
         """Frozen parameters, which have no bucket (no state), as the group's first rank has
         them, as share_params gives each bucket's: the ranks may have begun from different
-        weights. One broadcast per dtype."""
+        weights. Broadcast in batches of one dtype and at most FROZEN_BATCH_BYTES (or one
+        parameter), so that a large frozen base is never copied whole into host memory."""
+        batches: List[List[torch.Tensor]] = []
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for p in params:
-            if p.numel():
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype in sorted(by_dtype, key=str):
-            ps = by_dtype[dtype]
+            if not p.numel():
+                continue
+            batch = by_dtype.get(p.dtype)
+            nbytes = p.numel() * p.element_size()
+            if batch is None or sum(q.numel() * q.element_size() for q in batch) + nbytes > \
+                    self.FROZEN_BATCH_BYTES:
+                batch = by_dtype[p.dtype] = []
+                batches.append(batch)
+            batch.append(p)
+        for ps in batches:
             flat = torch.cat([p.detach().reshape(-1).to("cpu") for p in ps])
             dist.broadcast(flat, src=_global_rank(self.group, 0), group=self.group)
             if self.rank == 0:
