@@ -78,20 +78,29 @@ bool RoomMaker::MakeRoomFor(const ChunkMeta& chunk, TierKind tier, Access access
 
 bool RoomMaker::PinsOfOthersHoldRoom(SessionId session, uint32_t tenant, TierKind tier,
                                      uint64_t size) const {
-  uint64_t own = 0;
+  const auto pinned_in_tier = [&](ChunkId id) {
+    auto it = chunks_.find(id);
+    return it != chunks_.end() && it->second.allocated.contains(tier) ? &it->second : nullptr;
+  };
   bool others = false;
   for (const auto& [id, state] : sessions_.all()) {
+    if (id == session) continue;
     for (const auto& [chunk_id, pins] : state.pins) {
-      auto it = chunks_.find(chunk_id);
-      if (it == chunks_.end() || !it->second.allocated.contains(tier)) continue;
-      if (id == session) {
-        own += it->second.placement[tier].size;
-      } else {
+      if (pinned_in_tier(chunk_id) != nullptr) {
         others = true;
+        break;
       }
     }
+    if (others) break;
   }
-  return others && space_.CouldHold(tenant, tier, size, own);
+  if (!others) return false;
+  uint64_t own = 0;
+  if (const SessionLedger::State* mine = sessions_.Find(session)) {
+    for (const auto& [chunk_id, pins] : mine->pins) {
+      if (const ChunkMeta* c = pinned_in_tier(chunk_id)) own += c->placement[tier].size;
+    }
+  }
+  return space_.CouldHold(tenant, tier, size, own);
 }
 
 uint64_t RoomMaker::RoomComingFor(uint32_t tenant, TierKind t) const {

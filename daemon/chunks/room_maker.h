@@ -75,7 +75,7 @@ class RoomMaker {
   // Whether room for a chunk of `size` of `tenant`'s in `tier` can come free by other sessions
   // letting go of their pins there: another session holds a chunk pinned in the tier, and the
   // chunk fits beside what `session` itself holds pinned there (which it may never let go of
-  // while it waits). O(the sessions and their pins).
+  // while it waits). O(the session's pins, and the others' up to the first in the tier).
   bool PinsOfOthersHoldRoom(SessionId session, uint32_t tenant, TierKind tier, uint64_t size) const;
   // Starts the fetch of a chunk requests wait on (Mover::Fetch, in its holder's I/O order).
   absl::Status Fetch(ChunkMeta& chunk, TierKind tier, absl::Time deadline);
