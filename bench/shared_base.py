@@ -5,8 +5,10 @@ A Llama-shaped bf16 checkpoint is written once; for each way, a fresh daemon and
 each building the model on meta, streaming it from the checkpoint (its own copy, or the shared
 base: the first job makes it, the others open it), adding peft's LoRA (r=16 on q/k/v/o) and
 training it with OffloadedAdamW. Measured, in the same run: the daemon's host-tier and NVMe bytes
-once every job is set up, its peak RSS, each job's set-up time, and the median LoRA step with
-every job stepping at once. Each job's losses must be the same both ways (printed).
+once every job is set up, its peak RSS, each job's set-up time, its first step (and what that
+step waited for the check of its checkpoint against the base, which runs in the background), and
+the median LoRA step with every job stepping at once. Each job's losses must be the same both
+ways (printed).
 
     python3 bench/shared_base.py [--jobs 2] [--layers 8 --hidden 1024] [--home nvme]
 """
@@ -99,7 +101,9 @@ def child(args):
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    print(json.dumps({"step_s": statistics.median(times[1:]), "losses": losses}), flush=True)
+    print(json.dumps({"step_s": statistics.median(times[1:]), "first_step_s": times[0],
+                      "check_wait_s": stream.stats.get("base_check_wait_s", 0.0),
+                      "losses": losses}), flush=True)
     sys.stdin.readline()  # done: the parent has read the daemon's figures
     opt.close()
     stream.close()
@@ -136,6 +140,8 @@ def run(args, ckpt, shared):
         return {"host_bytes": host, "nvme_bytes": nvme, "daemon_peak_rss": rss,
                 "setup_s": [s["setup_s"] for s in setups],
                 "step_s": [s["step_s"] for s in steps],
+                "first_step_s": [s["first_step_s"] for s in steps],
+                "check_wait_s": [s["check_wait_s"] for s in steps],
                 "losses": [s["losses"] for s in steps]}
 
 
@@ -161,6 +167,9 @@ def main():
               f"ratio {b / a if a else float('nan'):.2f}")
     print(f"  set-up (s)       own {', '.join(f'{s:.2f}' for s in own['setup_s'])}   shared "
           f"{', '.join(f'{s:.2f}' for s in one['setup_s'])}")
+    print(f"  first step (s)   own {', '.join(f'{s:.2f}' for s in own['first_step_s'])}   "
+          f"shared {', '.join(f'{s:.2f}' for s in one['first_step_s'])} (waited for the base's "
+          f"check {', '.join(f'{s:.2f}' for s in one['check_wait_s'])})")
     ms = [statistics.median(own["step_s"]), statistics.median(one["step_s"])]
     print(f"  median step      own {ms[0] * 1e3:.0f} ms   shared {ms[1] * 1e3:.0f} ms   "
           f"ratio {ms[1] / ms[0]:.2f}")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -212,11 +213,13 @@ def _wide(tmp_path, name, change=None):
     return tmp_path / name, model.config
 
 
-def test_a_checkpoint_that_differs_only_mid_tensor_does_not_open_the_base(daemon, tmp_path):  # noqa: F811,E501
+def test_a_checkpoint_that_differs_only_mid_tensor_never_steps_nor_shows_an_output(daemon, tmp_path):  # noqa: F811,E501
     """The base's maker records a SHA-256 of every byte it wrote; an opener checks every byte of
     its own checkpoint against it. A fine-tune that differs from the base's checkpoint only in
     the middle of a tensor (where the digest's samples do not look) was opened, and trained on
-    the base's weights without a word."""
+    the base's weights without a word. The check runs while the job starts: its forward and
+    backward go on, and then every optimizer step, forward without gradients, gathered() and
+    save_pretrained() raises, each time, having changed nothing."""
     ckpt, config = _wide(tmp_path, "genuine")
 
     def middle(sd):
@@ -227,11 +230,79 @@ def test_a_checkpoint_that_differs_only_mid_tensor_does_not_open_the_base(daemon
     def meta():
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(config)
+    refused = "holds other weights than this checkpoint's"
     s = stream(meta(), daemon, checkpoint=str(ckpt), shared_base="wide@1")
     try:
-        with pytest.raises(ValueError, match="holds other weights than this checkpoint's"):
-            stream(meta(), daemon, checkpoint=str(other), shared_base="wide@1")
-        stream(meta(), daemon, checkpoint=str(ckpt), shared_base="wide@1").close()  # the same
+        model = meta()
+        t = stream(model, daemon, checkpoint=str(other), shared_base="wide@1")
+        try:
+            torch.manual_seed(1)
+            model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+            adapters = [p for p in model.parameters() if p.requires_grad]
+            before = [p.detach().clone() for p in adapters]
+            x = tokens(0)
+            model(input_ids=x, labels=x).loss.backward()
+            for opt in (torch.optim.AdamW(adapters, lr=1e-2),
+                        tierd.torch.OffloadedAdamW(adapters, socket_dir=daemon, lr=1e-2)):
+                for _ in range(2):
+                    with pytest.raises(ValueError, match=refused):
+                        opt.step()
+            assert all(torch.equal(p, b) for p, b in zip(adapters, before))
+            for _ in range(2):
+                with torch.no_grad(), pytest.raises(ValueError, match=refused):
+                    model(input_ids=x)
+            with pytest.raises(ValueError, match=refused):
+                with t.gathered():
+                    pass
+            with pytest.raises(ValueError, match=refused):
+                t.save_pretrained(str(tmp_path / "saved"))
+            assert not (tmp_path / "saved").exists()
+        finally:
+            t.close()
+        q = torch.nn.Parameter(torch.zeros(2))  # closed, it holds no other optimizer back
+        q.grad = torch.ones(2)
+        torch.optim.SGD([q], lr=1.0).step()
+        assert q.tolist() == [-1.0, -1.0]
+
+        # The base's own checkpoint opens, and steps and evaluates as the maker does.
+        model = meta()
+        u = stream(model, daemon, checkpoint=str(ckpt), shared_base="wide@1")
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=x).logits, s.model(input_ids=x).logits)
+            assert u.stats["base_check_wait_s"] >= 0
+            q.grad = torch.ones(2)
+            torch.optim.SGD([q], lr=1.0).step()
+        finally:
+            u.close()
+    finally:
+        s.close()
+
+
+def test_closing_a_job_ends_its_base_check_and_its_files(daemon, tmp_path):  # noqa: F811
+    """Closing a stream ends the check of its checkpoint (stopped at the next tensor when it is
+    still reading) and closes the check's descriptors: nothing is left running or open."""
+    ckpt, config = _wide(tmp_path, "genuine")
+    with torch.device("meta"):
+        maker = transformers.AutoModelForCausalLM.from_config(config)
+    s = stream(maker, daemon, checkpoint=str(ckpt), shared_base="closed@1")
+
+    def open_files():  # this process's descriptors of the checkpoint's files
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass  # the listing's own
+        return [f for f in out if f.startswith(str(ckpt))]
+    try:
+        assert open_files() == []
+        for _ in range(3):
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            stream(model, daemon, checkpoint=str(ckpt), shared_base="closed@1").close()
+        assert not [t for t in threading.enumerate() if t.name.startswith("tierd base check")]
+        assert open_files() == []
     finally:
         s.close()
 

@@ -15,9 +15,12 @@ checkpoint's digest, or the model's own weights) and a SHA-256 of the bytes writ
 opens it checks the layout, the checkpoint's digest (its layout and a sample of every tensor's
 bytes: a quick first refusal), and then the SHA-256 of every byte its own source would have
 written against the maker's: a job never trains on other weights than its own under the same
-name, however little they differ. The descriptor is the maker's word, so a base is opened only
-when its maker is trusted: this user, root, or a user named in trust_base_makers (a group member
-could otherwise publish other bytes under a copied descriptor). A model built on the meta device
+name, however little they differ. A checkpoint's bytes are hashed in the background while the
+job starts, and waited for before its first optimizer step or output (_base_check.py); a model's
+own weights at once, before the stream points them elsewhere. The descriptor is the maker's word,
+so a base is opened only when its maker is trusted: this user, root, or a user named in
+trust_base_makers (a group member could otherwise publish other bytes under a copied
+descriptor). A model built on the meta device
 gives the checkpoint all the same: the weights outside the units (embeddings, head, norms) are the
 job's own, on its device, and come from there.
 """
@@ -32,6 +35,7 @@ import torch
 
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
+from ._base_check import BaseCheck, Value, contents
 from ._storage import as_tensor
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype
 
@@ -75,6 +79,7 @@ class SharedBase:
         self.wait_s = wait_s
         self.trusted = {os.getuid(), 0} | {_uid(who) for who in trusted}
         self.held = False
+        self.check: Optional[BaseCheck] = None  # an opener's check of its checkpoint, running
         # Each unit's frozen parameters, as ranges of its chunk in the base (by index).
         self.plan: Dict[int, List[Range]] = {}
         self.bytes: Dict[int, int] = {}
@@ -107,7 +112,9 @@ class SharedBase:
     def attach(self, source, homes: Dict[int, Tier]) -> None:
         """Opens the base, or makes it from `source` (at home where `homes` says, by unit index)
         when there is none; then gives each unit its chunk and ranges there. Raises, having let
-        the base go, when the base holds another layout or other weights than this job's."""
+        the base go, when the base holds another layout or other weights than this job's; an
+        opener's checkpoint is checked in full in the background, steps and outputs waiting for
+        it (_base_check.py)."""
         identity = source.identity()
         if identity["kind"] == "init":
             raise ValueError(f"stream_parameters: shared_base={self.name!r} with a model on the "
@@ -135,6 +142,8 @@ class SharedBase:
             if not opened.created:
                 self._check_maker(opened.creator_uid)
                 self._check(opened.descriptor, source, identity)
+                if self.check is not None:
+                    self.check.gate([u.module for u in self.units])
             if len(opened.ids) != len(order):
                 raise ValueError(f"shared base {self.name!r} has {len(opened.ids)} chunks; this "
                                  f"model's frozen units need {len(order)}")
@@ -164,7 +173,7 @@ class SharedBase:
         if not opened.created:
             return opened
         try:
-            contents = hashlib.sha256()
+            hashed = hashlib.sha256()
             written = []
             for k, index in enumerate(order):
                 params = [p for r in self.plan[index] for p in r.params]
@@ -180,13 +189,13 @@ class SharedBase:
                                 v(out)
                             else:
                                 out.copy_(v)
-                            contents.update(out.view(torch.uint8).numpy().data)
+                            hashed.update(out.view(torch.uint8).numpy().data)
                     del view, dst, out
                 if opened.homes[k] == Tier.NVME:  # written down now, as a stream's own units
                     written.append(self.client.evict([opened.ids[k]], Tier.NVME))
             for w in written:
                 w.wait()
-            descriptor = self._descriptor(identity, contents.hexdigest()).encode()
+            descriptor = self._descriptor(identity, hashed.hexdigest()).encode()
             self.client.seal_base(self.name, descriptor)
         except BaseException:
             self.client.release_base(self.name)  # abandoned: the daemon frees it
@@ -194,9 +203,9 @@ class SharedBase:
         opened.descriptor = descriptor
         return opened
 
-    def _descriptor(self, identity: Dict[str, str], contents: Optional[str]) -> str:
+    def _descriptor(self, identity: Dict[str, str], hashed: Optional[str]) -> str:
         return json.dumps({"format": FORMAT, "layout": self.layout, "source": identity,
-                           "contents": contents}, sort_keys=True)
+                           "contents": hashed}, sort_keys=True)
 
     # ---- what an opener checks ----
 
@@ -215,32 +224,40 @@ class SharedBase:
         if theirs.get("contents") is None:
             raise ValueError(f"shared base {self.name!r} was sealed without a record of its "
                              "contents")
-        kind = identity["kind"]
-        if kind == "checkpoint" and theirs["source"] != identity:
-            raise ValueError(f"shared base {self.name!r} was made from "
-                             f"{_source_text(theirs['source'])}, not from this checkpoint "
-                             f"(layout digest {identity['digest'][:16]}...)")
-        if self._contents(source) != theirs["contents"]:
-            raise ValueError(f"shared base {self.name!r} holds other weights than this "
-                             f"{'checkpoint' if kind == 'checkpoint' else 'model'}'s frozen "
-                             "parameters (another checkpoint or fine-tune under the same name): "
-                             "give the base another name")
+        if identity["kind"] == "checkpoint":
+            if theirs["source"] != identity:
+                raise ValueError(f"shared base {self.name!r} was made from "
+                                 f"{_source_text(theirs['source'])}, not from this checkpoint "
+                                 f"(layout digest {identity['digest'][:16]}...)")
+            twin = source.duplicate()  # read by the check while the job's own is closed
+            try:
+                values = self._values(twin)
+            except BaseException:
+                twin.close()
+                raise
+            self.check = BaseCheck(self.name, theirs["contents"], values, twin.close)
+        elif contents(self._values(source)) != theirs["contents"]:
+            raise ValueError(f"shared base {self.name!r} holds other weights than this model's "
+                             "frozen parameters (another checkpoint or fine-tune under the same "
+                             "name): give the base another name")
 
-    def _contents(self, source) -> str:
-        """The SHA-256 of every byte the source gives the base, in the order its maker hashed
-        what it wrote (one tensor in memory at a time)."""
-        h = hashlib.sha256()
+    def _values(self, source) -> List[Value]:
+        """What the source gives the base, in the order its maker hashed what it wrote."""
+        out: List[Value] = []
         for index in sorted(self.plan):
             params = [p for r in self.plan[index] for p in r.params]
             values = source.unit_values(self.units[index].module, params)
             for p in params:
                 v = values[id(p)]
-                if callable(v):  # a checkpoint's reader: into a tensor of the model's dtype
-                    out = torch.empty(p.numel(), dtype=p.dtype)
-                    v(out)
-                    v = out
-                h.update(v.contiguous().view(torch.uint8).numpy().data)
-        return h.hexdigest()
+                # A checkpoint's reader reads into a tensor of the model's dtype.
+                out.append((p.numel(), p.dtype, v) if callable(v) else v)
+        return out
+
+    def checked(self) -> None:
+        """Returns once this job's checkpoint is known to be the base's; raises ValueError when
+        it is not."""
+        if self.check is not None:
+            self.check.wait()
 
     def _check_maker(self, creator_uid: int) -> None:
         if creator_uid in self.trusted:
@@ -256,6 +273,8 @@ class SharedBase:
 
     def release(self) -> None:
         """Lets the base go (the daemon frees it with its last holder, unless it is pinned)."""
+        if self.check is not None:
+            self.check.close()
         for u in self.units:
             if u.base is not None:
                 u.base.let_go()

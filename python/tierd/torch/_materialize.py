@@ -276,6 +276,12 @@ class FromCheckpoint(Source):
                     _set(t, t.detach().to(device), made)
         return made
 
+    def duplicate(self) -> "FromCheckpoint":
+        """This source over a duplicate of its checkpoint (Checkpoint.duplicate)."""
+        twin = copy.copy(self)
+        twin.checkpoint = self.checkpoint.duplicate()
+        return twin
+
     def close(self) -> None:
         self.checkpoint.close()
 

@@ -9,6 +9,7 @@ key the index names is in its shard and no shard holds a key twice. The data is 
 pread straight into where it goes (a chunk's memory, when the dtype is the model's): no mapping
 of the file, so the process's memory holds no more of it than the tensor being converted.
 """
+import copy
 import hashlib
 import json
 import os
@@ -216,6 +217,19 @@ class Checkpoint:
             if n <= 0:  # the file is shorter than its header says: it changed under us
                 raise ValueError(f"{e.file}: key {key!r} ends past the end of the file")
             done += n
+
+    def duplicate(self) -> "Checkpoint":
+        """The same checkpoint over descriptors of its own (the files checked at construction),
+        for another thread to read while this one is closed."""
+        twin = copy.copy(self)
+        twin._open = {}
+        try:
+            for file, fd in self._open.items():
+                twin._open[file] = os.dup(fd)
+        except BaseException:
+            twin.close()
+            raise
+        return twin
 
     def close(self) -> None:
         for fd in self._open.values():

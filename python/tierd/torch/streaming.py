@@ -263,10 +263,13 @@ class ParameterStream:
         h2d_bytes (weights fetched), d2h_bytes (gradients sent off), nvme_read_bytes (NVMe to
         host, the whole node), wait_s (compute waiting for weights), trace_misses, on_demand
         (units not prefetched when asked for), fetches, iterations, over_window, schedules (the
-        daemon told the trace)."""
+        daemon told the trace), base_check_wait_s (with a shared base opened from a checkpoint:
+        what the job waited for the check of its checkpoint, _base_check.py)."""
         s = dict(self._stats)
         s["device_peak_bytes"] = self._window.peak
         s["units_on_nvme"] = sum(1 for u in self._units if u.home == Tier.NVME)
+        if self._base is not None and self._base.check is not None:
+            s["base_check_wait_s"] = self._base.check.waited_s
         s["device_live_bytes"] = self._window.live
         if self._client is not None and not self._client.closed:
             s["nvme_read_bytes"] = self._client.path_bytes("nvme_to_host") - self._nvme_start
@@ -300,6 +303,8 @@ class ParameterStream:
         if self._hooks.busy():
             raise RuntimeError("stream_parameters: save_pretrained() during a forward or "
                                "backward, or inside gathered()")
+        if self._base is not None:
+            self._base.checked()
         size = _pretrained.parse_size(max_shard_size)
         entries, seen = [], set()
         tensors: Dict[str, torch.Tensor] = {}
@@ -621,6 +626,8 @@ class _Gathered:
     def __enter__(self):
         s = self.stream
         s._check_open()
+        if s._base is not None:
+            s._base.checked()
         if s._hooks.busy():
             raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
                                "inside another gathered()")
