@@ -123,18 +123,22 @@ bool AcceptsStreamConnections(const std::string& path) {
 
 }  // namespace
 
-uint64_t RssBytes(pid_t pid) {
+uint64_t StatusBytes(pid_t pid, std::string_view field) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
   for (std::string line; std::getline(in, line);) {
     uint64_t kb = 0;
-    if (absl::StartsWith(line, "VmRSS:") &&
-        absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(6), "kB")),
-                         &kb)) {
+    if (std::string_view(line).starts_with(field) && line.size() > field.size() &&
+        line[field.size()] == ':' &&
+        absl::SimpleAtoi(
+            absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(field.size() + 1), "kB")),
+            &kb)) {
       return kb << 10;
     }
   }
   return 0;
 }
+
+uint64_t RssBytes(pid_t pid) { return StatusBytes(pid, "VmRSS"); }
 
 std::string ExecutableDir() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();

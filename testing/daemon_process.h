@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -71,6 +72,10 @@ bool StartProcess(const std::vector<std::string>& argv, pid_t* pid, int* stdout_
 
 // The directory of the running executable (tests find the daemon beside their build tree).
 std::string ExecutableDir();
+
+// A field of a process's /proc/PID/status given in kB ("VmRSS", "RssAnon", "RssShmem"), in
+// bytes; 0 when the process or the field is gone.
+uint64_t StatusBytes(pid_t pid, std::string_view field);
 
 // A process's resident set (VmRSS), in bytes; 0 when it is gone.
 uint64_t RssBytes(pid_t pid);

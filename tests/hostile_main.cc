@@ -5,9 +5,10 @@
 //   tierd-hostile [--rounds=10] [--requests=10000] [--seed=1] [--env=NAME=VALUE]...
 //                 [-- DAEMON FLAGS...]
 //
-// Prints a line a round: requests sent, RSS, each tier's bytes in use against the bytes of the
-// chunk copies it holds, chunks left by the round (persistent ones, freed before the next).
-// Exits 1 when a tier's bytes in use differ from its copies, or the daemon fails a request.
+// Prints a line a round: requests sent, RSS (all, anonymous, shared memory), each tier's bytes in
+// use against the bytes of the chunk copies it holds, chunks left by the round (persistent ones,
+// freed before the next). Exits 1 when a tier's bytes in use differ from its copies, or the daemon
+// fails a request.
 #include <cstdio>
 #include <string>
 #include <string_view>
@@ -66,9 +67,12 @@ int main(int argc, char** argv) {
   }
   const std::string& dir = (*daemon)->socket_dir();
   std::printf(
-      "round  requests  rss_mib  host used/copies  nvme used/copies  device used/copies  "
+      "round  requests  rss_mib  anon_mib  shmem_mib  host used/copies  nvme used/copies  device "
+      "used/copies  "
       "left\n");
-  std::printf("start         0  %7.1f\n", RssBytes((*daemon)->pid()) / 1048576.0);
+  std::printf("start         0  %7.1f  %8.1f  %9.1f\n", RssBytes((*daemon)->pid()) / 1048576.0,
+              StatusBytes((*daemon)->pid(), "RssAnon") / 1048576.0,
+              StatusBytes((*daemon)->pid(), "RssShmem") / 1048576.0);
   bool ok = true;
   for (uint64_t r = 1; r <= rounds && ok; ++r) {
     absl::StatusOr<HostileTrafficReport> sent =
@@ -90,9 +94,10 @@ int main(int argc, char** argv) {
     }
     // The daemon gives memory back at most every 2 s after large requests: read it after that.
     absl::SleepFor(absl::Seconds(3));
-    std::printf("%5llu  %8llu  %7.1f", static_cast<unsigned long long>(r),
-                static_cast<unsigned long long>(r * requests),
-                RssBytes((*daemon)->pid()) / 1048576.0);
+    const pid_t pid = (*daemon)->pid();
+    std::printf("%5llu  %8llu  %7.1f  %8.1f  %9.1f", static_cast<unsigned long long>(r),
+                static_cast<unsigned long long>(r * requests), RssBytes(pid) / 1048576.0,
+                StatusBytes(pid, "RssAnon") / 1048576.0, StatusBytes(pid, "RssShmem") / 1048576.0);
     for (int t = 1; t < 4; ++t) {
       std::printf("  %8llu/%-8llu", static_cast<unsigned long long>(a->used_bytes[t]),
                   static_cast<unsigned long long>(a->copies_bytes[t]));
