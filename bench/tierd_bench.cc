@@ -3,7 +3,7 @@
 //
 //   tierd-bench control [--json] [--socket_dir=DIR] [--chunks=10000] [--samples=2000]
 //   tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] [--queue_depth=32]
-//                    [--tune]
+//                    [--huge_pages=auto|never|require] [--tune]
 //   tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] [--dir=DIR]
 //   tierd-bench replay [--json] [--policies=on_demand,hints,trace] ... (bench/replay.cc)
 //   tierd-bench adam [--json] [--params=1e7,1e8,1e9] [--threads=1,2] ... (bench/adam.cc)
@@ -56,6 +56,7 @@ struct Options {
   bool tune = false;              // nvme: sweep I/O size x queue depth
   uint64_t io_size = 1 << 20;
   uint32_t queue_depth = 32;
+  std::string huge_pages = "auto";  // nvme: the host tier's pages (the daemon's host.huge_pages)
   std::string device = "emulated";  // pcie: cuda or emulated
 };
 
@@ -122,18 +123,20 @@ Throughput MoveThroughNvme(tierd::Client& c, uint64_t chunk, uint64_t total) {
   return best;
 }
 
-double FioOnce(const Options& o, const char* rw);
+double FioOnce(const Options& o, const char* rw, const char* iomem);
 
 // fio on the same file system, same I/O size and depth, O_DIRECT, io_uring with registered buffers
-// and files as tierd uses them; bytes per second of one run.
-double FioOnce(const Options& o, const char* rw) {
+// and files as tierd uses them; its buffers in `iomem` (fio's --iomem: malloc, its default, or
+// the kind of memory the host tier has); bytes per second of one run.
+double FioOnce(const Options& o, const char* rw, const char* iomem) {
   const std::string file = o.dir + "/fio.dat";
   std::string out;
   int rc = tierd::testing::RunProcess(
       {"/usr/bin/fio", "--name=bench", "--filename=" + file, absl::StrCat("--size=", o.total),
        absl::StrCat("--bs=", o.io_size), absl::StrCat("--iodepth=", o.queue_depth),
        "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1", "--direct=1",
-       absl::StrCat("--rw=", rw), "--end_fsync=1", "--output-format=json"},
+       absl::StrCat("--iomem=", iomem), absl::StrCat("--rw=", rw), "--end_fsync=1",
+       "--output-format=json"},
       &out);
   if (rc != 0) Die(absl::InternalError(out), "fio (is the fio package installed?)");
   const std::string section =
@@ -153,6 +156,7 @@ std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint
           absl::StrCat("--nvme_io_size=", io_size),
           absl::StrCat("--nvme_stripe_unit=", stripe),
           absl::StrCat("--nvme_queue_depth=", depth),
+          absl::StrCat("--huge_pages=", o.huge_pages),
           "--nvme_reformat",
           "--log_level=warn"};
 }
@@ -203,10 +207,18 @@ int Nvme(const Options& o) {
 
   auto daemon = StartDaemon(NvmeDaemonArgs(o, o.io_size, o.queue_depth));
   auto c = ConnectTo(daemon->socket_dir());
+  // fio runs twice: into its own buffers (what the drive gives) and into the kind of memory the
+  // host tier has, shared 4 KiB pages or shared 2 MiB huge pages (where the tier's pages cost).
+  auto info = c->GetNodeInfo();
+  if (!info.ok()) Die(info.status(), "GetNodeInfo");
+  const tierd::TierStatus* host = info->tier(tierd::Tier::kHost);
+  const bool huge = host != nullptr && host->detail.find("huge pages") != std::string::npos;
+  const char* like = huge ? "shmhuge" : "mmapshared";
   if (!o.json) {
-    std::printf("tierd-bench nvme: %s moved per case, io_size %s, queue depth %u, in %s\n",
-                tierd::FormatSize(o.total).c_str(), tierd::FormatSize(o.io_size).c_str(),
-                o.queue_depth, o.dir.c_str());
+    std::printf(
+        "tierd-bench nvme: %s moved per case, io_size %s, queue depth %u, in %s; host tier: %s\n",
+        tierd::FormatSize(o.total).c_str(), tierd::FormatSize(o.io_size).c_str(), o.queue_depth,
+        o.dir.c_str(), host != nullptr ? host->detail.c_str() : "none");
   }
   const std::string io =
       absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size, o.queue_depth);
@@ -217,15 +229,18 @@ int Nvme(const Options& o) {
   for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {
     NvmeCase run(*c, chunk, o.total);
     (void)run.Round();  // warm-up: the first write of fresh extents
-    std::vector<double> fio_w, fio_r, evict, prefetch;
+    std::vector<double> fio_w, fio_r, like_w, like_r, evict, prefetch;
     for (int i = 0; i < kRounds; ++i) {
-      fio_w.push_back(FioOnce(o, "write") / 1e9);
-      fio_r.push_back(FioOnce(o, "read") / 1e9);
+      fio_w.push_back(FioOnce(o, "write", "malloc") / 1e9);
+      fio_r.push_back(FioOnce(o, "read", "malloc") / 1e9);
+      like_w.push_back(FioOnce(o, "write", like) / 1e9);
+      like_r.push_back(FioOnce(o, "read", like) / 1e9);
       Throughput t = run.Round();
       evict.push_back(t.evict_gbps);
       prefetch.push_back(t.prefetch_gbps);
     }
-    const double fw = Median(fio_w), fr = Median(fio_r), ev = Median(evict), pf = Median(prefetch);
+    const double fw = Median(fio_w), fr = Median(fio_r), lw = Median(like_w), lr = Median(like_r),
+                 ev = Median(evict), pf = Median(prefetch);
     const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
     auto spread = [](const std::vector<double>& v) {
       return absl::StrFormat("%.2f-%.2f", *std::min_element(v.begin(), v.end()),
@@ -233,14 +248,20 @@ int Nvme(const Options& o) {
     };
     out.Add({"gbps", fw, "GB/s", ",\"op\":\"fio_write\"" + params,
              "fio write, median of 5 (range " + spread(fio_w) + ")"});
+    out.Add({"gbps", lw, "GB/s", absl::StrCat(",\"op\":\"fio_write_", like, "\"", params),
+             absl::StrCat("fio write from ", like, " memory, median of 5 (range ", spread(like_w),
+                          ")")});
     out.Add({"gbps", ev, "GB/s", ",\"op\":\"evict\"" + params,
-             absl::StrFormat("evict %s chunks: %.2f x fio (range %s)", tierd::FormatSize(chunk),
-                             ev / fw, spread(evict))});
+             absl::StrFormat("evict %s chunks: %.2f x fio, %.2f x fio from %s (range %s)",
+                             tierd::FormatSize(chunk), ev / fw, ev / lw, like, spread(evict))});
     out.Add({"gbps", fr, "GB/s", ",\"op\":\"fio_read\"" + params,
              "fio read, median of 5 (range " + spread(fio_r) + ")"});
+    out.Add({"gbps", lr, "GB/s", absl::StrCat(",\"op\":\"fio_read_", like, "\"", params),
+             absl::StrCat("fio read into ", like, " memory, median of 5 (range ", spread(like_r),
+                          ")")});
     out.Add({"gbps", pf, "GB/s", ",\"op\":\"prefetch\"" + params,
-             absl::StrFormat("prefetch %s chunks: %.2f x fio (range %s)", tierd::FormatSize(chunk),
-                             pf / fr, spread(prefetch))});
+             absl::StrFormat("prefetch %s chunks: %.2f x fio, %.2f x fio into %s (range %s)",
+                             tierd::FormatSize(chunk), pf / fr, pf / lr, like, spread(prefetch))});
   }
   c.reset();
   std::filesystem::remove(o.dir + "/fio.dat", ec);
@@ -516,6 +537,11 @@ bool Parse(int argc, char** argv, Options* o) {
       auto v = tierd::ParseSize(std::string(a.substr(10)));
       if (!v.ok()) return false;
       o->io_size = *v;
+    } else if (a.substr(0, 13) == "--huge_pages=") {
+      o->huge_pages = std::string(a.substr(13));
+      if (o->huge_pages != "auto" && o->huge_pages != "never" && o->huge_pages != "require") {
+        return false;
+      }
     } else if (a.substr(0, 14) == "--queue_depth=") {
       if (!absl::SimpleAtoi(std::string(a.substr(14)), &o->queue_depth)) return false;
     } else if (!value("--chunks=", &o->chunks) && !value("--samples=", &o->samples) &&
@@ -554,7 +580,7 @@ int main(int argc, char** argv) {
                  "usage: tierd-bench control [--json] [--socket_dir=DIR] [--chunks=N] "
                  "[--samples=N] [--chunk_size=BYTES]\n"
                  "       tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] "
-                 "[--queue_depth=32] [--tune]\n"
+                 "[--queue_depth=32] [--huge_pages=auto|never|require] [--tune]\n"
                  "       tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] "
                  "[--dir=DIR]\n"
                  "       tierd-bench replay --help\n"
