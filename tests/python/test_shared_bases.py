@@ -257,6 +257,10 @@ def test_a_checkpoint_that_differs_only_mid_tensor_never_steps_nor_shows_an_outp
             with pytest.raises(ValueError, match=refused):
                 t.save_pretrained(str(tmp_path / "saved"))
             assert not (tmp_path / "saved").exists()
+            with pytest.warns(RuntimeWarning, match=refused):
+                t.close(keep_weights=True)  # the base's weights are not handed back as its own
+            streamed = [p for p in t.model.model.layers.parameters() if not p.requires_grad]
+            assert streamed and all(p.untyped_storage().nbytes() == 0 for p in streamed)
         finally:
             t.close()
         q = torch.nn.Parameter(torch.zeros(2))  # closed, it holds no other optimizer back

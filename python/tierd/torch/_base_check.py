@@ -7,8 +7,8 @@ hashed, half a minute, so it runs in a thread of its own while the job goes on s
 adapters, the optimizer, the data) and its first forward and backward run. It is waited for
 wherever the base's weights would first leave a mark the job keeps or shows: before an optimizer
 step (any optimizer in the process: torch's global step pre-hook), before a forward without
-gradients reaches a unit (evaluation, generate), before gathered() and save_pretrained(). A
-check that failed raises there, and at each such point after, until the stream is closed: a job
+gradients reaches a unit (evaluation, generate), before gathered(), save_pretrained() and a
+close that gives the weights back. A check that failed raises there, and at each such point after, until the stream is closed: a job
 never steps, nor hands out an output, from weights other than its checkpoint's.
 """
 import hashlib

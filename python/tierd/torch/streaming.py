@@ -354,6 +354,13 @@ class ParameterStream:
                 self._client.close()
                 self._client = None
             return
+        if keep_weights and self._base is not None:
+            try:
+                self._base.checked()  # the weights handed back are the checkpoint's
+            except ValueError as e:
+                keep_weights = False
+                warnings.warn(f"stream_parameters: {e}; the streamed parameters are left without "
+                              "storage", RuntimeWarning, stacklevel=2)
         self._hooks.remove()
         self._loading.remove()
         lost = None
