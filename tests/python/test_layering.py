@@ -16,9 +16,10 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # From the bottom up; modules on one level do not import each other.
 LEVELS = [
-    ["_storage", "_pretrained", "_agree", "_hf_keys"],  # tensors over tierd memory;
-                                            # checkpoints in the HF layout; every rank's
-                                            # outcome; keys as transformers names them
+    ["_storage", "_pretrained", "_agree", "_hf_keys", "_base_check"],  # tensors over tierd
+                                            # memory; checkpoints in the HF layout; every rank's
+                                            # outcome; keys as transformers names them; a
+                                            # shared base's check in the background
     ["_units", "activations", "_materialize", "_guard"],  # units and chunks; activation
                                                 # offload; where a stream's weights come from;
                                                 # a streamed parameter outside the window
