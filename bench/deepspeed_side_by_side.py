@@ -2,7 +2,13 @@
 hyperparameters trained by
 
   ds-offload   DeepSpeed ZeRO-3, offload_optimizer to the CPU (DeepSpeedCPUAdam)
-  ds-infinity  DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe (ZeRO-Infinity)
+  ds-infinity  DeepSpeed ZeRO-3, offload_param and offload_optimizer to NVMe (ZeRO-Infinity) as
+               its users configure it for a model larger than RAM: every weight on NVMe
+               (max_in_cpu 0), swap buffers sized for the largest weight, the live weights
+               bounded as the stream's window is (--live, a share of the weights)
+  ds-infinity-cached
+               the same with offload_param's default max_in_cpu (1e9 elements): for these sizes
+               every weight stays in RAM, and only the optimizer state goes to NVMe
   tierd-state  tierd's OffloadedAdamW, its state at home on NVMe (the weights in memory)
   tierd-stream tierd streaming the weights (at home on NVMe) and OffloadedAdamW's state on NVMe
   tierd-state-split, tierd-stream-split (not run unless named)
@@ -11,7 +17,13 @@ hyperparameters trained by
 
 each in a process of its own (DeepSpeed: its CPU accelerator and gloo on a machine without a GPU,
 its CUDA one with a GPU; tierd: a fresh daemon, its NVMe region a file beside DeepSpeed's swap
-directory), alternating mode by mode for --rounds rounds. Each child takes one warm-up step and
+directory), alternating mode by mode for --rounds rounds. Every mode starts from one checkpoint
+the parent writes (seed 0), loaded as its users load it: DeepSpeed's through transformers'
+HfDeepSpeedConfig and from_pretrained, so that ZeRO-3 builds the model under zero.Init in the run's
+dtype (deepspeed.initialize() over a model built in memory converts it, and picks bf16 on a CPU
+even in an fp32 run). Each mode's first loss, before any update, is checked against torch's on
+the same batch (a child of its own): a mode that starts from other weights is reported as broken,
+not timed. Each child takes one warm-up step and
 --steps timed ones; it reports its median step, its peak RSS (VmHWM), the bytes it and its daemon
 read and wrote to storage over the timed steps (/proc/PID/io) and its losses. A mode that cannot
 run here is reported with its error. The table gives each mode's step as a ratio to tierd's
@@ -39,7 +51,7 @@ sys.path.insert(0, HERE)
 
 import benchlib  # noqa: E402
 
-MODES = ["ds-offload", "ds-infinity", "tierd-state", "tierd-stream"]
+MODES = ["ds-offload", "ds-infinity", "ds-infinity-cached", "tierd-state", "tierd-stream"]
 SPLIT = ["tierd-state-split", "tierd-stream-split"]  # the optimizer split with the device
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -58,6 +70,8 @@ def arguments():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--live", type=float, default=0.3, help="ds-infinity's live weights "
+                    "(stage3_max_live_parameters) as a share of the model's")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", default=None, help="where NVMe files go (DeepSpeed's swap, tierd's "
                     "region): a temporary directory under the build directory by default")
@@ -65,6 +79,7 @@ def arguments():
                     "maps and populates it whole at start: its RSS)")
     ap.add_argument("--nvme", default="8GiB")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--init", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--socket-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lr", type=float, default=HYPER["lr"])
     ap.add_argument("--device-share", default="auto",
@@ -89,14 +104,28 @@ def _io(pid) -> list:
     return [got["read_bytes"], got["write_bytes"]]
 
 
-def model_of(args):
+def dtype_of(args):
+    import torch
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
+def write_init(args, directory: str) -> str:
+    """The checkpoint every mode starts from (seed 0), in the run's dtype."""
     import torch
     import transformers
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    config = benchlib.llama_config(args, str(dtype).removeprefix("torch."),
-                                   max_position_embeddings=max(args.seq, 128))
-    torch.manual_seed(0)  # the same initial weights in every mode
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config = benchlib.llama_config(args, args.dtype.replace("fp32", "float32").replace(
+        "bf16", "bfloat16"), max_position_embeddings=max(args.seq, 128))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_of(args))
+    path = os.path.join(directory, "init")
+    model.save_pretrained(path)
+    return path
+
+
+def model_of(args):
+    """The model from the run's checkpoint, in memory."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(args.init, dtype=dtype_of(args))
 
 
 def batches(args, n):
@@ -105,17 +134,25 @@ def batches(args, n):
     return [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(n)]
 
 
-def deepspeed_engine(args, model, swap):
-    import deepspeed
+def deepspeed_config(args, swap):
+    """The DeepSpeed config of a ds- mode, sized from the run's model shape."""
+    import transformers
+    shapes = transformers.AutoConfig.from_pretrained(args.init)
+    h, i, v, n = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size, \
+        shapes.num_hidden_layers
+    largest = max(v * h, h * i)
+    total = 2 * v * h + n * (4 * h * h + 3 * h * i + 2 * h) + h
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
             "stage3_param_persistence_threshold": 0}
-    if args.child == "ds-infinity":
-        largest = max(p.numel() for p in model.parameters())
+    if args.child.startswith("ds-infinity"):
         zero["offload_param"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False,
                                  "buffer_count": 5, "buffer_size": largest}
+        if args.child == "ds-infinity":  # every weight on NVMe, the live ones bounded
+            zero["offload_param"]["max_in_cpu"] = 0
+            zero["stage3_max_live_parameters"] = int(args.live * total)
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap, "pin_memory": False,
                                      "buffer_count": 4}
-    config = {
+    return {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "zero_optimization": zero, "gradient_clipping": 0.0, "steps_per_print": 1 << 30,
         "optimizer": {"type": "AdamW", "params": {
@@ -125,10 +162,31 @@ def deepspeed_engine(args, model, swap):
                 "single_submit": False, "overlap_events": True},
         "bf16": {"enabled": args.dtype == "bf16"},
     }
+
+
+def deepspeed_engine(args, swap):
+    """The model built as transformers builds it for ZeRO-3 (under zero.Init, from the
+    checkpoint), and its engine."""
+    import deepspeed
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+    config = deepspeed_config(args, swap)
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 (from_pretrained reads it while it lives)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.init, dtype=dtype_of(args))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     return engine
+
+
+def first_loss(args) -> None:
+    """torch's loss on the first batch, before any update: what every mode must start from."""
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    x = batches(args, 1)[0]
+    with torch.no_grad():
+        loss = model_of(args)(input_ids=x, labels=x).loss
+    print("RESULT " + json.dumps({"mode": "torch", "loss": float(loss.float())}), flush=True)
 
 
 def child(args) -> None:
@@ -137,14 +195,13 @@ def child(args) -> None:
     mode = args.child
     device = torch.device(args.device)
     data = batches(args, 1 + args.steps)
-    model = model_of(args)
     daemon_pid = probe = None
     cleanup = []
     HYPER["lr"] = args.lr
     if mode.startswith("ds-"):
         swap = os.path.join(args.dir, f"swap-{os.getpid()}")
         os.makedirs(swap, exist_ok=True)
-        engine = deepspeed_engine(args, model.to(device), swap)
+        engine = deepspeed_engine(args, swap)
 
         def step(x):
             loss = engine(input_ids=x, labels=x).loss
@@ -153,6 +210,7 @@ def child(args) -> None:
             return loss
     else:
         import tierd.torch
+        model = model_of(args)
         daemon_pid = benchlib.daemon_pid(args.socket_dir)
         probe = tierd.connect(args.socket_dir, "bench probe")
         cleanup.append(probe.close)
@@ -220,6 +278,7 @@ def _memlock_unlimited():  # DeepSpeed's aio pins its buffers
 
 def run_child(args, mode, directory):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", directory,
+           "--init", args.init, "--live", str(args.live),
            "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
            "--layers", str(args.layers), "--heads", str(args.heads), "--vocab", str(args.vocab),
            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
@@ -245,7 +304,7 @@ def run_child(args, mode, directory):
         errors = [ln for ln in text if "Error" in ln or "error:" in ln]
         return {"mode": mode, "error": (errors[-1] if errors else text[-1] if text else
                                         f"exit status {r.returncode}")[:400]}
-    if not mode.startswith("tierd"):
+    if not mode.startswith("tierd"):  # DeepSpeed's modes, and torch's first loss
         return launch([])
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
                          nvme=args.nvme, emulated="1GiB" if split else "") as sock:
@@ -254,13 +313,36 @@ def run_child(args, mode, directory):
         return got
 
 
-def report(args, runs) -> None:
+# How far a mode's first loss may be from torch's on the same weights and batch (relative): the
+# same model code on the same weights gives the same loss; weights rounded to bf16 in an fp32
+# run moved it by about 1e-6.
+FIRST_LOSS_TOLERANCE = {"fp32": 1e-7, "bf16": 1e-3}
+
+
+def starts_elsewhere(args, run, reference) -> str:
+    """Why a run did not start from the checkpoint's weights, or ''."""
+    if "error" in run or reference is None:
+        return ""
+    got, want = run["losses"][0], reference["loss"]
+    if abs(got - want) <= FIRST_LOSS_TOLERANCE[args.dtype] * abs(want):
+        return ""
+    return (f"broken: its first loss {got!r} is not torch's {want!r} on the same weights and "
+            "batch (it starts from other weights)")
+
+
+def report(args, runs, reference) -> None:
     mib = 1 << 20
     modes = [m for m in args.modes.split(",") if m in runs]
     print(f"\nLlama-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
           f"{args.dtype}, batch {args.batch} x {args.seq} tokens, AdamW "
           f"{dict(HYPER, lr=args.lr)}; "
-          f"{args.rounds} rounds of {args.steps} timed steps, median:")
+          f"{args.rounds} rounds of {args.steps} timed steps, median; torch's first loss "
+          f"{reference.get('loss', reference.get('error'))}:")
+    for m in modes:
+        for r in runs[m]:
+            why = starts_elsewhere(args, r, reference if "loss" in reference else None)
+            if why:
+                r["error"] = why
     ok = {m: [r for r in runs[m] if "error" not in r] for m in modes}
     first = next((m for m in modes if ok[m]), None)
     ref = statistics.median(r["step_s"] for r in ok["tierd-stream"]) \
@@ -288,6 +370,8 @@ def report(args, runs) -> None:
 
 def main():
     args = arguments()
+    if args.child == "torch":
+        return first_loss(args)
     if args.child is not None:
         return child(args)
     modes = args.modes.split(",")
@@ -299,6 +383,9 @@ def main():
     directory = tempfile.mkdtemp(prefix="ds-side-by-side-", dir=top)
     runs = {m: [] for m in modes}
     try:
+        args.init = write_init(args, directory)
+        reference = run_child(args, "torch", directory)
+        print(json.dumps(reference), flush=True)
         for rnd in range(args.rounds):
             for m in modes:
                 got = run_child(args, m, directory)
@@ -306,7 +393,7 @@ def main():
                 runs[m].append(got)
     finally:
         subprocess.run(["rm", "-rf", directory])
-    report(args, runs)
+    report(args, runs, reference)
 
 
 if __name__ == "__main__":
