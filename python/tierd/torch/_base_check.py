@@ -8,8 +8,9 @@ adapters, the optimizer, the data) and its first forward and backward run. It is
 wherever the base's weights would first leave a mark the job keeps or shows: before an optimizer
 step (any optimizer in the process: torch's global step pre-hook), before a forward without
 gradients reaches a unit (evaluation, generate), before gathered(), save_pretrained() and a
-close that gives the weights back. A check that failed raises there, and at each such point after, until the stream is closed: a job
-never steps, nor hands out an output, from weights other than its checkpoint's.
+close that gives the weights back. A check that failed raises there, and at each such point
+after, until the stream is closed: a job never steps, nor hands out an output, from weights other
+than its checkpoint's.
 """
 import hashlib
 import threading
