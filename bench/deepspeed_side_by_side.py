@@ -113,8 +113,8 @@ def write_init(args, directory: str) -> str:
     """The checkpoint every mode starts from (seed 0), in the run's dtype."""
     import torch
     import transformers
-    config = benchlib.llama_config(args, args.dtype.replace("fp32", "float32").replace(
-        "bf16", "bfloat16"), max_position_embeddings=max(args.seq, 128))
+    config = benchlib.llama_config(args, str(dtype_of(args)).removeprefix("torch."),
+                                   max_position_embeddings=max(args.seq, 128))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_of(args))
     path = os.path.join(directory, "init")
@@ -140,8 +140,10 @@ def deepspeed_config(args, swap):
     shapes = transformers.AutoConfig.from_pretrained(args.init)
     h, i, v, n = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size, \
         shapes.num_hidden_layers
+    kv = h * shapes.num_key_value_heads // shapes.num_attention_heads  # k's and v's width
     largest = max(v * h, h * i)
-    total = 2 * v * h + n * (4 * h * h + 3 * h * i + 2 * h) + h
+    # Embeddings and the untied head; per block q, o (h x h), k, v (h x kv), the MLP, two norms.
+    total = 2 * v * h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
             "stage3_param_persistence_threshold": 0}
     if args.child.startswith("ds-infinity"):
