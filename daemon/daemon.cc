@@ -46,7 +46,8 @@ struct DaemonParts {
   std::unique_ptr<SessionRegistry> sessions;
   std::unique_ptr<PlanLoop> planner;
   RpcMetrics rpc_metrics;
-  std::unique_ptr<MemoryTrimmer> trimmer;  // outlives the RPC server, which tells it of requests
+  // Outlives the RPC server and the session broker, which tell it of requests and sessions.
+  std::unique_ptr<MemoryTrimmer> trimmer;
   std::unique_ptr<MetricsServer> metrics_server;
   std::unique_ptr<SessionBroker> broker;
   std::unique_ptr<RpcServer> rpc;
@@ -232,8 +233,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
   DaemonParts& d = *parts_;
   constexpr mode_t kSocketMode = 0660;
-  // Memory freed after requests of a MiB or more goes back to the kernel within two seconds.
-  d.trimmer = std::make_unique<MemoryTrimmer>(1 << 20, absl::Seconds(2));
+  // Memory that requests and ended sessions free goes back to the kernel within two seconds.
+  d.trimmer = std::make_unique<MemoryTrimmer>(absl::Seconds(2));
   UniqueFd session_listener;
   if (absl::Status s =
           PublishSocket(config_.socket_dir, kSessionSocketName, kSocketMode, socket_gid,
@@ -249,7 +250,7 @@ absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
   d.published.push_back(absl::StrCat(config_.socket_dir, "/", kSessionSocketName));
   absl::StatusOr<std::unique_ptr<SessionBroker>> broker = SessionBroker::Start(
       std::move(session_listener), d.sessions.get(), d.chunks.get(), d.host.get(),
-      d.device_pool.get(), d.devices, config_.limits.connections_per_uid);
+      d.device_pool.get(), d.devices, config_.limits.connections_per_uid, d.trimmer.get());
   if (!broker.ok()) return Named("session socket", broker.status());
   d.broker = std::move(*broker);
   if (absl::Status s = PublishSocket(

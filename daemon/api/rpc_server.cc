@@ -13,7 +13,6 @@
 #ifdef TIERD_HAVE_CUDA
 #include <cuda.h>
 #endif
-#include "google/protobuf/message.h"
 #include "grpc_health/v1/health.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -643,7 +642,10 @@ struct RpcServer::Impl {
 // Sees every call: a request that is not a valid message of its method's type is the client's
 // error (INVALID_ARGUMENT, naming the type), not the daemon's (gRPC answers INTERNAL); and, with
 // metrics, counts every request by operation and status code and times it (tierd_requests_total,
-// tierd_request_seconds), errors of any origin included.
+// tierd_request_seconds), errors of any origin included. It tells the trimmer when the call is
+// over: gRPC destroys a call's request and reply before its interceptors, so what the call freed
+// is free by then. (Told when the request was parsed, the trimmer could trim while the handler
+// still held it and hear nothing after.)
 class RequestInterceptor final : public grpc::experimental::Interceptor {
  public:
   RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics,
@@ -652,19 +654,14 @@ class RequestInterceptor final : public grpc::experimental::Interceptor {
     const absl::string_view method = info->method();  // "/tierd.v1.Tierd/Acquire"
     op_ = std::string(method.substr(method.rfind('/') + 1));
   }
+  ~RequestInterceptor() override {
+    if (trimmer_ != nullptr) trimmer_->Note();
+  }
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
     // A request that failed to parse reaches this hook without a message.
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
-      const void* message = methods->GetRecvMessage();
-      unparsed_ = message == nullptr;
-      // An unparsed request's size is unknown here: counted as large (its bytes were buffered).
-      if (trimmer_ != nullptr) {
-        trimmer_->Note(
-            message == nullptr
-                ? UINT64_MAX
-                : static_cast<const google::protobuf::Message*>(message)->ByteSizeLong());
-      }
+      unparsed_ = methods->GetRecvMessage() == nullptr;
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       grpc::Status status = methods->GetSendStatus();

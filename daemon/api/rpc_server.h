@@ -25,7 +25,7 @@ struct RpcServerDeps {
   NvmeTier* nvme = nullptr;       // for per-region usage; null without an NVMe tier
   RpcMetrics* metrics = nullptr;  // counts every request when set
   const Fallbacks* fallbacks = nullptr;
-  MemoryTrimmer* trimmer = nullptr;  // told of every request's size when set
+  MemoryTrimmer* trimmer = nullptr;  // told of every finished request when set
 };
 
 class RpcServer {

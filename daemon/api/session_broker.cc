@@ -36,7 +36,8 @@ bool ValidHeader(const SessionMessageHeader& h, SessionMessageType type) {
 
 absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
     UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-    SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid) {
+    SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid,
+    MemoryTrimmer* trimmer) {
   UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
   if (!epoll) return absl::ErrnoToStatus(errno, "epoll_create1");
   UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -51,7 +52,7 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
   }
   std::unique_ptr<SessionBroker> broker(
       new SessionBroker(std::move(listener), std::move(epoll), std::move(wake), sessions, chunks,
-                        host, device, std::move(devices), connections_per_uid));
+                        host, device, std::move(devices), connections_per_uid, trimmer));
   broker->reserve_ = UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC));
   if (!broker->reserve_) return absl::ErrnoToStatus(errno, "open('/dev/null')");
   broker->thread_ = std::thread([b = broker.get()] { b->Run(); });
@@ -60,7 +61,8 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
 
 SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
                              SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-                             SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid)
+                             SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid,
+                             MemoryTrimmer* trimmer)
     : listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
@@ -69,7 +71,8 @@ SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
       host_(host),
       device_(device),
       devices_(std::move(devices)),
-      connections_per_uid_(connections_per_uid) {}
+      connections_per_uid_(connections_per_uid),
+      trimmer_(trimmer) {}
 
 SessionBroker::~SessionBroker() {
   uint64_t one = 1;
@@ -312,6 +315,7 @@ void SessionBroker::Close(int fd) {
   if (session == nullptr) return;
   const size_t freed = chunks_->CloseSession(*session);
   TIERD_LOG_LIMITED(info, "{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
+  if (trimmer_ != nullptr) trimmer_->Note();
 }
 
 }  // namespace tierd::daemon

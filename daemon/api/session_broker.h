@@ -16,6 +16,7 @@
 #include "daemon/chunks/session.h"
 #include "daemon/tiers/device/device_probe.h"
 #include "daemon/tiers/segment_pool.h"
+#include "daemon/util/memory_trimmer.h"
 
 namespace tierd::daemon {
 
@@ -24,11 +25,11 @@ class SessionBroker {
   // Serves the session socket `listener` (bound and listening) on a thread of its own.
   // `device` is the device tier's pool (null without one) and `devices` names its GPU. A user may
   // hold at most `connections_per_uid` connections (limits.connections_per_uid); more are closed
-  // at once.
+  // at once. `trimmer`, when given, is told of every session that ended (what it held was freed).
   static absl::StatusOr<std::unique_ptr<SessionBroker>> Start(
       UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
       SegmentPool* device = nullptr, DeviceProbe devices = {},
-      uint32_t connections_per_uid = UINT32_MAX);
+      uint32_t connections_per_uid = UINT32_MAX, MemoryTrimmer* trimmer = nullptr);
   // Stops accepting, ends every session and joins the thread.
   ~SessionBroker();
 
@@ -42,7 +43,7 @@ class SessionBroker {
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,
                 ChunkService* chunks, SegmentPool* host, SegmentPool* device, DeviceProbe devices,
-                uint32_t connections_per_uid);
+                uint32_t connections_per_uid, MemoryTrimmer* trimmer);
   void Run();
   void Accept();
   // Out of file descriptors: accepts the pending connections with the reserve fd and closes them,
@@ -63,6 +64,7 @@ class SessionBroker {
   SegmentPool* const device_;
   const DeviceProbe devices_;
   const uint32_t connections_per_uid_;
+  MemoryTrimmer* const trimmer_;
   // Loop thread only:
   absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<uint32_t, uint32_t> connections_by_uid_;

@@ -4,8 +4,8 @@
 
 namespace tierd::daemon {
 
-MemoryTrimmer::MemoryTrimmer(uint64_t large_bytes, absl::Duration interval)
-    : large_bytes_(large_bytes), interval_(interval), thread_([this] { Run(); }) {}
+MemoryTrimmer::MemoryTrimmer(absl::Duration interval)
+    : interval_(interval), thread_([this] { Run(); }) {}
 
 MemoryTrimmer::~MemoryTrimmer() {
   stop_.Notify();

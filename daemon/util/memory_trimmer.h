@@ -1,11 +1,14 @@
-// Hands memory that requests freed back to the kernel. glibc's malloc keeps what a thread frees
+// Hands memory that the daemon freed back to the kernel. glibc's malloc keeps what a thread frees
 // in that thread's arena (up to 8 per core), for that arena's next allocations: parsing a large
 // request (up to 32 MiB of protobuf, hundreds of thousands of small objects) in one gRPC thread
 // and another in the next leaves each arena holding its peak. Under hostile traffic the daemon's
-// resident set grew by hundreds of MiB that way with nothing leaked (docs/benchmarks.md). The
-// request path notes each large request (Note, lock-free); a thread of this class trims every
-// arena (malloc_trim) at most once an interval, and only after large requests, so neither a
-// quiet daemon nor a flood of large requests makes it trim more often than that.
+// resident set grew by hundreds of MiB that way with nothing leaked (docs/benchmarks.md). What a
+// request frees is not told by its size: a chunk is a few bytes in an Allocate or a Free and a
+// few hundred in the daemon, so 100,000 of them come and go in requests under a MiB and leave
+// tens of MiB in the arenas. So every finished request and every ended session is noted (Note,
+// lock-free), and a thread of this class trims every arena (malloc_trim) at most once an
+// interval, and only after something was noted: a quiet daemon never trims, and a flood of
+// requests makes it trim no more often than that.
 #pragma once
 
 #include <atomic>
@@ -19,15 +22,16 @@ namespace tierd::daemon {
 
 class MemoryTrimmer {
  public:
-  // Requests of at least `large_bytes` count; trims run at most every `interval`.
-  MemoryTrimmer(uint64_t large_bytes, absl::Duration interval);
+  // Trims run at most every `interval`.
+  explicit MemoryTrimmer(absl::Duration interval);
   ~MemoryTrimmer();
   MemoryTrimmer(const MemoryTrimmer&) = delete;
   MemoryTrimmer& operator=(const MemoryTrimmer&) = delete;
 
-  // A request of `bytes` was parsed (any thread).
-  void Note(uint64_t bytes) {
-    if (bytes >= large_bytes_) pending_.store(true, std::memory_order_relaxed);
+  // Work that may have freed memory has finished: a request (once gRPC freed its messages) or a
+  // session (any thread). Read before written, so that busy threads do not fight over the line.
+  void Note() {
+    if (!pending_.load(std::memory_order_relaxed)) pending_.store(true, std::memory_order_relaxed);
   }
   uint64_t trims() const { return trims_.load(std::memory_order_relaxed); }
 
@@ -39,7 +43,6 @@ class MemoryTrimmer {
  private:
   void Run();
 
-  const uint64_t large_bytes_;
   const absl::Duration interval_;
   std::atomic<bool> pending_{false};
   std::atomic<uint64_t> trims_{0};
