@@ -126,6 +126,7 @@ class Generator {
           c->set_open_existing(Coin(3));
           c->set_must_exist(Coin(5));
           c->set_shared(Coin(5));
+          c->set_transient(Coin(4));
         }
         r.SerializeToString(&out);
         break;
