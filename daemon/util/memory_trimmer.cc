@@ -27,6 +27,12 @@ void MemoryTrimmer::ConfigureAllocator() {
   mallopt(M_ARENA_MAX, 4);
   // Buffers of a MiB and more (a large request's bytes) straight from mmap, and back at free.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  // No fastbins: small frees coalesce at once. malloc_trim releases free pages inside an arena
+  // and the main arena's top, but never the top of another arena; only free() shrinks that, when a
+  // chunk it frees joins the top. A fastbin chunk joins it later, in a consolidation that shrinks
+  // nothing: 100,000 chunks freed by one request left 23 MiB in such a top, resident for good, one
+  // run in three on a loaded machine. (The per-thread cache in front of the arenas stays.)
+  mallopt(M_MXFAST, 0);
 #endif
 }
 

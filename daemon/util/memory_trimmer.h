@@ -35,9 +35,10 @@ class MemoryTrimmer {
   }
   uint64_t trims() const { return trims_.load(std::memory_order_relaxed); }
 
-  // Bounds glibc's arenas and fixes its mmap threshold (which otherwise grows to the largest
-  // buffer freed, moving later large buffers into the arenas). Call first thing in main(),
-  // before any thread starts.
+  // Bounds glibc's arenas, fixes its mmap threshold (which otherwise grows to the largest buffer
+  // freed, moving later large buffers into the arenas) and turns off its fastbins (so that what
+  // is freed at an arena's end goes back at once; malloc_trim cannot return it). Call first thing
+  // in main(), before any thread starts.
   static void ConfigureAllocator();
 
  private:
