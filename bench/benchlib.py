@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Dict
+from typing import Dict, Tuple
 
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -66,6 +66,15 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def size_bytes(text: str) -> int:
+    """A size as the daemon's flags spell it ("1GiB", "512MiB", "4096") in bytes."""
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * scale)
+    return int(text)
+
+
 def proc_status(pid="self") -> Dict[str, int]:
     """A process's memory figures from /proc/PID/status, in bytes: each line given in kB (VmHWM,
     VmRSS, RssAnon, RssShmem, RssFile, ...)."""
@@ -88,6 +97,29 @@ def daemon_pid(root: str) -> int:
 def daemon_peak_rss(root: str) -> int:
     """The daemon's peak resident set (VmHWM) so far, in bytes."""
     return proc_status(daemon_pid(root)).get("VmHWM", 0)
+
+
+def step_minimum_bytes(weight_size: int, streamed: int, streamed_trainable: int,
+                       state_params: int, memory: int = 0) -> Tuple[int, int]:
+    """The fewest bytes (read, written) one AdamW training step must move between memory and
+    storage: each byte of optimizer state at home on storage in once and out once; the weights at
+    home there in once (the window that holds them for the forward holds them for the backward)
+    and, where they train, out once; nothing twice. Gradients stay in memory.
+
+    `weight_size` is the weights' element size (4 fp32, 2 bf16), `streamed` the parameters whose
+    weights are at home on storage, `streamed_trainable` those of them that train, and
+    `state_params` the parameters whose optimizer state is at home on storage. That state is
+    exp_avg and exp_avg_sq in fp32 and, unless the weights are fp32 themselves, fp32 master
+    weights: an fp32 weight is its own master, written once.
+
+    `memory` is what the step is given to keep weights and state in from one step to the next (a
+    host tier, swap buffers): at a step's start at most that much of what it needs is in memory,
+    so the rest is read; at its end at most that much of what it changed stays there, so the rest
+    is written."""
+    state = state_params * (8 if weight_size == 4 else 12)
+    read = state + streamed * weight_size
+    written = state + streamed_trainable * weight_size
+    return max(0, read - memory), max(0, written - memory)
 
 
 def llama_config(args, dtype: str, **more):

@@ -27,7 +27,10 @@ not timed. Each child takes one warm-up step and
 --steps timed ones; it reports its median step, its peak RSS (VmHWM), the bytes it and its daemon
 read and wrote to storage over the timed steps (/proc/PID/io) and its losses. A mode that cannot
 run here is reported with its error. The table gives each mode's step as a ratio to tierd's
-streamed one, and the losses' largest difference from the first mode's.
+streamed one, its bytes a step beside the fewest a step must move where its weights and state
+are at home with --host-capacity of memory to keep them in (benchlib.step_minimum_bytes; every
+mode is measured against that memory; not for the -split modes, whose state is partly on the
+device), and the losses' largest difference from the first mode's.
 
     python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
         [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
@@ -119,7 +122,24 @@ def write_init(args, directory: str) -> str:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_of(args))
     path = os.path.join(directory, "init")
     model.save_pretrained(path)
+    args.params = sum(p.numel() for p in model.parameters())
     return path
+
+
+# Where each mode keeps its weights and its optimizer state between steps.
+WEIGHTS_ON_NVME = {"ds-infinity", "tierd-stream"}
+STATE_ON_NVME = {"ds-infinity", "ds-infinity-cached", "tierd-state", "tierd-stream"}
+
+
+def minimum_bytes(args, mode):
+    """(read, written) the fewest a step of `mode` must move with tierd's host tier of memory
+    (benchlib.step_minimum_bytes), or None for a mode whose state is partly on the device."""
+    if mode in SPLIT:
+        return None
+    streamed = args.params if mode in WEIGHTS_ON_NVME else 0
+    return benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, streamed, streamed,
+                                       args.params if mode in STATE_ON_NVME else 0,
+                                       benchlib.size_bytes(args.host_capacity))
 
 
 def model_of(args):
@@ -362,11 +382,18 @@ def report(args, runs, reference) -> None:
         diff = max(abs(a - b) / abs(b) for r in ok[m] for a, b in
                    zip(r["losses"], ok[first][0]["losses"]))
         ratio = f"{step / ref:5.2f} x tierd-stream" if ref else ""
+        least = minimum_bytes(args, m)
+        if least is None:
+            least = ""
+        else:
+            least = f" (fewest {least[0] / mib:.1f} / {least[1] / mib:.1f} MiB" + (
+                f": {read / least[0]:.2f} x / {written / least[1]:.2f} x)" if min(least) > 0
+                else ")")
         print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   peak RSS {rss / mib:6.0f} MiB"
               + (f" + daemon {daemon / mib:5.0f} MiB (its host tier: {host / mib:.0f} MiB in "
                  "use)" if daemon else "")
               + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
-              f"MiB   losses vs {first}: {diff:.1e}")
+              f"MiB{least}   losses vs {first}: {diff:.1e}")
     print(json.dumps({"args": vars(args), "runs": runs}))
 
 

@@ -16,7 +16,8 @@ memory (default 36 blocks of hidden 2048: 1.98 B parameters, 3.7 GiB of bf16 wei
 of fp32 optimizer state), its checkpoint written unit by unit, then in a process each: a few
 LoRA steps, and a few steps of full fine-tuning, of the model built on meta and streamed from the
 checkpoint with every block and the optimizer's state at home on NVMe; each step's loss and time,
-the process's peak memory, the daemon's peak memory and host tier, and the NVMe bytes.
+the process's peak memory, the daemon's peak memory and host tier, and the NVMe bytes a step
+beside the fewest a step must move with the host tier's memory (benchlib.step_minimum_bytes).
 
     python3 bench/pretrained.py [--layers 24 --hidden 2048 --intermediate 5504 --dtype bf16]
     python3 bench/pretrained.py --rounds 0 --lora 12 [--tokens 512]
@@ -298,14 +299,23 @@ def scale(args, directory: str) -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             daemon_peak = benchlib.daemon_peak_rss(sock)
             steps = ", ".join(f"{s['loss']:.4f} in {s['seconds']:.0f} s" for s in r["steps"])
+            # Every weight at home on NVMe; LoRA trains adapters in memory, full trains them all.
+            trains_streamed = n if mode == "full" else 0
+            least = benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, n,
+                                                trains_streamed, r["trainable"],
+                                                r["host_capacity"])
+            read, written = (r[k] / args.steps for k in ("nvme_read", "nvme_written"))
+            times = (f": {read / least[0]:.2f} x / {written / least[1]:.2f} x" if min(least) > 0
+                     else "")
             print(f"{mode}: {r['trainable'] / 1e6:,.1f} M trainable, optimizer state "
                   f"{r['state_bytes'] / 2**30:.2f} GiB; import {r['import_s']:.0f} s, optimizer "
                   f"made in {r['optimizer_s']:.0f} s; steps (loss, time): {steps}; process peak "
                   f"RSS {r['peak_rss'] / 2**30:.2f} GiB (private {r['rss_anon'] / 2**30:.2f} GiB "
                   f"at the end); daemon peak RSS {daemon_peak / 2**30:.2f} GiB, host tier "
                   f"{r['host_used'] / 2**30:.2f} of {r['host_capacity'] / 2**30:.2f} GiB in use "
-                  f"at the end; NVMe over the steps: {r['nvme_read'] / 2**30:.1f} GiB read, "
-                  f"{r['nvme_written'] / 2**30:.1f} GiB written", flush=True)
+                  f"at the end; NVMe a step: {read / 2**30:.1f} GiB read, "
+                  f"{written / 2**30:.1f} GiB written (fewest {least[0] / 2**30:.1f} / "
+                  f"{least[1] / 2**30:.1f} GiB{times})", flush=True)
 
 
 def main():
