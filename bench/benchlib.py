@@ -66,15 +66,6 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def size_bytes(text: str) -> int:
-    """A size as the daemon's flags spell it ("1GiB", "512MiB", "4096") in bytes."""
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[:-len(unit)]) * scale)
-    return int(text)
-
-
 def proc_status(pid="self") -> Dict[str, int]:
     """A process's memory figures from /proc/PID/status, in bytes: each line given in kB (VmHWM,
     VmRSS, RssAnon, RssShmem, RssFile, ...)."""

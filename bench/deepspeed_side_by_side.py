@@ -134,12 +134,13 @@ STATE_ON_NVME = {"ds-infinity", "ds-infinity-cached", "tierd-state", "tierd-stre
 def minimum_bytes(args, mode):
     """(read, written) the fewest a step of `mode` must move with tierd's host tier of memory
     (benchlib.step_minimum_bytes), or None for a mode whose state is partly on the device."""
+    from tierd.torch import _pretrained
     if mode in SPLIT:
         return None
     streamed = args.params if mode in WEIGHTS_ON_NVME else 0
     return benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, streamed, streamed,
                                        args.params if mode in STATE_ON_NVME else 0,
-                                       benchlib.size_bytes(args.host_capacity))
+                                       _pretrained.parse_size(args.host_capacity))
 
 
 def model_of(args):
