@@ -97,9 +97,11 @@ absl::StatusOr<std::vector<tierd::ParamGroup>> GroupsFrom(size_t n, const tierd_
     if (groups[g].n_tensors > 0 && groups[g].tensor_params == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(fn, ": group ", g, "'s tensors are NULL"));
     }
-    out.push_back({groups[g].name, groups[g].params,
-                   std::vector<uint64_t>(groups[g].tensor_params,
-                                         groups[g].tensor_params + groups[g].n_tensors)});
+    out.push_back({.name = groups[g].name,
+                   .params = groups[g].params,
+                   .tensors = std::vector<uint64_t>(groups[g].tensor_params,
+                                                    groups[g].tensor_params + groups[g].n_tensors),
+                   .master = static_cast<tierd::ParamGroup::Master>(groups[g].master)});
   }
   return out;
 }
@@ -243,13 +245,12 @@ tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, floa
 
 tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
                                   const float* m, const float* v, uint64_t n) {
-  if (adam == nullptr || (params == nullptr && n > 0)) {
-    return Invalid("tierd_adam_set_state: NULL optimizer or params");
-  }
+  if (adam == nullptr) return Invalid("tierd_adam_set_state: NULL optimizer");
   return Guard([&] {
-    return Done(adam->adam->SetState(group, {params, n},
-                                     m == nullptr ? std::span<const float>() : std::span(m, n),
-                                     v == nullptr ? std::span<const float>() : std::span(v, n)));
+    return Done(adam->adam->SetState(
+        group, params == nullptr ? std::span<const float>() : std::span(params, n),
+        m == nullptr ? std::span<const float>() : std::span(m, n),
+        v == nullptr ? std::span<const float>() : std::span(v, n)));
   });
 }
 

@@ -168,7 +168,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
     std::span<const ParamGroup> specs, const OffloadedAdamOptions& options) {
   if (specs.empty()) return absl::InvalidArgumentError("an optimizer needs at least one group");
   std::vector<ParamGroup> groups(specs.begin(), specs.end());
-  if (absl::Status s = internal::ValidateGroups(groups, {}); !s.ok()) return s;
+  if (absl::Status s = internal::ValidateGroups(groups, {}, options.persistent); !s.ok()) return s;
   if (options.home != Tier::kHost && options.home != Tier::kNvme) {
     return absl::InvalidArgumentError("the optimizer's state lives on the host or NVMe tier");
   }
@@ -276,6 +276,11 @@ absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
     g.on_device = false;
     return absl::OkStatus();
   }
+  if (g.master_in_out()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group '", g.spec.name,
+                     "' keeps its master weights in its out: it is stepped on the host"));
+  }
   if (d.state.options.state_type != ScalarType::kFloat32) {
     return absl::FailedPreconditionError(
         "a group stepped on the device keeps fp32 moments (the GPU kernels have no bf16 ones): "
@@ -350,7 +355,9 @@ absl::Status OffloadedAdam::AddGroups(std::span<const ParamGroup> specs) {
   Impl& d = *impl_;
   if (d.in_step) return absl::FailedPreconditionError("AddGroups during a step");
   std::vector<ParamGroup> added(specs.begin(), specs.end());
-  if (absl::Status s = internal::ValidateGroups(added, d.state.groups); !s.ok()) return s;
+  if (absl::Status s = internal::ValidateGroups(added, d.state.groups, d.state.options.persistent);
+      !s.ok())
+    return s;
   const std::string what = absl::StrCat("optimizer state '", d.state.options.name, "'");
   // A group the state records but Create was not given is resumed, not made afresh.
   std::vector<Group> fresh;
@@ -452,8 +459,12 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
   }
   if (d.in_step) return absl::FailedPreconditionError("SetState during a step");
   Group& g = d.state.groups[group];
-  for (size_t n : {values.size(), m.empty() ? g.spec.params : m.size(),
-                   v.empty() ? g.spec.params : v.size()}) {
+  if (g.master_in_out() && !values.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "group '", g.spec.name, "' keeps its master weights in its out: set m and v only"));
+  }
+  for (size_t n : {g.master_in_out() ? g.spec.params : values.size(),
+                   m.empty() ? g.spec.params : m.size(), v.empty() ? g.spec.params : v.size()}) {
     if (n != g.spec.params) {
       return absl::InvalidArgumentError(
           absl::StrCat("group '", g.spec.name, "' has ", g.spec.params, " parameters, not ", n));
@@ -468,7 +479,7 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
     // bf16 moments are rounded to nearest.
     char* const base = static_cast<char*>(*data);
     std::memset(base, 0, s.bytes());
-    std::memcpy(base, values.data() + s.first, s.n * 4);
+    if (!values.empty()) std::memcpy(base, values.data() + s.first, s.n * 4);
     for (auto [part, values_of] : {std::pair{Part::kM, m}, std::pair{Part::kV, v}}) {
       if (values_of.empty()) continue;
       char* at = base + s.offset(part);
@@ -501,6 +512,10 @@ absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> o
   }
   if (d.in_step) return absl::FailedPreconditionError("GetState during a step");
   const Group& g = d.state.groups[group];
+  if (part == Part::kParams && g.master_in_out()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group '", g.spec.name, "' keeps its master weights in its out, not in the state"));
+  }
   if (out.size() != g.spec.params) {
     return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
                                                    " parameters, not ", out.size()));
@@ -593,6 +608,12 @@ absl::Status OffloadedAdam::StepGroup(size_t group, const GroupStep& step) {
   }
   if (takes_any && step.weights == nullptr) {
     return absl::InvalidArgumentError("StepGroup: weights to take, but no weights");
+  }
+  if (g.master_in_out() && (steps_any || takes_any) &&
+      (step.out == nullptr || step.out_type != ScalarType::kFloat32)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("StepGroup: group '", g.spec.name,
+                     "' keeps its master weights in its out, which must be fp32 weights"));
   }
   if (!g.initialized) {
     return absl::FailedPreconditionError(

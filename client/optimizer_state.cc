@@ -14,12 +14,11 @@
 
 namespace tierd::internal {
 
-// The layout of a shard of parameters [first, first + n).
-Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type) {
+Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type, ParamGroup::Master master) {
   const uint64_t moment_bytes = (StateBytesPerParam(state_type) - 4) / 2;
   return {.first = first,
           .n = n,
-          .p_region = RoundUp(n * 4, kPage),
+          .p_region = master == ParamGroup::Master::kState ? RoundUp(n * 4, kPage) : 0,
           .mv_region = RoundUp(n * moment_bytes, kPage)};
 }
 
@@ -83,11 +82,22 @@ absl::Status ValidateGroup(ParamGroup& g) {
 
 }  // namespace
 
-absl::Status ValidateGroups(std::vector<ParamGroup>& specs, const std::vector<Group>& existing) {
+absl::Status ValidateGroups(std::vector<ParamGroup>& specs, const std::vector<Group>& existing,
+                            bool persistent) {
   absl::flat_hash_set<std::string> names;
   for (const Group& g : existing) names.insert(g.spec.name);
   for (ParamGroup& g : specs) {
     if (absl::Status s = ValidateGroup(g); !s.ok()) return s;
+    if (g.master != ParamGroup::Master::kState && g.master != ParamGroup::Master::kOut) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group '", g.name, "': master ", static_cast<int>(g.master), " is not kState or kOut"));
+    }
+    if (g.master == ParamGroup::Master::kOut && persistent) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group '", g.name,
+                       "': its master weights are its out, which persistent state cannot "
+                       "restore on resuming: keep them in the state, or make the state scratch"));
+    }
     if (!names.insert(g.name).second) {
       return absl::InvalidArgumentError(absl::StrCat("group name '", g.name, "' appears twice"));
     }
@@ -214,8 +224,8 @@ void StateRecord::LayOut(Group& group) const {
   group.tensor_steps.resize(group.spec.tensors.size(), 0);
   group.shards.clear();
   for (uint64_t at = 0; at < group.spec.params; at += shard_params) {
-    group.shards.push_back(
-        ShardOf(at, std::min(shard_params, group.spec.params - at), options.state_type));
+    group.shards.push_back(ShardOf(at, std::min(shard_params, group.spec.params - at),
+                                   options.state_type, group.spec.master));
   }
 }
 

@@ -30,7 +30,7 @@ inline uint64_t StateBytesPerParam(ScalarType state_type) {
 }
 
 // A state chunk: parameters [first, first + n) of its group, laid out as three page-aligned
-// regions: p (fp32), m and v (fp32 or bf16).
+// regions: p (fp32; empty for a group whose master is its out), m and v (fp32 or bf16).
 struct Shard {
   ChunkId id = 0;     // the chunk holding the state
   ChunkId other = 0;  // speculative: the other version's chunk, which a step writes
@@ -48,8 +48,9 @@ struct Shard {
   }
 };
 
-// The layout of a shard of parameters [first, first + n).
-Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type);
+// The layout of a shard of parameters [first, first + n); `master` says whether it holds p.
+Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type,
+              ParamGroup::Master master = ParamGroup::Master::kState);
 
 struct Group {
   ParamGroup spec;                     // spec.tensors always lists the tensors
@@ -59,6 +60,7 @@ struct Group {
   bool initialized = false;
   // Stepped by the device lane (OffloadedAdam::SetGroupPlace); changed between steps only.
   bool on_device = false;
+  bool master_in_out() const { return spec.master == ParamGroup::Master::kOut; }
 };
 
 // A tensor's elements within one shard: [begin, end) counted from the shard's first.
@@ -73,8 +75,10 @@ struct Piece {
 std::vector<Piece> PiecesOf(const Group& g, const Shard& s, std::span<const uint8_t> flags);
 
 // Groups to add beside `existing`, their tensors filled in (one tensor of all the parameters when
-// none are given): valid names and sizes, each name once.
-absl::Status ValidateGroups(std::vector<ParamGroup>& specs, const std::vector<Group>& existing);
+// none are given): valid names and sizes, each name once; a master in `out` only in scratch
+// state (`persistent` false).
+absl::Status ValidateGroups(std::vector<ParamGroup>& specs, const std::vector<Group>& existing,
+                            bool persistent);
 
 struct StateRecord {
   // A group the state records that this optimizer has not opened: Create was given fewer groups

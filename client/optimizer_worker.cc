@@ -30,7 +30,10 @@ kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Pi
   const uint64_t at = shard.first + piece.begin;
   const uint64_t moment_bytes = (StateBytesPerParam(state_type) - 4) / 2;
   const bool out32 = step.out_type == ScalarType::kFloat32;
-  return {.param = reinterpret_cast<float*>(base) + piece.begin,
+  // A group whose master is its out steps the weights there in place.
+  float* const p = group.master_in_out() ? static_cast<float*>(step.out) + shard.first
+                                         : reinterpret_cast<float*>(base);
+  return {.param = p + piece.begin,
           .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * moment_bytes,
           .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * moment_bytes,
           .grad = static_cast<const char*>(step.grad) + at * ElementBytes(step.grad_type),
@@ -330,7 +333,8 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       std::memcpy(to_data, base, shard.bytes());
       base = static_cast<char*>(to_data);
     }
-    float* p = reinterpret_cast<float*>(base);
+    // The master weights: the state's p, or the group's out itself (nothing to copy back).
+    float* p = group.master_in_out() ? out32 + shard.first : reinterpret_cast<float*>(base);
     std::vector<kernels::AdamTensor> stepped;
     for (const Piece& piece : pieces) {
       const uint64_t at = shard.first + piece.begin, n = piece.end - piece.begin;
@@ -341,7 +345,7 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       stepped.push_back(PieceTensor(group, w.group, k, piece, base, st, state_.options.state_type));
     }
     if (!stepped.empty()) kernels::AdamStep(stepped, w.options, w.number, *pool_);
-    if (out32 != nullptr) {
+    if (out32 != nullptr && !group.master_in_out()) {
       for (const Piece& piece : pieces) {
         if ((piece.flags & kTensorStep) == 0) continue;
         std::memcpy(out32 + shard.first + piece.begin, p + piece.begin,

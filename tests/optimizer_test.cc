@@ -686,6 +686,88 @@ void ExpectTensor(OffloadedAdam& opt, size_t g, const std::vector<uint64_t>& siz
 // torch steps only the parameters that have a gradient, and counts steps per parameter: a tensor
 // left out of a step keeps its weights and moments bit for bit, and is bias-corrected by its own
 // count when it is next stepped. Shards holding only such a tensor are not read at all.
+// fp32 weights the caller keeps anyway (a streamed unit's next version) can be the master
+// weights themselves: the state holds m and v only, and a step writes the weights once.
+TEST_F(OptimizerTest, AGroupWhoseMasterIsItsOutStepsTheWeightsThereAndStoresOnlyTheMoments) {
+  std::vector<ParamGroup> groups = kGroups;
+  for (ParamGroup& g : groups) g.master = ParamGroup::Master::kOut;
+  OffloadedAdamOptions o = Options("model/out-master");
+  o.persistent = false;
+  o.speculative = true;
+  auto created = OffloadedAdam::Create(groups, o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  OffloadedAdam& opt = **created;
+  uint64_t params = 0;
+  for (const ParamGroup& g : groups) params += g.params;
+  // m and v, each page-rounded per shard: 8 bytes a parameter, not 12.
+  EXPECT_LE(opt.state_bytes(), 8 * params + 2 * 4096 * 64);
+  EXPECT_GT(opt.state_bytes(), 8 * params);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    absl::Status set = opt.SetParams(g, {});  // the weights are the caller's: m and v zeroed
+    ASSERT_TRUE(set.ok()) << set;
+  }
+  // The caller's fp32 weights, which each step receives in `out` as they are.
+  std::vector<std::vector<float>> weights = params_;
+  auto step = [&](int n, float scale, bool finish) {
+    auto grads = Gradients(n, scale);
+    std::vector<std::vector<float>> out = weights;
+    const uint64_t written_before = PathBytes(opt.client(), "host_to_nvme");
+    ASSERT_TRUE(opt.BeginStep(scale).ok());
+    for (size_t g : {1, 0}) {
+      ASSERT_TRUE(opt.StepGroup(g, grads[g].data(), ScalarType::kBFloat16, out[g].data(),
+                                ScalarType::kFloat32)
+                      .ok());
+    }
+    if (!finish) {
+      absl::Status abandoned = opt.AbandonStep();
+      ASSERT_TRUE(abandoned.ok()) << abandoned;
+      return;  // `out` is not kept: the weights stay as they were
+    }
+    auto stats = opt.FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_EQ(stats->state_bytes, opt.state_bytes());
+    // Down to NVMe: the moments once (the speculative version written), no master beside them.
+    const uint64_t written = PathBytes(opt.client(), "host_to_nvme") - written_before;
+    EXPECT_GE(written, opt.state_bytes() - kBudget);
+    EXPECT_LE(written, opt.state_bytes());
+    ReferenceStep(grads, n, scale, {0, 1});
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (size_t i = 0; i < groups[g].params; ++i) {
+        ASSERT_EQ(out[g][i], params_[g][i]) << "step " << n << " group " << g << " at " << i;
+      }
+    }
+    weights = std::move(out);
+  };
+  ASSERT_NO_FATAL_FAILURE(step(1, 64.0f, true));
+  ASSERT_NO_FATAL_FAILURE(step(2, 8.0f, false));  // abandoned: m and v as they were
+  std::vector<float> m(groups[0].params);
+  ASSERT_TRUE(opt.GetState(0, OffloadedAdam::Part::kM, m).ok());
+  for (size_t i = 0; i < m.size(); ++i) ASSERT_EQ(m[i], m_[0][i]) << "m " << i;
+  ASSERT_NO_FATAL_FAILURE(step(2, 64.0f, true));
+  ASSERT_NO_FATAL_FAILURE(step(3, 64.0f, true));
+
+  // What such a group cannot do, refused clearly.
+  std::vector<float> got(groups[0].params);
+  absl::Status read = opt.GetState(0, OffloadedAdam::Part::kParams, got);
+  EXPECT_TRUE(absl::IsFailedPrecondition(read)) << read;
+  EXPECT_TRUE(absl::IsInvalidArgument(opt.SetParams(0, params_[0])));
+  absl::Status placed = opt.SetGroupPlace(0, StepPlace::kDevice);
+  EXPECT_TRUE(absl::IsFailedPrecondition(placed)) << placed;
+  EXPECT_TRUE(absl::StrContains(placed.message(), "stepped on the host")) << placed;
+  auto grads = Gradients(4, 1.0f);
+  std::vector<uint16_t> out16(groups[0].params);
+  ASSERT_TRUE(opt.BeginStep().ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(opt.StepGroup(0, grads[0].data(), ScalarType::kBFloat16,
+                                                    out16.data(), ScalarType::kBFloat16)));
+  EXPECT_TRUE(absl::IsInvalidArgument(opt.StepGroup(0, grads[0].data(), ScalarType::kBFloat16)));
+  ASSERT_TRUE(opt.AbandonStep().ok());
+  EXPECT_EQ(opt.steps_taken(), 3);
+  OffloadedAdamOptions persistent = Options("model/out-master-kept");
+  auto refused = OffloadedAdam::Create(groups, persistent);
+  ASSERT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "persistent")) << refused.status();
+}
+
 TEST_F(OptimizerTest, ATensorLeftOutOfAStepIsUntouchedAndKeepsItsOwnStepCount) {
   const std::vector<uint64_t> sizes = {300001, 200000, 200000};
   const std::vector<ParamGroup> groups = {{"block", 700001, sizes}};

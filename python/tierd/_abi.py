@@ -113,10 +113,15 @@ ADAM_TENSOR_STEP, ADAM_TENSOR_TAKE_WEIGHTS = 1, 2
 ADAM_ON_HOST, ADAM_ON_DEVICE = 0, 1  # where a group is stepped (tierd_adam_set_group_place)
 
 
+# Where a group's fp32 master weights live (tierd_adam_group.master): in the state, or in the fp32
+# `out` each step is given (the state holds m and v only).
+ADAM_MASTER_IN_STATE, ADAM_MASTER_IN_OUT = 0, 1
+
+
 class AdamGroup(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("params", ctypes.c_uint64),
                 ("n_tensors", ctypes.c_size_t),
-                ("tensor_params", ctypes.POINTER(ctypes.c_uint64))]
+                ("tensor_params", ctypes.POINTER(ctypes.c_uint64)), ("master", ctypes.c_int32)]
 
 
 class AdamStepStats(ctypes.Structure):
@@ -180,7 +185,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 
 def load_library():

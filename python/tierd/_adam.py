@@ -13,15 +13,15 @@ def _ptr(address: Optional[int]) -> ctypes.c_void_p:
 
 
 def _groups(groups: Sequence[Any]):
-    """The C description of groups, each with .name, .numel and .sizes (and what keeps it
-    alive)."""
+    """The C description of groups, each with .name, .numel, .sizes and .master (and what keeps
+    it alive)."""
     keep = []
     array = (_abi.AdamGroup * max(len(groups), 1))()
     for j, g in enumerate(groups):
         sizes = (ctypes.c_uint64 * max(len(g.sizes), 1))(*g.sizes)
         name = g.name.encode()
         keep += [sizes, name]
-        array[j] = _abi.AdamGroup(name, g.numel, len(g.sizes), sizes)
+        array[j] = _abi.AdamGroup(name, g.numel, len(g.sizes), sizes, g.master)
     return array, keep
 
 
@@ -83,7 +83,8 @@ class Adam:
         """Copies part (ADAM_PARAMS, ADAM_M, ADAM_V) of the group, n fp32 values, to address out."""
         check(library().tierd_adam_get_state(self._handle, slot, part, _ptr(out), n))
 
-    def set_state(self, slot: int, master: int, m: int, v: int, n: int) -> None:
+    def set_state(self, slot: int, master: Optional[int], m: int, v: int, n: int) -> None:
+        """Sets the group's master weights (None for a group whose master is its out), m and v."""
         check(library().tierd_adam_set_state(self._handle, slot, _ptr(master), _ptr(m),
                                                _ptr(v), n))
 

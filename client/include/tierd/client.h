@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 10
+#define TIERD_C_ABI_VERSION 11
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -26,7 +26,8 @@ extern "C" {
  *    tierd_set_version)
  * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end)
  * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get);
- *     tierd_allocate_transient */
+ *     tierd_allocate_transient
+ * 11: tierd_adam_group.master (a group whose master weights are its out) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -335,12 +336,18 @@ tierd_status tierd_adam_create(size_t n_groups, const char* const* group_names,
                                const uint64_t* group_params, const tierd_adam_options* options,
                                tierd_adam** out);
 /* A group of tensors laid end to end, each with its own step count (torch's per-parameter "step"):
- * n_tensors sizes summing to params (zeros allowed); n_tensors 0: one tensor of params. */
+ * n_tensors sizes summing to params (zeros allowed); n_tensors 0: one tensor of params. master:
+ * TIERD_ADAM_MASTER_IN_STATE, or TIERD_ADAM_MASTER_IN_OUT (tierd::ParamGroup::Master::kOut: the
+ * state holds m and v only; each step's out is fp32 and holds the weights on entry; scratch state
+ * only; set_state takes no params, get_state none). */
+#define TIERD_ADAM_MASTER_IN_STATE 0
+#define TIERD_ADAM_MASTER_IN_OUT 1
 typedef struct tierd_adam_group {
   const char* name;
   uint64_t params;
   size_t n_tensors;
   const uint64_t* tensor_params;
+  int32_t master;
 } tierd_adam_group;
 /* tierd_adam_create with groups of tensors. */
 tierd_status tierd_adam_create_groups(size_t n_groups, const tierd_adam_group* groups,
@@ -369,7 +376,8 @@ tierd_status tierd_adam_get_params(tierd_adam* adam, size_t group, float* out, u
 #define TIERD_ADAM_V 2
 /* Reads one part (n must be the group's parameter count), in fp32 whatever the state dtype. */
 tierd_status tierd_adam_get_state(tierd_adam* adam, size_t group, int part, float* out, uint64_t n);
-/* Sets a group's weights, m and v at once (m or v NULL: zero); loading a checkpoint. */
+/* Sets a group's weights, m and v at once (m or v NULL: zero; params NULL for a group whose master
+ * is its out); loading a checkpoint. */
 tierd_status tierd_adam_set_state(tierd_adam* adam, size_t group, const float* params,
                                   const float* m, const float* v, uint64_t n);
 /* The count of steps taken, and every tensor's (the next step's bias correction uses steps + 1);

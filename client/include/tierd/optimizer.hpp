@@ -59,6 +59,14 @@ struct ParamGroup {
   uint64_t params = 0;
   // The tensors' sizes, summing to params (zeros allowed); empty: one tensor of params.
   std::vector<uint64_t> tensors;
+  // Where the group's fp32 master weights live. kState: in the optimizer's state beside m and v.
+  // kOut: they are each step's fp32 `out` itself — for weights the caller keeps in fp32 anyway
+  // (a streamed unit's next version), so that the state holds m and v only and a step writes the
+  // weights once, not twice. `out` then holds the weights on entry and receives the new ones; the
+  // group is stepped on the host, and its state is scratch (persistent state must restore the
+  // weights it resumes).
+  enum class Master : int { kState = 0, kOut = 1 };
+  Master master = Master::kState;
 };
 
 // One group's part of a step (StepGroup). `grad` holds the group's params values of grad_type (it
