@@ -75,8 +75,16 @@ def test_the_buckets_whose_gradients_come_last_go_to_the_device(daemon):  # noqa
 
 
 class _Bucket:
-    def __init__(self, serial, numel):
-        self.serial, self.numel, self.active = serial, numel, True
+    def __init__(self, serial, numel, master=tierd._abi.ADAM_MASTER_IN_STATE):
+        self.serial, self.numel, self.active, self.master = serial, numel, True, master
+
+
+def test_a_bucket_whose_master_weights_are_its_out_stays_on_the_host():
+    """Streamed fp32 weights that are their own master (scratch state) are stepped by the CPU:
+    the device lane would step a copy of them, not the weights."""
+    lanes = tierd.torch._lanes.DeviceLanes(1.0)
+    owned = [_Bucket(0, 10), _Bucket(1, 30, tierd._abi.ADAM_MASTER_IN_OUT), _Bucket(2, 20)]
+    assert sorted(b.serial for b in lanes.choose(owned, 1.0)) == [0, 2]
 
 
 def test_the_share_is_placed_in_whole_buckets_from_the_last_to_arrive():

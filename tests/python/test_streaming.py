@@ -597,3 +597,101 @@ def test_a_step_whose_gradients_and_new_weights_exceed_host_memory_trains_bit_eq
         assert torch.equal(got[1][k], v), k
     if verdict == "clipping":
         assert got[2] > 0  # the speculation failed: the kept gradients were stepped again
+
+
+def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
+    """A streamed fp32 unit's next version is the optimizer's master copy of its weights (scratch
+    state): the state keeps only the moments of those weights, a step writes them to NVMe once,
+    not as weights and again as master weights, and the run stays bit-equal to the model in
+    memory — through steps rolled back by clipping and taken again, and through a checkpoint
+    (the model's state_dict and the optimizer's) saved mid-run and loaded into a new stream.
+    Persistent state keeps its own master weights: it restores the weights it resumes."""
+    steps, split = 4, 2
+
+    def run(root, streamed, name=None, resume_at=None, clip=None):
+        losses, written, state_bytes = [], [], None
+        model, stream, opt = None, None, None
+
+        def make_run():
+            nonlocal model, stream, opt
+            torch.manual_seed(0)
+            model = GPT(8, 192, 4, CTX)
+            if streamed:
+                stream = poison(tierd.torch.stream_parameters(
+                    model, device=torch.device("cpu"), device_budget_bytes=budget(model),
+                    host_budget_bytes=0, socket_dir=root))
+            opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
+                                             home="nvme", overlap_backward=True, threads=2,
+                                             max_grad_norm=clip, name=name,
+                                             host_budget_bytes=2 << 20)
+
+        def close():
+            opt.close()
+            if stream is not None:
+                stream.close()
+        make_run()
+        try:
+            state_bytes = opt.state_bytes
+            with tierd.connect(root, "meter") as meter:
+                for step in range(steps):
+                    if step == resume_at:  # a checkpoint, as a training script takes one
+                        saved_opt = opt.state_dict()
+                        if stream is not None:
+                            with stream.gathered():
+                                saved = {k: v.clone() for k, v in model.state_dict().items()}
+                        else:
+                            saved = {k: v.clone() for k, v in model.state_dict().items()}
+                        close()
+                        make_run()
+                        model.load_state_dict(saved)
+                        opt.load_state_dict(saved_opt)
+                    before = meter.path_bytes("host_to_nvme")
+                    loss = model(*batch(step))
+                    losses.append(loss.item())
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    written.append(meter.path_bytes("host_to_nvme") - before)
+            rolled = opt.rolled_back_steps
+            if stream is not None:
+                with stream.gathered():
+                    weights = {k: v.clone() for k, v in model.state_dict().items()}
+            else:
+                weights = {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            close()
+        return losses, weights, written, state_bytes, rolled
+
+    with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0",
+                            f"--nvme_regions={root}/nvme.region:512MiB")
+        try:
+            want = run(root, False)
+            once = run(root, True)
+            twice = run(root, True, name="kept-master")
+            resumed = run(root, True, resume_at=split)
+            want_clipped = run(root, False, clip=0.05)
+            clipped = run(root, True, clip=0.05)
+        finally:
+            stop_daemon(proc, root)
+    torch.manual_seed(0)
+    model = GPT(8, 192, 4, CTX)
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    for got in (once, twice, resumed):
+        assert got[0] == want[0]
+        for k, v in want[1].items():
+            assert torch.equal(got[1][k], v), k
+    assert clipped[0] == want_clipped[0]
+    for k, v in want_clipped[1].items():
+        assert torch.equal(clipped[1][k], v), k
+    assert clipped[4] > 0  # clipping rolled steps back, and they were stepped again exactly
+    # The blocks' master weights are not in the scratch state (4 bytes a parameter less).
+    assert twice[3] - once[3] >= 4 * blocks
+    # Each step writes what it must, once: every parameter's new weights and both moments, 12
+    # bytes (pages rounded up aside); the kept master is written beside them (a write-back may
+    # finish in the next step: compared over the steps).
+    for k in range(steps):
+        assert once[2][k] <= 12 * total * 1.02, (once[2], 12 * total)
+    assert sum(twice[2][1:]) - sum(once[2][1:]) >= 4 * blocks * (steps - 1) * 0.95, (
+        once[2], twice[2])

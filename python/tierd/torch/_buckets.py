@@ -57,6 +57,9 @@ class Bucket:
         self.complete = False     # every gradient it will get this step is taken
         self.event = None         # the side stream's copies, when the model is on a GPU
         self.launched = False     # given to the optimizer this step
+        # Where its fp32 master weights live (_abi.ADAM_MASTER_IN_*): the state decides when it
+        # gives the bucket its group (_state.OptimizerState.masters).
+        self.master = _abi.ADAM_MASTER_IN_STATE
 
     def _buffers(self) -> None:
         n, k = self.numel, len(self.sizes)
@@ -105,6 +108,16 @@ class Bucket:
 
     def bind(self) -> None:
         """Makes `out` writable for this step's new weights (always, here)."""
+
+    @property
+    def out_can_be_master(self) -> bool:
+        """Whether `out` can hold the fp32 master weights themselves (the state then keeps m and
+        v only, and a step writes the weights once): fp32 weights kept outside the model's
+        tensors, a streamed unit's next version. Not here: `out` is this process's buffer."""
+        return False
+
+    def prime_out(self) -> None:
+        """Before the library steps the bucket: a master in `out` starts as the weights are."""
 
     @property
     def nodes(self):
@@ -377,6 +390,16 @@ class StreamBucket(Bucket):
         if self.out is None:
             self.out_ext = self.range.next_version()
             self.out = self.out_ext[:self.numel]
+
+    @property
+    def out_can_be_master(self) -> bool:
+        return self.dtype == torch.float32
+
+    def prime_out(self) -> None:
+        # Every launch, also one that steps the bucket again after a rolled-back step, whose
+        # kernel left its new weights in `out`.
+        if self.master == _abi.ADAM_MASTER_IN_OUT:
+            self.range.read_into(self.out)
 
     @property
     def nodes(self):

@@ -11,6 +11,7 @@ steps, 0.5 until both lanes have stepped. Placement changes between the library'
 """
 from typing import List, Union
 
+from .. import _abi
 from ._buckets import Bucket
 
 Setting = Union[None, float, str]
@@ -50,7 +51,8 @@ class DeviceLanes:
     def choose(self, owned: List[Bucket], target: float) -> List[Bucket]:
         """The buckets to step on the device: the last to arrive, as many as bring the share of
         parameters nearest the target."""
-        active = [b for b in owned if b.active]
+        # A bucket whose master weights are its `out` is stepped on the host (OptimizerState).
+        active = [b for b in owned if b.active and b.master != _abi.ADAM_MASTER_IN_OUT]
         rank = {serial: i for i, serial in enumerate(self._order)}
         # Arrival order: the last step's; buckets it did not launch first, in the layout's order
         # (backward's: _buckets.plan).

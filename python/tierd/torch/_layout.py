@@ -156,7 +156,7 @@ class BucketLayout:
         owned = [b for b in new if b.slot is not None]
         for j, b in enumerate(owned):
             b.slot = len(self.owned) + j
-        state.adam.add_groups(owned)
+        state.add_groups(owned)
         self.owned += owned
         self.buckets += new
         for b in new:

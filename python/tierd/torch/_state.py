@@ -34,24 +34,44 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class OptimizerState:
     """The open state of one optimizer (one rank's share when sharded)."""
 
-    def __init__(self, adam: _adam.Adam, name: str, persistent: bool, home: str):
+    def __init__(self, adam: _adam.Adam, name: str, persistent: bool, home: str,
+                 masters_in_out: bool):
         self.adam = adam
         self.name = name
         self.persistent = persistent
         self.home = home
+        self.masters_in_out = masters_in_out
         self.lanes = DeviceLanes(None)  # where the buckets are stepped (OffloadedAdamW sets it)
+
+    @staticmethod
+    def masters(buckets: List[Bucket], in_out: bool) -> None:
+        """Says where each bucket's master weights live, before its group is made: in its `out`
+        where it can be (Bucket.out_can_be_master) and `in_out` allows (scratch state: persistent
+        state must restore the weights it resumes), else in the state."""
+        for b in buckets:
+            b.master = (_abi.ADAM_MASTER_IN_OUT if in_out and b.out_can_be_master
+                        else _abi.ADAM_MASTER_IN_STATE)
+
+    def add_groups(self, buckets: List[Bucket]) -> None:
+        """Gives buckets made after the state was opened their groups."""
+        self.masters(buckets, self.masters_in_out)
+        self.adam.add_groups(buckets)
 
     @staticmethod
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
              socket_dir, home: Optional[str], host_budget_bytes: int, threads: int, resume,
-             reset: bool, state_dtype: torch.dtype, speculative: bool, defaults: Dict[str, Any]
-             ) -> "OptimizerState":
+             reset: bool, state_dtype: torch.dtype, speculative: bool, masters_in_out: bool,
+             defaults: Dict[str, Any]) -> "OptimizerState":
         """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
         the state (twice that when speculative) outgrows host_budget_bytes and the daemon has
         NVMe, else host. A persistent name is the job's, `rank_suffix` added per rank; scratch
-        state is named by the process and `scratch_id`."""
-        per_param = 8 if state_dtype == torch.bfloat16 else 12
-        state_bytes = per_param * sum(b.numel for b in owned)
+        state is named by the process and `scratch_id`. `masters_in_out`: the buckets that can
+        keep their master weights in their `out` do, if the state is scratch (masters())."""
+        masters_in_out = masters_in_out and name is None
+        OptimizerState.masters(owned, masters_in_out)
+        moments = 4 if state_dtype == torch.bfloat16 else 8
+        state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
+                          for b in owned)
         has_nvme = None
         if home is None or name is not None:
             with connect(socket_dir, "optimizer-probe") as c:
@@ -91,7 +111,7 @@ class OptimizerState:
                 "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
                 "number of ranks, resumes from its checkpoint instead: make the optimizer with "
                 "reset=True and call load_checkpoint(directory) on every rank")) from None
-        return OptimizerState(adam, full, persistent, home)
+        return OptimizerState(adam, full, persistent, home, masters_in_out)
 
     @property
     def resumed(self) -> bool:
@@ -100,6 +120,9 @@ class OptimizerState:
     # ---- reading and writing ----
 
     def read(self, b: Bucket, part: int) -> torch.Tensor:
+        if part == _abi.ADAM_PARAMS and b.master == _abi.ADAM_MASTER_IN_OUT:
+            return torch.cat([b.weight(i).float() for i in range(len(b.sizes))] or
+                             [torch.zeros(0)])  # the weights are the master
         out = torch.empty(b.numel, dtype=torch.float32)
         self.adam.get_state(b.slot, part, _ptr(out), b.numel)
         return out
@@ -123,9 +146,21 @@ class OptimizerState:
         state["step"] = steps[i]
         return state
 
-    def write(self, b: Bucket, parts: Dict[str, List[torch.Tensor]], steps: List[int]) -> None:
-        flat = {k: torch.cat(v) if v else torch.zeros(0) for k, v in parts.items()}
-        self.adam.set_state(b.slot, _ptr(flat["master"]), _ptr(flat["exp_avg"]),
+    def write(self, b: Bucket, parts: Dict[str, List[Optional[torch.Tensor]]],
+              steps: List[int]) -> None:
+        """Sets b's state: per parameter its master (None: the weights as they are), exp_avg and
+        exp_avg_sq, and its step. A master in `out` is the weights: a given one is set there."""
+        masters = parts["master"]
+        master = None
+        if b.master == _abi.ADAM_MASTER_IN_STATE:
+            master = torch.cat([b.weight(i).float() if v is None else v
+                                for i, v in enumerate(masters)] or [torch.zeros(0)])
+        elif any(v is not None for v in masters):
+            b.set_weights(torch.cat([b.weight(i).float() if v is None else v
+                                     for i, v in enumerate(masters)]))
+        flat = {k: torch.cat(parts[k]) if parts[k] else torch.zeros(0)
+                for k in ("exp_avg", "exp_avg_sq")}
+        self.adam.set_state(b.slot, _ptr(master), _ptr(flat["exp_avg"]),
                             _ptr(flat["exp_avg_sq"]), b.numel)
         self.adam.set_tensor_steps(b.slot, steps)
 
@@ -143,9 +178,11 @@ class OptimizerState:
                 state = moved.get(id(p), {})
                 for key in parts:
                     value = state.get(key)
+                    if value is None and key == "master":
+                        parts[key].append(None)  # the weights as they are
+                        continue
                     if value is None:
-                        value = b.weight(i) if key == "master" else torch.zeros_like(
-                            p, dtype=torch.float32)
+                        value = torch.zeros_like(p, dtype=torch.float32)
                     parts[key].append(value.reshape(-1).to("cpu", torch.float32))
                 steps.append(int(state.get("step", 0)))
             self.write(b, parts, steps)
@@ -229,15 +266,18 @@ class OptimizerState:
         for i, p in enumerate(b.params):
             if not b.live[i]:
                 for key in parts:
-                    parts[key].append(b.slice(current[key], i))
+                    parts[key].append(None if key == "master" and b.master ==
+                                      _abi.ADAM_MASTER_IN_OUT else b.slice(current[key], i))
                 steps.append(current_steps[i])
                 continue
             entry = by_param[id(p)]
             for key in parts:
                 value = entry.get(key)
+                if value is None and key == "master":
+                    parts[key].append(None)  # the weights as they are
+                    continue
                 if value is None:
-                    value = b.weight(i).view(p.shape) if key == "master" else (
-                        torch.zeros_like(p, dtype=torch.float32))
+                    value = torch.zeros_like(p, dtype=torch.float32)
                 if value.shape != p.shape:
                     raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
                                      f"parameter of shape {tuple(p.shape)}")

@@ -154,7 +154,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._layout.owned, self._comm, name=name, scratch_id=id(self), socket_dir=socket_dir,
             home=home, host_budget_bytes=host_budget_bytes, threads=threads, resume=resume,
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
-            defaults=self.defaults)
+            masters_in_out=self._comm is None and device_share is None, defaults=self.defaults)
         self._state.lanes = _lanes.DeviceLanes(device_share)
         self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
@@ -388,6 +388,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if self._release is not None:
             self._release.room_to_launch(b)
         b.bind()
+        b.prime_out()
         self._state.launch(b)
         b.launched = True
         if self._release is not None:  # unless the step may be taken again, its grads go

@@ -483,6 +483,13 @@ class StreamRange:
             values = units.range_view(view, r)
             return (values[:r.numel] if i is None else r.slice(values, i)).clone()
 
+    def read_into(self, out: torch.Tensor) -> None:
+        """Copies the current weights, all of them, into `out` (flat: the next version's)."""
+        r = self._check()
+        units = self._stream._units
+        with units.holding(self._unit, r.current, Access.READ) as view:
+            out[:r.numel].copy_(units.range_view(view, r)[:r.numel])
+
     def write(self, flat: torch.Tensor) -> None:
         """Sets every weight of the current version from `flat`."""
         r = self._check()
