@@ -27,7 +27,8 @@ not timed. Each child takes one warm-up step and
 --steps timed ones; it reports its median step, its peak RSS (VmHWM), the bytes it and its daemon
 read and wrote to storage over the timed steps (/proc/PID/io) and its losses. A mode that cannot
 run here is reported with its error. The table gives each mode's step as a ratio to tierd's
-streamed one, its bytes a step beside the fewest a step must move where its weights and state
+streamed one, the RAM it was given beside tierd-stream's (DeepSpeed's peak RSS, its swap buffers
+in it; tierd's trainer's peak RSS plus the whole host tier its daemon is given), its bytes a step beside the fewest a step must move where its weights and state
 are at home with --host-capacity of memory to keep them in (benchlib.step_minimum_bytes; every
 mode is measured against that memory; not for the -split modes, whose state is partly on the
 device), and the losses' largest difference from the first mode's.
@@ -244,10 +245,11 @@ def child(args) -> None:
             cleanup.append(stream.close)
         else:
             model.to(device)
+        # Scratch state, as a fine-tune makes it by default (DeepSpeed's is scratch too): a
+        # streamed fp32 model's weights are then their own master.
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
                                          host_budget_bytes=256 << 20, overlap_backward=True,
-                                         socket_dir=args.socket_dir, name="bench/ds-state",
-                                         reset=True,
+                                         socket_dir=args.socket_dir,
                                          device_share=args.device_share if mode in SPLIT else None)
         cleanup.insert(0, opt.close)
 
@@ -353,6 +355,16 @@ def starts_elsewhere(args, run, reference) -> str:
             "batch (it starts from other weights)")
 
 
+def memory_given(args, mode, peak_rss) -> int:
+    """The RAM a mode is given: DeepSpeed's process at its peak (its swap buffers are in it);
+    tierd's trainer at its peak plus the host tier its daemon is given (--host-capacity, all of
+    it, not only what the run used)."""
+    from tierd.torch import _pretrained
+    if mode.startswith("ds-"):
+        return peak_rss
+    return peak_rss + _pretrained.parse_size(args.host_capacity)
+
+
 def report(args, runs, reference) -> None:
     mib = 1 << 20
     modes = [m for m in args.modes.split(",") if m in runs]
@@ -370,12 +382,16 @@ def report(args, runs, reference) -> None:
     first = next((m for m in modes if ok[m]), None)
     ref = statistics.median(r["step_s"] for r in ok["tierd-stream"]) \
         if ok.get("tierd-stream") else None
+    ram_ref = memory_given(args, "tierd-stream", max(r["peak_rss"] for r in
+                                                     ok["tierd-stream"])) \
+        if ok.get("tierd-stream") else None
     for m in modes:
         if not ok[m]:
             print(f"  {m:18s} could not run here: {runs[m][0]['error']}")
             continue
         step = statistics.median(r["step_s"] for r in ok[m])
         rss = max(r["peak_rss"] for r in ok[m])
+        ram = memory_given(args, m, rss)
         daemon = max((r.get("daemon_peak_rss", 0) for r in ok[m]), default=0)
         host = max((r.get("host_tier_peak", 0) for r in ok[m]), default=0)
         read = statistics.median(r["read_bytes"] for r in ok[m])
@@ -390,9 +406,12 @@ def report(args, runs, reference) -> None:
             least = f" (fewest {least[0] / mib:.1f} / {least[1] / mib:.1f} MiB" + (
                 f": {read / least[0]:.2f} x / {written / least[1]:.2f} x)" if min(least) > 0
                 else ")")
-        print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   peak RSS {rss / mib:6.0f} MiB"
-              + (f" + daemon {daemon / mib:5.0f} MiB (its host tier: {host / mib:.0f} MiB in "
-                 "use)" if daemon else "")
+        ram_ratio = f" ({ram / ram_ref:.2f} x tierd-stream's)" if ram_ref else ""
+        print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   RAM {ram / mib:6.0f} MiB"
+              f"{ram_ratio}: peak RSS {rss / mib:6.0f} MiB"
+              + (f" + host tier given {(ram - rss) / mib:.0f} MiB (daemon's peak RSS "
+                 f"{daemon / mib:.0f} MiB, {host / mib:.0f} MiB of its tier in use)"
+                 if daemon else "")
               + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
               f"MiB{least}   losses vs {first}: {diff:.1e}")
     print(json.dumps({"args": vars(args), "runs": runs}))
