@@ -77,9 +77,52 @@ struct OffloadedAdam::Impl {
       }
     }
     if (largest == 0) largest = ShardOf(0, state.shard_params, state.options.state_type).bytes();
-    window.set_slots(std::max<uint64_t>(1, state.options.host_budget_bytes / largest));
+    const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
+    window.set_slots(slots - PlanResidency(slots));
     worker->Resize();
     if (device_lane != nullptr) device_lane->Resize();
+  }
+
+  // Scratch state at home on NVMe keeps what the budget holds beyond a window for the rest on
+  // the host from one step to the next, rather than writing it down and reading it up again
+  // each step: the shards stepped last (the host lane's, from the end of the expected order),
+  // so that the step's tail after backward waits for none of them. Persistent state streams
+  // whole: what FinishStep acknowledged is on NVMe. Returns the slots the resident shards take;
+  // a shard no longer resident is let go from the host.
+  uint64_t PlanResidency(uint64_t slots) {
+    const uint64_t per_shard = state.options.speculative ? 2 : 1;
+    // The window the streamed shards need: the shards in hand, one read ahead and one written
+    // back at the least; a quarter of the budget when that is more.
+    const uint64_t window = std::max<uint64_t>(per_shard + 2, slots / 4);
+    uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
+                        ? (slots - window) / per_shard
+                        : 0;
+    uint64_t resident = 0;
+    const std::vector<size_t>& order = worker->expected_order;
+    std::vector<bool> seen(state.groups.size(), false);
+    std::vector<size_t> last_first;
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      if (*it < seen.size() && !seen[*it]) last_first.push_back(*it), seen[*it] = true;
+    }
+    for (size_t g = state.groups.size(); g-- > 0;) {  // groups not in the order: the latest last
+      if (!seen[g]) last_first.insert(last_first.begin(), g), seen[g] = true;
+    }
+    std::vector<Shard*> let_go;
+    for (size_t g : last_first) {
+      Group& group = state.groups[g];
+      for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
+        const bool keep = !group.on_device && resident < room;
+        if (sh->resident && !keep) let_go.push_back(&*sh);
+        sh->resident = keep;
+        resident += keep ? 1 : 0;
+      }
+    }
+    for (Shard* sh : let_go) {
+      for (ChunkId id : {sh->id, sh->other}) {
+        if (id != 0) (void)state.Unkeep(id);
+      }
+    }
+    return resident * per_shard;
   }
 
   // The lane that steps group g.
@@ -274,6 +317,7 @@ absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
   if ((place == StepPlace::kDevice) == g.on_device) return absl::OkStatus();
   if (place == StepPlace::kHost) {
     g.on_device = false;
+    d.Resize();  // its shards may be resident again
     return absl::OkStatus();
   }
   if (g.master_in_out()) {
@@ -297,6 +341,7 @@ absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
     }
   }
   g.on_device = true;
+  d.Resize();  // its shards' room on the host goes to others
   return absl::OkStatus();
 }
 
@@ -472,7 +517,9 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
   }
   if (absl::Status s = d.window.Drop(); !s.ok()) return s;
   for (const Shard& s : g.shards) {
-    if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
+    if (d.state.streams(s)) {
+      if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
+    }
     absl::StatusOr<void*> data = d.state.Pin(s.id, AccessMode::kOverwrite);
     if (!data.ok()) return data.status();
     // Each of p, m and v: the shard's values (m and v zero unless given), the page's tail zero.
@@ -491,7 +538,9 @@ absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values
       }
     }
     if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
-    if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
+    if (d.state.streams(s)) {
+      if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
+    }
   }
   if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
   g.initialized = true;
@@ -526,7 +575,8 @@ absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> o
   }
   // Within the budget: each shard read is dropped from the host again (unless read ahead).
   for (const Shard& s : g.shards) {
-    const bool read_ahead = d.window.Holds(s.id);
+    // Read ahead, or kept on the host: no room to make, nothing to send down.
+    const bool read_ahead = d.window.Holds(s.id) || !d.state.streams(s);
     if (!read_ahead) {
       if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
     }

@@ -40,6 +40,9 @@ struct Shard {
   uint64_t mv_region = 0;  // bytes of each of m and v
   uint8_t version = 0;     // of the chunk `id` names: 0 "<name>/<group>/<shard>", 1 "...<shard>.1"
   bool written = false;    // this step wrote it (the worker's while a step runs)
+  // Scratch state at home on NVMe: the shard stays in the host budget from one step to the next
+  // (kept, as host-home state is) instead of streaming through it. Set between steps only.
+  bool resident = false;
   uint64_t bytes() const { return p_region + 2 * mv_region; }
   uint64_t offset(OffloadedAdam::Part part) const {
     return part == OffloadedAdam::Part::kParams ? 0
@@ -108,6 +111,8 @@ struct StateRecord {
   absl::flat_hash_map<ChunkId, void*> kept;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
+  // Whether shard `s` goes down to NVMe and up again each step (else it is kept on the host).
+  bool streams(const Shard& s) const { return nvme_home() && !s.resident; }
   std::string ShardName(const std::string& group, size_t s, uint32_t version) const;
   std::string ShardName(size_t g, size_t s, uint32_t version) const {
     return ShardName(groups[g].spec.name, s, version);

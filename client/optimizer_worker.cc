@@ -217,7 +217,8 @@ std::vector<ChunkId> StepWorker::Expected(size_t g, size_t k, size_t want) {
     // Nothing to read yet, or stepped by the device lane.
     if (!state_.groups[group].initialized || state_.groups[group].on_device) return;
     for (size_t i = from; i < state_.groups[group].shards.size() && ids.size() < want; ++i) {
-      if (touched_[group][i]) ids.push_back(state_.groups[group].shards[i].id);
+      const Shard& shard = state_.groups[group].shards[i];
+      if (touched_[group][i] && state_.streams(shard)) ids.push_back(shard.id);
     }
   };
   if (g != std::string::npos) add(g, k);
@@ -301,28 +302,30 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       continue;
     }
     const absl::Time t0 = absl::Now();
-    if (!window_.Take(shard.id)) {  // not read ahead (an unexpected order): room for it first
+    const bool streams = state_.streams(shard);
+    if (streams && !window_.Take(shard.id)) {  // not read ahead (an unexpected order): room first
       absl::StatusOr<absl::Duration> waited = window_.MakeRoom();
       if (!waited.ok()) return waited.status();
       delta->write_wait += *waited;
     }
     absl::StatusOr<void*> data =
-        state_.nvme_home()
-            ? state_.Pin(shard.id, speculative ? AccessMode::kRead : AccessMode::kWrite,
-                         [&] { return ReadAhead(w.group, k + 1, in_hand); })
-            : state_.Keep(shard.id);
+        streams ? state_.Pin(shard.id, speculative ? AccessMode::kRead : AccessMode::kWrite,
+                             [&] { return ReadAhead(w.group, k + 1, in_hand); })
+                : state_.Keep(shard.id);
     if (!data.ok()) return failed(k, data.status());
     char* base = static_cast<char*>(*data);
     void* to_data = nullptr;  // speculative: the other version, a copy of this one stepped
     absl::Duration room_wait;
     if (speculative) {
-      absl::StatusOr<absl::Duration> waited = window_.MakeRoom(in_hand);
-      absl::StatusOr<void*> to =
-          waited.ok() ? (state_.nvme_home() ? state_.Pin(shard.other, AccessMode::kOverwrite)
-                                            : state_.Keep(shard.other))
-                      : waited.status();
+      absl::StatusOr<absl::Duration> waited =
+          streams ? window_.MakeRoom(in_hand)
+                  : absl::StatusOr<absl::Duration>(absl::ZeroDuration());
+      absl::StatusOr<void*> to = waited.ok()
+                                     ? (streams ? state_.Pin(shard.other, AccessMode::kOverwrite)
+                                                : state_.Keep(shard.other))
+                                     : waited.status();
       if (!to.ok()) {
-        if (state_.nvme_home()) (void)state_.client->Release({&shard.id, 1});
+        if (streams) (void)state_.client->Release({&shard.id, 1});
         return failed(k, to.status());
       }
       room_wait = *waited;
@@ -358,8 +361,7 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
     delta->write_wait += room_wait;
     delta->compute += t2 - t1;
     delta->state_bytes += shard.bytes();
-    if (state_
-            .nvme_home()) {  // down to NVMe; the version a speculative step read is clean: dropped
+    if (streams) {  // down to NVMe; the version a speculative step read is clean: dropped
       if (absl::Status s = state_.client->Release({&shard.id, 1}); !s.ok()) return s;
       if (absl::Status s = window_.WriteBack(shard.id); !s.ok()) return s;
       if (speculative) {

@@ -35,6 +35,10 @@ class OptimizerTest : public ::testing::Test {
                                        "--device=none", "--probe_bytes=0"}});
     ASSERT_TRUE(daemon.ok()) << daemon.status();
     daemon_ = std::move(*daemon);
+    SetUpState();
+  }
+  // The initial weights (seeded) and zero moments, in memory: the reference's.
+  void SetUpState() {
     std::mt19937 rng(11);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (const ParamGroup& g : kGroups) {
@@ -167,6 +171,53 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
   }
   EXPECT_EQ(opt->steps_taken(), 3);
   ExpectParams(*opt, "after 3 steps");
+}
+
+// Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
+// stays on the host between steps, and only the rest goes down to NVMe and up again.
+TEST_F(OptimizerTest, ScratchStateKeepsWhatTheBudgetHoldsOnTheHostBetweenSteps) {
+  for (bool speculative : {false, true}) {
+    SCOPED_TRACE(speculative ? "speculative" : "in place");
+    params_.clear(), m_.clear(), v_.clear();
+    SetUpState();
+    OffloadedAdamOptions o = Options(speculative ? "model/scratch-spec" : "model/scratch");
+    o.persistent = false;
+    o.speculative = speculative;
+    o.host_budget_bytes = 3 * kBudget;
+    auto opt = Create(o);
+    ASSERT_NE(opt, nullptr);
+    ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+    const uint64_t shard_bytes = 12 * opt->shard_params();
+    const uint64_t slots = o.host_budget_bytes / shard_bytes;
+    const uint64_t per_shard = speculative ? 2 : 1;
+    // A quarter of the budget (at least the shards in hand and two) streams the rest.
+    const uint64_t resident = (slots - std::max<uint64_t>(per_shard + 2, slots / 4)) / per_shard;
+    ASSERT_GT(resident * shard_bytes, opt->state_bytes() / 4);
+    ASSERT_LT(resident * shard_bytes, opt->state_bytes());
+    for (int step = 1; step <= 4; ++step) {
+      auto grads = Gradients(step, 1.0f);
+      const uint64_t read_before = PathBytes(opt->client(), "nvme_to_host");
+      const uint64_t written_before = PathBytes(opt->client(), "host_to_nvme");
+      ASSERT_TRUE(opt->BeginStep().ok());
+      for (size_t g : {1, 0}) {
+        ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+      }
+      auto stats = opt->FinishStep();
+      ASSERT_TRUE(stats.ok()) << stats.status();
+      ReferenceStep(grads, step, 1.0f, {0, 1});
+      if (step == 1) continue;  // the first step brings the resident shards up once
+      // Only the shards that are not resident moved, read and written once each (a group's
+      // last shard is smaller than the others: within two shards).
+      const uint64_t moved = opt->state_bytes() - resident * shard_bytes;
+      const uint64_t read = PathBytes(opt->client(), "nvme_to_host") - read_before;
+      const uint64_t written = PathBytes(opt->client(), "host_to_nvme") - written_before;
+      EXPECT_LE(read, moved + 2 * shard_bytes) << "step " << step;
+      EXPECT_LE(written, moved + 2 * shard_bytes) << "step " << step;
+      EXPECT_GE(written, moved - 2 * shard_bytes) << "step " << step;
+      EXPECT_LT(written, opt->state_bytes() * 3 / 4) << "step " << step;
+    }
+    ExpectParams(*opt, "after 4 steps");
+  }
 }
 
 TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {

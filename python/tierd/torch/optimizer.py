@@ -79,7 +79,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     reset: with a name, discards state of that name and starts afresh.
     home: "nvme" or "host" for the state's home tier; None: NVMe when the state is larger than
         host_budget_bytes and the daemon has NVMe, else host.
-    host_budget_bytes: host-tier bytes the state streams through.
+    host_budget_bytes: host-tier bytes the state streams through (scratch state at home on
+        NVMe keeps what the budget holds beyond a window on the host between steps).
     state_dtype: torch.float32, or torch.bfloat16 for exp_avg and exp_avg_sq kept in bf16 (8 bytes
         of state per parameter instead of 12: a third less to store and move each step). The
         kernels round them stochastically, so they stay right on average where rounding to
