@@ -246,9 +246,14 @@ def child(args) -> None:
         else:
             model.to(device)
         # Scratch state, as a fine-tune makes it by default (DeepSpeed's is scratch too): a
-        # streamed fp32 model's weights are then their own master.
+        # streamed fp32 model's weights are then their own master, and what the optimizer's
+        # budget holds stays on the host between steps. The budget is the host tier's share
+        # the weights leave: half of it when they stream through it too, else three quarters.
+        from tierd.torch import _pretrained
+        tier = _pretrained.parse_size(args.host_capacity)
+        budget = tier // 2 if mode.startswith("tierd-stream") else tier * 3 // 4
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
-                                         host_budget_bytes=256 << 20, overlap_backward=True,
+                                         host_budget_bytes=budget, overlap_backward=True,
                                          socket_dir=args.socket_dir,
                                          device_share=args.device_share if mode in SPLIT else None)
         cleanup.insert(0, opt.close)
@@ -308,7 +313,7 @@ def run_child(args, mode, directory):
            "--layers", str(args.layers), "--heads", str(args.heads), "--vocab", str(args.vocab),
            "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
            "--dtype", args.dtype, "--device", args.device, "--build", args.build,
-           "--lr", str(args.lr)]
+           "--lr", str(args.lr), "--host-capacity", args.host_capacity]
     split = mode in SPLIT
     if split:
         cmd += ["--device-share", str(args.device_share)]
