@@ -83,12 +83,13 @@ struct OffloadedAdam::Impl {
     if (device_lane != nullptr) device_lane->Resize();
   }
 
-  // Scratch state at home on NVMe keeps what the budget holds beyond a window for the rest on
-  // the host from one step to the next, rather than writing it down and reading it up again
-  // each step: the shards stepped last (the host lane's, from the end of the expected order),
-  // so that the step's tail after backward waits for none of them. Persistent state streams
-  // whole: what FinishStep acknowledged is on NVMe. Returns the slots the resident shards take;
-  // a shard no longer resident is let go from the host.
+  // Scratch state at home on NVMe leaves what the budget holds beyond a window for the rest in
+  // the host tier from one step to the next, rather than writing it down and reading it up
+  // again each step: the shards stepped last (the host lane's, from the end of the expected
+  // order), so that the step's tail after backward waits for none of them. They are pinned
+  // during their step only: between steps the daemon keeps them as it keeps any chunk, and
+  // writes one down only when another needs its room. Persistent state streams whole: what
+  // FinishStep acknowledged is on NVMe. Returns the slots the resident shards take.
   uint64_t PlanResidency(uint64_t slots) {
     const uint64_t per_shard = state.options.speculative ? 2 : 1;
     // The window the streamed shards need: the shards in hand, one read ahead and one written
@@ -107,19 +108,11 @@ struct OffloadedAdam::Impl {
     for (size_t g = state.groups.size(); g-- > 0;) {  // groups not in the order: the latest last
       if (!seen[g]) last_first.insert(last_first.begin(), g), seen[g] = true;
     }
-    std::vector<Shard*> let_go;
     for (size_t g : last_first) {
       Group& group = state.groups[g];
       for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
-        const bool keep = !group.on_device && resident < room;
-        if (sh->resident && !keep) let_go.push_back(&*sh);
-        sh->resident = keep;
-        resident += keep ? 1 : 0;
-      }
-    }
-    for (Shard* sh : let_go) {
-      for (ChunkId id : {sh->id, sh->other}) {
-        if (id != 0) (void)state.Unkeep(id);
+        sh->resident = !group.on_device && resident < room;
+        resident += sh->resident ? 1 : 0;
       }
     }
     return resident * per_shard;

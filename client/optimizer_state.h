@@ -40,8 +40,9 @@ struct Shard {
   uint64_t mv_region = 0;  // bytes of each of m and v
   uint8_t version = 0;     // of the chunk `id` names: 0 "<name>/<group>/<shard>", 1 "...<shard>.1"
   bool written = false;    // this step wrote it (the worker's while a step runs)
-  // Scratch state at home on NVMe: the shard stays in the host budget from one step to the next
-  // (kept, as host-home state is) instead of streaming through it. Set between steps only.
+  // Scratch state at home on NVMe: the shard stays in the host tier from one step to the next
+  // (in the budget, pinned during its step only) instead of streaming through the window. Set
+  // between steps only.
   bool resident = false;
   uint64_t bytes() const { return p_region + 2 * mv_region; }
   uint64_t offset(OffloadedAdam::Part part) const {

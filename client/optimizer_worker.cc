@@ -308,10 +308,13 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       if (!waited.ok()) return waited.status();
       delta->write_wait += *waited;
     }
+    // At home on NVMe a shard is pinned for its step only (a resident one too: between steps
+    // the daemon may need its room); at home on the host it stays pinned.
+    const bool pins = state_.nvme_home();
     absl::StatusOr<void*> data =
-        streams ? state_.Pin(shard.id, speculative ? AccessMode::kRead : AccessMode::kWrite,
-                             [&] { return ReadAhead(w.group, k + 1, in_hand); })
-                : state_.Keep(shard.id);
+        pins ? state_.Pin(shard.id, speculative ? AccessMode::kRead : AccessMode::kWrite,
+                          [&] { return ReadAhead(w.group, k + 1, in_hand); })
+             : state_.Keep(shard.id);
     if (!data.ok()) return failed(k, data.status());
     char* base = static_cast<char*>(*data);
     void* to_data = nullptr;  // speculative: the other version, a copy of this one stepped
@@ -320,12 +323,12 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       absl::StatusOr<absl::Duration> waited =
           streams ? window_.MakeRoom(in_hand)
                   : absl::StatusOr<absl::Duration>(absl::ZeroDuration());
-      absl::StatusOr<void*> to = waited.ok()
-                                     ? (streams ? state_.Pin(shard.other, AccessMode::kOverwrite)
-                                                : state_.Keep(shard.other))
-                                     : waited.status();
+      absl::StatusOr<void*> to =
+          waited.ok()
+              ? (pins ? state_.Pin(shard.other, AccessMode::kOverwrite) : state_.Keep(shard.other))
+              : waited.status();
       if (!to.ok()) {
-        if (streams) (void)state_.client->Release({&shard.id, 1});
+        if (pins) (void)state_.client->Release({&shard.id, 1});
         return failed(k, to.status());
       }
       room_wait = *waited;
@@ -361,13 +364,13 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
     delta->write_wait += room_wait;
     delta->compute += t2 - t1;
     delta->state_bytes += shard.bytes();
-    if (streams) {  // down to NVMe; the version a speculative step read is clean: dropped
-      if (absl::Status s = state_.client->Release({&shard.id, 1}); !s.ok()) return s;
-      if (absl::Status s = window_.WriteBack(shard.id); !s.ok()) return s;
-      if (speculative) {
-        if (absl::Status s = state_.client->Release({&shard.other, 1}); !s.ok()) return s;
-        if (absl::Status s = window_.WriteBack(shard.other); !s.ok()) return s;
-      }
+    // A streamed shard goes down to NVMe (the version a speculative step read is clean: only
+    // dropped); a resident one stays where it is.
+    for (ChunkId id : {shard.id, speculative ? shard.other : ChunkId{0}}) {
+      if (id == 0 || !pins) continue;
+      if (absl::Status s = state_.client->Release({&id, 1}); !s.ok()) return s;
+      if (!streams) continue;
+      if (absl::Status s = window_.WriteBack(id); !s.ok()) return s;
     }
     absl::MutexLock lock(&mu_);
     shard_time_ += absl::Now() - t0;
