@@ -101,6 +101,14 @@ def resident_bytes(model):
                list(model.buffers()) if id(t) not in streamed)
 
 
+def weights_of(model, stream):
+    """A copy of the model's state_dict (a streamed model's, gathered)."""
+    if stream is None:
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    with stream.gathered():
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 def budget(model, prefetch=1):
     return resident_bytes(model) + (prefetch + 3) * block_bytes(model)
 
@@ -147,11 +155,7 @@ def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=N
                 opt.step()
             opt.zero_grad(set_to_none=True)
         state = opt.state_dict()
-        if stream is not None:
-            with stream.gathered():
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
-        else:
-            weights = {k: v.clone() for k, v in model.state_dict().items()}
+        weights = weights_of(model, stream)
         extra = dict(rolled_back=opt.rolled_back_steps, skipped=opt.skipped_steps,
                      stats=stream.stats if stream is not None else None)
     finally:
@@ -301,11 +305,7 @@ def test_evaluation_streams_under_no_grad_and_gathered_weights_can_be_edited(dae
                     out.append(out[-1])
                     with torch.no_grad():
                         model.blocks[1].fc.weight.mul_(0.5)
-            if stream is not None:
-                with stream.gathered():
-                    weights = {k: v.clone() for k, v in model.state_dict().items()}
-            else:
-                weights = model.state_dict()
+            weights = weights_of(model, stream)
         finally:
             opt.close()
             if stream is not None:
@@ -376,11 +376,7 @@ def test_load_state_dict_writes_a_streamed_model_through_its_stream(daemon):  # 
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            if stream is not None:
-                with stream.gathered():
-                    weights = {k: v.clone() for k, v in model.state_dict().items()}
-            else:
-                weights = model.state_dict()
+            weights = weights_of(model, stream)
         finally:
             opt.close()
             if stream is not None:
@@ -636,11 +632,7 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
                 for step in range(steps):
                     if step == resume_at:  # a checkpoint, as a training script takes one
                         saved_opt = opt.state_dict()
-                        if stream is not None:
-                            with stream.gathered():
-                                saved = {k: v.clone() for k, v in model.state_dict().items()}
-                        else:
-                            saved = {k: v.clone() for k, v in model.state_dict().items()}
+                        saved = weights_of(model, stream)
                         close()
                         make_run()
                         model.load_state_dict(saved)
@@ -653,11 +645,7 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
                     opt.zero_grad()
                     written.append(meter.path_bytes("host_to_nvme") - before)
             rolled = opt.rolled_back_steps
-            if stream is not None:
-                with stream.gathered():
-                    weights = {k: v.clone() for k, v in model.state_dict().items()}
-            else:
-                weights = {k: v.clone() for k, v in model.state_dict().items()}
+            weights = weights_of(model, stream)
         finally:
             close()
         return losses, weights, written, state_bytes, rolled
