@@ -98,18 +98,18 @@ struct OffloadedAdam::Impl {
     uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
                         ? (slots - window) / per_shard
                         : 0;
+    // The order the groups are stepped in: the expected one, then any it does not name yet.
+    std::vector<size_t> order;
+    std::vector<bool> listed(state.groups.size(), false);
+    for (size_t g : worker->expected_order) {
+      if (g < listed.size() && !listed[g]) order.push_back(g), listed[g] = true;
+    }
+    for (size_t g = 0; g < listed.size(); ++g) {
+      if (!listed[g]) order.push_back(g);
+    }
     uint64_t resident = 0;
-    const std::vector<size_t>& order = worker->expected_order;
-    std::vector<bool> seen(state.groups.size(), false);
-    std::vector<size_t> last_first;
-    for (auto it = order.rbegin(); it != order.rend(); ++it) {
-      if (*it < seen.size() && !seen[*it]) last_first.push_back(*it), seen[*it] = true;
-    }
-    for (size_t g = state.groups.size(); g-- > 0;) {  // groups not in the order: the latest last
-      if (!seen[g]) last_first.insert(last_first.begin(), g), seen[g] = true;
-    }
-    for (size_t g : last_first) {
-      Group& group = state.groups[g];
+    for (auto g = order.rbegin(); g != order.rend(); ++g) {
+      Group& group = state.groups[*g];
       for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
         sh->resident = !group.on_device && resident < room;
         resident += sh->resident ? 1 : 0;
@@ -250,10 +250,10 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   impl->window.Bind(impl->client.get(), options.home == Tier::kNvme);
   if (absl::Status s = impl->state.Open(); !s.ok()) return s;
   impl->worker = std::make_unique<internal::StepWorker>(impl->state, impl->window, options.threads);
-  impl->Resize();
-  std::vector<size_t>& order = impl->worker->expected_order;
+  std::vector<size_t>& order = impl->worker->expected_order;  // before Resize, which reads it
   order.resize(impl->state.groups.size());
   for (size_t g = 0; g < order.size(); ++g) order[g] = g;
+  impl->Resize();
   // Resuming: the first step's state comes up while the caller computes its gradients.
   const std::vector<Group>& groups_now = impl->state.groups;
   if (impl->state.resumed && std::all_of(groups_now.begin(), groups_now.end(),

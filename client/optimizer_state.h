@@ -112,7 +112,7 @@ struct StateRecord {
   absl::flat_hash_map<ChunkId, void*> kept;
 
   bool nvme_home() const { return options.home == Tier::kNvme; }
-  // Whether shard `s` goes down to NVMe and up again each step (else it is kept on the host).
+  // Whether shard `s` goes down to NVMe and up again each step (else it stays in the host tier).
   bool streams(const Shard& s) const { return nvme_home() && !s.resident; }
   std::string ShardName(const std::string& group, size_t s, uint32_t version) const;
   std::string ShardName(size_t g, size_t s, uint32_t version) const {

@@ -24,16 +24,18 @@ kernels::DType ToDType(ScalarType t) {
   return kernels::DType::kF32;
 }
 
+float* MasterOf(const Group& group, const Shard& shard, char* base, const GroupStep& step) {
+  return group.master_in_out() ? static_cast<float*>(step.out) + shard.first
+                               : reinterpret_cast<float*>(base);
+}
+
 kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Piece& piece,
                                 char* base, const GroupStep& step, ScalarType state_type) {
   const Shard& shard = group.shards[k];
   const uint64_t at = shard.first + piece.begin;
   const uint64_t moment_bytes = (StateBytesPerParam(state_type) - 4) / 2;
   const bool out32 = step.out_type == ScalarType::kFloat32;
-  // A group whose master is its out steps the weights there in place.
-  float* const p = group.master_in_out() ? static_cast<float*>(step.out) + shard.first
-                                         : reinterpret_cast<float*>(base);
-  return {.param = p + piece.begin,
+  return {.param = MasterOf(group, shard, base, step) + piece.begin,
           .m = base + shard.offset(OffloadedAdam::Part::kM) + piece.begin * moment_bytes,
           .v = base + shard.offset(OffloadedAdam::Part::kV) + piece.begin * moment_bytes,
           .grad = static_cast<const char*>(step.grad) + at * ElementBytes(step.grad_type),
@@ -339,8 +341,7 @@ absl::Status StepWorker::StepOne(const Work& w, OptimizerStepStats* delta, bool*
       std::memcpy(to_data, base, shard.bytes());
       base = static_cast<char*>(to_data);
     }
-    // The master weights: the state's p, or the group's out itself (nothing to copy back).
-    float* p = group.master_in_out() ? out32 + shard.first : reinterpret_cast<float*>(base);
+    float* p = MasterOf(group, shard, base, st);  // in its out: nothing to copy back
     std::vector<kernels::AdamTensor> stepped;
     for (const Piece& piece : pieces) {
       const uint64_t at = shard.first + piece.begin, n = piece.end - piece.begin;

@@ -30,6 +30,9 @@ namespace tierd::internal {
 // Bytes of one value of `t`, and the kernels' name for it.
 size_t ElementBytes(ScalarType t);
 kernels::DType ToDType(ScalarType t);
+// The fp32 master weights of `shard` of `group`, whose state is at `base`: the state's p region,
+// or, for a group whose master is its out, the step's out at the shard's first parameter.
+float* MasterOf(const Group& group, const Shard& shard, char* base, const GroupStep& step);
 // The kernels' tensor for `piece` of group `group` (index g)'s shard k, whose state is at `base`,
 // stepped with `step`'s gradients and out (an fp32 out is copied from the weights instead).
 kernels::AdamTensor PieceTensor(const Group& group, size_t g, size_t k, const Piece& piece,
