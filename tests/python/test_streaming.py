@@ -678,8 +678,9 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
     assert twice[3] - once[3] >= 4 * blocks
     # Each step writes what it must, once: every parameter's new weights and both moments, 12
     # bytes (pages rounded up aside); the kept master is written beside them (a write-back may
-    # finish in the next step: compared over the steps).
-    for k in range(steps):
+    # finish in the next step: compared over the steps). The first step is left out: the state's
+    # first write-backs, made when it was opened, may finish in it.
+    for k in range(1, steps):
         assert once[2][k] <= 12 * total * 1.02, (once[2], 12 * total)
     assert sum(twice[2][1:]) - sum(once[2][1:]) >= 4 * blocks * (steps - 1) * 0.95, (
         once[2], twice[2])
