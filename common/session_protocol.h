@@ -21,6 +21,8 @@ enum class SessionMessageType : uint16_t {
   kHelloReply = 2,  // daemon → client: credential, page fd, segment fds
   kMapSegment = 3,  // client → daemon: send me this segment's fd
   kMapSegmentReply = 4,
+  kImport = 5,  // client → daemon: read these byte ranges of a file into a chunk I hold
+  kImportReply = 6,
 };
 
 struct SessionMessageHeader {
@@ -73,6 +75,41 @@ struct MapSegmentReply {
   SegmentDescriptor segment;
   uint32_t emulated;  // device tier: the memory is host memory standing in for a GPU's
   char device_uuid[48];
+  char message[256];
+};
+
+// An import: the daemon reads byte ranges of the file whose fd the message carries (SCM_RIGHTS,
+// exactly one: a regular file open for reading) into a chunk that the session holds acquired for
+// writing in the host tier. `file_size` and `file_mtime_ns` are what the client saw when it read
+// the file's layout (fstat); a file that differs, or changes while it is read, is refused. The
+// message is the fields up to `ranges` and then `count` ranges (1 .. kMaxImportRanges), which lie
+// in the file and the chunk and do not overlap in the chunk. One import per session at a time.
+inline constexpr int kMaxImportRanges = 256;
+
+struct ImportRange {
+  uint64_t file_offset;
+  uint64_t chunk_offset;
+  uint64_t length;
+};
+
+struct ImportRequest {
+  SessionMessageHeader header;
+  uint32_t count;
+  uint32_t reserved;
+  uint64_t chunk;
+  uint64_t file_size;
+  int64_t file_mtime_ns;
+  ImportRange ranges[kMaxImportRanges];
+};
+inline constexpr size_t kImportRequestHead = offsetof(ImportRequest, ranges);
+
+// Sent once the ranges are read (or the import failed); the chunk's contents are the file's only
+// when status_code is 0.
+struct ImportReply {
+  SessionMessageHeader header;
+  int32_t status_code;
+  uint32_t direct;  // the daemon read with O_DIRECT (the page cache was not filled)
+  uint64_t bytes;   // bytes read from the file
   char message[256];
 };
 

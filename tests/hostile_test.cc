@@ -2,6 +2,7 @@
 // into their shared pages, holding connections open — and with a well-behaved tenant beside them
 // whose requests must keep being served. Clients speak the raw protocol (no client library), so
 // they can do what the library never would.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -428,6 +429,87 @@ TEST_F(HostileClientTest, HelloJobLabelsAreCheckedAndOlderHellosStillWork) {
   EXPECT_EQ(reply.status_code, 0) << reply.message;
   EXPECT_NE(reply.session_id, 0u);
   ExpectServed(Open());
+}
+
+// Imports as the raw protocol lets a client send them: the wrong length, no fd or two, what is not
+// a file, a chunk it does not hold, a file that is not the one whose layout it read. Each is
+// refused on the session's socket, which goes on serving; then a good one reads the file's bytes
+// into the chunk, and a client killed while its imports run leaves the daemon serving.
+TEST_F(HostileClientTest, MalformedImportsAreRefusedAndTheSessionGoesOn) {
+  Start();
+  RawSession s = Open();
+  const uint64_t chunk = Allocate(s, 1, 1 << 20)[0];
+  const std::string path = daemon_->socket_dir() + "/weights.bin";
+  std::string content(3 << 20, '\0');
+  for (size_t i = 0; i < content.size(); ++i) content[i] = static_cast<char>(i * 13 + (i >> 10));
+  std::ofstream(path, std::ios::binary) << content;
+  UniqueFd file(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  struct stat st {};
+  ASSERT_EQ(fstat(file.get(), &st), 0);
+  ImportRequest req{};
+  req.header = MakeHeader(SessionMessageType::kImport);
+  req.chunk = chunk;
+  req.file_size = static_cast<uint64_t>(st.st_size);
+  req.file_mtime_ns = st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+  req.count = 1;
+  req.ranges[0] = ImportRange{.file_offset = 4097, .chunk_offset = 0, .length = 1 << 20};
+  const size_t good_size = kImportRequestHead + sizeof(ImportRange);
+  auto send = [&](const ImportRequest& r, size_t size, const std::vector<int>& fds) {
+    EXPECT_TRUE(SendWithFds(s.socket.get(), &r, size, fds).ok());
+    ImportReply reply{};
+    std::vector<UniqueFd> back;
+    auto n = ReceiveWithFds(s.socket.get(), &reply, sizeof(reply), &back);
+    EXPECT_TRUE(n.ok() && *n == sizeof(reply));
+    return static_cast<absl::StatusCode>(reply.status_code);
+  };
+  using absl::StatusCode;
+  EXPECT_EQ(send(req, good_size + 8, {file.get()}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(send(req, good_size, {}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(send(req, good_size, {file.get(), file.get()}), StatusCode::kInvalidArgument);
+  ImportRequest many = req;
+  many.count = kMaxImportRanges + 1;
+  EXPECT_EQ(send(many, good_size, {file.get()}), StatusCode::kInvalidArgument);
+  UniqueFd dir(open(daemon_->socket_dir().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  EXPECT_EQ(send(req, good_size, {dir.get()}), StatusCode::kInvalidArgument);
+  EXPECT_EQ(send(req, good_size, {file.get()}), StatusCode::kFailedPrecondition);  // not held
+  pb::AcquireRequest acquire;
+  acquire.add_chunk_ids(chunk);
+  acquire.set_tier(pb::TIER_HOST);
+  acquire.set_mode(pb::ACCESS_MODE_OVERWRITE);
+  pb::AcquireResponse acquired;
+  ASSERT_TRUE(stub_->Acquire(Context(s).get(), acquire, &acquired).ok());
+  ImportRequest stale = req;
+  stale.file_mtime_ns += 1;
+  EXPECT_EQ(send(stale, good_size, {file.get()}), StatusCode::kFailedPrecondition);
+  ImportRequest past_end = req;
+  past_end.ranges[0].file_offset = (3 << 20) - 10;
+  EXPECT_EQ(send(past_end, good_size, {file.get()}), StatusCode::kInvalidArgument);
+  // Still served, and a good import reads the file's bytes into the chunk.
+  ExpectServed(s);
+  ASSERT_EQ(send(req, good_size, {file.get()}), StatusCode::kOk);
+  const char* at = Map(s, acquired.locations(0));
+  ASSERT_NE(at, nullptr);
+  EXPECT_EQ(std::memcmp(at, content.data() + 4097, 1 << 20), 0);
+
+  // A client that dies with its imports under way (its socket closes, as the kernel closes it
+  // when the process is killed): the daemon serves the others.
+  for (int round = 0; round < 20; ++round) {
+    RawSession k = Open();
+    const uint64_t c = Allocate(k, 1, 1 << 20)[0];
+    pb::AcquireRequest a;
+    a.add_chunk_ids(c);
+    a.set_tier(pb::TIER_HOST);
+    a.set_mode(pb::ACCESS_MODE_OVERWRITE);
+    pb::AcquireResponse r;
+    ASSERT_TRUE(stub_->Acquire(Context(k).get(), a, &r).ok());
+    ImportRequest mine = req;
+    mine.chunk = c;
+    const int fd = file.get();
+    for (int i = 0; i < 3; ++i) (void)SendWithFds(k.socket.get(), &mine, good_size, {&fd, 1});
+    if (round % 2 == 1) absl::SleepFor(absl::Microseconds(200 * round));
+  }
+  RawSession other = Open();
+  ExpectServed(other);
 }
 
 // One user cannot take every connection or session of the node.

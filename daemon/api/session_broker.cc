@@ -72,7 +72,8 @@ SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
       device_(device),
       devices_(std::move(devices)),
       connections_per_uid_(connections_per_uid),
-      trimmer_(trimmer) {}
+      trimmer_(trimmer),
+      importer_(chunks) {}
 
 SessionBroker::~SessionBroker() {
   uint64_t one = 1;
@@ -199,9 +200,11 @@ bool SessionBroker::Serve(Connection& conn) {
     SessionMessageHeader header;
     HelloRequest hello;
     MapSegmentRequest map;
+    ImportRequest import;
   } msg{};
-  std::vector<UniqueFd> ignored;  // clients have no reason to send fds; they are closed
-  absl::StatusOr<size_t> got = ReceiveWithFds(conn.fd.get(), &msg, sizeof(msg), &ignored);
+  // Only an import carries an fd; those sent with other messages are closed.
+  std::vector<UniqueFd> fds;
+  absl::StatusOr<size_t> got = ReceiveWithFds(conn.fd.get(), &msg, sizeof(msg), &fds);
   if (!got.ok() || *got == 0) return false;  // error or orderly close
   if ((*got == sizeof(HelloRequest) || *got == kHelloRequestWithoutJob) &&
       ValidHeader(msg.header, SessionMessageType::kHello)) {
@@ -210,6 +213,9 @@ bool SessionBroker::Serve(Connection& conn) {
   if (*got == sizeof(MapSegmentRequest) &&
       ValidHeader(msg.header, SessionMessageType::kMapSegment)) {
     return MapSegment(conn, msg.map);
+  }
+  if (*got >= kImportRequestHead && ValidHeader(msg.header, SessionMessageType::kImport)) {
+    return Import(conn, msg.import, *got, std::move(fds));
   }
   TIERD_LOG_LIMITED(warn,
                     "session broker: malformed message ({} bytes) from pid {} uid {}; closing",
@@ -300,6 +306,41 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {&raw, 1}).ok();
 }
 
+bool SessionBroker::Import(Connection& conn, const ImportRequest& request, size_t size,
+                           std::vector<UniqueFd> fds) {
+  auto refuse = [&conn](absl::Status why) {
+    ImportReply reply{};
+    reply.header = MakeHeader(SessionMessageType::kImportReply);
+    reply.status_code = static_cast<int32_t>(why.code());
+    CopyString(reply.message, why.message());
+    return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
+  };
+  if (request.count == 0 || request.count > kMaxImportRanges ||
+      size != kImportRequestHead + request.count * sizeof(ImportRange)) {
+    TIERD_LOG_LIMITED(warn, "session broker: malformed import ({} bytes, {} ranges) from pid {}",
+                      size, request.count, conn.peer.pid);
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        "import: 1 to ", kMaxImportRanges, " ranges, the message's length matching them")));
+  }
+  if (fds.size() != 1) {
+    return refuse(absl::InvalidArgumentError("import: the message carries one fd, the file's"));
+  }
+  if (conn.session == 0) {
+    return refuse(absl::FailedPreconditionError("open a session (hello) before importing"));
+  }
+  ImportJob job;
+  job.session = conn.opened;
+  job.chunk = request.chunk;
+  job.file = std::move(fds[0]);
+  job.file_size = request.file_size;
+  job.file_mtime_ns = request.file_mtime_ns;
+  job.ranges.assign(request.ranges, request.ranges + request.count);
+  job.reply_to = UniqueFd(fcntl(conn.fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!job.reply_to) return refuse(absl::ErrnoToStatus(errno, "import: dup"));
+  if (absl::Status s = importer_.Submit(std::move(job)); !s.ok()) return refuse(s);
+  return true;
+}
+
 void SessionBroker::Close(int fd) {
   auto it = connections_.find(fd);
   if (it == connections_.end()) return;
@@ -311,6 +352,7 @@ void SessionBroker::Close(int fd) {
     connections_by_uid_.erase(n);
   }
   if (conn->session == 0) return;
+  importer_.EndSession(conn->session);  // nothing writes into its chunks from here on
   std::shared_ptr<Session> session = sessions_->Close(conn->session);
   if (session == nullptr) return;
   const size_t freed = chunks_->CloseSession(*session);

@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/api/importer.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
 #include "daemon/tiers/device/device_probe.h"
@@ -53,6 +54,10 @@ class SessionBroker {
   bool Serve(Connection& conn);
   bool Hello(Connection& conn, const HelloRequest& request);
   bool MapSegment(Connection& conn, const MapSegmentRequest& request);
+  // Hands a well-formed import to the importer, which replies when it ends; replies at once when
+  // it is refused. `size` is the message's length.
+  bool Import(Connection& conn, const ImportRequest& request, size_t size,
+              std::vector<UniqueFd> fds);
   void Close(int fd);
 
   UniqueFd listener_;
@@ -69,6 +74,8 @@ class SessionBroker {
   absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<uint32_t, uint32_t> connections_by_uid_;
   UniqueFd reserve_;  // an fd kept free for accepting (and closing) when the process has none
+  // Told before a session ends (Close); destroyed after every connection is closed.
+  Importer importer_;
   std::thread thread_;
 };
 

@@ -140,6 +140,15 @@ class ChunkService : private Mover::Listener {
     bases_.set_share_groups(std::move(gids));
   }
 
+  // --- Imports (chunk_service_imports.cc; daemon/api/importer.h reads the files). ---
+  // The host memory of a chunk that the session holds acquired for writing in the host tier (its
+  // data there), for the daemon to write: held by one more write pin in the session's name until
+  // EndImport, so that the chunk is neither moved, copied nor freed meanwhile, whatever the client
+  // releases. FAILED_PRECONDITION when the session does not hold it so.
+  absl::StatusOr<std::span<char>> BeginImport(const Session& session, ChunkId id);
+  // Drops BeginImport's pin. REQUIRES: the session has not ended since (its end drops it).
+  void EndImport(const Session& session, ChunkId id);
+
   SessionStats session_stats(const Session& session) const;
   PathArray<PathStatus> path_status() const { return meter_.Status(); }
   // The start-up probe's figures (0: not probed) become the bandwidth estimates.

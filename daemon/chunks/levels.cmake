@@ -23,6 +23,7 @@ set(level_plan_round 3)
 set(level_chunk_service 4)
 # Sections of a class kept in a file of their own: the class's own header is theirs.
 set(section_of_chunk_service_bases chunk_service)
+set(section_of_chunk_service_imports chunk_service)
 set(level_plan_loop 5)
 set(level_chunk_service_nvme_fixture 5)  # the NVMe tests' fixture, over the service
 
