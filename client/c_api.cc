@@ -675,6 +675,27 @@ tierd_status tierd_base_pin(tierd_client* client, const char* name, int pinned) 
   return Guard([&] { return Done(client->client->PinBase(name, pinned != 0)); });
 }
 
+tierd_status tierd_import(tierd_client* client, tierd_chunk_id id, int fd, uint64_t file_size,
+                          int64_t file_mtime_ns, size_t n, const tierd_file_range* ranges,
+                          uint64_t* bytes, int* direct) {
+  if (client == nullptr || (ranges == nullptr && n > 0)) {
+    return Invalid("tierd_import: NULL argument");
+  }
+  return Guard([&] {
+    static_assert(sizeof(tierd_file_range) == sizeof(tierd::Client::FileRange));
+    std::vector<tierd::Client::FileRange> r(n);
+    for (size_t i = 0; i < n; ++i) {
+      r[i] = {ranges[i].file_offset, ranges[i].chunk_offset, ranges[i].length};
+    }
+    absl::StatusOr<tierd::Client::Imported> done =
+        client->client->Import(id, fd, file_size, file_mtime_ns, r);
+    if (!done.ok()) return Fail(done.status());
+    if (bytes != nullptr) *bytes = done->bytes;
+    if (direct != nullptr) *direct = done->direct ? 1 : 0;
+    return TIERD_OK;
+  });
+}
+
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out) {
   if (client == nullptr || out == nullptr) return Invalid("tierd_tier_usage_get: NULL argument");
   return Guard([&] {

@@ -928,6 +928,52 @@ absl::StatusOr<std::vector<BaseStatus>> Client::ListBases() {
   return out;
 }
 
+absl::StatusOr<Client::Imported> Client::Import(ChunkId id, int fd, uint64_t file_size,
+                                                int64_t file_mtime_ns,
+                                                std::span<const FileRange> ranges) {
+  if (ranges.empty()) return absl::InvalidArgumentError("Import: no ranges");
+  Imported imported{.direct = true};
+  // As many messages as the ranges need, each waited for: the daemon takes one at a time.
+  for (size_t first = 0; first < ranges.size(); first += kMaxImportRanges) {
+    const size_t n = std::min<size_t>(kMaxImportRanges, ranges.size() - first);
+    ImportRequest request{};
+    request.header = MakeHeader(SessionMessageType::kImport);
+    request.count = static_cast<uint32_t>(n);
+    request.chunk = id;
+    request.file_size = file_size;
+    request.file_mtime_ns = file_mtime_ns;
+    for (size_t i = 0; i < n; ++i) {
+      const FileRange& r = ranges[first + i];
+      request.ranges[i] = ImportRange{r.file_offset, r.chunk_offset, r.length};
+    }
+    ImportReply reply{};
+    {
+      absl::MutexLock socket_lock(&impl_->socket_mu);
+      const int sock = impl_->session_socket.get();
+      if (absl::Status s =
+              SendWithFds(sock, &request, kImportRequestHead + n * sizeof(ImportRange), {&fd, 1});
+          !s.ok()) {
+        return s;
+      }
+      std::vector<UniqueFd> fds;
+      absl::StatusOr<size_t> got = ReceiveWithFds(sock, &reply, sizeof(reply), &fds);
+      if (!got.ok()) return got.status();
+      if (*got != sizeof(reply) || reply.header.magic != kSessionMagic ||
+          reply.header.type != SessionMessageType::kImportReply) {
+        return absl::UnavailableError("the daemon closed the session socket or sent garbage");
+      }
+    }
+    if (reply.status_code != 0) {
+      return absl::Status(
+          static_cast<absl::StatusCode>(reply.status_code),
+          std::string(reply.message, strnlen(reply.message, sizeof(reply.message))));
+    }
+    imported.bytes += reply.bytes;
+    imported.direct = imported.direct && reply.direct != 0;
+  }
+  return imported;
+}
+
 absl::StatusOr<int> Client::CudaDevice() {
   {
     absl::MutexLock lock(&impl_->segments_mu);

@@ -73,6 +73,11 @@ class Completion(ctypes.Structure):
     _fields_ = [("slot", ctypes.c_uint32), ("sequence", ctypes.c_uint32)]
 
 
+class FileRange(ctypes.Structure):
+    _fields_ = [("file_offset", ctypes.c_uint64), ("chunk_offset", ctypes.c_uint64),
+                ("length", ctypes.c_uint64)]
+
+
 class TierUsage(ctypes.Structure):
     _fields_ = [("configured", ctypes.c_int32), ("capacity_bytes", ctypes.c_uint64),
                 ("used_bytes", ctypes.c_uint64), ("free_bytes", ctypes.c_uint64),
@@ -185,7 +190,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 
 def load_library():
@@ -223,6 +228,9 @@ def load_library():
     lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]
     lib.tierd_chunk_count.argtypes = [p, u64p]
     lib.tierd_path_bytes.argtypes = [p, ctypes.c_char_p, u64p]
+    lib.tierd_import.argtypes = [p, ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64,
+                                 ctypes.c_int64, ctypes.c_size_t, ctypes.POINTER(FileRange), u64p,
+                                 ctypes.POINTER(ctypes.c_int)]
     lib.tierd_device_info.argtypes = [p, ctypes.c_char_p, ctypes.c_size_t,
                                       ctypes.POINTER(ctypes.c_int), u64p]
     lib.tierd_cuda_device.argtypes = [p, ctypes.POINTER(ctypes.c_int)]

@@ -15,7 +15,7 @@ import ctypes
 import enum
 import os
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _abi
 from ._abi import TierdError, check, library
@@ -450,6 +450,20 @@ class Client:
         out = ctypes.c_uint64()
         check(library().tierd_path_bytes(self._handle, path.encode(), ctypes.byref(out)))
         return out.value
+
+    def import_file(self, chunk: int, fd: int, size: int, mtime_ns: int,
+                    ranges: Sequence[Tuple[int, int, int]]) -> Tuple[int, bool]:
+        """Has the daemon read byte ranges of the file `fd` (regular, open for reading) into
+        `chunk`, which this session holds acquired for writing in the host tier: each range is
+        (file offset, chunk offset, length). `size` and `mtime_ns` are the file's as the caller
+        saw them (os.fstat) when it read the file's layout; a file that is not that one, changes
+        while it is read or ends early fails the import. The bytes never pass through this
+        process. Returns (bytes read, whether the daemon read them with O_DIRECT)."""
+        arr = (_abi.FileRange * len(ranges))(*[_abi.FileRange(*r) for r in ranges])
+        got, direct = ctypes.c_uint64(), ctypes.c_int()
+        check(library().tierd_import(self._handle, chunk, fd, size, mtime_ns, len(ranges), arr,
+                                     ctypes.byref(got), ctypes.byref(direct)))
+        return got.value, bool(direct.value)
 
     def cuda_device(self) -> int:
         """The daemon's GPU as this process's CUDA ordinal. From this call on, the host segments

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 11
+#define TIERD_C_ABI_VERSION 12
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -27,7 +27,8 @@ extern "C" {
  * 8: tierd_adam_wait_group (a group's gradients and out released before the step's end)
  * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get);
  *     tierd_allocate_transient
- * 11: tierd_adam_group.master (a group whose master weights are its out) */
+ * 11: tierd_adam_group.master (a group whose master weights are its out)
+ * 12: tierd_import (the daemon reads byte ranges of a file into a chunk) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -264,6 +265,23 @@ tierd_status tierd_base_seal(tierd_client* client, const char* name, const void*
                              size_t descriptor_len);
 tierd_status tierd_base_release(tierd_client* client, const char* name);
 tierd_status tierd_base_pin(tierd_client* client, const char* name, int pinned);
+
+/* One byte range of an import: file_offset .. file_offset + length of the file into the chunk
+ * at chunk_offset. */
+typedef struct tierd_file_range {
+  uint64_t file_offset;
+  uint64_t chunk_offset;
+  uint64_t length;
+} tierd_file_range;
+/* Has the daemon read `n` byte ranges of the file `fd` (regular, open for reading) into chunk
+ * `id`, which this session holds acquired for writing in the host tier; waits for it. file_size
+ * and file_mtime_ns are what the caller saw (fstat) when it read the file's layout: a file that
+ * is not that one (FAILED_PRECONDITION), changes while it is read (ABORTED) or ends early
+ * (OUT_OF_RANGE) fails the import. `bytes` (may be NULL) receives the bytes read, `direct` (may
+ * be NULL) whether the daemon read them with O_DIRECT. */
+tierd_status tierd_import(tierd_client* client, tierd_chunk_id id, int fd, uint64_t file_size,
+                          int64_t file_mtime_ns, size_t n, const tierd_file_range* ranges,
+                          uint64_t* bytes, int* direct);
 
 /* Usage of one tier. */
 tierd_status tierd_tier_usage_get(tierd_client* client, int tier, tierd_tier_usage* out);

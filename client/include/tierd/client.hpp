@@ -446,6 +446,27 @@ class Client {
   absl::Status PinBase(const std::string& name, bool pinned);
   absl::StatusOr<std::vector<BaseStatus>> ListBases();
 
+  // --- imports: the daemon reads a file into a chunk ---
+  // Has the daemon read byte ranges of the file `fd` (a regular file open for reading) into chunk
+  // `id`, which this session holds acquired for writing in the host tier; waits for it. The bytes
+  // never pass through this process (nor, where the file system allows O_DIRECT, the page cache).
+  // `file_size` and `file_mtime_ns` are what the caller saw (fstat) when it read the file's
+  // layout: FAILED_PRECONDITION when the file is not that file any more, ABORTED when it changed
+  // while it was read, OUT_OF_RANGE when it ended early, INVALID_ARGUMENT for a range outside the
+  // file or the chunk or overlapping another in the chunk. On an error the chunk holds part of
+  // the ranges at most; it is still the session's, acquired as before.
+  struct FileRange {
+    uint64_t file_offset = 0;
+    uint64_t chunk_offset = 0;
+    uint64_t length = 0;
+  };
+  struct Imported {
+    uint64_t bytes = 0;
+    bool direct = false;  // read with O_DIRECT throughout
+  };
+  absl::StatusOr<Imported> Import(ChunkId id, int fd, uint64_t file_size, int64_t file_mtime_ns,
+                                  std::span<const FileRange> ranges);
+
   // --- the daemon's GPU in this process ---
   // Opens the daemon's GPU through CUDA (found by UUID; its primary context, the one the CUDA
   // runtime and PyTorch use) and returns its ordinal in this process, for cudaSetDevice or
