@@ -139,6 +139,41 @@ def test_a_model_built_on_meta_streams_from_its_checkpoint_and_trains_as_in_memo
         s.close()
 
 
+def _bytes_read_by_this_process() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_the_daemon_reads_the_checkpoint_into_the_units_not_the_training_process(
+        daemon, tmp_path, home):  # noqa: F811
+    """Weights stored in the model's dtype go from the file straight into the units' chunks
+    (Client.import_file): this process reads their layout, not their bytes."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, vocab_size=VOCAB,
+                                   tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(
+        tmp_path / "ckpt", max_shard_size="1MB")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    streamed = sum(p.numel() * p.element_size() for layer in reference.model.layers
+                   for p in layer.parameters())
+    before = _bytes_read_by_this_process()
+    s = stream(model, daemon, checkpoint=str(tmp_path / "ckpt"), device_budget_bytes=16 << 20,
+               host_budget_bytes=0 if home == "nvme" else None)
+    try:
+        read = _bytes_read_by_this_process() - before
+        assert {u.home for u in s._units} == {Tier.NVME if home == "nvme" else Tier.HOST}
+        assert read < streamed / 10, f"read {read} bytes of the {streamed} streamed"
+        with torch.no_grad():
+            assert torch.equal(model(tokens(99)).logits, reference(tokens(99)).logits)
+    finally:
+        s.close()
+
+
 def test_a_single_file_in_another_dtype_is_converted_to_the_models(daemon, tmp_path):  # noqa: F811
     ckpt = saved(tmp_path, "llama", max_shard_size="1GB", dtype=torch.bfloat16)
     assert os.listdir(ckpt).count("model.safetensors") == 1

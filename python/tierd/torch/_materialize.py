@@ -260,10 +260,14 @@ class FromCheckpoint(Source):
         return self.checkpoint.read(self._key[id(t)]).to(t.dtype)
 
     def unit_values(self, module, params):
-        """Readers that put each weight straight into its place in the unit's chunk."""
-        def reader(p):
-            return lambda out: self.checkpoint.read_into(self._key[id(p)], out)
-        return {id(p): reader(p) for p in params}
+        """Each weight stored in the model's dtype as its span of the file (FileSpan: the daemon
+        reads it straight into the unit's chunk); the others as readers that convert it there."""
+        def value(p):
+            key = self._key[id(p)]
+            if self.checkpoint.entries[key].dtype == p.dtype:
+                return self.checkpoint.span(key)
+            return lambda out: self.checkpoint.read_into(key, out)
+        return {id(p): value(p) for p in params}
 
     def make_resident(self, resident, device):
         made: Dict[int, torch.Tensor] = {}

@@ -85,6 +85,23 @@ class Entry:
         self.start, self.end = start, end
 
 
+class FileSpan:
+    """A tensor's bytes in a checkpoint file, as stored: what the daemon reads straight into a
+    chunk (Client.import_file), with the file as it was when its layout was read. Called with a
+    flat tensor of the stored dtype, reads them into it in this process instead."""
+
+    __slots__ = ("fd", "start", "nbytes", "size", "mtime_ns", "_read")
+
+    def __init__(self, fd: int, start: int, nbytes: int, seen: Tuple[int, int],
+                 read: Callable[[torch.Tensor], None]):
+        self.fd, self.start, self.nbytes = fd, start, nbytes
+        self.size, self.mtime_ns = seen
+        self._read = read
+
+    def __call__(self, out: torch.Tensor) -> None:
+        self._read(out)
+
+
 class Checkpoint:
     """The tensors of a checkpoint by key, opened and checked at construction; tensors are read
     one at a time by read()."""
@@ -107,6 +124,7 @@ class Checkpoint:
             raise FileNotFoundError(f"{path}: no such file or directory")
         self.entries: Dict[str, Entry] = {}
         self._open: Dict[str, int] = {}  # file -> descriptor
+        self._seen: Dict[str, Tuple[int, int]] = {}  # file -> (size, mtime_ns) when scanned
         try:
             for file, wanted in files.items():
                 self._scan(file, wanted)
@@ -140,6 +158,8 @@ class Checkpoint:
         st = _safetensors()
         try:
             fd = self._fd(file)  # a regular file, checked on its descriptor
+            seen = os.fstat(fd)
+            self._seen[file] = (seen.st_size, seen.st_mtime_ns)
             # safe_open reads the very file that was checked, not what the path names now.
             with st.safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as f:
                 keys = list(f.keys())  # the header checked against the file
@@ -204,6 +224,12 @@ class Checkpoint:
             self._pread(e, key, out)
         else:
             out.copy_(self.read(key).reshape(-1))
+
+    def span(self, key: str) -> FileSpan:
+        """Where the tensor under `key` lies in its file, for the daemon to read as stored."""
+        e = self.entries[key]
+        return FileSpan(self._fd(e.file), e.start, e.end - e.start, self._seen[e.file],
+                        lambda out: self.read_into(key, out))
 
     def _pread(self, e: Entry, key: str, out: torch.Tensor) -> None:
         fd = self._fd(e.file)
