@@ -236,7 +236,7 @@ absl::Status Importer::Read(const ImportJob& job, std::span<char> chunk,
   // file for reading gives it nothing more; it must be the same file.
   char link[64];
   snprintf(link, sizeof(link), "/proc/self/fd/%d", job.file.get());
-  UniqueFd direct(open(link, O_RDONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW));
+  UniqueFd direct(open(link, O_RDONLY | O_DIRECT | O_CLOEXEC));
   if (direct) {
     struct stat a {
     }, b{};

@@ -96,6 +96,10 @@ TEST_F(ImporterTest, EachRangeLandsAtItsPlaceInTheChunkAndTheClientsPinIsAsItWas
   ImportOutcome out = importer.Run(job, no_cancel_);
   ASSERT_TRUE(out.status.ok()) << out.status;
   EXPECT_EQ(out.bytes, 300000u + 4096 + 10);
+  // Without the page cache wherever the file system takes O_DIRECT.
+  const int direct = open(path_.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  EXPECT_EQ(out.direct, direct >= 0);
+  if (direct >= 0) close(direct);
   for (const ImportRange& r : job.ranges) {
     EXPECT_EQ(std::memcmp(chunk.data() + r.chunk_offset, &content_[r.file_offset], r.length), 0);
   }
