@@ -125,10 +125,13 @@ void Importer::Loop() {
       TIERD_LOG_LIMITED(info, "{}: import into chunk {} failed: {}", job.session->Describe(),
                         job.chunk, outcome.status.message());
     }
+    {
+      // Done with the chunk: the session may send its next import as soon as it has the reply.
+      absl::MutexLock lock(&mu_);
+      busy_.erase(job.session->id);
+      running_ = 0;
+    }
     Reply(job, outcome);
-    absl::MutexLock lock(&mu_);
-    busy_.erase(job.session->id);
-    running_ = 0;
   }
 }
 

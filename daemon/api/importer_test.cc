@@ -238,7 +238,7 @@ TEST_F(ImporterTest, OneImportOfASessionAtATimeEachRepliedOnItsConnection) {
   absl::Notification started, go;
   ImporterOptions o;
   o.before_read = [&](const ImportJob&) {
-    started.Notify();
+    if (!started.HasBeenNotified()) started.Notify();
     go.WaitForNotification();
   };
   Importer importer(service_.get(), o);
@@ -255,6 +255,14 @@ TEST_F(ImporterTest, OneImportOfASessionAtATimeEachRepliedOnItsConnection) {
   ImportReply reply = ReplyOn(client.get());
   EXPECT_EQ(reply.status_code, 0) << reply.message;
   EXPECT_EQ(reply.bytes, kChunk);
+  // Once its reply is there, the session's next import is taken.
+  ImportJob third = Job({{.file_offset = 0, .chunk_offset = 0, .length = 16}});
+  int again[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, again), 0);
+  UniqueFd client_again(again[0]);
+  third.reply_to = UniqueFd(again[1]);
+  EXPECT_TRUE(importer.Submit(std::move(third)).ok());
+  EXPECT_EQ(ReplyOn(client_again.get()).status_code, 0);
 }
 
 TEST_F(ImporterTest, ASessionThatEndsStopsItsImportBeforeItsChunksGo) {
