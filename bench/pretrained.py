@@ -61,6 +61,9 @@ def arguments():
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (a temporary "
                     "directory under the build directory by default)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    # The import as it was before the daemon read checkpoints: pread by the process.
+    ap.add_argument("--read-here", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--home", default="nvme", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
@@ -111,16 +114,16 @@ def drop_caches() -> bool:
         return False
 
 
-def fio(directory: str) -> float:
-    """fio's sequential read of the shards (1 MiB requests, io_uring, buffered as safetensors
-    reads), in bytes/s."""
+def fio(directory: str, direct: bool) -> float:
+    """fio's sequential read of the shards (1 MiB requests, io_uring; buffered, or O_DIRECT as
+    the daemon's import reads), in bytes/s."""
     files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
                    if f.endswith(".safetensors"))
     # One job per file, one after another (--stonewall), each the file's own size; --readonly:
     # fio lays out (writes) a file shorter than the size it is given, which must never happen.
     cmd = ["fio", "--readonly", "--output-format=json"]
     for i, f in enumerate(files):
-        cmd += [f"--name=read{i}", "--rw=read", "--bs=1M", "--ioengine=io_uring", "--direct=0",
+        cmd += [f"--name=read{i}", "--rw=read", "--bs=1M", "--ioengine=io_uring", f"--direct={int(direct)}",
                 f"--filename={f}", f"--size={os.path.getsize(f)}", "--stonewall"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     jobs = [j["read"] for j in json.loads(out.stdout)["jobs"]]
@@ -132,11 +135,30 @@ def _status(key: str) -> int:
     return benchlib.proc_status().get(key, 0)
 
 
+def _read_by_this_process() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def cached_bytes(directory: str) -> int:
+    """Bytes of the shards in the page cache (fincore)."""
+    files = [os.path.join(directory, f) for f in os.listdir(directory)
+             if f.endswith(".safetensors")]
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES"] + files,
+                         capture_output=True, text=True, check=True)
+    return sum(int(line) for line in out.stdout.split())
+
+
 def child_import(args) -> None:
     """In a process of its own: the import, timed; prints JSON."""
     import torch
     import tierd.torch
+    if args.read_here:
+        from tierd.torch import _pretrained
+        _pretrained.Checkpoint.span = lambda self, key: (
+            lambda out: self.read_into(key, out))
     model = meta_model(args)
+    read_before = _read_by_this_process()
     before = _status("VmRSS")
     anon_before = _status("RssAnon")
     biggest = max(sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -152,9 +174,11 @@ def child_import(args) -> None:
     sampler.start()
     start = time.perf_counter()
     stream = tierd.torch.stream_parameters(model, checkpoint=args.dir, device=torch.device("cpu"),
-                                           device_budget_bytes=64 << 30, host_budget_bytes=0,
+                                           device_budget_bytes=64 << 30,
+                                           host_budget_bytes=0 if args.home == "nvme" else None,
                                            socket_dir=args.child)
     seconds = time.perf_counter() - start
+    read = _read_by_this_process() - read_before
     done.set()
     sampler.join()
     hwm = _status("VmHWM")
@@ -164,7 +188,7 @@ def child_import(args) -> None:
                       "anon_before": anon_before, "peak_anon": peak["RssAnon"],
                       "peak_shmem": peak["RssShmem"],
                       "largest_unit": biggest,
-                      "resident": resident}))
+                      "resident": resident, "read": read, "cached": cached_bytes(args.dir)}))
 
 
 def lora(args, directory: str, sock: str) -> None:
@@ -342,36 +366,49 @@ def main():
         print("page cache dropped before each read" if dropped else
               "the page cache could not be dropped (not root): reads may come from memory")
         nvme = f"{max(4, int(3 * size / 2**30) + 2)}GiB"  # two versions and room
-        with benchlib.daemon(args.build, host_capacity="1GiB", nvme=nvme) as sock:
+        # Room for both versions of every unit, for the imports into units at home on the host.
+        host = f"{max(1, int(2 * size / 2**30) + 2)}GiB"
+        with benchlib.daemon(args.build, host_capacity=host, nvme=nvme) as sock:
             rows = []
             for r in range(args.rounds):
-                drop_caches()
-                f = fio(directory)
-                drop_caches()
-                env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-                out = subprocess.run([sys.executable, __file__, "--child", sock, "--dir",
-                                      directory, "--layers", str(args.layers), "--hidden",
-                                      str(args.hidden), "--intermediate", str(args.intermediate),
-                                      "--heads", str(args.heads), "--vocab", str(args.vocab),
-                                      "--dtype", args.dtype, "--build", args.build],
-                                     capture_output=True, text=True, env=env)
-                if out.returncode != 0:
-                    sys.exit(out.stderr)
-                imp = json.loads(out.stdout.strip().splitlines()[-1])
-                rate = size / imp["seconds"]
-                rows.append((f, rate, imp))
-                print(f"round {r + 1}: fio {f / 2**20:.0f} MiB/s, import {rate / 2**20:.0f} MiB/s "
-                      f"({rate / f:.2f}x fio), {imp['seconds']:.1f} s; the process's peak RSS "
-                      f"{imp['peak_rss'] / 2**20:.0f} MiB ({imp['before'] / 2**20:.0f} MiB "
-                      f"before, torch and transformers loaded) for a {size / 2**20:.0f} MiB model "
-                      f"(largest unit {imp['largest_unit'] / 2**20:.0f} MiB, resident "
-                      f"{imp['resident'] / 2**20:.0f} MiB); of it private memory grew by "
-                      f"{(imp['peak_anon'] - imp['anon_before']) / 2**20:.0f} MiB, the rest is "
-                      f"the daemon's shared memory written into (at most "
-                      f"{imp['peak_shmem'] / 2**20:.0f} MiB mapped at once)")
-            if rows:
-                best = max(rows, key=lambda row: row[1] / row[0])
-                print(f"best round: import at {best[1] / best[0]:.2f}x fio's sequential read")
+                rates = {}
+                for direct in (False, True):
+                    drop_caches()
+                    rates[direct] = fio(directory, direct)
+                print(f"round {r + 1}: fio buffered {rates[False] / 2**20:.0f} MiB/s, O_DIRECT "
+                      f"{rates[True] / 2**20:.0f} MiB/s")
+                for here, home in ((False, "host"), (False, "nvme"), (True, "nvme")):
+                    drop_caches()
+                    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child", sock, "--dir", directory,
+                         "--layers", str(args.layers), "--hidden", str(args.hidden),
+                         "--intermediate", str(args.intermediate), "--heads", str(args.heads),
+                         "--vocab", str(args.vocab), "--dtype", args.dtype, "--build",
+                         args.build, "--home", home] + (["--read-here"] if here else []),
+                        capture_output=True, text=True, env=env)
+                    if out.returncode != 0:
+                        sys.exit(out.stderr)
+                    imp = json.loads(out.stdout.strip().splitlines()[-1])
+                    rate = size / imp["seconds"]
+                    best_fio = max(rates.values())
+                    rows.append((best_fio, rate, (here, home)))
+                    who = (f"read by the {'process (pread)' if here else 'daemon'}, units at home "
+                           f"in {'the host tier' if home == 'host' else 'NVMe (written down)'}")
+                    print(f"  import {who}: {rate / 2**20:.0f} MiB/s ({rate / best_fio:.2f}x "
+                          f"fio's faster), {imp['seconds']:.1f} s; the process read "
+                          f"{imp['read'] / 2**20:.0f} MiB, the shards' pages cached after it "
+                          f"{imp['cached'] / 2**20:.0f} MiB of {size / 2**20:.0f} MiB; peak RSS "
+                          f"{imp['peak_rss'] / 2**20:.0f} MiB ({imp['before'] / 2**20:.0f} MiB "
+                          f"before, torch and transformers loaded; largest unit "
+                          f"{imp['largest_unit'] / 2**20:.0f} MiB, resident "
+                          f"{imp['resident'] / 2**20:.0f} MiB); private memory grew by "
+                          f"{(imp['peak_anon'] - imp['anon_before']) / 2**20:.0f} MiB", flush=True)
+            for how in sorted({row[2] for row in rows}):
+                mine = [row for row in rows if row[2] == how]
+                best = max(mine, key=lambda row: row[1] / row[0])
+                print(f"best round, {'pread' if how[0] else 'daemon'}, {how[1]} home: import at "
+                      f"{best[1] / best[0]:.2f}x fio's faster sequential read")
             if args.lora:
                 lora(args, directory, sock)
     finally:
