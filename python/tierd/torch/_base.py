@@ -37,7 +37,7 @@ from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
 from ._storage import as_tensor
-from ._units import ALIGN, BASE, Range, Units, align, by_dtype
+from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 
 FORMAT = "tierd.base/1"
 
@@ -180,17 +180,13 @@ class SharedBase:
                 values = source.unit_values(self.units[index].module, params)
                 with self.client.acquire([opened.ids[k]], Tier.HOST, Access.OVERWRITE) as held:
                     view = as_tensor(held, 0, torch.uint8, [sizes[k]])
-                    for r in self.plan[index]:
+                    fill(self.client, opened.ids[k], view, self.plan[index], values)
+                    for r in self.plan[index]:  # what was written, in order
                         dst = Units.range_view(view, r)
-                        for i, p in enumerate(r.params):
-                            out = r.slice(dst, i)
-                            v = values[id(p)]
-                            if callable(v):
-                                v(out)
-                            else:
-                                out.copy_(v)
-                            hashed.update(out.view(torch.uint8).numpy().data)
-                    del view, dst, out
+                        for i in range(len(r.params)):
+                            hashed.update(r.slice(dst, i).view(torch.uint8).numpy().data)
+                        del dst
+                    del view
                 if opened.homes[k] == Tier.NVME:  # written down now, as a stream's own units
                     written.append(self.client.evict([opened.ids[k]], Tier.NVME))
             for w in written:

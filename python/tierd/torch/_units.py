@@ -176,6 +176,29 @@ def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[U
     return [u for u in units if u.params]
 
 
+def fill(client, chunk: int, view: torch.Tensor, ranges: List[Range], values) -> None:
+    """Writes each parameter's value into its place in `chunk`, held for writing (`view`: the
+    whole chunk, uint8): a FileSpan (_pretrained.py) is read by the daemon straight from its file
+    (Client.import_file, one request per file), a function is called with the place, a tensor is
+    copied there."""
+    imports: Dict[int, tuple] = {}  # fd -> (size, mtime_ns, [(file, chunk offset, bytes)])
+    for r in ranges:
+        dst = Units.range_view(view, r)
+        for i, p in enumerate(r.params):
+            v = values[id(p)]
+            out = r.slice(dst, i)
+            nbytes = out.numel() * out.element_size()
+            if getattr(v, "nbytes", None) == nbytes and hasattr(v, "fd"):  # a FileSpan
+                _, _, spans = imports.setdefault(v.fd, (v.size, v.mtime_ns, []))
+                spans.append((v.start, out.data_ptr() - view.data_ptr(), nbytes))
+            elif callable(v):
+                v(out)
+            else:
+                out.copy_(v)
+    for fd, (size, mtime_ns, spans) in imports.items():
+        client.import_file(chunk, fd, size, mtime_ns, spans)
+
+
 class Units:
     """The units of one stream and their chunks in the daemon (through `client`)."""
 
@@ -331,24 +354,8 @@ class Units:
         if not write:
             self.point(u)
             return
-        imports: Dict[int, tuple] = {}  # fd -> (size, mtime_ns, [(file, chunk offset, bytes)])
         with self.holding(u, 0, Access.OVERWRITE) as view:
-            for r in ranges:
-                dst = self.range_view(view, r)
-                for i, p in enumerate(r.params):
-                    v = values[id(p)]
-                    out = r.slice(dst, i)
-                    nbytes = out.numel() * out.element_size()
-                    if getattr(v, "nbytes", None) == nbytes and hasattr(v, "fd"):  # a FileSpan
-                        _, _, spans = imports.setdefault(v.fd, (v.size, v.mtime_ns, []))
-                        spans.append((v.start, out.data_ptr() - view.data_ptr(), nbytes))
-                    elif callable(v):
-                        v(out)
-                    else:
-                        out.copy_(v)
-            # The daemon reads the spans of each file straight into the chunk.
-            for fd, (size, mtime_ns, spans) in imports.items():
-                self.client.import_file(u.chunk_id(0), fd, size, mtime_ns, spans)
+            fill(self.client, u.chunk_id(0), view, ranges, values)
         self.point(u)
 
     def write_down(self, u: Unit) -> Optional[Completion]:
