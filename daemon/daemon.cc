@@ -43,6 +43,8 @@ struct DaemonParts {
   std::unique_ptr<SegmentPool> device_pool;
   std::unique_ptr<HostRegistration> host_registration;
   std::unique_ptr<ChunkService> chunks;
+  // Outlives the session broker, which tells it of sessions that end; goes before the chunks.
+  std::unique_ptr<Importer> importer;
   std::unique_ptr<SessionRegistry> sessions;
   std::unique_ptr<PlanLoop> planner;
   RpcMetrics rpc_metrics;
@@ -225,6 +227,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     if (absl::Status s = ProbeBandwidth(config, d); !s.ok()) return s;
   }
   d.sessions = std::make_unique<SessionRegistry>(config.limits.sessions_per_uid);
+  d.importer = std::make_unique<Importer>(d.chunks.get());
   d.planner = std::make_unique<PlanLoop>(d.chunks.get(), absl::Milliseconds(1));
   if (absl::Status s = StartMetrics(config, d); !s.ok()) return s;
   return daemon;
@@ -249,7 +252,7 @@ absl::Status Daemon::Serve(std::optional<gid_t> socket_gid) {
   }
   d.published.push_back(absl::StrCat(config_.socket_dir, "/", kSessionSocketName));
   absl::StatusOr<std::unique_ptr<SessionBroker>> broker = SessionBroker::Start(
-      std::move(session_listener), d.sessions.get(), d.chunks.get(), d.host.get(),
+      std::move(session_listener), d.sessions.get(), d.chunks.get(), d.importer.get(), d.host.get(),
       d.device_pool.get(), d.devices, config_.limits.connections_per_uid, d.trimmer.get());
   if (!broker.ok()) return Named("session socket", broker.status());
   d.broker = std::move(*broker);
@@ -280,8 +283,9 @@ void Daemon::Stop() {
   if (d.rpc != nullptr) d.rpc->SetServing(false);  // health probes see the stop first
   d.metrics_server.reset();
   if (d.rpc != nullptr) d.rpc->Shutdown(absl::Seconds(5));
-  d.broker.reset();   // ends every session
-  d.planner.reset();  // no round starts a move from here on
+  d.broker.reset();    // ends every session
+  d.importer.reset();  // and its running import, if any: then that session's end
+  d.planner.reset();   // no round starts a move from here on
   if (d.chunks != nullptr) {
     d.chunks->WriteDownForStop();  // persistent chunks whose current version is only in memory
     d.chunks->WaitForIdle();       // every move, write-down and index record has called back

@@ -36,6 +36,7 @@ struct Daemon {
   std::unique_ptr<SegmentPool> host;
   std::unique_ptr<ChunkService> chunks;
   std::unique_ptr<SessionRegistry> sessions;
+  std::unique_ptr<Importer> importer;
   std::unique_ptr<SessionBroker> broker;
 };
 
@@ -56,8 +57,10 @@ Daemon& TheDaemon() {
     // A segment of this tenant, so that map requests can succeed too.
     auto listener = ListenSeqpacket(d->path, 0600);
     if (!listener.ok()) abort();
+    d->importer = std::make_unique<Importer>(d->chunks.get());
     auto broker = SessionBroker::Start(std::move(*listener), d->sessions.get(), d->chunks.get(),
-                                       d->host.get(), nullptr, {}, /*connections_per_uid=*/64);
+                                       d->importer.get(), d->host.get(), nullptr, {},
+                                       /*connections_per_uid=*/64);
     if (!broker.ok()) abort();
     d->broker = std::move(*broker);
     return d;

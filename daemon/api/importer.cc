@@ -68,6 +68,11 @@ Importer::~Importer() {
   thread_.join();
 }
 
+ImportStats Importer::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
 absl::Status Importer::Submit(ImportJob job) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the daemon is stopping");
@@ -79,8 +84,9 @@ absl::Status Importer::Submit(ImportJob job) {
   return absl::OkStatus();
 }
 
-void Importer::EndSession(SessionId id) {
+void Importer::EndSession(SessionId id, std::function<void()> then) {
   std::optional<ImportJob> dropped;
+  bool deferred = false;
   {
     absl::MutexLock lock(&mu_);
     auto it = std::find_if(queue_.begin(), queue_.end(),
@@ -89,20 +95,18 @@ void Importer::EndSession(SessionId id) {
       dropped = std::move(*it);
       queue_.erase(it);
       busy_.erase(id);
+      ++stats_.imports[absl::StatusCode::kCancelled];
     }
     if (running_ == id) {
+      // The import may be in a read that takes long (a slow or hung file system): the caller
+      // does not wait for it; `then` runs once it has let go of the chunk.
       cancel_running_ = true;
-      if (options_.stopping) options_.stopping();
-      struct Stopped {
-        const Importer* importer;
-        SessionId id;
-      } stopped{this, id};
-      mu_.Await(absl::Condition(
-          +[](Stopped* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->importer->running_ != s->id; },
-          &stopped));
+      after_running_ = std::move(then);
+      deferred = true;
     }
   }
   if (dropped) Reply(*dropped, ImportOutcome{absl::CancelledError("the session ended")});
+  if (!deferred && then) then();
 }
 
 void Importer::Loop() {
@@ -125,13 +129,19 @@ void Importer::Loop() {
       TIERD_LOG_LIMITED(info, "{}: import into chunk {} failed: {}", job.session->Describe(),
                         job.chunk, outcome.status.message());
     }
+    std::function<void()> then;
     {
       // Done with the chunk: the session may send its next import as soon as it has the reply.
       absl::MutexLock lock(&mu_);
       busy_.erase(job.session->id);
       running_ = 0;
+      then = std::move(after_running_);
+      after_running_ = nullptr;
+      ++stats_.imports[outcome.status.code()];
+      (outcome.direct ? stats_.bytes_direct : stats_.bytes_buffered) += outcome.bytes;
     }
     Reply(job, outcome);
+    if (then) then();  // its session ended meanwhile
   }
 }
 

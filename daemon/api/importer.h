@@ -11,9 +11,9 @@
 // pin dropped); the chunk's bytes are then the client's to write again.
 //
 // Imports run on a thread of their own, one at a time and in the order they came, at most one
-// per session, so that the broker's loop never waits for a disk. The broker tells the importer
-// before a session ends: its queued import is dropped and its running one stopped, so nothing
-// writes into a chunk that the session's end frees.
+// per session, so that the broker's loop never waits for a disk. The broker hands a session's end
+// to the importer: its queued import is dropped, its running one stopped, and the session's
+// chunks are freed only once nothing writes into them (without the broker waiting for a read).
 #pragma once
 
 #include <sys/types.h>
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -55,6 +56,14 @@ struct ImportOutcome {
   bool direct = false;
 };
 
+// What the importer has done since it started (the metrics endpoint's tierd_imports_total and
+// tierd_import_bytes_total).
+struct ImportStats {
+  std::map<absl::StatusCode, uint64_t> imports;  // ended, by outcome
+  uint64_t bytes_direct = 0;                     // read with O_DIRECT
+  uint64_t bytes_buffered = 0;
+};
+
 struct ImporterOptions {
   uint32_t queue_depth = 16;
   uint64_t io_size = 1 << 20;
@@ -63,14 +72,13 @@ struct ImporterOptions {
   std::function<void(const ImportJob&)> after_read;
   // Tests: called once the checks passed, before the read.
   std::function<void(const ImportJob&)> before_read;
-  // Tests: called when EndSession has stopped a running import and waits for it.
-  std::function<void()> stopping;
 };
 
 class Importer {
  public:
   Importer(ChunkService* chunks, ImporterOptions options = {});
-  // Drops the queued imports (each replied CANCELLED) and waits for the running one.
+  // Drops the queued imports (each replied CANCELLED) and waits for the running one (and the end
+  // of its session, if EndSession deferred one).
   ~Importer();
   Importer(const Importer&) = delete;
   Importer& operator=(const Importer&) = delete;
@@ -78,9 +86,12 @@ class Importer {
   // Queues the import; its reply (ImportReply) is sent on job.reply_to when it ends.
   // RESOURCE_EXHAUSTED, and nothing queued, when the session has one queued or running.
   absl::Status Submit(ImportJob job);
-  // The session is ending: its queued import is dropped and its running one stopped (replied
-  // CANCELLED); returns once neither touches its chunk.
-  void EndSession(SessionId id);
+  // The session is ending: its queued import is dropped (replied CANCELLED) and its running one
+  // told to stop; `then` (the session's end: freeing its chunks) runs once no import touches
+  // them: at once, or on the importer's thread when the running import has stopped. Never waits
+  // for a read.
+  void EndSession(SessionId id, std::function<void()> then);
+  ImportStats stats() const;
 
   // One import, on the caller's thread (Submit's thread runs these); public for tests.
   ImportOutcome Run(ImportJob& job, const std::atomic<bool>& cancel);
@@ -99,12 +110,14 @@ class Importer {
   RangeReader direct_reader_;    // its aligned buffers are allocated once
   RangeReader buffered_reader_;  // reads straight into the chunk
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<ImportJob> queue_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<SessionId> busy_ ABSL_GUARDED_BY(mu_);  // queued or running
   SessionId running_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void()> after_running_ ABSL_GUARDED_BY(mu_);  // EndSession's, for running_
   std::atomic<bool> cancel_running_{false};
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  ImportStats stats_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

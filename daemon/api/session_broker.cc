@@ -35,8 +35,8 @@ bool ValidHeader(const SessionMessageHeader& h, SessionMessageType type) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
-    UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-    SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid,
+    UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, Importer* importer,
+    SegmentPool* host, SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid,
     MemoryTrimmer* trimmer) {
   UniqueFd epoll(epoll_create1(EPOLL_CLOEXEC));
   if (!epoll) return absl::ErrnoToStatus(errno, "epoll_create1");
@@ -52,7 +52,7 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
   }
   std::unique_ptr<SessionBroker> broker(
       new SessionBroker(std::move(listener), std::move(epoll), std::move(wake), sessions, chunks,
-                        host, device, std::move(devices), connections_per_uid, trimmer));
+                        importer, host, device, std::move(devices), connections_per_uid, trimmer));
   broker->reserve_ = UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC));
   if (!broker->reserve_) return absl::ErrnoToStatus(errno, "open('/dev/null')");
   broker->thread_ = std::thread([b = broker.get()] { b->Run(); });
@@ -60,20 +60,20 @@ absl::StatusOr<std::unique_ptr<SessionBroker>> SessionBroker::Start(
 }
 
 SessionBroker::SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake,
-                             SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-                             SegmentPool* device, DeviceProbe devices, uint32_t connections_per_uid,
-                             MemoryTrimmer* trimmer)
+                             SessionRegistry* sessions, ChunkService* chunks, Importer* importer,
+                             SegmentPool* host, SegmentPool* device, DeviceProbe devices,
+                             uint32_t connections_per_uid, MemoryTrimmer* trimmer)
     : listener_(std::move(listener)),
       epoll_(std::move(epoll)),
       wake_(std::move(wake)),
       sessions_(sessions),
       chunks_(chunks),
+      importer_(importer),
       host_(host),
       device_(device),
       devices_(std::move(devices)),
       connections_per_uid_(connections_per_uid),
-      trimmer_(trimmer),
-      importer_(chunks) {}
+      trimmer_(trimmer) {}
 
 SessionBroker::~SessionBroker() {
   uint64_t one = 1;
@@ -337,7 +337,7 @@ bool SessionBroker::Import(Connection& conn, const ImportRequest& request, size_
   job.ranges.assign(request.ranges, request.ranges + request.count);
   job.reply_to = UniqueFd(fcntl(conn.fd.get(), F_DUPFD_CLOEXEC, 0));
   if (!job.reply_to) return refuse(absl::ErrnoToStatus(errno, "import: dup"));
-  if (absl::Status s = importer_.Submit(std::move(job)); !s.ok()) return refuse(s);
+  if (absl::Status s = importer_->Submit(std::move(job)); !s.ok()) return refuse(s);
   return true;
 }
 
@@ -352,12 +352,18 @@ void SessionBroker::Close(int fd) {
     connections_by_uid_.erase(n);
   }
   if (conn->session == 0) return;
-  importer_.EndSession(conn->session);  // nothing writes into its chunks from here on
   std::shared_ptr<Session> session = sessions_->Close(conn->session);
-  if (session == nullptr) return;
-  const size_t freed = chunks_->CloseSession(*session);
-  TIERD_LOG_LIMITED(info, "{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
-  if (trimmer_ != nullptr) trimmer_->Note();
+  if (session == nullptr) {
+    importer_->EndSession(conn->session, nullptr);
+    return;
+  }
+  // Its chunks go once no import writes into them: now, or when its running import has stopped
+  // (on the importer's thread; this loop never waits for a read).
+  importer_->EndSession(session->id, [chunks = chunks_, trimmer = trimmer_, session] {
+    const size_t freed = chunks->CloseSession(*session);
+    TIERD_LOG_LIMITED(info, "{} ended: reclaimed {} scratch chunks", session->Describe(), freed);
+    if (trimmer != nullptr) trimmer->Note();
+  });
 }
 
 }  // namespace tierd::daemon

@@ -27,9 +27,11 @@ class SessionBroker {
   // `device` is the device tier's pool (null without one) and `devices` names its GPU. A user may
   // hold at most `connections_per_uid` connections (limits.connections_per_uid); more are closed
   // at once. `trimmer`, when given, is told of every session that ended (what it held was freed).
+  // `importer` runs the sessions' imports and is told before a session ends; it outlives the
+  // broker.
   static absl::StatusOr<std::unique_ptr<SessionBroker>> Start(
-      UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, SegmentPool* host,
-      SegmentPool* device = nullptr, DeviceProbe devices = {},
+      UniqueFd listener, SessionRegistry* sessions, ChunkService* chunks, Importer* importer,
+      SegmentPool* host, SegmentPool* device = nullptr, DeviceProbe devices = {},
       uint32_t connections_per_uid = UINT32_MAX, MemoryTrimmer* trimmer = nullptr);
   // Stops accepting, ends every session and joins the thread.
   ~SessionBroker();
@@ -43,8 +45,8 @@ class SessionBroker {
   };
 
   SessionBroker(UniqueFd listener, UniqueFd epoll, UniqueFd wake, SessionRegistry* sessions,
-                ChunkService* chunks, SegmentPool* host, SegmentPool* device, DeviceProbe devices,
-                uint32_t connections_per_uid, MemoryTrimmer* trimmer);
+                ChunkService* chunks, Importer* importer, SegmentPool* host, SegmentPool* device,
+                DeviceProbe devices, uint32_t connections_per_uid, MemoryTrimmer* trimmer);
   void Run();
   void Accept();
   // Out of file descriptors: accepts the pending connections with the reserve fd and closes them,
@@ -65,6 +67,7 @@ class SessionBroker {
   UniqueFd wake_;  // eventfd: written to stop the loop
   SessionRegistry* const sessions_;
   ChunkService* const chunks_;
+  Importer* const importer_;
   SegmentPool* const host_;
   SegmentPool* const device_;
   const DeviceProbe devices_;
@@ -74,8 +77,6 @@ class SessionBroker {
   absl::flat_hash_map<int, std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<uint32_t, uint32_t> connections_by_uid_;
   UniqueFd reserve_;  // an fd kept free for accepting (and closing) when the process has none
-  // Told before a session ends (Close); destroyed after every connection is closed.
-  Importer importer_;
   std::thread thread_;
 };
 
