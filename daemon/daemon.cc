@@ -175,6 +175,7 @@ absl::Status StartMetrics(const DaemonConfig& config, DaemonParts& d) {
                                .devices = &d.devices,
                                .rpc = &d.rpc_metrics,
                                .fallbacks = &d.fallbacks,
+                               .importer = d.importer.get(),
                                .started = absl::Now()};
   absl::StatusOr<std::unique_ptr<MetricsServer>> m =
       MetricsServer::Start(config.metrics.listen, [sources] { return RenderMetrics(sources); });

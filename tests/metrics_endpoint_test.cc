@@ -1,8 +1,10 @@
 // The daemon's /metrics endpoint, scraped over HTTP from a real daemon while a client moves data
 // through every tier; the exposition is checked by promtool (Debian's prometheus package).
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -115,6 +117,18 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
   auto w = c.AcquireIds(*ids, Tier::kHost, AccessMode::kOverwrite);
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(c.Wait(w->ready).ok());
+  {  // An import: the daemon reads a file's bytes into a chunk.
+    const std::string path = daemon_->socket_dir() + "/weights.bin";
+    std::ofstream(path) << std::string(8192, 'w');
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st {};
+    ASSERT_EQ(fstat(fd, &st), 0);
+    const Client::FileRange range{.file_offset = 0, .chunk_offset = 0, .length = 8192};
+    auto imported = c.Import((*ids)[0], fd, 8192,
+                             st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec, {&range, 1});
+    close(fd);
+    ASSERT_TRUE(imported.ok()) << imported.status();
+  }
   for (const AcquiredChunk& a : w->chunks) std::memset(a.data, 0x5a, kChunk);
   ASSERT_TRUE(c.Release(*ids).ok());
   auto down = c.EvictIds(*ids, Tier::kNvme);  // host -> NVMe
@@ -147,6 +161,10 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
   EXPECT_GE(s["tierd_nvme_written_bytes_total{region=\"" + region + "\"}"], mib4);
   EXPECT_GE(s["tierd_nvme_read_bytes_total{region=\"" + region + "\"}"], mib4);
   EXPECT_EQ(s["tierd_sessions"], 1);
+  EXPECT_EQ(s["tierd_imports_total{code=\"OK\"}"], 1);
+  EXPECT_EQ(s["tierd_import_bytes_total{direct=\"true\"}"] +
+                s["tierd_import_bytes_total{direct=\"false\"}"],
+            8192);
   EXPECT_GE(s["tierd_chunks{state=\"ready\"}"] + s["tierd_chunks{state=\"moving\"}"], kChunks);
   EXPECT_EQ(s["tierd_requests_total{code=\"NOT_FOUND\",op=\"Free\"}"], 1);
   EXPECT_EQ(s["tierd_requests_total{code=\"OK\",op=\"Allocate\"}"], 1);
@@ -163,7 +181,7 @@ TEST_F(MetricsEndpointTest, CountsWhatAClientMovesThroughEveryTierAndPassesPromt
                 name == "kind" || name == "op" || name == "code" || name == "le" ||
                 name == "region" || name == "device" || name == "name" || name == "emulated" ||
                 name == "version" || name == "build_type" || name == "cuda" || name == "uid" ||
-                name == "limit" || name == "backend" || name == "what")
+                name == "limit" || name == "backend" || name == "what" || name == "direct")
         << "unexpected label " << name;
   }
 

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/version.h"
+#include "daemon/api/importer.h"
 #include "daemon/chunks/chunk_service.h"
 #include "daemon/chunks/session.h"
 #include "daemon/tiers/device/device_probe.h"
@@ -90,6 +91,19 @@ std::string RenderMetrics(const MetricsSources& src) {
              "it holds; why is in tierctl status and the start-up log): nvme_io_threads, "
              "host_small_pages, host_segments_unregistered.");
     for (const auto& [what, why] : src.fallbacks->List()) w.Sample({{"what", what}}, 1);
+  }
+  if (src.importer != nullptr) {
+    const ImportStats imports = src.importer->stats();
+    w.Family("tierd_imports_total", Type::Counter,
+             "Imports (a client's file read by the daemon into its chunk) ended, by status code.");
+    for (const auto& [code, n] : imports.imports) {
+      w.Sample({{"code", std::string(GrpcCodeName(static_cast<int>(code)))}},
+               static_cast<double>(n));
+    }
+    w.Family("tierd_import_bytes_total", Type::Counter,
+             "Bytes imports read from clients' files, with O_DIRECT or through the page cache.");
+    w.Sample({{"direct", "true"}}, static_cast<double>(imports.bytes_direct));
+    w.Sample({{"direct", "false"}}, static_cast<double>(imports.bytes_buffered));
   }
   w.Family("tierd_sessions", Type::Gauge, "Client sessions open now.");
   w.Sample({}, static_cast<double>(src.sessions->size()));

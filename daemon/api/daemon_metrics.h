@@ -18,6 +18,7 @@ namespace tierd::daemon {
 
 class ChunkService;
 class Fallbacks;
+class Importer;
 class NvmeTier;
 class SessionRegistry;
 struct DeviceProbe;
@@ -43,6 +44,7 @@ struct MetricsSources {
   const DeviceProbe* devices = nullptr;
   const RpcMetrics* rpc = nullptr;
   const Fallbacks* fallbacks = nullptr;
+  const Importer* importer = nullptr;  // null: none counted
   absl::Time started;
 };
 
