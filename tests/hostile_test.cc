@@ -472,12 +472,18 @@ TEST_F(HostileClientTest, MalformedImportsAreRefusedAndTheSessionGoesOn) {
   UniqueFd dir(open(daemon_->socket_dir().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   EXPECT_EQ(send(req, good_size, {dir.get()}), StatusCode::kInvalidArgument);
   EXPECT_EQ(send(req, good_size, {file.get()}), StatusCode::kFailedPrecondition);  // not held
-  pb::AcquireRequest acquire;
-  acquire.add_chunk_ids(chunk);
-  acquire.set_tier(pb::TIER_HOST);
-  acquire.set_mode(pb::ACCESS_MODE_OVERWRITE);
-  pb::AcquireResponse acquired;
-  ASSERT_TRUE(stub_->Acquire(Context(s).get(), acquire, &acquired).ok());
+  // The chunk acquired for writing in the host tier, as an import needs it.
+  auto hold = [&](const RawSession& session, uint64_t id) {
+    pb::AcquireRequest acquire;
+    acquire.add_chunk_ids(id);
+    acquire.set_tier(pb::TIER_HOST);
+    acquire.set_mode(pb::ACCESS_MODE_OVERWRITE);
+    pb::AcquireResponse acquired;
+    EXPECT_TRUE(stub_->Acquire(Context(session).get(), acquire, &acquired).ok());
+    return acquired;
+  };
+  const pb::AcquireResponse acquired = hold(s, chunk);
+  ASSERT_EQ(acquired.locations_size(), 1);
   ImportRequest stale = req;
   stale.file_mtime_ns += 1;
   EXPECT_EQ(send(stale, good_size, {file.get()}), StatusCode::kFailedPrecondition);
@@ -496,12 +502,7 @@ TEST_F(HostileClientTest, MalformedImportsAreRefusedAndTheSessionGoesOn) {
   for (int round = 0; round < 20; ++round) {
     RawSession k = Open();
     const uint64_t c = Allocate(k, 1, 1 << 20)[0];
-    pb::AcquireRequest a;
-    a.add_chunk_ids(c);
-    a.set_tier(pb::TIER_HOST);
-    a.set_mode(pb::ACCESS_MODE_OVERWRITE);
-    pb::AcquireResponse r;
-    ASSERT_TRUE(stub_->Acquire(Context(k).get(), a, &r).ok());
+    hold(k, c);
     ImportRequest mine = req;
     mine.chunk = c;
     const int fd = file.get();
