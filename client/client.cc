@@ -120,13 +120,6 @@ uint64_t SegmentKey(Tier tier, uint32_t segment) {
   return (static_cast<uint64_t>(tier) << 32) | segment;
 }
 
-template <size_t N>
-void CopyString(char (&dst)[N], absl::string_view src) {
-  size_t n = std::min(src.size(), N - 1);
-  std::memcpy(dst, src.data(), n);
-  dst[n] = '\0';
-}
-
 Tier FromProto(pb::Tier t) { return static_cast<Tier>(static_cast<int>(t)); }
 pb::Tier ToProto(Tier t) { return static_cast<pb::Tier>(static_cast<int>(t)); }
 
@@ -437,14 +430,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
   HelloRequest hello{};
   hello.header = MakeHeader(SessionMessageType::kHello);
-  CopyString(hello.client_name, options.client_name);
+  CopyText(hello.client_name, options.client_name);
   std::string job = options.job;
   if (const char* env = std::getenv("TIERD_JOB"); job.empty() && env != nullptr) job = env;
-  if (job.size() > static_cast<size_t>(kMaxJobBytes)) {  // CopyString would cut it short
+  if (job.size() > static_cast<size_t>(kMaxJobBytes)) {  // CopyText would cut it short
     return absl::InvalidArgumentError(
         absl::StrCat("job label of ", job.size(), " bytes; at most ", kMaxJobBytes));
   }
-  CopyString(hello.job, job);
+  CopyText(hello.job, job);
   if (absl::Status s = SendWithFds(impl->session_socket.get(), &hello, sizeof(hello), {});
       !s.ok()) {
     return s;

@@ -3,8 +3,12 @@
 // session. Protocol: docs/sessions.md.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+
+#include "absl/strings/string_view.h"
 
 namespace tierd {
 
@@ -112,6 +116,14 @@ struct ImportReply {
   uint64_t bytes;   // bytes read from the file
   char message[256];
 };
+
+// Copies `src` into a message's text field, cut to fit and NUL-terminated.
+template <size_t N>
+void CopyText(char (&dst)[N], absl::string_view src) {
+  const size_t n = std::min(src.size(), N - 1);
+  if (n > 0) std::memcpy(dst, src.data(), n);  // an empty view's data() may be null
+  dst[n] = '\0';
+}
 
 inline SessionMessageHeader MakeHeader(SessionMessageType type) {
   return SessionMessageHeader{kSessionMagic, kSessionProtocolVersion, type};

@@ -34,13 +34,6 @@ std::string FileName(int fd) {
   return std::string(path, static_cast<size_t>(n));
 }
 
-template <size_t N>
-void CopyString(char (&dst)[N], absl::string_view src) {
-  const size_t n = std::min(src.size(), N - 1);
-  std::memcpy(dst, src.data(), n);
-  dst[n] = '\0';
-}
-
 }  // namespace
 
 Importer::Importer(ChunkService* chunks, ImporterOptions options)
@@ -151,7 +144,7 @@ void Importer::Reply(const ImportJob& job, const ImportOutcome& outcome) {
   reply.status_code = static_cast<int32_t>(outcome.status.code());
   reply.direct = outcome.direct ? 1 : 0;
   reply.bytes = outcome.bytes;
-  CopyString(reply.message, outcome.status.message());
+  CopyText(reply.message, outcome.status.message());
   // A client that stopped reading its socket loses its reply, nothing else.
   if (job.reply_to) (void)SendWithFds(job.reply_to.get(), &reply, sizeof(reply), {});
 }

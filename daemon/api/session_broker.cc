@@ -21,13 +21,6 @@
 namespace tierd::daemon {
 namespace {
 
-template <size_t N>
-void CopyString(char (&dst)[N], absl::string_view src) {
-  size_t n = std::min(src.size(), N - 1);
-  std::memcpy(dst, src.data(), n);
-  dst[n] = '\0';
-}
-
 bool ValidHeader(const SessionMessageHeader& h, SessionMessageType type) {
   return h.magic == kSessionMagic && h.version == kSessionProtocolVersion && h.type == type;
 }
@@ -228,7 +221,7 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
   reply.header = MakeHeader(SessionMessageType::kHelloReply);
   if (conn.session != 0) {
     reply.status_code = static_cast<int32_t>(absl::StatusCode::kFailedPrecondition);
-    CopyString(reply.message, "this connection already has a session");
+    CopyText(reply.message, "this connection already has a session");
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   std::string name(request.client_name, strnlen(request.client_name, sizeof(request.client_name)));
@@ -237,7 +230,7 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
   absl::StatusOr<std::shared_ptr<Session>> session = sessions_->Open(conn.peer, name, job);
   if (!session.ok()) {
     reply.status_code = static_cast<int32_t>(session.status().code());
-    CopyString(reply.message, session.status().message());
+    CopyText(reply.message, session.status().message());
     TIERD_LOG_LIMITED(warn, "session broker: cannot open a session for pid {} (uid {}): {}",
                       conn.peer.pid, conn.peer.uid, session.status().message());
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
@@ -246,7 +239,7 @@ bool SessionBroker::Hello(Connection& conn, const HelloRequest& request) {
   conn.opened = *session;
   reply.uid = conn.peer.uid;
   reply.session_id = (*session)->id;
-  CopyString(reply.token_hex, (*session)->TokenHex());
+  CopyText(reply.token_hex, (*session)->TokenHex());
 
   std::vector<UniqueFd> owned;
   std::vector<int> fds = {(*session)->completions->fd()};
@@ -269,7 +262,7 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   reply.header = MakeHeader(SessionMessageType::kMapSegmentReply);
   if (conn.session == 0) {
     reply.status_code = static_cast<int32_t>(absl::StatusCode::kFailedPrecondition);
-    CopyString(reply.message, "open a session (hello) before mapping segments");
+    CopyText(reply.message, "open a session (hello) before mapping segments");
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   reply.tier = request.tier;
@@ -278,12 +271,12 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
                                                                                : nullptr;
   if (pool == nullptr) {
     reply.status_code = static_cast<int32_t>(absl::StatusCode::kInvalidArgument);
-    CopyString(reply.message, absl::StrCat("tier ", request.tier, " has no segments to map"));
+    CopyText(reply.message, absl::StrCat("tier ", request.tier, " has no segments to map"));
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   }
   if (pool == device_ && !devices_.devices.empty()) {
     reply.emulated = devices_.devices[0].emulated ? 1 : 0;
-    CopyString(reply.device_uuid, devices_.devices[0].uuid);
+    CopyText(reply.device_uuid, devices_.devices[0].uuid);
   }
   SegmentInfo info;
   absl::StatusOr<UniqueFd> fd = pool->SegmentFd(request.segment, conn.peer.uid, &info);
@@ -296,7 +289,7 @@ bool SessionBroker::MapSegment(Connection& conn, const MapSegmentRequest& reques
   }
   if (!fd.ok()) {
     reply.status_code = static_cast<int32_t>(fd.status().code());
-    CopyString(reply.message, fd.status().message());
+    CopyText(reply.message, fd.status().message());
     TIERD_LOG_LIMITED(warn, "session {}: refused segment {}: {}", conn.session, request.segment,
                       fd.status().message());
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
@@ -312,7 +305,7 @@ bool SessionBroker::Import(Connection& conn, const ImportRequest& request, size_
     ImportReply reply{};
     reply.header = MakeHeader(SessionMessageType::kImportReply);
     reply.status_code = static_cast<int32_t>(why.code());
-    CopyString(reply.message, why.message());
+    CopyText(reply.message, why.message());
     return SendWithFds(conn.fd.get(), &reply, sizeof(reply), {}).ok();
   };
   if (request.count == 0 || request.count > kMaxImportRanges ||
