@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -644,11 +645,22 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
                     opt.step()
                     opt.zero_grad()
                     written.append(meter.path_bytes("host_to_nvme") - before)
+                # What the last step left being written down finishes after it: counted once the
+                # daemon has been quiet for a moment.
+                end = settled = meter.path_bytes("host_to_nvme")
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    time.sleep(0.25)
+                    now = meter.path_bytes("host_to_nvme")
+                    if now == settled:
+                        break
+                    settled = now
+                trailing = settled - end
             rolled = opt.rolled_back_steps
             weights = weights_of(model, stream)
         finally:
             close()
-        return losses, weights, written, state_bytes, rolled
+        return losses, weights, written, state_bytes, rolled, trailing
 
     with tempfile.TemporaryDirectory(prefix="tierd-stream-") as root:
         proc = start_daemon(root, "--device=none", "--probe_bytes=0",
@@ -678,9 +690,12 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
     assert twice[3] - once[3] >= 4 * blocks
     # Each step writes what it must, once: every parameter's new weights and both moments, 12
     # bytes (pages rounded up aside); the kept master is written beside them (a write-back may
-    # finish in the next step: compared over the steps). The first step is left out: the state's
-    # first write-backs, made when it was opened, may finish in it.
+    # finish in the next step, or after the last: compared over the steps and what trailed
+    # them). The first step is left out: the state's first write-backs, made when it was opened,
+    # may finish in it. The kept master's share was measured at 3.6 to 4 bytes a parameter (what
+    # the two runs' other write-backs coalesce differs a little); without the single write it is
+    # none, so three quarters of it tells the two apart with room to spare.
     for k in range(1, steps):
         assert once[2][k] <= 12 * total * 1.02, (once[2], 12 * total)
-    assert sum(twice[2][1:]) - sum(once[2][1:]) >= 4 * blocks * (steps - 1) * 0.95, (
-        once[2], twice[2])
+    assert sum(twice[2][1:]) + twice[5] - sum(once[2][1:]) - once[5] >= \
+        4 * blocks * (steps - 1) * 0.75, (once[2], once[5], twice[2], twice[5])
