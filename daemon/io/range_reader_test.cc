@@ -50,9 +50,8 @@ class RangeReaderTest : public ::testing::TestWithParam<bool> {
   bool direct() const { return GetParam(); }
   RangeReaderOptions Options() const {
     // Small pieces, so that a range is many of them.
-    return RangeReaderOptions{.queue_depth = 4,
-                              .io_size = 64 << 10,
-                              .direct_alignment = direct() ? 4096u : 0u};
+    return RangeReaderOptions{
+        .queue_depth = 4, .io_size = 64 << 10, .direct_alignment = direct() ? 4096u : 0u};
   }
 
   int fd_ = -1;
