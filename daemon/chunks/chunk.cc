@@ -1,5 +1,6 @@
 #include "daemon/chunks/chunk.h"
 
+#include <algorithm>
 #include <cassert>
 
 #include "absl/strings/str_cat.h"
@@ -24,12 +25,28 @@ void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
 
 void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {
   assert(CheckPin(chunk, tier).ok());
+  if (!chunk.wanted_by_plan) chunk.wanted_ns = 0;  // taken: what a Prefetch asked for has come
   if (Writes(access)) {
     chunk.resident = TierSet();
     chunk.resident.insert(tier);
     chunk.dirty = TierSet();
     if (tier != chunk.home) chunk.dirty.insert(tier);
   }
+}
+
+void Want(ChunkMeta& chunk, TierKind tier, absl::Time when, bool by_plan) {
+  chunk.wanted_in = tier;
+  chunk.wanted_by_plan = by_plan;
+  // Never 0, which means not wanted.
+  chunk.wanted_ns = std::max<int64_t>(1, absl::ToUnixNanos(when));
+}
+
+absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now) {
+  if (chunk.wanted_ns == 0 || chunk.wanted_in != tier || !chunk.resident.contains(tier)) {
+    return absl::InfiniteFuture();
+  }
+  const absl::Time when = absl::FromUnixNanos(chunk.wanted_ns);
+  return now > when + kWantedGrace ? absl::InfiniteFuture() : when;
 }
 
 void Unpin(ChunkMeta& chunk) {

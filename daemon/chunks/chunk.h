@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "daemon/tiers/tier.h"
 #include "daemon/types/ids.h"
 
@@ -33,6 +34,7 @@ struct ChunkMeta {
   ChunkState state = ChunkState::kReady;
   TierKind home = TierKind::kHost;
   TierKind moving_to = TierKind::kHost;
+  TierKind wanted_in = TierKind::kHost;
   TierSet allocated;  // tiers where space is reserved (placement valid)
   TierSet resident;   // tiers holding a valid copy (a subset of allocated)
   TierSet dirty;      // tiers whose copy is newer than the home tier's
@@ -44,10 +46,16 @@ struct ChunkMeta {
   // clean stop; while its current version is only in memory the NVMe index says so (`marked`),
   // and a daemon that restarts without having written it down recovers it `lost`.
   bool memory_home = false;
-  bool marked = false;    // the index records that the current version is in memory
-  bool lost = false;      // recovered without its current version: opening it is DATA_LOSS
-  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
-  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
+  bool marked = false;          // the index records that the current version is in memory
+  bool lost = false;            // recovered without its current version: opening it is DATA_LOSS
+  bool wanted_by_plan = false;  // wanted_ns is the schedules' word, not a Prefetch's
+  uint64_t checksum = 0;        // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;        // Acquire clock, for least-recently-used eviction
+  // When the copy in `wanted_in` (the host or the device) is next wanted, in Unix nanoseconds (0:
+  // not known): by a Prefetch, until the copy is acquired there, or by the schedules, as the last
+  // planning round saw them (`wanted_by_plan`). Room made outside a plan drops copies wanted soon
+  // last (Want, WantedAt).
+  int64_t wanted_ns = 0;
   // Where the chunk table's recency index holds the chunk, and under which use (ChunkTable::
   // Reindex keeps these; nobody else writes them).
   uint64_t indexed_use = 0;
@@ -87,6 +95,15 @@ absl::Status CheckFreeable(const ChunkMeta& chunk);
 absl::Status BeginMove(ChunkMeta& chunk, TierKind to);
 // What a request about a retired chunk learns: freed while it moved (its session ended).
 absl::Status Retired(const ChunkMeta& chunk);
+// The chunk's copy in `tier` (the host or the device) is wanted at `when`: asked for by a
+// Prefetch (until an Acquire takes it or it is sent down) or named by the schedules
+// (`by_plan`, renewed each planning round). It lapses kWantedGrace after `when`, so a client
+// that never acquires what it asked for keeps nothing above others' needs for long.
+inline constexpr absl::Duration kWantedGrace = absl::Seconds(2);
+void Want(ChunkMeta& chunk, TierKind tier, absl::Time when, bool by_plan);
+// When the chunk's copy in `tier` is wanted, as of `now`; InfiniteFuture when it is not (or the
+// tier holds no copy).
+absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now);
 // Finishes the transfer BeginMove started: on success `to` holds a valid, clean-with-respect-to-
 // its-source copy; on failure the chunk is as it was before.
 void FinishMove(ChunkMeta& chunk, bool ok);

@@ -47,7 +47,7 @@ absl::Status CheckOperator(const Session& session, absl::string_view what) {
 ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
     : tiers_(tiers),
       clock_(clock),
-      space_(chunks_, ledger_, tiers),
+      space_(chunks_, ledger_, tiers, clock_),
       room_(chunks_, ledger_, tiers, space_, mover_, waiters_, sessions_, clock_),
       schedules_(chunks_, ledger_, clock_),
       round_(chunks_, space_, mover_, sessions_, schedules_, meter_, tiers, clock_),
@@ -422,6 +422,8 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   if (!batch.ok()) return batch.status();
   const absl::Time due = PrefetchDeadline(clock_.Now(), priority);
   for (ChunkMeta* chunk : *chunks) {
+    // Wanted there by `due`: room made meanwhile drops copies wanted later first.
+    Want(*chunk, tier, due, /*by_plan=*/false);
     // A chunk on its way anywhere is waited for, then fetched if it did not land in `tier`.
     BringIn(*chunk, tier, *batch, session.id, std::nullopt, due);
   }
@@ -489,7 +491,10 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
   }
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
-  for (ChunkMeta* chunk : *chunks) EvictOne(*chunk, tier, keep_source, *batch, session.id);
+  for (ChunkMeta* chunk : *chunks) {
+    if (!keep_source) chunk->wanted_ns = 0;  // sent down: not wanted above
+    EvictOne(*chunk, tier, keep_source, *batch, session.id);
+  }
   const SlotToken token = (*batch)->token;
   (*batch)->Done(absl::OkStatus());
   return token;
@@ -744,7 +749,9 @@ size_t ChunkService::RunPlanningRound(absl::Time now) {
     if (!round_.Collect(now, round, in)) return 0;
   }
   const std::vector<PlannedMove> moves = Plan(in);
+  const std::vector<NextUse> uses = NextUses(in);
   absl::MutexLock lock(&mu_);
+  round_.Stamp(uses, now);
   return round_.Apply(moves);
 }
 

@@ -661,6 +661,32 @@ TEST_F(ChunkServiceNvmeTest, FullHostTierPrefetchDropsTheLeastRecentlyUsedCleanC
   }
 }
 
+TEST_F(ChunkServiceNvmeTest, ACopyReadAheadIsKeptOverOlderCopiesNobodyWantsUntilItIsAcquired) {
+  // A 64 MiB host tier full of clean 8 MiB copies, the oldest first.
+  std::vector<uint64_t> sizes(8, 8 << 20);
+  auto ids = Alloc(*session_, sizes, TierKind::kNvme);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    std::vector<ChunkId> one = {ids[i]};
+    Write(*session_, one, 100 + i);
+    ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, one, TierKind::kNvme, 0)).ok());
+  }
+  // The oldest is read ahead again (it is there already), to be taken within a second.
+  std::vector<ChunkId> ahead = {ids[0]};
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, ahead, TierKind::kHost, -1000)).ok());
+  EXPECT_NE(((*service_->Stat(*session_, ahead))[0]).wanted_ns, 0);
+
+  // Room for another chunk, made outside any plan, takes the oldest copy nobody wants instead.
+  auto extra = Alloc(*session_, {8 << 20}, TierKind::kNvme);
+  ASSERT_TRUE(Wait(*session_, service_->Prefetch(*session_, extra, TierKind::kHost, 0)).ok());
+  auto stat = *service_->Stat(*session_, ids);
+  EXPECT_TRUE(stat[0].resident.contains(TierKind::kHost));
+  EXPECT_FALSE(stat[1].resident.contains(TierKind::kHost));
+
+  // Taken: what was asked for has come, and the copy is an ordinary one again.
+  EXPECT_TRUE(Check(*session_, ahead, 100, {8 << 20}));
+  EXPECT_EQ(((*service_->Stat(*session_, ahead))[0]).wanted_ns, 0);
+}
+
 // On-demand swapping: a working set larger than the host tier, written through it chunk by chunk.
 // The host fills with copies that exist nowhere else; each further acquire writes the least
 // recently used of them to NVMe and lands in its room.

@@ -52,7 +52,7 @@ class MoverTest : public ::testing::Test {
                                             .device_bytes = 8 * kSeg});
     ASSERT_TRUE(rig.ok()) << rig.status();
     rig_ = std::move(*rig);
-    space_ = std::make_unique<Space>(chunks_, ledger_, rig_->tiers());
+    space_ = std::make_unique<Space>(chunks_, ledger_, rig_->tiers(), Clock::Real());
     mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, rig_->tiers(), meter_, Clock::Real(),
                                      listener_);
   }

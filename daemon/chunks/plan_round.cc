@@ -16,17 +16,20 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
     const bool holds =
         c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
     if (!holds && !round.named.contains(id)) continue;
-    in.chunks[id] = PlannerChunk{.id = id,
-                                 .size = c.size,
-                                 .owner = c.owner,
-                                 .home = c.home,
-                                 .resident = c.resident,
-                                 .dirty = c.dirty,
-                                 .moving = c.state == ChunkState::kMoving || c.doomed,
-                                 .moving_to = c.moving_to,
-                                 .pinned = c.pins > 0,
-                                 .transient = c.transient,
-                                 .last_use = c.last_use};
+    in.chunks[id] = PlannerChunk{
+        .id = id,
+        .size = c.size,
+        .owner = c.owner,
+        .home = c.home,
+        .resident = c.resident,
+        .dirty = c.dirty,
+        .moving = c.state == ChunkState::kMoving || c.doomed,
+        .moving_to = c.moving_to,
+        .pinned = c.pins > 0,
+        .transient = c.transient,
+        .last_use = c.last_use,
+        .asked = c.wanted_by_plan ? absl::InfiniteFuture() : WantedAt(c, c.wanted_in, now),
+        .asked_in = c.wanted_in};
   }
   for (TierKind t : kAllTiers) {
     if (tier(t) == nullptr) continue;
@@ -129,6 +132,21 @@ size_t PlanRound::Apply(const std::vector<PlannedMove>& moves) {
   }
   space_.set_planning(false);
   return started;
+}
+
+void PlanRound::Stamp(const std::vector<NextUse>& uses, absl::Time now) {
+  for (const NextUse& u : uses) {
+    auto it = chunks_.find(u.id);
+    if (it == chunks_.end()) continue;
+    ChunkMeta& c = it->second;
+    // What a Prefetch asked for stands until it is acquired (the plan counted it already).
+    if (!c.wanted_by_plan && WantedAt(c, c.wanted_in, now) != absl::InfiniteFuture()) continue;
+    if (u.when == absl::InfiniteFuture()) {
+      c.wanted_ns = 0;
+    } else {
+      Want(c, u.tier, u.when, /*by_plan=*/true);
+    }
+  }
 }
 
 TierSet PlanRound::NoRoom(const ChunkMeta& c, TierKind target) const {

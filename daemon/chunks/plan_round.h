@@ -44,6 +44,9 @@ class PlanRound {
   // as the planner ordered them; a fetch that finds no room in one piece takes the spares that
   // follow it, one by one, until it starts.
   size_t Apply(const std::vector<PlannedMove>& moves);
+  // Records on each chunk when the plan next needs its copy (ChunkMeta::wanted_ns), for room made
+  // outside a plan until the next round; a Prefetch's word stands until it is acquired.
+  void Stamp(const std::vector<NextUse>& uses, absl::Time now);
 
  private:
   Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }

@@ -26,7 +26,7 @@ class PlanRoundTest : public ::testing::Test, public Mover::Listener {
         {.segment_size = kSeg, .host_bytes = 4 * kSeg, .nvme_bytes = 64u << 20});
     rig_ = std::move(rig).value();  // dies with the error when the tiers cannot be made
     const Tiers tiers = rig_->tiers();
-    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
+    space_ = std::make_unique<Space>(chunks_, ledger_, tiers, Clock::Real());
     mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), *this);
     schedules_ = std::make_unique<Schedules>(chunks_, ledger_, Clock::Real());
     round_ = std::make_unique<PlanRound>(chunks_, *space_, *mover_, sessions_, *schedules_, meter_,
@@ -120,6 +120,41 @@ TEST_F(PlanRoundTest, ATransientChunkIsTransientToThePlanner) {
   PlanInput in;
   ASSERT_TRUE(round_->Collect(absl::Now(), round, in));
   EXPECT_TRUE(in.chunks.at(grads.id).transient);
+}
+
+TEST_F(PlanRoundTest, APrefetchsWantGoesToThePlannerAndStampsKeepThePlansNextUsesBesideIt) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  ChunkMeta& asked = NvmeChunk();
+  ChunkMeta& scheduled = NvmeChunk();
+  for (ChunkMeta* c : {&asked, &scheduled}) {  // both with a host copy
+    c->placement[TierKind::kHost] = *space_->Reserve(TierKind::kHost, UserOwner(kAlice), kSeg);
+    c->allocated.insert(TierKind::kHost);
+    c->resident.insert(TierKind::kHost);
+    chunks_.Reindex(*c);
+  }
+  Want(asked, TierKind::kHost, now + absl::Seconds(1), /*by_plan=*/false);
+  Schedule({scheduled.id});
+  Schedules::Round round;
+  PlanInput in;
+  ASSERT_TRUE(round_->Collect(now, round, in));
+  EXPECT_EQ(in.chunks.at(asked.id).asked, now + absl::Seconds(1));
+  EXPECT_EQ(in.chunks.at(scheduled.id).asked, absl::InfiniteFuture());
+
+  round_->Stamp(NextUses(in), now);
+  EXPECT_EQ(WantedAt(scheduled, TierKind::kHost, now), now);  // the schedule's only step
+  EXPECT_TRUE(scheduled.wanted_by_plan);
+  EXPECT_EQ(WantedAt(asked, TierKind::kHost, now), now + absl::Seconds(1));  // the Prefetch's
+  EXPECT_FALSE(asked.wanted_by_plan);
+
+  // A stamp is the planner's, not a Prefetch's: the next round's input does not take it as one,
+  // and a round whose plan no longer needs the copy takes the stamp away.
+  Schedules::Round again;
+  PlanInput next;
+  ASSERT_TRUE(round_->Collect(now, again, next));
+  EXPECT_EQ(next.chunks.at(scheduled.id).asked, absl::InfiniteFuture());
+  round_->Stamp({{scheduled.id, TierKind::kHost, absl::InfiniteFuture()}}, now);
+  EXPECT_EQ(WantedAt(scheduled, TierKind::kHost, now), absl::InfiniteFuture());
 }
 
 TEST_F(PlanRoundTest, ApplyStartsAPlannedFetchAndCountsItToTheChunksSession) {

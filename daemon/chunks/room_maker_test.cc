@@ -33,7 +33,7 @@ class RoomMakerTest : public ::testing::Test, public Mover::Listener {
         {.segment_size = kSeg, .host_bytes = 4 * kSeg, .nvme_bytes = with_nvme ? 64u << 20 : 0});
     rig_ = std::move(rig).value();  // dies with the error when the tiers cannot be made
     const Tiers tiers = rig_->tiers();
-    space_ = std::make_unique<Space>(chunks_, ledger_, tiers);
+    space_ = std::make_unique<Space>(chunks_, ledger_, tiers, Clock::Real());
     mover_ = std::make_unique<Mover>(mu_, chunks_, *space_, tiers, meter_, Clock::Real(), *this);
     room_ = std::make_unique<RoomMaker>(chunks_, ledger_, tiers, *space_, *mover_, waiters_,
                                         sessions_, Clock::Real());

@@ -44,17 +44,30 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
     absl::StatusOr<Placement> p =
         quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, owner, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
-    // Full: drop the least recently used copy there that a lower tier also holds (a clean copy
-    // costs nothing to drop).
+    // Full: drop a copy there that a lower tier also holds (a clean copy costs nothing to drop):
+    // the least recently used of those nobody wants, else the one wanted last (WantedAt) among
+    // the oldest kWantedLooked.
     ChunkMeta* victim = nullptr;
+    ChunkMeta* wanted = nullptr;
+    absl::Time wanted_at = absl::InfinitePast();
+    size_t looked = 0;
+    const absl::Time now = clock_.Now();
     chunks_.VisitOldestIn(tier, [&](ChunkMeta& c) {
       if (c.state != ChunkState::kReady || c.pins > 0 || c.doomed || !CleanIn(c.resident, tier) ||
           (quota_full && c.tenant != tenant)) {
         return true;
       }
+      if (const absl::Time when = WantedAt(c, tier, now); when != absl::InfiniteFuture()) {
+        if (when > wanted_at) {
+          wanted = &c;
+          wanted_at = when;
+        }
+        return ++looked < kWantedLooked;
+      }
       victim = &c;
       return false;
     });
+    if (victim == nullptr) victim = wanted;
     if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);
   }

@@ -14,14 +14,15 @@
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/tiers/hop.h"
+#include "daemon/util/clock.h"
 
 namespace tierd::daemon {
 
 class Space {
  public:
   // `chunks` and `ledger` are the service's, read and changed under its lock; `tiers` the node's.
-  Space(ChunkTable& chunks, TenantLedger& ledger, const Tiers& tiers)
-      : chunks_(chunks), ledger_(ledger), tiers_(tiers) {}
+  Space(ChunkTable& chunks, TenantLedger& ledger, const Tiers& tiers, const Clock& clock)
+      : chunks_(chunks), ledger_(ledger), tiers_(tiers), clock_(clock) {}
   Space(const Space&) = delete;
   Space& operator=(const Space&) = delete;
 
@@ -33,8 +34,9 @@ class Space {
   void Release(uint32_t tenant, const Placement& placement);
   // Drops the chunk's copy in `tier` and gives its space back.
   void DropCopy(ChunkMeta& chunk, TierKind tier);
-  // Reserve, dropping clean copies in the tier (least recently used first) while it is full —
-  // only the tenant's own when its quota is what is full. While the planner's moves start
+  // Reserve, dropping clean copies in the tier while it is full (least recently used first, copies
+  // wanted soon by a Prefetch or a schedule last: WantedAt) — only the tenant's own when its
+  // quota is what is full. While the planner's moves start
   // (planning), nothing is dropped: the plan made its own room.
   absl::StatusOr<Placement> ReserveIn(TierKind tier, SpaceOwner owner, uint64_t size);
   // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
@@ -47,6 +49,9 @@ class Space {
   // tenant's quota, whatever the tier holds now.
   bool CouldHold(uint32_t tenant, TierKind tier, uint64_t size, uint64_t beside) const;
   void set_planning(bool planning) { planning_ = planning; }
+  // How many wanted copies a reservation compares before it drops the one wanted last: the
+  // walk stays bounded in a tier of many small copies.
+  static constexpr size_t kWantedLooked = 64;
 
  private:
   Tier* tier(TierKind kind) const { return tiers_.tier[kind]; }
@@ -54,6 +59,7 @@ class Space {
   ChunkTable& chunks_;
   TenantLedger& ledger_;
   const Tiers tiers_;
+  const Clock& clock_;  // when wants lapse (WantedAt)
   bool planning_ = false;
 };
 

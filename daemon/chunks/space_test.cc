@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "daemon/tiers/host/host_memory.h"
+#include "daemon/util/clock.h"
 
 namespace tierd::daemon {
 namespace {
@@ -24,7 +25,7 @@ class SpaceTest : public testing::Test {
 
   Space& Make(const Quotas& quotas = {}) {
     ledger_.Configure(Limits{}, quotas);
-    space_ = std::make_unique<Space>(chunks_, ledger_, NodeTiers(host_.get()));
+    space_ = std::make_unique<Space>(chunks_, ledger_, NodeTiers(host_.get()), clock_);
     return *space_;
   }
 
@@ -49,6 +50,7 @@ class SpaceTest : public testing::Test {
   }
 
   std::unique_ptr<SegmentPool> host_;
+  FakeClock clock_;
   ChunkTable chunks_;
   TenantLedger ledger_;
   std::unique_ptr<Space> space_;
@@ -64,6 +66,57 @@ TEST_F(SpaceTest, AFullTierDropsTheLeastRecentlyUsedCleanCopyAndNothingElse) {
   EXPECT_TRUE(held[1]->resident.contains(TierKind::kNvme));   // its lower copy stays
   for (int i : {0, 2, 3}) EXPECT_TRUE(held[i]->resident.contains(TierKind::kHost)) << i;
   EXPECT_EQ(ledger_.UsageOf(kAlice).bytes[TierKind::kHost], 4 * kSeg);  // one out, one in
+}
+
+TEST_F(SpaceTest, CopiesWantedSoonGoLastAndOfThemTheOneWantedLastGoesFirst) {
+  Space& space = Make();
+  const absl::Time now = clock_.Now();
+  // The two least recently used are wanted (a Prefetch asked for one, a schedule needs the
+  // other); the third is nobody's.
+  ChunkMeta& asked = HostChunk(kAlice, 1, /*clean=*/true);
+  ChunkMeta& scheduled = HostChunk(kAlice, 2, /*clean=*/true);
+  ChunkMeta& nobodys = HostChunk(kAlice, 3, /*clean=*/true);
+  ChunkMeta& recent = HostChunk(kAlice, 4, /*clean=*/true);
+  Want(asked, TierKind::kHost, now + absl::Milliseconds(300), /*by_plan=*/false);
+  Want(scheduled, TierKind::kHost, now + absl::Milliseconds(200), /*by_plan=*/true);
+
+  ASSERT_TRUE(space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).ok());
+  EXPECT_FALSE(nobodys.resident.contains(TierKind::kHost));  // unwanted, though used later
+  EXPECT_TRUE(asked.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(scheduled.resident.contains(TierKind::kHost));
+
+  // Only wanted copies and the recent one, which is wanted too now: the one wanted last goes.
+  Want(recent, TierKind::kHost, now + absl::Milliseconds(100), /*by_plan=*/true);
+  space.Release(kAlice, *space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg));
+  EXPECT_FALSE(asked.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(scheduled.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(recent.resident.contains(TierKind::kHost));
+}
+
+TEST_F(SpaceTest, AWantLapsesAfterItsGraceAndInAnotherTierCountsForNothing) {
+  Space& space = Make();
+  const absl::Time now = clock_.Now();
+  ChunkMeta& lapsing = HostChunk(kAlice, 1, /*clean=*/true);
+  ChunkMeta& elsewhere = HostChunk(kAlice, 2, /*clean=*/true);
+  ChunkMeta& a = HostChunk(kAlice, 3, /*clean=*/true);
+  ChunkMeta& b = HostChunk(kAlice, 4, /*clean=*/true);
+  Want(lapsing, TierKind::kHost, now, /*by_plan=*/false);
+  Want(elsewhere, TierKind::kDevice, now, /*by_plan=*/false);
+  Want(a, TierKind::kHost, now + absl::Hours(1), /*by_plan=*/false);
+  Want(b, TierKind::kHost, now + absl::Hours(1), /*by_plan=*/false);
+  EXPECT_EQ(WantedAt(lapsing, TierKind::kHost, now + kWantedGrace), now);
+  EXPECT_EQ(WantedAt(elsewhere, TierKind::kHost, now), absl::InfiniteFuture());
+
+  // The want in the device tier does not keep the host copy.
+  ASSERT_TRUE(space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).ok());
+  EXPECT_FALSE(elsewhere.resident.contains(TierKind::kHost));
+  // A client that never acquires what it asked for: once the grace is over it is nobody's.
+  clock_.Advance(kWantedGrace + absl::Milliseconds(1));
+  EXPECT_EQ(WantedAt(lapsing, TierKind::kHost, clock_.Now()), absl::InfiniteFuture());
+  ASSERT_TRUE(space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg).ok());
+  EXPECT_FALSE(lapsing.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(a.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(b.resident.contains(TierKind::kHost));
 }
 
 TEST_F(SpaceTest, DirtyCopiesAreNeverDropped) {

@@ -76,45 +76,76 @@ Path FetchPath(const PlannerChunk& chunk, TierKind tier) {
   return PathUp(TierKind::kHost);
 }
 
-std::vector<PlannedMove> Plan(const PlanInput& in) {
-  std::vector<PlannedMove> out;
-  const Needs all = NeedTimes(in);
-  // A use after the chunk is written elsewhere wants the new contents: no copy serves it now, and
-  // it is no demand yet (it becomes one once the write is done).
-  auto stale_by = [&](const Demand& d) {
-    auto w = all.first_write.find(d.id);
-    return w != all.first_write.end() && w->second < d.when;
-  };
-  absl::flat_hash_map<ChunkIn, Demand> needs;
-  for (const auto& [key, d] : all.first) {
-    if (!stale_by(d)) needs.emplace(key, d);
-  }
+namespace {
 
-  // Each chunk's next use in any tier; chunks without one are unscheduled.
-  absl::flat_hash_map<ChunkId, absl::Time> next_use;
-  for (const auto& [key, d] : needs) {
-    auto [it, inserted] = next_use.try_emplace(d.id, d.when);
-    if (!inserted) it->second = std::min(it->second, d.when);
+// When each copy is next needed, from the schedules over one iteration ahead and from what
+// Prefetches asked for.
+class Uses {
+ public:
+  explicit Uses(const PlanInput& in) {
+    const Needs all = NeedTimes(in);
+    // A use after the chunk is written elsewhere wants the new contents: no copy serves it now,
+    // and it is no demand yet (it becomes one once the write is done).
+    for (const auto& [key, d] : all.first) {
+      auto w = all.first_write.find(d.id);
+      if (w != all.first_write.end() && w->second < d.when) continue;
+      needs_.emplace(key, d);
+      auto [it, inserted] = next_use_.try_emplace(d.id, d.when);
+      if (!inserted) it->second = std::min(it->second, d.when);
+    }
   }
-  auto next = [&](ChunkId id) {
-    auto it = next_use.find(id);
-    return it == next_use.end() ? absl::InfiniteFuture() : it->second;
-  };
-  // When a copy in `tier` is next needed: by an access there, or as the source of a fetch to the
-  // device (a host copy, while the device has none). A host copy staged for a device access is
-  // not needed again once the device holds the chunk, nor is a copy about to be overwritten.
-  auto need = [&](ChunkId id, TierKind tier) {
-    auto it = needs.find(ChunkIn{id, tier});
-    return it == needs.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
-                                                                        : it->second.when;
-  };
-  auto next_in = [&](const PlannerChunk& c, TierKind tier) {
+  // The demands: each chunk's first use in each tier.
+  const absl::flat_hash_map<ChunkIn, Demand>& needs() const { return needs_; }
+  // The chunk's next use in any tier; InfiniteFuture for an unscheduled one.
+  absl::Time next(ChunkId id) const {
+    auto it = next_use_.find(id);
+    return it == next_use_.end() ? absl::InfiniteFuture() : it->second;
+  }
+  // When the copy in `tier` is next needed: by an access there, or as the source of a fetch to
+  // the device (a host copy, while the device has none), or where a Prefetch asked for it. A host
+  // copy staged for a device access is not needed again once the device holds the chunk, nor is a
+  // copy about to be overwritten.
+  absl::Time next_in(const PlannerChunk& c, TierKind tier) const {
     absl::Time when = need(c.id, tier);
     if (tier == TierKind::kHost && !c.resident.contains(TierKind::kDevice)) {
       when = std::min(when, need(c.id, TierKind::kDevice));
     }
+    if (c.asked_in == tier) when = std::min(when, c.asked);
     return when;
-  };
+  }
+
+ private:
+  absl::Time need(ChunkId id, TierKind tier) const {
+    auto it = needs_.find(ChunkIn{id, tier});
+    return it == needs_.end() || it->second.access == Access::kOverwrite ? absl::InfiniteFuture()
+                                                                         : it->second.when;
+  }
+
+  absl::flat_hash_map<ChunkIn, Demand> needs_;
+  absl::flat_hash_map<ChunkId, absl::Time> next_use_;
+};
+
+}  // namespace
+
+std::vector<NextUse> NextUses(const PlanInput& in) {
+  const Uses uses(in);
+  std::vector<NextUse> out;
+  for (const auto& [id, c] : in.chunks) {
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (!c.resident.contains(t)) continue;
+      out.push_back({id, t, uses.next_in(c, t)});
+      break;  // the highest copy below the device: the one room is made for most
+    }
+  }
+  return out;
+}
+
+std::vector<PlannedMove> Plan(const PlanInput& in) {
+  std::vector<PlannedMove> out;
+  const Uses uses(in);
+  const absl::flat_hash_map<ChunkIn, Demand>& needs = uses.needs();
+  auto next = [&](ChunkId id) { return uses.next(id); };
+  auto next_in = [&](const PlannerChunk& c, TierKind tier) { return uses.next_in(c, tier); };
 
   std::vector<Demand> demands;
   for (const auto& [key, d] : needs) {

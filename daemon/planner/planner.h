@@ -45,6 +45,9 @@ struct PlannerChunk {
   // Its contents are wanted briefly: written down for room, never early (ChunkSpec.transient).
   bool transient = false;
   uint64_t last_use = 0;  // larger is more recent
+  // When a Prefetch asked for the copy in `asked_in` (ChunkMeta::wanted_ns): it is needed then.
+  absl::Time asked = absl::InfiniteFuture();
+  TierKind asked_in = TierKind::kHost;
 };
 
 struct ScheduledAccess {
@@ -108,6 +111,17 @@ struct PlannedMove {
 
 // The moves to start now, in the order to start them.
 std::vector<PlannedMove> Plan(const PlanInput& input);
+
+struct NextUse {
+  ChunkId id = 0;
+  TierKind tier = TierKind::kHost;
+  absl::Time when = absl::InfiniteFuture();  // not needed over the iteration ahead
+  bool operator==(const NextUse&) const = default;
+};
+// When each chunk's copy in the host (else the device) is next needed, as Plan ranks its
+// victims: what room made outside a plan ranks copies by until the next round
+// (ChunkMeta::wanted_ns).
+std::vector<NextUse> NextUses(const PlanInput& input);
 
 // "nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host".
 

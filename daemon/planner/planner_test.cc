@@ -157,6 +157,47 @@ TEST_F(PlannerTest, NeverDisplacesACopyNeededSoonerThanTheIncomingOne) {
   EXPECT_TRUE(Only(Plan(in_), Kind::kFetch).empty());
 }
 
+TEST_F(PlannerTest, ACopyAPrefetchAskedForIsNeededWhenItWasAskedFor) {
+  HostCapacity(2);
+  // Another session's read-ahead, not in any schedule: asked for in 250 us, and asked for in 50 ms.
+  Chunk(1, {TierKind::kHost}).asked = kNow + absl::Microseconds(250);
+  Chunk(2, {TierKind::kHost}).asked = kNow + absl::Milliseconds(50);
+  Chunk(3);  // needed at step 2, 200 us from now
+  Schedule({{}, {}, Read({3})}, /*cursor=*/1, absl::Microseconds(100));
+  std::vector<PlannedMove> moves = Plan(in_);
+  // Neither goes first as an unscheduled copy would (least recently used: chunk 1): the one
+  // asked for after chunk 3's use goes, and the one asked for before it stays.
+  std::vector<PlannedMove> drops = Only(moves, Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0].id, 2u);
+
+  // What room made outside a plan ranks copies by: the same next uses.
+  std::vector<NextUse> uses = NextUses(in_);
+  std::sort(uses.begin(), uses.end(),
+            [](const NextUse& a, const NextUse& b) { return a.id < b.id; });
+  ASSERT_EQ(uses.size(), 2u);  // chunk 3 has no copy above NVMe yet
+  EXPECT_EQ(uses[0], (NextUse{1, TierKind::kHost, kNow + absl::Microseconds(250)}));
+  EXPECT_EQ(uses[1], (NextUse{2, TierKind::kHost, kNow + absl::Milliseconds(50)}));
+}
+
+TEST_F(PlannerTest, NextUsesAreTheSchedulesFirstUseOfEachCopyAndNoneForAnOverwrite) {
+  HostCapacity(8);
+  Chunk(1, {TierKind::kHost});
+  Chunk(2, {TierKind::kHost});
+  Chunk(3, {TierKind::kHost});  // unscheduled
+  Chunk(4, {TierKind::kHost});  // about to be overwritten
+  Schedule({Read({1}), Read({2}), {{4, TierKind::kHost, Access::kOverwrite}}, Read({1})},
+           /*cursor=*/1, absl::Milliseconds(10));
+  std::vector<NextUse> uses = NextUses(in_);
+  std::sort(uses.begin(), uses.end(),
+            [](const NextUse& a, const NextUse& b) { return a.id < b.id; });
+  ASSERT_EQ(uses.size(), 4u);
+  EXPECT_EQ(uses[0].when, kNow);  // the running step's
+  EXPECT_EQ(uses[1].when, kNow + absl::Milliseconds(10));
+  EXPECT_EQ(uses[2].when, absl::InfiniteFuture());
+  EXPECT_EQ(uses[3].when, absl::InfiniteFuture());
+}
+
 TEST_F(PlannerTest, PinnedAndMovingCopiesAreNeverEvicted) {
   HostCapacity(2);
   Chunk(1, {TierKind::kHost}).pinned = true;
