@@ -124,14 +124,31 @@ def llama_config(args, dtype: str, **more):
         num_key_value_heads=args.heads, tie_word_embeddings=False, torch_dtype=dtype, **more)
 
 
-def requests(root: str) -> Dict[str, float]:
-    """The daemon's requests so far by operation (its tierd_requests_total, every status), read
-    from its metrics endpoint (named in its log)."""
+def metrics(root: str) -> str:
+    """The daemon's metrics page, from its endpoint (named in its log)."""
     found = re.search(r"serving metrics on http://([^/\s]+)/metrics",
                       open(os.path.join(root, "daemon.log")).read())
     if found is None:
         sys.exit("tierd's log names no metrics endpoint")
-    text = urllib.request.urlopen(f"http://{found.group(1)}/metrics", timeout=10).read().decode()
+    return urllib.request.urlopen(f"http://{found.group(1)}/metrics", timeout=10).read().decode()
+
+
+def job_traffic(root: str) -> Dict[Tuple[str, str], float]:
+    """Bytes each declared job's chunks moved so far, by (job, path), from the daemon's
+    tierd_job_moved_bytes_total."""
+    out: Dict[Tuple[str, str], float] = {}
+    for m in re.finditer(r'^tierd_job_moved_bytes_total\{([^}]*)\} (\S+)$', metrics(root), re.M):
+        job = re.search(r'job_name="([^"]*)"', m.group(1))
+        path = re.search(r'path="([^"]*)"', m.group(1))
+        if job is not None and path is not None:
+            out[(job.group(1), path.group(1))] = float(m.group(2))
+    return out
+
+
+def requests(root: str) -> Dict[str, float]:
+    """The daemon's requests so far by operation (its tierd_requests_total, every status), read
+    from its metrics endpoint (named in its log)."""
+    text = metrics(root)
     out: Dict[str, float] = {}
     for m in re.finditer(r'^tierd_requests_total\{([^}]*)\} (\S+)$', text, re.M):
         op = re.search(r'op="([^"]*)"', m.group(1))

@@ -31,7 +31,9 @@ streamed one, the RAM it was given beside tierd-stream's (DeepSpeed's peak RSS, 
 in it; tierd's trainer's peak RSS plus the whole host tier its daemon is given), its bytes a step beside the fewest a step must move where its weights and state
 are at home with --host-capacity of memory to keep them in (benchlib.step_minimum_bytes; every
 mode is measured against that memory; not for the -split modes, whose state is partly on the
-device), and the losses' largest difference from the first mode's.
+device), tierd's bytes by role (the stream's weights and gradients, the optimizer's state: each
+role's sessions are a job of their own, counted by the daemon's tierd_job_moved_bytes_total), and
+the losses' largest difference from the first mode's.
 
     python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
         [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
@@ -238,6 +240,9 @@ def child(args) -> None:
         daemon_pid = benchlib.daemon_pid(args.socket_dir)
         probe = tierd.connect(args.socket_dir, "bench probe")
         cleanup.append(probe.close)
+        # Each role's sessions in a job of their own, so that the daemon counts the bytes each
+        # moved (tierd_job_moved_bytes_total): the stream's weights and the optimizer's state.
+        os.environ["TIERD_JOB"] = "bench-stream"
         if mode.startswith("tierd-stream"):
             stream = tierd.torch.stream_parameters(
                 model, device=device, device_budget_bytes=8 << 30, host_budget_bytes=0,
@@ -252,10 +257,12 @@ def child(args) -> None:
         from tierd.torch import _pretrained
         tier = _pretrained.parse_size(args.host_capacity)
         budget = tier // 2 if mode.startswith("tierd-stream") else tier * 3 // 4
+        os.environ["TIERD_JOB"] = "bench-optimizer"
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
                                          host_budget_bytes=budget, overlap_backward=True,
                                          socket_dir=args.socket_dir,
                                          device_share=args.device_share if mode in SPLIT else None)
+        del os.environ["TIERD_JOB"]
         cleanup.insert(0, opt.close)
 
         def step(x):
@@ -270,6 +277,7 @@ def child(args) -> None:
     for k, x in enumerate(data):
         if k == 1:  # after the warm-up step
             io = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
+            jobs = benchlib.job_traffic(args.socket_dir) if daemon_pid else {}
         x = x.to(device)
         t0 = time.perf_counter()
         loss = step(x)
@@ -281,10 +289,15 @@ def child(args) -> None:
             host = max(host, probe.tier_usage(tierd.Tier.HOST).used_bytes)
     after = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
     moved = [sum(a[i] - b[i] for a, b in zip(after, io)) for i in (0, 1)]
+    by_role = {}  # tierd's: bytes a step each role's chunks moved, by path
+    if daemon_pid:
+        for (job, path), v in benchlib.job_traffic(args.socket_dir).items():
+            role = job.removeprefix("bench-")
+            by_role.setdefault(role, {})[path] = (v - jobs.get((job, path), 0.0)) / args.steps
     out = {"mode": mode, "step_s": statistics.median(times[1:]), "steps_s": times[1:],
            "losses": losses, "peak_rss": benchlib.proc_status()["VmHWM"],
            "read_bytes": moved[0] / args.steps, "written_bytes": moved[1] / args.steps,
-           "host_tier_peak": host}
+           "host_tier_peak": host, "by_role": by_role}
     for close in cleanup:
         close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -412,13 +425,17 @@ def report(args, runs, reference) -> None:
                 f": {read / least[0]:.2f} x / {written / least[1]:.2f} x)" if min(least) > 0
                 else ")")
         ram_ratio = f" ({ram / ram_ref:.2f} x tierd-stream's)" if ram_ref else ""
+        roles = ok[m][len(ok[m]) // 2].get("by_role") or {}
+        by_role = "".join(
+            f", {role} read {v.get('nvme_to_host', 0) / mib:.0f} / written "
+            f"{v.get('host_to_nvme', 0) / mib:.0f} MiB" for role, v in sorted(roles.items()))
         print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   RAM {ram / mib:6.0f} MiB"
               f"{ram_ratio}: peak RSS {rss / mib:6.0f} MiB"
               + (f" + host tier given {(ram - rss) / mib:.0f} MiB (daemon's peak RSS "
                  f"{daemon / mib:.0f} MiB, {host / mib:.0f} MiB of its tier in use)"
                  if daemon else "")
               + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
-              f"MiB{least}   losses vs {first}: {diff:.1e}")
+              f"MiB{least}{by_role}   losses vs {first}: {diff:.1e}")
     print(json.dumps({"args": vars(args), "runs": runs}))
 
 
