@@ -25,7 +25,7 @@ void Hold(ChunkMeta& chunk) { chunk.pins += 1; }
 
 void ApplyAccess(ChunkMeta& chunk, TierKind tier, Access access) {
   assert(CheckPin(chunk, tier).ok());
-  if (!chunk.wanted_by_plan) chunk.wanted_ns = 0;  // taken: what a Prefetch asked for has come
+  if (!chunk.wanted_by_plan) Unwant(chunk);  // taken: what a Prefetch asked for has come
   if (Writes(access)) {
     chunk.resident = TierSet();
     chunk.resident.insert(tier);
@@ -39,6 +39,11 @@ void Want(ChunkMeta& chunk, TierKind tier, absl::Time when, bool by_plan) {
   chunk.wanted_by_plan = by_plan;
   // Never 0, which means not wanted.
   chunk.wanted_ns = std::max<int64_t>(1, absl::ToUnixNanos(when));
+}
+
+void Unwant(ChunkMeta& chunk) {
+  chunk.wanted_ns = 0;
+  chunk.wanted_by_plan = false;
 }
 
 absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now) {

@@ -101,6 +101,8 @@ absl::Status Retired(const ChunkMeta& chunk);
 // that never acquires what it asked for keeps nothing above others' needs for long.
 inline constexpr absl::Duration kWantedGrace = absl::Seconds(2);
 void Want(ChunkMeta& chunk, TierKind tier, absl::Time when, bool by_plan);
+// Nobody wants the chunk's copy any more (it was sent down, or the plan no longer needs it).
+void Unwant(ChunkMeta& chunk);
 // When the chunk's copy in `tier` is wanted, as of `now`; InfiniteFuture when it is not (or the
 // tier holds no copy).
 absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now);

@@ -492,7 +492,7 @@ absl::StatusOr<SlotToken> ChunkService::Evict(const Session& session, std::span<
   absl::StatusOr<std::shared_ptr<Batch>> batch = NewBatch(session);
   if (!batch.ok()) return batch.status();
   for (ChunkMeta* chunk : *chunks) {
-    if (!keep_source) chunk->wanted_ns = 0;  // sent down: not wanted above
+    if (!keep_source) Unwant(*chunk);  // sent down: not wanted above
     EvictOne(*chunk, tier, keep_source, *batch, session.id);
   }
   const SlotToken token = (*batch)->token;

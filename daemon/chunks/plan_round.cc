@@ -142,7 +142,7 @@ void PlanRound::Stamp(const std::vector<NextUse>& uses, absl::Time now) {
     // What a Prefetch asked for stands until it is acquired (the plan counted it already).
     if (!c.wanted_by_plan && WantedAt(c, c.wanted_in, now) != absl::InfiniteFuture()) continue;
     if (u.when == absl::InfiniteFuture()) {
-      c.wanted_ns = 0;
+      Unwant(c);
     } else {
       Want(c, u.tier, u.when, /*by_plan=*/true);
     }
