@@ -748,8 +748,8 @@ size_t ChunkService::RunPlanningRound(absl::Time now) {
     absl::MutexLock lock(&mu_);
     if (!round_.Collect(now, round, in)) return 0;
   }
-  const std::vector<PlannedMove> moves = Plan(in);
-  const std::vector<NextUse> uses = NextUses(in);
+  std::vector<NextUse> uses;
+  const std::vector<PlannedMove> moves = Plan(in, &uses);
   absl::MutexLock lock(&mu_);
   round_.Stamp(uses, now);
   return round_.Apply(moves);

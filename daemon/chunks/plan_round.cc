@@ -5,6 +5,14 @@
 #include <utility>
 
 namespace tierd::daemon {
+namespace {
+
+// When a Prefetch asked for the chunk's copy (its want, unless the plan's own stamp).
+absl::Time Asked(const ChunkMeta& c, absl::Time now) {
+  return c.wanted_by_plan ? absl::InfiniteFuture() : WantedAt(c, c.wanted_in, now);
+}
+
+}  // namespace
 
 bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) {
   in.now = now;
@@ -16,20 +24,19 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
     const bool holds =
         c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
     if (!holds && !round.named.contains(id)) continue;
-    in.chunks[id] = PlannerChunk{
-        .id = id,
-        .size = c.size,
-        .owner = c.owner,
-        .home = c.home,
-        .resident = c.resident,
-        .dirty = c.dirty,
-        .moving = c.state == ChunkState::kMoving || c.doomed,
-        .moving_to = c.moving_to,
-        .pinned = c.pins > 0,
-        .transient = c.transient,
-        .last_use = c.last_use,
-        .asked = c.wanted_by_plan ? absl::InfiniteFuture() : WantedAt(c, c.wanted_in, now),
-        .asked_in = c.wanted_in};
+    in.chunks[id] = PlannerChunk{.id = id,
+                                 .size = c.size,
+                                 .owner = c.owner,
+                                 .home = c.home,
+                                 .resident = c.resident,
+                                 .dirty = c.dirty,
+                                 .moving = c.state == ChunkState::kMoving || c.doomed,
+                                 .moving_to = c.moving_to,
+                                 .pinned = c.pins > 0,
+                                 .transient = c.transient,
+                                 .last_use = c.last_use,
+                                 .asked = Asked(c, now),
+                                 .asked_in = c.wanted_in};
   }
   for (TierKind t : kAllTiers) {
     if (tier(t) == nullptr) continue;
@@ -140,7 +147,7 @@ void PlanRound::Stamp(const std::vector<NextUse>& uses, absl::Time now) {
     if (it == chunks_.end()) continue;
     ChunkMeta& c = it->second;
     // What a Prefetch asked for stands until it is acquired (the plan counted it already).
-    if (!c.wanted_by_plan && WantedAt(c, c.wanted_in, now) != absl::InfiniteFuture()) continue;
+    if (Asked(c, now) != absl::InfiniteFuture()) continue;
     if (u.when == absl::InfiniteFuture()) {
       Unwant(c);
     } else {

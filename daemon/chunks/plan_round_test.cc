@@ -141,7 +141,9 @@ TEST_F(PlanRoundTest, APrefetchsWantGoesToThePlannerAndStampsKeepThePlansNextUse
   EXPECT_EQ(in.chunks.at(asked.id).asked, now + absl::Seconds(1));
   EXPECT_EQ(in.chunks.at(scheduled.id).asked, absl::InfiniteFuture());
 
-  round_->Stamp(NextUses(in), now);
+  std::vector<NextUse> uses;
+  Plan(in, &uses);
+  round_->Stamp(uses, now);
   EXPECT_EQ(WantedAt(scheduled, TierKind::kHost, now), now);  // the schedule's only step
   EXPECT_TRUE(scheduled.wanted_by_plan);
   EXPECT_EQ(WantedAt(asked, TierKind::kHost, now), now + absl::Seconds(1));  // the Prefetch's

@@ -127,22 +127,20 @@ class Uses {
 
 }  // namespace
 
-std::vector<NextUse> NextUses(const PlanInput& in) {
-  const Uses uses(in);
-  std::vector<NextUse> out;
-  for (const auto& [id, c] : in.chunks) {
-    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
-      if (!c.resident.contains(t)) continue;
-      out.push_back({id, t, uses.next_in(c, t)});
-      break;  // the highest copy below the device: the one room is made for most
-    }
-  }
-  return out;
-}
-
-std::vector<PlannedMove> Plan(const PlanInput& in) {
+std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_uses) {
   std::vector<PlannedMove> out;
   const Uses uses(in);
+  if (next_uses != nullptr) {
+    next_uses->clear();
+    for (const auto& [id, c] : in.chunks) {
+      // The host copy where there is one (room is made most there), else the device's.
+      for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+        if (!c.resident.contains(t)) continue;
+        next_uses->push_back({id, t, uses.next_in(c, t)});
+        break;
+      }
+    }
+  }
   const absl::flat_hash_map<ChunkIn, Demand>& needs = uses.needs();
   auto next = [&](ChunkId id) { return uses.next(id); };
   auto next_in = [&](const PlannerChunk& c, TierKind tier) { return uses.next_in(c, tier); };

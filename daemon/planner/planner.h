@@ -109,19 +109,18 @@ struct PlannedMove {
   bool operator==(const PlannedMove&) const = default;
 };
 
-// The moves to start now, in the order to start them.
-std::vector<PlannedMove> Plan(const PlanInput& input);
-
+// When a chunk's copy in the host (else the device) is next needed, as Plan ranks its victims.
 struct NextUse {
   ChunkId id = 0;
   TierKind tier = TierKind::kHost;
   absl::Time when = absl::InfiniteFuture();  // not needed over the iteration ahead
   bool operator==(const NextUse&) const = default;
 };
-// When each chunk's copy in the host (else the device) is next needed, as Plan ranks its
-// victims: what room made outside a plan ranks copies by until the next round
+
+// The moves to start now, in the order to start them. With `next_uses`, also each chunk's next
+// use, from the same ranking: what room made outside a plan ranks copies by until the next round
 // (ChunkMeta::wanted_ns).
-std::vector<NextUse> NextUses(const PlanInput& input);
+std::vector<PlannedMove> Plan(const PlanInput& input, std::vector<NextUse>* next_uses = nullptr);
 
 // "nvme_to_host", "host_to_nvme", "host_to_device", "device_to_host".
 

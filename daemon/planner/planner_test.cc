@@ -172,7 +172,8 @@ TEST_F(PlannerTest, ACopyAPrefetchAskedForIsNeededWhenItWasAskedFor) {
   EXPECT_EQ(drops[0].id, 2u);
 
   // What room made outside a plan ranks copies by: the same next uses.
-  std::vector<NextUse> uses = NextUses(in_);
+  std::vector<NextUse> uses;
+  Plan(in_, &uses);
   std::sort(uses.begin(), uses.end(),
             [](const NextUse& a, const NextUse& b) { return a.id < b.id; });
   ASSERT_EQ(uses.size(), 2u);  // chunk 3 has no copy above NVMe yet
@@ -188,7 +189,8 @@ TEST_F(PlannerTest, NextUsesAreTheSchedulesFirstUseOfEachCopyAndNoneForAnOverwri
   Chunk(4, {TierKind::kHost});  // about to be overwritten
   Schedule({Read({1}), Read({2}), {{4, TierKind::kHost, Access::kOverwrite}}, Read({1})},
            /*cursor=*/1, absl::Milliseconds(10));
-  std::vector<NextUse> uses = NextUses(in_);
+  std::vector<NextUse> uses;
+  Plan(in_, &uses);
   std::sort(uses.begin(), uses.end(),
             [](const NextUse& a, const NextUse& b) { return a.id < b.id; });
   ASSERT_EQ(uses.size(), 4u);
