@@ -36,8 +36,8 @@ class Space {
   void DropCopy(ChunkMeta& chunk, TierKind tier);
   // Reserve, dropping clean copies in the tier while it is full (least recently used first, copies
   // wanted soon by a Prefetch or a schedule last: WantedAt) — only the tenant's own when its
-  // quota is what is full. While the planner's moves start
-  // (planning), nothing is dropped: the plan made its own room.
+  // quota is what is full. While the planner's moves start (planning), nothing is dropped: the
+  // plan made its own room.
   absl::StatusOr<Placement> ReserveIn(TierKind tier, SpaceOwner owner, uint64_t size);
   // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
   // index's persistent granule, so that the index of persistent chunks cannot fill first.
