@@ -19,8 +19,8 @@ void PathMeter::Started(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
     m.window_start = now;
     m.window_bytes = 0;
   }
+  m.started[id] = {now, m.queued_bytes};
   m.queued_bytes += bytes;
-  m.started[id] = now;
 }
 
 void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
@@ -31,25 +31,24 @@ void PathMeter::Done(Path path, ChunkId id, uint64_t bytes, absl::Time now) {
   m.bytes_total += bytes;
   ++m.moves_total;
   m.in_flight = std::max(m.in_flight - 1, 0);
-  // How long one move took (the transfer-latency histogram) and, per byte, latency and queueing
-  // included: mean and mean deviation, as TCP estimates round trips (plans use mean + 4
-  // deviations).
-  double took = -1;
+  // How long the move took (the transfer-latency histogram), and how much of that its bytes and
+  // those in flight ahead of it at the path's bandwidth do not account for: the latency, as mean
+  // and mean deviation, the way TCP estimates round trips (plans use mean + 4 deviations). A
+  // move queued behind others is slow for their bytes, which plans count already.
   if (auto started = m.started.find(id); started != m.started.end()) {
-    took = absl::ToDoubleSeconds(now - started->second);
-    m.started.erase(started);
-  }
-  if (took >= 0) transfer_seconds_[path].Observe(took);
-  if (took >= 0 && bytes > 0) {
-    const double sample = took / static_cast<double>(bytes);
-    if (m.move_seconds_per_byte == 0) {
-      m.move_seconds_per_byte = sample;
-      m.move_deviation_per_byte = sample / 2;
+    const double took = absl::ToDoubleSeconds(now - started->second.at);
+    transfer_seconds_[path].Observe(took);
+    const double streamed = static_cast<double>(started->second.ahead + bytes) / m.bytes_per_second;
+    const double sample = std::max(0.0, took - streamed);
+    if (m.latency_seconds < 0) {
+      m.latency_seconds = sample;
+      m.latency_deviation = sample / 2;
     } else {
-      m.move_deviation_per_byte =
-          0.75 * m.move_deviation_per_byte + 0.25 * std::abs(sample - m.move_seconds_per_byte);
-      m.move_seconds_per_byte = 0.875 * m.move_seconds_per_byte + 0.125 * sample;
+      m.latency_deviation =
+          0.75 * m.latency_deviation + 0.25 * std::abs(sample - m.latency_seconds);
+      m.latency_seconds = 0.875 * m.latency_seconds + 0.125 * sample;
     }
+    m.started.erase(started);
   }
   // A sample per busy period, or every 20 ms of a long one; short ones say more about latency.
   const absl::Duration busy = now - m.window_start;
@@ -96,7 +95,9 @@ PathArray<PathLoad> PathMeter::Load() const {
         PathLoad{.bytes_per_second = m.bytes_per_second,
                  .queued_bytes = m.queued_bytes,
                  .in_flight = m.in_flight,
-                 .slow_seconds_per_byte = m.move_seconds_per_byte + 4 * m.move_deviation_per_byte};
+                 .slow_latency = m.latency_seconds < 0
+                                     ? absl::ZeroDuration()
+                                     : absl::Seconds(m.latency_seconds + 4 * m.latency_deviation)};
   }
   return out;
 }

@@ -1,7 +1,8 @@
 // What moves on each path between the tiers (NVMe -> host, host -> NVMe, host -> device,
 // device -> host): bytes and moves since start-up, the bandwidth measured over the time the path
-// was busy, and how long one move takes per byte. The planner reads the estimates; the metrics
-// endpoint reads the totals and the transfer-latency histogram.
+// was busy, and how much longer than that bandwidth accounts for one move takes (its latency).
+// The planner reads the estimates; the metrics endpoint reads the totals and the
+// transfer-latency histogram.
 //
 // Thread-safe, with a lock of its own that is taken last (after ChunkService's).
 #pragma once
@@ -34,9 +35,10 @@ struct PathLoad {
   double bytes_per_second = 0;
   uint64_t queued_bytes = 0;  // of the moves in flight
   int in_flight = 0;
-  // One move's duration over its size, latency and queueing included, on the long side (mean + 4
-  // mean deviations); 0 until a move has settled.
-  double slow_seconds_per_byte = 0;
+  // What one move takes beyond its bytes and the bytes in flight ahead of it at the path's
+  // bandwidth, on the long side (mean + 4 mean deviations): the path's latency. Queueing is not
+  // in it (the planner counts the bytes in flight apart); 0 until a move has settled.
+  absl::Duration slow_latency;
 };
 
 class PathMeter {
@@ -69,11 +71,16 @@ class PathMeter {
     double bytes_per_second = 0;  // the estimate
     bool measured = false;
     double probed = 0;
-    double move_seconds_per_byte = 0;  // one move's duration over its size (0: none yet)
-    double move_deviation_per_byte = 0;
+    double latency_seconds = -1;  // a move's duration beyond its bytes' (-1: none settled yet)
+    double latency_deviation = 0;
     uint64_t bytes_total = 0;
     uint64_t moves_total = 0;
-    absl::flat_hash_map<ChunkId, absl::Time> started;
+    // Each move in flight: when it started, and the bytes in flight ahead of it then.
+    struct Start {
+      absl::Time at;
+      uint64_t ahead = 0;
+    };
+    absl::flat_hash_map<ChunkId, Start> started;
   };
 
   mutable absl::Mutex mu_;

@@ -49,7 +49,7 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
   for (Path p : kAllPaths) {
     in.bytes_per_second[p] = load[p].bytes_per_second;
     in.queued_bytes[p] = load[p].queued_bytes;
-    in.move_seconds_per_byte[p] = load[p].slow_seconds_per_byte;
+    in.latency[p] = load[p].slow_latency;
   }
   return true;
 }

@@ -265,14 +265,14 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
   // As late as is safe: on each path, lay the accepted demands out backwards from their deadlines.
   auto seconds = [&](uint64_t bytes, Path p, TierKind tier) {
     double bw = in.bytes_per_second[p];
-    double single = in.move_seconds_per_byte[p];
+    absl::Duration latency = in.latency[p];
     if (tier == TierKind::kDevice && p == Path::kNvmeToHost) {
+      // Staged through the host: both hops' latencies, at the slower hop's bandwidth.
       bw = std::min(bw, in.bytes_per_second[Path::kHostToDevice]);
-      single = std::max(single, in.move_seconds_per_byte[Path::kHostToDevice]);
+      latency += in.latency[Path::kHostToDevice];
     }
     if (bw <= 0) return absl::InfiniteDuration();
-    const double streamed = static_cast<double>(bytes) / bw;
-    return absl::Seconds(in.safety * std::max(streamed, single * static_cast<double>(bytes)));
+    return absl::Seconds(in.safety * static_cast<double>(bytes) / bw) + in.safety * latency;
   };
   std::vector<bool> start_now(accepted.size(), false);
   for (size_t i = 0; i < accepted.size(); ++i) {

@@ -16,8 +16,9 @@
 //  * Free space in pieces: each fetch comes with spare victims in every tier it needs room in,
 //    dropped only if the fetch finds no room in one piece; later fetches wait for it.
 //  * Each demand is started as late as is safe: demands sharing a path are laid out backwards
-//    from their deadlines at the path's measured bandwidth (with a safety factor), and a demand
-//    starts once its latest start is within `lead` of now.
+//    from their deadlines at the path's measured bandwidth (with a safety factor) plus its
+//    latency, behind the bytes already in flight, and a demand starts once its latest start is
+//    within `lead` of now.
 //  * Dirty copies not needed for a while are written back early, when the path down is idle.
 //  * A session never holds more than its quota of a tier through the planner.
 #pragma once
@@ -85,9 +86,9 @@ struct PlanInput {
   TierArray<uint64_t> largest_free = TierArray<uint64_t>::Filled(UINT64_MAX);
   PathArray<double> bytes_per_second;  // measured
   PathArray<uint64_t> queued_bytes;    // already in flight on each path
-  // How long one move has recently taken per byte on each path, latency and queueing included (0:
-  // unknown): a transfer is planned to take at least that long, however fast the path streams.
-  PathArray<double> move_seconds_per_byte;
+  // What one move on each path takes beyond its bytes at the path's bandwidth, on the long side:
+  // a transfer is planned to take that much longer than its bytes stream in.
+  PathArray<absl::Duration> latency;
   // A demand starts once its latest safe start is this close; a little over one planning round.
   absl::Duration lead = absl::Milliseconds(2);
   // Transfer times are planned this much longer than measured.

@@ -113,6 +113,25 @@ TEST_F(PlannerTest, StartsAsLateAsIsSafeAndNoLater) {
   EXPECT_EQ(moves[0].id, 2u);
 }
 
+TEST_F(PlannerTest, APathsLatencyAndTheBytesInFlightOnItStartATransferThatMuchEarlier) {
+  HostCapacity(8);
+  Chunk(1, {TierKind::kHost});
+  Chunk(2);
+  Schedule({Read({1}), Read({2})}, /*cursor=*/1, absl::Milliseconds(10));
+  // Chunk 2's bytes take 1.05 ms and the path's latency is 2 ms, both planned 1.25 times as long:
+  // its latest safe start is 10 - 3.81 = 6.19 ms, within the 2 ms lead from 4.19 ms on.
+  in_.latency[Path::kNvmeToHost] = absl::Milliseconds(2);
+  in_.now = kNow + absl::Milliseconds(4);
+  EXPECT_TRUE(Plan(in_).empty());
+  in_.now = kNow + absl::Microseconds(4500);
+  EXPECT_EQ(Only(Plan(in_), Kind::kFetch).size(), 1u);
+  // 2 MiB already in flight on the path (2.1 ms) go first: from 2.09 ms on.
+  in_.now = kNow + absl::Microseconds(2500);
+  EXPECT_TRUE(Plan(in_).empty());
+  in_.queued_bytes[Path::kNvmeToHost] = 2 * kMiB;
+  EXPECT_EQ(Only(Plan(in_), Kind::kFetch).size(), 1u);
+}
+
 TEST_F(PlannerTest, TransfersSharingAPathAreLaidOutBackwardsFromTheirDeadlines) {
   HostCapacity(16);
   for (ChunkId id = 1; id <= 9; ++id) Chunk(id);
