@@ -166,6 +166,19 @@ void Schedules::UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now) {
       // Planned as a short step: data early by a little is cheap, late is a stall.
       entry.step_time[j] = std::max(absl::ZeroDuration(), mean - 2 * dev);
     }
+    // A step not timed yet (the first pass of an iteration) is planned as the mean of those that
+    // are: as none, every chunk of the iteration would be wanted now, and fetches made for the
+    // far end of it would only be dropped for room before their turn.
+    absl::Duration timed;
+    uint64_t count = 0;
+    for (uint64_t j = 0; j < n; ++j) {
+      if (entry.step_mean[j] == absl::ZeroDuration()) continue;
+      timed += entry.step_time[j];
+      ++count;
+    }
+    for (uint64_t j = 0; j < n && count < n; ++j) {
+      if (entry.step_mean[j] == absl::ZeroDuration()) entry.step_time[j] = timed / count;
+    }
   }
   entry.cursor = cursor;
   entry.step_started = now;

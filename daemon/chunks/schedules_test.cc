@@ -100,6 +100,28 @@ TEST_F(SchedulesTest, StepTimesFollowTheCursorsPaceOnTheShortSide) {
   EXPECT_EQ(schedules_.FiguresOf(session_->id).steps, 2u);
 }
 
+TEST_F(SchedulesTest, StepsNotTimedYetArePlannedAsTheMeanOfThoseThatAre) {
+  Cursor(1);
+  schedules_.Set(*session_, Steps({{1}, {2}, {3}, {4}}));
+  // Before any step has passed, nothing is known: every step is planned as none.
+  const Schedules::Round first = Collect();
+  for (absl::Duration t : *first.sessions.at(0).step_time) EXPECT_EQ(t, absl::ZeroDuration());
+  clock_.Advance(absl::Milliseconds(100));
+  Cursor(2);
+  Collect();
+  clock_.Advance(absl::Milliseconds(300));
+  Cursor(3);
+  const Schedules::Round round = Collect();
+  const std::vector<absl::Duration>& times = *round.sessions.at(0).step_time;
+  ASSERT_EQ(times.size(), 4u);
+  // Steps 0 and 1 are timed (short of 100 and 300 ms); 2 and 3 are planned as their mean.
+  EXPECT_LT(times[0], absl::Milliseconds(100));
+  EXPECT_LT(times[1], absl::Milliseconds(300));
+  EXPECT_GT(times[1], times[0]);
+  EXPECT_EQ(times[2], (times[0] + times[1]) / 2);
+  EXPECT_EQ(times[3], times[2]);
+}
+
 TEST_F(SchedulesTest, AJumpOfTheCursorUpdatesEachStepOnceAtMost) {
   Cursor(1);
   schedules_.Set(*session_, Steps({{1}, {2}, {3}}));
