@@ -49,8 +49,11 @@ struct ChunkMeta {
   bool marked = false;          // the index records that the current version is in memory
   bool lost = false;            // recovered without its current version: opening it is DATA_LOSS
   bool wanted_by_plan = false;  // wanted_ns is the schedules' word, not a Prefetch's
-  uint64_t checksum = 0;        // XXH3-64 of the bytes of the NVMe copy, when written
-  uint64_t last_use = 0;        // Acquire clock, for least-recently-used eviction
+  // Tiers where the copy's room was made outside a plan, for an Acquire or a Prefetch (the
+  // planner keeps such room free for them: PlanInput::headroom). Cleared as the copy goes.
+  TierSet unplanned;
+  uint64_t checksum = 0;  // XXH3-64 of the bytes of the NVMe copy, when written
+  uint64_t last_use = 0;  // Acquire clock, for least-recently-used eviction
   // When the copy in `wanted_in` (the host or the device) is next wanted, in Unix nanoseconds (0:
   // not known): by a Prefetch, until the copy is acquired there, or by the schedules, as the last
   // planning round saw them (`wanted_by_plan`). Room made outside a plan drops copies wanted soon

@@ -73,14 +73,9 @@ ChunkMeta& Mover::Moving(ChunkId id) {
 
 absl::Status Mover::EnsureSpace(ChunkMeta& chunk, TierKind tier) {
   if (chunk.allocated.contains(tier)) return absl::OkStatus();
-  absl::StatusOr<Placement> p =
-      space_.ReserveIn(tier, OwnerOf(chunk), space_.SpaceIn(tier, chunk.size, chunk.persistent));
-  if (!p.ok()) {
-    return absl::Status(p.status().code(),
-                        absl::StrCat("chunk ", chunk.id, ": ", p.status().message()));
+  if (absl::Status s = space_.PlaceIn(chunk, tier); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("chunk ", chunk.id, ": ", s.message()));
   }
-  chunk.placement[tier] = *p;
-  chunk.allocated.insert(tier);
   return absl::OkStatus();
 }
 

@@ -20,10 +20,14 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
   schedules_.Collect(now, &round);
   in.sessions = std::move(round.sessions);
   // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
+  TierArray<uint64_t> unplanned;
   for (auto& [id, c] : chunks_) {
     const bool holds =
         c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
     if (!holds && !round.named.contains(id)) continue;
+    for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+      if (c.unplanned.contains(t) && c.allocated.contains(t)) unplanned[t] += c.placement[t].size;
+    }
     in.chunks[id] = PlannerChunk{.id = id,
                                  .size = c.size,
                                  .owner = c.owner,
@@ -35,6 +39,7 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
                                  .pinned = c.pins > 0,
                                  .transient = c.transient,
                                  .last_use = c.last_use,
+                                 .unplanned = c.unplanned,
                                  .asked = Asked(c, now),
                                  .asked_in = c.wanted_in};
   }
@@ -44,6 +49,9 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
     in.capacity[t] = u.capacity_bytes;
     in.free[t] = u.capacity_bytes - std::min(u.capacity_bytes, u.used_bytes);
     in.largest_free[t] = u.largest_free_bytes;
+  }
+  for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+    in.headroom[t] = unplanned_[t].Add(now, unplanned[t]) - unplanned[t];
   }
   const PathArray<PathLoad> load = meter_.Load();
   for (Path p : kAllPaths) {

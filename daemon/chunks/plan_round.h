@@ -19,11 +19,16 @@
 #include "daemon/planner/planner.h"
 #include "daemon/tiers/hop.h"
 #include "daemon/util/clock.h"
+#include "daemon/util/recent_peak.h"
 
 namespace tierd::daemon {
 
 class PlanRound {
  public:
+  // How long room that copies placed outside a plan held is kept free for them once they let it
+  // go.
+  static constexpr absl::Duration kUnplannedWindow = absl::Seconds(1);
+
   PlanRound(ChunkTable& chunks, Space& space, Mover& mover, SessionLedger& sessions,
             Schedules& schedules, const PathMeter& meter, const Tiers& tiers, const Clock& clock)
       : chunks_(chunks),
@@ -63,6 +68,10 @@ class PlanRound {
   const PathMeter& meter_;
   const Tiers tiers_;
   const Clock& clock_;
+  // The room copies placed outside a plan held in the host and the device tiers lately
+  // (PlanInput::headroom).
+  TierArray<RecentPeak> unplanned_ =
+      TierArray<RecentPeak>::Generate([] { return RecentPeak(kUnplannedWindow); });
 };
 
 }  // namespace tierd::daemon

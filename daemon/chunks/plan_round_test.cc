@@ -159,6 +159,37 @@ TEST_F(PlanRoundTest, APrefetchsWantGoesToThePlannerAndStampsKeepThePlansNextUse
   EXPECT_EQ(WantedAt(scheduled, TierKind::kHost, now), absl::InfiniteFuture());
 }
 
+TEST_F(PlanRoundTest, RoomThatCopiesPlacedOutsideAPlanHeldIsKeptFreeForThemForAWhile) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  ChunkMeta& scheduled = NvmeChunk();
+  ChunkMeta& acquired = NvmeChunk();  // a step's gradients, say: no schedule names them
+  ChunkMeta& planned = NvmeChunk();
+  Schedule({scheduled.id});
+  ASSERT_TRUE(space_->PlaceIn(acquired, TierKind::kHost).ok());  // room for an Acquire
+  space_->set_planning(true);
+  ASSERT_TRUE(space_->PlaceIn(planned, TierKind::kHost).ok());  // room for a planned fetch
+  space_->set_planning(false);
+  EXPECT_TRUE(acquired.unplanned.contains(TierKind::kHost));
+  EXPECT_FALSE(planned.unplanned.contains(TierKind::kHost));
+  auto headroom = [&](absl::Time at) {
+    Schedules::Round round;
+    PlanInput in;
+    EXPECT_TRUE(round_->Collect(at, round, in));
+    return in.headroom[TierKind::kHost];
+  };
+  // While the copy holds its room, nothing more is kept for it.
+  EXPECT_EQ(headroom(now), 0u);
+  // Once it goes, its room stays kept for it for the window, and then no longer.
+  space_->DropCopy(acquired, TierKind::kHost);
+  EXPECT_FALSE(acquired.unplanned.contains(TierKind::kHost));
+  EXPECT_EQ(headroom(now + absl::Milliseconds(500)), kSeg);
+  EXPECT_EQ(headroom(now + PlanRound::kUnplannedWindow + absl::Milliseconds(1)), 0u);
+  // The planned copy's room counts for nothing when it goes.
+  space_->DropCopy(planned, TierKind::kHost);
+  EXPECT_EQ(headroom(now + PlanRound::kUnplannedWindow + absl::Milliseconds(2)), 0u);
+}
+
 TEST_F(PlanRoundTest, ApplyStartsAPlannedFetchAndCountsItToTheChunksSession) {
   ChunkMeta* c;
   {

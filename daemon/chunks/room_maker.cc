@@ -34,21 +34,17 @@ absl::StatusOr<bool> RoomMaker::ReserveForAcquire(std::span<ChunkMeta* const> ch
     if (c->resident.contains(tier)) continue;
     if (c->state == ChunkState::kMoving && c->moving_to == tier) continue;  // its move has room
     for (TierKind t : RoomNeeded(*c, tier, access)) {
-      absl::StatusOr<Placement> p =
-          space_.ReserveIn(t, OwnerOf(*c), space_.SpaceIn(t, c->size, c->persistent));
+      const absl::Status p = space_.PlaceIn(*c, t);
       if (p.ok()) {
-        c->placement[t] = *p;
-        c->allocated.insert(t);
         made.emplace_back(c, t);
-      } else if (absl::IsResourceExhausted(p.status()) && MakeRoomFor(*c, tier, access)) {
+      } else if (absl::IsResourceExhausted(p) && MakeRoomFor(*c, tier, access)) {
         reserved = false;  // wait for the room being made
-      } else if (absl::IsResourceExhausted(p.status()) &&
+      } else if (absl::IsResourceExhausted(p) &&
                  PinsOfOthersHoldRoom(session, c->tenant, t,
                                       space_.SpaceIn(t, c->size, c->persistent))) {
         reserved = false;  // wait for other sessions to let go of their pins
       } else {
-        reserved = absl::Status(p.status().code(),
-                                absl::StrCat("chunk ", c->id, ": ", p.status().message()));
+        reserved = absl::Status(p.code(), absl::StrCat("chunk ", c->id, ": ", p.message()));
       }
       if (!p.ok()) break;
     }

@@ -29,6 +29,7 @@ void Space::Release(uint32_t tenant, const Placement& placement) {
 void Space::DropCopy(ChunkMeta& chunk, TierKind tier) {
   if (chunk.allocated.contains(tier)) Release(chunk.tenant, chunk.placement[tier]);
   chunk.allocated.erase(tier);
+  chunk.unplanned.erase(tier);
   chunk.resident.erase(tier);
   chunk.dirty.erase(tier);
   chunks_.Reindex(chunk);
@@ -71,6 +72,16 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
     if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);
   }
+}
+
+absl::Status Space::PlaceIn(ChunkMeta& chunk, TierKind tier) {
+  absl::StatusOr<Placement> p =
+      ReserveIn(tier, OwnerOf(chunk), SpaceIn(tier, chunk.size, chunk.persistent));
+  if (!p.ok()) return p.status();
+  chunk.placement[tier] = *p;
+  chunk.allocated.insert(tier);
+  if (!planning_) chunk.unplanned.insert(tier);
+  return absl::OkStatus();
 }
 
 uint64_t Space::SpaceIn(TierKind t, uint64_t size, bool persistent) const {

@@ -39,6 +39,9 @@ class Space {
   // quota is what is full. While the planner's moves start (planning), nothing is dropped: the
   // plan made its own room.
   absl::StatusOr<Placement> ReserveIn(TierKind tier, SpaceOwner owner, uint64_t size);
+  // ReserveIn for the chunk's copy in `tier` (the space it takes there, SpaceIn), which holds it
+  // from then on; outside a plan the copy counts as placed so (ChunkMeta::unplanned).
+  absl::Status PlaceIn(ChunkMeta& chunk, TierKind tier);
   // The space a chunk of `size` takes in tier `t`: on NVMe, a persistent chunk takes at least the
   // index's persistent granule, so that the index of persistent chunks cannot fill first.
   uint64_t SpaceIn(TierKind t, uint64_t size, bool persistent) const;

@@ -160,14 +160,16 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
   });
 
   // Victims per tier, in the order they go: unscheduled first (least recently used first), then
-  // the scheduled ones whose next use is furthest away.
+  // the scheduled ones whose next use is furthest away. A dirty copy placed outside a plan is
+  // its client's to send down.
   const bool have_nvme = in.capacity[TierKind::kNvme] > 0;
   TierArray<std::vector<const PlannerChunk*>> victims;
   for (const auto& [id, c] : in.chunks) {
     if (c.pinned || c.moving) continue;
     for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
-      if (c.resident.contains(t) &&
-          (CleanIn(c.resident, t) || t == TierKind::kDevice || have_nvme)) {
+      if (!c.resident.contains(t)) continue;
+      if (CleanIn(c.resident, t) ||
+          (!c.unplanned.contains(t) && (t == TierKind::kDevice || have_nvme))) {
         victims[t].push_back(&c);
       }
     }
@@ -194,7 +196,9 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
   }
 
   TierArray<int64_t> free;
-  for (TierKind t : kAllTiers) free[t] = static_cast<int64_t>(in.free[t]);
+  for (TierKind t : kAllTiers) {
+    free[t] = static_cast<int64_t>(in.free[t]) - static_cast<int64_t>(in.headroom[t]);
+  }
   TierArray<bool> blocked;  // a demand did not fit: later ones wait (need order)
   absl::flat_hash_set<ChunkId> written_back;
   absl::flat_hash_set<ChunkIn> dropped;

@@ -46,6 +46,10 @@ struct PlannerChunk {
   // Its contents are wanted briefly: written down for room, never early (ChunkSpec.transient).
   bool transient = false;
   uint64_t last_use = 0;  // larger is more recent
+  // Tiers where the copy was placed outside a plan (ChunkMeta::unplanned): while it is the only
+  // copy there (a step's gradients, new weights being written), it is its client's, not the
+  // plan's to write down for room.
+  TierSet unplanned;
   // When a Prefetch asked for the copy in `asked_in` (ChunkMeta::wanted_ns): it is needed then.
   absl::Time asked = absl::InfiniteFuture();
   TierKind asked_in = TierKind::kHost;
@@ -89,6 +93,12 @@ struct PlanInput {
   // What one move on each path takes beyond its bytes at the path's bandwidth, on the long side:
   // a transfer is planned to take that much longer than its bytes stream in.
   PathArray<absl::Duration> latency;
+  // Room in each tier kept free for copies placed outside a plan (by Acquires and Prefetches: a
+  // step's gradients, the new weights an optimizer writes, what a client reads ahead itself):
+  // what they held lately beyond what they hold now, which they will want back. The plan's
+  // fetches use the rest: taking it, they would be dropped unused for the next such copy and
+  // fetched again.
+  TierArray<uint64_t> headroom;
   // A demand starts once its latest safe start is this close; a little over one planning round.
   absl::Duration lead = absl::Milliseconds(2);
   // Transfer times are planned this much longer than measured.

@@ -167,6 +167,31 @@ TEST_F(PlannerTest, EvictsTheCopyNeededFurthestInTheFutureFirstAndUnscheduledOne
   EXPECT_EQ(fetches[1].id, 5u);
 }
 
+TEST_F(PlannerTest, HeadroomStaysFreeAndFetchesThatWouldTakeItDropCopiesNeededLaterInstead) {
+  HostCapacity(5);
+  Chunk(1, {TierKind::kHost});  // needed now
+  Chunk(2);                     // needed at step 1
+  Chunk(3);                     // needed at step 2
+  Chunk(4, {TierKind::kHost});  // needed at step 3
+  Schedule({Read({1}), Read({2}), Read({3}), Read({4})}, /*cursor=*/0, absl::Microseconds(100));
+  // 3 MiB free: both fetches fit.
+  EXPECT_TRUE(Only(Plan(in_), Kind::kDrop).empty());
+  EXPECT_EQ(Only(Plan(in_), Kind::kFetch).size(), 2u);
+  // With 2 MiB of it kept for copies placed outside a plan, the second fetch takes the room of
+  // the copy needed last, and the headroom stays free.
+  in_.headroom[TierKind::kHost] = 2 * kMiB;
+  const std::vector<PlannedMove> moves = Plan(in_);
+  const std::vector<PlannedMove> drops = Only(moves, Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0].id, 4u);
+  ASSERT_EQ(Only(moves, Kind::kFetch).size(), 2u);
+  // With 3 MiB kept, only what is needed later than a fetch makes room for it: chunk 3 waits.
+  in_.headroom[TierKind::kHost] = 3 * kMiB;
+  const std::vector<PlannedMove> fewer = Only(Plan(in_), Kind::kFetch);
+  ASSERT_EQ(fewer.size(), 1u);
+  EXPECT_EQ(fewer[0].id, 2u);
+}
+
 TEST_F(PlannerTest, NeverDisplacesACopyNeededSoonerThanTheIncomingOne) {
   HostCapacity(1);
   Chunk(1, {TierKind::kHost});  // needed at step 1
@@ -252,6 +277,25 @@ TEST_F(PlannerTest, DirtyCopiesAreWrittenBackBeforeTheirSpaceIsReused) {
   ASSERT_EQ(Only(moves, Kind::kDrop).size(), 1u);
   ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
   EXPECT_EQ(Only(moves, Kind::kFetch)[0].id, 2u);
+}
+
+TEST_F(PlannerTest, ADirtyCopyPlacedOutsideAPlanIsItsClientsToSendDownButOnceCleanItMayGo) {
+  HostCapacity(1);
+  PlannerChunk& grads = Chunk(1, {TierKind::kHost});  // an Acquire wrote it on the host
+  grads.resident.erase(TierKind::kNvme);
+  grads.dirty.insert(TierKind::kHost);
+  grads.unplanned.insert(TierKind::kHost);
+  grads.transient = true;  // as tierd.torch makes them: not written down early either
+  Chunk(2);
+  Schedule({Read({2})}, /*cursor=*/0);
+  EXPECT_TRUE(Plan(in_).empty()) << "the plan does not write it down for room";
+  // Sent down by its client (clean now), its room may go to the fetch.
+  in_.chunks[1].resident.insert(TierKind::kNvme);
+  in_.chunks[1].dirty = TierSet();
+  const std::vector<PlannedMove> moves = Plan(in_);
+  ASSERT_EQ(Only(moves, Kind::kDrop).size(), 1u);
+  EXPECT_EQ(Only(moves, Kind::kDrop)[0].id, 1u);
+  ASSERT_EQ(Only(moves, Kind::kFetch).size(), 1u);
 }
 
 TEST_F(PlannerTest, DirtyCopiesNotNeededForAWhileAreWrittenBackEarlyWhenThePathIsIdle) {
