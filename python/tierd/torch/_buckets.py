@@ -60,6 +60,8 @@ class Bucket:
         # Where its fp32 master weights live (_abi.ADAM_MASTER_IN_*): the state decides when it
         # gives the bucket its group (_state.OptimizerState.masters).
         self.master = _abi.ADAM_MASTER_IN_STATE
+        # A master in `out` holds a launched step's new weights that the model has not taken.
+        self.out_ahead = False
 
     def _buffers(self) -> None:
         n, k = self.numel, len(self.sizes)
@@ -109,15 +111,25 @@ class Bucket:
     def bind(self) -> None:
         """Makes `out` writable for this step's new weights (always, here)."""
 
-    @property
-    def out_can_be_master(self) -> bool:
+    def out_can_be_master(self, device_tier: bool) -> bool:
         """Whether `out` can hold the fp32 master weights themselves (the state then keeps m and
         v only, and a step writes the weights once): fp32 weights kept outside the model's
-        tensors, a streamed unit's next version. Not here: `out` is this process's buffer."""
-        return False
+        tensors. Here `out` is this process's fp32 copy of the weights as the optimizer left
+        them (kept anyway, to tell weights the caller changed): with fp32 weights it is their
+        master exactly. Not where the daemon has a device tier (`device_tier`): there the
+        master stays in the state, so that device_share can step the bucket on the device."""
+        return self.dtype == torch.float32 and not device_tier
 
     def prime_out(self) -> None:
-        """Before the library steps the bucket: a master in `out` starts as the weights are."""
+        """Before the library steps the bucket: a master in `out` starts as the weights are.
+        Here it is, unless a step stepped it and the model did not take it (a rolled-back
+        speculative step): then it is set from the weights again. Weights the caller changed
+        are taken by the kernel (flag())."""
+        if self.master != _abi.ADAM_MASTER_IN_OUT:
+            return
+        if self.out_ahead:
+            self.mirror()
+        self.out_ahead = True
 
     @property
     def nodes(self):
@@ -141,9 +153,14 @@ class Bucket:
                 p.copy_(values.view_as(p), non_blocking=p.is_cuda)
             if flags[i]:
                 self.remember(i)
+        self.out_ahead = False
 
     def unbind(self) -> None:
-        """The step is over (published or not)."""
+        """The step is over (published or not). A master in `out` that the model did not take
+        (an abandoned or skipped step) goes back to the weights as they are."""
+        if self.out_ahead:
+            self.mirror()
+            self.out_ahead = False
 
     def drop_grad(self, i: int) -> None:
         """After weight i's gradient was taken (a streamed one leaves the device)."""
@@ -391,8 +408,7 @@ class StreamBucket(Bucket):
             self.out_ext = self.range.next_version()
             self.out = self.out_ext[:self.numel]
 
-    @property
-    def out_can_be_master(self) -> bool:
+    def out_can_be_master(self, device_tier: bool) -> bool:
         return self.dtype == torch.float32
 
     def prime_out(self) -> None:

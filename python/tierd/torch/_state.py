@@ -35,26 +35,28 @@ class OptimizerState:
     """The open state of one optimizer (one rank's share when sharded)."""
 
     def __init__(self, adam: _adam.Adam, name: str, persistent: bool, home: str,
-                 masters_in_out: bool):
+                 masters_in_out: bool, device_tier: bool):
         self.adam = adam
         self.name = name
         self.persistent = persistent
         self.home = home
         self.masters_in_out = masters_in_out
+        self.device_tier = device_tier  # the daemon serves one (device_share can be set)
         self.lanes = DeviceLanes(None)  # where the buckets are stepped (OffloadedAdamW sets it)
 
     @staticmethod
-    def masters(buckets: List[Bucket], in_out: bool) -> None:
+    def masters(buckets: List[Bucket], in_out: bool, device_tier: bool) -> None:
         """Says where each bucket's master weights live, before its group is made: in its `out`
-        where it can be (Bucket.out_can_be_master) and `in_out` allows (scratch state: persistent
-        state must restore the weights it resumes), else in the state."""
+        where it can be (Bucket.out_can_be_master, beside the daemon's `device_tier` or not) and
+        `in_out` allows (scratch state: persistent state must restore the weights it resumes),
+        else in the state."""
         for b in buckets:
-            b.master = (_abi.ADAM_MASTER_IN_OUT if in_out and b.out_can_be_master
+            b.master = (_abi.ADAM_MASTER_IN_OUT if in_out and b.out_can_be_master(device_tier)
                         else _abi.ADAM_MASTER_IN_STATE)
 
     def add_groups(self, buckets: List[Bucket]) -> None:
         """Gives buckets made after the state was opened their groups."""
-        self.masters(buckets, self.masters_in_out)
+        self.masters(buckets, self.masters_in_out, self.device_tier)
         self.adam.add_groups(buckets)
 
     @staticmethod
@@ -68,14 +70,13 @@ class OptimizerState:
         state is named by the process and `scratch_id`. `masters_in_out`: the buckets that can
         keep their master weights in their `out` do, if the state is scratch (masters())."""
         masters_in_out = masters_in_out and name is None
-        OptimizerState.masters(owned, masters_in_out)
+        with connect(socket_dir, "optimizer-probe") as c:
+            has_nvme = c.tier_usage(Tier.NVME).configured
+            device_tier = c.tier_usage(Tier.DEVICE).configured
+        OptimizerState.masters(owned, masters_in_out, device_tier)
         moments = 4 if state_dtype == torch.bfloat16 else 8
         state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
                           for b in owned)
-        has_nvme = None
-        if home is None or name is not None:
-            with connect(socket_dir, "optimizer-probe") as c:
-                has_nvme = c.tier_usage(Tier.NVME).configured
         if home is None:
             held = state_bytes * (2 if speculative else 1)
             home = "nvme" if held > host_budget_bytes and has_nvme else "host"
@@ -111,7 +112,7 @@ class OptimizerState:
                 "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
                 "number of ranks, resumes from its checkpoint instead: make the optimizer with "
                 "reset=True and call load_checkpoint(directory) on every rank")) from None
-        return OptimizerState(adam, full, persistent, home, masters_in_out)
+        return OptimizerState(adam, full, persistent, home, masters_in_out, device_tier)
 
     @property
     def resumed(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .. import _abi
 from ..client import TierdError
 from . import _checkpoint, _lanes
 from ._buckets import Bucket, write_back
@@ -209,6 +210,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def device_share(self, value: _lanes.Setting) -> None:
         _lanes.check(value)
         self._between_steps("setting device_share")
+        if value is not None and not self._state.device_tier:
+            raise TierdError(_abi.Status.FAILED_PRECONDITION,
+                             "device_share needs the daemon's device tier, and this daemon "
+                             "serves none")
         lanes, before = self._state.lanes, self._state.lanes.setting
         lanes.setting = value
         try:
