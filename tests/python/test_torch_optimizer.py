@@ -188,6 +188,32 @@ def test_loss_scaling_and_a_skipped_non_finite_step(any_daemon, overlap):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-5)
 
 
+def test_where_the_master_weights_live_changes_nothing_a_user_sees(daemon):  # noqa: F811
+    """Masters in the state (a daemon with a device tier) and the weights as their own master (one
+    without): bit for bit the same losses and weights, through clipped, rolled-back steps."""
+    data = batches(12, seed=6)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            for socket_dir in (daemon, root):
+                m = model()
+                opt = offloaded(m, socket_dir, home="nvme", max_grad_norm=0.5,
+                                overlap_backward=True, bucket_params=40_000)
+                try:
+                    runs.append((train(m, opt, data), opt.state_bytes, opt.rolled_back_steps,
+                                 [p.detach().clone() for p in m.parameters()]))
+                finally:
+                    opt.close()
+        finally:
+            stop_daemon(proc, root)
+    (in_state, state_bytes, rolled, weights), (in_out, out_bytes, rolled_out, out_weights) = runs
+    assert out_bytes < state_bytes and rolled == rolled_out == len(data)
+    assert in_state == in_out
+    for a, b in zip(weights, out_weights):
+        assert torch.equal(a, b)
+
+
 def test_state_dict_round_trips_with_torch_adamw_both_ways(daemon):  # noqa: F811
     data = batches(20, seed=4)
     # Uninterrupted: torch's AdamW for 20 steps.
