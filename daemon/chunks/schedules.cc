@@ -176,7 +176,7 @@ void Schedules::UpdateStepTimes(Entry& entry, uint64_t cursor, absl::Time now) {
       timed += entry.step_time[j];
       ++count;
     }
-    for (uint64_t j = 0; j < n && count < n; ++j) {
+    for (uint64_t j = 0; j < n && count > 0 && count < n; ++j) {
       if (entry.step_mean[j] == absl::ZeroDuration()) entry.step_time[j] = timed / count;
     }
   }

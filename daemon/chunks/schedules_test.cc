@@ -106,20 +106,25 @@ TEST_F(SchedulesTest, StepsNotTimedYetArePlannedAsTheMeanOfThoseThatAre) {
   // Before any step has passed, nothing is known: every step is planned as none.
   const Schedules::Round first = Collect();
   for (absl::Duration t : *first.sessions.at(0).step_time) EXPECT_EQ(t, absl::ZeroDuration());
-  clock_.Advance(absl::Milliseconds(100));
+  // Nor after a step that took no measurable time (step 0).
   Cursor(2);
+  const Schedules::Round instant = Collect();
+  for (absl::Duration t : *instant.sessions.at(0).step_time) EXPECT_EQ(t, absl::ZeroDuration());
+  clock_.Advance(absl::Milliseconds(100));
+  Cursor(3);
   Collect();
   clock_.Advance(absl::Milliseconds(300));
-  Cursor(3);
+  Cursor(4);
   const Schedules::Round round = Collect();
   const std::vector<absl::Duration>& times = *round.sessions.at(0).step_time;
   ASSERT_EQ(times.size(), 4u);
-  // Steps 0 and 1 are timed (short of 100 and 300 ms); 2 and 3 are planned as their mean.
-  EXPECT_LT(times[0], absl::Milliseconds(100));
-  EXPECT_LT(times[1], absl::Milliseconds(300));
-  EXPECT_GT(times[1], times[0]);
-  EXPECT_EQ(times[2], (times[0] + times[1]) / 2);
-  EXPECT_EQ(times[3], times[2]);
+  // Steps 1 and 2 are timed (short of 100 and 300 ms); 0 and 3 are planned as their mean.
+  EXPECT_GT(times[1], absl::ZeroDuration());
+  EXPECT_LT(times[1], absl::Milliseconds(100));
+  EXPECT_LT(times[2], absl::Milliseconds(300));
+  EXPECT_GT(times[2], times[1]);
+  EXPECT_EQ(times[0], (times[1] + times[2]) / 2);
+  EXPECT_EQ(times[3], times[0]);
 }
 
 TEST_F(SchedulesTest, AJumpOfTheCursorUpdatesEachStepOnceAtMost) {
