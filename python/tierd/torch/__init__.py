@@ -15,7 +15,8 @@ and state_dict format (loadable into and from a plain AdamW). The model keeps it
 (fp32, bf16 or fp16, on the CPU or a GPU); the optimizer keeps fp32 master weights, exp_avg and
 exp_avg_sq in daemon chunks at home on NVMe or in the host tier, streamed through a bounded host
 budget by the client library's fused CPU kernels, and writes the new weights back into the model
-after each step.
+after each step. fp32 weights with scratch state on a node without a device tier are their own
+master: the chunks then hold the moments only (docs/optimizer.md).
 
 `overlap_backward=True` hands gradients to the optimizer as backward produces them (copied off the
 GPU on a side stream) and steps each bucket of parameters while backward still runs. The gradients
