@@ -94,8 +94,8 @@ def step_minimum_bytes(weight_size: int, streamed: int, streamed_trainable: int,
                        state_params: int, memory: int = 0) -> Tuple[int, int]:
     """The fewest bytes (read, written) one AdamW training step must move between memory and
     storage: each byte of optimizer state at home on storage in once and out once; the weights at
-    home there in once (the window that holds them for the forward holds them for the backward)
-    and, where they train, out once; nothing twice. Gradients stay in memory.
+    home there in for the forward and, where they train, out once; nothing twice that memory
+    could keep. Gradients stay in memory.
 
     `weight_size` is the weights' element size (4 fp32, 2 bf16), `streamed` the parameters whose
     weights are at home on storage, `streamed_trainable` those of them that train, and
@@ -103,14 +103,16 @@ def step_minimum_bytes(weight_size: int, streamed: int, streamed_trainable: int,
     exp_avg and exp_avg_sq in fp32 and, unless the weights are fp32 themselves, fp32 master
     weights: an fp32 weight is its own master, written once.
 
-    `memory` is what the step is given to keep weights and state in from one step to the next (a
-    host tier, swap buffers): at a step's start at most that much of what it needs is in memory,
-    so the rest is read; at its end at most that much of what it changed stays there, so the rest
-    is written."""
+    `memory` is what the step is given to keep weights and state in (a host tier, swap buffers):
+    at a step's start at most that much of what it needs is in memory, so the rest is read; at
+    its end at most that much of what it changed stays there, so the rest is written. The
+    backward needs every weight the forward read, and between the two at most `memory` of them
+    stays: the rest is read again (weights larger than memory cannot be read once a step)."""
     state = state_params * (8 if weight_size == 4 else 12)
-    read = state + streamed * weight_size
+    weights = streamed * weight_size
+    read = max(0, state + weights - memory) + max(0, weights - memory)
     written = state + streamed_trainable * weight_size
-    return max(0, read - memory), max(0, written - memory)
+    return read, max(0, written - memory)
 
 
 def llama_config(args, dtype: str, **more):

@@ -140,7 +140,10 @@ def minimum_bytes(args, mode):
     from tierd.torch import _pretrained
     if mode in SPLIT:
         return None
-    streamed = args.params if mode in WEIGHTS_ON_NVME else 0
+    # ZeRO-Infinity swaps every weight; tierd streams the blocks, the embedding, the head and the
+    # final norm resident in the trainer.
+    blocks = args.params - 2 * args.vocab * args.hidden - args.hidden
+    streamed = {"ds-infinity": args.params, "tierd-stream": blocks}.get(mode, 0)
     return benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, streamed, streamed,
                                        args.params if mode in STATE_ON_NVME else 0,
                                        _pretrained.parse_size(args.host_capacity))
