@@ -16,14 +16,20 @@ memory (default 36 blocks of hidden 2048: 1.98 B parameters, 3.7 GiB of bf16 wei
 of fp32 optimizer state), its checkpoint written unit by unit, then in a process each: a few
 LoRA steps, and a few steps of full fine-tuning, of the model built on meta and streamed from the
 checkpoint with every block and the optimizer's state at home on NVMe; each step's loss and time,
-the process's peak memory, the daemon's peak memory and host tier, and the NVMe bytes a step
-beside the fewest a step must move with the host tier's memory (benchlib.step_minimum_bytes).
+the process's peak memory, the daemon's peak memory and host tier, and each step's NVMe bytes
+(the stream's and the optimizer's) beside the fewest a step must move with the host tier's memory
+(benchlib.step_minimum_bytes) and beside the time those bytes take at fio's rates on the same disk
+(measured before and after the steps). --memory-limit holds the whole run, page cache included,
+to that much memory by a memory cgroup: a machine of that size, where the disk cannot hold a
+model twice the machine's memory.
 
     python3 bench/pretrained.py [--layers 24 --hidden 2048 --intermediate 5504 --dtype bf16]
     python3 bench/pretrained.py --rounds 0 --lora 12 [--tokens 512]
     python3 bench/pretrained.py --scale [--layers 36 --steps 2 --host-capacity 2GiB]
+                                [--memory-limit 12GiB]
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -55,6 +61,8 @@ def arguments():
     ap.add_argument("--scale", action="store_true", help="the scale run (see above)")
     ap.add_argument("--steps", type=int, default=2, help="steps of each in the scale run")
     ap.add_argument("--host-capacity", default="2GiB", help="the daemon's host tier (--scale)")
+    ap.add_argument("--memory-limit", default=None, help="the scale run held to this much "
+                    "memory, page cache included, by a memory cgroup (needs root)")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     if "--scale" in sys.argv:
         ap.set_defaults(layers=36, hidden=2048, intermediate=5632, tokens=256)
@@ -244,15 +252,20 @@ def _nvme_bytes(client) -> Tuple[int, int]:
 
 def child_train(args) -> None:
     """In a process of its own (--scale): LoRA or full fine-tuning steps of the model streamed
-    from the checkpoint; prints JSON."""
+    from the checkpoint; prints JSON, with each step's NVMe bytes by role."""
     import torch
     import tierd
     import tierd.torch
+    import benchlib
+    from tierd.torch import _pretrained
     torch.set_num_threads(os.cpu_count() or 1)
     sock = args.child
     model = meta_model(args)
     probe = tierd.connect(sock, "bench probe")
     start = time.perf_counter()
+    # Each role's sessions in a job of their own, so that the daemon counts the bytes each
+    # moved (tierd_job_moved_bytes_total): the stream's weights and the optimizer's state.
+    os.environ["TIERD_JOB"] = "scale-stream"
     stream = tierd.torch.stream_parameters(model, checkpoint=args.dir, device=torch.device("cpu"),
                                            device_budget_bytes=8 << 30, host_budget_bytes=0,
                                            socket_dir=sock, name=f"scale-{args.mode}")
@@ -264,12 +277,18 @@ def child_train(args) -> None:
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     params = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
+    # The optimizer's budget is the host tier's share the streamed weights leave: half of it, as
+    # in bench/deepspeed_side_by_side.py.
+    os.environ["TIERD_JOB"] = "scale-optimizer"
     opt = tierd.torch.OffloadedAdamW(params, lr=1e-5, socket_dir=sock, home="nvme",
-                                     host_budget_bytes=256 << 20, overlap_backward=True)
+                                     host_budget_bytes=_pretrained.parse_size(
+                                         args.host_capacity) // 2,
+                                     overlap_backward=True)
+    del os.environ["TIERD_JOB"]
     opt_s = time.perf_counter() - start
     g = torch.Generator().manual_seed(0)
     steps = []
-    before = _nvme_bytes(probe)
+    before, jobs = _nvme_bytes(probe), benchlib.job_traffic(sock)
     for step in range(args.steps):
         x = torch.randint(0, args.vocab, (1, args.tokens), generator=g)
         t0 = time.perf_counter()
@@ -277,15 +296,20 @@ def child_train(args) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        steps.append({"loss": loss.item(), "seconds": time.perf_counter() - t0})
+        seconds = time.perf_counter() - t0
+        after, now = _nvme_bytes(probe), benchlib.job_traffic(sock)
+        by_role = {}
+        for (job, path), v in now.items():
+            by_role.setdefault(job.removeprefix("scale-"), {})[path] = v - jobs.get((job, path), 0)
+        steps.append({"loss": loss.item(), "seconds": seconds, "read": after[0] - before[0],
+                      "written": after[1] - before[1], "by_role": by_role})
+        before, jobs = after, now
         print(json.dumps({"progress": steps[-1]}), flush=True)
-    after = _nvme_bytes(probe)
     host = probe.tier_usage(tierd.Tier.HOST)
     out = {"import_s": import_s, "optimizer_s": opt_s, "steps": steps,
            "trainable": sum(p.numel() for p in params),
            "state_bytes": opt.state_bytes, "peak_rss": _status("VmHWM"),
-           "rss_anon": _status("RssAnon"), "nvme_read": after[0] - before[0],
-           "nvme_written": after[1] - before[1], "host_used": host.used_bytes,
+           "rss_anon": _status("RssAnon"), "host_used": host.used_bytes,
            "host_capacity": host.capacity_bytes}
     opt.close()
     stream.close()
@@ -293,53 +317,147 @@ def child_train(args) -> None:
     print(json.dumps(out), flush=True)
 
 
+def fio_rates(directory: str, size: int = 4 << 30) -> Tuple[float, float]:
+    """fio's sequential write and then read of a scratch file of `size` in `directory` (O_DIRECT,
+    io_uring, 1 MiB requests at queue depth 32, tierd's I/O size and depth), each into its own
+    buffers and into shared 4 KiB pages (the host tier's kind without huge pages); the faster of
+    the two for each direction, in bytes/s."""
+    path = os.path.join(directory, "fio.scratch")
+    rates = {"write": 0.0, "read": 0.0}
+    try:
+        for rw in ("write", "read"):
+            for mem in ("malloc", "mmapshared"):
+                cmd = ["fio", "--output-format=json", "--name=scale", f"--rw={rw}", "--bs=1M",
+                       "--ioengine=io_uring", "--direct=1", "--iodepth=32", "--fixedbufs=1",
+                       "--registerfiles=1", f"--iomem={mem}", f"--filename={path}",
+                       f"--size={size}", "--end_fsync=1"]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                job = json.loads(out.stdout)["jobs"][0][rw]
+                rates[rw] = max(rates[rw], job["io_bytes"] / (job["runtime"] / 1000.0))
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return rates["write"], rates["read"]
+
+
+class MemoryLimit:
+    """This process and its children (the daemon, the trainers) in a memory cgroup of `limit`
+    bytes, page cache included: a machine of that much memory. Needs root; cgroup v2 or v1."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+        base = "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/memory"
+        self.root = base
+        self.path = os.path.join(base, f"tierd-scale-{os.getpid()}")
+        self.max_file, self.peak_file = (("memory.max", "memory.peak") if v2 else
+                                         ("memory.limit_in_bytes", "memory.max_usage_in_bytes"))
+
+    def __enter__(self):
+        try:
+            os.mkdir(self.path)
+            with open(os.path.join(self.path, self.max_file), "w") as f:
+                f.write(str(self.limit))
+            with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
+            if os.path.isdir(self.path):
+                os.rmdir(self.path)
+            sys.exit(f"--memory-limit needs a memory cgroup this user may create: {e}")
+        return self
+
+    def peak(self) -> int:
+        """The cgroup's peak memory use so far (0 where the kernel does not say)."""
+        try:
+            with open(os.path.join(self.path, self.peak_file)) as f:
+                return int(f.read().split()[0])
+        except OSError:
+            return 0
+
+    def __exit__(self, *exc):
+        with open(os.path.join(self.root, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(self.path)
+
+
 def scale(args, directory: str) -> None:
     """The scale run (see the module's text)."""
-    import benchlib
+    from tierd.torch import _pretrained
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _pretrained.parse_size(args.memory_limit) if args.memory_limit else 0
     model = meta_model(args)
     n = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = 12 * n
+    given = limit or mem
     print(f"scale: {n / 1e9:.2f} B parameters, {weights / 2**30:.1f} GiB of {args.dtype} weights "
           f"and {state / 2**30:.1f} GiB of fp32 optimizer state: {(weights + state) / 2**30:.1f} "
-          f"GiB, the machine has {mem / 2**30:.1f} GiB of memory", flush=True)
+          f"GiB, {(weights + state) / given:.2f} x the {given / 2**30:.1f} GiB of memory the run "
+          f"has" + (f" (held to it by a memory cgroup, page cache included; the machine has "
+                    f"{mem / 2**30:.1f} GiB)" if limit else ""), flush=True)
+    with (MemoryLimit(limit) if limit else contextlib.nullcontext()) as cgroup:
+        blocks = sum(p.numel() for p in model.model.layers.parameters())
+        scale_steps(args, directory, blocks, weights, state)
+        if cgroup is not None:
+            print(f"the run's peak memory use, page cache included: "
+                  f"{cgroup.peak() / 2**30:.2f} GiB of {limit / 2**30:.1f}", flush=True)
+
+
+def scale_steps(args, directory: str, blocks: int, weights: int, state: int) -> None:
+    """The scale run's checkpoint, daemon and trainers, fio on the same disk before and after;
+    `blocks` is the parameters streamed."""
+    import benchlib
     start = time.perf_counter()
     size = write_checkpoint(args, directory)
     print(f"checkpoint: {size / 2**30:.2f} GiB written unit by unit in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
+    fio_before = fio_rates(directory)
     nvme = f"{int((2 * weights + 2 * state + (1 << 30)) / 2**30) + 4}GiB"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    results = {}
     with benchlib.daemon(args.build, host_capacity=args.host_capacity, nvme=nvme) as sock:
         for mode in ("lora", "full"):
             cmd = [sys.executable, __file__, "--child", sock, "--mode", mode, "--dir", directory,
                    "--layers", str(args.layers), "--hidden", str(args.hidden),
                    "--intermediate", str(args.intermediate), "--heads", str(args.heads),
                    "--vocab", str(args.vocab), "--dtype", args.dtype, "--build", args.build,
-                   "--steps", str(args.steps), "--tokens", str(args.tokens)]
+                   "--steps", str(args.steps), "--tokens", str(args.tokens),
+                   "--host-capacity", args.host_capacity]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 sys.exit(f"{mode}: {out.stderr[-4000:]}")
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            daemon_peak = benchlib.daemon_peak_rss(sock)
-            steps = ", ".join(f"{s['loss']:.4f} in {s['seconds']:.0f} s" for s in r["steps"])
-            # Every weight at home on NVMe; LoRA trains adapters in memory, full trains them all.
-            trains_streamed = n if mode == "full" else 0
-            least = benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, n,
-                                                trains_streamed, r["trainable"],
-                                                r["host_capacity"])
-            read, written = (r[k] / args.steps for k in ("nvme_read", "nvme_written"))
-            times = (f": {read / least[0]:.2f} x / {written / least[1]:.2f} x" if min(least) > 0
-                     else "")
-            print(f"{mode}: {r['trainable'] / 1e6:,.1f} M trainable, optimizer state "
-                  f"{r['state_bytes'] / 2**30:.2f} GiB; import {r['import_s']:.0f} s, optimizer "
-                  f"made in {r['optimizer_s']:.0f} s; steps (loss, time): {steps}; process peak "
-                  f"RSS {r['peak_rss'] / 2**30:.2f} GiB (private {r['rss_anon'] / 2**30:.2f} GiB "
-                  f"at the end); daemon peak RSS {daemon_peak / 2**30:.2f} GiB, host tier "
-                  f"{r['host_used'] / 2**30:.2f} of {r['host_capacity'] / 2**30:.2f} GiB in use "
-                  f"at the end; NVMe a step: {read / 2**30:.1f} GiB read, "
-                  f"{written / 2**30:.1f} GiB written (fewest {least[0] / 2**30:.1f} / "
-                  f"{least[1] / 2**30:.1f} GiB{times})", flush=True)
+            results[mode] = (json.loads(out.stdout.strip().splitlines()[-1]),
+                             benchlib.daemon_peak_rss(sock))
+    fio_after = fio_rates(directory)
+    fio_write, fio_read = (max(a, b) for a, b in zip(fio_before, fio_after))
+    print(f"fio on the same disk, before and after the steps: write {fio_before[0] / 1e9:.2f} "
+          f"and {fio_after[0] / 1e9:.2f} GB/s, read {fio_before[1] / 1e9:.2f} and "
+          f"{fio_after[1] / 1e9:.2f} GB/s (the faster of each is the yardstick)", flush=True)
+    for mode, (r, daemon_peak) in results.items():
+        # The blocks at home on NVMe (the embedding and the head resident in the trainer); LoRA
+        # trains adapters in memory, full fine-tuning every parameter.
+        trains_streamed = blocks if mode == "full" else 0
+        least = benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, blocks,
+                                            trains_streamed, r["trainable"], r["host_capacity"])
+        print(f"{mode}: {r['trainable'] / 1e6:,.1f} M trainable, optimizer state "
+              f"{r['state_bytes'] / 2**30:.2f} GiB; import {r['import_s']:.0f} s, optimizer made "
+              f"in {r['optimizer_s']:.0f} s; process peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
+              f"(private {r['rss_anon'] / 2**30:.2f} GiB at the end); daemon peak RSS "
+              f"{daemon_peak / 2**30:.2f} GiB, host tier {r['host_used'] / 2**30:.2f} of "
+              f"{r['host_capacity'] / 2**30:.2f} GiB in use at the end; fewest a step "
+              f"{least[0] / 2**30:.1f} GiB read / {least[1] / 2**30:.1f} written", flush=True)
+        for k, s in enumerate(r["steps"]):
+            at_fio = s["read"] / fio_read + s["written"] / fio_write
+            roles = "; ".join(
+                f"{role} {p.get('nvme_to_host', 0) / 2**30:.1f} / "
+                f"{p.get('host_to_nvme', 0) / 2**30:.1f}" for role, p in sorted(s["by_role"].items()))
+            times = (f" ({s['read'] / least[0]:.2f} x / {s['written'] / least[1]:.2f} x the "
+                     f"fewest)" if min(least) > 0 else "")
+            pace = (f"; those bytes at fio's rates {at_fio:.1f} s: the step took "
+                    f"{s['seconds'] / at_fio:.2f} x" if at_fio > 0 else "")
+            print(f"  step {k + 1}{' (traced)' if k == 0 else ''}: loss {s['loss']:.4f} in "
+                  f"{s['seconds']:.1f} s; NVMe {s['read'] / 2**30:.1f} GiB read / "
+                  f"{s['written'] / 2**30:.1f} written{times}, by role {roles}{pace}", flush=True)
 
 
 def main():
