@@ -49,6 +49,10 @@ struct ChunkMeta {
   bool marked = false;          // the index records that the current version is in memory
   bool lost = false;            // recovered without its current version: opening it is DATA_LOSS
   bool wanted_by_plan = false;  // wanted_ns is the schedules' word, not a Prefetch's
+  // A schedule names it as one version of a pair and no step reads it, as the last planning
+  // round saw the version bits: its contents wait to be overwritten by the next step's new
+  // weights, so its copies are the first to go for room (PlanRound writes it).
+  bool unread_version = false;
   // Tiers where the copy's room was made outside a plan, for an Acquire or a Prefetch (the
   // planner keeps such room free for them: PlanInput::headroom). Cleared as the copy goes.
   TierSet unplanned;

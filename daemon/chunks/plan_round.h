@@ -72,6 +72,9 @@ class PlanRound {
   // (PlanInput::headroom).
   TierArray<RecentPeak> unplanned_ =
       TierArray<RecentPeak>::Generate([] { return RecentPeak(kUnplannedWindow); });
+  // Whether a round may have left ChunkMeta::unread_version set: once no schedule is left, the
+  // next round clears it.
+  bool marked_unread_ = false;
 };
 
 }  // namespace tierd::daemon

@@ -111,6 +111,43 @@ TEST_F(PlanRoundTest, CollectTakesTheScheduledChunksAndTheTiersRoomButNotTheRest
   EXPECT_EQ(in.free[TierKind::kHost], 4 * kSeg);
 }
 
+TEST_F(PlanRoundTest, APairsVersionNoStepReadsIsMarkedUnreadAsTheBitsSay) {
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& first = NvmeChunk();
+  ChunkMeta& other = NvmeChunk();
+  ChunkMeta& plain = NvmeChunk();
+  ScheduleRequest r;
+  r.steps.push_back({{.id = first.id, .tier = TierKind::kHost, .other = other.id, .version_bit = 7},
+                     {.id = plain.id, .tier = TierKind::kHost}});
+  schedules_->Set(*session_, std::move(r));
+  Schedules::Round round;
+  PlanInput in;
+  ASSERT_TRUE(round_->Collect(absl::Now(), round, in));
+  EXPECT_FALSE(first.unread_version);  // bit 7 clear: the step reads `first`
+  EXPECT_TRUE(other.unread_version);
+  EXPECT_FALSE(plain.unread_version);
+  EXPECT_TRUE(in.chunks.at(other.id).unread_version);
+
+  // The client sets the bit (new weights in `other`): the next round sees it.
+  void* p = mmap(nullptr, kCompletionPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                 session_->completions->fd(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  static_cast<CompletionPage*>(p)->header.versions[0].fetch_or(uint64_t{1} << 7);
+  munmap(p, kCompletionPageBytes);
+  Schedules::Round next;
+  PlanInput again;
+  ASSERT_TRUE(round_->Collect(absl::Now(), next, again));
+  EXPECT_TRUE(first.unread_version);
+  EXPECT_FALSE(other.unread_version);
+
+  // No schedule left: nothing is unread any more.
+  schedules_->Set(*session_, ScheduleRequest{});
+  Schedules::Round none;
+  PlanInput empty;
+  EXPECT_FALSE(round_->Collect(absl::Now(), none, empty));
+  EXPECT_FALSE(first.unread_version);
+}
+
 TEST_F(PlanRoundTest, ATransientChunkIsTransientToThePlanner) {
   absl::MutexLock lock(&mu_);
   ChunkMeta& grads = NvmeChunk();

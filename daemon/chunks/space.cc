@@ -46,9 +46,10 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
         quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, owner, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop a copy there that a lower tier also holds (a clean copy costs nothing to drop):
-    // the least recently used of those nobody wants, else the one wanted last (WantedAt) among
-    // the oldest kWantedLooked.
+    // of the oldest kWantedLooked, a pair's version no schedule reads, else the least recently
+    // used of those nobody wants, else the one wanted last (WantedAt).
     ChunkMeta* victim = nullptr;
+    ChunkMeta* unread = nullptr;
     ChunkMeta* wanted = nullptr;
     absl::Time wanted_at = absl::InfinitePast();
     size_t looked = 0;
@@ -65,9 +66,14 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
         }
         return ++looked < kWantedLooked;
       }
-      victim = &c;
-      return false;
+      if (c.unread_version) {
+        unread = &c;
+        return false;
+      }
+      if (victim == nullptr) victim = &c;
+      return ++looked < kWantedLooked;
     });
+    if (unread != nullptr) victim = unread;
     if (victim == nullptr) victim = wanted;
     if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);

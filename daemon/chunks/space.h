@@ -52,8 +52,9 @@ class Space {
   // tenant's quota, whatever the tier holds now.
   bool CouldHold(uint32_t tenant, TierKind tier, uint64_t size, uint64_t beside) const;
   void set_planning(bool planning) { planning_ = planning; }
-  // How many wanted copies a reservation compares before it drops the one wanted last: the
-  // walk stays bounded in a tier of many small copies.
+  // How many copies a reservation compares before it drops the one wanted last (or the least
+  // recently used, where none is a pair's unread version): the walk stays bounded in a tier of
+  // many small copies.
   static constexpr size_t kWantedLooked = 64;
 
  private:

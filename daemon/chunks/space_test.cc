@@ -93,6 +93,25 @@ TEST_F(SpaceTest, CopiesWantedSoonGoLastAndOfThemTheOneWantedLastGoesFirst) {
   EXPECT_TRUE(recent.resident.contains(TierKind::kHost));
 }
 
+TEST_F(SpaceTest, APairsVersionNoStepReadsGoesFirstThenTheLeastRecentlyUsed) {
+  Space& space = Make();
+  ChunkMeta& oldest = HostChunk(kAlice, 1, /*clean=*/true);
+  ChunkMeta& unread = HostChunk(kAlice, 3, /*clean=*/true);
+  ChunkMeta& older = HostChunk(kAlice, 2, /*clean=*/true);
+  HostChunk(kAlice, 4, /*clean=*/true);
+  unread.unread_version = true;  // as the last planning round saw the version bits
+  absl::StatusOr<Placement> first = space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(unread.resident.contains(TierKind::kHost));
+  EXPECT_TRUE(oldest.resident.contains(TierKind::kHost));
+  absl::StatusOr<Placement> second = space.ReserveIn(TierKind::kHost, UserOwner(kAlice), kSeg);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_FALSE(oldest.resident.contains(TierKind::kHost));  // then least recently used first
+  EXPECT_TRUE(older.resident.contains(TierKind::kHost));
+  space.Release(kAlice, *first);
+  space.Release(kAlice, *second);
+}
+
 TEST_F(SpaceTest, AWantLapsesAfterItsGraceAndInAnotherTierCountsForNothing) {
   Space& space = Make();
   const absl::Time now = clock_.Now();

@@ -159,9 +159,9 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
     return a.when != b.when ? a.when < b.when : a.id < b.id;
   });
 
-  // Victims per tier, in the order they go: unscheduled first (least recently used first), then
-  // the scheduled ones whose next use is furthest away. A dirty copy placed outside a plan is
-  // its client's to send down.
+  // Victims per tier, in the order they go: unscheduled first (a pair's unread version, then the
+  // least recently used first), then the scheduled ones whose next use is furthest away. A dirty
+  // copy placed outside a plan is its client's to send down.
   const bool have_nvme = in.capacity[TierKind::kNvme] > 0;
   TierArray<std::vector<const PlannerChunk*>> victims;
   for (const auto& [id, c] : in.chunks) {
@@ -179,6 +179,7 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
     std::sort(list.begin(), list.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {
       const absl::Time na = next_in(*a, t), nb = next_in(*b, t);
       if (na != nb) return na > nb;  // InfiniteFuture (unscheduled) first
+      if (a->unread_version != b->unread_version) return a->unread_version;
       if (a->last_use != b->last_use) return a->last_use < b->last_use;
       return a->id < b->id;
     });

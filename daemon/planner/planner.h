@@ -53,6 +53,9 @@ struct PlannerChunk {
   // When a Prefetch asked for the copy in `asked_in` (ChunkMeta::wanted_ns): it is needed then.
   absl::Time asked = absl::InfiniteFuture();
   TierKind asked_in = TierKind::kHost;
+  // The version of a pair that no step reads (ChunkMeta::unread_version): of the copies no
+  // schedule needs, it goes first.
+  bool unread_version = false;
 };
 
 struct ScheduledAccess {

@@ -167,6 +167,17 @@ TEST_F(PlannerTest, EvictsTheCopyNeededFurthestInTheFutureFirstAndUnscheduledOne
   EXPECT_EQ(fetches[1].id, 5u);
 }
 
+TEST_F(PlannerTest, APairsVersionNoStepReadsGoesBeforeOtherCopiesNoScheduleNeeds) {
+  HostCapacity(2);
+  Chunk(1, {TierKind::kHost});                        // nobody's, used longest ago
+  Chunk(2, {TierKind::kHost}).unread_version = true;  // waits for the next step's new weights
+  Chunk(3);
+  Schedule({Read({3})}, /*cursor=*/0);
+  std::vector<PlannedMove> drops = Only(Plan(in_), Kind::kDrop);
+  ASSERT_EQ(drops.size(), 1u);
+  EXPECT_EQ(drops[0].id, 2u);
+}
+
 TEST_F(PlannerTest, HeadroomStaysFreeAndFetchesThatWouldTakeItDropCopiesNeededLaterInstead) {
   HostCapacity(5);
   Chunk(1, {TierKind::kHost});  // needed now
