@@ -694,8 +694,9 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
     # them). The first step is left out: the state's first write-backs, made when it was opened,
     # may finish in it. The kept master's share was measured at 3.6 to 4 bytes a parameter (what
     # the two runs' other write-backs coalesce differs a little); without the single write it is
-    # none, so three quarters of it tells the two apart with room to spare.
-    for k in range(1, steps):
-        assert once[2][k] <= 12 * total * 1.02, (once[2], 12 * total)
+    # none, so three quarters of it tells the two apart with room to spare. A write-back that
+    # finishes in the next step moves bytes from one step to the next: the steps are held to
+    # 12 bytes a parameter on average.
+    assert sum(once[2][1:]) <= 12 * total * (steps - 1) * 1.02, (once[2], 12 * total)
     assert sum(twice[2][1:]) + twice[5] - sum(once[2][1:]) - once[5] >= \
         4 * blocks * (steps - 1) * 0.75, (once[2], once[5], twice[2], twice[5])
