@@ -26,24 +26,13 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
   marked_unread_ = true;
   schedules_.Collect(now, &round);
   in.sessions = std::move(round.sessions);
-  // What the schedules read, their pairs resolved by the version bits: a chunk they name that no
-  // step reads is a pair's other version, waiting for new weights.
-  absl::flat_hash_set<ChunkId> read;
-  for (const auto& steps : round.steps) {
-    for (const auto& step : *steps) {
-      for (const ScheduledAccess& a : step) read.insert(a.id);
-    }
-  }
   // The scheduled chunks, and every chunk holding space in a tier the planner may need room in.
   TierArray<uint64_t> unplanned;
   for (auto& [id, c] : chunks_) {
     const bool holds =
         c.allocated.contains(TierKind::kHost) || c.allocated.contains(TierKind::kDevice);
-    const bool named = round.named.contains(id);
-    if (const bool unread = named && !read.contains(id); c.unread_version != unread) {
-      c.unread_version = unread;
-    }
-    if (!holds && !named) continue;
+    c.unread_version = round.unread.contains(id);
+    if (!holds && !round.named.contains(id)) continue;
     for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
       if (c.unplanned.contains(t) && c.allocated.contains(t)) unplanned[t] += c.placement[t].size;
     }

@@ -77,6 +77,7 @@ void Schedules::Install(Entry& entry, const Session& session, Schedule steps,
   entry.steps = n == 0 ? nullptr : std::make_shared<const Schedule>(std::move(steps));
   entry.resolved = nullptr;
   entry.bits.clear();
+  entry.unread.clear();
   entry.quota = quota;
   entry.step_time.assign(n, absl::ZeroDuration());
   entry.step_mean.assign(n, absl::ZeroDuration());
@@ -209,6 +210,14 @@ std::shared_ptr<const Schedule> Schedules::Resolve(Entry& entry) {
       if (in_step.insert({one.id, one.tier}).second) out.push_back(one);
     }
   }
+  absl::flat_hash_set<ChunkId> read;
+  for (const auto& step : *resolved) {
+    for (const ScheduledAccess& a : step) read.insert(a.id);
+  }
+  entry.unread.clear();
+  for (ChunkId id : entry.named) {
+    if (!read.contains(id)) entry.unread.push_back(id);
+  }
   entry.bits = std::move(bits);
   entry.resolved = std::move(resolved);
   return entry.resolved;
@@ -237,6 +246,7 @@ void Schedules::Collect(absl::Time now, Round* round) {
                                           .step_time = &round->step_times.back(),
                                           .quota = entry.quota});
     round->named.insert(entry.named.begin(), entry.named.end());
+    round->unread.insert(entry.unread.begin(), entry.unread.end());
   }
 }
 

@@ -65,6 +65,9 @@ class Schedules {
     std::vector<std::shared_ptr<const Schedule>> steps;
     std::vector<std::vector<absl::Duration>> step_times;
     absl::flat_hash_set<ChunkId> named;  // every chunk a schedule names
+    // The versions of pairs no step reads, the bits as read this round: each waits for the next
+    // step's new weights to be written over it.
+    absl::flat_hash_set<ChunkId> unread;
   };
   // Every session with a schedule (a trace whose iteration has passed is installed first), its
   // step times updated from its cursor at `now`.
@@ -91,7 +94,9 @@ class Schedules {
     std::shared_ptr<const Schedule> resolved;
     std::vector<bool> bits;
     std::vector<ChunkId> named;  // every chunk the schedule names, once (both of a pair)
-    uint64_t accesses = 0;       // what the schedule counts against the limits
+    // Of `named`, the versions of pairs that no step of `resolved` reads (made with it).
+    std::vector<ChunkId> unread;
+    uint64_t accesses = 0;  // what the schedule counts against the limits
     TierArray<uint64_t> quota;
     // By step index, measured from the cursor's pace: mean and mean deviation, and the time the
     // planner is told (on the short side).

@@ -231,6 +231,7 @@ TEST_F(SchedulesTest, APairIsReadAtTheVersionItsBitSays) {
   Version(700, false);
   EXPECT_EQ(Ids(Collect()), (std::vector<ChunkId>{2, 3}));
   EXPECT_EQ(Collect().named, (absl::flat_hash_set<ChunkId>{1, 2, 3, 4}));  // both of each pair
+  EXPECT_EQ(Collect().unread, (absl::flat_hash_set<ChunkId>{1, 4}));       // the versions unread
 }
 
 TEST_F(SchedulesTest, PairsAtOneVersionAreOneAccessOfTheirStep) {
