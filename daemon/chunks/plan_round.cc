@@ -46,6 +46,7 @@ bool PlanRound::Collect(absl::Time now, Schedules::Round& round, PlanInput& in) 
                                  .moving_to = c.moving_to,
                                  .pinned = c.pins > 0,
                                  .transient = c.transient,
+                                 .persistent = c.persistent,
                                  .last_use = c.last_use,
                                  .unplanned = c.unplanned,
                                  .asked = Asked(c, now),

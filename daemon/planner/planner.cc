@@ -336,7 +336,24 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
 
   // Early write-back: dirty copies not needed for a while go down while the path is idle, so that
   // dropping them later costs nothing (but a transient chunk's, likely freed before it would be
-  // dropped). One per path per round.
+  // dropped). One per path per round. A scratch chunk's copy is written early only when its tier
+  // is short of clean room: beyond the plan's fetches and the headroom, less than the headroom
+  // again is free or held by clean copies nothing needs. Otherwise the copy would be rewritten
+  // before it is dropped (optimizer state that stays, new weights the next step overwrites), and
+  // each such write is a write the step need not make. A persistent chunk's also brings its
+  // durable version up to date, so it is written regardless.
+  TierArray<bool> short_of_room;
+  for (TierKind t : {TierKind::kHost, TierKind::kDevice}) {
+    int64_t room = free[t];
+    for (size_t pos = victim_pos[t]; pos < victims[t].size(); ++pos) {
+      const PlannerChunk* v = victims[t][pos];
+      if (next_in(*v, t) != absl::InfiniteFuture()) break;  // needed: the rest are too
+      if (CleanIn(v->resident, t) && !dropped.contains(ChunkIn{v->id, t})) {
+        room += static_cast<int64_t>(v->size);
+      }
+    }
+    short_of_room[t] = blocked[t] || room < static_cast<int64_t>(in.headroom[t]);
+  }
   PathArray<bool> path_used;
   for (const PlannedMove& m : write_backs) path_used[PathDown(m.tier)] = true;
   // The highest copy that exists nowhere below goes one tier down (a device copy already copied to
@@ -354,7 +371,8 @@ std::vector<PlannedMove> Plan(const PlanInput& in, std::vector<NextUse>* next_us
   std::vector<const PlannerChunk*> dirty;
   for (const auto& [id, c] : in.chunks) {
     if (c.pinned || c.moving || c.transient || written_back.contains(id)) continue;
-    if (!only_copy(c)) continue;
+    const std::optional<TierKind> from = only_copy(c);
+    if (!from || (!c.persistent && !short_of_room[*from])) continue;
     dirty.push_back(&c);
   }
   std::sort(dirty.begin(), dirty.end(), [&](const PlannerChunk* a, const PlannerChunk* b) {

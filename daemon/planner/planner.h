@@ -19,7 +19,8 @@
 //    from their deadlines at the path's measured bandwidth (with a safety factor) plus its
 //    latency, behind the bytes already in flight, and a demand starts once its latest start is
 //    within `lead` of now.
-//  * Dirty copies not needed for a while are written back early, when the path down is idle.
+//  * Dirty copies not needed for a while are written back early, when the path down is idle: a
+//    persistent chunk's always, a scratch chunk's only when its tier is short of clean room.
 //  * A session never holds more than its quota of a tier through the planner.
 #pragma once
 
@@ -45,6 +46,8 @@ struct PlannerChunk {
   bool pinned = false;
   // Its contents are wanted briefly: written down for room, never early (ChunkSpec.transient).
   bool transient = false;
+  // It outlives its session: an early write-back also brings its durable version up to date.
+  bool persistent = false;
   uint64_t last_use = 0;  // larger is more recent
   // Tiers where the copy was placed outside a plan (ChunkMeta::unplanned): while it is the only
   // copy there (a step's gradients, new weights being written), it is its client's, not the

@@ -315,12 +315,48 @@ TEST_F(PlannerTest, DirtyCopiesNotNeededForAWhileAreWrittenBackEarlyWhenThePathI
   grad.resident.erase(TierKind::kNvme);
   grad.dirty.insert(TierKind::kHost);
   Chunk(2, {TierKind::kHost});
+  in_.headroom[TierKind::kHost] = 2 * kMiB;  // copies placed outside a plan want the free room
   Schedule({Read({2}), Read({2}), Read({1})}, /*cursor=*/1, absl::Milliseconds(10));
   std::vector<PlannedMove> wb = Only(Plan(in_), Kind::kWriteBack);
   ASSERT_EQ(wb.size(), 1u);
   EXPECT_EQ(wb[0].id, 1u);
   in_.queued_bytes[Path::kHostToNvme] = kMiB;  // the path is busy
   EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
+}
+
+TEST_F(PlannerTest, AScratchCopyIsWrittenBackEarlyOnlyWhenItsTierIsShortOfCleanRoom) {
+  HostCapacity(4);
+  PlannerChunk& state = Chunk(1, {TierKind::kHost});  // optimizer state stepped on the host
+  state.resident.erase(TierKind::kNvme);
+  state.dirty.insert(TierKind::kHost);
+  Chunk(2, {TierKind::kHost});  // the schedule's
+  Chunk(3, {TierKind::kHost});  // clean, and nothing needs it: room for the taking
+  Schedule({Read({2}), Read({2})}, /*cursor=*/1, absl::Milliseconds(10));
+  // Beyond the 1 MiB headroom kept free, chunk 3 could give as much again: no write is needed
+  // yet, and the copy may well be rewritten before it would be dropped.
+  in_.headroom[TierKind::kHost] = kMiB;
+  EXPECT_TRUE(Only(Plan(in_), Kind::kWriteBack).empty());
+  // A persistent chunk's copy goes down all the same: its durable version is brought up to date.
+  in_.chunks[1].persistent = true;
+  ASSERT_EQ(Only(Plan(in_), Kind::kWriteBack).size(), 1u);
+  in_.chunks[1].persistent = false;
+  // Copies placed outside a plan held 2 MiB more lately: the clean room falls short, and the
+  // copy goes down while the path is idle, so that dropping it later costs nothing.
+  in_.headroom[TierKind::kHost] = 2 * kMiB;
+  std::vector<PlannedMove> wb = Only(Plan(in_), Kind::kWriteBack);
+  ASSERT_EQ(wb.size(), 1u);
+  EXPECT_EQ(wb[0].id, 1u);
+  // So too when a fetch the schedule needs finds no room: chunk 1, placed outside a plan, is
+  // not the plan's to write down for room, but it goes down early.
+  in_.headroom[TierKind::kHost] = 0;
+  in_.chunks[1].unplanned.insert(TierKind::kHost);
+  in_.chunks[3].pinned = true;
+  Chunk(4);
+  Chunk(5);
+  Schedule({Read({2}), Read({2, 4, 5})}, /*cursor=*/1, absl::Milliseconds(10));
+  wb = Only(Plan(in_), Kind::kWriteBack);
+  ASSERT_EQ(wb.size(), 1u);
+  EXPECT_EQ(wb[0].id, 1u);
 }
 
 TEST_F(PlannerTest, TransientCopiesAreWrittenBackOnlyWhenTheirSpaceIsNeeded) {
