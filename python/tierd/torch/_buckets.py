@@ -21,7 +21,7 @@ import torch
 
 from .. import _abi
 from ._storage import STEPPED_DTYPES, end_to_end
-from .streaming import StreamRange, stream_ranges
+from ._ranges import StreamRange, stream_ranges
 
 _STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
 
@@ -257,7 +257,7 @@ def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: 
     """Buckets for `params` ((group index, group, parameter), in the groups' order): per group, in
     backward's order (the last parameters' gradients come first), cut at a change of dtype or
     device and at bucket_params; streamed parameters are the ranges the stream lays out for them
-    (streaming.stream_ranges), first. Named "g<group index>.<serial>"."""
+    (_ranges.stream_ranges), first. Named "g<group index>.<serial>"."""
     buckets: List[Bucket] = []
     groups = {gi: group for gi, group, _ in params}
     ranges, plain = stream_ranges([(gi, p) for gi, _, p in params])
@@ -319,7 +319,7 @@ def check_dtype(p: torch.Tensor) -> None:
 
 
 class StreamBucket(Bucket):
-    """A bucket of streamed parameters: one range of their unit (streaming.StreamRange). Its
+    """A bucket of streamed parameters: one range of their unit (_ranges.StreamRange). Its
     gradients are the range's gradient chunk; the step's new weights go into the range's next
     version, current from publish() on; the weights as the model has them are the current
     version."""

@@ -12,7 +12,7 @@ import torch
 from ._buckets import Bucket, check_dtype, plan
 from ._shard import Comm
 from ._state import OptimizerState
-from .streaming import stream_of
+from ._ranges import parts_of
 
 Groups = Callable[[], List[Dict[str, Any]]]
 
@@ -58,7 +58,7 @@ class BucketLayout:
         """The parameters in the groups that have no place, being frozen (streamed ones left
         out: their weights are the stream's)."""
         return [p for g in self._groups() for p in g["params"]
-                if id(p) not in self.where and not p.requires_grad and stream_of(p) is None]
+                if id(p) not in self.where and not p.requires_grad and parts_of(p) is None]
 
     def signature(self):
         """The groups as the buckets follow them: each parameter, and whether it is frozen."""
@@ -119,7 +119,7 @@ class BucketLayout:
                 keep.append((b, i))
             else:
                 moves.append((gi, g, p, b, i))
-        if any(stream_of(m[2]) is not None for m in moves):
+        if any(parts_of(m[2]) is not None for m in moves):
             raise ValueError("OffloadedAdamW: a streamed parameter (stream_parameters) joined "
                              "(added, or unfrozen: a frozen one is given no state) or moved "
                              "between parameter groups after the optimizer was made: give the "

@@ -5,7 +5,7 @@ written). The window, the trace and the hooks build on this; it knows nothing of
 A unit's parameters are laid out as *ranges*: parameters of one dtype end to end, each range at an
 aligned offset in both versions of the unit's chunk, and at an element offset in the unit's device
 storage of its dtype. A range's `current` version holds its weights; the other receives the next
-step's (streaming.StreamRange flips it). A unit whose frozen parameters are in a shared base
+step's (_ranges.StreamRange flips it). A unit whose frozen parameters are in a shared base
 (_base.py) has ranges of a third kind: in the base's read-only chunk (version BASE), never flipped.
 """
 import contextlib

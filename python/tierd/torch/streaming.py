@@ -14,48 +14,45 @@ for its backward, released after each. Everything outside the units stays on the
 
 The rooms, each over the ones before it: _units.py (the units, their layout and chunks),
 _trace.py (the order recorded over the first iteration, the daemon's schedule), _window.py (the
-device storage, fetch and release), _stream_hooks.py (the hooks and the training state). Tensors
-autograd saved in forward that view a parameter (a weight's transpose) view the unit's storage,
-so backward reads the weights fetched for it.
+device storage, fetch and release), _stream_hooks.py (the hooks and the training state),
+_gather.py (gathered() and save_pretrained()). Tensors autograd saved in forward that view a
+parameter (a weight's transpose) view the unit's storage, so backward reads the weights fetched
+for it.
 
-OffloadedAdamW steps streamed parameters through one seam: stream_ranges() lays each unit out as
-one range per parameter group and dtype and hands back a StreamRange for each. Gradients leave
-the device as autograd finishes each one into the range's gradient chunk; the kernel writes the
-new weights into the range's next version, which StreamRange.publish makes current (the stream
-flips it); a step rolled back or skipped leaves the current version as it was.
+OffloadedAdamW steps streamed parameters through one seam, _ranges.py, which neither tower's
+rooms import across: the stream lends its parts there (_ranges.StreamParts) and registers its
+parameters under them; stream_ranges() lays each unit out as one range per parameter group and
+dtype and hands back a StreamRange for each. Gradients leave the device as autograd finishes each
+one into the range's gradient chunk; the kernel writes the new weights into the range's next
+version, which StreamRange.publish makes current (the stream flips it: _Seam.flipped); a step
+rolled back or skipped leaves the current version as it was.
 """
 import warnings
-import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from ..client import Access, Acquisition, Client, Tier, TierdError, connect
-from ._stream_hooks import StreamHooks, TrainingState
-from . import _pretrained
+from ..client import Client, Tier, TierdError, connect
+from ._stream_hooks import StreamHooks
 from ._materialize import Init, placeholder, source_for, swap
 from ._base import SharedBase
+from ._gather import Gathered, save_pretrained
 from ._guard import guard, unguard
-from ._hf_keys import KeyNames
 from ._loading import StateDictLoading
+from ._ranges import StreamParts, parts_of, register
 from ._ranks import RankWeights
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
 from ._window import Window
 
-__all__ = ["ParameterStream", "StreamRange", "stream_parameters", "stream_ranges"]
-
-# Every streamed parameter (by id) -> its stream: how OffloadedAdamW finds them.
-_STREAMED: "weakref.WeakValueDictionary[int, ParameterStream]" = weakref.WeakValueDictionary()
+__all__ = ["ParameterStream", "stream_of", "stream_parameters"]
 
 
 def stream_of(p: torch.Tensor) -> Optional["ParameterStream"]:
     """The open stream that streams parameter p, if any."""
-    s = _STREAMED.get(id(p))
-    if s is None or s.closed or not s._units.streams(p):
-        return None
-    return s
+    parts = parts_of(p)
+    return parts.owner() if parts is not None else None
 
 
 class ParameterStream:
@@ -70,12 +67,12 @@ class ParameterStream:
                  share_with_group: Optional[int] = None, base_wait_s: float = 3600.0,
                  trust_base_makers: Sequence[Any] = (),
                  share_ranks: bool = False):
+        self._parts: Optional[StreamParts] = None  # lent to the seam once set up: close() reads it
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, not {prefetch}")
         if host_budget_bytes is not None and host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, not {host_budget_bytes}")
-        self.closed = True  # until set up: close() and __del__ read it
         self.model = model
         self.device = device
         self.device_budget_bytes = int(device_budget_bytes)
@@ -149,14 +146,17 @@ class ParameterStream:
             if self._base is not None:
                 self._base.attach(source, {u.index: u.home for u in self._units})
             self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
-            self.closed = False
+            seam = _Seam(self._units, self._window, self._trace, self._ranks)
+            self._parts = StreamParts(self._units, self._stats,
+                                      self._ranks.nodes if self._ranks is not None else None,
+                                      self.shared_base, seam.lay_out, seam.flipped, self)
             if self._ranks is None:
                 self._lay_out_all(source, write=True)
             else:
                 self._lay_out_ranks(source)
             for u in self._units:
+                register(u.params, self._parts)
                 for p in u.params:
-                    _STREAMED[id(p)] = self
                     guard(p)  # outside the window, a use that reads it raises
             self._hooks.install()
             self._loading.install()
@@ -216,46 +216,11 @@ class ParameterStream:
         if self.closed:
             raise RuntimeError("stream_parameters: the stream was closed")
 
-    # ---- for OffloadedAdamW: the seam ----
-
-    def _claim(self, layout: Dict[int, List[List[torch.Tensor]]]) -> Dict[int, List[Range]]:
-        """Lays each unit (index -> lists of its parameters) out anew as one range per list, the
-        rest of its parameters after them by dtype, moving the current weights. Between steps."""
-        out, written = {}, []
-        with self._window.lock:
-            for index, groups in layout.items():
-                u = self._units[index]
-                if u.refs:
-                    raise RuntimeError("stream_parameters: units are rearranged between steps, "
-                                       "not during a forward or backward")
-                self._window.release(u)  # a copy left in the window by an evaluation
-                taken = {id(p) for g in groups for p in g}
-                own = u.own_params()
-                rest = by_dtype([p for p in own if id(p) not in taken])
-                write = self._ranks is None or self._ranks.leader
-                mine = {id(p) for p in own}
-                values = {id(p): w for p, w in self._units.weights(u) if id(p) in mine} \
-                    if write else {}
-                self._units.lay_out(u, groups + rest, 1, values, write=write)
-                if write:
-                    written.append(self._units.write_down(u))
-                out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
-            self._trace.laid_out()
-        for w in written:
-            if w is not None:
-                w.wait()
-        if self._ranks is not None:  # the node's first rank has moved the weights
-            self._ranks.barrier()
-        return out
-
-    def _flipped(self, u: Unit, r: Range) -> None:
-        """Range r of u has new weights: a copy of the old ones in the window goes."""
-        with self._window.lock:
-            self._trace.flipped(r)
-            if u.refs == 0:
-                self._window.release(u)
-
     # ---- the user's ----
+
+    @property
+    def closed(self) -> bool:
+        return self._parts is None or self._parts.closed
 
     @property
     def stats(self) -> Dict[str, float]:
@@ -288,7 +253,8 @@ class ParameterStream:
         aside); weights changed inside are kept (and OffloadedAdamW takes them as its master
         weights at its next step). To evaluate on the device, run the forward outside it, under
         torch.no_grad(): it streams as training does."""
-        return _Gathered(self)
+        return Gathered(self._units, self._window, self._hooks, self._base, self.shared_base,
+                        self._check_open, self)
 
     def save_pretrained(self, directory: str, max_shard_size="5GB") -> List[str]:
         """Writes the model's weights (its state_dict: the streamed ones read unit by unit, the
@@ -305,38 +271,7 @@ class ParameterStream:
                                "backward, or inside gathered()")
         if self._base is not None:
             self._base.checked()
-        size = _pretrained.parse_size(max_shard_size)
-        entries, seen = [], set()
-        tensors: Dict[str, torch.Tensor] = {}
-        keys = KeyNames(self.model)  # the keys save_pretrained writes
-        for name, t in _base_state(self.model).items():
-            if id(t) in seen:
-                continue  # tied: written once
-            seen.add(id(t))
-            key = keys.to_checkpoint(name)
-            entries.append((key, tuple(t.shape), t.dtype))
-            tensors[key] = t
-        cached: Dict[int, Dict[int, torch.Tensor]] = {}  # the unit being written
-
-        def read(name: str) -> torch.Tensor:
-            t = tensors[name]
-            u = self._units.unit_of(t)
-            if u is None:
-                return t.detach().to("cpu", copy=True)
-            if u.index not in cached:
-                cached.clear()
-                cached[u.index] = {id(p): w for p, w in self._units.weights(u)}
-            return cached[u.index][id(t)].view(t.shape)
-
-        with self._window.lock:
-            written = _pretrained.write(directory, entries, read, size)
-        config = getattr(self.model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
-        generation = getattr(self.model, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
-        return written
+        return save_pretrained(self.model, self._units, self._window, directory, max_shard_size)
 
     def close(self, keep_weights: Optional[bool] = None) -> None:
         """Removes the hooks and frees the chunks. keep_weights: give every streamed parameter
@@ -385,7 +320,7 @@ class ParameterStream:
             if self._ranks is not None:
                 self._ranks.release()
         finally:
-            self.closed = True
+            self._parts.closed = True
             self._window.close()
             if self._own_client and self._client is not None:
                 self._client.close()
@@ -406,25 +341,6 @@ class ParameterStream:
                 f"{self.device}, budget {self.device_budget_bytes:,} bytes)")
 
 
-def _base_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The model's state_dict (its tensors, not copies) as the model was before peft injected
-    adapter layers into it: each such layer's `base_layer` tensors under the layer's name, its
-    adapters left out."""
-    state = model.state_dict(keep_vars=True)
-    injected = [n for n, m in model.named_modules()
-                if type(m).__module__.startswith("peft.") and hasattr(m, "base_layer")]
-    if not injected:
-        return state
-    out: Dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        layer = next((n for n in injected if name.startswith(n + ".")), None)
-        if layer is None:
-            out[name] = t
-        elif name.startswith(layer + ".base_layer."):
-            out[layer + "." + name[len(layer + ".base_layer."):]] = t
-    return out
-
-
 def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
     seen, out = set(), []
     for t in list(model.parameters()) + list(model.buffers()):
@@ -434,250 +350,52 @@ def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
     return out
 
 
-class StreamRange:
-    """OffloadedAdamW's handle on one range of a streamed unit: its parameters laid end to end,
-    the weights' current version, the next version a step writes, and a gradient chunk. The
-    stream owns the layout and the version flip (publish); the optimizer reads and writes the
-    unit's chunks through this handle only."""
+class _Seam:
+    """The stream's side of the seam (_ranges.StreamParts): the two calls a range or
+    stream_ranges() makes up into the stream."""
 
-    def __init__(self, stream: ParameterStream, unit: Unit, r: Range):
-        self._stream = stream
-        self._unit = unit
-        self._range = r
-        self.params = r.params
-        self._next = None   # the next version, held from next_version() to publish/discard
-        self._grads = None  # the gradient chunk, held from gradients() to release_gradients
-        # Set aside: written this step but not held (set_aside, set_gradients_aside); held again
-        # with their contents kept.
-        self._next_aside = False
-        self._grads_aside = False
+    def __init__(self, units: Units, window: Window, trace: Trace, ranks):
+        self.units = units
+        self.window = window
+        self.trace = trace
+        self.ranks = ranks
 
-    @property
-    def nodes(self):
-        """With share_ranks, the job's ranks by node (_ranks.Nodes): the ranks of each node share
-        the range's chunks, its next version is written by one rank of the node (the bucket's
-        owner, or its node owner) and every rank flips it. None: the chunks are this rank's."""
-        ranks = self._stream._ranks
-        return ranks.nodes if ranks is not None else None
+    def lay_out(self, layout: Dict[int, List[List[torch.Tensor]]]) -> Dict[int, List[Range]]:
+        """Lays each unit (index -> lists of its parameters) out anew as one range per list, the
+        rest of its parameters after them by dtype, moving the current weights. Between steps."""
+        out, written = {}, []
+        with self.window.lock:
+            for index, groups in layout.items():
+                u = self.units[index]
+                if u.refs:
+                    raise RuntimeError("stream_parameters: units are rearranged between steps, "
+                                       "not during a forward or backward")
+                self.window.release(u)  # a copy left in the window by an evaluation
+                taken = {id(p) for g in groups for p in g}
+                own = u.own_params()
+                rest = by_dtype([p for p in own if id(p) not in taken])
+                write = self.ranks is None or self.ranks.leader
+                mine = {id(p) for p in own}
+                values = {id(p): w for p, w in self.units.weights(u) if id(p) in mine} \
+                    if write else {}
+                self.units.lay_out(u, groups + rest, 1, values, write=write)
+                if write:
+                    written.append(self.units.write_down(u))
+                out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
+            self.trace.laid_out()
+        for w in written:
+            if w is not None:
+                w.wait()
+        if self.ranks is not None:  # the node's first rank has moved the weights
+            self.ranks.barrier()
+        return out
 
-    @property
-    def pages(self) -> bool:
-        """Whether the range's unit is at home on NVMe: what it holds during a step is worth
-        giving back as soon as the step is done with it (set_aside, set_gradients_aside)."""
-        return self._unit.home == Tier.NVME
-
-    def _check(self) -> Range:
-        if self._stream.closed:
-            raise RuntimeError("OffloadedAdamW: the parameter stream of these parameters was "
-                               "closed (close the optimizer first)")
-        if self._range.retired:
-            raise RuntimeError("stream_parameters: these parameters were laid out anew for "
-                               "another optimizer")
-        return self._range
-
-    def read(self, i: Optional[int] = None) -> torch.Tensor:
-        """A copy of the current weights: all of them (flat), or parameter i's alone."""
-        r = self._check()
-        units = self._stream._units
-        with units.holding(self._unit, r.current, Access.READ) as view:
-            values = units.range_view(view, r)
-            return (values[:r.numel] if i is None else r.slice(values, i)).clone()
-
-    def read_into(self, out: torch.Tensor) -> None:
-        """Copies the current weights, all of them, into `out` (flat: the next version's)."""
-        r = self._check()
-        units = self._stream._units
-        with units.holding(self._unit, r.current, Access.READ) as view:
-            out[:r.numel].copy_(units.range_view(view, r)[:r.numel])
-
-    def write(self, flat: torch.Tensor) -> None:
-        """Sets every weight of the current version from `flat`."""
-        r = self._check()
-        units = self._stream._units
-        with units.holding(self._unit, r.current, Access.WRITE) as view:
-            units.range_view(view, r)[:r.numel].copy_(flat.reshape(-1))
-
-    def next_version(self) -> torch.Tensor:
-        """A view of the next version (values, then extras) for a step's new weights, held until
-        publish() or discard()."""
-        if self._next is None:
-            r = self._check()
-            access = Access.WRITE if self._next_aside else Access.OVERWRITE
-            view, held = self._stream._units.hold(self._unit, 1 - r.current, access)
-            self._next = (Units.range_view(view, r), held)
-        return self._next[0]
-
-    def set_aside(self) -> None:
-        """The step's kernel is done writing the next version: its hold goes (the daemon may
-        write it down), its contents stay for publish()."""
-        self._next = _let_go(self._next)
-        self._next_aside = True
-
-    def publish(self, stepped: Sequence[bool]) -> None:
-        """The next version becomes current: the new weights where `stepped`, the current ones
-        copied across elsewhere (only then is the next version held again)."""
-        self.complete(stepped)
-        self.flip()
-
-    def complete(self, stepped: Sequence[bool]) -> None:
-        """The next version made whole: the current weights copied across where not `stepped`."""
-        r = self._check()
-        if not all(stepped):
-            out = self.next_version()
-            now = self.read()
-            for i in range(len(stepped)):
-                if not stepped[i]:
-                    r.slice(out, i).copy_(r.slice(now, i))
-
-    def flip(self) -> None:
-        """The next version (complete) becomes current."""
-        r = self._check()
-        r.current = 1 - r.current
-        self.discard()
-        self._stream._flipped(self._unit, r)
-
-    def discard(self) -> None:
-        """Lets the next version go, unpublished (a step abandoned, or published)."""
-        self._next = _let_go(self._next)
-        self._next_aside = False
-
-    def gradients(self) -> torch.Tensor:
-        """A view of the gradient chunk (values, then extras), held until release_gradients()
-        or set_gradients_aside()."""
-        if self._grads is None:
-            self._grads = self._stream._units.hold_grad(self._unit, self._check(),
-                                                        keep=self._grads_aside)
-        return self._grads[0]
-
-    def gradients_aside(self) -> bool:
-        return self._grads_aside
-
-    def sum_gradients(self) -> None:
-        """The gradients of the node's ranks of the range (each left in the daemon's memory by
-        its backward) summed into this rank's, held: a reduce over the node, nothing moved."""
-        self._stream._units.sum_rank_grads(self._unit, self._check(), self.gradients())
-
-    def set_gradients_aside(self, free: bool) -> None:
-        """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
-        them again this step (the chunk goes, made anew at the next step's first gradient);
-        else they are kept, and gradients() holds them again as they are."""
-        self._grads = _let_go(self._grads)
-        if free:
-            self._stream._units.drop_grad(self._range)
-        self._grads_aside = not free
-
-    def release_gradients(self) -> None:
-        self._grads = _let_go(self._grads)
-        self._grads_aside = False
-
-    def gradient_sent(self, i: int) -> None:
-        """Parameter i's gradient was taken off the device (and is dropped there)."""
-        p = self.params[i]
-        self._stream._stats["d2h_bytes"] += p.numel() * p.element_size()
-        p.grad = None
-
-    def edited(self, i: int) -> bool:
-        """Whether gathered() changed parameter i's weights since clear_edited(i)."""
-        return id(self.params[i]) in self._unit.edited
-
-    def clear_edited(self, i: int) -> None:
-        self._unit.edited.discard(id(self.params[i]))
-
-
-def _let_go(held: Optional[Tuple[torch.Tensor, Optional[Acquisition]]]) -> None:
-    """Releases a (view, acquisition) hold once its views are gone; None, to store back."""
-    if held is not None and held[1] is not None:
-        held[1].release_deferred()
-    return None
-
-
-def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
-                  ) -> Tuple[List[Tuple[Any, StreamRange]], List[Tuple[Any, torch.Tensor]]]:
-    """The one place a streamed unit becomes an optimizer's ranges. `keyed`: (key, parameter),
-    the key a parameter group's index. Each unit with a parameter among them is laid out anew:
-    one range per key and dtype of its parameters there (its other parameters after them);
-    returns those ranges as (key, StreamRange), keys in descending order and within a key the
-    units in backward's order, and the parameters not streamed, as given. Parameters of a
-    shared base are left out (frozen; refused when they require gradients). Between steps."""
-    layouts: Dict[int, Dict[int, Dict[Tuple[Any, str], List[torch.Tensor]]]] = {}
-    streams: Dict[int, ParameterStream] = {}
-    plain = []
-    for key, p in keyed:
-        s = stream_of(p)
-        if s is None:
-            plain.append((key, p))
-            continue
-        if s._units.unit_of(p).in_base(p):  # read-only: never stepped, never given state
-            if p.requires_grad:
-                raise ValueError(f"OffloadedAdamW: a parameter of shape {tuple(p.shape)} is in "
-                                 f"the shared base {s.shared_base!r}, which is read-only: keep "
-                                 "it frozen (requires_grad=False) and train adapters beside it")
-            continue
-        streams[id(s)] = s
-        u = s._units.unit_of(p)
-        layouts.setdefault(id(s), {}).setdefault(u.index, {}).setdefault(
-            (key, str(p.dtype)), []).append(p)
-    found = []
-    for sid, by_unit in layouts.items():
-        s = streams[sid]
-        order = {index: sorted(lists, key=lambda k: (-k[0], k[1]))
-                 for index, lists in by_unit.items()}
-        claimed = s._claim({index: [by_unit[index][k] for k in keys]
-                            for index, keys in order.items()})
-        for index, keys in order.items():
-            u = s._units[index]
-            for k, r in zip(keys, claimed[index]):
-                found.append(((-k[0], sid, -index, k[1]), k[0], StreamRange(s, u, r)))
-    found.sort(key=lambda f: f[0])
-    return [(key, rng) for _, key, rng in found], plain
-
-
-class _Gathered:
-    def __init__(self, stream: ParameterStream):
-        self.stream = stream
-        self.before: List[Tuple[Unit, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
-
-    def __enter__(self):
-        s = self.stream
-        s._check_open()
-        if s._base is not None:
-            s._base.checked()
-        if s._hooks.busy():
-            raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
-                               "inside another gathered()")
-        for u in s._units:
-            s._window.release(u)
-            weights = s._units.weights(u)
-            self.before.append((u, weights))
-            with torch.no_grad():
-                for p, w in weights:
-                    p.data = w.clone().view(p.shape)
-        s._hooks.state = TrainingState.GATHERED
-        return s
-
-    def __exit__(self, *exc):
-        s = self.stream
-        s._hooks.state = TrainingState.IDLE
-        units = s._units
-        for u, weights in self.before:
-            changed = {}
-            for p, w in weights:
-                now = p.detach().reshape(-1)
-                if now.dtype != w.dtype or now.numel() != w.numel():
-                    raise RuntimeError("stream_parameters: a streamed parameter's dtype or "
-                                       "shape changed inside gathered()")
-                if not torch.equal(now, w):
-                    changed[id(p)] = now.clone()
-            try:
-                units.write_weights(u, changed)
-            except ValueError:
-                raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} was "
-                                   "changed inside gathered(), but it is in the shared base "
-                                   f"{s.shared_base!r}, which is read-only; its weights stay as "
-                                   "they were") from None
-            finally:
-                units.point(u)
-        self.before = []
+    def flipped(self, u: Unit, r: Range) -> None:
+        """Range r of u has new weights: a copy of the old ones in the window goes."""
+        with self.window.lock:
+            self.trace.flipped(r)
+            if u.refs == 0:
+                self.window.release(u)
 
 
 def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = None,
