@@ -1,8 +1,8 @@
-// What the C ABI's three parts share: how an error crosses it (once: the code is the return
+// What the C ABI's parts share: how an error crosses it (once: the code is the return
 // value, the message is tierd_last_error's) and the dtypes its kernels take. The parts:
-// c_api.cc (sessions, chunks, views, schedules), c_api_kernels.cc (the CPU Adam kernel) and
-// c_api_optimizer.cc (the out-of-core optimizer). No exception crosses it: every entry point
-// runs its body in Guard.
+// c_api.cc (sessions, chunks, views), c_api_node.cc (the node, schedules, shared bases, imports),
+// c_api_kernels.cc (the CPU Adam kernel) and c_api_optimizer.cc (the out-of-core optimizer). No
+// exception crosses it: every entry point runs its body in Guard.
 #pragma once
 
 #include <exception>
