@@ -1,6 +1,8 @@
-// OffloadedAdam: the step's coordinator over the state record (optimizer_state.h) and the worker
-// (optimizer_worker.h). It validates each call, carries the step protocol (BeginStep, StepGroup,
-// AbandonStep, FinishStep) and applies a step's outcome to the record.
+// OffloadedAdam: the step's coordinator over the state record (optimizer_state.h) and the workers
+// (optimizer_worker.h), one per lane (optimizer_lanes.h). It validates each call, carries the step
+// protocol (BeginStep, StepGroup, AbandonStep, FinishStep) and applies a step's outcome to the
+// record. Its groups, their places and values are in optimizer_groups.cc; what both share is
+// optimizer_impl.h.
 //
 // Who decides what: the framework above (tierd.torch.OffloadedAdamW) decides every step —
 // which groups and tensors are stepped, with which hyperparameters and loss scale, whether a step
@@ -17,22 +19,22 @@
 #include <utility>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/adam_hyper.h"
-#include "client/optimizer_state.h"
-#include "client/optimizer_worker.h"
-#include "client/read_ahead.h"
+#include "client/optimizer_impl.h"
 
 namespace tierd {
-namespace {
 
 using internal::Group;
 using internal::PiecesOf;
 using internal::Shard;
 using internal::ShardOf;
 using internal::StateBytesPerParam;
+using internal::ValidateHyperparameters;
+using internal::ValidScalarType;
+
+namespace {
 
 // Shards the budget holds when the caller leaves the size to the optimizer: enough that reads and
 // write-backs overlap in a deep queue (tierd-bench offload-step: 8 shards in a 286 MiB budget took
@@ -41,162 +43,7 @@ constexpr uint64_t kAutoShards = 24;
 constexpr uint64_t kMaxAutoShardParams = 4ull << 20;
 constexpr uint64_t kMinShardParams = 16 * 1024;
 
-bool ValidScalarType(ScalarType t) {
-  return t == ScalarType::kFloat32 || t == ScalarType::kBFloat16 || t == ScalarType::kFloat16;
-}
-
-absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
-  if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
-      !(h.eps > 0) || !(h.weight_decay >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
-        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
-
-struct OffloadedAdam::Impl {
-  ~Impl() {
-    // The threads stop before the window and the record they use.
-    device_lane.reset();
-    worker.reset();
-    (void)window.WaitWrites(0);
-  }
-
-  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
-  // those being written back share it. Also the worker's bookkeeping sized by the groups.
-  void Resize() {
-    uint64_t largest = 0;
-    state.state_bytes = 0;
-    for (const Group& group : state.groups) {
-      for (const Shard& sh : group.shards) {
-        state.state_bytes += sh.bytes();
-        largest = std::max(largest, sh.bytes());
-      }
-    }
-    if (largest == 0) largest = ShardOf(0, state.shard_params, state.options.state_type).bytes();
-    const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
-    window.set_slots(slots - PlanResidency(slots));
-    worker->Resize();
-    if (device_lane != nullptr) device_lane->Resize();
-  }
-
-  // Scratch state at home on NVMe leaves what the budget holds beyond a window for the rest in
-  // the host tier from one step to the next, rather than writing it down and reading it up
-  // again each step: the shards stepped last (the host lane's, from the end of the expected
-  // order), so that the step's tail after backward waits for none of them. They are pinned
-  // during their step only: between steps the daemon keeps them as it keeps any chunk, and
-  // writes one down only when another needs its room. Persistent state streams whole: what
-  // FinishStep acknowledged is on NVMe. Returns the slots the resident shards take.
-  uint64_t PlanResidency(uint64_t slots) {
-    const uint64_t per_shard = state.options.speculative ? 2 : 1;
-    // The window the streamed shards need: the shards in hand, one read ahead and one written
-    // back at the least; a quarter of the budget when that is more.
-    const uint64_t window = std::max<uint64_t>(per_shard + 2, slots / 4);
-    uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
-                        ? (slots - window) / per_shard
-                        : 0;
-    // The order the groups are stepped in: the expected one, then any it does not name yet.
-    std::vector<size_t> order;
-    std::vector<bool> listed(state.groups.size(), false);
-    for (size_t g : worker->expected_order) {
-      if (g < listed.size() && !listed[g]) order.push_back(g), listed[g] = true;
-    }
-    for (size_t g = 0; g < listed.size(); ++g) {
-      if (!listed[g]) order.push_back(g);
-    }
-    uint64_t resident = 0;
-    for (auto g = order.rbegin(); g != order.rend(); ++g) {
-      Group& group = state.groups[*g];
-      for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
-        sh->resident = !group.on_device && resident < room;
-        resident += sh->resident ? 1 : 0;
-      }
-    }
-    return resident * per_shard;
-  }
-
-  // The lane that steps group g.
-  internal::StepWorker& lane(size_t g) {
-    return state.groups[g].on_device ? *device_lane : *worker;
-  }
-  // Both lanes, the device's when there is one.
-  std::vector<internal::StepWorker*> lanes() {
-    std::vector<internal::StepWorker*> all{worker.get()};
-    if (device_lane != nullptr) all.push_back(device_lane.get());
-    return all;
-  }
-  // The device lane, made the first time a group is placed on the device: the kernels of the
-  // daemon's device, emulated or a GPU.
-  absl::Status OpenDeviceLane() {
-    if (device_lane != nullptr) return absl::OkStatus();
-    absl::StatusOr<NodeInfo> info = client->GetNodeInfo();
-    if (!info.ok()) return info.status();
-    if (info->device_uuid.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a group stepped on the device needs the daemon's device tier: ", info->device_status));
-    }
-    std::unique_ptr<internal::DeviceKernels> kernels;
-    if (info->device_emulated) {
-      kernels = internal::MakeEmulatedKernels(state.options.threads);
-    } else {
-      absl::StatusOr<int> ordinal = client->CudaDevice();
-      if (!ordinal.ok()) return ordinal.status();
-      absl::StatusOr<std::unique_ptr<internal::DeviceKernels>> cuda =
-          internal::MakeCudaKernels(*ordinal);
-      if (!cuda.ok()) return cuda.status();
-      kernels = std::move(*cuda);
-    }
-    device_lane = std::make_unique<internal::StepWorker>(state, window, std::move(kernels));
-    device_lane->Resize();
-    return absl::OkStatus();
-  }
-
-  std::unique_ptr<Client> client;  // outlives the record, the window and the worker
-  internal::StateRecord state;
-  internal::ReadAheadWindow window;  // the host budget's shards read ahead and written back
-  std::unique_ptr<internal::StepWorker> worker;       // the host lane
-  std::unique_ptr<internal::StepWorker> device_lane;  // null until a group is placed there
-  // Each lane's seconds per parameter over the last steps (each step's counting half); 0 until
-  // measured.
-  double host_rate = 0;
-  double device_rate = 0;
-  double lr = 0;
-  std::vector<AdamHyperparameters> hyper;  // each group's
-
-  // The end of a step: both lanes settled; the longer wait for write-backs, or the first error.
-  absl::StatusOr<absl::Duration> Settle() {
-    absl::StatusOr<absl::Duration> host = worker->Settle();
-    if (device_lane == nullptr) return host;
-    absl::StatusOr<absl::Duration> device = device_lane->Settle();
-    if (!host.ok()) return host;
-    if (!device.ok()) return device;
-    return std::max(*host, *device);
-  }
-  // Each lane's rate, from a step that stepped enough of it to be measured.
-  void Measure(const OptimizerStepStats& stats) {
-    auto update = [](double* rate, absl::Duration busy, uint64_t params) {
-      if (params == 0) return;
-      const double now = absl::ToDoubleSeconds(busy) / static_cast<double>(params);
-      *rate = *rate == 0 ? now : (*rate + now) / 2;
-    };
-    update(&host_rate, stats.host_busy, stats.host_params);
-    update(&device_rate, stats.device_busy, stats.device_params);
-  }
-
-  // The step in progress (the driving thread's; the worker has what it needs in its Work).
-  bool in_step = false;
-  std::vector<kernels::AdamOptions> step_options;  // each group's, this step
-  std::vector<bool> given;
-  // Each group's TensorFlags this step (a copy of what StepGroup was given; every tensor stepped
-  // when it was given none), which the worker reads through Work::step.
-  std::vector<std::vector<uint8_t>> step_flags;
-  std::vector<size_t> step_order;  // the order the groups came in this step
-  absl::Time step_start;
-};
-
 OffloadedAdam::OffloadedAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OffloadedAdam::~OffloadedAdam() = default;
 
@@ -249,7 +96,9 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   impl->state.client = impl->client.get();
   impl->window.Bind(impl->client.get(), options.home == Tier::kNvme);
   if (absl::Status s = impl->state.Open(); !s.ok()) return s;
-  impl->worker = std::make_unique<internal::StepWorker>(impl->state, impl->window, options.threads);
+  impl->worker = std::make_unique<internal::StepWorker>(
+      impl->state,
+      std::make_unique<internal::HostLane>(impl->state, impl->window, options.threads));
   std::vector<size_t>& order = impl->worker->expected_order;  // before Resize, which reads it
   order.resize(impl->state.groups.size());
   for (size_t g = 0; g < order.size(); ++g) order[g] = g;
@@ -289,306 +138,6 @@ double BalancedDeviceShare(double host_seconds_per_param, double device_seconds_
 double OffloadedAdam::DeviceShare() const {
   if (impl_->host_rate == 0 || impl_->device_rate == 0) return -1;
   return BalancedDeviceShare(impl_->host_rate, impl_->device_rate);
-}
-
-StepPlace OffloadedAdam::group_place(size_t group) const {
-  return group < impl_->state.groups.size() && impl_->state.groups[group].on_device
-             ? StepPlace::kDevice
-             : StepPlace::kHost;
-}
-
-absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
-  Impl& d = *impl_;
-  if (group >= d.state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
-  }
-  if (place != StepPlace::kHost && place != StepPlace::kDevice) {
-    return absl::InvalidArgumentError("SetGroupPlace: the place is kHost or kDevice");
-  }
-  if (d.in_step) return absl::FailedPreconditionError("SetGroupPlace during a step");
-  Group& g = d.state.groups[group];
-  if ((place == StepPlace::kDevice) == g.on_device) return absl::OkStatus();
-  if (place == StepPlace::kHost) {
-    g.on_device = false;
-    d.Resize();  // its shards may be resident again
-    return absl::OkStatus();
-  }
-  if (g.master_in_out()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group '", g.spec.name,
-                     "' keeps its master weights in its out: it is stepped on the host"));
-  }
-  if (d.state.options.state_type != ScalarType::kFloat32) {
-    return absl::FailedPreconditionError(
-        "a group stepped on the device keeps fp32 moments (the GPU kernels have no bf16 ones): "
-        "this optimizer's state_type is bfloat16");
-  }
-  if (absl::Status s = d.OpenDeviceLane(); !s.ok()) return s;
-  // Its shards leave the host lane: nothing of theirs read ahead or kept pinned there.
-  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
-  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
-  for (const Shard& s : g.shards) {
-    for (ChunkId id : {s.id, s.other}) {
-      if (id == 0) continue;
-      if (absl::Status st = d.state.Unkeep(id); !st.ok()) return st;
-    }
-  }
-  g.on_device = true;
-  d.Resize();  // its shards' room on the host goes to others
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedAdam::SetGroupHyperparameters(size_t group,
-                                                    const AdamHyperparameters& hyper) {
-  if (group >= impl_->state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", impl_->state.groups.size()));
-  }
-  if (absl::Status s = ValidateHyperparameters(hyper); !s.ok()) return s;
-  impl_->hyper[group] = hyper;
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedAdam::SetStepsTaken(int64_t steps) {
-  Impl& d = *impl_;
-  if (d.in_step) return absl::FailedPreconditionError("SetStepsTaken during a step");
-  if (steps < 0) return absl::InvalidArgumentError(absl::StrCat("steps ", steps, " < 0"));
-  d.state.steps = steps;
-  for (Group& g : d.state.groups) g.tensor_steps.assign(g.tensor_steps.size(), steps);
-  return d.state.WriteMeta(false);
-}
-
-absl::Status OffloadedAdam::GetTensorSteps(size_t group, std::span<int64_t> out) const {
-  const Impl& d = *impl_;
-  if (group >= d.state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
-  }
-  const Group& g = d.state.groups[group];
-  if (out.size() != g.tensor_steps.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group '", g.spec.name, "' has ", g.tensor_steps.size(), " tensors, not ", out.size()));
-  }
-  std::copy(g.tensor_steps.begin(), g.tensor_steps.end(), out.begin());
-  return absl::OkStatus();
-}
-
-absl::Status OffloadedAdam::SetTensorSteps(size_t group, std::span<const int64_t> steps) {
-  Impl& d = *impl_;
-  if (group >= d.state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
-  }
-  if (d.in_step) return absl::FailedPreconditionError("SetTensorSteps during a step");
-  Group& g = d.state.groups[group];
-  if (steps.size() != g.tensor_steps.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group '", g.spec.name, "' has ", g.tensor_steps.size(), " tensors, not ", steps.size()));
-  }
-  for (int64_t s : steps) {
-    if (s < 0) return absl::InvalidArgumentError(absl::StrCat("a tensor's steps ", s, " < 0"));
-  }
-  g.tensor_steps.assign(steps.begin(), steps.end());
-  return d.state.WriteMeta(false);
-}
-
-absl::Status OffloadedAdam::AddGroups(std::span<const ParamGroup> specs) {
-  Impl& d = *impl_;
-  if (d.in_step) return absl::FailedPreconditionError("AddGroups during a step");
-  std::vector<ParamGroup> added(specs.begin(), specs.end());
-  if (absl::Status s = internal::ValidateGroups(added, d.state.groups, d.state.options.persistent);
-      !s.ok())
-    return s;
-  const std::string what = absl::StrCat("optimizer state '", d.state.options.name, "'");
-  // A group the state records but Create was not given is resumed, not made afresh.
-  std::vector<Group> fresh;
-  std::vector<bool> resuming;
-  std::vector<size_t> taken;  // indexes in d.state.dormant
-  for (ParamGroup& g : added) {
-    fresh.push_back({.spec = std::move(g)});
-    d.state.LayOut(fresh.back());
-    auto r = std::find_if(d.state.dormant.begin(), d.state.dormant.end(),
-                          [&](const internal::StateRecord::Recorded& x) {
-                            return x.record.name == fresh.back().spec.name;
-                          });
-    resuming.push_back(r != d.state.dormant.end());
-    if (r == d.state.dormant.end()) continue;
-    if (absl::Status s = d.state.Adopt(fresh.back(), *r, what); !s.ok()) return s;
-    taken.push_back(static_cast<size_t>(r - d.state.dormant.begin()));
-  }
-  const size_t first = d.state.groups.size();
-  for (Group& g : fresh) d.state.groups.push_back(std::move(g));
-  std::vector<ChunkSpec> chunk_specs;
-  for (size_t g = first; g < d.state.groups.size(); ++g) {
-    d.state.SpecifyChunks(g, resuming[g - first], &chunk_specs);
-  }
-  absl::StatusOr<std::vector<ChunkId>> ids = d.client->AllocateIds(chunk_specs);
-  if (!ids.ok()) {
-    d.state.groups.resize(first);
-    return d.state.Lost(ids.status());
-  }
-  size_t i = 0;
-  for (size_t g = first; g < d.state.groups.size(); ++g) {
-    d.state.AssignChunks(d.state.groups[g], *ids, &i);
-    AdamHyperparameters h = d.state.options.hyper;
-    h.lr = d.lr;
-    d.hyper.push_back(h);
-    d.worker->expected_order.push_back(g);
-  }
-  std::sort(taken.begin(), taken.end());
-  for (auto it = taken.rbegin(); it != taken.rend(); ++it) {
-    d.state.dormant.erase(d.state.dormant.begin() + static_cast<ptrdiff_t>(*it));
-  }
-  d.Resize();
-  return d.state.WriteMeta(false);
-}
-
-absl::Status OffloadedAdam::RemoveGroups(std::span<const size_t> which) {
-  Impl& d = *impl_;
-  if (d.in_step) return absl::FailedPreconditionError("RemoveGroups during a step");
-  std::vector<bool> removed(d.state.groups.size(), false);
-  for (size_t g : which) {
-    if (g >= d.state.groups.size()) {
-      return absl::OutOfRangeError(absl::StrCat("group ", g, " of ", d.state.groups.size()));
-    }
-    if (removed[g]) {
-      return absl::InvalidArgumentError(absl::StrCat("group ", g, " is named twice"));
-    }
-    removed[g] = true;
-  }
-  // Nothing of theirs stays in the window or pinned; then the meta chunk stops naming them, and
-  // only then are their chunks freed (a stop in between leaves chunks the next Open frees).
-  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
-  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
-  std::vector<ChunkId> freed;
-  std::vector<Group> kept_groups;
-  std::vector<AdamHyperparameters> kept_hyper;
-  std::vector<size_t> index(d.state.groups.size(), std::string::npos);
-  for (size_t g = 0; g < d.state.groups.size(); ++g) {
-    if (!removed[g]) {
-      index[g] = kept_groups.size();
-      kept_groups.push_back(std::move(d.state.groups[g]));
-      kept_hyper.push_back(d.hyper[g]);
-      continue;
-    }
-    for (const Shard& s : d.state.groups[g].shards) {
-      for (ChunkId id : {s.id, s.other}) {
-        if (id == 0) continue;
-        if (absl::Status st = d.state.Unkeep(id); !st.ok()) return st;
-        freed.push_back(id);
-      }
-    }
-  }
-  d.state.groups = std::move(kept_groups);
-  d.hyper = std::move(kept_hyper);
-  for (internal::StepWorker* lane : d.lanes()) lane->Reindex(index);
-  d.Resize();
-  if (absl::Status s = d.state.WriteMeta(false); !s.ok()) return s;
-  if (freed.empty()) return absl::OkStatus();
-  return d.client->Free(freed);
-}
-
-absl::Status OffloadedAdam::SetParams(size_t group, std::span<const float> values) {
-  return SetState(group, values, {}, {});
-}
-
-absl::Status OffloadedAdam::SetState(size_t group, std::span<const float> values,
-                                     std::span<const float> m, std::span<const float> v) {
-  Impl& d = *impl_;
-  if (group >= d.state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
-  }
-  if (d.in_step) return absl::FailedPreconditionError("SetState during a step");
-  Group& g = d.state.groups[group];
-  if (g.master_in_out() && !values.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "group '", g.spec.name, "' keeps its master weights in its out: set m and v only"));
-  }
-  for (size_t n : {g.master_in_out() ? g.spec.params : values.size(),
-                   m.empty() ? g.spec.params : m.size(), v.empty() ? g.spec.params : v.size()}) {
-    if (n != g.spec.params) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("group '", g.spec.name, "' has ", g.spec.params, " parameters, not ", n));
-    }
-  }
-  if (absl::Status s = d.window.Drop(); !s.ok()) return s;
-  for (const Shard& s : g.shards) {
-    if (d.state.streams(s)) {
-      if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
-    }
-    absl::StatusOr<void*> data = d.state.Pin(s.id, AccessMode::kOverwrite);
-    if (!data.ok()) return data.status();
-    // Each of p, m and v: the shard's values (m and v zero unless given), the page's tail zero.
-    // bf16 moments are rounded to nearest.
-    char* const base = static_cast<char*>(*data);
-    std::memset(base, 0, s.bytes());
-    if (!values.empty()) std::memcpy(base, values.data() + s.first, s.n * 4);
-    for (auto [part, values_of] : {std::pair{Part::kM, m}, std::pair{Part::kV, v}}) {
-      if (values_of.empty()) continue;
-      char* at = base + s.offset(part);
-      if (d.state.options.state_type == ScalarType::kBFloat16) {
-        uint16_t* out = reinterpret_cast<uint16_t*>(at);
-        for (uint64_t i = 0; i < s.n; ++i) out[i] = kernels::ToBF16(values_of[s.first + i]);
-      } else {
-        std::memcpy(at, values_of.data() + s.first, s.n * 4);
-      }
-    }
-    if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
-    if (d.state.streams(s)) {
-      if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
-    }
-  }
-  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
-  g.initialized = true;
-  return d.state.WriteMeta(false);
-}
-
-absl::Status OffloadedAdam::GetParams(size_t group, std::span<float> out) {
-  return GetState(group, Part::kParams, out);
-}
-
-absl::Status OffloadedAdam::GetState(size_t group, Part part, std::span<float> out) {
-  Impl& d = *impl_;
-  if (group >= d.state.groups.size()) {
-    return absl::OutOfRangeError(absl::StrCat("group ", group, " of ", d.state.groups.size()));
-  }
-  if (part != Part::kParams && part != Part::kM && part != Part::kV) {
-    return absl::InvalidArgumentError("GetState: part is not params, m or v");
-  }
-  if (d.in_step) return absl::FailedPreconditionError("GetState during a step");
-  const Group& g = d.state.groups[group];
-  if (part == Part::kParams && g.master_in_out()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group '", g.spec.name, "' keeps its master weights in its out, not in the state"));
-  }
-  if (out.size() != g.spec.params) {
-    return absl::InvalidArgumentError(absl::StrCat("group '", g.spec.name, "' has ", g.spec.params,
-                                                   " parameters, not ", out.size()));
-  }
-  if (!g.initialized) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("group '", g.spec.name, "' has no weights yet: call SetParams"));
-  }
-  // Within the budget: each shard read is dropped from the host again (unless read ahead).
-  for (const Shard& s : g.shards) {
-    // Read ahead, or kept on the host: no room to make, nothing to send down.
-    const bool read_ahead = d.window.Holds(s.id) || !d.state.streams(s);
-    if (!read_ahead) {
-      if (absl::StatusOr<absl::Duration> w = d.window.MakeRoom(); !w.ok()) return w.status();
-    }
-    absl::StatusOr<void*> data = d.state.Pin(s.id, AccessMode::kRead);
-    if (!data.ok()) return data.status();
-    const char* at = static_cast<const char*>(*data) + s.offset(part);
-    if (part != Part::kParams && d.state.options.state_type == ScalarType::kBFloat16) {
-      const uint16_t* in = reinterpret_cast<const uint16_t*>(at);
-      for (uint64_t i = 0; i < s.n; ++i) out[s.first + i] = kernels::FromBF16(in[i]);
-    } else {
-      std::memcpy(out.data() + s.first, at, s.n * 4);
-    }
-    if (absl::Status st = d.client->Release({&s.id, 1}); !st.ok()) return st;
-    if (!read_ahead) {
-      if (absl::Status st = d.window.WriteBack(s.id); !st.ok()) return st;
-    }
-  }
-  if (absl::StatusOr<absl::Duration> w = d.window.WaitWrites(0); !w.ok()) return w.status();
-  return absl::OkStatus();
 }
 
 absl::Status OffloadedAdam::BeginStep(float grad_scale) {

@@ -1,5 +1,5 @@
-// The device lane's part of StepWorker: a group placed on the device is stepped shard by shard in
-// the daemon's device tier. Each shard is acquired there one ahead of its turn (the daemon brings
+// DeviceLane (optimizer_lanes.h): a group placed on the device is stepped shard by shard in the
+// daemon's device tier. Each shard is acquired there one ahead of its turn (the daemon brings
 // it up from its home through the host while the one before is stepped), stepped by the device
 // kernels over the device's gradients, released, and sent home with its device copy dropped, so
 // that the device tier holds at most two shards of the lane's at a time (four when speculative)
@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/optimizer_worker.h"
+#include "client/optimizer_lanes.h"
 
 namespace tierd::internal {
 namespace {
@@ -25,7 +25,10 @@ struct OnDevice {
 
 }  // namespace
 
-absl::Status StepWorker::WaitHomeward() {
+DeviceLane::DeviceLane(StateRecord& state, std::unique_ptr<DeviceKernels> device)
+    : state_(state), device_(std::move(device)) {}
+
+absl::Status DeviceLane::Settle() {
   absl::Status first;
   for (const CompletionToken& t : homeward_) {
     absl::Status s = state_.client->Wait(t);
@@ -35,7 +38,8 @@ absl::Status StepWorker::WaitHomeward() {
   return first;
 }
 
-absl::Status StepWorker::StepOnDevice(const Work& w, OptimizerStepStats* delta, bool* skipped) {
+absl::Status DeviceLane::Step(const Work& w, const ExpectedShards&, OptimizerStepStats* delta,
+                              bool* skipped) {
   Group& group = state_.groups[w.group];
   const GroupStep& st = w.step;
   const bool speculative = state_.options.speculative;

@@ -1,16 +1,17 @@
 // The out-of-core optimizer's workers: each one thread that steps the groups the coordinator queues
-// to it, in the order queued, shard by shard. The host lane's shards are read ahead or pinned in
-// the host tier, stepped by the CPU kernels and written back, and it keeps the read-ahead window
-// filled with the shards expected next, at the pace it measured. The device lane's are acquired in
-// the device tier one ahead of their turn (the daemon brings them up through the host), stepped
-// there by the device kernels and sent home again. A worker decides nothing of a step: what is
-// stepped, with which options and flags, comes in each Work; the first error is kept for the
-// coordinator's FinishStep.
+// to it, in the order queued, through its lane (optimizer_lanes.h), which decides how a group's
+// shards are stepped: the host lane's are read ahead or pinned in the host tier, stepped by the CPU
+// kernels and written back; the device lane's are acquired in the device tier one ahead of their
+// turn, stepped there by the device kernels and sent home again. A worker decides nothing of a
+// step: what is stepped, with which options and flags, comes in each Work; the first error is kept
+// for the coordinator's FinishStep. It keeps the step's bookkeeping (what was queued, taken and
+// done) and the order the groups are expected in, which it tells its lane as the lane reads ahead.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -19,9 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/device_kernels.h"
 #include "client/optimizer_state.h"
-#include "client/read_ahead.h"
 #include "kernels/cpu_adam.h"
 #include "tierd/optimizer.hpp"
 
@@ -51,13 +50,36 @@ struct Work {
   int64_t number = 0;            // the step being taken, counting from 1
 };
 
+// The shards a lane expects to step next, in order: the rest of group `g` from shard `k` (none
+// when g is npos), the groups queued, then the groups not given yet in last step's order; at most
+// `want` of them. The worker's answer to its lane's read-ahead.
+using ExpectedShards = std::function<std::vector<ChunkId>(size_t g, size_t k, size_t want)>;
+
+// How a worker steps a group: the host's CPU kernels or the device's (optimizer_lanes.h). Called
+// on the worker's thread during a step (Step) and by the driving thread between steps (ReadAhead,
+// Settle, once the worker is idle).
+class Lane {
+ public:
+  virtual ~Lane() = default;
+  // Steps one group's work, adding its figures to `delta`; `skipped`: its gradients were not
+  // finite, so nothing of it changed. `expected` says what comes next, for the read-ahead.
+  virtual absl::Status Step(const Work& w, const ExpectedShards& expected,
+                            OptimizerStepStats* delta, bool* skipped) = 0;
+  // Fills the read-ahead with the shards expected after group `g`'s shard `k` (g npos: before
+  // any group), `in_hand` shards being pinned now. A lane that reads nothing ahead does nothing.
+  virtual absl::Status ReadAhead(size_t g, size_t k, size_t in_hand,
+                                 const ExpectedShards& expected) = 0;
+  // The end of a step, the worker idle: what the lane still holds of the step goes (read-ahead
+  // dropped, write-backs or moves home waited for); the first error.
+  virtual absl::Status Settle() = 0;
+  // Whether its busy time and parameters are the device's figures or the host's.
+  virtual bool on_device() const = 0;
+};
+
 class StepWorker {
  public:
-  // The host lane: `state` and `window` outlive the worker; `threads` run the kernels (0: one per
-  // CPU).
-  StepWorker(StateRecord& state, ReadAheadWindow& window, int threads);
-  // The device lane: the groups placed on the device, stepped by `device`.
-  StepWorker(StateRecord& state, ReadAheadWindow& window, std::unique_ptr<DeviceKernels> device);
+  // `state` outlives the worker.
+  StepWorker(StateRecord& state, std::unique_ptr<Lane> lane);
   ~StepWorker();  // stops the thread (once what is queued is taken)
   StepWorker(const StepWorker&) = delete;
   StepWorker& operator=(const StepWorker&) = delete;
@@ -72,16 +94,15 @@ class StepWorker {
   // when it was not queued this step or the worker stops. Any thread.
   absl::Status WaitFor(size_t g, absl::Duration timeout);
   // The end of a step, finished or abandoned: waits for the worker to take every queued group,
-  // drops what was read ahead for groups not given and waits for every write-back (the device
-  // lane: for its shards to reach their home). Returns the time the last two took (write wait), or
-  // the first error of either.
+  // then settles the lane (Lane::Settle). Returns the time the lane's settling took (write
+  // wait), or its first error.
   absl::StatusOr<absl::Duration> Settle();
-  // After Settle: the step's figures and its first error; the pace a shard is measured from it.
+  // After Settle: the step's figures and its first error.
   OptimizerStepStats Collect(absl::Status* error);
   // The step is over: every group is expected again.
   void End();
-  // Fills the budget's free room with read-ahead of the shards expected after group `g`'s shard
-  // `k` (g npos: before any group), `in_hand` shards being pinned now.
+  // Fills the lane's read-ahead with the shards expected after group `g`'s shard `k` (g npos:
+  // before any group), `in_hand` shards being pinned now. Between steps.
   absl::Status ReadAhead(size_t g, size_t k, size_t in_hand);
   // The groups were added to: their bookkeeping sized anew. REQUIRES: between steps.
   void Resize();
@@ -94,20 +115,12 @@ class StepWorker {
 
  private:
   void Run();
-  absl::Status StepOne(const Work& w, OptimizerStepStats* delta, bool* skipped);
-  // The device lane's StepOne (optimizer_device.cc).
-  absl::Status StepOnDevice(const Work& w, OptimizerStepStats* delta, bool* skipped);
-  // The device lane's Settle after the queue is empty: its shards' moves home, waited for.
-  absl::Status WaitHomeward();
-  // The shards expected to be stepped next, in order: the rest of group `g` from shard `k` (none
-  // when g is npos), the groups queued, then the groups not given yet in last step's order.
+  // ExpectedShards, from the queue and last step's order.
   std::vector<ChunkId> Expected(size_t g, size_t k, size_t want);
 
   StateRecord& state_;
-  ReadAheadWindow& window_;
-  std::unique_ptr<kernels::ThreadPool> pool_;  // the host lane's
-  std::unique_ptr<DeviceKernels> device_;      // the device lane's
-  std::vector<CompletionToken> homeward_;      // the device lane's shards going home
+  std::unique_ptr<Lane> lane_;
+  const ExpectedShards expected_;  // Expected, for the lane
   absl::Mutex mu_;
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   size_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
@@ -120,15 +133,7 @@ class StepWorker {
   // next step, so that shards of frozen tensors are not brought up for nothing.
   std::vector<std::vector<uint8_t>> touched_ ABSL_GUARDED_BY(mu_);
   OptimizerStepStats stats_ ABSL_GUARDED_BY(mu_);
-  // The worker's time on shards this step (waiting for them included), and how many it stepped.
-  absl::Duration shard_time_ ABSL_GUARDED_BY(mu_);
-  size_t shards_stepped_ ABSL_GUARDED_BY(mu_) = 0;
-  // How long the worker took per shard last step: the read-ahead says when each shard is needed
-  // by it, so that the daemon serves write-backs (which free the budget) before reads needed
-  // later. Zero until a step has been measured: everything is then due at once. Written between
-  // steps.
-  absl::Duration pace_;
-  std::thread thread_;
+  std::thread thread_;  // last: it starts once everything above is made
 };
 
 }  // namespace tierd::internal

@@ -20,8 +20,6 @@ CXX_LINES = 600
 # room -> (ceiling in lines, why it is larger). A room is a path from the root, or
 # "path:Class" for a Python class.
 LARGER = {
-    "client/optimizer.cc": (751, "to split: the coordinator's step protocol, and the checks of "
-                                 "groups and options at Create"),
     "daemon/chunks/chunk_service.cc": (1098, "to split: shared bases become a class of their "
                                              "own beside ChunkService"),
     "daemon/api/rpc_server.cc": (751, "to split: the chunk RPCs, and the node's and the "

@@ -1,0 +1,183 @@
+// OffloadedAdam's insides, as its rooms share them: optimizer.cc (Create and the step protocol)
+// and optimizer_groups.cc (the groups: their places, hyperparameters, step counts, additions and
+// removals, and their weights and state read and written between steps). Internal to the client
+// library.
+#pragma once
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/adam_hyper.h"
+#include "client/optimizer_lanes.h"
+#include "client/optimizer_state.h"
+#include "client/optimizer_worker.h"
+#include "client/read_ahead.h"
+#include "tierd/optimizer.hpp"
+
+namespace tierd {
+namespace internal {
+
+inline bool ValidScalarType(ScalarType t) {
+  return t == ScalarType::kFloat32 || t == ScalarType::kBFloat16 || t == ScalarType::kFloat16;
+}
+
+inline absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
+  if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
+      !(h.eps > 0) || !(h.weight_decay >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
+        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+
+struct OffloadedAdam::Impl {
+  ~Impl() {
+    // The threads stop before the window and the record they use.
+    device_lane.reset();
+    worker.reset();
+    (void)window.WaitWrites(0);
+  }
+
+  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
+  // those being written back share it. Also the worker's bookkeeping sized by the groups.
+  void Resize() {
+    uint64_t largest = 0;
+    state.state_bytes = 0;
+    for (const internal::Group& group : state.groups) {
+      for (const internal::Shard& sh : group.shards) {
+        state.state_bytes += sh.bytes();
+        largest = std::max(largest, sh.bytes());
+      }
+    }
+    if (largest == 0)
+      largest = internal::ShardOf(0, state.shard_params, state.options.state_type).bytes();
+    const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
+    window.set_slots(slots - PlanResidency(slots));
+    worker->Resize();
+    if (device_lane != nullptr) device_lane->Resize();
+  }
+
+  // Scratch state at home on NVMe leaves what the budget holds beyond a window for the rest in
+  // the host tier from one step to the next, rather than writing it down and reading it up
+  // again each step: the shards stepped last (the host lane's, from the end of the expected
+  // order), so that the step's tail after backward waits for none of them. They are pinned
+  // during their step only: between steps the daemon keeps them as it keeps any chunk, and
+  // writes one down only when another needs its room. Persistent state streams whole: what
+  // FinishStep acknowledged is on NVMe. Returns the slots the resident shards take.
+  uint64_t PlanResidency(uint64_t slots) {
+    const uint64_t per_shard = state.options.speculative ? 2 : 1;
+    // The window the streamed shards need: the shards in hand, one read ahead and one written
+    // back at the least; a quarter of the budget when that is more.
+    const uint64_t window = std::max<uint64_t>(per_shard + 2, slots / 4);
+    uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
+                        ? (slots - window) / per_shard
+                        : 0;
+    // The order the groups are stepped in: the expected one, then any it does not name yet.
+    std::vector<size_t> order;
+    std::vector<bool> listed(state.groups.size(), false);
+    for (size_t g : worker->expected_order) {
+      if (g < listed.size() && !listed[g]) order.push_back(g), listed[g] = true;
+    }
+    for (size_t g = 0; g < listed.size(); ++g) {
+      if (!listed[g]) order.push_back(g);
+    }
+    uint64_t resident = 0;
+    for (auto g = order.rbegin(); g != order.rend(); ++g) {
+      internal::Group& group = state.groups[*g];
+      for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
+        sh->resident = !group.on_device && resident < room;
+        resident += sh->resident ? 1 : 0;
+      }
+    }
+    return resident * per_shard;
+  }
+
+  // The lane that steps group g.
+  internal::StepWorker& lane(size_t g) {
+    return state.groups[g].on_device ? *device_lane : *worker;
+  }
+  // Both lanes, the device's when there is one.
+  std::vector<internal::StepWorker*> lanes() {
+    std::vector<internal::StepWorker*> all{worker.get()};
+    if (device_lane != nullptr) all.push_back(device_lane.get());
+    return all;
+  }
+  // The device lane, made the first time a group is placed on the device: the kernels of the
+  // daemon's device, emulated or a GPU.
+  absl::Status OpenDeviceLane() {
+    if (device_lane != nullptr) return absl::OkStatus();
+    absl::StatusOr<NodeInfo> info = client->GetNodeInfo();
+    if (!info.ok()) return info.status();
+    if (info->device_uuid.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a group stepped on the device needs the daemon's device tier: ", info->device_status));
+    }
+    std::unique_ptr<internal::DeviceKernels> kernels;
+    if (info->device_emulated) {
+      kernels = internal::MakeEmulatedKernels(state.options.threads);
+    } else {
+      absl::StatusOr<int> ordinal = client->CudaDevice();
+      if (!ordinal.ok()) return ordinal.status();
+      absl::StatusOr<std::unique_ptr<internal::DeviceKernels>> cuda =
+          internal::MakeCudaKernels(*ordinal);
+      if (!cuda.ok()) return cuda.status();
+      kernels = std::move(*cuda);
+    }
+    device_lane = std::make_unique<internal::StepWorker>(
+        state, std::make_unique<internal::DeviceLane>(state, std::move(kernels)));
+    device_lane->Resize();
+    return absl::OkStatus();
+  }
+
+  std::unique_ptr<Client> client;  // outlives the record, the window and the worker
+  internal::StateRecord state;
+  internal::ReadAheadWindow window;  // the host budget's shards read ahead and written back
+  std::unique_ptr<internal::StepWorker> worker;       // the host lane
+  std::unique_ptr<internal::StepWorker> device_lane;  // null until a group is placed there
+  // Each lane's seconds per parameter over the last steps (each step's counting half); 0 until
+  // measured.
+  double host_rate = 0;
+  double device_rate = 0;
+  double lr = 0;
+  std::vector<AdamHyperparameters> hyper;  // each group's
+
+  // The end of a step: both lanes settled; the longer wait for write-backs, or the first error.
+  absl::StatusOr<absl::Duration> Settle() {
+    absl::StatusOr<absl::Duration> host = worker->Settle();
+    if (device_lane == nullptr) return host;
+    absl::StatusOr<absl::Duration> device = device_lane->Settle();
+    if (!host.ok()) return host;
+    if (!device.ok()) return device;
+    return std::max(*host, *device);
+  }
+  // Each lane's rate, from a step that stepped enough of it to be measured.
+  void Measure(const OptimizerStepStats& stats) {
+    auto update = [](double* rate, absl::Duration busy, uint64_t params) {
+      if (params == 0) return;
+      const double now = absl::ToDoubleSeconds(busy) / static_cast<double>(params);
+      *rate = *rate == 0 ? now : (*rate + now) / 2;
+    };
+    update(&host_rate, stats.host_busy, stats.host_params);
+    update(&device_rate, stats.device_busy, stats.device_params);
+  }
+
+  // The step in progress (the driving thread's; the worker has what it needs in its Work).
+  bool in_step = false;
+  std::vector<kernels::AdamOptions> step_options;  // each group's, this step
+  std::vector<bool> given;
+  // Each group's TensorFlags this step (a copy of what StepGroup was given; every tensor stepped
+  // when it was given none), which the worker reads through Work::step.
+  std::vector<std::vector<uint8_t>> step_flags;
+  std::vector<size_t> step_order;  // the order the groups came in this step
+  absl::Time step_start;
+};
+
+}  // namespace tierd
