@@ -118,6 +118,12 @@ def daemon():
         stop_daemon(proc, root)
 
 
+def test_every_page_is_in_the_readmes_table():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", f.read()))
+    assert linked == {p for p in PAGES if p != "README.md"}
+
+
 def test_every_block_says_what_it_is():
     assert len(BLOCKS) > 10
     for page, line, lang, kind, text, _ in BLOCKS:
