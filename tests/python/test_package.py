@@ -58,6 +58,34 @@ def test_refusals_are_exceptions_with_the_code_and_the_daemons_words(client):
         assert len(chunks) == 1
 
 
+def test_a_gpu_stream_wait_on_an_emulated_device_says_there_is_no_stream(client):
+    with client.allocate([4096]) as chunks:
+        done = client.prefetch(chunks, tierd.Tier.HOST)
+        done.wait(timeout=30)
+        with pytest.raises(tierd.TierdError) as e:
+            done.stream_wait(0)
+        assert e.value.code_name == "FAILED_PRECONDITION"
+        assert "emulated" in e.value.message
+
+
+def test_a_pinned_shared_base_outlives_its_holders_until_unpinned(client):
+    made = client.open_base("pinned-base", sizes=[4096], descriptor=b"v1")
+    assert made.created
+    with pytest.raises(tierd.TierdError) as unsealed:
+        client.pin_base("pinned-base")
+    assert unsealed.value.code_name == "FAILED_PRECONDITION"
+    client.seal_base("pinned-base")
+    client.pin_base("pinned-base")
+    client.release_base("pinned-base")
+    again = client.open_base("pinned-base")  # kept with no holder: opened, not made anew
+    assert not again.created and again.descriptor == b"v1"
+    client.release_base("pinned-base")
+    client.pin_base("pinned-base", False)  # no holder left: it goes
+    with pytest.raises(tierd.TierdError) as gone:
+        client.open_base("pinned-base")
+    assert gone.value.code_name == "NOT_FOUND"
+
+
 def test_a_view_after_release_is_refused_not_dangling(client):
     with client.allocate([4096]) as chunks:
         views = client.acquire(chunks, tierd.Tier.HOST, tierd.Access.WRITE)
