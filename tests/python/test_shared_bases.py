@@ -393,8 +393,9 @@ def _kit_for_another_user(root):
     package = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python",
                            "tierd")
     os.makedirs(os.path.join(kit, "tierd"))
-    for f in ("__init__.py", "_abi.py", "client.py"):
-        shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
+    for f in os.listdir(package):  # the package's modules, without tierd.torch
+        if f.endswith(".py"):
+            shutil.copy(os.path.join(package, f), os.path.join(kit, "tierd", f))
     lib = shutil.copy(os.environ["TIERD_CLIENT_LIB"], kit)
     for d, _, files in os.walk(kit):
         os.chmod(d, 0o755)
