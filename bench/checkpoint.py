@@ -46,13 +46,13 @@ def main() -> None:
     os.environ.setdefault("TIERD_CLIENT_LIB",
                           os.path.join(args.build, "client", "libtierd_client.so.0"))
     import tierd.torch
-    from tierd.torch import _checkpoint
+    from tierd.torch import _state_files
 
     m = model(int(args.params))
     n = sum(p.numel() for p in m.parameters())
     state_bytes = 2 * 4 * n  # exp_avg and exp_avg_sq, fp32
     host = f"{((3 * state_bytes >> 28) + 2) * 256}MiB"  # segments of 256 MiB
-    formats = sorted(_checkpoint.formats())
+    formats = sorted(_state_files.formats())
     print(f"checkpoint: torch {torch.__version__}, {n / 1e6:.0f} M parameters, "
           f"{state_bytes / 1e9:.2f} GB of moments; formats {', '.join(formats)}", flush=True)
     root = tempfile.mkdtemp(prefix="tierd-ckpt-", dir=args.dir)

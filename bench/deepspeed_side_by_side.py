@@ -137,7 +137,7 @@ STATE_ON_NVME = {"ds-infinity", "ds-infinity-cached", "tierd-state", "tierd-stre
 def minimum_bytes(args, mode):
     """(read, written) the fewest a step of `mode` must move with tierd's host tier of memory
     (benchlib.step_minimum_bytes), or None for a mode whose state is partly on the device."""
-    from tierd.torch import _pretrained
+    from tierd.torch import _safetensors
     if mode in SPLIT:
         return None
     # ZeRO-Infinity swaps every weight; tierd streams the blocks, the embedding, the head and the
@@ -146,7 +146,7 @@ def minimum_bytes(args, mode):
     streamed = {"ds-infinity": args.params, "tierd-stream": blocks}.get(mode, 0)
     return benchlib.step_minimum_bytes(4 if args.dtype == "fp32" else 2, streamed, streamed,
                                        args.params if mode in STATE_ON_NVME else 0,
-                                       _pretrained.parse_size(args.host_capacity))
+                                       _safetensors.parse_size(args.host_capacity))
 
 
 def model_of(args):
@@ -257,8 +257,8 @@ def child(args) -> None:
         # streamed fp32 model's weights are then their own master, and what the optimizer's
         # budget holds stays on the host between steps. The budget is the host tier's share
         # the weights leave: half of it when they stream through it too, else three quarters.
-        from tierd.torch import _pretrained
-        tier = _pretrained.parse_size(args.host_capacity)
+        from tierd.torch import _safetensors
+        tier = _safetensors.parse_size(args.host_capacity)
         budget = tier // 2 if mode.startswith("tierd-stream") else tier * 3 // 4
         os.environ["TIERD_JOB"] = "bench-optimizer"
         opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
@@ -380,10 +380,10 @@ def memory_given(args, mode, peak_rss) -> int:
     """The RAM a mode is given: DeepSpeed's process at its peak (its swap buffers are in it);
     tierd's trainer at its peak plus the host tier its daemon is given (--host-capacity, all of
     it, not only what the run used)."""
-    from tierd.torch import _pretrained
+    from tierd.torch import _safetensors
     if mode.startswith("ds-"):
         return peak_rss
-    return peak_rss + _pretrained.parse_size(args.host_capacity)
+    return peak_rss + _safetensors.parse_size(args.host_capacity)
 
 
 def report(args, runs, reference) -> None:

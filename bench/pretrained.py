@@ -95,7 +95,7 @@ def write_checkpoint(args, directory: str) -> int:
     """The model's checkpoint, each tensor made when its shard is written (normal(0, 0.02),
     norms ones): one shard in memory at a time. Returns its bytes."""
     import torch
-    from tierd.torch import _pretrained
+    from tierd.torch import _safetensors
     model = meta_model(args)
     entries = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
     g = torch.Generator().manual_seed(0)
@@ -106,7 +106,7 @@ def write_checkpoint(args, directory: str) -> int:
             return torch.ones(shape, dtype=dtype)
         return (torch.randn(shape, generator=g) * 0.02).to(dtype)
 
-    _pretrained.write(directory, entries, make, _pretrained.parse_size(args.shard_size))
+    _safetensors.write(directory, entries, make, _safetensors.parse_size(args.shard_size))
     config(args).save_pretrained(directory)
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
                if f.endswith(".safetensors"))
@@ -162,8 +162,8 @@ def child_import(args) -> None:
     import torch
     import tierd.torch
     if args.read_here:
-        from tierd.torch import _pretrained
-        _pretrained.Checkpoint.span = lambda self, key: (
+        from tierd.torch import _safetensors
+        _safetensors.Checkpoint.span = lambda self, key: (
             lambda out: self.read_into(key, out))
     model = meta_model(args)
     read_before = _read_by_this_process()
@@ -257,7 +257,7 @@ def child_train(args) -> None:
     import tierd
     import tierd.torch
     import benchlib
-    from tierd.torch import _pretrained
+    from tierd.torch import _safetensors
     torch.set_num_threads(os.cpu_count() or 1)
     sock = args.child
     model = meta_model(args)
@@ -281,7 +281,7 @@ def child_train(args) -> None:
     # in bench/deepspeed_side_by_side.py.
     os.environ["TIERD_JOB"] = "scale-optimizer"
     opt = tierd.torch.OffloadedAdamW(params, lr=1e-5, socket_dir=sock, home="nvme",
-                                     host_budget_bytes=_pretrained.parse_size(
+                                     host_budget_bytes=_safetensors.parse_size(
                                          args.host_capacity) // 2,
                                      overlap_backward=True)
     del os.environ["TIERD_JOB"]
@@ -382,9 +382,9 @@ class MemoryLimit:
 
 def scale(args, directory: str) -> None:
     """The scale run (see the module's text)."""
-    from tierd.torch import _pretrained
+    from tierd.torch import _safetensors
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit = _pretrained.parse_size(args.memory_limit) if args.memory_limit else 0
+    limit = _safetensors.parse_size(args.memory_limit) if args.memory_limit else 0
     model = meta_model(args)
     n = sum(p.numel() for p in model.parameters())
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

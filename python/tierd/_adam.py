@@ -1,6 +1,6 @@
 """The out-of-core optimizer of the client library (`tierd_adam_*`, client/include/tierd/client.h)
 as one Python handle: every call of the C ABI's optimizer, its errors raised as TierdError.
-OffloadedAdamW (torch.py) is written on this and nothing below it."""
+OffloadedAdamW (tierd/torch/_state.py and up) is written on this and nothing below it."""
 import ctypes
 from typing import Any, List, Optional, Sequence
 

@@ -21,25 +21,25 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 
 # From the bottom up; modules on one floor do not import each other.
 FLOORS = [
-    ["_storage", "_pretrained", "_agree", "_hf_keys", "_base_check"],  # tensors over tierd
+    ["_storage", "_safetensors", "_agree", "_hf_keys", "_base_check"],  # tensors over tierd
                                             # memory; checkpoints in the HF layout; every rank's
                                             # outcome; keys as transformers names them; a
                                             # shared base's check in the background
-    ["_units", "activations", "_materialize", "_guard"],  # units and chunks; activation
+    ["_units", "activations", "_sources", "_guard"],  # units and chunks; activation
                                                 # offload; where a stream's weights come from;
                                                 # a streamed parameter outside the window
     ["_ranges"],                 # the seam: a stream's parts lent to the optimizer's ranges
 ]
 TOWERS = {
     "stream": [
-        ["_trace", "_base"],         # the recorded order, the daemon's schedule; a shared base
+        ["_trace", "_shared_base"],  # the recorded order, the daemon's schedule; a shared base
         ["_window", "_ranks"],       # the device window; the ranks' one set of weights
         ["_stream_hooks", "_loading"],  # the hooks and the training state; load_state_dict
         ["_gather"],                 # gathered() and save_pretrained()
         ["streaming"],               # ParameterStream, stream_parameters
     ],
     "optimizer": [
-        ["_buckets", "_shard", "_checkpoint"],  # buckets over host memory or a range; the
+        ["_buckets", "_shard", "_state_files"],  # buckets over host memory or a range; the
                                                 # collectives over ranks; the state's files
         ["_lanes"],                  # which buckets the device steps
         ["_state"],                  # the optimizer's state record

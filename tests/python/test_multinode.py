@@ -28,7 +28,7 @@ from test_torch_zero import assert_streamed_trains_as_in_memory, losses_of
 
 import tierd  # noqa: E402 (the path test_c_abi sets)
 import tierd.torch  # noqa: E402
-from tierd.torch import _checkpoint  # noqa: E402
+from tierd.torch import _state_files  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
@@ -198,7 +198,7 @@ def test_a_rank_on_a_node_without_a_daemon_fails_at_once_and_the_other_stops(nod
 ZERO = os.path.join(HERE, "zero_rank.py")
 
 
-needs_dcp = pytest.mark.skipif("dcp" not in _checkpoint.formats(), reason=f"torch "
+needs_dcp = pytest.mark.skipif("dcp" not in _state_files.formats(), reason=f"torch "
                                f"{torch.__version__} has no torch.distributed.checkpoint save "
                                "and load")
 FORMATS = ["torch", pytest.param("dcp", marks=needs_dcp)]
@@ -367,7 +367,7 @@ def test_a_checkpoint_in_one_process_round_trips_bit_for_bit(nodes, tmp_path, fm
 def test_the_default_format_is_dcp_where_torch_has_it_and_refused_where_not(nodes, tmp_path):
     opt, _ = stepped(nodes[0], "pytest/default-format")
     try:
-        if "dcp" in _checkpoint.formats():
+        if "dcp" in _state_files.formats():
             opt.save_checkpoint(str(tmp_path / "default"))
             assert os.path.exists(tmp_path / "default" / ".metadata")
         else:

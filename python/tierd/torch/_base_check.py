@@ -2,7 +2,7 @@
 node").
 
 A job that opens a shared base checks every byte its own checkpoint gives the units against the
-SHA-256 the base's maker recorded (_base.py). For a 13 B model that is some 26 GB read and
+SHA-256 the base's maker recorded (_shared_base.py). For a 13 B model that is some 26 GB read and
 hashed, half a minute, so it runs in a thread of its own while the job goes on starting (peft's
 adapters, the optimizer, the data) and its first forward and backward run. It is waited for
 wherever the base's weights would first leave a mark the job keeps or shows: before an optimizer

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import _pretrained
+from . import _safetensors
 from ._hf_keys import KeyNames
 from ._stream_hooks import StreamHooks, TrainingState
 from ._units import Unit, Units
@@ -41,7 +41,7 @@ class Gathered:
             raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
                                "inside another gathered()")
         for u in self.units:
-            self.window.release(u)
+            self.window.evict(u)
             weights = self.units.weights(u)
             self.before.append((u, weights))
             with torch.no_grad():
@@ -78,7 +78,7 @@ def save_pretrained(model: nn.Module, units: Units, window: Window, directory: s
                     max_shard_size) -> List[str]:
     """The model's weights as safetensors shards with an index, and its config (see
     ParameterStream.save_pretrained). REQUIRES: between steps, the shared base checked."""
-    size = _pretrained.parse_size(max_shard_size)
+    size = _safetensors.parse_size(max_shard_size)
     entries, seen = [], set()
     tensors: Dict[str, torch.Tensor] = {}
     keys = KeyNames(model)  # the keys save_pretrained writes
@@ -102,7 +102,7 @@ def save_pretrained(model: nn.Module, units: Units, window: Window, directory: s
         return cached[u.index][id(t)].view(t.shape)
 
     with window.lock:
-        written = _pretrained.write(directory, entries, read, size)
+        written = _safetensors.write(directory, entries, read, size)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)

@@ -78,7 +78,7 @@ class StateDictLoading:
                 if u.refs:
                     raise RuntimeError("stream_parameters: load_state_dict() while a unit is "
                                        "in use")
-                self.window.release(u)  # a copy left in the window is stale now
+                self.window.evict(u)  # a copy left in the window is stale now
                 self.units.write_weights(u, {pid: flat for pid, (_, flat) in changed.items()})
                 self.units.point(u)
 

@@ -186,7 +186,7 @@ class StreamRange:
         else they are kept, and gradients() holds them again as they are."""
         self._grads = _let_go(self._grads)
         if free:
-            self._parts.units.drop_grad(self._range)
+            self._parts.units.free_grad_chunk(self._range)
         self._grads_aside = not free
 
     def release_gradients(self) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._agree import all_succeeded
-from ._base import canonical
+from ._shared_base import canonical
 from ._storage import as_tensor
 from ._units import Units
 

@@ -135,7 +135,7 @@ class StreamHooks:
                     u.bwd_refs -= 1
                     self._unuse(u)
                 self._end_recomputes(u)
-            self.window.release_unused()
+            self.window.evict_unused()
             self.state = TrainingState.IDLE
             self.window.trace.end_iteration()
         self.units.check_frozen()
@@ -147,7 +147,7 @@ class StreamHooks:
                 x.refs = 0
                 x.bwd_refs = 0
                 x.recompute_refs = 0
-                self.window.release(x)
+                self.window.evict(x)
             self.state = TrainingState.IDLE
             self.window.trace.abandon_iteration()
 

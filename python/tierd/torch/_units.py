@@ -6,7 +6,7 @@ A unit's parameters are laid out as *ranges*: parameters of one dtype end to end
 aligned offset in both versions of the unit's chunk, and at an element offset in the unit's device
 storage of its dtype. A range's `current` version holds its weights; the other receives the next
 step's (_ranges.StreamRange flips it). A unit whose frozen parameters are in a shared base
-(_base.py) has ranges of a third kind: in the base's read-only chunk (version BASE), never flipped.
+(_shared_base.py) has ranges of a third kind: in the base's read-only chunk (BASE), never flipped.
 """
 import contextlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -178,7 +178,7 @@ def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[U
 
 def fill(client, chunk: int, view: torch.Tensor, ranges: List[Range], values) -> None:
     """Writes each parameter's value into its place in `chunk`, held for writing (`view`: the
-    whole chunk, uint8): a FileSpan (_pretrained.py) is read by the daemon straight from its file
+    whole chunk, uint8): a FileSpan (_safetensors.py) is read by the daemon straight from its file
     (Client.import_file, one request per file), a function is called with the place, a tensor is
     copied there."""
     imports: Dict[int, tuple] = {}  # fd -> (size, mtime_ns, [(file, chunk offset, bytes)])
@@ -343,7 +343,7 @@ class Units:
         if offset > u.chunk_bytes:
             raise ValueError(f"stream_parameters: unit {u.name!r} needs {offset} bytes of chunk "
                              f"for this layout, it has {u.chunk_bytes}")
-        self.drop_grads(u)
+        self.free_grad_chunks(u)
         for r in u.ranges:
             r.retired = not r.in_base
         u.ranges = ranges + u.base_ranges
@@ -439,19 +439,19 @@ class Units:
         finally:
             held.release_deferred()
 
-    def drop_grad(self, r: Range) -> None:
+    def free_grad_chunk(self, r: Range) -> None:
         if r.grad_chunk is not None:
             chunks, r.grad_chunk = r.grad_chunk, None
             chunks.free_deferred()
 
-    def drop_grads(self, u: Unit) -> None:
+    def free_grad_chunks(self, u: Unit) -> None:
         for r in u.ranges:
-            self.drop_grad(r)
+            self.free_grad_chunk(r)
 
     def free(self, u: Unit) -> None:
         """Frees u's chunks (its weights are to be read first)."""
         u.views = {}
-        self.drop_grads(u)
+        self.free_grad_chunks(u)
         if u.base is not None:
             u.base.let_go()
         if u.held is not None:

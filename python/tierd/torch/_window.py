@@ -2,7 +2,7 @@
 
 A unit's device memory is one storage per dtype, which its parameters view: fetching resizes it
 and copies the weights in from the unit's current versions (on a side stream on a GPU, on a copy
-thread on the CPU), releasing resizes it to nothing. At most `size` units are in the window; the
+thread on the CPU), evicting it resizes it to nothing. At most `size` units are in the window; the
 next `prefetch` units the trace names are fetched ahead, and NVMe-homed units further on are
 asked into host memory (by the daemon's planner when the trace is its schedule).
 """
@@ -64,7 +64,7 @@ class Window:
         with self.lock:
             u.refs -= 1
             if u.refs == 0 and not self._needed_soon(u, in_backward):
-                self.release(u)
+                self.evict(u)
 
     def _needed_soon(self, u: Unit, in_backward: bool) -> bool:
         """Whether u is among the next units the trace names (the last block of forward is the
@@ -119,7 +119,7 @@ class Window:
             if not idle:
                 self._stats["over_window"] += 1
                 break
-            self.release(idle[0])
+            self.evict(idle[0])
         for f in u.flat.values():
             resize(f, f.numel())
             if self.poison:
@@ -175,7 +175,8 @@ class Window:
             u.reading = None
         self._stats["wait_s"] += time.perf_counter() - started
 
-    def release(self, u: Unit) -> None:
+    def evict(self, u: Unit) -> None:
+        """Takes u out of the window: its device storage goes (its weights stay in its chunks)."""
         if not u.materialized:
             return
         if u.copy is not None:  # a prefetch never used: let its copy end first
@@ -187,12 +188,12 @@ class Window:
         u.materialized = False
         self.live -= u.device_bytes
 
-    def release_unused(self) -> None:
-        """Releases every unit no pass uses now."""
+    def evict_unused(self) -> None:
+        """Evicts every unit no pass uses now."""
         with self.lock:
             for u in self.units:
                 if u.refs == 0 and u.materialized:
-                    self.release(u)
+                    self.evict(u)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,7 +3,7 @@
 The orchestration of a step, over rooms that each own one concern: _layout.py (the parameter
 groups as buckets), _state.py (the state in the client library's optimizer, and torch's
 state_dict), _intake.py (gradients taken during backward), _verdict.py (unscale, skip, clip, and
-whether speculation holds), _shard.py (the collectives over ranks), _checkpoint.py (files). This
+whether speculation holds), _shard.py (the collectives over ranks), _state_files.py (files). This
 file decides when each happens; the kernels and the state's I/O run in the client library, which
 carries out what is decided here (steps, abandons) and decides nothing of a step itself.
 """
@@ -16,7 +16,7 @@ import torch
 
 from .. import _abi
 from ..client import TierdError
-from . import _checkpoint, _lanes
+from . import _state_files, _lanes
 from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
@@ -495,7 +495,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         "torch", a torch.save file per rank (any torch); by default dcp where torch has it."""
         rank, world = (self._comm.rank, self._comm.world) if self._comm else (0, 1)
         group = self._comm.group if self._comm else None
-        _checkpoint.save(directory, rank, world, self.state_name, self.state_dict(), format,
+        _state_files.save(directory, rank, world, self.state_name, self.state_dict(), format,
                          group)
         if self._comm is not None:
             self._comm.barrier()
@@ -506,7 +506,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         resharded). Call it on every rank, after loading the model's weights, on an optimizer
         made afresh (reset=True) under the job's name."""
         group = self._comm.group if self._comm else None
-        self.load_state_dict(_checkpoint.load(directory, self._layout.owned_shapes(), group))
+        self.load_state_dict(_state_files.load(directory, self._layout.owned_shapes(), group))
 
     # ---- lifetime ----
 

@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from ..client import Client, Tier, TierdError, connect
 from ._stream_hooks import StreamHooks
-from ._materialize import Init, placeholder, source_for, swap
-from ._base import SharedBase
+from ._sources import Init, placeholder, source_for, swap
+from ._shared_base import SharedBase
 from ._gather import Gathered, save_pretrained
 from ._guard import guard, unguard
 from ._loading import StateDictLoading
@@ -301,7 +301,7 @@ class ParameterStream:
         lost = None
         try:
             for u in self._units:
-                self._window.release(u)
+                self._window.evict(u)
                 try:
                     weights = self._units.weights(u) if u.chunks is not None and keep_weights \
                         else []
@@ -370,7 +370,7 @@ class _Seam:
                 if u.refs:
                     raise RuntimeError("stream_parameters: units are rearranged between steps, "
                                        "not during a forward or backward")
-                self.window.release(u)  # a copy left in the window by an evaluation
+                self.window.evict(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
                 own = u.own_params()
                 rest = by_dtype([p for p in own if id(p) not in taken])
@@ -395,7 +395,7 @@ class _Seam:
         with self.window.lock:
             self.trace.flipped(r)
             if u.refs == 0:
-                self.window.release(u)
+                self.window.evict(u)
 
 
 def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = None,

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ._hf_keys import KeyNames
-from ._pretrained import Checkpoint, convertible
+from ._safetensors import Checkpoint, convertible
 
 Init = Callable[[nn.Module], None]
 

@@ -1,7 +1,7 @@
 """Checkpoints in the Hugging Face layout: a `.safetensors` file, or a directory with
 `model.safetensors` or shards named by `model.safetensors.index.json`. Read one tensor at a time
 (every key's shape and dtype known, and checked, before a byte of data is read); written one
-shard at a time. Knows nothing of streams: streaming.py and _materialize.py use it.
+shard at a time. Knows nothing of streams: streaming.py and _sources.py use it.
 
 Each header is checked by the `safetensors` library (offsets in order, inside the file, none
 overlapping); what it does not check, this does: an index's shards are files beside it, every
