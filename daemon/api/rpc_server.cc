@@ -5,18 +5,17 @@
 #include <optional>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
 #include "common/version.h"
 #include "common/wire.h"
+#include "daemon/api/health_service.h"
+#include "daemon/api/request_interceptor.h"
 #ifdef TIERD_HAVE_CUDA
 #include <cuda.h>
 #endif
-#include "grpc_health/v1/health.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/support/server_interceptor.h"
 #include "spdlog/spdlog.h"
 #include "tierd/v1/tierd.grpc.pb.h"
 
@@ -547,163 +546,12 @@ class TierdService final : public pb::Tierd::Service {
   absl::Time started_;
 };
 
-namespace health = ::grpc::health::v1;
-
-// The gRPC health checking protocol, for the daemon as a whole ("") and for its API by name. A
-// synchronous service of its own, not gRPC's default one: that one is a callback service, and a
-// server with any callback service answers every synchronous call about 30 us later.
-//
-// Watch holds a server thread for as long as the watcher stays: at most kMaxWatchers at a time
-// (RESOURCE_EXHAUSTED beyond), each woken by a change, a stop, or its own cancellation.
-class HealthService final : public health::Health::Service {
- public:
-  static constexpr int kMaxWatchers = 8;
-
-  // Until then NOT_SERVING; after Stop, NOT_SERVING for good and every watcher told so.
-  void SetServing(bool serving) {
-    absl::MutexLock lock(&mu_);
-    if (!stopped_) serving_ = serving;
-    changed_.SignalAll();
-  }
-  void Stop() {
-    absl::MutexLock lock(&mu_);
-    serving_ = false;
-    stopped_ = true;
-    changed_.SignalAll();
-  }
-
-  grpc::Status Check(grpc::ServerContext*, const health::HealthCheckRequest* req,
-                     health::HealthCheckResponse* resp) override {
-    if (!Known(req->service())) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                          absl::StrCat("no service '", req->service(), "' here; ask about '' (the ",
-                                       "daemon) or '", RpcServer::kServiceName, "'"));
-    }
-    absl::MutexLock lock(&mu_);
-    resp->set_status(Status());
-    return grpc::Status::OK;
-  }
-
-  grpc::Status Watch(grpc::ServerContext* ctx, const health::HealthCheckRequest* req,
-                     grpc::ServerWriter<health::HealthCheckResponse>* writer) override {
-    const bool known = Known(req->service());
-    mu_.Lock();
-    if (watchers_ >= kMaxWatchers) {
-      mu_.Unlock();
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat(kMaxWatchers, " health watchers already; use Check"));
-    }
-    ++watchers_;
-    std::optional<health::HealthCheckResponse::ServingStatus> sent;
-    for (;;) {
-      const auto now = known ? Status() : health::HealthCheckResponse::SERVICE_UNKNOWN;
-      if (now != sent) {
-        health::HealthCheckResponse resp;
-        resp.set_status(now);
-        mu_.Unlock();  // a slow watcher holds up only its own thread
-        const bool written = writer->Write(resp);
-        mu_.Lock();
-        if (!written) break;
-        sent = now;
-      }
-      if (stopped_ || ctx->IsCancelled()) break;
-      // Woken by a change or a stop; a watcher that went is noticed within the timeout.
-      changed_.WaitWithTimeout(&mu_, absl::Milliseconds(200));
-    }
-    --watchers_;
-    mu_.Unlock();
-    return grpc::Status::OK;
-  }
-
- private:
-  static bool Known(const std::string& service) {
-    return service.empty() || service == RpcServer::kServiceName;
-  }
-  health::HealthCheckResponse::ServingStatus Status() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return serving_ ? health::HealthCheckResponse::SERVING
-                    : health::HealthCheckResponse::NOT_SERVING;
-  }
-
-  absl::Mutex mu_;
-  absl::CondVar changed_;
-  bool serving_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  int watchers_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
 }  // namespace
 
 struct RpcServer::Impl {
   std::unique_ptr<TierdService> service;
-  HealthService health;
+  HealthService health{std::string(RpcServer::kServiceName)};
   std::unique_ptr<grpc::Server> server;
-};
-
-// Sees every call: a request that is not a valid message of its method's type is the client's
-// error (INVALID_ARGUMENT, naming the type), not the daemon's (gRPC answers INTERNAL); and, with
-// metrics, counts every request by operation and status code and times it (tierd_requests_total,
-// tierd_request_seconds), errors of any origin included. It tells the trimmer when the call is
-// over: gRPC destroys a call's request and reply before its interceptors, so what the call freed
-// is free by then. (Told when the request was parsed, the trimmer could trim while the handler
-// still held it and hear nothing after.)
-class RequestInterceptor final : public grpc::experimental::Interceptor {
- public:
-  RequestInterceptor(grpc::experimental::ServerRpcInfo* info, RpcMetrics* metrics,
-                     MemoryTrimmer* trimmer)
-      : metrics_(metrics), trimmer_(trimmer), start_(absl::Now()) {
-    const absl::string_view method = info->method();  // "/tierd.v1.Tierd/Acquire"
-    op_ = std::string(method.substr(method.rfind('/') + 1));
-  }
-  ~RequestInterceptor() override {
-    if (trimmer_ != nullptr) trimmer_->Note();
-  }
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    using grpc::experimental::InterceptionHookPoints;
-    // A request that failed to parse reaches this hook without a message.
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
-      unparsed_ = methods->GetRecvMessage() == nullptr;
-    }
-    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
-      grpc::Status status = methods->GetSendStatus();
-      if (unparsed_ && status.error_code() == grpc::StatusCode::INTERNAL) {
-        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              absl::StrCat("the request is not a valid tierd.v1.", op_,
-                                           "Request message (", status.error_message(), ")"));
-        methods->ModifySendStatus(status);
-      }
-      if (metrics_ != nullptr) metrics_->Record(op_, status.error_code(), absl::Now() - start_);
-    }
-    methods->Proceed();
-  }
-
- private:
-  RpcMetrics* metrics_;
-  MemoryTrimmer* trimmer_;
-  std::string op_;
-  absl::Time start_;
-  bool unparsed_ = false;
-};
-
-class RequestInterceptorFactory final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
- public:
-  RequestInterceptorFactory(RpcMetrics* metrics, MemoryTrimmer* trimmer)
-      : metrics_(metrics),
-        trimmer_(trimmer),
-        own_methods_(absl::StrCat("/", RpcServer::kServiceName, "/")) {}
-
-  // tierd's own methods only: the standard services (health, reflection) are gRPC's, and the
-  // health service's messages are not protobuf objects here.
-  grpc::experimental::Interceptor* CreateServerInterceptor(
-      grpc::experimental::ServerRpcInfo* info) override {
-    if (!absl::StartsWith(info->method(), own_methods_)) return nullptr;
-    return new RequestInterceptor(info, metrics_, trimmer_);
-  }
-
- private:
-  RpcMetrics* metrics_;
-  MemoryTrimmer* trimmer_;
-  const std::string own_methods_;  // "/tierd.v1.Tierd/"
 };
 
 absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& path,
@@ -723,7 +571,8 @@ absl::StatusOr<std::unique_ptr<RpcServer>> RpcServer::Start(const std::string& p
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(kMaxReplyBytes);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-  creators.push_back(std::make_unique<RequestInterceptorFactory>(metrics, trimmer));
+  creators.push_back(
+      std::make_unique<RequestInterceptorFactory>(metrics, trimmer, RpcServer::kServiceName));
   builder.experimental().SetInterceptorCreators(std::move(creators));
   impl->server = builder.BuildAndStart();
   if (impl->server == nullptr) {
