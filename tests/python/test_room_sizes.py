@@ -22,7 +22,6 @@ CXX_LINES = 600
 LARGER = {
     "daemon/chunks/chunk_service.cc": (1098, "to split: shared bases become a class of their "
                                              "own beside ChunkService"),
-    "tools/tierctl.cc": (809, "to split: one file per group of commands"),
     "tools/doctor.cc": (735, "one concern: the doctor's checks, each a function of its own, "
                              "side by side in the order they run"),
     "bench/soak.cc": (1059, "a benchmark program: its load, its faults and its report, run as "
