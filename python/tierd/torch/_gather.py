@@ -7,7 +7,7 @@ their chunks, the window (whose copies go first, and whose lock keeps the units 
 (whose training state says whether a forward or backward is running) and the shared base (whose
 check must have passed before its weights are handed out).
 """
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,12 +23,11 @@ class Gathered:
     """The context gathered() returns (see ParameterStream.gathered)."""
 
     def __init__(self, units: Units, window: Window, hooks: StreamHooks, base,
-                 shared_base: Optional[str], check_open: Callable[[], None], stream):
+                 check_open: Callable[[], None], stream):
         self.units = units
         self.window = window
         self.hooks = hooks
-        self.base = base
-        self.shared_base = shared_base
+        self.base = base  # the shared base (_shared_base.SharedBase), if any
         self.check_open = check_open
         self.stream = stream  # what `with stream.gathered() as s` binds
         self.before: List[Tuple[Unit, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
@@ -67,7 +66,7 @@ class Gathered:
             except ValueError:
                 raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} was "
                                    "changed inside gathered(), but it is in the shared base "
-                                   f"{self.shared_base!r}, which is read-only; its weights stay "
+                                   f"{self.base.name!r}, which is read-only; its weights stay "
                                    "as they were") from None
             finally:
                 units.point(u)

@@ -253,8 +253,8 @@ class ParameterStream:
         aside); weights changed inside are kept (and OffloadedAdamW takes them as its master
         weights at its next step). To evaluate on the device, run the forward outside it, under
         torch.no_grad(): it streams as training does."""
-        return Gathered(self._units, self._window, self._hooks, self._base, self.shared_base,
-                        self._check_open, self)
+        return Gathered(self._units, self._window, self._hooks, self._base, self._check_open,
+                        self)
 
     def save_pretrained(self, directory: str, max_shard_size="5GB") -> List[str]:
         """Writes the model's weights (its state_dict: the streamed ones read unit by unit, the
