@@ -11,10 +11,9 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-torch = pytest.importorskip("torch")
-
 from tierd.torch._trace import Trace  # noqa: E402
 from tierd.torch._units import Units, find_units  # noqa: E402
 
