@@ -48,6 +48,8 @@ ChunkService::ChunkService(const Tiers& tiers, const Clock& clock)
     : tiers_(tiers),
       clock_(clock),
       space_(chunks_, ledger_, tiers, clock_),
+      bases_(chunks_, sessions_, space_, ledger_),
+      report_(chunks_, sessions_, bases_, meter_),
       room_(chunks_, ledger_, tiers, space_, mover_, waiters_, sessions_, clock_),
       schedules_(chunks_, ledger_, clock_),
       round_(chunks_, space_, mover_, sessions_, schedules_, meter_, tiers, clock_),
@@ -65,12 +67,7 @@ absl::StatusOr<std::shared_ptr<Batch>> ChunkService::NewBatch(const Session& ses
 }
 
 absl::Status ChunkService::CheckTier(TierKind tier, absl::string_view what) const {
-  if (tiers_.tier[tier] == nullptr) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(what, ": the ", TierName(tier), " tier is not configured on this node (see ",
-                     tier == TierKind::kNvme ? "[nvme]" : "[device]", " in the tierd config)"));
-  }
-  return absl::OkStatus();
+  return CheckTierConfigured(tiers_, tier, what);
 }
 
 absl::StatusOr<std::vector<ChunkMeta*>> ChunkService::Resolve(const Session& session,
@@ -86,12 +83,7 @@ absl::StatusOr<std::vector<ChunkMeta*>> ChunkService::Resolve(const Session& ses
     }
     ChunkMeta& chunk = it->second;
     if (chunk.base != 0) {
-      const Base* base = bases_.Find(chunk.base);
-      if (base == nullptr || !base->holders.contains(session.id)) {
-        return absl::PermissionDeniedError(absl::StrCat("chunk ", id, " belongs to a shared base ",
-                                                        session.Describe(),
-                                                        " has not opened (OpenBase)"));
-      }
+      if (absl::Status s = bases_.CheckHeld(chunk, session); !s.ok()) return s;
     } else if (const bool allowed =
                    chunk.persistent ? chunk.tenant == session.peer.uid : chunk.owner == session.id;
                !allowed) {
@@ -122,39 +114,8 @@ absl::StatusOr<std::vector<ChunkId>> ChunkService::Allocate(
     auto fail = [i](const absl::Status& s) {
       return absl::Status(s.code(), absl::StrCat("Allocate, chunk #", i, ": ", s.message()));
     };
-    if (absl::Status s = CheckTier(r.home, "home tier"); !s.ok()) return fail(s);
-    Tier* home = tier(r.home);
-    if (r.size == 0 || r.size > home->max_reservation()) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "size ", r.size, " bytes is outside 1 byte to ", FormatSize(home->max_reservation()),
-          " (the largest chunk the ", TierName(r.home), " tier holds",
-          r.home == TierKind::kNvme ? "; every chunk moves through host memory, so at most "
-                                      "host.segment_size"
-                                    : "",
-          ")")));
-    }
-    if (r.persistent && r.name.empty()) {
-      return fail(absl::InvalidArgumentError("a persistent chunk needs a name"));
-    }
-    if (r.tags.size() > kMaxTags) {
-      return fail(absl::InvalidArgumentError(
-          absl::StrCat(r.tags.size(), " tags; at most ", kMaxTags, " are allowed")));
-    }
-    for (const std::string& tag : r.tags) {
-      if (tag.empty() || tag.size() > kMaxTagBytes) {
-        return fail(
-            absl::InvalidArgumentError(absl::StrCat("tags must be 1 to ", kMaxTagBytes, " bytes")));
-      }
-    }
-    if (r.must_exist && !(r.open_existing && r.persistent)) {
-      return fail(absl::InvalidArgumentError("must_exist goes with open_existing and persistent"));
-    }
-    if (r.transient && r.persistent) {
-      return fail(absl::InvalidArgumentError(
-          "a transient chunk's contents are wanted briefly: it cannot be persistent"));
-    }
+    if (absl::Status s = CheckChunkRequest(r, tiers_); !s.ok()) return fail(s);
     if (r.name.empty()) continue;
-    if (absl::Status s = ValidateChunkName(r.name); !s.ok()) return fail(s);
     if (!batch_names.insert(r.name).second) {
       return fail(absl::InvalidArgumentError(
           absl::StrCat("name '", r.name, "' appears twice in the batch")));
@@ -289,7 +250,7 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
     if (!chunks.ok()) return chunks.status();
     for (const ChunkMeta* chunk : *chunks) {
       if (chunk->base == 0) continue;
-      if (absl::Status s = CheckBaseUse(session, *chunk, tier, access); !s.ok()) return s;
+      if (absl::Status s = bases_.CheckUse(session, *chunk, tier, access); !s.ok()) return s;
     }
     all_ready = true;
     for (const ChunkMeta* chunk : *chunks) {
@@ -413,7 +374,7 @@ absl::StatusOr<SlotToken> ChunkService::Prefetch(const Session& session,
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
     if (chunk->base != 0) {
-      if (absl::Status s = CheckBaseUse(session, *chunk, tier, std::nullopt); !s.ok()) return s;
+      if (absl::Status s = bases_.CheckUse(session, *chunk, tier, std::nullopt); !s.ok()) return s;
     }
     if (chunk->resident.contains(tier) || chunk->state == ChunkState::kMoving) continue;
     if (absl::Status s = mover_.CheckFetchable(*chunk, tier); !s.ok()) return s;
@@ -524,30 +485,8 @@ absl::StatusOr<std::vector<ChunkMeta>> ChunkService::Stat(const Session& session
 }
 
 ChunkPage ChunkService::List(const Session& session, ChunkId page_token, uint32_t page_size) const {
-  if (page_size == 0) page_size = kDefaultPageSize;
-  page_size = std::min(page_size, kMaxPageSize);
   absl::MutexLock lock(&mu_);
-  static const std::set<ChunkId> kNone;
-  const std::set<ChunkId>* owned = &kNone;
-  if (const SessionLedger::State* state = sessions_.Find(session.id)) owned = &state->owned;
-  const std::set<ChunkId>* persistent = &chunks_.PersistentOf(session.peer.uid);
-  ChunkPage page;
-  auto a = owned->lower_bound(page_token);
-  auto b = persistent->lower_bound(page_token);
-  while (a != owned->end() || b != persistent->end()) {
-    ChunkId next;
-    if (b == persistent->end() || (a != owned->end() && *a < *b)) {
-      next = *a++;
-    } else {
-      next = *b++;
-    }
-    if (page.chunks.size() == page_size) {
-      page.next_page_token = next;
-      break;
-    }
-    page.chunks.push_back(chunks_.at(next));
-  }
-  return page;
+  return report_.SessionChunks(session, page_token, page_size);
 }
 
 // ---- the requests that wait on moves: a fetch or an eviction that cannot be answered at once
@@ -673,54 +612,17 @@ void ChunkService::Apply(ChunkMeta& chunk, TierKind tier, Access access, Session
   ++chunk.writers;
 }
 
-// ---- schedules as clients declare them (validated here, kept by Schedules) and the planning
+// ---- schedules as clients declare them (kept by Schedules) and the planning
 // round (RunPlanningRound: PlanRound collects and applies, daemon/planner/planner.h plans) ----
 
 absl::Status ChunkService::SetSchedule(const Session& session, ScheduleRequest request) {
-  uint64_t accesses = 0;
-  for (const auto& step : request.steps) accesses += step.size();
-  if (request.steps.empty() != (accesses == 0)) {
-    return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
-  }
-  if (request.trace_steps > 0 && !request.steps.empty()) {
-    return absl::InvalidArgumentError(
-        "SetSchedule: either declare steps or ask for a trace (trace_steps), not both");
-  }
-  for (const auto& step : request.steps) {
-    for (const ScheduledAccess& a : step) {
-      if (a.tier != TierKind::kHost && a.tier != TierKind::kDevice) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("SetSchedule: chunk ", a.id, " is scheduled in the ", TierName(a.tier),
-                         " tier; steps acquire chunks in the host or device tier"));
-      }
-      if (absl::Status s = CheckTier(a.tier, "SetSchedule"); !s.ok()) return s;
-      if (a.other == 0) continue;
-      if (a.other == a.id) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("SetSchedule: chunk ", a.id, " is paired with itself"));
-      }
-      if (a.version_bit >= kVersionBits) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("SetSchedule: the pair of chunks ", a.id, " and ", a.other,
-                         " names version bit ", a.version_bit, "; there are ", kVersionBits));
-      }
-    }
-  }
+  if (absl::Status s = CheckScheduleShape(request, tiers_); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   if (session.ended) return Ended(session);
   sessions_.Of(session);
   if (absl::Status s = schedules_.CheckLimits(session, request); !s.ok()) return s;
-  std::vector<ChunkId> ids;
-  {
-    absl::flat_hash_set<ChunkId> seen;
-    for (const auto& step : request.steps) {
-      for (const ScheduledAccess& a : step) {
-        if (seen.insert(a.id).second) ids.push_back(a.id);
-        if (a.other != 0 && seen.insert(a.other).second) ids.push_back(a.other);
-      }
-    }
-  }
-  if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids); !chunks.ok()) {
+  if (absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ScheduledChunks(request));
+      !chunks.ok()) {
     return chunks.status();
   }
   schedules_.Set(session, std::move(request));
@@ -947,10 +849,107 @@ size_t ChunkService::CloseSession(const Session& session) {
       chunks_.at(id).owner = *holder;
     }
   }
-  for (BaseId id : bases_.HeldBy(session.id)) LeaveBase(*bases_.Find(id), session.id);
+  for (ChunkId id : bases_.LeaveAll(session.id)) Retire(chunks_.at(id));
   room_.RetryQueuedFetches();
   room_freed_.SignalAll();
   return freed;
+}
+
+// ---- shared bases (their rules are SharedBases'; the service makes and retires their chunks)
+// and imports (the daemon writes a file into a chunk a session holds for writing) ----
+
+absl::StatusOr<OpenedBase> ChunkService::OpenBase(const Session& session, absl::string_view name,
+                                                  const BaseRequest* create) {
+  if (absl::Status s = SharedBases::CheckOpen(name, create, tiers_); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  const size_t owned = sessions_.Of(session).owned.size();
+  absl::StatusOr<SharedBases::Opening> opening = bases_.Open(session, name, create, owned);
+  if (!opening.ok()) return opening.status();
+  Base& base = *opening->base;
+  for (size_t i = 0; i < opening->to_make.size(); ++i) {
+    bases_.Attach(base, Insert(base.creator, /*owner=*/0, create->sizes[i], opening->to_make[i], "",
+                               /*persistent=*/false));
+  }
+  return bases_.Opened(base, /*created=*/!opening->to_make.empty());
+}
+
+absl::Status ChunkService::SealBase(const Session& session, absl::string_view name,
+                                    std::string descriptor) {
+  absl::MutexLock lock(&mu_);
+  return bases_.Seal(session, name, std::move(descriptor));
+}
+
+absl::Status ChunkService::ReleaseBase(const Session& session, absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::vector<ChunkId>> gone = bases_.Release(session, name);
+  if (!gone.ok()) return gone.status();
+  RetireBaseChunks(*gone);
+  return absl::OkStatus();
+}
+
+absl::Status ChunkService::PinBase(const Session& session, absl::string_view name, bool pinned) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::vector<ChunkId>> gone = bases_.Pin(session, name, pinned);
+  if (!gone.ok()) return gone.status();
+  RetireBaseChunks(*gone);
+  return absl::OkStatus();
+}
+
+void ChunkService::RetireBaseChunks(std::span<const ChunkId> ids) {
+  if (ids.empty()) return;
+  for (ChunkId id : ids) Retire(chunks_.at(id));
+  room_.RetryQueuedFetches();
+  room_freed_.SignalAll();
+}
+
+std::vector<BaseStatus> ChunkService::ListBases(const Session& session) const {
+  absl::MutexLock lock(&mu_);
+  return bases_.List(session);
+}
+
+absl::StatusOr<bool> ChunkService::MayMapBaseSegment(const Session& session, uint32_t owner) const {
+  absl::MutexLock lock(&mu_);
+  return bases_.MayMapSegment(session, owner);
+}
+
+absl::StatusOr<std::span<char>> ChunkService::BeginImport(const Session& session, ChunkId id) {
+  absl::MutexLock lock(&mu_);
+  if (session.ended) {
+    return absl::FailedPreconditionError(absl::StrCat(session.Describe(), " has ended"));
+  }
+  absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, {&id, 1});
+  if (!chunks.ok()) return chunks.status();
+  ChunkMeta& chunk = *chunks->front();
+  SessionLedger::State& state = sessions_.Of(session);
+  auto pins = state.pins.find(id);
+  // A write in effect leaves the written copy the only valid one: in the host tier, it is there.
+  if (pins == state.pins.end() || pins->second.writes == 0 ||
+      !chunk.resident.contains(TierKind::kHost) || chunk.state != ChunkState::kReady) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("import into chunk ", id, ": ", session.Describe(),
+                     " must hold it acquired for writing in the host tier, its data there"));
+  }
+  // One more write pin in the session's name: the chunk is neither moved, copied nor freed until
+  // EndImport, whatever the client releases meanwhile.
+  Hold(chunk);
+  ++pins->second.count;
+  ++pins->second.writes;
+  ++chunk.writers;
+  void* address = tier(TierKind::kHost)->Address(chunk.placement[TierKind::kHost]);
+  return std::span<char>(static_cast<char*>(address), chunk.size);
+}
+
+void ChunkService::EndImport(const Session& session, ChunkId id) {
+  {
+    absl::MutexLock lock(&mu_);
+    // An ended session's pins went with it (the importer is told before it ends).
+    if (session.ended) return;
+  }
+  if (absl::Status s = Release(session, {&id, 1}); !s.ok()) {
+    spdlog::error("{}: the pin of an import into chunk {} was not there to drop: {}",
+                  session.Describe(), id, s.message());
+  }
 }
 
 // ---- operators' requests over every session's chunks (drain a tier, list the node, what each
@@ -1015,46 +1014,13 @@ absl::StatusOr<DrainResult> ChunkService::Drain(const Session& session, TierKind
 absl::StatusOr<ChunkPage> ChunkService::ListAll(const Session& session, ChunkId page_token,
                                                 uint32_t page_size) const {
   if (absl::Status s = CheckOperator(session, "ListChunks(all_sessions)"); !s.ok()) return s;
-  if (page_size == 0) page_size = kDefaultPageSize;
-  page_size = std::min(page_size, kMaxPageSize);
   absl::MutexLock lock(&mu_);
-  std::vector<ChunkId> ids;
-  for (const auto& [id, chunk] : chunks_) {
-    if (id >= page_token) ids.push_back(id);
-  }
-  ChunkPage page;
-  const size_t n = std::min<size_t>(ids.size(), page_size);
-  std::partial_sort(ids.begin(), ids.begin() + n, ids.end());
-  for (size_t i = 0; i < n; ++i) {
-    const ChunkMeta& chunk = chunks_.at(ids[i]);
-    page.chunks.push_back(chunk);
-    if (chunk.base == 0) continue;
-    if (const Base* base = bases_.Find(chunk.base)) page.bases[chunk.base] = base->name;
-  }
-  if (ids.size() > n) page.next_page_token = *std::min_element(ids.begin() + n, ids.end());
-  return page;
+  return report_.AllChunks(page_token, page_size);
 }
 
 std::map<SessionId, SessionHoldings> ChunkService::Holdings() const {
   absl::MutexLock lock(&mu_);
-  std::map<SessionId, SessionHoldings> out;
-  for (const auto& [id, state] : sessions_.all()) {
-    SessionHoldings& h = out[id];
-    h.chunks = state.owned.size();
-    for (ChunkId c : state.owned) h.bytes += chunks_.at(c).size;
-    h.pinned = state.pins.size();
-    for (uint64_t b : state.moved) h.moved_bytes += b;
-  }
-  // Persistent chunks are the tenant's, but held by the live sessions with a lease on them.
-  for (const auto& [id, lease] : sessions_.leases()) {
-    for (SessionId holder : lease.holders) {
-      auto it = out.find(holder);
-      if (it == out.end()) continue;
-      ++it->second.chunks;
-      it->second.bytes += chunks_.at(id).size;
-    }
-  }
-  return out;
+  return report_.Holdings();
 }
 
 std::map<std::string, PathArray<uint64_t>> ChunkService::JobTraffic() const {
@@ -1069,30 +1035,7 @@ size_t ChunkService::chunk_count() const {
 
 NodeStats ChunkService::node_stats() const {
   absl::MutexLock lock(&mu_);
-  NodeStats out;
-  out.totals = sessions_.totals();
-  for (const auto& [id, c] : chunks_) {
-    ++(c.state == ChunkState::kMoving ? out.chunks_moving : out.chunks_ready);
-    if (c.pins > 0) ++out.chunks_pinned;
-    if (c.persistent) ++out.chunks_persistent;
-    for (TierKind t : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
-      if (c.pins > 0 && c.allocated.contains(t)) out.pinned_bytes[t] += c.size;
-      if (!c.resident.contains(t)) continue;
-      ++out.resident_chunks[t];
-      out.resident_bytes[t] += c.size;
-      if (c.base != 0) out.shared_base_bytes[t] += c.size;
-    }
-  }
-  for (const Base* base : bases_.All()) {
-    ++out.shared_bases;
-    out.shared_base_holders += base->holders.size();
-  }
-  const PathArray<PathLoad> load = meter_.Load();
-  for (Path p : kAllPaths) {
-    out.in_flight[p] = load[p].in_flight;
-    out.queued_bytes[p] = load[p].queued_bytes;
-  }
-  return out;
+  return report_.Stats();
 }
 
 }  // namespace tierd::daemon

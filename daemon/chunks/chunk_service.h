@@ -8,7 +8,8 @@
 // The coordinator of the chunk layer: it validates a batch, takes the lock and calls the parts
 // below it, which never call back but through the Mover's one word up (a move settled):
 //   RoomMaker (room made by writing copies down), Schedules and PlanRound (the planner's rounds)
-//   -> Mover (moves over routes of hops; settles under this lock)
+//   -> Mover (moves over routes of hops; settles under this lock), NodeReport (listings and
+//      figures), SharedBases (the bases' rules; this class makes and retires their chunks)
 //   -> Space (reservations against tier and quota), WaitList (requests waiting on chunks),
 //      SessionLedger (per-session state, leases, figures), ChunkTable, TenantLedger, PathMeter
 //      (the paths' bandwidth, under a lock of its own).
@@ -28,10 +29,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/completion_page.h"
-#include "daemon/chunks/bases.h"
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/chunk_table.h"
 #include "daemon/chunks/mover.h"
+#include "daemon/chunks/node_report.h"
 #include "daemon/chunks/path_meter.h"
 #include "daemon/chunks/plan_round.h"
 #include "daemon/chunks/requests.h"
@@ -39,6 +40,7 @@
 #include "daemon/chunks/schedules.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/session_ledger.h"
+#include "daemon/chunks/shared_bases.h"
 #include "daemon/chunks/space.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/chunks/wait_list.h"
@@ -110,7 +112,7 @@ class ChunkService : private Mover::Listener {
   // ones. Returns the number of chunks freed.
   size_t CloseSession(const Session& session);
 
-  // --- Shared bases (chunk_service_bases.cc; docs/streaming.md, "One copy per node"). ---
+  // --- Shared bases (shared_bases.h; docs/streaming.md, "One copy per node"). ---
   // Opens the base `name` (it must be sealed, and shared with the session), holding it until
   // ReleaseBase or the session's end. When there is none and `create` is given, makes it, empty,
   // for this session to fill and seal; a base that exists with other chunk sizes or another
@@ -140,7 +142,7 @@ class ChunkService : private Mover::Listener {
     bases_.set_share_groups(std::move(gids));
   }
 
-  // --- Imports (chunk_service_imports.cc; daemon/api/importer.h reads the files). ---
+  // --- Imports (daemon/api/importer.h reads the files). ---
   // The host memory of a chunk that the session holds acquired for writing in the host tier (its
   // data there), for the daemon to write: held by one more write pin in the session's name until
   // EndImport, so that the chunk is neither moved, copied nor freed meanwhile, whatever the client
@@ -224,14 +226,8 @@ class ChunkService : private Mover::Listener {
   absl::Status CheckTier(TierKind tier, absl::string_view what) const;
   // REQUIRES: no move of the chunk is in flight (see Retire).
   void Destroy(ChunkMeta& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Why the session cannot use the base chunk as `access` in `tier` (OK when it may).
-  absl::Status CheckBaseUse(const Session& session, const ChunkMeta& chunk, TierKind tier,
-                            std::optional<Access> access) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `session` lets go of the base; it goes (its chunks retired) when that was its loader before
-  // sealing, or the last hold of an unpinned base.
-  void LeaveBase(Base& base, SessionId session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DestroyBase(Base& base) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  OpenedBase Opened(const Base& base, bool created) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Retires the chunks of bases that went, and wakes what waits for their room.
+  void RetireBaseChunks(std::span<const ChunkId> ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Creates a chunk resident in its home tier at `home` and indexes its name; the caller records
   // a scratch chunk in its session's state.
   ChunkMeta& Insert(uint32_t tenant, SessionId owner, uint64_t size, const Placement& home,
@@ -317,9 +313,11 @@ class ChunkService : private Mover::Listener {
   absl::CondVar room_freed_;  // a move settled, or pins or chunks went
   uint32_t max_weight_ ABSL_GUARDED_BY(mu_) = 16;
   TenantLedger ledger_ ABSL_GUARDED_BY(mu_);
-  BaseRegistry bases_ ABSL_GUARDED_BY(mu_);
   // Space in the tiers (over chunks_ and ledger_), and room made on demand by moving copies down.
   Space space_ ABSL_GUARDED_BY(mu_);
+  SharedBases bases_ ABSL_GUARDED_BY(mu_);
+  // Listings and figures, read under the lock.
+  const NodeReport report_ ABSL_GUARDED_BY(mu_);
   RoomMaker room_ ABSL_GUARDED_BY(mu_);
   // The sessions' schedules and traces, and the planner's input they make.
   Schedules schedules_ ABSL_GUARDED_BY(mu_);

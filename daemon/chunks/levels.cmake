@@ -3,7 +3,6 @@
 # bottom, may include one another. The one call up, the Mover's "a move settled", is a virtual
 # call through Mover::Listener and needs no include.
 #   cmake -DDIR=daemon/chunks -P levels.cmake
-set(level_bases 0)
 set(level_chunk 0)
 set(level_limits 0)
 set(level_completion_ring 0)
@@ -17,13 +16,12 @@ set(level_session_ledger 0)
 set(level_space 0)
 set(level_requests 0)
 set(level_mover 1)
+set(level_shared_bases 1)
 set(level_schedules 2)
+set(level_node_report 2)
 set(level_room_maker 2)
 set(level_plan_round 3)
 set(level_chunk_service 4)
-# Sections of a class kept in a file of their own: the class's own header is theirs.
-set(section_of_chunk_service_bases chunk_service)
-set(section_of_chunk_service_imports chunk_service)
 set(level_plan_loop 5)
 set(level_chunk_service_nvme_fixture 5)  # the NVMe tests' fixture, over the service
 
@@ -35,9 +33,6 @@ foreach(path IN LISTS files)
     continue()
   endif()
   string(REGEX REPLACE "\\.(h|cc)$" "" unit ${file})
-  if(DEFINED section_of_${unit})
-    set(unit ${section_of_${unit}})
-  endif()
   if(NOT DEFINED level_${unit})
     string(APPEND failures "${file}: not given a level in levels.cmake\n")
     continue()

@@ -16,6 +16,7 @@
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/session_ledger.h"
+#include "daemon/tiers/hop.h"
 #include "daemon/tiers/tier.h"
 #include "daemon/types/tiers.h"
 
@@ -85,6 +86,12 @@ inline constexpr uint32_t kMaxPageSize = 100'000;
 // A valid chunk name: 1-255 bytes of [A-Za-z0-9._-/], '/'-separated components that are neither
 // empty nor "." nor "..".
 absl::Status ValidateChunkName(absl::string_view name);
+
+// FAILED_PRECONDITION, after `what`, when the node has no `tier`.
+absl::Status CheckTierConfigured(const Tiers& tiers, TierKind tier, absl::string_view what);
+// Why Allocate cannot make a chunk as `r` asks, whatever the node holds: its home tier and size,
+// its name and tags, and flags that do not go together.
+absl::Status CheckChunkRequest(const ChunkRequest& r, const Tiers& tiers);
 
 // One unit of a Prefetch's priority: how much sooner its I/O is due than a request made with a
 // priority one lower.

@@ -21,6 +21,53 @@ uint64_t SizeOf(const ScheduleRequest& request) {
 
 }  // namespace
 
+absl::Status CheckScheduleShape(const ScheduleRequest& request, const Tiers& tiers) {
+  uint64_t accesses = 0;
+  for (const auto& step : request.steps) accesses += step.size();
+  if (request.steps.empty() != (accesses == 0)) {
+    return absl::InvalidArgumentError("SetSchedule: a schedule with steps but no accesses");
+  }
+  if (request.trace_steps > 0 && !request.steps.empty()) {
+    return absl::InvalidArgumentError(
+        "SetSchedule: either declare steps or ask for a trace (trace_steps), not both");
+  }
+  for (const auto& step : request.steps) {
+    for (const ScheduledAccess& a : step) {
+      if (a.tier != TierKind::kHost && a.tier != TierKind::kDevice) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: chunk ", a.id, " is scheduled in the ", TierName(a.tier),
+                         " tier; steps acquire chunks in the host or device tier"));
+      }
+      if (absl::Status s = CheckTierConfigured(tiers, a.tier, "SetSchedule"); !s.ok()) {
+        return s;
+      }
+      if (a.other == 0) continue;
+      if (a.other == a.id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: chunk ", a.id, " is paired with itself"));
+      }
+      if (a.version_bit >= kVersionBits) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SetSchedule: the pair of chunks ", a.id, " and ", a.other,
+                         " names version bit ", a.version_bit, "; there are ", kVersionBits));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ChunkId> ScheduledChunks(const ScheduleRequest& request) {
+  std::vector<ChunkId> ids;
+  absl::flat_hash_set<ChunkId> seen;
+  for (const auto& step : request.steps) {
+    for (const ScheduledAccess& a : step) {
+      if (seen.insert(a.id).second) ids.push_back(a.id);
+      if (a.other != 0 && seen.insert(a.other).second) ids.push_back(a.other);
+    }
+  }
+  return ids;
+}
+
 absl::Status Schedules::CheckLimits(const Session& session, const ScheduleRequest& request) {
   const uint32_t uid = session.peer.uid;
   auto it = entries_.find(session.id);

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "daemon/chunks/chunk.h"
 #include "daemon/chunks/chunk_table.h"
+#include "daemon/chunks/requests.h"
 #include "daemon/chunks/session.h"
 #include "daemon/chunks/tenant_ledger.h"
 #include "daemon/planner/planner.h"
@@ -35,6 +36,13 @@ struct ScheduleRequest {
   // many steps, and use them as its schedule from the iteration after on.
   uint32_t trace_steps = 0;
 };
+
+// Why the request is no schedule, whatever the session holds: steps without accesses, steps and a
+// trace both, an access outside the host and device tiers or in one the node lacks, a chunk paired
+// with itself or with a version bit past kVersionBits.
+absl::Status CheckScheduleShape(const ScheduleRequest& request, const Tiers& tiers);
+// The chunks the request names, each once, in order of first mention.
+std::vector<ChunkId> ScheduledChunks(const ScheduleRequest& request);
 
 class Schedules {
  public:

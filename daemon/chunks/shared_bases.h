@@ -4,8 +4,11 @@
 // A base is made by one session (its loader), which fills its chunks and seals it; from then on
 // nobody writes it. It lives while a session holds it or it is pinned; the user who made it is
 // charged for its space; its chunks sit in segments of their own (kFirstBaseOwner), which sessions
-// that hold it map read-only. A leaf: it knows bases, who holds them and who may open them; the
-// chunk service makes and retires their chunks.
+// that hold it map read-only.
+//
+// A helper of the chunk service, below it: it keeps the bases, who holds them and who may open
+// them, and decides each request about them, reserving a new base's space. The service makes the
+// chunks it reserved and retires the chunks it hands back (a base that went); it never calls up.
 //
 // Not thread-safe: the chunk service keeps it under its lock.
 #pragma once
@@ -21,7 +24,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "daemon/chunks/chunk_table.h"
+#include "daemon/chunks/requests.h"
 #include "daemon/chunks/session.h"
+#include "daemon/chunks/session_ledger.h"
+#include "daemon/chunks/space.h"
+#include "daemon/chunks/tenant_ledger.h"
 #include "daemon/types/ids.h"
 #include "daemon/types/tiers.h"
 
@@ -90,18 +98,67 @@ struct BaseStatus {
 // component.
 absl::Status ValidateBaseName(absl::string_view name);
 
-class BaseRegistry {
+class SharedBases {
  public:
+  // The service's table, ledgers and space, read (and, for a new base's space, changed) under its
+  // lock.
+  SharedBases(const ChunkTable& chunks, const SessionLedger& sessions, Space& space,
+              TenantLedger& ledger)
+      : chunks_(chunks), sessions_(sessions), space_(space), ledger_(ledger) {}
+  SharedBases(const SharedBases&) = delete;
+  SharedBases& operator=(const SharedBases&) = delete;
+
   // Node-wide groups whose members a base may be shared with (the operator's daemon.base_groups).
   void set_share_groups(std::vector<uint32_t> gids) { share_groups_ = std::move(gids); }
-  const std::vector<uint32_t>& share_groups() const { return share_groups_; }
 
+  // What OpenBase may check before the service's lock: the name, and a creation request's shape
+  // (chunk count, descriptor, each chunk's home and size against its tier in `tiers`).
+  static absl::Status CheckOpen(absl::string_view name, const BaseRequest* create,
+                                const Tiers& tiers);
+
+  // An open, as far as the bases go: the base the session now holds and, when it made it, the
+  // space reserved for its chunks (one placement per chunk, in order), which the service makes
+  // as chunks and hands to Attach.
+  struct Opening {
+    Base* base = nullptr;
+    std::vector<Placement> to_make;
+  };
+  // Holds the sealed base `name` for the session; without one and with `create`, makes it for the
+  // session to load, reserving its space and counting its chunks against the creator's limit
+  // (`session_chunks`: how many the session owns). Errors as ChunkService::OpenBase says; nothing
+  // changes on an error. REQUIRES: CheckOpen passed.
+  absl::StatusOr<Opening> Open(const Session& session, absl::string_view name,
+                               const BaseRequest* create, size_t session_chunks);
+  // A chunk the service made for the base from Opening::to_make, in order.
+  void Attach(Base& base, ChunkMeta& chunk);
+  // The base as the session that opened it sees it.
+  OpenedBase Opened(const Base& base, bool created) const;
+
+  absl::Status Seal(const Session& session, absl::string_view name, std::string descriptor);
+  // The chunks the service retires: those of a base that went with the session's hold (the
+  // loader's before sealing, or the last hold of an unpinned base); none when it stays.
+  absl::StatusOr<std::vector<ChunkId>> Release(const Session& session, absl::string_view name);
+  absl::StatusOr<std::vector<ChunkId>> Pin(const Session& session, absl::string_view name,
+                                           bool pinned);
+  // The session ended: its holds go. The chunks of the bases that went with them.
+  std::vector<ChunkId> LeaveAll(SessionId session);
+
+  std::vector<BaseStatus> List(const Session& session) const;
+  absl::StatusOr<bool> MayMapSegment(const Session& session, uint32_t owner) const;
+  // Resolve's rule for a base's chunk: PERMISSION_DENIED unless the session holds its base.
+  absl::Status CheckHeld(const ChunkMeta& chunk, const Session& session) const;
+  // Why the session cannot use the base chunk as `access` in `tier` (OK when it may).
+  absl::Status CheckUse(const Session& session, const ChunkMeta& chunk, TierKind tier,
+                        std::optional<Access> access) const;
+
+  // The base's name, for listings; empty when it went (its chunks are being retired).
+  std::string NameOf(BaseId id) const;
+  size_t size() const { return by_id_.size(); }
+  uint64_t holders() const;
+
+ private:
   Base* Find(absl::string_view name);
-  Base* Find(BaseId id);
   const Base* Find(BaseId id) const;
-  // The base whose segments `owner` (kFirstBaseOwner + id) names; null for a user's uid.
-  const Base* FindBySegmentOwner(uint32_t owner) const;
-
   // A new, unsealed base that `loader` fills. ALREADY_EXISTS for a name in use; RESOURCE_EXHAUSTED
   // when the user holds kMaxBasesPerUser bases or the daemon has made every base id it can;
   // PERMISSION_DENIED for a group the operator did not name, or one the creator is not in (an
@@ -110,9 +167,9 @@ class BaseRegistry {
   // loader declared none, or with a group too.
   absl::StatusOr<Base*> Create(absl::string_view name, const Session& loader,
                                std::optional<uint32_t> group, std::string descriptor,
-                               bool job_writable = false);
-  void Erase(BaseId id);
-
+                               bool job_writable);
+  // Reserves the space of a new base's chunks; on a failure, none is left reserved.
+  absl::StatusOr<std::vector<Placement>> Reserve(const Base& base, const BaseRequest& create);
   // Whether the session may open the base: its creator's uid, an operator, or a member of the
   // group it is shared with (a group the operator named); a job's base: an operator, or a
   // session of its creator's user in its job.
@@ -120,13 +177,15 @@ class BaseRegistry {
   // Whether the session writes the base: its loader before sealing; a job's base, a session of
   // its creator's user in its job.
   static bool MayWrite(const Base& base, SessionId session, uint32_t uid, absl::string_view job);
-  // The bases the session holds, or loads.
-  std::vector<BaseId> HeldBy(SessionId session) const;
-  // Every base, by name.
-  std::vector<const Base*> All() const;
-  size_t size() const { return by_id_.size(); }
+  // `session` lets go of the base; returns its chunks when it goes (its loader's hold before
+  // sealing, or the last hold of an unpinned base).
+  std::vector<ChunkId> Leave(Base& base, SessionId session);
+  std::vector<ChunkId> Erase(Base& base);
 
- private:
+  const ChunkTable& chunks_;
+  const SessionLedger& sessions_;
+  Space& space_;
+  TenantLedger& ledger_;
   std::map<BaseId, std::unique_ptr<Base>> by_id_;
   std::map<std::string, BaseId, std::less<>> by_name_;
   std::vector<uint32_t> share_groups_;
