@@ -46,7 +46,8 @@ TOWERS = {
         ["_layout", "_verdict", "_release"],  # the groups as buckets; clip, skip, speculation;
                                               # what a step holds, given back early
         ["_intake"],                 # gradients in during backward
-        ["optimizer"],               # OffloadedAdamW: the step's coordinator
+        ["_stepping"],               # a step, from its first gradient to the new weights
+        ["optimizer"],               # OffloadedAdamW: the optimizer's face
     ],
 }
 FACE = ["__init__", "hf", "testing"]  # the public face; transformers' Trainer; test hooks

@@ -12,6 +12,7 @@ steps, 0.5 until both lanes have stepped. Placement changes between the library'
 from typing import List, Union
 
 from .. import _abi
+from ..client import TierdError
 from ._buckets import Bucket
 
 Setting = Union[None, float, str]
@@ -38,6 +39,22 @@ class DeviceLanes:
     @property
     def enabled(self) -> bool:
         return self.setting is not None
+
+    def change(self, setting: Setting, adam, owned: List[Bucket], device_tier: bool) -> None:
+        """Places the buckets for a new setting at once (between steps); where that is refused,
+        the setting and the placement stay as they were."""
+        if setting is not None and not device_tier:
+            raise TierdError(_abi.Status.FAILED_PRECONDITION,
+                             "device_share needs the daemon's device tier, and this daemon "
+                             "serves none")
+        before = self.setting
+        self.setting = setting
+        try:
+            self.place(adam, owned)
+        except BaseException:
+            self.setting = before
+            self.place(adam, owned)
+            raise
 
     def launched(self, b: Bucket) -> None:
         self._order.append(b.serial)

@@ -1,37 +1,24 @@
 """OffloadedAdamW: torch.optim.AdamW with its fp32 master weights and moments in the node's tierd.
 
-The orchestration of a step, over rooms that each own one concern: _layout.py (the parameter
-groups as buckets), _state.py (the state in the client library's optimizer, and torch's
-state_dict), _intake.py (gradients taken during backward), _verdict.py (unscale, skip, clip, and
-whether speculation holds), _shard.py (the collectives over ranks), _state_files.py (files). This
-file decides when each happens; the kernels and the state's I/O run in the client library, which
-carries out what is decided here (steps, abandons) and decides nothing of a step itself.
+The optimizer's face, over rooms that each own one concern: _layout.py (the parameter groups as
+buckets), _state.py (the state in the client library's optimizer, and torch's state_dict),
+_stepping.py (when each part of a step happens, from the first gradient to the new weights),
+_verdict.py (unscale, skip, clip, and whether speculation holds), _shard.py (the collectives over
+ranks), _lanes.py (which buckets the device steps), _state_files.py (files).
 """
-import enum
-import math
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from .. import _abi
 from ..client import TierdError
 from . import _state_files, _lanes
-from ._buckets import Bucket, write_back
-from ._intake import GradientIntake
 from ._layout import BucketLayout
-from ._release import EarlyRelease, Launcher
 from ._shard import Comm
 from ._state import OptimizerState, open_on_every_rank
+from ._stepping import StepPhase, Stepper
 from ._verdict import Verdict
 
 _DEFAULT_BUCKET_PARAMS = 4 << 20
-
-
-class StepPhase(enum.Enum):
-    IDLE = enum.auto()       # between steps: the groups may change
-    GRADIENTS = enum.auto()  # the step's gradients are arriving: its buckets are fixed
-    STEPPING = enum.auto()   # the library's step is begun: buckets are being stepped
 
 
 def _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
@@ -136,18 +123,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
                         differentiable=False, fused=fused)
         self._state: Optional[OptimizerState] = None  # before anything that can fail: close()
-        self._intake: Optional[GradientIntake] = None
-        self._release: Optional[EarlyRelease] = None
+        self._stepper: Optional[Stepper] = None
         super().__init__(params, defaults)
         self.overlap_backward = overlap_backward
         self.bucket_params = bucket_params
-        self.last_grad_norm: Optional[float] = None
-        self.last_stats: Dict[str, float] = {}
-        self.skipped_steps = 0
-        self.rolled_back_steps = 0
-        self.phase = StepPhase.IDLE
-        self._pending_copy = None  # the last step's copies into GPU weights
-        self._early = 0  # buckets given to the optimizer during this step's backward
         self._comm = Comm.create(process_group)
         self._verdict = Verdict(max_grad_norm, skip_nonfinite, overlap_backward and (
             max_grad_norm is not None or skip_nonfinite), self._comm)
@@ -164,13 +143,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._comm.share_frozen(self._layout.frozen())
         for b in self._layout.buckets:
             b.mirror()
-        self._intake = GradientIntake(self._layout, accumulation_steps, self._comm is not None,
-                                      self._prepare, self._hand_over)
-        self._launcher: Optional[Launcher] = None
-        if self._comm is None:  # sharded, a rank's buckets are broadcast from `out` at the end
-            self._release = EarlyRelease(self._state.wait, lambda: self._launcher.room_made())
-            self._launcher = Launcher(self._release, self._launch_early, self._intake.submit)
-        self._install_hooks()
+        self._stepper = Stepper(lambda: self.param_groups, lambda: self.overlap_backward,
+                                self._layout, self._state, self._verdict, self._comm,
+                                accumulation_steps)
 
     # ---- what the user reads and sets ----
 
@@ -179,19 +154,25 @@ class OffloadedAdamW(torch.optim.Optimizer):
     skip_nonfinite = property(lambda self: self._verdict.skip_nonfinite,
                               lambda self, v: setattr(self._verdict, "skip_nonfinite", v))
     home = property(lambda self: self._state.home)
+    # The step's figures and phase (_stepping.Stepper's).
+    phase = property(lambda self: self._stepper.phase if self._stepper else StepPhase.IDLE)
+    last_grad_norm = property(lambda self: self._stepper.last_grad_norm)
+    last_stats = property(lambda self: self._stepper.last_stats)
+    skipped_steps = property(lambda self: self._stepper.skipped_steps)
+    rolled_back_steps = property(lambda self: self._stepper.rolled_back_steps)
 
     @property
     def accumulation_steps(self) -> int:
         """Backward passes per step (overlap_backward): a bucket is stepped once each of its
         parameters has had this many gradients. Set between steps."""
-        return self._intake.accumulation_steps
+        return self._stepper.intake.accumulation_steps
 
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, not {value!r}")
         self._between_steps("setting accumulation_steps")
-        self._intake.accumulation_steps = value
+        self._stepper.intake.accumulation_steps = value
 
     persistent = property(lambda self: self._state.persistent)
     state_name = property(lambda self: self._state.name)
@@ -210,18 +191,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def device_share(self, value: _lanes.Setting) -> None:
         _lanes.check(value)
         self._between_steps("setting device_share")
-        if value is not None and not self._state.device_tier:
-            raise TierdError(_abi.Status.FAILED_PRECONDITION,
-                             "device_share needs the daemon's device tier, and this daemon "
-                             "serves none")
-        lanes, before = self._state.lanes, self._state.lanes.setting
-        lanes.setting = value
-        try:
-            lanes.place(self._state.adam, self._layout.owned)
-        except BaseException:
-            lanes.setting = before
-            lanes.place(self._state.adam, self._layout.owned)
-            raise
+        self._state.lanes.change(value, self._state.adam, self._layout.owned,
+                                 self._state.device_tier)
 
     # ---- the parameter groups, as they are now ----
 
@@ -229,65 +200,26 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """torch's add_param_group; the group's state is made (or, for persistent state that
         recorded it, resumed, setting its weights) at once."""
         super().add_param_group(param_group)
-        if getattr(self, "_state", None) is None or self.phase is StepPhase.STEPPING:
+        if getattr(self, "_stepper", None) is None or self.phase is StepPhase.STEPPING:
             return  # torch's __init__ adding the first groups; or refused at step()
         try:
             self._layout.sync(self._state)
         except (TypeError, ValueError):
             self.param_groups.pop()  # refused: as if never added
             raise
-        self._install_hooks()
+        self._stepper.install_hooks()
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """torch's zero_grad; params lists edited since the last step are taken in first (their
         state made, or resumed, before the forward pass that uses them)."""
-        self._settle()
+        self._stepper.settle()
         if self.phase is not StepPhase.STEPPING:
             self._layout.sync(self._state)
-            self._install_hooks()
+            self._stepper.install_hooks()
         if set_to_none is None:
             super().zero_grad()
         else:
             super().zero_grad(set_to_none=set_to_none)
-
-    # ---- gradients during backward (the intake's events) ----
-
-    def _prepare(self) -> None:
-        """At a step's first gradient: the groups as they are now, the buckets' expectations."""
-        if self.phase is not StepPhase.IDLE:
-            return
-        self._layout.sync(self._state)
-        self.phase = StepPhase.GRADIENTS
-        self._intake.expect()
-
-    def _hand_over(self, b: Bucket) -> None:
-        """Steps the complete bucket b (sharded: issues the reduces in order, and steps this
-        rank's buckets whose sums are in). On the hand-over thread, in completion order."""
-        if self._comm is None:
-            b.grads_aside()  # (an NVMe unit's) its gradients wait for their launch unheld
-            if self._verdict.steps_early():
-                self._launcher.add(b)
-            return
-        self._comm.reduce_ready(self._layout.active())
-        if not self._verdict.steps_early():
-            return
-        for owned in self._comm.reduced(self._layout.owned, wait=False):
-            if owned.flag():  # this rank's buckets whose gradients are summed by now
-                self._launch(owned)
-                self._early += 1
-
-    def _launch_early(self, b: Bucket) -> None:
-        if b.flag():
-            self._launch(b)
-            self._early += 1
-
-    def _install_hooks(self) -> None:
-        if self.overlap_backward:  # every parameter that requires a gradient now
-            self._intake.install(self.param_groups)
-
-    def _settle(self) -> None:
-        if self._intake is not None:
-            self._intake.settle()
 
     # ---- the step ----
 
@@ -299,165 +231,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        start = time.perf_counter()
-        try:
-            self._settle()
-            error = self._launcher.clear() if self._launcher else None  # the rest: below
-            if error is not None:
-                raise error
-            self._drain()
-        except BaseException:
-            self._abandon()
-            raise
-        self._refuse_late_changes(grad_scale)
-        if self.phase is not StepPhase.STEPPING:
-            self._layout.sync(self._state)
-            self.phase = StepPhase.GRADIENTS
-        todo = self._intake.take_rest(self._comm)
-        verdict = self._verdict
-        inv = verdict.inverse(grad_scale)
-        rolled_back, norm = False, None
-        if verdict.checks and verdict.speculate:
-            # One norm on every rank (a collective when sharded), of the gradients unscaled and
-            # before anything changes them: it decides for every rank alike.
-            norm = verdict.grad_norm(self.param_groups, self._stepped() + todo,
-                                     None if grad_scale == 1.0 else inv)
-            self.last_grad_norm = float(norm)
-            if self.phase is StepPhase.STEPPING and not verdict.speculation_holds(norm,
-                                                                                 grad_scale):
-                # Discard the buckets stepped during backward and step them all again, exactly.
-                # (When the speculation holds, the rest are stepped as those were.)
-                self._state.give_up(speculative=True)
-                self.phase = StepPhase.GRADIENTS
-                self._early = 0
-                todo = self._stepped() + todo
-                for b in todo:
-                    b.launched = False
-                self.rolled_back_steps += 1
-                rolled_back = True
-        verdict.spec_scale = grad_scale
-        if self.phase is not StepPhase.STEPPING:  # nothing stepped yet: unscale, skip or clip
-            norm = verdict.apply(self.param_groups, todo, grad_scale, norm)
-            if norm is not None:
-                self.last_grad_norm = float(norm)
-                if verdict.skips(norm):
-                    self.skipped_steps += 1
-                    self._end_step()
-                    self.last_stats = {"skipped": 1.0, "rolled_back": float(rolled_back),
-                                       "dist_bytes": self._dist_bytes(),
-                                       "tail_s": time.perf_counter() - start}
-                    return loss
-            self._begin(1.0)
-        for b in todo:
-            self._launch(b)
-        self._finish(start, rolled_back)
+        self._stepper.step(grad_scale)
         return loss
-
-    def _refuse_late_changes(self, grad_scale: float) -> None:
-        """Refuses (abandoning what backward stepped) what step() cannot honour exactly."""
-        if not grad_scale > 0 or math.isinf(grad_scale):
-            raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
-        if grad_scale != 1.0 and self.overlap_backward and not self._verdict.speculate:
-            self._abandon()
-            raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
-                               "loss scaling with overlap_backward needs skip_nonfinite=True")
-        if self.phase is not StepPhase.STEPPING:
-            return
-        if self._layout.changed():
-            self._abandon()
-            raise RuntimeError("OffloadedAdamW: the parameter groups changed between backward "
-                               "and step(), while buckets were being stepped during backward: "
-                               "change them between step() and the next backward")
-        if any(b.written_since_flagged() for b in self._stepped()):
-            self._abandon()
-            raise RuntimeError("OffloadedAdamW: weights changed between backward and step(), "
-                               "after they were stepped during backward (overlap_backward): "
-                               "change them between step() and the next backward")
-
-    def _stepped(self) -> List[Bucket]:
-        """The buckets given to the optimizer this step."""
-        mine = self._layout.active() if self._comm is None else self._layout.owned
-        return [b for b in mine if b.launched]
-
-    def _begin(self, grad_scale: float) -> None:
-        if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
-            self._pending_copy.synchronize()
-            self._pending_copy = None
-        self._state.begin(self._layout.owned, grad_scale)
-        self.phase = StepPhase.STEPPING
-
-    def _launch(self, b: Bucket) -> None:
-        if self.phase is not StepPhase.STEPPING:  # in backward: at the last step's loss scale
-            self._begin(self._verdict.spec_scale if self._verdict.speculate else 1.0)
-        if b.event is not None:
-            b.event.synchronize()
-        if self._release is not None:
-            self._release.room_to_launch(b)
-        b.bind()
-        b.prime_out()
-        self._state.launch(b)
-        b.launched = True
-        if self._release is not None:  # unless the step may be taken again, its grads go
-            self._release.launched(b, free_grads=not self._verdict.speculate)
-
-    def _finish(self, start: float, rolled_back: bool) -> None:
-        """Waits for the library's step, then puts the new weights into the model."""
-        early = self._early
-        reduces_early = self._comm.early if self._comm is not None else 0
-        try:
-            stats = self._state.finish()
-        except BaseException:
-            self._end_step()
-            raise
-        self._drain()
-        written = self._stepped()
-        self._end_step(unbind=False)
-        try:
-            self._pending_copy = write_back(written, self._layout.active(), self._comm)
-        finally:
-            for b in self._layout.buckets:
-                b.unbind()
-        stats.update({"buckets": float(len([b for b in self._layout.owned if b.active])),
-                      "buckets_during_backward": float(early),
-                      "reduces_during_backward": float(reduces_early),
-                      "rolled_back": float(rolled_back), "dist_bytes": self._dist_bytes(),
-                      "tail_s": time.perf_counter() - start})
-        self.last_stats = stats
-
-    def _dist_bytes(self) -> float:
-        return float(self._comm.take_moved()) if self._comm is not None else 0.0
-
-    def _drain(self) -> None:
-        if self._release is not None:
-            self._release.drain()
-
-    def _end_step(self, unbind: bool = True) -> None:
-        if self._launcher is not None:
-            self._launcher.clear()
-        self._drain()
-        self.phase = StepPhase.IDLE
-        self._early = 0
-        if self._comm is not None:
-            self._comm.end_step()
-        for b in self._layout.buckets:
-            if unbind:
-                b.unbind()
-            b.reset_step()
-        self._intake.end_step()
-        self._install_hooks()  # parameters that now require a gradient
-
-    def _abandon(self) -> None:
-        """Ends a step begun during backward without applying more (after an error): abandoned
-        when speculative, else finished with what it applied."""
-        try:
-            self._settle()
-        except BaseException:  # noqa: B036 (the step is being given up already)
-            pass
-        if self.phase is StepPhase.STEPPING:
-            try:
-                self._state.give_up(self._verdict.speculate)
-            finally:
-                self._end_step()
 
     # ---- state ----
 
@@ -481,10 +256,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             b.mirror()
 
     def _between_steps(self, what: str) -> None:
-        self._settle()
-        if self.phase is StepPhase.STEPPING:
-            raise RuntimeError(f"{what} during a step")
-        self._layout.sync(self._state)
+        self._stepper.between_steps(what)
 
     def save_checkpoint(self, directory: str, format: Optional[str] = None) -> None:
         """Writes every rank's share of the state (its state_dict) to `directory`; call it on
@@ -514,16 +286,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Ends the optimizer's session (scratch state is freed; persistent state stays)."""
         if getattr(self, "_state", None) is None:
             return
-        try:
-            self._abandon()
-        except TierdError:
-            pass
-        if self._release is not None:
-            self._release.close()
-            self._release = None
-        if self._intake is not None:
-            self._intake.close()
-            self._intake = None
+        if self._stepper is not None:
+            try:
+                self._stepper.close()
+            except TierdError:
+                pass
+            self._stepper = None
         self._state.close()
         self._state = None
 
