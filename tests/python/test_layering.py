@@ -25,6 +25,7 @@ FLOORS = [
                                             # memory; checkpoints in the HF layout; every rank's
                                             # outcome; keys as transformers names them; a
                                             # shared base's check in the background
+    ["_grad_chunks"],            # the optimizer's gradients of a unit's ranges, in chunks
     ["_units", "activations", "_sources", "_guard"],  # units and chunks; activation
                                                 # offload; where a stream's weights come from;
                                                 # a streamed parameter outside the window

@@ -28,8 +28,6 @@ LARGER = {
                             "one; no product code includes it"),
     "bench/tierd_bench.cc": (621, "a benchmark program: one scenario per function, selected "
                                   "by its command line; no product code includes it"),
-    "python/tierd/torch/_units.py": (461, "to split: a unit's layout and its chunks' "
-                                          "holds (the window's slot is the window's)"),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..client import Access, Acquisition, Tier
+from ._storage import range_view
 from ._units import Range, Unit, Units
 
 __all__ = ["StreamParts", "StreamRange", "parts_of", "register", "stream_ranges"]
@@ -103,7 +104,7 @@ class StreamRange:
         r = self._check()
         units = self._parts.units
         with units.holding(self._unit, r.current, Access.READ) as view:
-            values = units.range_view(view, r)
+            values = range_view(view, r)
             return (values[:r.numel] if i is None else r.slice(values, i)).clone()
 
     def read_into(self, out: torch.Tensor) -> None:
@@ -111,14 +112,14 @@ class StreamRange:
         r = self._check()
         units = self._parts.units
         with units.holding(self._unit, r.current, Access.READ) as view:
-            out[:r.numel].copy_(units.range_view(view, r)[:r.numel])
+            out[:r.numel].copy_(range_view(view, r)[:r.numel])
 
     def write(self, flat: torch.Tensor) -> None:
         """Sets every weight of the current version from `flat`."""
         r = self._check()
         units = self._parts.units
         with units.holding(self._unit, r.current, Access.WRITE) as view:
-            units.range_view(view, r)[:r.numel].copy_(flat.reshape(-1))
+            range_view(view, r)[:r.numel].copy_(flat.reshape(-1))
 
     def next_version(self) -> torch.Tensor:
         """A view of the next version (values, then extras) for a step's new weights, held until
@@ -127,7 +128,7 @@ class StreamRange:
             r = self._check()
             access = Access.WRITE if self._next_aside else Access.OVERWRITE
             view, held = self._parts.units.hold(self._unit, 1 - r.current, access)
-            self._next = (Units.range_view(view, r), held)
+            self._next = (range_view(view, r), held)
         return self._next[0]
 
     def set_aside(self) -> None:
@@ -168,8 +169,8 @@ class StreamRange:
         """A view of the gradient chunk (values, then extras), held until release_gradients()
         or set_gradients_aside()."""
         if self._grads is None:
-            self._grads = self._parts.units.hold_grad(self._unit, self._check(),
-                                                      keep=self._grads_aside)
+            self._grads = self._parts.units.grads.hold(self._unit, self._check(),
+                                                         keep=self._grads_aside)
         return self._grads[0]
 
     def gradients_aside(self) -> bool:
@@ -178,7 +179,7 @@ class StreamRange:
     def sum_gradients(self) -> None:
         """The gradients of the node's ranks of the range (each left in the daemon's memory by
         its backward) summed into this rank's, held: a reduce over the node, nothing moved."""
-        self._parts.units.sum_rank_grads(self._unit, self._check(), self.gradients())
+        self._parts.units.grads.sum_ranks(self._unit, self._check(), self.gradients())
 
     def set_gradients_aside(self, free: bool) -> None:
         """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
@@ -186,7 +187,7 @@ class StreamRange:
         else they are kept, and gradients() holds them again as they are."""
         self._grads = _let_go(self._grads)
         if free:
-            self._parts.units.free_grad_chunk(self._range)
+            self._parts.units.grads.free(self._range)
         self._grads_aside = not free
 
     def release_gradients(self) -> None:

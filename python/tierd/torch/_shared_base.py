@@ -36,7 +36,7 @@ import torch
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
-from ._storage import as_tensor
+from ._storage import as_tensor, range_view
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 
 FORMAT = "tierd.base/1"
@@ -182,7 +182,7 @@ class SharedBase:
                     view = as_tensor(held, 0, torch.uint8, [sizes[k]])
                     fill(self.client, opened.ids[k], view, self.plan[index], values)
                     for r in self.plan[index]:  # what was written, in order
-                        dst = Units.range_view(view, r)
+                        dst = range_view(view, r)
                         for i in range(len(r.params)):
                             hashed.update(r.slice(dst, i).view(torch.uint8).numpy().data)
                         del dst

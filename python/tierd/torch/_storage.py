@@ -31,6 +31,11 @@ def as_tensor(acquisition: Acquisition, i: int, dtype: torch.dtype = torch.uint8
     return torch.utils.dlpack.from_dlpack(acquisition.dlpack(i, dl_name(dtype), shape, offset))
 
 
+def range_view(view: torch.Tensor, r) -> torch.Tensor:
+    """A unit's range r's elements (values, then extras) in a uint8 view of a whole chunk."""
+    return view[r.offset:r.offset + r.nbytes].view(r.dtype)
+
+
 def end_to_end(tensors: Sequence[torch.Tensor]) -> Tuple[List[int], List[int], int]:
     """Tensors laid end to end, flat: (each one's elements, each one's offset, the total)."""
     sizes = [t.numel() for t in tensors]

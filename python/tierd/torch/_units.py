@@ -14,9 +14,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .._abi import Status
-from ..client import Access, Acquisition, Client, Completion, Tier, TierdError
-from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, resize
+from ..client import Access, Acquisition, Client, Completion, Tier
+from ._grad_chunks import GradChunks
+from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, range_view, resize
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
 BASE = 2     # the "version" of a range in the unit's chunk of a shared base (0, 1: its own)
@@ -45,7 +45,7 @@ class Range:
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
         self.current = 0        # the version holding the weights
         self.version_bit = None  # the daemon's bit for `current`, once the schedule names it
-        self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (Units.grad_chunk)
+        self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (_grad_chunks.py)
         self.retired = False    # the unit was laid out anew: this range is no more
         self.in_base = False    # in the shared base's chunk (current is BASE, for good)
 
@@ -183,7 +183,7 @@ def fill(client, chunk: int, view: torch.Tensor, ranges: List[Range], values) ->
     copied there."""
     imports: Dict[int, tuple] = {}  # fd -> (size, mtime_ns, [(file, chunk offset, bytes)])
     for r in ranges:
-        dst = Units.range_view(view, r)
+        dst = range_view(view, r)
         for i, p in enumerate(r.params):
             v = values[id(p)]
             out = r.slice(dst, i)
@@ -206,7 +206,7 @@ class Units:
         self.all = units
         self.client = client
         self.device = device
-        self.has_nvme = False  # the daemon has an NVMe tier (place() learns it)
+        self.grads = GradChunks(client)  # the optimizer's gradients of the ranges
         self._unit_of: Dict[int, Unit] = {id(p): u for u in units for p in u.params}
 
     def __iter__(self) -> Iterator[Unit]:
@@ -246,7 +246,7 @@ class Units:
         counts the bytes each unit (by index) has in a shared base being made (`in_base`; its
         own parameters are those not in the base). Without `allocate`, only their sizes and
         homes (the chunks are the ranks' shared ones: _ranks.py)."""
-        self.has_nvme = has_nvme
+        self.grads.has_nvme = has_nvme
         host_left = host_budget_bytes
         for u in self.all:
             u.chunk_bytes = sum(align(p.numel() * p.element_size() + p.element_size())
@@ -285,11 +285,6 @@ class Units:
             if acq is not None:
                 acq.release_deferred()
 
-    @staticmethod
-    def range_view(view: torch.Tensor, r: Range) -> torch.Tensor:
-        """Range r's elements (values, then extras) in a uint8 view of a whole chunk."""
-        return view[r.offset:r.offset + r.nbytes].view(r.dtype)
-
     def weights(self, u: Unit) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Every parameter of u with a copy of its current weights (flat, on the CPU)."""
         out = []
@@ -299,7 +294,7 @@ class Units:
                 continue
             with self.holding(u, v, Access.READ) as view:
                 for r in rs:
-                    values = self.range_view(view, r)
+                    values = range_view(view, r)
                     for i, p in enumerate(r.params):
                         out.append((p, r.slice(values, i).clone()))
         return out
@@ -315,7 +310,7 @@ class Units:
             if not any(id(p) in changed for p in r.params):
                 continue
             with self.holding(u, r.current, Access.WRITE) as view:
-                values = self.range_view(view, r)
+                values = range_view(view, r)
                 for i, p in enumerate(r.params):
                     if id(p) in changed:
                         r.slice(values, i).copy_(changed[id(p)])
@@ -343,7 +338,7 @@ class Units:
         if offset > u.chunk_bytes:
             raise ValueError(f"stream_parameters: unit {u.name!r} needs {offset} bytes of chunk "
                              f"for this layout, it has {u.chunk_bytes}")
-        self.free_grad_chunks(u)
+        self.grads.free_unit(u)
         for r in u.ranges:
             r.retired = not r.in_base
         u.ranges = ranges + u.base_ranges
@@ -383,75 +378,10 @@ class Units:
             for f in u.flat.values():
                 resize(f, 0)
 
-    # ---- the optimizer's gradients ----
-
-    def grad_chunk(self, u: Unit, r: Range) -> None:
-        """Range r's gradient chunk (its values and extras, of its dtype): a scratch chunk at
-        home where the unit is (on NVMe, it can be written down while the step runs if the host
-        tier needs the room; a host unit's goes to NVMe too when the host tier has no room for
-        it, where the daemon makes room by writing other copies down), made when its first
-        gradient comes (a range of frozen parameters never has one). Transient: freed after the
-        step, it is not written down early while the NVMe path is idle."""
-        if r.grad_chunk is not None:
-            return
-        size = [max(r.nbytes, 1)]
-        try:
-            r.grad_chunk = self.client.allocate(size, u.home, transient=True)
-        except TierdError as e:
-            if u.home != Tier.HOST or e.code != Status.RESOURCE_EXHAUSTED or not self.has_nvme:
-                raise
-            r.grad_chunk = self.client.allocate(size, Tier.NVME, transient=True)
-
-    def hold_grad(self, u: Unit, r: Range, keep: bool = False):
-        """(a view of range r's gradient chunk in host memory, its acquisition to release when
-        done). keep: what the chunk holds is wanted (gradients held again), else overwritten.
-        With the ranks' gradient chunks, its range of this rank's (held for writing: the other
-        ranges of the chunk keep what they hold)."""
-        if u.grad_slabs is not None:
-            held = self.client.acquire([u.grad_slabs[u.slab]], Tier.HOST, Access.WRITE)
-            view = as_tensor(held, 0, torch.uint8, [u.chunk_bytes])
-            return self.range_view(view, r), held
-        self.grad_chunk(u, r)
-        held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.WRITE if keep
-                                   else Access.OVERWRITE)
-        return as_tensor(held, 0, r.dtype, [r.numel + r.extra]), held
-
-    def sum_rank_grads(self, u: Unit, r: Range, mine: torch.Tensor) -> None:
-        """Range r's gradients of every rank on the node summed into `mine` (this rank's, held),
-        read where each rank's backward left them: ((g0 + g1) + g2) + ..., in rank order, in the
-        range's dtype, whichever rank sums."""
-        others = [k for k in range(len(u.grad_slabs)) if k != u.slab]
-        if not others:  # one rank on the node: its gradients are the node's sum
-            return
-        held = self.client.acquire([u.grad_slabs[k] for k in others], Tier.HOST, Access.READ)
-        try:
-            views = {k: self.range_view(as_tensor(held, i, torch.uint8, [u.chunk_bytes]),
-                                        r)[:r.numel] for i, k in enumerate(others)}
-            views[u.slab] = mine[:r.numel]
-            # Summed into this rank's own when it is the first (else a copy of the first, so
-            # that the order stays the same).
-            total = views[0] if u.slab == 0 else views[0].clone()
-            for k in range(1, len(u.grad_slabs)):
-                total.add_(views[k])
-            if u.slab != 0:
-                views[u.slab].copy_(total)
-            del views, total
-        finally:
-            held.release_deferred()
-
-    def free_grad_chunk(self, r: Range) -> None:
-        if r.grad_chunk is not None:
-            chunks, r.grad_chunk = r.grad_chunk, None
-            chunks.free_deferred()
-
-    def free_grad_chunks(self, u: Unit) -> None:
-        for r in u.ranges:
-            self.free_grad_chunk(r)
-
     def free(self, u: Unit) -> None:
         """Frees u's chunks (its weights are to be read first)."""
         u.views = {}
-        self.free_grad_chunks(u)
+        self.grads.free_unit(u)
         if u.base is not None:
             u.base.let_go()
         if u.held is not None:

@@ -14,7 +14,7 @@ from typing import Dict
 import torch
 
 from ..client import Access, Tier
-from ._storage import as_tensor, resize
+from ._storage import as_tensor, range_view, resize
 from ._trace import Trace
 from ._units import Unit, Units
 
@@ -138,7 +138,7 @@ class Window:
                 views[v] = as_tensor(u.reading, k, torch.uint8, [u.chunk_size(v)])
         pairs = []
         for r in u.ranges:
-            src = Units.range_view(views[r.current], r)[:r.numel]
+            src = range_view(views[r.current], r)[:r.numel]
             dst = u.flat[r.dtype][r.device_offset:r.device_offset + r.numel]
             pairs.append((dst, src))
         if self._cuda:
