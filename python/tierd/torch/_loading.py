@@ -75,7 +75,7 @@ class StateDictLoading:
                                       "loaded differs from the base's weights")
         if changed:
             with self.window.lock:
-                if u.refs:
+                if self.window.in_use(u):
                     raise RuntimeError("stream_parameters: load_state_dict() while a unit is "
                                        "in use")
                 self.window.evict(u)  # a copy left in the window is stale now

@@ -23,12 +23,23 @@ class TrainingState(enum.Enum):
     GATHERED = enum.auto()  # inside gathered(): the weights are on the CPU, the hooks stand aside
 
 
+class _Passes:
+    """A unit's passes under way that its hooks end: backward passes its inputs' gradients end,
+    and recomputes in its backward (which may stop early). The window counts every pass using the
+    unit (its slot's refs); these say which of them the hooks are to end."""
+
+    def __init__(self):
+        self.backward = 0
+        self.recomputes = 0
+
+
 class StreamHooks:
     def __init__(self, units: Units, window: Window):
         self.units = units
         self.window = window
         self.state = TrainingState.IDLE
         self._handles: List[Any] = []
+        self._passes = {u.index: _Passes() for u in units}
 
     def install(self) -> None:
         for u in self.units:
@@ -48,7 +59,7 @@ class StreamHooks:
 
     def busy(self) -> bool:
         """Whether a forward or backward uses a unit now, or the weights are gathered."""
-        return self.state is not TrainingState.IDLE or any(u.refs for u in self.units)
+        return self.state is not TrainingState.IDLE or self.window.any_in_use()
 
     def _use(self, u: Unit, traced: bool) -> None:
         self.window.use(u, traced, self.in_backward)
@@ -64,12 +75,12 @@ class StreamHooks:
         # A forward of a unit in backward is its recompute (a checkpoint around it), once its
         # backward has begun; any other forward while "in backward" means the last backward
         # raised before its end.
-        recompute = self.in_backward and u.bwd_refs > 0
+        recompute = self.in_backward and self._passes[u.index].backward > 0
         if self.in_backward and not recompute:
             self._recover()
         self._use(u, traced=recompute or torch.is_grad_enabled())
         if recompute:
-            u.recompute_refs += 1
+            self._passes[u.index].recomputes += 1
         if recompute or not torch.is_grad_enabled():
             return None
         marked_args = [a for a in args if torch.is_tensor(a) and a.requires_grad]
@@ -99,8 +110,8 @@ class StreamHooks:
             for t in tensors(output):
                 if t.requires_grad:
                     t.register_hook(before_backward)
-        if self.in_backward and u.recompute_refs > 0:
-            u.recompute_refs -= 1
+        if self.in_backward and self._passes[u.index].recomputes > 0:
+            self._passes[u.index].recomputes -= 1
         self._unuse(u)
         return None
 
@@ -111,19 +122,19 @@ class StreamHooks:
             self.state = TrainingState.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._use(u, traced=True)
-        u.bwd_refs += 1
+        self._passes[u.index].backward += 1
 
     def _after_backward(self, u: Unit) -> None:
-        if u.bwd_refs > 0:
-            u.bwd_refs -= 1
+        if self._passes[u.index].backward > 0:
+            self._passes[u.index].backward -= 1
             self._unuse(u)
         self._end_recomputes(u)
 
     def _end_recomputes(self, u: Unit) -> None:
         """Releases u's recomputes whose forward never ended: torch 2's non-reentrant checkpoint
         stops a recompute once it has what backward needs, before the module's forward hook."""
-        while u.recompute_refs > 0:
-            u.recompute_refs -= 1
+        while self._passes[u.index].recomputes > 0:
+            self._passes[u.index].recomputes -= 1
             self._unuse(u)
 
     def _end_backward(self) -> None:
@@ -131,8 +142,8 @@ class StreamHooks:
         inputs need none), ends the traced iteration."""
         with self.window.lock:
             for u in self.units:
-                while u.bwd_refs > 0:
-                    u.bwd_refs -= 1
+                while self._passes[u.index].backward > 0:
+                    self._passes[u.index].backward -= 1
                     self._unuse(u)
                 self._end_recomputes(u)
             self.window.evict_unused()
@@ -143,11 +154,8 @@ class StreamHooks:
     def _recover(self) -> None:
         """After a backward that raised: nothing it fetched stays, its iteration is not traced."""
         with self.window.lock:
-            for x in self.units:
-                x.refs = 0
-                x.bwd_refs = 0
-                x.recompute_refs = 0
-                self.window.evict(x)
+            self._passes = {u.index: _Passes() for u in self.units}
+            self.window.evict_all()
             self.state = TrainingState.IDLE
             self.window.trace.abandon_iteration()
 

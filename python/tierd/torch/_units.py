@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..client import Access, Acquisition, Client, Completion, Tier
 from ._grad_chunks import GradChunks
-from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, range_view, resize
+from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, range_view, resize, storage_empty
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
 BASE = 2     # the "version" of a range in the unit's chunk of a shared base (0, 1: its own)
@@ -77,13 +77,6 @@ class Unit:
         self.grad_slabs: Optional[List[int]] = None
         self.slab = 0
         self.base_ranges: List[Range] = []  # its frozen parameters there
-        self.refs = 0               # forward and backward passes using it now
-        self.bwd_refs = 0           # of them, backward passes its inputs' gradients end
-        self.recompute_refs = 0     # of them, recomputes in its backward (which may stop early)
-        self.host_asked = False     # an NVMe unit's chunks asked into host memory
-        self.copy = None            # the fetch in flight: a Future, or a CUDA event
-        self.reading = None         # an NVMe unit's acquisition the copy reads from
-        self.materialized = False   # its device storage holds its weights (in the window)
         self.edited = set()         # ids of parameters whose weights gathered() changed
 
     @property
@@ -363,20 +356,19 @@ class Units:
         return self.client.evict([u.chunks.ids[0]], Tier.NVME)
 
     def point(self, u: Unit) -> None:
-        """Points u's parameters at their places in its device storage (made with room for a
-        moment: a view of an empty storage cannot be taken)."""
-        if not u.materialized:
-            for f in u.flat.values():
-                resize(f, f.numel())
+        """Points u's parameters at their places in its device storage (an empty one made with
+        room for a moment: a view of an empty storage cannot be taken)."""
+        empty = [f for f in u.flat.values() if storage_empty(f)]
+        for f in empty:
+            resize(f, f.numel())
         with torch.no_grad():
             for r in u.ranges:
                 flat = u.flat[r.dtype]
                 for i, p in enumerate(r.params):
                     start = r.device_offset + r.offsets[i]
                     p.data = flat[start:start + r.sizes[i]].view(p.shape)
-        if not u.materialized:
-            for f in u.flat.values():
-                resize(f, 0)
+        for f in empty:
+            resize(f, 0)
 
     def free(self, u: Unit) -> None:
         """Frees u's chunks (its weights are to be read first)."""

@@ -367,7 +367,7 @@ class _Seam:
         with self.window.lock:
             for index, groups in layout.items():
                 u = self.units[index]
-                if u.refs:
+                if self.window.in_use(u):
                     raise RuntimeError("stream_parameters: units are rearranged between steps, "
                                        "not during a forward or backward")
                 self.window.evict(u)  # a copy left in the window by an evaluation
@@ -394,7 +394,7 @@ class _Seam:
         """Range r of u has new weights: a copy of the old ones in the window goes."""
         with self.window.lock:
             self.trace.flipped(r)
-            if u.refs == 0:
+            if not self.window.in_use(u):
                 self.window.evict(u)
 
 
