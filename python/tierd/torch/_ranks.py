@@ -20,7 +20,6 @@ job's sessions of the same user open and write the base, and frees it when the l
 import json
 import re
 import socket
-import time
 from typing import Any, Dict, List
 
 import torch
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._agree import all_succeeded
+from ._held_base import HeldBase
 from ._shared_base import canonical
 from ._storage import as_tensor
 from ._units import Units
@@ -103,7 +103,7 @@ class RankWeights:
         # rank of the node and unit in the base, this rank's the one of its local index.
         self.slabs = self.nodes.per_node
         self.slab = self.nodes.index
-        self.held = False
+        self.base = HeldBase(client, self.name)
         self.descriptor = json.dumps({
             "format": FORMAT, "world": self.world, "ranks_on_node": self.slabs,
             "units": [{"unit": u.name, "bytes": u.chunk_bytes,
@@ -119,8 +119,7 @@ class RankWeights:
             sizes += [u.chunk_bytes] * per_unit
             homes += [u.home] * per_unit
         try:
-            opened = self.client.open_base(self.name, sizes, homes, self.descriptor.encode(),
-                                           job_writable=True)
+            opened = self.base.make(sizes, homes, self.descriptor.encode(), job_writable=True)
         except TierdError as e:
             if e.code == Status.INVALID_ARGUMENT and "job" in str(e):
                 raise ValueError("stream_parameters: share_ranks=True needs the ranks' sessions "
@@ -131,7 +130,6 @@ class RankWeights:
                                  "this node (another job, or a run of this one with another "
                                  "model or number of ranks): give the stream another name=")
             raise
-        self.held = True
         if not opened.created:
             raise ValueError(f"stream_parameters: the ranks' base {self.name!r} exists already "
                              "(a job of this name runs on this node): give the stream another "
@@ -144,16 +142,7 @@ class RankWeights:
     def open(self, wait_s: float = 600.0) -> None:
         """The node's other ranks, once its first rank sealed the base: open it and check that
         it is this job's model on as many ranks."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                opened = self.client.open_base(self.name)
-                break
-            except TierdError as e:
-                if e.code != Status.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.held = True
+        opened = self.base.open(wait_s, 0.05)
         if opened.descriptor != self.descriptor.encode():
             theirs = json.loads(opened.descriptor.decode())
             what = (f"{theirs.get('world')} ranks, here {self.world}"
@@ -183,9 +172,4 @@ class RankWeights:
         all_succeeded(self.group, "stream_parameters", doing, error)
 
     def release(self) -> None:
-        if self.held and not self.client.closed:
-            self.held = False
-            try:
-                self.client.release_base(self.name)
-            except TierdError:
-                pass
+        self.base.release()

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import pwd
-import time
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -36,6 +35,7 @@ import torch
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
+from ._held_base import HeldBase
 from ._storage import as_tensor, range_view
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 
@@ -78,7 +78,7 @@ class SharedBase:
         self.group = group
         self.wait_s = wait_s
         self.trusted = {os.getuid(), 0} | {_uid(who) for who in trusted}
-        self.held = False
+        self.base = HeldBase(client, name)
         self.check: Optional[BaseCheck] = None  # an opener's check of its checkpoint, running
         # Each unit's frozen parameters, as ranges of its chunk in the base (by index).
         self.plan: Dict[int, List[Range]] = {}
@@ -122,22 +122,10 @@ class SharedBase:
                              "and the weights outside them (embeddings, head, norms) come from "
                              "the checkpoint")
         order = sorted(self.plan)
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                opened = self.client.open_base(self.name)
-            except TierdError as e:
-                if e.code == Status.NOT_FOUND:
-                    opened = self._make(source, identity, order, homes)
-                    if opened is None:
-                        continue  # made by another job meanwhile: open it
-                elif e.code == Status.UNAVAILABLE and time.monotonic() < deadline:
-                    time.sleep(0.2)  # another job is loading it
-                    continue
-                else:
-                    raise
-            break
-        self.held = True
+        # Waits while another job loads it; made here when there is none (None: another job
+        # made it meanwhile, and it is opened).
+        opened = self.base.open(self.wait_s, 0.2,
+                                make=lambda: self._make(source, identity, order, homes))
         try:
             if not opened.created:
                 self._check_maker(opened.creator_uid)
@@ -164,8 +152,8 @@ class SharedBase:
         the SHA-256 of what was written."""
         sizes = [self.bytes[i] for i in order]
         try:
-            opened = self.client.open_base(self.name, sizes, [homes[i] for i in order],
-                                           self._descriptor(identity, None).encode(), self.group)
+            opened = self.base.make(sizes, [homes[i] for i in order],
+                                    self._descriptor(identity, None).encode(), self.group)
         except TierdError as e:
             if e.code in (Status.ALREADY_EXISTS, Status.UNAVAILABLE):
                 return None
@@ -194,7 +182,7 @@ class SharedBase:
             descriptor = self._descriptor(identity, hashed.hexdigest()).encode()
             self.client.seal_base(self.name, descriptor)
         except BaseException:
-            self.client.release_base(self.name)  # abandoned: the daemon frees it
+            self.base.release()  # abandoned: the daemon frees it
             raise
         opened.descriptor = descriptor
         return opened
@@ -275,12 +263,7 @@ class SharedBase:
             if u.base is not None:
                 u.base.let_go()
                 u.views.pop(BASE, None)
-        if self.held and not self.client.closed:
-            self.held = False
-            try:
-                self.client.release_base(self.name)
-            except TierdError:
-                pass  # the daemon is gone, and the hold with it
+        self.base.release()
 
 
 def _uid(who: Union[int, str]) -> int:
