@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from tierd.torch._figures import StreamFigures  # noqa: E402
 from tierd.torch._trace import Trace  # noqa: E402
 from tierd.torch._units import Units, find_units  # noqa: E402
 
@@ -30,7 +31,7 @@ class Model(torch.nn.Module):
 @pytest.fixture
 def trace():
     units = Units(find_units(Model(), None), client=None, device=torch.device("cpu"))
-    stats = dict(trace_misses=0, iterations=0, schedules=0)
+    stats = StreamFigures()
     return Trace(units, stats), units, stats
 
 
@@ -55,12 +56,12 @@ def test_the_first_iteration_becomes_the_trace_and_later_ones_follow_it(trace):
     t, units, stats = trace
     run(t, units, ITERATION)
     t.end_iteration()
-    assert t.order == ITERATION and stats["iterations"] == 1
+    assert t.order == ITERATION and stats.iterations == 1
     t.follow(units[0])
     assert upcoming(t) == ITERATION[1:]
     run(t, units, ITERATION[1:5])
     assert upcoming(t, in_backward=True) == [2, 1, 0]
-    assert stats["trace_misses"] == 0
+    assert stats.trace_misses == 0
 
 
 def test_a_unit_out_of_turn_is_a_miss_that_moves_the_place(trace):
@@ -68,7 +69,7 @@ def test_a_unit_out_of_turn_is_a_miss_that_moves_the_place(trace):
     run(t, units, ITERATION)
     t.end_iteration()
     run(t, units, [0, 2])  # block 1 skipped (an early exit, a layer drop)
-    assert stats["trace_misses"] == 1
+    assert stats.trace_misses == 1
     assert upcoming(t) == [3, 3, 2, 1, 0]
 
 
@@ -78,7 +79,7 @@ def test_a_unit_the_rest_of_the_trace_does_not_name_leaves_it(trace):
     t.end_iteration()
     run(t, units, ITERATION)  # the iteration's end: block 0 is the trace's last
     t.follow(units[3])        # used again before the iteration ends
-    assert stats["trace_misses"] == 1
+    assert stats.trace_misses == 1
     assert upcoming(t) == []  # on demand until the next iteration
     t.end_iteration()
     t.follow(units[0])
@@ -93,7 +94,7 @@ def test_a_forward_without_gradients_expects_the_forwards_units(trace):
     t.end_iteration()
     t.pass_by(units[2])  # the trace's forward, cut at its first repeat
     assert upcoming(t) == [3]
-    assert stats["trace_misses"] == 0  # an evaluation is not recorded, nor a miss
+    assert stats.trace_misses == 0  # an evaluation is not recorded, nor a miss
 
 
 def test_an_iteration_that_raised_is_not_recorded(trace):
@@ -103,4 +104,4 @@ def test_an_iteration_that_raised_is_not_recorded(trace):
     run(t, units, ITERATION)
     t.end_iteration()
     assert t.order == ITERATION
-    assert stats["iterations"] == 1
+    assert stats.iterations == 1

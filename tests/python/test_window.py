@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 from tierd.client import Client, TierdError  # noqa: E402
+from tierd.torch._figures import StreamFigures  # noqa: E402
 from tierd.torch._trace import Trace  # noqa: E402
 from tierd.torch._units import Units, by_dtype, find_units  # noqa: E402
 from tierd.torch._window import SlotState, Window  # noqa: E402
@@ -52,9 +53,8 @@ def stream(daemon):
         values = {id(p): p.detach().reshape(-1).clone() for p in u.params}
         weights.update(values)
         units.lay_out(u, by_dtype(u.own_params()), 0, values)
-    stats = dict(on_demand=0, over_window=0, fetches=0, h2d_bytes=0, wait_s=0.0,
-                 trace_misses=0, iterations=0, schedules=0)
-    window = Window(units, Trace(units, stats), torch.device("cpu"), prefetch=1, stats=stats)
+    stats = StreamFigures()
+    window = Window(units, Trace(units, stats), torch.device("cpu"), prefetch=1, figures=stats)
     yield model, units, window, stats, weights
     window.close()
     for u in units:
@@ -74,7 +74,7 @@ def test_a_unit_used_holds_its_weights_and_the_next_is_fetched_ahead(stream):
     for p in u.params:
         assert torch.equal(p.detach().reshape(-1), weights[id(p)])
     assert resident(units, window) == [0, 1]  # the next one, ahead
-    assert stats["on_demand"] == 1 and stats["fetches"] == 2
+    assert stats.on_demand == 1 and stats.fetches == 2
     assert window.live == units[0].device_bytes + units[1].device_bytes
     window.unuse(u, in_backward=False)
     assert not window.any_in_use()
@@ -84,11 +84,11 @@ def test_a_unit_in_use_is_never_evicted_for_room_the_window_counts_the_overflow(
     model, units, window, stats, _ = stream
     for u in units[:window.size]:
         window.use(u, traced=True, in_backward=False)
-    assert window.in_window() == window.size and stats["over_window"] == 0
+    assert window.in_window() == window.size and stats.over_window == 0
     for u in units[window.size:]:  # a forward holding every unit (as nested calls would)
         window.use(u, traced=True, in_backward=False)
     assert all(window.slot(u).in_window for u in units)  # in use: none was evicted for room
-    assert stats["over_window"] > 0  # said so instead
+    assert stats.over_window > 0  # said so instead
     for u in units:
         window.unuse(u, in_backward=False)
     window.evict_unused()
@@ -101,7 +101,7 @@ def test_a_unit_no_pass_uses_gives_its_place_to_the_one_needed(stream):
         window.use(u, traced=True, in_backward=False)
         window.unuse(u, in_backward=False)
         assert window.in_window() <= window.size
-    assert stats["over_window"] == 0
+    assert stats.over_window == 0
 
 
 def test_a_fetch_that_fails_leaves_the_unit_out_and_its_bytes_given_back(stream):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..client import Access, Acquisition, Tier
+from ._figures import StreamFigures
 from ._storage import range_view
 from ._units import Range, Unit, Units
 
@@ -29,11 +30,11 @@ class StreamParts:
     reference to the stream, for the user's side (transformers' Trainer finds a model's stream
     by a parameter); nothing here calls it."""
 
-    def __init__(self, units: Units, stats: Dict[str, float], nodes, shared_base: Optional[str],
+    def __init__(self, units: Units, figures: StreamFigures, nodes, shared_base: Optional[str],
                  lay_out: Callable[[Dict[int, List[List[torch.Tensor]]]], Dict[int, List[Range]]],
                  flipped: Callable[[Unit, Range], None], owner: Any):
         self.units = units
-        self.stats = stats
+        self.figures = figures
         self.nodes = nodes  # with share_ranks, the job's ranks by node (_ranks.Nodes); else None
         self.shared_base = shared_base
         self.lay_out = lay_out
@@ -197,7 +198,7 @@ class StreamRange:
     def gradient_sent(self, i: int) -> None:
         """Parameter i's gradient was taken off the device (and is dropped there)."""
         p = self.params[i]
-        self._parts.stats["d2h_bytes"] += p.numel() * p.element_size()
+        self._parts.figures.d2h_bytes += p.numel() * p.element_size()
         p.grad = None
 
     def edited(self, i: int) -> bool:

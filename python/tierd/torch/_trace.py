@@ -10,20 +10,21 @@ The schedule is declared once: each range of a unit is named as the pair of its 
 a version bit of its own, which the stream sets as a step makes the other version current (a
 store into shared memory). Only a new layout (new ranges) declares it again.
 """
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 from .. import _abi
 from ..client import Access, Tier
+from ._figures import StreamFigures
 from ._units import Range, Unit, Units
 
 
 class Trace:
-    def __init__(self, units: Units, stats: Dict[str, float]):
+    def __init__(self, units: Units, figures: StreamFigures):
         self.units = units
         self.order: Optional[List[int]] = None  # unit indices over the recorded iteration
         self._recording: List[int] = []  # this iteration's, so far
         self._pos = 0                    # where this iteration is in `order`
-        self._stats = stats
+        self._figures = figures
         self.declared = False   # `order` is the daemon's schedule
         self._stale = False     # to be declared again as the next iteration starts
         self._paired = False    # declared with pairs: versions follow by their bits
@@ -50,7 +51,7 @@ class Trace:
         if self._pos < len(order) and order[self._pos] == u.index:
             at = self._pos
         else:
-            self._stats["trace_misses"] += 1
+            self._figures.trace_misses += 1
             for k in range(self._pos, len(order)):
                 if order[k] == u.index:
                     at = k
@@ -109,7 +110,7 @@ class Trace:
 
     def end_iteration(self) -> None:
         """An iteration's backward ended: the first one becomes the trace."""
-        self._stats["iterations"] += 1
+        self._figures.iterations += 1
         if self.order is None and self._recording:
             self.order = self._recording
             self.declare()
@@ -168,4 +169,4 @@ class Trace:
         self.units.client.set_schedule(steps)
         self.declared = True
         self._cursor_base = 0
-        self._stats["schedules"] += 1
+        self._figures.schedules += 1

@@ -14,11 +14,12 @@ import concurrent.futures
 import enum
 import threading
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from ..client import Access, Acquisition, Tier
+from ._figures import StreamFigures
 from ._storage import as_tensor, range_view, resize
 from ._trace import Trace
 from ._units import Unit, Units
@@ -47,7 +48,7 @@ class Slot:
 
 class Window:
     def __init__(self, units: Units, trace: Trace, device: torch.device, prefetch: int,
-                 stats: Dict[str, float]):
+                 figures: StreamFigures):
         self.units = units
         self._slots = {u.index: Slot() for u in units}
         self.trace = trace
@@ -60,7 +61,7 @@ class Window:
         # A test hook: released storage is filled with NaN and copies are delayed on a thread,
         # so that a read before its copy shows up as NaN (tierd.torch.testing.poison).
         self.poison = False
-        self._stats = stats
+        self._figures = figures
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device) if self._cuda else None
         self._pool = None if self._cuda else concurrent.futures.ThreadPoolExecutor(
@@ -92,7 +93,7 @@ class Window:
                 self.trace.pass_by(u)
             slot = self.slot(u)
             if slot.refs == 0 and not slot.in_window:
-                self._stats["on_demand"] += 1
+                self._figures.on_demand += 1
             slot.refs += 1
             self.fetch(u)
             self.wait(u)
@@ -158,7 +159,7 @@ class Window:
             idle = [x for x in self.units
                     if self.slot(x).in_window and self.slot(x).refs == 0 and x is not u]
             if not idle:
-                self._stats["over_window"] += 1
+                self._figures.over_window += 1
                 break
             self.evict(idle[0])
         for f in u.flat.values():
@@ -176,8 +177,8 @@ class Window:
             raise
         slot.state = SlotState.COPYING
         slot.host_asked = False
-        self._stats["fetches"] += 1
-        self._stats["h2d_bytes"] += u.device_bytes
+        self._figures.fetches += 1
+        self._figures.h2d_bytes += u.device_bytes
 
     def _start_copy(self, u: Unit, slot: Slot):
         """Starts copying u's current weights into its sized storage; the copy to wait for."""
@@ -227,7 +228,7 @@ class Window:
         if slot.reading is not None:
             slot.reading.release_deferred()  # the copy's views may outlive this
             slot.reading = None
-        self._stats["wait_s"] += time.perf_counter() - started
+        self._figures.wait_s += time.perf_counter() - started
 
     def evict(self, u: Unit) -> None:
         """Takes u out of the window: its device storage goes (its weights stay in its chunks)."""

@@ -41,6 +41,7 @@ from ._gather import Gathered, save_pretrained
 from ._guard import guard, unguard
 from ._loading import StateDictLoading
 from ._ranges import StreamParts, parts_of, register
+from ._figures import StreamFigures
 from ._ranks import RankWeights
 from ._trace import Trace
 from ._units import Range, Unit, Units, by_dtype, find_units
@@ -125,12 +126,11 @@ class ParameterStream:
         if device.type == "cuda":
             self._client.cuda_device()  # the daemon's host memory page-locked: copies are DMA
         has_nvme = self._client.tier_usage(Tier.NVME).configured
-        self._stats = dict(fetches=0, on_demand=0, trace_misses=0, h2d_bytes=0, d2h_bytes=0,
-                           wait_s=0.0, iterations=0, over_window=0, schedules=0)
+        self._figures = StreamFigures()
         self._nvme_start = self._client.path_bytes("nvme_to_host")
         self._units = Units(found, self._client, device)
-        self._trace = Trace(self._units, self._stats)
-        self._window = Window(self._units, self._trace, device, self.prefetch, self._stats)
+        self._trace = Trace(self._units, self._figures)
+        self._window = Window(self._units, self._trace, device, self.prefetch, self._figures)
         self._hooks = StreamHooks(self._units, self._window)
         self._loading = StateDictLoading(self._units, self._window, self._hooks.busy)
         try:
@@ -147,7 +147,7 @@ class ParameterStream:
                 self._base.attach(source, {u.index: u.home for u in self._units})
             self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
             seam = _Seam(self._units, self._window, self._trace, self._ranks)
-            self._parts = StreamParts(self._units, self._stats,
+            self._parts = StreamParts(self._units, self._figures,
                                       self._ranks.nodes if self._ranks is not None else None,
                                       self.shared_base, seam.lay_out, seam.flipped, self)
             if self._ranks is None:
@@ -230,7 +230,7 @@ class ParameterStream:
         (units not prefetched when asked for), fetches, iterations, over_window, schedules (the
         daemon told the trace), base_check_wait_s (with a shared base opened from a checkpoint:
         what the job waited for the check of its checkpoint, _base_check.py)."""
-        s = dict(self._stats)
+        s = self._figures.as_dict()
         s["device_peak_bytes"] = self._window.peak
         s["units_on_nvme"] = sum(1 for u in self._units if u.home == Tier.NVME)
         if self._base is not None and self._base.check is not None:
