@@ -1,6 +1,6 @@
 // tierd-hostile: hostile traffic (tests/hostile_traffic.h) against a daemon of its own, in rounds,
 // with the daemon's resident set and its tiers' accounting after each round. The long form of
-// HostileTrafficTest, for docs/benchmarks.md:
+// HostileTrafficTest, for docs/benchmarks/daemon.md:
 //
 //   tierd-hostile [--rounds=10] [--requests=10000] [--seed=1] [--env=NAME=VALUE]...
 //                 [-- DAEMON FLAGS...]

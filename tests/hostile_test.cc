@@ -751,7 +751,7 @@ constexpr bool kSanitized = false;
 // Rounds of hostile traffic (hostile_traffic.h: structured, mutated, random, oversized and forged
 // requests from clients that die): every tier's bytes in use stay the space its chunks take, and
 // the daemon's resident set levels off. It grew by hundreds of MiB before: glibc kept the memory
-// the largest requests' parses freed in each of its arenas (docs/benchmarks.md).
+// the largest requests' parses freed in each of its arenas (docs/benchmarks/daemon.md).
 // The daemon's resident set (or another line of its /proc status, `field`) once what it gives
 // back has gone back: memory is trimmed at most every 2 s after requests, by a thread of its own
 // that a loaded machine runs late, so the set is read until it has not fallen for a second (after

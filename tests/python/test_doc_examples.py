@@ -25,6 +25,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                                if f.endswith(".md"))
+# The benchmarks' subject pages, which docs/benchmarks.md lists.
+BENCHMARK_PAGES = sorted(os.path.join("docs", "benchmarks", f)
+                         for f in os.listdir(os.path.join(ROOT, "docs", "benchmarks"))
+                         if f.endswith(".md"))
+PAGES += BENCHMARK_PAGES
 RUN = {"python", "sh", "cpp", "toml"}
 NOT_CODE = {"text", "mermaid"}
 
@@ -121,7 +126,37 @@ def daemon():
 def test_every_page_is_in_the_readmes_table():
     with open(os.path.join(ROOT, "README.md")) as f:
         linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", f.read()))
-    assert linked == {p for p in PAGES if p != "README.md"}
+    assert linked == {p for p in PAGES if p != "README.md" and p not in BENCHMARK_PAGES}
+
+
+def test_every_benchmark_page_is_in_the_benchmarks_table():
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        linked = set(re.findall(r"\]\((benchmarks/[\w-]+\.md)\)", f.read()))
+    assert BENCHMARK_PAGES and linked == {os.path.relpath(p, "docs") for p in BENCHMARK_PAGES}
+
+
+def test_links_between_pages_reach_a_page_and_its_heading():
+    """A relative link to a page (and a #heading of it) lands where it points."""
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a URL
+            path, _, anchor = target.partition("#")
+            file = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), path)) if path \
+                else os.path.join(ROOT, page)
+            assert os.path.exists(file), f"{page}: link to {target}, which is not there"
+            if anchor and file.endswith(".md"):
+                with open(file) as f:
+                    slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", f.read(), re.M)}
+                assert anchor in slugs, f"{page}: link to {target}, whose heading is not there"
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
 
 
 def test_every_block_says_what_it_is():
