@@ -97,6 +97,11 @@ class Bucket:
     def need_grad(self) -> None:
         """Makes `grad` writable for this step's gradients (always, here)."""
 
+    def hold_grad(self) -> Optional[torch.Tensor]:
+        """This step's gradients (`grad`), held for reading: gradients set aside are held again
+        as they are (grads_aside() lets them go again); None for a bucket with none this step."""
+        return self.grad
+
     def pages(self) -> bool:
         """Whether what the bucket holds during a step is given back as soon as the library is
         done with it (release_early): a streamed bucket of a unit at home on NVMe."""
@@ -324,34 +329,13 @@ class StreamBucket(Bucket):
     version, current from publish() on; the weights as the model has them are the current
     version."""
 
-    # `grad` and `out` are views of the range's chunks while held; a bucket of an NVMe unit
-    # lets them go once the library is done with them (release_early). Reading `grad` holds the
-    # gradients again as they are; `out` is held again by bind().
-    _grad = _grad_ext = None
+    # `grad` and `out` are views of the range's chunks while held, None while not; a bucket of
+    # an NVMe unit lets them go once the library is done with them (release_early). hold_grad()
+    # holds the gradients again as they are; bind() holds `out` again.
 
     def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
         self.range = rng
         super().__init__(serial, name, group, rng.params)
-
-    @property
-    def grad(self) -> Optional[torch.Tensor]:
-        if self._grad is None and self.range.gradients_aside():
-            self.need_grad()
-        return self._grad
-
-    @grad.setter
-    def grad(self, value) -> None:
-        self._grad = value
-
-    @property
-    def grad_ext(self) -> Optional[torch.Tensor]:
-        if self._grad_ext is None and self.range.gradients_aside():
-            self.need_grad()
-        return self._grad_ext
-
-    @grad_ext.setter
-    def grad_ext(self, value) -> None:
-        self._grad_ext = value
 
     def _buffers(self) -> None:
         self.out_ext = self.out = None
@@ -360,9 +344,14 @@ class StreamBucket(Bucket):
     def need_grad(self) -> None:
         """Holds the gradient chunk from the step's first gradient to its end (or, for an NVMe
         unit, until the library is done with it)."""
-        if self._grad is None:
-            self._grad_ext = self.range.gradients()
-            self._grad = self._grad_ext[:self.numel]
+        if self.grad is None:
+            self.grad_ext = self.range.gradients()
+            self.grad = self.grad_ext[:self.numel]
+
+    def hold_grad(self) -> Optional[torch.Tensor]:
+        if self.grad is None and self.range.gradients_aside():
+            self.need_grad()
+        return self.grad
 
     def pages(self) -> bool:
         return self.range.pages
@@ -374,7 +363,7 @@ class StreamBucket(Bucket):
         self.range.set_gradients_aside(free_grads)
 
     def grads_aside(self) -> None:
-        if self.pages() and self._grad is not None:
+        if self.pages() and self.grad is not None:
             if self.event is not None:  # the copies into them (from a GPU) are done first
                 self.event.synchronize()
             self.grad_ext = self.grad = None

@@ -68,7 +68,7 @@ class Verdict:
                 continue
             keyed += [(order.get(id(b.params[i]), len(order)),
                        torch.norm(values if inv is None else values * inv, 2.0))
-                      for i, values in b.slices(b.grad) if b.has[i]]
+                      for i, values in b.slices(b.hold_grad()) if b.has[i]]
             b.grads_aside()  # one bucket's gradients in memory at a time
         if self._comm is not None:  # every rank's norms, then the same sum as below
             keyed = self._comm.gather_norms(keyed)
@@ -96,6 +96,8 @@ class Verdict:
     def scale(buckets: List[Bucket], factor: torch.Tensor) -> None:
         """Multiplies the buckets' gradients by `factor` (unscale, or clip)."""
         for b in buckets:
-            if b.grad is not None:
-                b.grad.mul_(factor)
+            grad = b.hold_grad()
+            if grad is not None:
+                grad.mul_(factor)
+                del grad
                 b.grads_aside()
