@@ -56,7 +56,7 @@ def free_port():
 
 def node_env(socket_dir, **more):
     return dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1",
-                TIERD_SOCKET_DIR=socket_dir, **more)
+                TIERD_SOCKET_DIR=socket_dir, PYTHONFAULTHANDLER="1", **more)
 
 
 def run_nodes(commands, envs, timeout=300):
