@@ -8,7 +8,6 @@ freed, and spills to NVMe when the host tier has no room for it.
 """
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tierd.client import Client, Tier, TierdError  # noqa: E402
 from tierd._abi import Status  # noqa: E402
 from tierd.torch._units import Units, by_dtype, find_units  # noqa: E402
 
-from test_c_abi import start_daemon, stop_daemon  # noqa: E402
+from test_c_abi import daemon  # noqa: E402,F401 (a fixture)
 
 
 class Model(torch.nn.Module):
@@ -26,14 +25,6 @@ class Model(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(blocks))
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    with tempfile.TemporaryDirectory(prefix="tierd-units-") as root:
-        proc = start_daemon(root)
-        yield root
-        stop_daemon(proc, root)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ kept.
 """
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from tierd.torch._trace import Trace  # noqa: E402
 from tierd.torch._units import Units, by_dtype, find_units  # noqa: E402
 from tierd.torch._window import SlotState, Window  # noqa: E402
 
-from test_c_abi import start_daemon, stop_daemon  # noqa: E402
+from test_c_abi import daemon  # noqa: E402,F401 (a fixture)
 
 BLOCKS = 6
 
@@ -30,14 +29,6 @@ class Model(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(BLOCKS))
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    with tempfile.TemporaryDirectory(prefix="tierd-window-") as root:
-        proc = start_daemon(root)
-        yield root
-        stop_daemon(proc, root)
 
 
 @pytest.fixture
