@@ -8,7 +8,8 @@ namespace tierd::daemon {
 
 using ChunkId = uint64_t;
 using SessionId = uint64_t;
-// A shared base (chunks/shared_bases.h), numbered from 1 and never reused while the daemon runs; 0: none.
+// A shared base (chunks/shared_bases.h), numbered from 1 and never reused while the daemon
+// runs; 0: none.
 using BaseId = uint32_t;
 
 // Segments hold one owner's chunks (tiers/segment_pool.h). A user's owner is its uid; a shared
