@@ -183,6 +183,9 @@ def test_loss_scaling_and_a_skipped_non_finite_step(any_daemon, overlap):
         assert opt.rolled_back_steps == (2 if overlap else 0)
     finally:
         opt.close()
+    # The step's figures stay readable once the optimizer is closed.
+    assert opt.skipped_steps == 1 and opt.rolled_back_steps == (2 if overlap else 0)
+    assert opt.last_stats and opt.last_grad_norm is not None
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for a, b in zip(ref.parameters(), m.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-5)

@@ -286,12 +286,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
         """Ends the optimizer's session (scratch state is freed; persistent state stays)."""
         if getattr(self, "_state", None) is None:
             return
-        if self._stepper is not None:
+        if self._stepper is not None:  # kept: its figures stay readable
             try:
                 self._stepper.close()
             except TierdError:
                 pass
-            self._stepper = None
         self._state.close()
         self._state = None
 
