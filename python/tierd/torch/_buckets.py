@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .. import _abi
+from ..client import Access
 from ._storage import STEPPED_DTYPES, end_to_end
 from ._ranges import StreamRange, stream_ranges
 
@@ -330,12 +331,12 @@ class StreamBucket(Bucket):
     version."""
 
     # `grad` and `out` are views of the range's chunks while held, None while not; a bucket of
-    # an NVMe unit lets them go once the library is done with them (release_early). hold_grad()
-    # holds the gradients again as they are; bind() holds `out` again.
+    # an NVMe unit puts them aside once the library is done with them (release_early).
+    # hold_grad() holds the gradients again as they are; bind() holds `out` again.
 
     def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
         self.range = rng
-        super().__init__(serial, name, group, rng.params)
+        super().__init__(serial, name, group, rng.info.params)
 
     def _buffers(self) -> None:
         self.out_ext = self.out = None
@@ -345,46 +346,49 @@ class StreamBucket(Bucket):
         """Holds the gradient chunk from the step's first gradient to its end (or, for an NVMe
         unit, until the library is done with it)."""
         if self.grad is None:
-            self.grad_ext = self.range.gradients()
-            self.grad = self.grad_ext[:self.numel]
+            self._held_grads(self.range.grads())
 
     def hold_grad(self) -> Optional[torch.Tensor]:
-        if self.grad is None and self.range.gradients_aside():
-            self.need_grad()
+        if self.grad is None:
+            self._held_grads(self.range.grads(kept_only=True))
         return self.grad
 
+    def _held_grads(self, ext: Optional[torch.Tensor]) -> None:
+        self.grad_ext = ext
+        self.grad = None if ext is None else ext[:self.numel]
+
     def pages(self) -> bool:
-        return self.range.pages
+        return self.range.info.pages
 
     def release_early(self, free_grads: bool) -> None:
         self.out_ext = self.out = None
-        self.range.set_aside()
         self.grad_ext = self.grad = None
-        self.range.set_gradients_aside(free_grads)
+        self.range.put_aside(free_grads)
 
     def grads_aside(self) -> None:
         if self.pages() and self.grad is not None:
             if self.event is not None:  # the copies into them (from a GPU) are done first
                 self.event.synchronize()
             self.grad_ext = self.grad = None
-            self.range.set_gradients_aside(free=False)
+            self.range.put_aside(free=False, weights=False)
 
     def weight(self, i: int) -> torch.Tensor:
-        return self.range.read(i)
+        with self.range.current() as now:
+            return self.slice(now, i).clone()
 
     def set_weights(self, flat: torch.Tensor) -> None:
-        self.range.write(flat)
+        with self.range.current(Access.WRITE) as now:
+            now.copy_(flat.reshape(-1))
 
     def mirror(self) -> None:
         if self.params is not None:
-            for i in range(len(self.sizes)):
-                self.range.clear_edited(i)
+            self.range.info.edited.difference_update(id(p) for p in self.range.info.params)
 
     def remember(self, i: int) -> None:
-        self.range.clear_edited(i)
+        self.range.info.edited.discard(id(self.range.info.params[i]))
 
     def touched(self, i: int) -> bool:
-        return self.range.edited(i)
+        return id(self.range.info.params[i]) in self.range.info.edited
 
     def written_since_flagged(self) -> bool:
         return False  # its weights change only in the stream's gathered(), refused in a step
@@ -394,7 +398,7 @@ class StreamBucket(Bucket):
 
     def bind(self) -> None:
         if self.out is None:
-            self.out_ext = self.range.next_version()
+            self.out_ext = self.range.next()
             self.out = self.out_ext[:self.numel]
 
     def out_can_be_master(self, device_tier: bool) -> bool:
@@ -404,26 +408,24 @@ class StreamBucket(Bucket):
         # Every launch, also one that steps the bucket again after a rolled-back step, whose
         # kernel left its new weights in `out`.
         if self.master == _abi.ADAM_MASTER_IN_OUT:
-            self.range.read_into(self.out)
+            with self.range.current() as now:
+                self.out.copy_(now)
 
     @property
     def nodes(self):
-        return self.range.nodes
+        return self.range.info.nodes
 
     def finish_next(self, flags: List[int]) -> None:
-        self.range.complete([bool(f & _STEP) for f in flags])
+        self.range.commit([bool(f & _STEP) for f in flags], flip=False)
 
     def sum_gradients(self) -> None:
         self.need_grad()
-        self.range.sum_gradients()
+        self.range.sum_node_grads()
 
     def publish(self, flags: List[int]) -> None:
         """The next version becomes current: the new weights where stepped, the current ones
         copied across elsewhere (a shared bucket's owner did that in finish_next())."""
-        if self.nodes is not None:
-            self.range.flip()
-        else:
-            self.range.publish([bool(f & _STEP) for f in flags])
+        self.range.commit(None if self.nodes is not None else [bool(f & _STEP) for f in flags])
         for i in range(len(flags)):
             if flags[i]:
                 self.remember(i)
@@ -431,9 +433,8 @@ class StreamBucket(Bucket):
 
     def unbind(self) -> None:
         self.out_ext = self.out = None
-        self.range.discard()
         self.grad_ext = self.grad = None
-        self.range.release_gradients()
+        self.range.end_step()
 
     def drop_grad(self, i: int) -> None:
         self.range.gradient_sent(i)

@@ -10,8 +10,10 @@ up into the stream through the parts' seam only: lay_out (the units laid out ane
 steps) and flipped (a range's next version became current), as the daemon's mover tells its
 owner that a move settled.
 """
+import contextlib
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence,
+                    Set, Tuple)
 
 import torch
 
@@ -20,7 +22,7 @@ from ._figures import StreamFigures
 from ._storage import range_view
 from ._units import Range, Unit, Units
 
-__all__ = ["StreamParts", "StreamRange", "parts_of", "register", "stream_ranges"]
+__all__ = ["RangeInfo", "StreamParts", "StreamRange", "parts_of", "register", "stream_ranges"]
 
 
 class StreamParts:
@@ -60,36 +62,49 @@ def parts_of(p: torch.Tensor) -> Optional[StreamParts]:
     return parts
 
 
+class RangeInfo(NamedTuple):
+    """What an optimizer reads of a range and never sets.
+
+    - params: its parameters, laid end to end in this order;
+    - nodes: with share_ranks, the job's ranks by node (_ranks.Nodes): the ranks of each node
+      share the range's chunks, its next version is written by one rank of the node (the
+      bucket's owner, or its node owner) and every rank makes it current. None: the chunks are
+      this rank's;
+    - pages: the range's unit is at home on NVMe, so what a step holds of it is worth putting
+      aside as soon as the step is done with it (put_aside);
+    - edited: ids of the parameters whose weights gathered() changed; the optimizer discards an
+      id once it has taken that weight."""
+    params: List[torch.Tensor]
+    nodes: Any
+    pages: bool
+    edited: Set[int]
+
+
 class StreamRange:
     """OffloadedAdamW's handle on one range of a streamed unit: its parameters laid end to end,
     the weights' current version, the next version a step writes, and a gradient chunk. The
-    stream owns the layout and the version flip (publish); the optimizer reads and writes the
-    unit's chunks through this handle only."""
+    stream owns the layout and the version flip; the optimizer reads and writes the unit's
+    chunks through these verbs only, grouped by what they hold:
+
+    - current(): the current weights, held for a with block;
+    - next(): the next version, held for a step's new weights;
+    - grads(): the gradient chunk, held for the step's gradients;
+    - put_aside(): a step's holds go while their contents stay, held again as they are;
+    - commit(): the next version made whole and current;
+    - end_step(): whatever the step still holds goes (after commit, or a step abandoned).
+
+    gradient_sent() counts a gradient off the device for the stream's figures."""
 
     def __init__(self, parts: StreamParts, unit: Unit, r: Range):
         self._parts = parts
         self._unit = unit
         self._range = r
-        self.params = r.params
-        self._next = None   # the next version, held from next_version() to publish/discard
-        self._grads = None  # the gradient chunk, held from gradients() to release_gradients
-        # Set aside: written this step but not held (set_aside, set_gradients_aside); held again
-        # with their contents kept.
+        self.info = RangeInfo(r.params, parts.nodes, unit.home == Tier.NVME, unit.edited)
+        self._next = None   # the next version, held from next() to commit/put_aside/end_step
+        self._grads = None  # the gradient chunk, held from grads() to put_aside/end_step
+        # Put aside: written this step but not held; held again with their contents kept.
         self._next_aside = False
         self._grads_aside = False
-
-    @property
-    def nodes(self):
-        """With share_ranks, the job's ranks by node (_ranks.Nodes): the ranks of each node share
-        the range's chunks, its next version is written by one rank of the node (the bucket's
-        owner, or its node owner) and every rank flips it. None: the chunks are this rank's."""
-        return self._parts.nodes
-
-    @property
-    def pages(self) -> bool:
-        """Whether the range's unit is at home on NVMe: what it holds during a step is worth
-        giving back as soon as the step is done with it (set_aside, set_gradients_aside)."""
-        return self._unit.home == Tier.NVME
 
     def _check(self) -> Range:
         if self._parts.closed:
@@ -100,31 +115,17 @@ class StreamRange:
                                "another optimizer")
         return self._range
 
-    def read(self, i: Optional[int] = None) -> torch.Tensor:
-        """A copy of the current weights: all of them (flat), or parameter i's alone."""
+    @contextlib.contextmanager
+    def current(self, access: Access = Access.READ) -> Iterator[torch.Tensor]:
+        """The current weights, flat (values only), held for the with block: to read (READ) or
+        to set (WRITE). Views of it are not to outlive the block."""
         r = self._check()
-        units = self._parts.units
-        with units.holding(self._unit, r.current, Access.READ) as view:
-            values = range_view(view, r)
-            return (values[:r.numel] if i is None else r.slice(values, i)).clone()
+        with self._parts.units.holding(self._unit, r.current, access) as view:
+            yield range_view(view, r)[:r.numel]
 
-    def read_into(self, out: torch.Tensor) -> None:
-        """Copies the current weights, all of them, into `out` (flat: the next version's)."""
-        r = self._check()
-        units = self._parts.units
-        with units.holding(self._unit, r.current, Access.READ) as view:
-            out[:r.numel].copy_(range_view(view, r)[:r.numel])
-
-    def write(self, flat: torch.Tensor) -> None:
-        """Sets every weight of the current version from `flat`."""
-        r = self._check()
-        units = self._parts.units
-        with units.holding(self._unit, r.current, Access.WRITE) as view:
-            range_view(view, r)[:r.numel].copy_(flat.reshape(-1))
-
-    def next_version(self) -> torch.Tensor:
+    def next(self) -> torch.Tensor:
         """A view of the next version (values, then extras) for a step's new weights, held until
-        publish() or discard()."""
+        commit(), put_aside() or end_step(); put aside, it is held again as it was."""
         if self._next is None:
             r = self._check()
             access = Access.WRITE if self._next_aside else Access.OVERWRITE
@@ -132,81 +133,69 @@ class StreamRange:
             self._next = (range_view(view, r), held)
         return self._next[0]
 
-    def set_aside(self) -> None:
-        """The step's kernel is done writing the next version: its hold goes (the daemon may
-        write it down), its contents stay for publish()."""
-        self._next = _let_go(self._next)
-        self._next_aside = True
-
-    def publish(self, stepped: Sequence[bool]) -> None:
-        """The next version becomes current: the new weights where `stepped`, the current ones
-        copied across elsewhere (only then is the next version held again)."""
-        self.complete(stepped)
-        self.flip()
-
-    def complete(self, stepped: Sequence[bool]) -> None:
-        """The next version made whole: the current weights copied across where not `stepped`."""
-        r = self._check()
-        if not all(stepped):
-            out = self.next_version()
-            now = self.read()
-            for i in range(len(stepped)):
-                if not stepped[i]:
-                    r.slice(out, i).copy_(r.slice(now, i))
-
-    def flip(self) -> None:
-        """The next version (complete) becomes current."""
-        r = self._check()
-        r.current = 1 - r.current
-        self.discard()
-        self._parts.flipped(self._unit, r)
-
-    def discard(self) -> None:
-        """Lets the next version go, unpublished (a step abandoned, or published)."""
-        self._next = _let_go(self._next)
-        self._next_aside = False
-
-    def gradients(self) -> torch.Tensor:
-        """A view of the gradient chunk (values, then extras), held until release_gradients()
-        or set_gradients_aside()."""
+    def grads(self, kept_only: bool = False) -> Optional[torch.Tensor]:
+        """A view of the gradient chunk (values, then extras), held until put_aside() or
+        end_step(); gradients put aside and kept are held again as they are. `kept_only`: only
+        those (None when none was put aside and kept)."""
         if self._grads is None:
+            if kept_only and not self._grads_aside:
+                return None
             self._grads = self._parts.units.grads.hold(self._unit, self._check(),
                                                          keep=self._grads_aside)
         return self._grads[0]
 
-    def gradients_aside(self) -> bool:
-        return self._grads_aside
+    def sum_node_grads(self) -> None:
+        """share_ranks' node owner: the gradients of the node's ranks of the range (each left in
+        the daemon's memory by its backward) summed into this rank's, held: a reduce over the
+        node, nothing moved."""
+        self._parts.units.grads.sum_ranks(self._unit, self._check(), self.grads())
 
-    def sum_gradients(self) -> None:
-        """The gradients of the node's ranks of the range (each left in the daemon's memory by
-        its backward) summed into this rank's, held: a reduce over the node, nothing moved."""
-        self._parts.units.grads.sum_ranks(self._unit, self._check(), self.gradients())
-
-    def set_gradients_aside(self, free: bool) -> None:
-        """The gradients are not needed in memory now: their hold goes. `free`: nothing reads
-        them again this step (the chunk goes, made anew at the next step's first gradient);
-        else they are kept, and gradients() holds them again as they are."""
+    def put_aside(self, free: bool, weights: bool = True) -> None:
+        """The step is done with what it holds for now: the gradients' hold goes — `free`:
+        nothing reads them again this step (the chunk goes, made anew at the next step's first
+        gradient), else they are kept — and, with `weights`, the next version's (its contents
+        kept for commit)."""
+        if weights:
+            self._next = _let_go(self._next)
+            self._next_aside = True
         self._grads = _let_go(self._grads)
         if free:
             self._parts.units.grads.free(self._range)
         self._grads_aside = not free
 
-    def release_gradients(self) -> None:
+    def commit(self, stepped: Optional[Sequence[bool]], flip: bool = True) -> None:
+        """The next version made whole — the current weights copied across where not
+        `stepped` (per parameter; None: made whole already) — and, with `flip`, current. A range
+        the node's ranks share is committed in two halves: the rank that writes it makes it
+        whole (flip=False) before the node's other ranks learn the flags, then every rank makes
+        it current (stepped None)."""
+        r = self._check()
+        if stepped is not None and not all(stepped):
+            out = self.next()
+            with self.current() as now:
+                for i, s in enumerate(stepped):
+                    if not s:
+                        r.slice(out, i).copy_(r.slice(now, i))
+        if not flip:
+            return
+        r.current = 1 - r.current
+        self._next = _let_go(self._next)
+        self._next_aside = False
+        self._parts.flipped(self._unit, r)
+
+    def end_step(self) -> None:
+        """The step is over (committed, or abandoned): the next version and the gradients are
+        let go, and nothing put aside is held again."""
+        self._next = _let_go(self._next)
+        self._next_aside = False
         self._grads = _let_go(self._grads)
         self._grads_aside = False
 
     def gradient_sent(self, i: int) -> None:
         """Parameter i's gradient was taken off the device (and is dropped there)."""
-        p = self.params[i]
+        p = self.info.params[i]
         self._parts.figures.d2h_bytes += p.numel() * p.element_size()
         p.grad = None
-
-    def edited(self, i: int) -> bool:
-        """Whether gathered() changed parameter i's weights since clear_edited(i)."""
-        return id(self.params[i]) in self._unit.edited
-
-    def clear_edited(self, i: int) -> None:
-        self._unit.edited.discard(id(self.params[i]))
 
 
 def _let_go(held: Optional[Tuple[torch.Tensor, Optional[Acquisition]]]) -> None:

@@ -24,7 +24,7 @@ rooms import across: the stream lends its parts there (_ranges.StreamParts) and 
 parameters under them; stream_ranges() lays each unit out as one range per parameter group and
 dtype and hands back a StreamRange for each. Gradients leave the device as autograd finishes each
 one into the range's gradient chunk; the kernel writes the new weights into the range's next
-version, which StreamRange.publish makes current (the stream flips it: _Seam.flipped); a step
+version, which StreamRange.commit makes current (the stream flips it: _Seam.flipped); a step
 rolled back or skipped leaves the current version as it was.
 """
 import warnings
