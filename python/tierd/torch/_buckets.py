@@ -27,6 +27,25 @@ from ._ranges import StreamRange, stream_ranges
 _STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
 
 
+class BucketStep:
+    """What a bucket knows of one step, made fresh for each: which gradients are in `grad` (got)
+    and were present on any rank (has), how many backward is expected to give (expected, set
+    as the step's first gradient comes) and has given (arrived), whether every gradient it will
+    get is taken (complete), the side stream's copies off a GPU (event), and whether it was
+    given to the optimizer (launched)."""
+
+    __slots__ = ("got", "has", "expected", "arrived", "complete", "event", "launched")
+
+    def __init__(self, k: int):
+        self.got = [False] * k
+        self.has = [False] * k
+        self.expected = 0
+        self.arrived = 0
+        self.complete = False
+        self.event = None
+        self.launched = False
+
+
 class Bucket:
     def __init__(self, serial: int, name: str, group: Dict[str, Any],
                  params: List[torch.Tensor]):
@@ -49,15 +68,7 @@ class Bucket:
         # of this step were set.
         self.seen: List[Tuple[int, int]] = [(-1, 0)] * k
         self.flagged: List[Tuple[int, int]] = [(-1, 0)] * k
-        # This step's: gradients in `grad` (got), whether each was present on any rank (has),
-        # the gradients backward is expected to give (expected) and has given (arrived).
-        self.got = [False] * k
-        self.has = [False] * k
-        self.expected = 0
-        self.arrived = 0
-        self.complete = False     # every gradient it will get this step is taken
-        self.event = None         # the side stream's copies, when the model is on a GPU
-        self.launched = False     # given to the optimizer this step
+        self.this_step = BucketStep(k)
         # Where its fp32 master weights live (_abi.ADAM_MASTER_IN_*): the state decides when it
         # gives the bucket its group (_state.OptimizerState.masters).
         self.master = _abi.ADAM_MASTER_IN_STATE
@@ -199,7 +210,7 @@ class Bucket:
     def present(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
         """The slices of the parameters that have a gradient this step."""
         for i, values in self.slices(flat):
-            if self.has[i]:
+            if self.this_step.has[i]:
                 yield values
 
     def remember(self, i: int) -> None:
@@ -237,7 +248,7 @@ class Bucket:
             if self.live[i]:
                 p = self.params[i]
                 self.flagged[i] = (p._version, p.data_ptr())
-                if self.has[i]:
+                if self.this_step.has[i]:
                     f |= _STEP
                 if self.changed(i):
                     f |= _TAKE
@@ -249,13 +260,8 @@ class Bucket:
         return anything
 
     def reset_step(self) -> None:
-        k = len(self.sizes)
-        self.got = [False] * k
-        self.has = [False] * k
-        self.arrived = 0
-        self.complete = False
-        self.event = None
-        self.launched = False
+        """The step is over: the next one starts with a record of its own."""
+        self.this_step = BucketStep(len(self.sizes))
 
 
 def plan(params: List[Tuple[int, Dict[str, Any], torch.Tensor]], bucket_params: int,
@@ -367,8 +373,8 @@ class StreamBucket(Bucket):
 
     def grads_aside(self) -> None:
         if self.pages() and self.grad is not None:
-            if self.event is not None:  # the copies into them (from a GPU) are done first
-                self.event.synchronize()
+            if self.this_step.event is not None:  # the copies into them (from a GPU) first
+                self.this_step.event.synchronize()
             self.grad_ext = self.grad = None
             self.range.put_aside(free=False, weights=False)
 

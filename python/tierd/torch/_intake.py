@@ -58,7 +58,7 @@ class GradientIntake:
         that require one and are hooked); a bucket of frozen parameters is complete at once."""
         for b in self._layout.active():
             trainable = [p for i, p in enumerate(b.params) if b.live[i] and p.requires_grad]
-            b.expected = sum(1 for p in trainable if id(p) in self.hooks)
+            b.this_step.expected = sum(1 for p in trainable if id(p) in self.hooks)
             if not trainable:  # frozen: nothing to wait for (nor to hold later buckets up)
                 self.complete(b)
 
@@ -81,19 +81,20 @@ class GradientIntake:
                 f"{self.accumulation_steps}: with overlap_backward its bucket is stepped after "
                 "that many backward passes. Set accumulation_steps to the backward passes of "
                 "a step (gradient accumulation), or call step() after each")
+        now = b.this_step
         if isinstance(b, StreamBucket):
             # Each pass's gradient leaves the device at once, summed into the bucket's.
-            if b.launched:
+            if now.launched:
                 return
             self.copy_grad(b, i, add=count > 1)
             if count < self.accumulation_steps:
                 return
         else:
-            if count < self.accumulation_steps or b.launched or b.got[i]:
+            if count < self.accumulation_steps or now.launched or now.got[i]:
                 return
             self.copy_grad(b, i)
-        b.arrived += 1
-        if b.arrived < b.expected:
+        now.arrived += 1
+        if now.arrived < now.expected:
             return
         self.complete(b)  # the rest: frozen parameters that still hold a gradient
         self._handed.append(self._hand_over_thread().submit(self._ready, b))
@@ -132,7 +133,7 @@ class GradientIntake:
         copies done."""
         todo = []
         for b in self._layout.active():
-            if b.launched:
+            if b.this_step.launched:
                 continue
             self.complete(b)
             todo.append(b)
@@ -141,36 +142,37 @@ class GradientIntake:
             todo = list(comm.reduced([b for b in todo if b.slot is not None], wait=True))
         todo = [b for b in todo if b.flag()]
         for b in todo:
-            if b.event is not None:
-                b.event.synchronize()
+            if b.this_step.event is not None:
+                b.this_step.event.synchronize()
         return todo
 
     def complete(self, b: Bucket) -> None:
         """Takes the gradients of b's live parameters not taken yet: those that have one now
         (torch steps a parameter whose .grad is not None), zeros for the others when sharded
         (the ranks' buffers are summed)."""
-        if b.complete:
+        now = b.this_step
+        if now.complete:
             return
         for i in range(len(b.sizes)):
-            if b.got[i] or not b.live[i]:
+            if now.got[i] or not b.live[i]:
                 continue
             if b.params[i].grad is not None:
                 self.copy_grad(b, i)
             elif self._sharded:
                 b.need_grad()
                 b.slice(b.grad, i).zero_()
-        b.has = list(b.got)
-        b.complete = True
+        now.has = list(now.got)
+        now.complete = True
 
     def copy_grad(self, b: Bucket, i: int, add: bool = False) -> None:
         """Takes p.grad into the bucket's gradients (`add`: summed into what is there)."""
         b.need_grad()
         p, dst = b.params[i], b.slice(b.grad, i)
-        b.got[i] = True
+        b.this_step.got[i] = True
         g = p.grad.detach().reshape(-1)
         if add:
-            if b.event is not None:
-                b.event.synchronize()
+            if b.this_step.event is not None:
+                b.this_step.event.synchronize()
             dst.add_(g.to("cpu"))
         elif p.grad.is_cuda:
             if self._stream is None:
@@ -180,8 +182,8 @@ class GradientIntake:
             with torch.cuda.stream(stream):
                 dst.copy_(g, non_blocking=True)
                 p.grad.record_stream(stream)
-                b.event = torch.cuda.Event()
-                b.event.record(stream)
+                b.this_step.event = torch.cuda.Event()
+                b.this_step.event.record(stream)
         else:
             dst.copy_(g)
         b.drop_grad(i)

@@ -122,13 +122,13 @@ class Comm:
         rest when `force`: the gradients of every bucket not yet issued are in place)."""
         while self._next < len(buckets):
             b = buckets[self._next]
-            if not force and not b.complete:
+            if not force and not b.this_step.complete:
                 return
             self.early += 0 if force else 1
-            if b.event is not None:
-                b.event.synchronize()
+            if b.this_step.event is not None:
+                b.this_step.event.synchronize()
             b.need_grad()
-            b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.got])
+            b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.this_step.got])
             owner = _global_rank(self.group, b.owner)
             nodes = b.nodes
             if nodes is None:
@@ -180,7 +180,7 @@ class Comm:
                 continue
             work.wait()
             del self._works[b.serial]
-            b.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
+            b.this_step.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
             b.grad.div_(self.world)
             yield b
 

@@ -154,7 +154,7 @@ class Stepper:
                 self._early = 0
                 todo = self._stepped() + todo
                 for b in todo:
-                    b.launched = False
+                    b.this_step.launched = False
                 self.rolled_back_steps += 1
                 rolled_back = True
         verdict.spec_scale = grad_scale
@@ -198,7 +198,7 @@ class Stepper:
     def _stepped(self) -> List[Bucket]:
         """The buckets given to the optimizer this step."""
         mine = self._layout.active() if self._comm is None else self._layout.owned
-        return [b for b in mine if b.launched]
+        return [b for b in mine if b.this_step.launched]
 
     def _begin(self, grad_scale: float) -> None:
         if self._pending_copy is not None:  # last step's weights copied out of `out` buffers
@@ -210,14 +210,14 @@ class Stepper:
     def _launch(self, b: Bucket) -> None:
         if self.phase is not StepPhase.STEPPING:  # in backward: at the last step's loss scale
             self._begin(self._verdict.spec_scale if self._verdict.speculate else 1.0)
-        if b.event is not None:
-            b.event.synchronize()
+        if b.this_step.event is not None:
+            b.this_step.event.synchronize()
         if self._release is not None:
             self._release.room_to_launch(b)
         b.bind()
         b.prime_out()
         self._state.launch(b)
-        b.launched = True
+        b.this_step.launched = True
         if self._release is not None:  # unless the step may be taken again, its grads go
             self._release.launched(b, free_grads=not self._verdict.speculate)
 

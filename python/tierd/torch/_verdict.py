@@ -64,11 +64,11 @@ class Verdict:
         order = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
         keyed = []
         for b in buckets:
-            if not any(b.has):
+            if not any(b.this_step.has):
                 continue
             keyed += [(order.get(id(b.params[i]), len(order)),
                        torch.norm(values if inv is None else values * inv, 2.0))
-                      for i, values in b.slices(b.hold_grad()) if b.has[i]]
+                      for i, values in b.slices(b.hold_grad()) if b.this_step.has[i]]
             b.grads_aside()  # one bucket's gradients in memory at a time
         if self._comm is not None:  # every rank's norms, then the same sum as below
             keyed = self._comm.gather_norms(keyed)
