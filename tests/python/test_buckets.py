@@ -70,7 +70,7 @@ def test_publish_puts_the_stepped_weights_into_the_model():
     ps = params((2,), (2,))
     b = bucket(ps)
     before = ps[1].detach().clone()
-    b.out.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    b.buffers.out.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     with torch.no_grad():  # as in step()
         b.publish([STEP, 0])
     assert ps[0].tolist() == [1.0, 2.0] and torch.equal(ps[1].detach(), before)
@@ -84,11 +84,11 @@ def test_write_back_keeps_the_weights_only_taken():
     with torch.no_grad():
         ps[1].fill_(9.0)
     assert b.flag()
-    b.out[:2] = torch.tensor([5.0, 6.0])  # the kernel's new weights of the stepped one
+    b.buffers.out[:2] = torch.tensor([5.0, 6.0])  # the kernel's new weights of the stepped one
     with torch.no_grad():  # as in step()
         assert write_back([b], [b], None) is None  # on the CPU: no event to wait for
     assert ps[0].tolist() == [5.0, 6.0] and ps[1].tolist() == [9.0, 9.0]
-    assert b.out.tolist() == [5.0, 6.0, 9.0, 9.0]  # what the optimizer leaves, for next time
+    assert b.buffers.out.tolist() == [5.0, 6.0, 9.0, 9.0]  # as the optimizer leaves them
 
 
 def test_a_dormant_bucket_holds_its_weights_by_weak_reference():
@@ -111,9 +111,9 @@ def test_a_master_in_out_the_model_did_not_take_goes_back_to_the_weights():
     assert not b.out_can_be_master(device_tier=True)
     b.master = _abi.ADAM_MASTER_IN_OUT
     b.prime_out()
-    b.out.fill_(7.0)  # a launched step's new weights, then the step abandoned
+    b.buffers.out.fill_(7.0)  # a launched step's new weights, then the step abandoned
     b.unbind()
-    assert torch.equal(b.out, ps[0].detach())
+    assert torch.equal(b.buffers.out, ps[0].detach())
 
 
 def test_each_step_starts_with_a_record_of_its_own():

@@ -87,7 +87,7 @@ def test_a_bucket_is_handed_over_once_its_gradients_are_in_in_backwards_order(mo
         b = it.bucket_of(m)
         assert b.this_step.complete and b.this_step.has == [True] * len(b.sizes)
         for i, p in enumerate(b.params):
-            assert torch.equal(b.slice(b.grad, i), p.grad.reshape(-1))
+            assert torch.equal(b.slice(b.buffers.grad, i), p.grad.reshape(-1))
     assert not it.bucket_of(model.unused).this_step.complete  # no gradient: not handed over
     it.intake.close()
 
@@ -103,7 +103,7 @@ def test_accumulated_passes_are_handed_over_at_the_last_summed(model):
     assert len(it.handed) == BLOCKS
     for b, _ in it.handed:
         for i, p in enumerate(b.params):
-            assert torch.equal(b.slice(b.grad, i), p.grad.reshape(-1))
+            assert torch.equal(b.slice(b.buffers.grad, i), p.grad.reshape(-1))
             assert not torch.equal(p.grad, first[id(p)])  # both passes, summed
     it.intake.close()
 

@@ -43,7 +43,8 @@ TOWERS = {
         ["streaming"],               # ParameterStream, stream_parameters
     ],
     "optimizer": [
-        ["_buckets", "_shard", "_state_files"],  # buckets over host memory or a range; the
+        ["_buffers"],                # a bucket's buffers: this process's, or a range's chunks
+        ["_buckets", "_shard", "_state_files"],  # buckets and their steps' records; the
                                                 # collectives over ranks; the state's files
         ["_lanes"],                  # which buckets the device steps
         ["_state"],                  # the optimizer's state record

@@ -22,6 +22,7 @@ import torch
 from .. import _abi
 from ..client import Access
 from ._storage import STEPPED_DTYPES, end_to_end
+from ._buffers import Buffers, HostBuffers, RangeBuffers
 from ._ranges import StreamRange, stream_ranges
 
 _STEP, _TAKE = _abi.ADAM_TENSOR_STEP, _abi.ADAM_TENSOR_TAKE_WEIGHTS
@@ -48,7 +49,7 @@ class BucketStep:
 
 class Bucket:
     def __init__(self, serial: int, name: str, group: Dict[str, Any],
-                 params: List[torch.Tensor]):
+                 params: List[torch.Tensor], buffers: Optional[Buffers] = None):
         self.serial = serial      # creation order: the order of collectives over ranks
         self.name = name          # the tierd group's name
         self.group = group        # the param_groups entry whose hyperparameters it steps with
@@ -60,7 +61,9 @@ class Bucket:
         self.dtype = params[0].dtype
         self.device = params[0].device
         k = len(params)
-        self._buffers()
+        # Its gradients and a step's new weights (_buffers.py): this process's, or a range's.
+        self.buffers = buffers if buffers is not None else \
+            HostBuffers(self.numel, k, self.dtype, pin=self.device.type == "cuda")
         self.live = [True] * k
         self.flags = (ctypes.c_uint8 * max(k, 1))()
         self.weights: Optional[torch.Tensor] = None  # fp32 weights to take, made when needed
@@ -74,16 +77,6 @@ class Bucket:
         self.master = _abi.ADAM_MASTER_IN_STATE
         # A master in `out` holds a launched step's new weights that the model has not taken.
         self.out_ahead = False
-
-    def _buffers(self) -> None:
-        n, k = self.numel, len(self.sizes)
-        pin = self.device.type == "cuda"
-        self.grad_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
-        self.out_ext = torch.zeros(n + k, dtype=self.dtype, pin_memory=pin)
-        self.grad = self.grad_ext[:n]
-        # The weights as the optimizer last left them in the model (what it wrote after a step,
-        # or read at the start): a weight that differs was changed by the caller.
-        self.out = self.out_ext[:n]
 
     # ---- the model's weights, as the optimizer reads and writes them ----
 
@@ -103,30 +96,17 @@ class Bucket:
             return
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.slice(self.out, i).copy_(p.detach().reshape(-1))
+                self.slice(self.buffers.out, i).copy_(p.detach().reshape(-1))
                 self.remember(i)
 
-    def need_grad(self) -> None:
-        """Makes `grad` writable for this step's gradients (always, here)."""
-
-    def hold_grad(self) -> Optional[torch.Tensor]:
-        """This step's gradients (`grad`), held for reading: gradients set aside are held again
-        as they are (grads_aside() lets them go again); None for a bucket with none this step."""
-        return self.grad
-
-    def pages(self) -> bool:
-        """Whether what the bucket holds during a step is given back as soon as the library is
-        done with it (release_early): a streamed bucket of a unit at home on NVMe."""
-        return False
-
-    def release_early(self, free_grads: bool) -> None:
-        """The library is done with this step's gradients and new weights (see pages())."""
-
     def grads_aside(self) -> None:
-        """After a read of `grad` between the kernel and the step's end: let it go again."""
-
-    def bind(self) -> None:
-        """Makes `out` writable for this step's new weights (always, here)."""
+        """After a read of its gradients between the kernel and the step's end: a bucket whose
+        buffers page puts them aside again (the copies into them from a GPU done first)."""
+        buf = self.buffers
+        if buf.pages and buf.grad is not None:
+            if self.this_step.event is not None:
+                self.this_step.event.synchronize()
+            buf.put_aside(free=False, weights=False)
 
     def out_can_be_master(self, device_tier: bool) -> bool:
         """Whether `out` can hold the fp32 master weights themselves (the state then keeps m and
@@ -164,7 +144,7 @@ class Bucket:
 
     def publish(self, flags: List[int]) -> None:
         """The step's new weights in `out` (flags per parameter) into the model."""
-        for i, values in self.slices(self.out):
+        for i, values in self.slices(self.buffers.out):
             if flags[i] & _STEP:
                 p = self.params[i]
                 p.copy_(values.view_as(p), non_blocking=p.is_cuda)
@@ -173,14 +153,13 @@ class Bucket:
         self.out_ahead = False
 
     def unbind(self) -> None:
-        """The step is over (published or not). A master in `out` that the model did not take
-        (an abandoned or skipped step) goes back to the weights as they are."""
+        """The step is over (published or not): its buffers let go what they hold. A master in
+        `out` that the model did not take (an abandoned or skipped step) goes back to the
+        weights as they are."""
         if self.out_ahead:
             self.mirror()
             self.out_ahead = False
-
-    def drop_grad(self, i: int) -> None:
-        """After weight i's gradient was taken (a streamed one leaves the device)."""
+        self.buffers.end_step()
 
     @property
     def active(self) -> bool:
@@ -234,7 +213,7 @@ class Bucket:
         if not self.touched(i):
             return False
         p = self.param(i)
-        same = torch.equal(p.detach().reshape(-1).to("cpu"), self.slice(self.out, i))
+        same = torch.equal(p.detach().reshape(-1).to("cpu"), self.slice(self.buffers.out, i))
         if same:
             self.remember(i)
         return not same
@@ -304,14 +283,14 @@ def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[An
     for b in stepped:  # weights only taken: `out` keeps them as the model has them
         if not any(b.flags[i] == _TAKE for i in range(len(b.sizes))):
             continue
-        b.bind()  # held again if it was released early
-        for i, values in b.slices(b.out):
+        b.buffers.hold_next()  # held again if it was put aside
+        for i, values in b.slices(b.buffers.out):
             if b.flags[i] == _TAKE:
                 values.copy_(b.weight(i))
     if comm is not None:
         for b in active:  # every bucket's new weights arrive into its `out` (a shared one's
             if comm.writes_next(b):  # into its owner's and node owners' only)
-                b.bind()
+                b.buffers.hold_next()
         new = comm.broadcast_weights(active, stepped)
     else:
         new = [(b, [b.flags[i] for i in range(len(b.sizes))]) for b in stepped]
@@ -336,47 +315,9 @@ class StreamBucket(Bucket):
     version, current from publish() on; the weights as the model has them are the current
     version."""
 
-    # `grad` and `out` are views of the range's chunks while held, None while not; a bucket of
-    # an NVMe unit puts them aside once the library is done with them (release_early).
-    # hold_grad() holds the gradients again as they are; bind() holds `out` again.
-
     def __init__(self, serial: int, name: str, group: Dict[str, Any], rng: StreamRange):
         self.range = rng
-        super().__init__(serial, name, group, rng.info.params)
-
-    def _buffers(self) -> None:
-        self.out_ext = self.out = None
-        self.grad_ext = self.grad = None
-
-    def need_grad(self) -> None:
-        """Holds the gradient chunk from the step's first gradient to its end (or, for an NVMe
-        unit, until the library is done with it)."""
-        if self.grad is None:
-            self._held_grads(self.range.grads())
-
-    def hold_grad(self) -> Optional[torch.Tensor]:
-        if self.grad is None:
-            self._held_grads(self.range.grads(kept_only=True))
-        return self.grad
-
-    def _held_grads(self, ext: Optional[torch.Tensor]) -> None:
-        self.grad_ext = ext
-        self.grad = None if ext is None else ext[:self.numel]
-
-    def pages(self) -> bool:
-        return self.range.info.pages
-
-    def release_early(self, free_grads: bool) -> None:
-        self.out_ext = self.out = None
-        self.grad_ext = self.grad = None
-        self.range.put_aside(free_grads)
-
-    def grads_aside(self) -> None:
-        if self.pages() and self.grad is not None:
-            if self.this_step.event is not None:  # the copies into them (from a GPU) first
-                self.this_step.event.synchronize()
-            self.grad_ext = self.grad = None
-            self.range.put_aside(free=False, weights=False)
+        super().__init__(serial, name, group, rng.info.params, RangeBuffers(rng))
 
     def weight(self, i: int) -> torch.Tensor:
         with self.range.current() as now:
@@ -402,11 +343,6 @@ class StreamBucket(Bucket):
     def changed(self, i: int) -> bool:
         return self.touched(i)
 
-    def bind(self) -> None:
-        if self.out is None:
-            self.out_ext = self.range.next()
-            self.out = self.out_ext[:self.numel]
-
     def out_can_be_master(self, device_tier: bool) -> bool:
         return self.dtype == torch.float32
 
@@ -415,7 +351,7 @@ class StreamBucket(Bucket):
         # kernel left its new weights in `out`.
         if self.master == _abi.ADAM_MASTER_IN_OUT:
             with self.range.current() as now:
-                self.out.copy_(now)
+                self.buffers.out.copy_(now)
 
     @property
     def nodes(self):
@@ -425,7 +361,7 @@ class StreamBucket(Bucket):
         self.range.commit([bool(f & _STEP) for f in flags], flip=False)
 
     def sum_gradients(self) -> None:
-        self.need_grad()
+        self.buffers.hold_grads()
         self.range.sum_node_grads()
 
     def publish(self, flags: List[int]) -> None:
@@ -436,11 +372,3 @@ class StreamBucket(Bucket):
             if flags[i]:
                 self.remember(i)
         self.unbind()
-
-    def unbind(self) -> None:
-        self.out_ext = self.out = None
-        self.grad_ext = self.grad = None
-        self.range.end_step()
-
-    def drop_grad(self, i: int) -> None:
-        self.range.gradient_sent(i)

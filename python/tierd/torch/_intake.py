@@ -159,15 +159,15 @@ class GradientIntake:
             if b.params[i].grad is not None:
                 self.copy_grad(b, i)
             elif self._sharded:
-                b.need_grad()
-                b.slice(b.grad, i).zero_()
+                b.buffers.hold_grads()
+                b.slice(b.buffers.grad, i).zero_()
         now.has = list(now.got)
         now.complete = True
 
     def copy_grad(self, b: Bucket, i: int, add: bool = False) -> None:
         """Takes p.grad into the bucket's gradients (`add`: summed into what is there)."""
-        b.need_grad()
-        p, dst = b.params[i], b.slice(b.grad, i)
+        b.buffers.hold_grads()
+        p, dst = b.params[i], b.slice(b.buffers.grad, i)
         b.this_step.got[i] = True
         g = p.grad.detach().reshape(-1)
         if add:
@@ -186,7 +186,7 @@ class GradientIntake:
                 b.this_step.event.record(stream)
         else:
             dst.copy_(g)
-        b.drop_grad(i)
+        b.buffers.gradient_taken(i)
 
     def end_step(self) -> None:
         self._counts.clear()

@@ -30,7 +30,7 @@ IN_FLIGHT = 2  # paging buckets launched and not released: one stepped, one read
 
 
 class EarlyRelease:
-    """Releases launched buckets (Bucket.pages()) as the library is done with them; drain()
+    """Releases launched buckets (_buffers: pages) as the library is done with them; drain()
     waits for every one launched so far."""
 
     def __init__(self, wait: Callable[[Bucket, float], bool], released: Callable[[], None]):
@@ -45,7 +45,7 @@ class EarlyRelease:
     def launched(self, b: Bucket, free_grads: bool) -> None:
         """b was given to the library this step; `free_grads`: nothing reads its gradients
         again this step."""
-        if not b.pages():
+        if not b.buffers.pages:
             return
         with self._lock:
             if self._closed:
@@ -60,12 +60,12 @@ class EarlyRelease:
     def has_room(self, b: Bucket) -> bool:
         """Whether b may be launched now without waiting (room_to_launch)."""
         with self._lock:
-            return not b.pages() or self._pending < IN_FLIGHT
+            return not b.buffers.pages or self._pending < IN_FLIGHT
 
     def room_to_launch(self, b: Bucket) -> None:
         """Before b is launched: waits while IN_FLIGHT paging buckets are launched and not yet
         released."""
-        if b.pages():
+        if b.buffers.pages:
             with self._lock:
                 self._lock.wait_for(lambda: self._pending < IN_FLIGHT)
 
@@ -91,7 +91,7 @@ class EarlyRelease:
             try:
                 while not self._closed:
                     if self._wait(b, _WAIT_S):
-                        b.release_early(free_grads)
+                        b.buffers.put_aside(free_grads)
                         break
             except Exception:  # noqa: BLE001 (not done, or the step failed: its end releases b)
                 pass

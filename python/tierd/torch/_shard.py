@@ -127,19 +127,20 @@ class Comm:
             self.early += 0 if force else 1
             if b.this_step.event is not None:
                 b.this_step.event.synchronize()
-            b.need_grad()
-            b.grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.this_step.got])
+            b.buffers.hold_grads()
+            grad_ext = b.buffers.grad_ext
+            grad_ext[b.numel:] = torch.tensor([1.0 if g else 0.0 for g in b.this_step.got])
             owner = _global_rank(self.group, b.owner)
             nodes = b.nodes
             if nodes is None:
-                work = dist.reduce(b.grad_ext, dst=owner, group=self.group, async_op=True)
+                work = dist.reduce(grad_ext, dst=owner, group=self.group, async_op=True)
                 self._works[b.serial] = work
-                self.moved += _nbytes(b.grad_ext)
+                self.moved += _nbytes(grad_ext)
             else:  # the counts alone, to the rank of the node that sums the node's gradients
                 here = nodes.node_owner(owner)
-                work = dist.reduce(b.grad_ext[b.numel:], dst=here, group=nodes.group,
+                work = dist.reduce(grad_ext[b.numel:], dst=here, group=nodes.group,
                                    async_op=True)
-                self.moved += _nbytes(b.grad_ext[b.numel:])
+                self.moved += _nbytes(grad_ext[b.numel:])
                 if here == dist.get_rank():
                     self._summing.append((b, work))
                 else:
@@ -162,8 +163,8 @@ class Comm:
             if peers is None:  # one node: its sum is the job's
                 self._works[b.serial] = work
                 continue
-            work = dist.reduce(b.grad_ext, dst=owner, group=peers, async_op=True)
-            self.moved += _nbytes(b.grad_ext)
+            work = dist.reduce(b.buffers.grad_ext, dst=owner, group=peers, async_op=True)
+            self.moved += _nbytes(b.buffers.grad_ext)
             if owner == dist.get_rank():
                 self._works[b.serial] = work
             else:
@@ -180,8 +181,8 @@ class Comm:
                 continue
             work.wait()
             del self._works[b.serial]
-            b.this_step.has = [bool(x > 0) for x in b.grad_ext[b.numel:].tolist()]
-            b.grad.div_(self.world)
+            b.this_step.has = [bool(x > 0) for x in b.buffers.grad_ext[b.numel:].tolist()]
+            b.buffers.grad.div_(self.world)
             yield b
 
     def gather_norms(self, keyed: List[Tuple[int, torch.Tensor]]) -> List:
@@ -215,28 +216,30 @@ class Comm:
                 flags = [b.flags[i] if launched else 0 for i in range(len(b.sizes))]
                 if b.nodes is not None and any(flags):
                     b.finish_next(flags)
-                b.out_ext[b.numel:] = torch.tensor([float(f) for f in flags])
+                b.buffers.out_ext[b.numel:] = torch.tensor([float(f) for f in flags])
         across = {}  # shared buckets' weights to the other nodes first, all issued at once
         for b in buckets:
             nodes = b.nodes
             if nodes is not None and nodes.peers is not None and self.writes_next(b):
-                across[b.serial] = dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
+                across[b.serial] = dist.broadcast(b.buffers.out_ext,
+                                                  src=_global_rank(self.group, b.owner),
                                                   group=nodes.peers, async_op=True)
-                self.moved += _nbytes(b.out_ext)
+                self.moved += _nbytes(b.buffers.out_ext)
         works, messages = [], []
         for b in buckets:
             nodes = b.nodes
             if nodes is None:
-                messages.append(b.out_ext[b.numel:])
-                works.append(dist.broadcast(b.out_ext, src=_global_rank(self.group, b.owner),
+                messages.append(b.buffers.out_ext[b.numel:])
+                works.append(dist.broadcast(b.buffers.out_ext,
+                                            src=_global_rank(self.group, b.owner),
                                             group=self.group, async_op=True))
-                self.moved += _nbytes(b.out_ext)
+                self.moved += _nbytes(b.buffers.out_ext)
                 continue
             message = torch.zeros(len(b.sizes))
             if self.writes_next(b):
                 if b.serial in across:
                     across.pop(b.serial).wait()
-                message.copy_(b.out_ext[b.numel:])
+                message.copy_(b.buffers.out_ext[b.numel:])
             messages.append(message)
             works.append(dist.broadcast(
                 message, src=nodes.node_owner(_global_rank(self.group, b.owner)),

@@ -301,7 +301,8 @@ class OptimizerState:
         """Queues bucket b's step (its gradients, flags, taken weights and `out`)."""
         code = STEPPED_DTYPES[b.dtype]
         self.lanes.launched(b)
-        self.adam.step_tensors(b.slot, _ptr(b.hold_grad()), code, _ptr(b.out), code, b.flags,
+        grad = b.buffers.hold_kept_grads()
+        self.adam.step_tensors(b.slot, _ptr(grad), code, _ptr(b.buffers.out), code, b.flags,
                                len(b.sizes), _ptr(b.weights))
 
     def wait(self, b: Bucket, timeout_s: float) -> bool:

@@ -214,7 +214,7 @@ class Stepper:
             b.this_step.event.synchronize()
         if self._release is not None:
             self._release.room_to_launch(b)
-        b.bind()
+        b.buffers.hold_next()
         b.prime_out()
         self._state.launch(b)
         b.this_step.launched = True

@@ -68,7 +68,7 @@ class Verdict:
                 continue
             keyed += [(order.get(id(b.params[i]), len(order)),
                        torch.norm(values if inv is None else values * inv, 2.0))
-                      for i, values in b.slices(b.hold_grad()) if b.this_step.has[i]]
+                      for i, values in b.slices(b.buffers.hold_kept_grads()) if b.this_step.has[i]]
             b.grads_aside()  # one bucket's gradients in memory at a time
         if self._comm is not None:  # every rank's norms, then the same sum as below
             keyed = self._comm.gather_norms(keyed)
@@ -96,7 +96,7 @@ class Verdict:
     def scale(buckets: List[Bucket], factor: torch.Tensor) -> None:
         """Multiplies the buckets' gradients by `factor` (unscale, or clip)."""
         for b in buckets:
-            grad = b.hold_grad()
+            grad = b.buffers.hold_kept_grads()
             if grad is not None:
                 grad.mul_(factor)
                 del grad
