@@ -25,11 +25,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                                if f.endswith(".md"))
-# The benchmarks' subject pages, which docs/benchmarks.md lists.
-BENCHMARK_PAGES = sorted(os.path.join("docs", "benchmarks", f)
-                         for f in os.listdir(os.path.join(ROOT, "docs", "benchmarks"))
-                         if f.endswith(".md"))
-PAGES += BENCHMARK_PAGES
+# A subject's pages in docs/<subject>/, which its headline page docs/<subject>.md lists.
+SUBJECTS = sorted(d for d in os.listdir(os.path.join(ROOT, "docs"))
+                  if os.path.isdir(os.path.join(ROOT, "docs", d)) and
+                  any(f.endswith(".md") for f in os.listdir(os.path.join(ROOT, "docs", d))))
+SUBJECT_PAGES = {s: sorted(os.path.join("docs", s, f)
+                           for f in os.listdir(os.path.join(ROOT, "docs", s)) if f.endswith(".md"))
+                 for s in SUBJECTS}
+PAGES += [p for s in SUBJECTS for p in SUBJECT_PAGES[s]]
 RUN = {"python", "sh", "cpp", "toml"}
 NOT_CODE = {"text", "mermaid"}
 
@@ -126,13 +129,15 @@ def daemon():
 def test_every_page_is_in_the_readmes_table():
     with open(os.path.join(ROOT, "README.md")) as f:
         linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", f.read()))
-    assert linked == {p for p in PAGES if p != "README.md" and p not in BENCHMARK_PAGES}
+    assert linked == {p for p in PAGES if p.count("/") == 1}  # docs/<page>.md
 
 
-def test_every_benchmark_page_is_in_the_benchmarks_table():
-    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
-        linked = set(re.findall(r"\]\((benchmarks/[\w-]+\.md)\)", f.read()))
-    assert BENCHMARK_PAGES and linked == {os.path.relpath(p, "docs") for p in BENCHMARK_PAGES}
+@pytest.mark.parametrize("subject", SUBJECTS)
+def test_every_subject_page_is_in_its_headline_pages_table(subject):
+    with open(os.path.join(ROOT, "docs", subject + ".md")) as f:
+        linked = set(re.findall(rf"\]\(({subject}/[\w-]+\.md)\)", f.read()))
+    pages = SUBJECT_PAGES[subject]
+    assert pages and linked == {os.path.relpath(p, "docs") for p in pages}
 
 
 def test_links_between_pages_reach_a_page_and_its_heading():

@@ -3,9 +3,9 @@ TrainingArguments knob that touches gradients, the optimizer, saving or resuming
 losses, logged norms and weights, or is refused when the Trainer is made, naming it.
 
 OffloadedAdamW's kernel evaluates AdamW's formula in another order than torch's (fp32 rounding,
-docs/optimizer.md), so from the second step the two runs differ by that rounding only: the first
-step's loss and logged norm are equal bit for bit (same weights, same gradients), the rest within
-the tolerance test_torch_optimizer.py derives for one kernel against the other.
+docs/optimizer/kernels.md), so from the second step the two runs differ by that rounding only:
+the first step's loss and logged norm are equal bit for bit (same weights, same gradients), the
+rest within the tolerance test_torch_optimizer.py derives for one kernel against the other.
 """
 import pytest
 import torch

@@ -16,7 +16,7 @@ and state_dict format (loadable into and from a plain AdamW). The model keeps it
 exp_avg_sq in daemon chunks at home on NVMe or in the host tier, streamed through a bounded host
 budget by the client library's fused CPU kernels, and writes the new weights back into the model
 after each step. fp32 weights with scratch state on a node without a device tier are their own
-master: the chunks then hold the moments only (docs/optimizer.md).
+master: the chunks then hold the moments only (docs/optimizer/pytorch.md).
 
 `overlap_backward=True` hands gradients to the optimizer as backward produces them (copied off the
 GPU on a side stream) and steps each bucket of parameters while backward still runs. The gradients

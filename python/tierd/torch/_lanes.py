@@ -2,10 +2,10 @@
 
 With `device_share` set, a share of this rank's buckets is stepped by the device's kernels: each
 step their state comes up into the daemon's device tier and goes home again, while the CPU steps
-the rest (docs/optimizer.md, "Stepping on the device"). The buckets given to the device are those
-whose gradients come last in backward (the last step's launch order; before any step, the order
-the buckets were laid out in, which is backward's): the CPU lane's tail after backward is then
-shortest.
+the rest (docs/optimizer/library.md, "Stepping on the device"). The buckets given to the device
+are those whose gradients come last in backward (the last step's launch order; before any step,
+the order the buckets were laid out in, which is backward's): the CPU lane's tail after backward
+is then shortest.
 "auto" takes the share that balances the lanes' rates as the library measured them over the last
 steps, 0.5 until both lanes have stepped. Placement changes between the library's steps only.
 """

@@ -88,7 +88,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         is stepped by the device's kernels, their state brought up into the daemon's device tier
         each step and sent home again, while the CPU steps the rest; "auto" balances the two
         lanes from their measured rates. The same results as the CPU's (bit for bit on an
-        emulated device; see docs/optimizer.md). Needs the daemon's device tier and fp32 moments.
+        emulated device; see docs/optimizer/pytorch.md). Needs the daemon's device tier and
+        fp32 moments.
     process_group: data-parallel ranks to shard the state over, ZeRO-1 style: each rank keeps
         and steps its share of the buckets, gradients are averaged over the ranks (as DDP does;
         the model need not be wrapped in DDP) and the new weights are broadcast. None: torch's
@@ -99,7 +100,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
     As torch.optim.AdamW: a parameter without a gradient in a step (frozen, or unused) is left
     exactly as it is, with its moments and its own step count; parameter groups may be added
     (add_param_group) and their params lists edited between steps; weights changed between steps
-    (a clamp, a load, an average swapped in) are stepped from as they are. See docs/optimizer.md.
+    (a clamp, a load, an average swapped in) are stepped from as they are. See
+    docs/optimizer/pytorch.md.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
