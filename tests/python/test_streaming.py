@@ -283,6 +283,20 @@ def test_the_window_holds_only_what_computes(daemon):  # noqa: F811
     model(*batch(0)).backward()
 
 
+def test_the_units_on_the_device_at_once_are_window_units_the_old_name_warns(daemon):  # noqa: F811,E501
+    model = make()
+    stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"), prefetch=2,
+                                           device_budget_bytes=budget(model, prefetch=2),
+                                           socket_dir=daemon)
+    try:
+        assert stream.window_units == 4  # two ahead, the one computing, one more
+        assert "window 4" in repr(stream)
+        with pytest.warns(FutureWarning, match="use window_units"):
+            assert stream.window == 4
+    finally:
+        stream.close()
+
+
 def test_evaluation_streams_under_no_grad_and_gathered_weights_can_be_edited(daemon):  # noqa: F811,E501
     """A forward under torch.no_grad() streams as training does and equals the model evaluated on
     its gathered weights; a weight changed inside gathered() is kept, and the optimizer steps from

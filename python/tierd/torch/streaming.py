@@ -12,20 +12,15 @@ up to host_budget_bytes, on NVMe past it); on the device a unit's parameters kee
 have an empty storage, except while the unit is in the *window*: fetched for its forward, again
 for its backward, released after each. Everything outside the units stays on the device.
 
-The rooms, each over the ones before it: _units.py (the units, their layout and chunks),
-_trace.py (the order recorded over the first iteration, the daemon's schedule), _window.py (the
-device storage, fetch and release), _stream_hooks.py (the hooks and the training state),
-_gather.py (gathered() and save_pretrained()). Tensors autograd saved in forward that view a
-parameter (a weight's transpose) view the unit's storage, so backward reads the weights fetched
-for it.
+The rooms under this one are drawn in docs/architecture.md. Tensors autograd saved in forward
+that view a parameter (a weight's transpose) view the unit's storage, so backward reads the
+weights fetched for it.
 
-OffloadedAdamW steps streamed parameters through one seam, _ranges.py, which neither tower's
-rooms import across: the stream lends its parts there (_ranges.StreamParts) and registers its
-parameters under them; stream_ranges() lays each unit out as one range per parameter group and
-dtype and hands back a StreamRange for each. Gradients leave the device as autograd finishes each
-one into the range's gradient chunk; the kernel writes the new weights into the range's next
-version, which StreamRange.commit makes current (the stream flips it: _Seam.flipped); a step
-rolled back or skipped leaves the current version as it was.
+OffloadedAdamW steps streamed parameters through one seam, _ranges.py, where the stream lends
+its parts (_ranges.StreamParts): gradients leave the device into each range's gradient chunk, the
+kernel writes the new weights into the range's next version, and StreamRange.commit makes it
+current (the stream flips it: _Seam.flipped); a step rolled back or skipped leaves the current
+version as it was.
 """
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
@@ -78,7 +73,7 @@ class ParameterStream:
         self.device = device
         self.device_budget_bytes = int(device_budget_bytes)
         self.prefetch = int(prefetch)
-        self.window = self.prefetch + 2
+        self.window_units = self.prefetch + 2  # on the device at once: ahead, computing, one more
         self.host_budget_bytes = host_budget_bytes
         self.name = name or type(model).__name__
         self.shared_base = shared_base
@@ -203,7 +198,7 @@ class ParameterStream:
     def _check_budget(self, units: List[Unit]) -> None:
         resident = sum(t.numel() * t.element_size() for t in self._resident)
         largest = max(sum(p.numel() * p.element_size() for p in u.params) for u in units)
-        need = resident + self.window * largest + largest  # the window, and one unit's grads
+        need = resident + self.window_units * largest + largest  # and one unit's gradients
         self.resident_bytes = resident
         self.largest_unit_bytes = largest
         if self.device_budget_bytes < need:
@@ -242,6 +237,12 @@ class ParameterStream:
             s["planner_fetches"] = session.planner_fetches
             s["acquired_waited"] = session.acquired_waited
         return s
+
+    @property
+    def window(self) -> int:
+        warnings.warn("ParameterStream.window is deprecated: use window_units", FutureWarning,
+                      stacklevel=2)
+        return self.window_units
 
     @property
     def units(self) -> List[str]:
@@ -337,17 +338,14 @@ class ParameterStream:
             pass
 
     def __repr__(self) -> str:
-        return (f"ParameterStream({len(self._units)} units, window {self.window}, device "
+        return (f"ParameterStream({len(self._units)} units, window {self.window_units}, device "
                 f"{self.device}, budget {self.device_budget_bytes:,} bytes)")
 
 
 def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
-    seen, out = set(), []
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in streamed and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    kept = {id(t): t for t in list(model.parameters()) + list(model.buffers())
+            if id(t) not in streamed}  # each tensor once, where it first comes
+    return list(kept.values())
 
 
 class _Seam:
