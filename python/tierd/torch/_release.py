@@ -30,8 +30,8 @@ IN_FLIGHT = 2  # paging buckets launched and not released: one stepped, one read
 
 
 class EarlyRelease:
-    """Releases launched buckets (_buffers: pages) as the library is done with them; drain()
-    waits for every one launched so far."""
+    """Releases launched buckets whose buffers page (_buffers.py) as the library is done with
+    them; drain() waits for every one launched so far."""
 
     def __init__(self, wait: Callable[[Bucket, float], bool], released: Callable[[], None]):
         self._wait = wait  # (bucket, timeout) -> done; False: not within the timeout
