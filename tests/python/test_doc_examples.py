@@ -176,15 +176,17 @@ def test_every_block_says_what_it_is():
             assert text in SETUPS and lang in SETUPS[text], f"{where}: no setup {text!r}"
 
 
-def _env(daemon):
+def _env(daemon, tmp_path=None):
     env = dict(os.environ, TIERD_SOCKET_DIR=daemon, PYTHONPATH=os.path.join(ROOT, "python"))
     env.pop("TIERD_JOB", None)
+    if tmp_path is not None:  # what an example writes to a temporary directory goes with the test's
+        env["TMPDIR"] = str(tmp_path)
     return env
 
 
-def _run(args, daemon, **kwargs):
-    r = subprocess.run(args, cwd=ROOT, env=_env(daemon), capture_output=True, text=True,
-                       timeout=300, **kwargs)
+def _run(args, daemon, tmp_path=None, **kwargs):
+    r = subprocess.run(args, cwd=ROOT, env=_env(daemon, tmp_path), capture_output=True,
+                       text=True, timeout=300, **kwargs)
     return r.returncode, r.stdout + r.stderr
 
 
@@ -201,16 +203,16 @@ def test_the_example_runs(daemon, tmp_path, block):
     if lang == "python":
         path = tmp_path / "example.py"
         path.write_text(code + "\n")
-        rc, out = _run([sys.executable, str(path)], daemon)
+        rc, out = _run([sys.executable, str(path)], daemon, tmp_path)
     elif lang == "sh":
         # The daemon checks the configuration each command line gives it instead of serving.
         preamble = ('build/daemon/tierd() { "$TIERD_BIN" --check "$@" >/dev/null; }\n'
                     'build/tools/tierctl() { "$TIERCTL_BIN" "$@"; }\n')
-        rc, out = _run(["bash", "-euo", "pipefail", "-c", preamble + code], daemon)
+        rc, out = _run(["bash", "-euo", "pipefail", "-c", preamble + code], daemon, tmp_path)
     elif lang == "toml":
         path = tmp_path / "example.toml"
         path.write_text(code + "\n")
-        rc, out = _run([os.environ["TIERD_BIN"], "--check", f"--config={path}"], daemon)
+        rc, out = _run([os.environ["TIERD_BIN"], "--check", f"--config={path}"], daemon, tmp_path)
     else:
         rc, out = _compile_and_run(code, tmp_path, daemon)
     assert rc == 0, f"{where}: the {lang} example failed:\n{code}\n---\n{out}"
@@ -230,7 +232,7 @@ def _compile_and_run(code, tmp_path, daemon):
     binary = tmp_path / "example"
     rc, out = _run([os.environ.get("CXX", "c++"), "-std=c++20", "-Wall",
                     f"-I{os.path.join(ROOT, 'client', 'include')}", str(source), library, *absl,
-                    f"-Wl,-rpath,{os.path.dirname(library)}", "-o", str(binary)], daemon)
+                    f"-Wl,-rpath,{os.path.dirname(library)}", "-o", str(binary)], daemon, tmp_path)
     if rc != 0:
         return rc, "compiling: " + out
-    return _run([str(binary)], daemon)
+    return _run([str(binary)], daemon, tmp_path)

@@ -55,8 +55,10 @@ def free_port():
 
 
 def node_env(socket_dir, **more):
+    """A node's environment; what its torchrun and ranks leave in a temporary directory goes
+    with the node's socket directory."""
     return dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1",
-                TIERD_SOCKET_DIR=socket_dir, PYTHONFAULTHANDLER="1", **more)
+                TIERD_SOCKET_DIR=socket_dir, PYTHONFAULTHANDLER="1", TMPDIR=socket_dir, **more)
 
 
 def run_nodes(commands, envs, timeout=300):

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -25,12 +26,14 @@ def torchrun(*args, timeout=300, ranks=2, check=True):
     """Ranks on this node (python3 -m tierd.torchrun: torchrun that also runs where torch
     1.13's own fails on Python 3.11). With check, their output; else the finished process.
     A rank killed by a signal prints every thread's Python stack (PYTHONFAULTHANDLER) into the
-    output a failure shows."""
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1",
-               PYTHONFAULTHANDLER="1")
-    r = subprocess.run([sys.executable, "-m", "tierd.torchrun", "--standalone",
-                        f"--nproc_per_node={ranks}", *args], capture_output=True, text=True,
-                       timeout=timeout, env=env)
+    output a failure shows. What torchrun and the ranks leave in a temporary directory goes
+    with the run."""
+    with tempfile.TemporaryDirectory(prefix="tierd-ranks-") as tmp:
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), OMP_NUM_THREADS="1",
+                   PYTHONFAULTHANDLER="1", TMPDIR=tmp)
+        r = subprocess.run([sys.executable, "-m", "tierd.torchrun", "--standalone",
+                            f"--nproc_per_node={ranks}", *args], capture_output=True, text=True,
+                           timeout=timeout, env=env)
     if not check:
         return r
     assert r.returncode == 0, r.stdout + r.stderr
