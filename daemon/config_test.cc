@@ -1,10 +1,12 @@
 #include "daemon/config.h"
 #include "daemon/config_flags.h"
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "daemon/config_keys.h"
@@ -306,6 +308,7 @@ TEST(ConfigFlagsTest, EveryFormAbseilTakes) {
 
 TEST(ConfigFlagsTest, FlagsOverrideTheFile) {
   const std::string path = testing::TempDir() + "/flags_override.toml";
+  absl::Cleanup remove_file = [&path] { std::remove(path.c_str()); };
   std::ofstream(path) << "[host]\ncapacity = \"4GiB\"\nsegment_size = \"128MiB\"\n"
                          "[nvme]\nsqpoll = true\n[daemon]\nstate_dir = \"/srv/t\"\n";
   absl::StatusOr<DaemonConfig> c =

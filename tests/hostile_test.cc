@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -372,6 +374,7 @@ TEST_F(HostileClientTest, RunningOutOfFileDescriptorsNeitherSpinsNorFloodsTheLog
   // daemon runs out of descriptors on purpose, so its vptr check is off; the rest of the suite
   // keeps it.
   const std::string suppressions = ::testing::TempDir() + "/tierd-out-of-fds.supp";
+  absl::Cleanup remove_file = [&suppressions] { std::remove(suppressions.c_str()); };
   std::ofstream(suppressions) << "vptr:*\n";  // by source file: an invalid vptr has no type name
   Start({}, {"UBSAN_OPTIONS=print_stacktrace=1:suppressions=" + suppressions});
   RawSession bystander = Open();
