@@ -63,7 +63,7 @@ def parts_of(p: torch.Tensor) -> Optional[StreamParts]:
 
 
 class RangeInfo(NamedTuple):
-    """What an optimizer reads of a range and never sets.
+    """What an optimizer reads of a range; it never reassigns a field, and edits only `edited`.
 
     - params: its parameters, laid end to end in this order;
     - nodes: with share_ranks, the job's ranks by node (_ranks.Nodes): the ranks of each node
