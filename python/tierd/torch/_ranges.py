@@ -154,10 +154,14 @@ class StreamRange:
         """The step is done with what it holds for now: the gradients' hold goes — `free`:
         nothing reads them again this step (the chunk goes, made anew at the next step's first
         gradient), else they are kept — and, with `weights`, the next version's (its contents
-        kept for commit)."""
+        kept for commit). Both: the step will not be taken again, so the next forward reads the
+        next version, not the current one: the daemon is told now (a hint), and keeps the new
+        weights in memory rather than the old ones no forward reads."""
         if weights:
             self._next = _let_go(self._next)
             self._next_aside = True
+            if free:
+                self._parts.units.expect(self._range, 1 - self._range.current)
         self._grads = _let_go(self._grads)
         if free:
             self._parts.units.grads.free(self._range)
@@ -185,7 +189,9 @@ class StreamRange:
 
     def end_step(self) -> None:
         """The step is over (committed, or abandoned): the next version and the gradients are
-        let go, and nothing put aside is held again."""
+        let go, and nothing put aside is held again. The next forward reads the current version
+        (after an abandoned step too)."""
+        self._parts.units.expect(self._range, self._range.current)
         self._next = _let_go(self._next)
         self._next_aside = False
         self._grads = _let_go(self._grads)

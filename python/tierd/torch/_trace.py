@@ -134,7 +134,7 @@ class Trace:
         version bit, without a call; one without is declared again as the next iteration
         starts."""
         if self.declared and self._paired and r.version_bit is not None:
-            self.units.client.set_version(r.version_bit, r.current)
+            self.units.expect(r, r.current)
         else:
             self._stale = True
 
@@ -149,10 +149,9 @@ class Trace:
             return
         ranges = [r for u in nvme if u.home == Tier.NVME for r in u.ranges if not r.in_base]
         self._paired = len(ranges) <= _abi.VERSION_BITS  # else the current chunks, as they are
-        if self._paired:
-            for bit, r in enumerate(ranges):
-                r.version_bit = bit
-                self.units.client.set_version(bit, r.current)
+        for bit, r in enumerate(ranges):
+            r.version_bit = bit if self._paired else None
+            self.units.expect(r, r.current)
         steps = []
         for index in self.order:
             u = self.units[index]

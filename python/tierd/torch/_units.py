@@ -44,7 +44,7 @@ class Range:
         self.offset = 0         # bytes, in each version's chunk
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
         self.current = 0        # the version holding the weights
-        self.version_bit = None  # the daemon's bit for `current`, once the schedule names it
+        self.version_bit = None  # the daemon's bit for its pair, while the schedule has one
         self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (_grad_chunks.py)
         self.retired = False    # the unit was laid out anew: this range is no more
         self.in_base = False    # in the shared base's chunk (current is BASE, for good)
@@ -267,6 +267,13 @@ class Units:
             return u.views[version], None
         acq = self.client.acquire([u.chunk_id(version)], Tier.HOST, access)
         return as_tensor(acq, 0, torch.uint8, [u.chunk_size(version)]), acq
+
+    def expect(self, r: Range, version: int) -> None:
+        """The next forward is expected to read version `version` of r: so says the daemon's
+        version bit of r, where the schedule names r's chunks as a pair. A hint: a wrong one
+        costs a read, never wrong data."""
+        if r.version_bit is not None:
+            self.client.set_version(r.version_bit, version)
 
     @contextlib.contextmanager
     def holding(self, u: Unit, version: int, access: Access):
