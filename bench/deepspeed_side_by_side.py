@@ -28,8 +28,10 @@ not timed. Each child takes one warm-up step and
 read and wrote to storage over the timed steps (/proc/PID/io) and its losses. A mode that cannot
 run here is reported with its error. The table gives each mode's step as a ratio to tierd's
 streamed one, the RAM it was given beside tierd-stream's (DeepSpeed's peak RSS, its swap buffers
-in it; tierd's trainer's peak RSS plus the whole host tier its daemon is given), its bytes a step beside the fewest a step must move where its weights and state
-are at home with --host-capacity of memory to keep them in (benchlib.step_minimum_bytes; every
+in it; tierd's trainer's peak RSS plus the whole host tier its daemon is given, the tier's pages
+the trainer maps, which its RSS counts as well, counted once), its bytes a step beside the fewest
+a step must move where its weights and state are at home with --host-capacity of memory to keep
+them in (benchlib.step_minimum_bytes; every
 mode is measured against that memory; not for the -split modes, whose state is partly on the
 device), tierd's bytes by role (the stream's weights and gradients, the optimizer's state: each
 role's sessions are a job of their own, counted by the daemon's tierd_job_moved_bytes_total), and
@@ -277,6 +279,7 @@ def child(args) -> None:
     losses, times = [], []
     io = None
     host = 0  # the daemon's host tier in use, the most after a step
+    shared = []  # the daemon's memory mapped into this process (RssShmem), after each step
     for k, x in enumerate(data):
         if k == 1:  # after the warm-up step
             io = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
@@ -290,6 +293,7 @@ def child(args) -> None:
         losses.append(float(loss.detach().float()))
         if probe is not None:
             host = max(host, probe.tier_usage(tierd.Tier.HOST).used_bytes)
+            shared.append(benchlib.proc_status()["RssShmem"])
     after = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
     moved = [sum(a[i] - b[i] for a, b in zip(after, io)) for i in (0, 1)]
     by_role = {}  # tierd's: bytes a step each role's chunks moved, by path
@@ -299,6 +303,7 @@ def child(args) -> None:
             by_role.setdefault(role, {})[path] = (v - jobs.get((job, path), 0.0)) / args.steps
     out = {"mode": mode, "step_s": statistics.median(times[1:]), "steps_s": times[1:],
            "losses": losses, "peak_rss": benchlib.proc_status()["VmHWM"],
+           "tier_in_rss": min(shared, default=0),
            "read_bytes": moved[0] / args.steps, "written_bytes": moved[1] / args.steps,
            "host_tier_peak": host, "by_role": by_role}
     for close in cleanup:
@@ -376,18 +381,22 @@ def starts_elsewhere(args, run, reference) -> str:
             "batch (it starts from other weights)")
 
 
-def memory_given(args, mode, peak_rss) -> int:
+def memory_given(args, mode, peak_rss, tier_in_rss=0) -> int:
     """The RAM a mode is given: DeepSpeed's process at its peak (its swap buffers are in it);
     tierd's trainer at its peak plus the host tier its daemon is given (--host-capacity, all of
-    it, not only what the run used)."""
+    it, not only what the run used). The host tier's pages the trainer maps count in its RSS
+    too, once they are touched: `tier_in_rss`, the least of them after any step, is counted
+    once, in the tier."""
     from tierd.torch import _safetensors
     if mode.startswith("ds-"):
         return peak_rss
-    return peak_rss + _safetensors.parse_size(args.host_capacity)
+    return peak_rss - tier_in_rss + _safetensors.parse_size(args.host_capacity)
 
 
 def report(args, runs, reference) -> None:
+    from tierd.torch import _safetensors
     mib = 1 << 20
+    tier_given = _safetensors.parse_size(args.host_capacity)
     modes = [m for m in args.modes.split(",") if m in runs]
     print(f"\nLlama-shaped, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
           f"{args.dtype}, batch {args.batch} x {args.seq} tokens, AdamW "
@@ -403,16 +412,16 @@ def report(args, runs, reference) -> None:
     first = next((m for m in modes if ok[m]), None)
     ref = statistics.median(r["step_s"] for r in ok["tierd-stream"]) \
         if ok.get("tierd-stream") else None
-    ram_ref = memory_given(args, "tierd-stream", max(r["peak_rss"] for r in
-                                                     ok["tierd-stream"])) \
-        if ok.get("tierd-stream") else None
+    ram_ref = max(memory_given(args, "tierd-stream", r["peak_rss"], r.get("tier_in_rss", 0))
+                  for r in ok["tierd-stream"]) if ok.get("tierd-stream") else None
     for m in modes:
         if not ok[m]:
             print(f"  {m:18s} could not run here: {runs[m][0]['error']}")
             continue
         step = statistics.median(r["step_s"] for r in ok[m])
         rss = max(r["peak_rss"] for r in ok[m])
-        ram = memory_given(args, m, rss)
+        ram = max(memory_given(args, m, r["peak_rss"], r.get("tier_in_rss", 0)) for r in ok[m])
+        in_rss = max(r.get("tier_in_rss", 0) for r in ok[m])
         daemon = max((r.get("daemon_peak_rss", 0) for r in ok[m]), default=0)
         host = max((r.get("host_tier_peak", 0) for r in ok[m]), default=0)
         read = statistics.median(r["read_bytes"] for r in ok[m])
@@ -434,7 +443,8 @@ def report(args, runs, reference) -> None:
             f"{v.get('host_to_nvme', 0) / mib:.0f} MiB" for role, v in sorted(roles.items()))
         print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   RAM {ram / mib:6.0f} MiB"
               f"{ram_ratio}: peak RSS {rss / mib:6.0f} MiB"
-              + (f" + host tier given {(ram - rss) / mib:.0f} MiB (daemon's peak RSS "
+              + (f" (of it the tier's pages it maps {in_rss / mib:.0f} MiB)"
+                 f" + host tier given {tier_given / mib:.0f} MiB (daemon's peak RSS "
                  f"{daemon / mib:.0f} MiB, {host / mib:.0f} MiB of its tier in use)"
                  if daemon else "")
               + f"   storage a step: read {read / mib:6.1f} MiB, written {written / mib:6.1f} "
