@@ -271,8 +271,8 @@ class Units:
     def expect(self, r: Range, version: int) -> None:
         """The next forward is expected to read version `version` of r: so says the daemon's
         version bit of r, where the schedule names r's chunks as a pair. A hint: a wrong one
-        costs a read, never wrong data."""
-        if r.version_bit is not None:
+        costs a read, never wrong data. Nothing once the stream's session is closed."""
+        if r.version_bit is not None and not self.client.closed:
             self.client.set_version(r.version_bit, version)
 
     @contextlib.contextmanager
