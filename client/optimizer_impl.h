@@ -60,7 +60,7 @@ struct OffloadedAdam::Impl {
     if (largest == 0)
       largest = internal::ShardOf(0, state.shard_params, state.options.state_type).bytes();
     const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
-    window.set_slots(slots - PlanResidency(slots));
+    window.set_slots(slots - PlanResidency(slots, largest));
     worker->Resize();
     if (device_lane != nullptr) device_lane->Resize();
   }
@@ -71,15 +71,17 @@ struct OffloadedAdam::Impl {
   // order), so that the step's tail after backward waits for none of them. They are pinned
   // during their step only: between steps the daemon keeps them as it keeps any chunk, and
   // writes one down only when another needs its room. Persistent state streams whole: what
-  // FinishStep acknowledged is on NVMe. Returns the slots the resident shards take.
-  uint64_t PlanResidency(uint64_t slots) {
+  // FinishStep acknowledged is on NVMe. The room is bytes: many groups' small last shards stay
+  // as far as their bytes fit, not as many as the slots of the largest. Returns the slots (of
+  // `largest` bytes) the resident shards take.
+  uint64_t PlanResidency(uint64_t slots, uint64_t largest) {
     const uint64_t per_shard = state.options.speculative ? 2 : 1;
     // The window the streamed shards need: the shards in hand, one read ahead and one written
     // back at the least; a quarter of the budget when that is more.
     const uint64_t window = std::max<uint64_t>(per_shard + 2, slots / 4);
-    uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
-                        ? (slots - window) / per_shard
-                        : 0;
+    const uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
+                              ? (slots - window) / per_shard * largest
+                              : 0;
     // The order the groups are stepped in: the expected one, then any it does not name yet.
     std::vector<size_t> order;
     std::vector<bool> listed(state.groups.size(), false);
@@ -89,15 +91,15 @@ struct OffloadedAdam::Impl {
     for (size_t g = 0; g < listed.size(); ++g) {
       if (!listed[g]) order.push_back(g);
     }
-    uint64_t resident = 0;
+    uint64_t resident = 0;  // bytes
     for (auto g = order.rbegin(); g != order.rend(); ++g) {
       internal::Group& group = state.groups[*g];
       for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
-        sh->resident = !group.on_device && resident < room;
-        resident += sh->resident ? 1 : 0;
+        sh->resident = !group.on_device && resident + sh->bytes() <= room;
+        resident += sh->resident ? sh->bytes() : 0;
       }
     }
-    return resident * per_shard;
+    return (resident + largest - 1) / largest * per_shard;
   }
 
   // The lane that steps group g.

@@ -237,6 +237,41 @@ TEST_F(OptimizerTest, ScratchStateKeepsWhatTheBudgetHoldsOnTheHostBetweenSteps) 
   }
 }
 
+// The budget is bytes: a model's many small groups (a block's norms and biases) each end in a
+// shard smaller than the largest, and as many of them stay on the host as their bytes fit, not
+// only as many as the budget has slots of the largest shard's size.
+TEST_F(OptimizerTest, ScratchStateKeepsSmallShardsAsFarAsTheirBytesFit) {
+  std::vector<ParamGroup> groups = {{"big", 256 * 1024}};  // one shard of the largest size
+  for (int i = 0; i < 10; ++i) groups.push_back({absl::StrCat("norm", i), 20000});
+  OffloadedAdamOptions o = Options("model/small-shards");
+  o.persistent = false;
+  o.shard_params = 256 * 1024;  // 3 MiB of state a shard
+  // 8 slots of 3 MiB: a window of 3, and 15 MiB for the 11 shards' 5.4 MiB to stay in. Counted
+  // in slots, only 5 of the 11 would stay.
+  o.host_budget_bytes = 8 * 12 * o.shard_params;
+  auto created = OffloadedAdam::Create(groups, o);
+  ASSERT_TRUE(created.ok()) << created.status();
+  OffloadedAdam& opt = **created;
+  std::vector<std::vector<float>> params;
+  std::vector<std::vector<uint16_t>> grads;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    params.emplace_back(groups[g].params, 0.5f);
+    grads.emplace_back(groups[g].params, kernels::ToBF16(0.25f));
+    ASSERT_TRUE(opt.SetParams(g, params[g]).ok());
+  }
+  for (int step = 1; step <= 3; ++step) {
+    const uint64_t read_before = PathBytes(opt.client(), "nvme_to_host");
+    ASSERT_TRUE(opt.BeginStep().ok());
+    for (size_t g = groups.size(); g-- > 0;) {
+      ASSERT_TRUE(opt.StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+    }
+    auto stats = opt.FinishStep();
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    if (step == 1) continue;  // the state came up
+    EXPECT_EQ(PathBytes(opt.client(), "nvme_to_host") - read_before, 0u) << "step " << step;
+  }
+}
+
 TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
   OffloadedAdamOptions o = Options();
   o.home = Tier::kHost;
