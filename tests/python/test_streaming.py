@@ -527,18 +527,39 @@ def test_resumes_by_name_across_a_daemon_restart():
             assert torch.equal(results[True][1][k], v), k
 
 
-def train_nvme_homed(root, streamed, steps, after_step=lambda: None, **opt_kwargs):
-    """8 blocks of d 192, streamed with every block at home on NVMe (or in memory), trained with
-    the optimizer's state on NVMe: (losses, weights, steps rolled back, the stream's stats)."""
+def as_job(job, make):
+    """make(), its sessions declared as the job `job` ($TIERD_JOB, as it was after)."""
+    was = os.environ.get("TIERD_JOB")
+    os.environ["TIERD_JOB"] = job
+    try:
+        return make()
+    finally:
+        if was is None:
+            del os.environ["TIERD_JOB"]
+        else:
+            os.environ["TIERD_JOB"] = was
+
+
+def gpt_on_nvme(root, streamed, **opt_kwargs):
+    """8 blocks of d 192 (seed 0), streamed with every block at home on NVMe (or in memory), and
+    OffloadedAdamW with its state on NVMe: (model, stream or None, optimizer). The stream's and
+    the optimizer's sessions are the jobs "stream" and "optimizer" (job_bytes)."""
     torch.manual_seed(0)
     model = GPT(8, 192, 4, CTX)
     stream = None
     if streamed:
-        stream = poison(tierd.torch.stream_parameters(
+        stream = as_job("stream", lambda: poison(tierd.torch.stream_parameters(
             model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-            host_budget_bytes=0, socket_dir=root))
-    opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root, home="nvme",
-                                     overlap_backward=True, threads=2, **opt_kwargs)
+            host_budget_bytes=0, socket_dir=root)))
+    opt = as_job("optimizer", lambda: tierd.torch.OffloadedAdamW(
+        model.parameters(), **HYPER, socket_dir=root, home="nvme", overlap_backward=True,
+        threads=2, **opt_kwargs))
+    return model, stream, opt
+
+
+def train_nvme_homed(root, streamed, steps, after_step=lambda: None, **opt_kwargs):
+    """gpt_on_nvme() trained: (losses, weights, steps rolled back, the stream's stats)."""
+    model, stream, opt = gpt_on_nvme(root, streamed, **opt_kwargs)
     losses = []
     try:
         for step in range(steps):
@@ -599,7 +620,7 @@ def job_bytes(root, job, path):
     return float(found.group(1)) if found else 0.0
 
 
-def test_a_stepped_blocks_new_weights_stay_in_memory_and_its_old_ones_go(monkeypatch):
+def test_a_stepped_blocks_new_weights_stay_in_memory_and_its_old_ones_go():
     """Blocks at home on NVMe that fit in the daemon's host memory beside half the optimizer's
     state, the rest of the state on NVMe (as bench/deepspeed_side_by_side.py runs tierd-stream).
     Once a block is stepped during backward and its step will not be taken again, the daemon is
@@ -614,16 +635,7 @@ def test_a_stepped_blocks_new_weights_stay_in_memory_and_its_old_ones_go(monkeyp
                             f"--nvme_regions={root}/nvme.region:256MiB")
         try:
             want = train_nvme_homed(root, False, steps, host_budget_bytes=20 << 20)
-            torch.manual_seed(0)
-            model = GPT(8, 192, 4, CTX)
-            monkeypatch.setenv("TIERD_JOB", "stream")
-            stream = poison(tierd.torch.stream_parameters(
-                model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                host_budget_bytes=0, socket_dir=root))
-            monkeypatch.setenv("TIERD_JOB", "optimizer")
-            opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
-                                             home="nvme", overlap_backward=True, threads=2,
-                                             host_budget_bytes=20 << 20)
+            model, stream, opt = gpt_on_nvme(root, True, host_budget_bytes=20 << 20)
             losses = []
             try:
                 for step in range(steps):
@@ -683,7 +695,7 @@ def written_down_once_quiet(meter):
     return readings[-1]
 
 
-def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step(monkeypatch):
+def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step():
     """A streamed fp32 unit's next version is the optimizer's master copy of its weights (scratch
     state): the state keeps only the moments of those weights, a step writes them to NVMe once,
     not as weights and again as master weights, and the run stays bit-equal to the model in
@@ -698,19 +710,8 @@ def test_fp32_streamed_weights_are_their_own_master_and_written_once_a_step(monk
 
         def make_run():
             nonlocal model, stream, opt
-            torch.manual_seed(0)
-            model = GPT(8, 192, 4, CTX)
-            if streamed:
-                monkeypatch.setenv("TIERD_JOB", "stream")
-                stream = poison(tierd.torch.stream_parameters(
-                    model, device=torch.device("cpu"), device_budget_bytes=budget(model),
-                    host_budget_bytes=0, socket_dir=root))
-            monkeypatch.setenv("TIERD_JOB", "optimizer")
-            opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, socket_dir=root,
-                                             home="nvme", overlap_backward=True, threads=2,
-                                             max_grad_norm=clip, name=name,
+            model, stream, opt = gpt_on_nvme(root, streamed, max_grad_norm=clip, name=name,
                                              host_budget_bytes=2 << 20)
-            monkeypatch.delenv("TIERD_JOB")
 
         def close():
             opt.close()
