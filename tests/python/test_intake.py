@@ -50,7 +50,7 @@ class Intake:
         self.handed = []
         self.begun = False
         self.intake = GradientIntake(self.layout, accumulation_steps, False, self._prepare,
-                                     ready or self._ready)
+                                     lambda b: None, ready or self._ready)
         self.intake.install(self.groups)
 
     def _prepare(self):

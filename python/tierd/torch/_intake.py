@@ -20,14 +20,17 @@ from ._storage import grad_accumulator
 
 class GradientIntake:
     def __init__(self, layout: BucketLayout, accumulation_steps: int, sharded: bool,
-                 prepare: Callable[[], None], ready: Callable[[Bucket], None]):
+                 prepare: Callable[[], None], admit: Callable[[Bucket], None],
+                 ready: Callable[[Bucket], None]):
         """`prepare`: called at each gradient (the optimizer readies the step at the first);
-        `ready`: called on the hand-over thread with each complete bucket, in completion
-        order."""
+        `admit`: called before a streamed bucket's first gradient of a step is taken into its
+        chunk (the optimizer may wait there for room); `ready`: called on the hand-over thread
+        with each complete bucket, in completion order."""
         self._layout = layout
         self.accumulation_steps = accumulation_steps  # set between steps
         self._sharded = sharded  # the ranks' buffers are summed: a missing gradient is zeros
         self._prepare = prepare
+        self._admit = admit
         self._ready = ready
         self.hooks: Dict[int, Any] = {}
         self._counts: Dict[int, int] = {}  # backward passes that gave each parameter a gradient
@@ -86,6 +89,8 @@ class GradientIntake:
             # Each pass's gradient leaves the device at once, summed into the bucket's.
             if now.launched:
                 return
+            if count == 1 and b.buffers.grad is None:  # the bucket's first this step
+                self._admit(b)
             self.copy_grad(b, i, add=count > 1)
             if count < self.accumulation_steps:
                 return

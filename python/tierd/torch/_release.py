@@ -15,6 +15,12 @@ released: the library queues work with the addresses it is given, so what is que
 The optimizer launches the buckets waiting as releases make room (`released`), on its hand-over
 thread, which therefore never waits for room itself.
 
+Backward waits instead: before a paging bucket's first gradient is taken, while WAITING buckets
+already wait for their launch (`Launcher.wait_room`). Where the optimizer is slower than the
+backward (its state streams from NVMe), gradients would otherwise pile up unheld, and those the
+host tier has no room for would be written down and read back at their launch: bytes the step
+need not move, on the link it waits for.
+
 The releasing thread only releases: it never acquires, so it cannot wait for room that only its
 own releases would make.
 """
@@ -27,6 +33,8 @@ from ._buckets import Bucket
 
 _WAIT_S = 1.0  # how long one wait for the library lasts before the thread looks up again
 IN_FLIGHT = 2  # paging buckets launched and not released: one stepped, one read ahead
+WAITING = 2  # paging buckets complete and not launched, before backward waits for room
+_POLL_S = 0.1  # backward's wait for room looks up this often (an error ends it)
 
 
 class EarlyRelease:
@@ -113,7 +121,7 @@ class Launcher:
         self._launch = launch  # gives one bucket to the library
         self._submit = submit  # runs a function on the hand-over thread
         self._waiting: Deque[Bucket] = collections.deque()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._error: Optional[BaseException] = None
 
     def add(self, b: Bucket) -> None:
@@ -126,8 +134,20 @@ class Launcher:
             with self._lock:
                 while self._waiting and self._release.has_room(self._waiting[0]):
                     self._launch(self._waiting.popleft())
+                    self._lock.notify_all()
         except BaseException as e:  # noqa: B036 (taken by take_error())
-            self._error = self._error or e
+            with self._lock:
+                self._error = self._error or e
+                self._lock.notify_all()
+
+    def wait_room(self) -> None:
+        """On autograd's thread, before a paging bucket's gradients are first held: waits while
+        WAITING paging buckets wait for their launch. Returns at once after a launch failed
+        (step() raises it) or once the waiting buckets are forgotten (clear())."""
+        with self._lock:
+            while (sum(b.buffers.pages for b in self._waiting) >= WAITING and
+                   self._error is None):
+                self._lock.wait(_POLL_S)
 
     def room_made(self) -> None:
         """A release made room: the buckets waiting are launched on the hand-over thread."""
@@ -140,4 +160,5 @@ class Launcher:
         with self._lock:
             self._waiting.clear()
             error, self._error = self._error, None
+            self._lock.notify_all()
         return error

@@ -51,7 +51,7 @@ class Stepper:
         self._pending_copy = None  # the last step's copies into GPU weights
         self._early = 0  # buckets given to the optimizer during this step's backward
         self.intake = GradientIntake(layout, accumulation_steps, comm is not None,
-                                     self._prepare, self._hand_over)
+                                     self._prepare, self._admit, self._hand_over)
         self._release: Optional[EarlyRelease] = None
         self._launcher: Optional[Launcher] = None
         if comm is None:  # sharded, a rank's buckets are broadcast from `out` at the end
@@ -95,6 +95,13 @@ class Stepper:
         self._layout.sync(self._state)
         self.phase = StepPhase.GRADIENTS
         self.intake.expect()
+
+    def _admit(self, b: Bucket) -> None:
+        """Before a streamed bucket's gradients are first held this step: backward waits while
+        buckets wait for their launch (_release). Only buckets launched during backward wait
+        there (_hand_over), so a step that launches at step() never waits."""
+        if self._launcher is not None:
+            self._launcher.wait_room()
 
     def _hand_over(self, b: Bucket) -> None:
         """Steps the complete bucket b (sharded: issues the reduces in order, and steps this
