@@ -97,10 +97,11 @@ class Stepper:
         self.intake.expect()
 
     def _admit(self, b: Bucket) -> None:
-        """Before a streamed bucket's gradients are first held this step: backward waits while
-        buckets wait for their launch (_release). Only buckets launched during backward wait
-        there (_hand_over), so a step that launches at step() never waits."""
-        if self._launcher is not None:
+        """Before a streamed bucket's gradients are first held this step: where they page (an
+        NVMe unit's), backward waits while buckets wait for their launch (_release). Only
+        buckets launched during backward wait there (_hand_over), so a step that launches at
+        step() never waits; a host unit's gradients stay held to the step's end anyway."""
+        if self._launcher is not None and b.buffers.pages:
             self._launcher.wait_room()
 
     def _hand_over(self, b: Bucket) -> None:
