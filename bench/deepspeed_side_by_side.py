@@ -412,15 +412,17 @@ def report(args, runs, reference) -> None:
     first = next((m for m in modes if ok[m]), None)
     ref = statistics.median(r["step_s"] for r in ok["tierd-stream"]) \
         if ok.get("tierd-stream") else None
-    ram_ref = max(memory_given(args, "tierd-stream", r["peak_rss"], r.get("tier_in_rss", 0))
-                  for r in ok["tierd-stream"]) if ok.get("tierd-stream") else None
+    def ram_of(m):  # the most any run of mode m was given
+        return max(memory_given(args, m, r["peak_rss"], r.get("tier_in_rss", 0)) for r in ok[m])
+
+    ram_ref = ram_of("tierd-stream") if ok.get("tierd-stream") else None
     for m in modes:
         if not ok[m]:
             print(f"  {m:18s} could not run here: {runs[m][0]['error']}")
             continue
         step = statistics.median(r["step_s"] for r in ok[m])
         rss = max(r["peak_rss"] for r in ok[m])
-        ram = max(memory_given(args, m, r["peak_rss"], r.get("tier_in_rss", 0)) for r in ok[m])
+        ram = ram_of(m)
         in_rss = max(r.get("tier_in_rss", 0) for r in ok[m])
         daemon = max((r.get("daemon_peak_rss", 0) for r in ok[m]), default=0)
         host = max((r.get("host_tier_peak", 0) for r in ok[m]), default=0)
