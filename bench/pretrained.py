@@ -1,7 +1,9 @@
 """A checkpoint in, streamed: a Llama-shaped model's safetensors shards (written first, unit by
 unit, never the whole model in memory) read into the daemon's tiers by stream_parameters from a
 model built on the meta device — beside fio reading the same files sequentially, alternating,
-with the page cache dropped before each read when the machine allows it.
+with the page cache dropped before each read when the machine allows it. An import into units at
+home on NVMe also writes every unit there: beside it, too, fio reading the files while it writes
+as many bytes to the same disk.
 
 Each import runs in a process of its own, so that its peak resident set (VmHWM) is the import's:
 it is printed beside the model's size, split into the process's private memory and the daemon's
@@ -138,6 +140,42 @@ def fio(directory: str, direct: bool) -> float:
     return sum(j["io_bytes"] for j in jobs) / (sum(j["runtime"] for j in jobs) / 1000.0)
 
 
+def fio_read_write(directory: str, scratch: str) -> float:
+    """The yardstick for an import into units at home on NVMe, which moves each byte twice: fio
+    reading each shard (O_DIRECT, io_uring, 1 MiB) while it writes as many bytes (O_DIRECT, synced
+    at the end) over `scratch`, a file on the same disk written once beforehand (overwriting is
+    the faster case, so the yardstick is the stricter one). Checkpoint bytes a second: the
+    shards' size over the wall time of the pairs, one pair after another."""
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if f.endswith(".safetensors"))
+    sizes = [os.path.getsize(f) for f in files]
+    mib = 1 << 20  # each pair writes from a MiB boundary: O_DIRECT wants aligned offsets
+    room = sum((size + mib - 1) // mib * mib for size in sizes)
+    if not os.path.exists(scratch) or os.path.getsize(scratch) < room:
+        with open(scratch, "wb") as f:
+            zeros = bytes(16 * mib)
+            for _ in range(0, room, len(zeros)):
+                f.write(zeros)
+            os.fsync(f.fileno())
+    cmd = ["fio", "--output-format=json"]
+    offset = 0
+    for i, (f, size) in enumerate(zip(files, sizes)):
+        common = ["--bs=1M", "--ioengine=io_uring", "--direct=1", f"--size={size}"]
+        cmd += [f"--name=read{i}", "--rw=read", f"--filename={f}", "--stonewall",
+                *common]
+        cmd += [f"--name=write{i}", "--rw=write", f"--filename={scratch}", f"--offset={offset}",
+                "--end_fsync=1", *common]
+        offset += (size + mib - 1) // mib * mib
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"fio failed: {out.stderr or out.stdout}")
+    jobs = json.loads(out.stdout)["jobs"]
+    # Each pair starts together; it ends when the slower of its two ends.
+    wall = sum(max(jobs[2 * i]["read"]["runtime"], jobs[2 * i + 1]["write"]["runtime"])
+               for i in range(len(files))) / 1000.0
+    return sum(sizes) / wall
+
+
 def _status(key: str) -> int:
     import benchlib
     return benchlib.proc_status().get(key, 0)
@@ -165,6 +203,18 @@ def child_import(args) -> None:
         from tierd.torch import _safetensors
         _safetensors.Checkpoint.span = lambda self, key: (
             lambda out: self.read_into(key, out))
+    # The time spent in the daemon's reads (Client.import_file), beside the whole call's.
+    from tierd.client import Client
+    reads = {"seconds": 0.0, "bytes": 0}
+    import_file = Client.import_file
+
+    def timed_import(self, *a, **kw):
+        start = time.perf_counter()
+        got = import_file(self, *a, **kw)
+        reads["seconds"] += time.perf_counter() - start
+        reads["bytes"] += got[0]
+        return got
+    Client.import_file = timed_import
     model = meta_model(args)
     read_before = _read_by_this_process()
     before = _status("VmRSS")
@@ -196,7 +246,9 @@ def child_import(args) -> None:
                       "anon_before": anon_before, "peak_anon": peak["RssAnon"],
                       "peak_shmem": peak["RssShmem"],
                       "largest_unit": biggest,
-                      "resident": resident, "read": read, "cached": cached_bytes(args.dir)}))
+                      "resident": resident, "read": read, "cached": cached_bytes(args.dir),
+                      "daemon_read_bytes": reads["bytes"],
+                      "daemon_read_seconds": reads["seconds"]}))
 
 
 def lora(args, directory: str, sock: str) -> None:
@@ -474,6 +526,7 @@ def main():
         finally:
             if own:
                 shutil.rmtree(directory, ignore_errors=True)
+    scratch = directory + ".fio-scratch"
     try:
         start = time.perf_counter()
         size = write_checkpoint(args, directory)
@@ -493,8 +546,11 @@ def main():
                 for direct in (False, True):
                     drop_caches()
                     rates[direct] = fio(directory, direct)
+                drop_caches()
+                both = fio_read_write(directory, scratch)
                 print(f"round {r + 1}: fio buffered {rates[False] / 2**20:.0f} MiB/s, O_DIRECT "
-                      f"{rates[True] / 2**20:.0f} MiB/s")
+                      f"{rates[True] / 2**20:.0f} MiB/s; reading O_DIRECT while writing as many "
+                      f"bytes {both / 2**20:.0f} MiB/s")
                 for here, home in ((False, "host"), (False, "nvme"), (True, "nvme")):
                     drop_caches()
                     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
@@ -510,11 +566,13 @@ def main():
                     imp = json.loads(out.stdout.strip().splitlines()[-1])
                     rate = size / imp["seconds"]
                     best_fio = max(rates.values())
-                    rows.append((best_fio, rate, (here, home)))
+                    rows.append((best_fio, rate, (here, home), both))
                     who = (f"read by the {'process (pread)' if here else 'daemon'}, units at home "
                            f"in {'the host tier' if home == 'host' else 'NVMe (written down)'}")
+                    beside = (f", {rate / both:.2f}x fio reading and writing" if home == "nvme"
+                              else "")
                     print(f"  import {who}: {rate / 2**20:.0f} MiB/s ({rate / best_fio:.2f}x "
-                          f"fio's faster), {imp['seconds']:.1f} s; the process read "
+                          f"fio's faster read{beside}), {imp['seconds']:.1f} s; the process read "
                           f"{imp['read'] / 2**20:.0f} MiB, the shards' pages cached after it "
                           f"{imp['cached'] / 2**20:.0f} MiB of {size / 2**20:.0f} MiB; peak RSS "
                           f"{imp['peak_rss'] / 2**20:.0f} MiB ({imp['before'] / 2**20:.0f} MiB "
@@ -522,14 +580,25 @@ def main():
                           f"{imp['largest_unit'] / 2**20:.0f} MiB, resident "
                           f"{imp['resident'] / 2**20:.0f} MiB); private memory grew by "
                           f"{(imp['peak_anon'] - imp['anon_before']) / 2**20:.0f} MiB", flush=True)
+                    if imp["daemon_read_seconds"] > 0:  # units at home on the host: reads only
+                        own = imp["daemon_read_bytes"] / imp["daemon_read_seconds"]
+                        print(f"    of it, the daemon's reads: "
+                              f"{imp['daemon_read_bytes'] / 2**20:.0f} MiB in "
+                              f"{imp['daemon_read_seconds']:.1f} s, {own / 2**20:.0f} MiB/s"
+                              + (f" ({own / best_fio:.2f}x fio's faster read)"
+                                 if home == "host" else ""), flush=True)
             for how in sorted({row[2] for row in rows}):
                 mine = [row for row in rows if row[2] == how]
                 best = max(mine, key=lambda row: row[1] / row[0])
                 print(f"best round, {'pread' if how[0] else 'daemon'}, {how[1]} home: import at "
-                      f"{best[1] / best[0]:.2f}x fio's faster sequential read")
+                      f"{best[1] / best[0]:.2f}x fio's faster sequential read" +
+                      (f", {best[1] / best[3]:.2f}x fio reading while writing as many bytes"
+                       if how[1] == "nvme" else ""))
             if args.lora:
                 lora(args, directory, sock)
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(scratch)
         if own:
             shutil.rmtree(directory, ignore_errors=True)
 
