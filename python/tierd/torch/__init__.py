@@ -30,7 +30,7 @@ and steps again from the first version (`rolled_back_steps`): the result is alwa
 `stream_parameters(model, ...)` (streaming.py) trains a model whose weights do not fit on the
 device through a window of its blocks; `offload_activations(...)` (activations.py) keeps the
 tensors autograd saves for backward in tierd chunks too; `as_tensor` views an acquired chunk as a
-tensor without a copy.
+tensor without a copy; `StepFigures` (_step_figures.py) gives each step's figures for a run's logs.
 
 The package is rooms that import only downward (tests/python/test_layering.py checks it), from
 _storage.py at the bottom through the stream's rooms (streaming.py and those it names) to the
@@ -38,8 +38,9 @@ optimizer's (optimizer.py and those it names); docs/architecture.md draws them.
 """
 from ._storage import as_tensor
 from .activations import ActivationOffload, ActivationStats, offload_activations
+from ._step_figures import StepFigures
 from .optimizer import OffloadedAdamW
 from .streaming import ParameterStream, stream_parameters
 
 __all__ = ["ActivationOffload", "ActivationStats", "OffloadedAdamW", "ParameterStream",
-           "as_tensor", "offload_activations", "stream_parameters"]
+           "StepFigures", "as_tensor", "offload_activations", "stream_parameters"]

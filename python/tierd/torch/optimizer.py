@@ -129,6 +129,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.overlap_backward = overlap_backward
         self.bucket_params = bucket_params
+        self.socket_dir = socket_dir  # the daemon's (None: $TIERD_SOCKET_DIR, else /run/tierd)
         self._comm = Comm.create(process_group)
         self._verdict = Verdict(max_grad_norm, skip_nonfinite, overlap_backward and (
             max_grad_norm is not None or skip_nonfinite), self._comm)
