@@ -197,3 +197,54 @@ def test_more_backward_passes_than_accumulation_steps_raise_instead_of_dropping_
             model(input_ids=x, labels=x).loss.backward()
     finally:
         opt.close()
+
+
+FIGURES = {"tierd/nvme_read_bytes", "tierd/nvme_written_bytes", "tierd/host_tier_used_bytes",
+           "tierd/weights_wait_s", "tierd/h2d_bytes", "tierd/d2h_bytes",
+           "tierd/optimizer_tail_s", "tierd/optimizer_state_wait_s"}
+
+
+def test_each_log_carries_tierds_figures_of_its_steps(daemon, tmp_path):  # noqa: F811
+    ckpt = saved(tmp_path, "llama")
+    got, _ = _tierd_run(ckpt, tmp_path / "tierd", daemon, max_steps=4, logging_steps=2)
+    logs = [h for h in got.state.log_history if "loss" in h]
+    assert [h["step"] for h in logs] == [2, 4]
+    for h in logs:
+        assert FIGURES <= h.keys()
+        assert h["tierd/h2d_bytes"] > 0 and h["tierd/d2h_bytes"] > 0  # every block, each step
+        assert h["tierd/host_tier_used_bytes"] > 0
+    # Only the training logs: the summary at the end has no steps of its own.
+    assert not FIGURES & [h for h in got.state.log_history if "train_runtime" in h][0].keys()
+
+
+class _Recorder(transformers.TrainerCallback):
+    """What a report_to integration is given: each log."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_log_figures_gives_any_trainer_and_its_reporters_them(daemon, tmp_path):  # noqa: F811
+    from tierd.torch.hf import log_figures
+    ckpt = saved(tmp_path, "llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)  # in memory, not streamed
+    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon, lr=1e-3)
+    recorder = _Recorder()
+    try:
+        trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_grad_norm=0),
+                                       train_dataset=_Tokens(), optimizers=(opt, None),
+                                       callbacks=[recorder])
+        log_figures(trainer)
+        trainer.train()
+    finally:
+        opt.close()
+    unstreamed = FIGURES - {"tierd/weights_wait_s", "tierd/h2d_bytes", "tierd/d2h_bytes"}
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    reported = [h for h in recorder.logs if "loss" in h]
+    assert len(history) == len(reported) == 3
+    for h, r in zip(history, reported):
+        assert h.keys() - {"step"} == r.keys()
+        assert unstreamed <= r.keys() and not (FIGURES - unstreamed) & r.keys()

@@ -20,19 +20,24 @@ What it changes of transformers.Trainer, and why:
 - Saving. The weights of a streamed model are in the daemon, not in its parameters: a
   checkpoint or save_model() writes them with the stream's save_pretrained(). A PEFT model saves
   its adapters as Trainer does (they are not streamed).
+- Logs. Each log gets tierd's figures of the steps since the one before (tierd.torch.StepFigures:
+  NVMe bytes, the host tier in use, the wait for streamed weights, the optimizer's tail), under
+  "tierd/", in the log history and in every report_to integration. log_figures(trainer) adds them
+  to any other Trainer (TRL's SFTTrainer).
 
 Imports transformers (the rest of tierd.torch does not).
 """
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import transformers
 
+from ._step_figures import StepFigures
 from .optimizer import OffloadedAdamW
 from .streaming import stream_of
 
-__all__ = ["Trainer"]
+__all__ = ["Figures", "Trainer", "log_figures"]
 
 
 class _Norm(transformers.TrainerCallback):
@@ -46,6 +51,57 @@ class _Norm(transformers.TrainerCallback):
         opt = self.trainer._offloaded
         if norm is not None and opt.last_grad_norm is not None:
             norm.fill_(opt.last_grad_norm)
+
+
+class Figures(transformers.TrainerCallback):
+    """Adds tierd's figures to each log of a Trainer whose optimizer is an OffloadedAdamW: the
+    means of each step's StepFigures since the last log, in the log history and in the logs the
+    callbacks after it are given (log_figures() puts it before the report_to integrations)."""
+
+    def __init__(self):
+        self._figures: Optional[StepFigures] = None
+        self._sums: Dict[str, float] = {}
+        self._steps = 0
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self._sums, self._steps = {}, 0
+        if self._figures is None:
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+            if isinstance(inner, OffloadedAdamW):
+                self._figures = StepFigures(inner)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._figures is None:
+            return
+        got = self._figures.take()
+        if got:
+            for k, v in got.items():
+                self._sums[k] = self._sums.get(k, 0.0) + v
+            self._steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._steps or logs is None:
+            return
+        means = {k: v / self._steps for k, v in self._sums.items()}
+        self._sums, self._steps = {}, 0
+        # Trainer.log() put a copy of `logs` (with the step) in the history just before.
+        last = state.log_history[-1] if state.log_history else None
+        if last is not None and all(last.get(k) == v for k, v in logs.items()):
+            last.update(means)
+        logs.update(means)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._figures is not None:
+            self._figures.close()
+            self._figures = None
+
+
+def log_figures(trainer: transformers.Trainer) -> Figures:
+    """Adds tierd's figures to `trainer`'s logs (Figures), first among its callbacks, so that
+    TensorBoard, Weights & Biases and the other report_to integrations log them too."""
+    figures = Figures()
+    trainer.callback_handler.callbacks.insert(0, figures)
+    return figures
 
 
 def _stream_of_model(model):
@@ -121,6 +177,7 @@ class Trainer(transformers.Trainer):
                              f"({accumulate}) and the optimizer's accumulation_steps "
                              f"({optimizer.accumulation_steps}) differ: set one")
         self.add_callback(_Norm(self))
+        log_figures(self)
 
     def _stream(self):
         return _stream_of_model(self.accelerator.unwrap_model(self.model,
