@@ -22,12 +22,12 @@ PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "
 # From the bottom up; modules on one floor do not import each other.
 FLOORS = [
     ["_storage", "_safetensors", "_agree", "_hf_keys", "_base_check", "_held_base",
-     "_figures"],
+     "_figures", "_progress"],
                                             # tensors over tierd memory; checkpoints in the HF
                                             # layout; every rank's outcome; keys as transformers
                                             # names them; a shared base's check in the
                                             # background; a base held in the daemon; a
-                                            # stream's counters
+                                            # stream's counters; progress bars
     ["_grad_chunks"],            # the optimizer's gradients of a unit's ranges, in chunks
     ["_units", "activations", "_sources", "_guard"],  # units and chunks; activation
                                                 # offload; where a stream's weights come from;

@@ -7,12 +7,13 @@ their chunks, the window (whose copies go first, and whose lock keeps the units 
 (whose training state says whether a forward or backward is running) and the shared base (whose
 check must have passed before its weights are handed out).
 """
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from . import _safetensors
+from ._progress import bar
 from ._hf_keys import KeyNames
 from ._stream_hooks import StreamHooks, TrainingState
 from ._units import Unit, Units
@@ -74,9 +75,10 @@ class Gathered:
 
 
 def save_pretrained(model: nn.Module, units: Units, window: Window, directory: str,
-                    max_shard_size) -> List[str]:
+                    max_shard_size, progress: Optional[bool]) -> List[str]:
     """The model's weights as safetensors shards with an index, and its config (see
-    ParameterStream.save_pretrained). REQUIRES: between steps, the shared base checked."""
+    ParameterStream.save_pretrained; `progress`: _progress.py's). REQUIRES: between steps, the
+    shared base checked."""
     size = _safetensors.parse_size(max_shard_size)
     entries, seen = [], set()
     tensors: Dict[str, torch.Tensor] = {}
@@ -100,8 +102,9 @@ def save_pretrained(model: nn.Module, units: Units, window: Window, directory: s
             cached[u.index] = {id(p): w for p, w in units.weights(u)}
         return cached[u.index][id(t)].view(t.shape)
 
-    with window.lock:
-        written = _safetensors.write(directory, entries, read, size)
+    total = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in entries)
+    with window.lock, bar("Saving weights", total, progress) as done:
+        written = _safetensors.write(directory, entries, read, size, done=done)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)

@@ -292,13 +292,14 @@ def parse_size(size) -> int:
 
 def write(directory: str, tensors: List[Tuple[str, Tuple[int, ...], torch.dtype]],
           read: Callable[[str], torch.Tensor], max_shard_size: int,
-          metadata: Optional[Dict[str, str]] = None) -> List[str]:
+          metadata: Optional[Dict[str, str]] = None,
+          done: Callable[[int], None] = lambda n: None) -> List[str]:
     """Writes the tensors (name, shape, dtype), in that order, as safetensors shards of at most
     max_shard_size bytes (a tensor larger than that gets a shard of its own) in the Hugging Face
     layout: one `model.safetensors`, or `model-0000k-of-0000n.safetensors` and the index. Each
-    shard's tensors are asked of read(name) as it is written: at most one shard is in memory.
-    Returns the files written. Files are written under temporary names and renamed when whole;
-    the index (or the single file) last."""
+    shard's tensors are asked of read(name) as it is written: at most one shard is in memory;
+    done(bytes) follows each tensor read. Returns the files written. Files are written under
+    temporary names and renamed when whole; the index (or the single file) last."""
     st = _safetensors()
     os.makedirs(directory, exist_ok=True)
     shards: List[List[str]] = [[]]
@@ -320,7 +321,10 @@ def write(directory: str, tensors: List[Tuple[str, Tuple[int, ...], torch.dtype]
                  for k in range(len(shards))]
     written = []
     for shard, file in zip(shards, names):
-        data = {name: read(name).contiguous() for name in shard}
+        data = {}
+        for name in shard:
+            data[name] = read(name).contiguous()
+            done(data[name].numel() * data[name].element_size())
         final = os.path.join(directory, file)
         st.torch.save_file(data, final + ".tmp", metadata=meta)
         os.replace(final + ".tmp", final)

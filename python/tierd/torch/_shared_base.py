@@ -36,6 +36,7 @@ from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
 from ._held_base import HeldBase
+from ._progress import bar
 from ._storage import as_tensor, range_view
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 
@@ -71,8 +72,10 @@ class SharedBase:
     """A stream's part in one shared base: the plan of its chunks, and opening or making it."""
 
     def __init__(self, client: Client, name: str, units: Units, names: Dict[int, List[str]],
-                 group: Optional[int], wait_s: float, trusted: Sequence[Union[int, str]] = ()):
+                 group: Optional[int], wait_s: float, trusted: Sequence[Union[int, str]] = (),
+                 progress: Optional[bool] = None):
         self.client = client
+        self.progress = progress  # a bar while this job fills the base (_progress.py)
         self.name = name
         self.units = units
         self.group = group
@@ -163,20 +166,10 @@ class SharedBase:
         try:
             hashed = hashlib.sha256()
             written = []
-            for k, index in enumerate(order):
-                params = [p for r in self.plan[index] for p in r.params]
-                values = source.unit_values(self.units[index].module, params)
-                with self.client.acquire([opened.ids[k]], Tier.HOST, Access.OVERWRITE) as held:
-                    view = as_tensor(held, 0, torch.uint8, [sizes[k]])
-                    fill(self.client, opened.ids[k], view, self.plan[index], values)
-                    for r in self.plan[index]:  # what was written, in order
-                        dst = range_view(view, r)
-                        for i in range(len(r.params)):
-                            hashed.update(r.slice(dst, i).view(torch.uint8).numpy().data)
-                        del dst
-                    del view
-                if opened.homes[k] == Tier.NVME:  # written down now, as a stream's own units
-                    written.append(self.client.evict([opened.ids[k]], Tier.NVME))
+            with bar(f"Filling shared base {self.name}", sum(sizes), self.progress) as done:
+                for k, index in enumerate(order):
+                    self._fill_one(source, opened, k, index, sizes[k], hashed, written)
+                    done(sizes[k])
             for w in written:
                 w.wait()
             descriptor = self._descriptor(identity, hashed.hexdigest()).encode()
@@ -186,6 +179,24 @@ class SharedBase:
             raise
         opened.descriptor = descriptor
         return opened
+
+    def _fill_one(self, source, opened, k: int, index: int, size: int, hashed,
+                  written: List) -> None:
+        """Writes unit `index`'s frozen weights into the base's chunk k, hashing what was
+        written; an NVMe chunk's write-down is started (its completion added to `written`)."""
+        params = [p for r in self.plan[index] for p in r.params]
+        values = source.unit_values(self.units[index].module, params)
+        with self.client.acquire([opened.ids[k]], Tier.HOST, Access.OVERWRITE) as held:
+            view = as_tensor(held, 0, torch.uint8, [size])
+            fill(self.client, opened.ids[k], view, self.plan[index], values)
+            for r in self.plan[index]:  # what was written, in order
+                dst = range_view(view, r)
+                for i in range(len(r.params)):
+                    hashed.update(r.slice(dst, i).view(torch.uint8).numpy().data)
+                del dst
+            del view
+        if opened.homes[k] == Tier.NVME:  # written down now, as a stream's own units
+            written.append(self.client.evict([opened.ids[k]], Tier.NVME))
 
     def _descriptor(self, identity: Dict[str, str], hashed: Optional[str]) -> str:
         return json.dumps({"format": FORMAT, "layout": self.layout, "source": identity,

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..client import Access, Acquisition, Client, Completion, Tier
 from ._grad_chunks import GradChunks
+from ._progress import bar
 from ._storage import STEPPED_DTYPES, as_tensor, end_to_end, range_view, resize, storage_empty
 
 ALIGN = 256  # bytes: each range starts at a multiple in its chunk
@@ -352,6 +353,25 @@ class Units:
         with self.holding(u, 0, Access.OVERWRITE) as view:
             fill(self.client, u.chunk_id(0), view, ranges, values)
         self.point(u)
+
+    def lay_out_all(self, values_of, write: bool, what: str, progress: Optional[bool]) -> None:
+        """Every unit laid out as one range per dtype of its own parameters, its weights written
+        from values_of(module, params) (lay_out's `values`; one unit's in the process at a time)
+        and an NVMe unit's written down, counted by a progress bar named `what` (_progress.py);
+        without `write`, the layout only."""
+        written = []
+        total = sum(p.numel() * p.element_size() for u in self.all for p in u.own_params())
+        with bar(what, total if write else 0, progress) as done:
+            for u in self.all:
+                own = u.own_params()
+                values = values_of(u.module, own) if own and write else {}
+                self.lay_out(u, by_dtype(own), 1, values, write=write)
+                if write:
+                    written.append(self.write_down(u))
+                    done(sum(p.numel() * p.element_size() for p in own))
+        for w in written:
+            if w is not None:
+                w.wait()
 
     def write_down(self, u: Unit) -> Optional[Completion]:
         """An NVMe unit's version 0, just written (laid out), goes down to NVMe now rather than

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..client import Client, Tier, TierdError, connect
 from ._stream_hooks import StreamHooks
-from ._sources import Init, placeholder, source_for, swap
+from ._sources import FromCheckpoint, Init, placeholder, source_for, swap
 from ._shared_base import SharedBase
 from ._gather import Gathered, save_pretrained
 from ._guard import guard, unguard
@@ -62,7 +62,7 @@ class ParameterStream:
                  init: Optional[Init] = None, shared_base: Optional[str] = None,
                  share_with_group: Optional[int] = None, base_wait_s: float = 3600.0,
                  trust_base_makers: Sequence[Any] = (),
-                 share_ranks: bool = False):
+                 share_ranks: bool = False, progress: Optional[bool] = None):
         self._parts: Optional[StreamParts] = None  # lent to the seam once set up: close() reads it
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
@@ -77,6 +77,7 @@ class ParameterStream:
         self.host_budget_bytes = host_budget_bytes
         self.name = name or type(model).__name__
         self.shared_base = shared_base
+        self.progress = progress  # bars while weights are written in or saved (_progress.py)
         self._base = None
         self._ranks = None
         if share_ranks and shared_base is not None:
@@ -132,7 +133,7 @@ class ParameterStream:
             name, group, wait_s, trusted = base
             if name is not None:
                 self._base = SharedBase(self._client, name, self._units, source.names.of, group,
-                                        wait_s, trusted)
+                                        wait_s, trusted, self.progress)
             if share_ranks:
                 self._ranks = RankWeights(self._client, self.name, self._units, source.names.of)
             self._units.place(host_budget_bytes, has_nvme,
@@ -160,18 +161,8 @@ class ParameterStream:
             raise
 
     def _lay_out_all(self, source, write: bool) -> None:
-        """Every unit laid out, its weights written from `source` (one unit's in the process at
-        a time) and an NVMe unit's written down; without `write`, the layout only."""
-        written = []
-        for u in self._units:
-            own = u.own_params()
-            values = source.unit_values(u.module, own) if own and write else {}
-            self._units.lay_out(u, by_dtype(own), 1, values, write=write)
-            if write:
-                written.append(self._units.write_down(u))
-        for w in written:
-            if w is not None:
-                w.wait()
+        what = "Loading weights" if isinstance(source, FromCheckpoint) else "Making weights"
+        self._units.lay_out_all(source.unit_values, write, what, self.progress)
 
     def _lay_out_ranks(self, source) -> None:
         """The node's first rank makes the ranks' base and writes the weights, then the others
@@ -257,7 +248,8 @@ class ParameterStream:
         return Gathered(self._units, self._window, self._hooks, self._base, self._check_open,
                         self)
 
-    def save_pretrained(self, directory: str, max_shard_size="5GB") -> List[str]:
+    def save_pretrained(self, directory: str, max_shard_size="5GB",
+                        progress: Optional[bool] = None) -> List[str]:
         """Writes the model's weights (its state_dict: the streamed ones read unit by unit, the
         resident ones from the device) as safetensors shards of at most max_shard_size ("5GB",
         "500MB" or bytes) with an index, in the Hugging Face layout, and the model's config when
@@ -265,14 +257,16 @@ class ParameterStream:
         it. A weight tied to another is written once, under its first name. On a base that peft
         has wrapped, the base is written as it was (a LoRA layer's base_layer under the layer's
         own name; the adapters are peft's to save). At most one shard is in memory, never the
-        whole model. Between steps; returns the files written."""
+        whole model. Between steps; returns the files written. `progress`: a bar as
+        stream_parameters' (default: the stream's own setting)."""
         self._check_open()
         if self._hooks.busy():
             raise RuntimeError("stream_parameters: save_pretrained() during a forward or "
                                "backward, or inside gathered()")
         if self._base is not None:
             self._base.checked()
-        return save_pretrained(self.model, self._units, self._window, directory, max_shard_size)
+        return save_pretrained(self.model, self._units, self._window, directory, max_shard_size,
+                               self.progress if progress is None else progress)
 
     def close(self, keep_weights: Optional[bool] = None) -> None:
         """Removes the hooks and frees the chunks. keep_weights: give every streamed parameter
@@ -443,6 +437,10 @@ def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = N
         opens: a base made by anyone else is refused (PermissionError), since its descriptor
         is its maker's word for what it holds.
     client, socket_dir: the daemon session (default: a session of its own).
+    progress: a progress bar (tqdm's, bytes and rate) while the weights are written in (from a
+        checkpoint, an init, or into a shared base this job makes) and in save_pretrained():
+        True at once, False never, None (default) when standard error is a terminal and the work
+        takes more than a second, unless TIERD_PROGRESS=0.
     """
     return ParameterStream(model, units, device, device_budget_bytes, prefetch,
                            host_budget_bytes, name, checkpoint=checkpoint, init=init, **kwargs)
