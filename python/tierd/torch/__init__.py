@@ -36,9 +36,9 @@ The package is rooms that import only downward (tests/python/test_layering.py ch
 _storage.py at the bottom through the stream's rooms (streaming.py and those it names) to the
 optimizer's (optimizer.py and those it names); docs/architecture.md draws them.
 """
+from ._step_figures import StepFigures
 from ._storage import as_tensor
 from .activations import ActivationOffload, ActivationStats, offload_activations
-from ._step_figures import StepFigures
 from .optimizer import OffloadedAdamW
 from .streaming import ParameterStream, stream_parameters
 

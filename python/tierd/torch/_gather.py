@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from . import _safetensors
-from ._progress import bar
 from ._hf_keys import KeyNames
+from ._progress import bar
 from ._stream_hooks import StreamHooks, TrainingState
 from ._units import Unit, Units
 from ._window import Window
