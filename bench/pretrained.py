@@ -150,7 +150,8 @@ def fio_read_write(directory: str, scratch: str) -> float:
                    if f.endswith(".safetensors"))
     sizes = [os.path.getsize(f) for f in files]
     mib = 1 << 20  # each pair writes from a MiB boundary: O_DIRECT wants aligned offsets
-    room = sum((size + mib - 1) // mib * mib for size in sizes)
+    spans = [(size + mib - 1) // mib * mib for size in sizes]
+    room = sum(spans)
     if not os.path.exists(scratch) or os.path.getsize(scratch) < room:
         with open(scratch, "wb") as f:
             zeros = bytes(16 * mib)
@@ -159,13 +160,13 @@ def fio_read_write(directory: str, scratch: str) -> float:
             os.fsync(f.fileno())
     cmd = ["fio", "--output-format=json"]
     offset = 0
-    for i, (f, size) in enumerate(zip(files, sizes)):
+    for i, (f, size, span) in enumerate(zip(files, sizes, spans)):
         common = ["--bs=1M", "--ioengine=io_uring", "--direct=1", f"--size={size}"]
         cmd += [f"--name=read{i}", "--rw=read", f"--filename={f}", "--stonewall",
                 *common]
         cmd += [f"--name=write{i}", "--rw=write", f"--filename={scratch}", f"--offset={offset}",
                 "--end_fsync=1", *common]
-        offset += (size + mib - 1) // mib * mib
+        offset += span
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"fio failed: {out.stderr or out.stdout}")

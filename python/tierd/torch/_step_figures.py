@@ -50,7 +50,8 @@ class StepFigures:
             raise TypeError(f"StepFigures: figures of an OffloadedAdamW, not "
                             f"{type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.stream = stream if stream is not None else _stream_of(optimizer)
+        self.stream = stream if stream is not None else stream_of_params(
+            p for group in optimizer.param_groups for p in group["params"])
         self._client: Optional[Client] = None
         try:
             self._client = connect(optimizer.socket_dir, "figures")
@@ -102,10 +103,6 @@ class StepFigures:
         self.close()
 
 
-def _stream_of(optimizer: OffloadedAdamW) -> Optional[ParameterStream]:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            s = stream_of(p)
-            if s is not None:
-                return s
-    return None
+def stream_of_params(params) -> Optional[ParameterStream]:
+    """The open stream that streams one of `params`, if any."""
+    return next((s for s in map(stream_of, params) if s is not None), None)

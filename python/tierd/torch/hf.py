@@ -33,9 +33,8 @@ from typing import Dict, Optional
 import torch
 import transformers
 
-from ._step_figures import StepFigures
+from ._step_figures import StepFigures, stream_of_params
 from .optimizer import OffloadedAdamW
-from .streaming import stream_of
 
 __all__ = ["Figures", "Trainer", "log_figures"]
 
@@ -106,11 +105,7 @@ def log_figures(trainer: transformers.Trainer) -> Figures:
 
 def _stream_of_model(model):
     """The stream that streams the model's parameters, if any."""
-    for p in model.parameters():
-        s = stream_of(p)
-        if s is not None:
-            return s
-    return None
+    return stream_of_params(model.parameters())
 
 
 def _refuse(args, streamed: bool) -> None:
