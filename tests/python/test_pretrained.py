@@ -10,6 +10,8 @@ import os
 import re
 import struct
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -18,7 +20,8 @@ from test_c_abi import daemon  # noqa: F401 (a fixture)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import tierd.torch  # noqa: E402
-from tierd.client import Tier, connect  # noqa: E402
+from tierd.client import Client, Tier, connect  # noqa: E402
+from tierd.torch._safetensors import Checkpoint  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -172,6 +175,86 @@ def test_the_daemon_reads_the_checkpoint_into_the_units_not_the_training_process
             assert torch.equal(model(tokens(99)).logits, reference(tokens(99)).logits)
     finally:
         s.close()
+
+
+def _resident_readers():
+    return [t for t in threading.enumerate() if t.name.startswith("tierd-resident")]
+
+
+def test_the_resident_tensors_are_read_while_the_daemon_reads_the_units(
+        daemon, tmp_path, monkeypatch):  # noqa: F811
+    """The embedding and the head are read by a thread of this process while the daemon reads
+    the blocks (a reader that waited for the daemon's reads to end would wait here in vain)."""
+    ckpt = saved(tmp_path, "llama")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    daemon_reading = threading.Event()
+    seen = []
+    import_file, read_into = Client.import_file, Checkpoint.read_into
+
+    def importing(self, *a, **kw):
+        daemon_reading.set()
+        seen.append(imported.is_set())
+        got = import_file(self, *a, **kw)
+        imported.set()
+        return got
+
+    def reading(self, key, out):
+        if threading.current_thread().name.startswith("tierd-resident"):
+            seen.append(("resident", key, daemon_reading.wait(10), imported.is_set()))
+        read_into(self, key, out)
+    imported = threading.Event()
+    monkeypatch.setattr(Client, "import_file", importing)
+    monkeypatch.setattr(Checkpoint, "read_into", reading)
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt))
+    try:
+        residents = [e for e in seen if isinstance(e, tuple)]
+        assert {e[1] for e in residents} == {"model.embed_tokens.weight", "lm_head.weight",
+                                             "model.norm.weight"}
+        assert all(e[2] for e in residents), "a resident tensor was read before the units'"
+        with torch.no_grad():
+            assert torch.equal(model(tokens(7)).logits, reference(tokens(7)).logits)
+    finally:
+        s.close()
+    assert not _resident_readers()
+
+
+@pytest.mark.parametrize("fails", ["resident", "unit"])
+def test_a_failed_read_of_either_leaves_no_reader_no_chunk_and_says_why(
+        daemon, tmp_path, monkeypatch, fails):  # noqa: F811
+    """A resident tensor's read that fails is raised once the units are read; a unit's that
+    fails is raised after the residents' reader has ended, before the files close."""
+    ckpt = saved(tmp_path, "llama")
+    events = []
+    import_file, read_into, close = Client.import_file, Checkpoint.read_into, Checkpoint.close
+
+    def importing(self, *a, **kw):
+        if fails == "unit":
+            raise OSError(5, "the unit's read failed")
+        return import_file(self, *a, **kw)
+
+    def reading(self, key, out):
+        if threading.current_thread().name.startswith("tierd-resident"):
+            if fails == "resident":
+                raise OSError(5, f"{key}: the resident's read failed")
+            time.sleep(0.2)
+            events.append("resident read")
+        read_into(self, key, out)
+
+    def closing(self):
+        events.append("closed")
+        close(self)
+    monkeypatch.setattr(Client, "import_file", importing)
+    monkeypatch.setattr(Checkpoint, "read_into", reading)
+    monkeypatch.setattr(Checkpoint, "close", closing)
+    before = host_bytes(daemon)
+    with pytest.raises(OSError, match=f"the {fails}'s read failed"):
+        stream(on_meta("llama"), daemon, checkpoint=str(ckpt))
+    assert host_bytes(daemon) == before, "a chunk was left behind"
+    assert not _resident_readers()
+    assert events[-1] == "closed"
+    if fails == "unit":
+        assert events.count("resident read") == 3
 
 
 def test_a_single_file_in_another_dtype_is_converted_to_the_models(daemon, tmp_path):  # noqa: F811

@@ -8,7 +8,12 @@ Everything a checkpoint must match (every key, shape and dtype) is checked by ch
 streaming.py writes any chunk. A buffer that is not saved (a RoPE table) and that the meta build
 left without data is recomputed by the model's own code (transformers' `_init_weights`, or the
 module's `reset_parameters`) and refused, by name, when neither recomputes it.
+
+A checkpoint's resident tensors (the embedding, the head) are made empty by make_resident and
+read on a thread of their own while the daemon reads the units' weights; wait_resident() waits
+for their values.
 """
+import concurrent.futures
 import copy
 from typing import Any, Callable, Dict, List, Optional
 
@@ -108,14 +113,17 @@ class Source:
 
     def make_resident(self, resident: List[torch.Tensor], device: torch.device
                       ) -> Dict[int, torch.Tensor]:
-        """The resident tensors with their values, on `device`. A tensor on meta cannot take
-        data: it is replaced, and the replacements returned (old id -> new; swap() puts them
-        into the model)."""
+        """The resident tensors with their values, on `device` (some may come later: see
+        wait_resident). A tensor on meta cannot take data: it is replaced, and the replacements
+        returned (old id -> new; swap() puts them into the model)."""
         made: Dict[int, torch.Tensor] = {}
         for t in resident:
             if t.device != device:
                 _set(t, t.detach().to(device), made)
         return made
+
+    def wait_resident(self) -> None:
+        """The values make_resident left to come are in place (raises if they could not be)."""
 
     def follow(self, made: Dict[int, torch.Tensor]) -> None:
         """The model's tensors were replaced (old id -> new): what is known of them follows."""
@@ -208,6 +216,7 @@ class FromCheckpoint(Source):
         super().__init__(model)
         self.checkpoint = Checkpoint(path)
         self._key: Dict[int, str] = {}
+        self._reading: Optional[concurrent.futures.Future] = None  # the residents' values
 
     def check(self, streamed, resident) -> None:
         entries = self.checkpoint.entries
@@ -256,9 +265,6 @@ class FromCheckpoint(Source):
             if old in self._key:
                 self._key[id(new)] = self._key.pop(old)
 
-    def _read(self, t: torch.Tensor) -> torch.Tensor:
-        return self.checkpoint.read(self._key[id(t)]).to(t.dtype)
-
     def unit_values(self, module, params):
         """Each weight stored in the model's dtype as its span of the file (FileSpan: the daemon
         reads it straight into the unit's chunk); the others as readers that convert it there."""
@@ -272,21 +278,44 @@ class FromCheckpoint(Source):
     def make_resident(self, resident, device):
         made: Dict[int, torch.Tensor] = {}
         self._recompute_unsaved(resident, device, made)
+        wanted = []  # (key, the tensor that takes its value)
         with torch.no_grad():
             for t in resident:
                 if self.names.saved(t):
-                    _set(t, self._read(t).to(device), made)
+                    wanted.append((self._key[id(t)], torch.empty(t.shape, dtype=t.dtype,
+                                                                device=device)))
+                    _set(t, wanted[-1][1], made)
                 elif id(t) not in made and t.device != device:
                     _set(t, t.detach().to(device), made)
+        if wanted:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierd-resident")
+            self._reading = pool.submit(self._read_resident, wanted)
+            pool.shutdown(wait=False)
         return made
+
+    def _read_resident(self, wanted) -> None:
+        with torch.no_grad():
+            for key, out in wanted:
+                if out.device.type == "cpu":
+                    self.checkpoint.read_into(key, out.view(-1))
+                else:
+                    out.copy_(self.checkpoint.read(key))  # converted to out's dtype
+
+    def wait_resident(self) -> None:
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            reading.result()
 
     def duplicate(self) -> "FromCheckpoint":
         """This source over a duplicate of its checkpoint (Checkpoint.duplicate)."""
         twin = copy.copy(self)
+        twin._reading = None
         twin.checkpoint = self.checkpoint.duplicate()
         return twin
 
     def close(self) -> None:
+        if self._reading is not None:  # its reads end before the descriptors close
+            concurrent.futures.wait([self._reading])
         self.checkpoint.close()
 
 

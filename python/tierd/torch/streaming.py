@@ -150,6 +150,7 @@ class ParameterStream:
                 self._lay_out_all(source, write=True)
             else:
                 self._lay_out_ranks(source)
+            source.wait_resident()  # read meanwhile (_sources.py)
             for u in self._units:
                 register(u.params, self._parts)
                 for p in u.params:
