@@ -37,18 +37,9 @@ mkdir -p "$kit/examples"
 cp "$src/examples/train_gpt.py" "$kit/examples/"
 
 # Every library the binaries load, by the paths this machine resolves them to.
-host_provided='^(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
-for f in "${binaries[@]/#/$kit/}" "$kit/client/libtierd_client.so.0"; do
-  LD_LIBRARY_PATH="$kit/client" ldd "$f" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'
-done | sort -u | while read -r lib; do
-  name=$(basename "$lib")
-  [[ "$name" =~ $host_provided || "$name" == libtierd_client.so.0 ]] && continue
-  cp -L "$lib" "$kit/lib/$name"
-done
-if LD_LIBRARY_PATH="$kit/client" ldd "${binaries[@]/#/$kit/}" | grep -q "not found"; then
-  echo "make_kit: a library is not found" >&2
-  exit 1
-fi
+. "$src/deploy/bundle-libs.sh"
+LD_LIBRARY_PATH="$kit/client" bundle_libraries "$kit/lib" "${binaries[@]/#/$kit/}" \
+  "$kit/client/libtierd_client.so.0"
 
 # RUNPATH relative to each file's own folder.
 for b in "${binaries[@]}"; do
@@ -58,11 +49,10 @@ done
 patchelf --set-rpath '$ORIGIN/../lib' "$kit/client/libtierd_client.so.0"
 for l in "$kit"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$l"; done
 
-# The newest glibc symbol version anything in the kit needs.
-glibc=$(for f in "${binaries[@]/#/$kit/}" "$kit"/client/*.so* "$kit"/lib/*.so*; do
-  objdump -T "$f" | grep -o 'GLIBC_[0-9.]*' || true; done | sort -u -V | tail -1)
-libstdcxx=$(for f in "${binaries[@]/#/$kit/}" "$kit"/client/*.so* "$kit"/lib/*.so*; do
-  objdump -T "$f" | grep -o 'GLIBCXX_[0-9.]*' || true; done | sort -u -V | tail -1)
+# The newest glibc and libstdc++ symbol versions anything in the kit needs.
+everything=("${binaries[@]/#/$kit/}" "$kit"/client/*.so* "$kit"/lib/*.so*)
+glibc=$(newest_symbol_version GLIBC "${everything[@]}")
+libstdcxx=$(newest_symbol_version GLIBCXX "${everything[@]}")
 {
   echo "tierd GPU kit"
   echo "version: $(cd "$src" && git describe --always --dirty 2>/dev/null || echo unknown)"
