@@ -10,7 +10,7 @@ SANITIZED ?= build-asan
 FUZZ_SECONDS ?= 300
 
 .PHONY: all deps configure build test test-build test-sanitized configure-sanitized fuzz demo \
-        bench install package gpu-kit python-env clean
+        bench install package gpu-kit wheel python-env clean
 
 all: build
 
@@ -77,6 +77,11 @@ bench: build
 gpu-kit: build
 	@tests/gpu/make_kit.sh $(BUILD) gpu-kit
 
+# The Python wheel (dist/tierd-VERSION-py3-none-manylinux_2_NN_x86_64.whl): the package with the
+# client library and the Debian libraries it loads; `pip install` it into any environment.
+wheel: build
+	@deploy/make-wheel.sh $(BUILD) dist $(PYTHON)
+
 # PREFIX=/usr/local by default; DESTDIR works as usual.
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX))
@@ -86,4 +91,4 @@ package: build
 	cd $(BUILD) && cpack
 
 clean:
-	rm -rf $(BUILD) $(SANITIZED) var fuzz-crashes
+	rm -rf $(BUILD) $(SANITIZED) var fuzz-crashes dist

@@ -11,7 +11,7 @@ packages=(
   nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-venv python3-pytest python3-numpy python3-yaml python3-tqdm python3-grpcio
-  python3-protobuf
+  python3-protobuf python3-setuptools python3-wheel
   fio patchelf libaio-dev
 )
 
