@@ -62,9 +62,11 @@ class Comm:
         return Comm(process_group)
 
     def __init__(self, process_group):
-        backend = str(dist.get_backend(process_group))
-        # Made by every rank at the same point (all of them construct the optimizer).
-        self.group = process_group if "gloo" in backend else dist.new_group(backend="gloo")
+        # A gloo group of its own, made by every rank at the same point (all of them construct
+        # the optimizer): its collectives, issued from backward's hooks, never interleave with
+        # others on the given group (DDP's all-reduces, issued from hooks of its own), which
+        # gloo would take as a mismatch and abort the process on.
+        self.group = dist.new_group(backend="gloo")  # process_group spans every rank
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self._next = 0       # the next bucket whose reduce is to be issued this step
