@@ -53,8 +53,7 @@ def _unchanged(func, t: T, args, kwargs) -> bool:
         kwargs = dict(kwargs)
         copy = kwargs.pop("copy", False)
         device, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **kwargs)
-        return not copy and fmt is None and \
-            (device is None or torch.device(device) == t.device) and \
+        return not copy and fmt is None and (device is None or _same(device, t.device)) and \
             (dtype is None or dtype == t.dtype)
     if func is T.cpu:
         return t.device.type == "cpu"
@@ -63,6 +62,19 @@ def _unchanged(func, t: T, args, kwargs) -> bool:
     same_dtype = {T.float: torch.float32, T.half: torch.float16, T.bfloat16: torch.bfloat16,
                   T.double: torch.float64}
     return func in same_dtype and t.dtype == same_dtype[func]
+
+
+def _same(device, where: torch.device) -> bool:
+    """Whether `to(device)` leaves a tensor on `where` where it is: "cpu:0" (accelerate's device
+    of a CPU process) is the CPU, "cuda" the current CUDA device."""
+    device = torch.device(device)
+    if device.type != where.type:
+        return False
+    if device.type == "cpu":
+        return True
+    index = device.index if device.index is not None else \
+        getattr(torch, device.type).current_device()
+    return index == where.index
 
 
 # Views of the same storage: guarded as their base is.
