@@ -38,7 +38,8 @@ TOWERS = {
     "stream": [
         ["_trace", "_shared_base"],  # the recorded order, the daemon's schedule; a shared base
         ["_window", "_ranks"],       # the device window; the ranks' one set of weights
-        ["_stream_hooks", "_loading"],  # the hooks and the training state; load_state_dict
+        ["_stream_hooks", "_loading", "_ddp"],  # the hooks and the training state;
+                                                # load_state_dict; DDP leaving it alone
         ["_gather"],                 # gathered() and save_pretrained()
         ["streaming"],               # ParameterStream, stream_parameters
     ],

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from ..client import Client, Tier, TierdError, connect
+from ._ddp import DDPIgnored
 from ._stream_hooks import StreamHooks
 from ._sources import FromCheckpoint, Init, placeholder, source_for, swap
 from ._shared_base import SharedBase
@@ -129,6 +130,7 @@ class ParameterStream:
         self._window = Window(self._units, self._trace, device, self.prefetch, self._figures)
         self._hooks = StreamHooks(self._units, self._window)
         self._loading = StateDictLoading(self._units, self._window, self._hooks.busy)
+        self._ddp = DDPIgnored(self.model, self._units)
         try:
             name, group, wait_s, trusted = base
             if name is not None:
@@ -155,8 +157,8 @@ class ParameterStream:
                 register(u.params, self._parts)
                 for p in u.params:
                     guard(p)  # outside the window, a use that reads it raises
-            self._hooks.install()
-            self._loading.install()
+            for installed in (self._hooks, self._loading, self._ddp):
+                installed.install()
         except BaseException:
             self.close()
             raise
@@ -292,8 +294,8 @@ class ParameterStream:
                 keep_weights = False
                 warnings.warn(f"stream_parameters: {e}; the streamed parameters are left without "
                               "storage", RuntimeWarning, stacklevel=2)
-        self._hooks.remove()
-        self._loading.remove()
+        for installed in (self._hooks, self._loading, self._ddp):
+            installed.remove()
         lost = None
         try:
             for u in self._units:
