@@ -59,8 +59,8 @@ torch.manual_seed(0)
 model = GPT(6, 64, 2, 32)
 data = [(lambda t: (t[:, :-1], t[:, 1:]))(torch.randint(0, 256, (4, 33))) for _ in range(3)]
 """},
-    # A small llama's checkpoint, a way to build it on meta and a LoRA config, as the shared
-    # base's example assumes (the device: the emulated one).
+    # A small llama's checkpoint, a way to build it on meta, a LoRA config, a tokenizer and an
+    # output folder, as the shared base's and TRL's examples assume.
     "a checkpoint and a model on meta": {"python": """
 import tempfile
 import peft
@@ -78,6 +78,13 @@ def build_on_meta():
         return transformers.AutoModelForCausalLM.from_config(config)
 lora_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
 device = torch.device("cpu")
+from tokenizers import Tokenizer, models, pre_tokenizers
+words = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(
+    ["<unk>", "<pad>", "</s>", "a", "short", "text", "to", "learn"])}, unk_token="<unk>"))
+words.pre_tokenizer = pre_tokenizers.Whitespace()
+tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>",
+                                                 pad_token="<pad>", eos_token="</s>")
+out = tempfile.mkdtemp()
 """},
     # A connected client, as the C++ examples on one call assume.
     "a client": {"cpp": """

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_c_abi import daemon  # noqa: F401 (a fixture)
-from test_pretrained import HYPER, _Tokens, on_meta, saved, stream, tokens
+from test_pretrained import HYPER, VOCAB, _Tokens, on_meta, saved, safetensors_torch, stream, tokens
 
 import tierd.torch  # noqa: E402 (test_pretrained puts python/ on the path)
 
@@ -248,3 +248,112 @@ def test_log_figures_gives_any_trainer_and_its_reporters_them(daemon, tmp_path):
     for h, r in zip(history, reported):
         assert h.keys() - {"step"} == r.keys()
         assert unstreamed <= r.keys() and not (FIGURES - unstreamed) & r.keys()
+
+
+def test_the_optimizer_made_from_the_training_arguments_is_torchs_adamw_offloaded(
+        daemon, tmp_path):  # noqa: F811
+    """No optimizers=: the Trainer makes OffloadedAdamW from the TrainingArguments as
+    transformers makes torch's AdamW from them (lr, betas, eps, weight decay and its parameter
+    groups), with optimizer_options for the rest; another `optim` is refused, naming it."""
+    from tierd.torch.hf import Trainer
+    ckpt = saved(tmp_path, "llama")
+    knobs = dict(learning_rate=1e-3, adam_beta2=0.95, weight_decay=0.1)
+    want = transformers.Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(ckpt),
+                                args=_args(tmp_path / "torch", **knobs), train_dataset=_Tokens())
+    want.train()
+    want.save_model(str(tmp_path / "torch" / "final"))
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt))
+    try:
+        got = Trainer(model=model, args=_args(tmp_path / "tierd", **knobs),
+                      train_dataset=_Tokens(), optimizer_options=dict(
+                          socket_dir=daemon, threads=2, home="host", host_budget_bytes=1 << 20,
+                          overlap_backward=True))
+        got.train()
+        got.save_model(str(tmp_path / "tierd" / "final"))
+        opt = got.optimizer.optimizer  # inside accelerate's wrapper
+        assert isinstance(opt, tierd.torch.OffloadedAdamW) and opt.overlap_backward
+        assert [(g["lr"], g["betas"], g["weight_decay"]) for g in opt.param_groups] == \
+            [(1e-3, (0.9, 0.95), 0.1), (1e-3, (0.9, 0.95), 0.0)]
+        opt.close()
+    finally:
+        s.close(keep_weights=False)
+    _assert_same_training(got, want, tmp_path / "tierd" / "final", tmp_path / "torch" / "final")
+    with pytest.raises(ValueError, match="TrainingArguments.optim='sgd'"):
+        Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(ckpt),
+                args=_args(tmp_path / "sgd", optim="sgd"), train_dataset=_Tokens()).train()
+    with pytest.raises(TypeError, match="not a subclass of transformers.Trainer"):
+        tierd.torch.hf.offloaded(torch.optim.AdamW)
+
+
+def _words(n: int = 24):
+    """A dataset of short texts over a word-level tokenizer made here (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    datasets = pytest.importorskip("datasets")
+    words = [f"w{i}" for i in range(VOCAB - 4)]
+    vocab = {w: i for i, w in enumerate(["<unk>", "<pad>", "<s>", "</s>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>")
+    g = torch.Generator().manual_seed(3)
+    texts = [" ".join(words[int(j)] for j in torch.randint(0, len(words), (int(k),),
+                                                           generator=g))
+             for k in torch.randint(6, 20, (n,), generator=g)]
+    return datasets.Dataset.from_dict({"text": texts}), tokenizer
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trl_sft_trainer_streamed_trains_as_in_memory(daemon, tmp_path, lora):  # noqa: F811
+    """TRL's SFTTrainer, with its own defaults (bf16 autocast, activation checkpointing, its
+    data preparation) but a short run, on a model streamed from its checkpoint with the optimizer
+    made by offloaded(SFTTrainer) — and with LoRA from a peft_config — gives the losses and the
+    saved weights (adapters) of SFTTrainer on the model in memory with torch's AdamW."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from tierd.torch.hf import offloaded
+    ckpt = saved(tmp_path, "llama")
+    data, tokenizer = _words()
+
+    def config(out):
+        return trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, max_steps=3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             seed=0, learning_rate=1e-3, max_length=32)
+
+    def extra():
+        return dict(peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])) \
+            if lora else {}
+    want = trl.SFTTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(ckpt),
+                          args=config(tmp_path / "torch"), train_dataset=data,
+                          processing_class=tokenizer, **extra())
+    want.train()
+    want.save_model(str(tmp_path / "torch" / "final"))
+    model = on_meta("llama")
+    s = stream(model, daemon, checkpoint=str(ckpt))
+    try:
+        got = offloaded(trl.SFTTrainer)(
+            model=model, args=config(tmp_path / "tierd"), train_dataset=data,
+            processing_class=tokenizer, optimizer_options=dict(
+                socket_dir=daemon, threads=2, home="host", host_budget_bytes=1 << 20,
+                overlap_backward=True), **extra())
+        got.train()
+        got.save_model(str(tmp_path / "tierd" / "final"))
+        got.optimizer.optimizer.close()
+    finally:
+        s.close(keep_weights=False)
+    losses, _ = _logged(got)
+    want_losses, _ = _logged(want)
+    assert len(losses) == len(want_losses) == 3
+    assert losses[0] == want_losses[0]  # before any update
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5,
+                               atol=0)
+    if not lora:
+        _assert_same_training(got, want, tmp_path / "tierd" / "final",
+                              tmp_path / "torch" / "final")
+        return
+    a = safetensors_torch.load_file(tmp_path / "tierd" / "final" / "adapter_model.safetensors")
+    b = safetensors_torch.load_file(tmp_path / "torch" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(b) == 16  # q and v, A and B, in 4 blocks
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)

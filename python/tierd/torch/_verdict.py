@@ -23,6 +23,7 @@ class Verdict:
         self.skip_nonfinite = skip_nonfinite
         self.speculate = speculate  # buckets are stepped during backward despite the checks
         self.spec_scale = 1.0       # the loss scale speculative buckets assume: the last step's
+        self.order: Optional[List[torch.Tensor]] = None  # grad_norm's, when not the groups'
         self._comm = comm
 
     @property
@@ -58,10 +59,14 @@ class Verdict:
                   inv: Optional[torch.Tensor] = None) -> torch.Tensor:
         """As clip_grad_norm_: each gradient's 2-norm (of the parameters that have one), then the
         norm of those (of the gradients times `inv` when given, as unscaling them would make).
-        In the parameter groups' order (as clip_grad_norm_ over the model's parameters), not the
-        buckets': the norm is one float sum whatever the bucketing. Sharded: every rank's norms
+        In the parameter groups' order (as clip_grad_norm_ over the model's parameters), or
+        `order` where it is given (a Trainer's groups, decayed and not, are in another order than
+        its model's parameters), not the buckets': the norm is one float sum whatever the
+        bucketing. Sharded: every rank's norms
         gathered, then the same sum, so that it is the one process's norm bit for bit."""
-        order = {id(p): k for k, p in enumerate(p for g in param_groups for p in g["params"])}
+        every = self.order if self.order is not None else \
+            [p for g in param_groups for p in g["params"]]
+        order = {id(p): k for k, p in enumerate(every)}
         keyed = []
         for b in buckets:
             if not any(b.this_step.has):

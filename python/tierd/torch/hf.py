@@ -7,13 +7,22 @@
                       optimizers=(opt, get_linear_schedule_with_warmup(opt, 100, 1000)))
     trainer.train()
 
+Without `optimizers`, the Trainer makes OffloadedAdamW from the TrainingArguments as transformers
+makes torch's AdamW from them (optimizer_options= gives it the rest: socket_dir, overlap_backward,
+home, ...), after the model is final: so a peft_config that a Trainer applies itself (TRL's
+SFTTrainer) trains the adapters. offloaded(SFTTrainer) is any Trainer subclass made to do all this:
+
+    trainer = offloaded(trl.SFTTrainer)(model=model, args=SFTConfig(...), train_dataset=data,
+                                        peft_config=lora, optimizer_options=dict(...))
+
 What it changes of transformers.Trainer, and why:
 
 - Clipping. Trainer clips with clip_grad_norm_ over the parameters' .grad before step(); with
   overlap_backward (and always for streamed parameters) the gradients have left the device by
   then, so that would clip, and report, the norm of what is left. Here `args.max_grad_norm` is
   given to the optimizer, which clips exactly as clip_grad_norm_ would, over every gradient; the
-  logged grad_norm is the optimizer's (none is logged when the optimizer computes none).
+  logged grad_norm is the optimizer's (none is logged when the optimizer computes none), its
+  gradients' norms summed in the model's parameter order, as clip_grad_norm_ sums them.
 - Gradient accumulation. With overlap_backward a bucket is stepped once its gradients of
   `accumulation_steps` backward passes are in: `args.gradient_accumulation_steps` is given to the
   optimizer (a different value set on both is refused).
@@ -23,7 +32,7 @@ What it changes of transformers.Trainer, and why:
 - Logs. Each log gets tierd's figures of the steps since the one before (tierd.torch.StepFigures:
   NVMe bytes, the host tier in use, the wait for streamed weights, the optimizer's tail), under
   "tierd/", in the log history and in every report_to integration. log_figures(trainer) adds them
-  to any other Trainer (TRL's SFTTrainer).
+  to any other Trainer.
 
 Imports transformers (the rest of tierd.torch does not).
 """
@@ -36,7 +45,7 @@ import transformers
 from ._step_figures import StepFigures, stream_of_params
 from .optimizer import OffloadedAdamW
 
-__all__ = ["Figures", "Trainer", "log_figures"]
+__all__ = ["Figures", "Trainer", "log_figures", "offloaded"]
 
 
 class _Norm(transformers.TrainerCallback):
@@ -108,7 +117,7 @@ def _stream_of_model(model):
     return stream_of_params(model.parameters())
 
 
-def _refuse(args, streamed: bool) -> None:
+def _refuse(args, streamed: bool, who: str) -> None:
     """Refuses, naming the field, each TrainingArguments knob this Trainer cannot honour as
     transformers' own does (docs/models.md has the table of every knob)."""
     why = None
@@ -134,45 +143,78 @@ def _refuse(args, streamed: bool) -> None:
         why = ("load_best_model_at_end: not tested with a streamed model yet (its weights "
                "load through the stream, as resume_from_checkpoint's do)")
     if why is not None:
-        raise ValueError(f"tierd.torch.hf.Trainer: TrainingArguments.{why}")
+        raise ValueError(f"{who}: TrainingArguments.{why}")
 
 
-class Trainer(transformers.Trainer):
-    """transformers.Trainer for OffloadedAdamW (see the module's text). Arguments as Trainer's;
-    `optimizers` must hold an OffloadedAdamW."""
+class _Offloaded:
+    """What makes a Trainer class train with OffloadedAdamW (see the module's text); first among
+    the bases of Trainer and of offloaded()'s classes."""
 
-    def __init__(self, *args, **kwargs):
+    _who = "tierd.torch.hf.Trainer"
+
+    def __init__(self, *args, optimizer_options: Optional[Dict] = None, **kwargs):
         optimizer = (kwargs.get("optimizers") or (None, None))[0]
-        if not isinstance(optimizer, OffloadedAdamW):
-            raise TypeError("tierd.torch.hf.Trainer: give optimizers=(OffloadedAdamW(...), "
-                            "scheduler); Trainer's own optimizer would not see streamed "
-                            "gradients")
+        made = kwargs.get("optimizer_cls_and_kwargs")
+        if optimizer is not None and not isinstance(optimizer, OffloadedAdamW) or \
+                made is not None and not issubclass(made[0], OffloadedAdamW):
+            raise TypeError(f"{self._who}: give optimizers=(OffloadedAdamW(...), scheduler), or "
+                            "no optimizer (one is made from the TrainingArguments); another "
+                            "optimizer would not see streamed gradients")
+        if (optimizer is not None or made is not None) and optimizer_options:
+            raise ValueError(f"{self._who}: optimizer_options are for the optimizer made from "
+                             "the TrainingArguments; give them to the OffloadedAdamW you made")
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
         if given is not None:  # before Trainer changes anything (the model's checkpointing)
-            _refuse(given, streamed=model is not None and _stream_of_model(model) is not None)
+            _refuse(given, model is not None and _stream_of_model(model) is not None, self._who)
+        self._optimizer_options = dict(optimizer_options or {})
+        self._offloaded: Optional[OffloadedAdamW] = None
+        self._pending_norm: Optional[torch.Tensor] = None
         super().__init__(*args, **kwargs)
         if given is None:  # Trainer's defaults
-            _refuse(self.args, streamed=self._stream() is not None)
+            _refuse(self.args, self._stream() is not None, self._who)
+        if optimizer is not None:
+            self._adopt(optimizer)
+        self.add_callback(_Norm(self))
+        log_figures(self)
+
+    def create_optimizer(self, model=None):
+        """OffloadedAdamW with what torch's AdamW would be given from the TrainingArguments
+        (`optim` adamw_torch or adamw_torch_fused): their lr, betas, eps and weight decay, the
+        parameter groups Trainer makes; and optimizer_options."""
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
+            if cls is not torch.optim.AdamW:
+                optim = getattr(self.args.optim, "value", self.args.optim)
+                raise ValueError(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
+                                 "AdamW (adamw_torch, adamw_torch_fused)")
+            self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs,
+                                                              **self._optimizer_options})
+        made = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if made:
+            self._adopt(optimizer)
+        return optimizer
+
+    def _adopt(self, optimizer: OffloadedAdamW) -> None:
+        """Gives the optimizer the clipping and accumulation the TrainingArguments ask for."""
         self._offloaded = optimizer
-        self._pending_norm: Optional[torch.Tensor] = None
+        optimizer.grad_norm_order = self.model.parameters()  # as Trainer's clip_grad_norm_
         wanted = self.args.max_grad_norm
         if wanted and wanted > 0:
             if optimizer.max_grad_norm is None:
                 optimizer.max_grad_norm = wanted
             elif optimizer.max_grad_norm != wanted:
-                raise ValueError(f"tierd.torch.hf.Trainer: args.max_grad_norm ({wanted}) and "
-                                 f"the optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
+                raise ValueError(f"{self._who}: args.max_grad_norm ({wanted}) and the "
+                                 f"optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
                                  "differ: set one")
         accumulate = self.args.gradient_accumulation_steps
         if optimizer.accumulation_steps == 1:
             optimizer.accumulation_steps = accumulate
         elif optimizer.accumulation_steps != accumulate:
-            raise ValueError(f"tierd.torch.hf.Trainer: args.gradient_accumulation_steps "
-                             f"({accumulate}) and the optimizer's accumulation_steps "
+            raise ValueError(f"{self._who}: args.gradient_accumulation_steps ({accumulate}) and "
+                             f"the optimizer's accumulation_steps "
                              f"({optimizer.accumulation_steps}) differ: set one")
-        self.add_callback(_Norm(self))
-        log_figures(self)
 
     def _stream(self):
         return _stream_of_model(self.accelerator.unwrap_model(self.model,
@@ -204,3 +246,28 @@ class Trainer(transformers.Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+class Trainer(_Offloaded, transformers.Trainer):
+    """transformers.Trainer for OffloadedAdamW (see the module's text). Arguments as Trainer's,
+    and optimizer_options: OffloadedAdamW's own arguments (socket_dir, overlap_backward, home,
+    ...) for the optimizer made from the TrainingArguments where `optimizers` holds none."""
+
+
+_MADE: Dict[type, type] = {}
+
+
+def offloaded(trainer_class: type) -> type:
+    """`trainer_class`, a subclass of transformers.Trainer (TRL's SFTTrainer, ...), made to train
+    with OffloadedAdamW as Trainer here does: the same arguments and optimizer_options. The same
+    class for the same argument."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"tierd.torch.hf.offloaded: {trainer_class!r} is not a subclass of "
+                        "transformers.Trainer")
+    if issubclass(trainer_class, _Offloaded):
+        return trainer_class
+    if trainer_class not in _MADE:
+        _MADE[trainer_class] = type(trainer_class.__name__, (_Offloaded, trainer_class), {
+            "__module__": __name__, "__doc__": offloaded.__doc__,
+            "_who": f"tierd.torch.hf.offloaded({trainer_class.__name__})"})
+    return _MADE[trainer_class]

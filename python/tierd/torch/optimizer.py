@@ -156,6 +156,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                              lambda self, v: setattr(self._verdict, "max_grad_norm", v))
     skip_nonfinite = property(lambda self: self._verdict.skip_nonfinite,
                               lambda self, v: setattr(self._verdict, "skip_nonfinite", v))
+    # The parameters in the order clip_grad_norm_ is given them (None: the groups' order).
+    grad_norm_order = property(lambda self: self._verdict.order,
+                               lambda self, v: setattr(self._verdict, "order", v and list(v)))
     home = property(lambda self: self._state.home)
     # The step's figures and phase (_stepping.Stepper's).
     phase = property(lambda self: self._stepper.phase if self._stepper else StepPhase.IDLE)
