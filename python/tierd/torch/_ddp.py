@@ -8,20 +8,20 @@ init, and OffloadedAdamW averages its gradients over the ranks itself. So the st
 parameters in the model's `_ddp_params_and_buffers_to_ignore`, the list DDP leaves alone (as
 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets it), and takes them out
 again when it closes. The names are the model's own: a module that wraps the streamed model
-(PEFT's) names them otherwise, and is for a loop that leaves it out of DDP (docs/models.md).
+(PEFT's) names them otherwise, so tierd.torch.hf's Trainers name them in the model they train
+too, and a loop of one's own leaves such a module out of DDP (docs/models.md).
 """
-from typing import List
+from typing import Iterable, List
 
+import torch
 import torch.nn as nn
-
-from ._units import Units
 
 ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
 class DDPIgnored:
-    def __init__(self, model: nn.Module, units: Units):
-        streamed = {id(p) for u in units for p in u.params}
+    def __init__(self, model: nn.Module, streamed: Iterable[torch.Tensor]):
+        streamed = {id(p) for p in streamed}
         self._model = model
         self._names: List[str] = [n for n, p in model.named_parameters(remove_duplicate=False)
                                   if id(p) in streamed]

@@ -42,8 +42,10 @@ from typing import Dict, Optional
 import torch
 import transformers
 
+from ._ddp import DDPIgnored
 from ._step_figures import StepFigures, stream_of_params
 from .optimizer import OffloadedAdamW
+from .streaming import stream_of
 
 __all__ = ["Figures", "Trainer", "log_figures", "offloaded"]
 
@@ -132,10 +134,6 @@ def _refuse(args, streamed: bool, who: str) -> None:
                "and does its own offload and sharding; the two do not go together")
     elif args.torch_compile:
         why = "torch_compile: not tested with OffloadedAdamW's gradient hooks and streaming"
-    elif args.world_size > 1:
-        why = ("world_size > 1 (DDP under torchrun): Trainer would wrap the model in DDP, whose "
-               "all-reduce OffloadedAdamW does itself (sharded over the ranks): not supported "
-               "through Trainer yet")
     elif streamed and reentrant:
         why = ("activation_checkpointing_kwargs use_reentrant=True: a streamed model needs "
                "use_reentrant=False (docs/streaming.md, \"Limits\")")
@@ -175,6 +173,10 @@ class _Offloaded:
             _refuse(self.args, self._stream() is not None, self._who)
         if optimizer is not None:
             self._adopt(optimizer)
+        # With more than one process the model is wrapped in DDP, which is to leave the streamed
+        # parameters alone (_ddp.py) under the names they have in the model trained (PEFT's).
+        DDPIgnored(self.model, (p for p in self.model.parameters()
+                                if stream_of(p) is not None)).install()
         self.add_callback(_Norm(self))
         log_figures(self)
 

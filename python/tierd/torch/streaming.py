@@ -130,7 +130,7 @@ class ParameterStream:
         self._window = Window(self._units, self._trace, device, self.prefetch, self._figures)
         self._hooks = StreamHooks(self._units, self._window)
         self._loading = StateDictLoading(self._units, self._window, self._hooks.busy)
-        self._ddp = DDPIgnored(self.model, self._units)
+        self._ddp = DDPIgnored(self.model, (p for u in self._units for p in u.params))
         try:
             name, group, wait_s, trusted = base
             if name is not None:
