@@ -173,6 +173,8 @@ class _Offloaded:
             _refuse(self.args, self._stream() is not None, self._who)
         if optimizer is not None:
             self._adopt(optimizer)
+        elif made is None:
+            self._optimizer_from_args()
         # With more than one process the model is wrapped in DDP, which is to leave the streamed
         # parameters alone (_ddp.py) under the names they have in the model trained (PEFT's).
         DDPIgnored(self.model, (p for p in self.model.parameters()
@@ -180,18 +182,19 @@ class _Offloaded:
         self.add_callback(_Norm(self))
         log_figures(self)
 
+    def _optimizer_from_args(self) -> None:
+        """Trainer is to make OffloadedAdamW with what it would give torch's AdamW from the
+        TrainingArguments (`optim` adamw_torch or adamw_torch_fused): their lr, betas, eps and
+        weight decay, in the parameter groups it makes (create_optimizer); and
+        optimizer_options."""
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        if cls is not torch.optim.AdamW:
+            optim = getattr(self.args.optim, "value", self.args.optim)
+            raise ValueError(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
+                             "AdamW (adamw_torch, adamw_torch_fused)")
+        self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs, **self._optimizer_options})
+
     def create_optimizer(self, model=None):
-        """OffloadedAdamW with what torch's AdamW would be given from the TrainingArguments
-        (`optim` adamw_torch or adamw_torch_fused): their lr, betas, eps and weight decay, the
-        parameter groups Trainer makes; and optimizer_options."""
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model or self.model)
-            if cls is not torch.optim.AdamW:
-                optim = getattr(self.args.optim, "value", self.args.optim)
-                raise ValueError(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
-                                 "AdamW (adamw_torch, adamw_torch_fused)")
-            self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs,
-                                                              **self._optimizer_options})
         made = self.optimizer is None
         optimizer = super().create_optimizer(model)
         if made:
