@@ -72,9 +72,10 @@ def _same(device, where: torch.device) -> bool:
         return False
     if device.type == "cpu":
         return True
-    index = device.index if device.index is not None else \
-        getattr(torch, device.type).current_device()
-    return index == where.index
+    if device.index is None:  # the current device of its kind, where torch says which
+        current = getattr(getattr(torch, device.type, None), "current_device", None)
+        return current is not None and current() == where.index
+    return device.index == where.index
 
 
 # Views of the same storage: guarded as their base is.
