@@ -152,20 +152,19 @@ class _Offloaded:
 
     def __init__(self, *args, optimizer_options: Optional[Dict] = None, **kwargs):
         optimizer = (kwargs.get("optimizers") or (None, None))[0]
-        made = kwargs.get("optimizer_cls_and_kwargs")
+        cls_and_kwargs = kwargs.get("optimizer_cls_and_kwargs")
         if optimizer is not None and not isinstance(optimizer, OffloadedAdamW) or \
-                made is not None and not issubclass(made[0], OffloadedAdamW):
+                cls_and_kwargs is not None and not issubclass(cls_and_kwargs[0], OffloadedAdamW):
             raise TypeError(f"{self._who}: give optimizers=(OffloadedAdamW(...), scheduler), or "
                             "no optimizer (one is made from the TrainingArguments); another "
                             "optimizer would not see streamed gradients")
-        if (optimizer is not None or made is not None) and optimizer_options:
+        if (optimizer is not None or cls_and_kwargs is not None) and optimizer_options:
             raise ValueError(f"{self._who}: optimizer_options are for the optimizer made from "
                              "the TrainingArguments; give them to the OffloadedAdamW you made")
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
         if given is not None:  # before Trainer changes anything (the model's checkpointing)
             _refuse(given, model is not None and _stream_of_model(model) is not None, self._who)
-        self._optimizer_options = dict(optimizer_options or {})
         self._offloaded: Optional[OffloadedAdamW] = None
         self._pending_norm: Optional[torch.Tensor] = None
         super().__init__(*args, **kwargs)
@@ -173,8 +172,8 @@ class _Offloaded:
             _refuse(self.args, self._stream() is not None, self._who)
         if optimizer is not None:
             self._adopt(optimizer)
-        elif made is None:
-            self._optimizer_from_args()
+        elif cls_and_kwargs is None:
+            self._optimizer_from_args(optimizer_options or {})
         # With more than one process the model is wrapped in DDP, which is to leave the streamed
         # parameters alone (_ddp.py) under the names they have in the model trained (PEFT's).
         DDPIgnored(self.model, (p for p in self.model.parameters()
@@ -182,7 +181,7 @@ class _Offloaded:
         self.add_callback(_Norm(self))
         log_figures(self)
 
-    def _optimizer_from_args(self) -> None:
+    def _optimizer_from_args(self, options: Dict) -> None:
         """Trainer is to make OffloadedAdamW with what it would give torch's AdamW from the
         TrainingArguments (`optim` adamw_torch or adamw_torch_fused): their lr, betas, eps and
         weight decay, in the parameter groups it makes (create_optimizer); and
@@ -192,7 +191,7 @@ class _Offloaded:
             optim = getattr(self.args.optim, "value", self.args.optim)
             raise ValueError(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
                              "AdamW (adamw_torch, adamw_torch_fused)")
-        self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs, **self._optimizer_options})
+        self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs, **options})
 
     def create_optimizer(self, model=None):
         made = self.optimizer is None
