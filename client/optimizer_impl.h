@@ -28,10 +28,10 @@ inline bool ValidScalarType(ScalarType t) {
 
 inline absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
   if (!(h.lr >= 0) || !(h.beta1 >= 0 && h.beta1 < 1) || !(h.beta2 >= 0 && h.beta2 < 1) ||
-      !(h.eps > 0) || !(h.weight_decay >= 0)) {
+      !(h.eps >= 0) || !(h.weight_decay >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Adam hyperparameters out of range: lr ", h.lr, " (>= 0), betas ", h.beta1, ", ", h.beta2,
-        " (in [0, 1)), eps ", h.eps, " (> 0), weight_decay ", h.weight_decay, " (>= 0)"));
+        " (in [0, 1)), eps ", h.eps, " (>= 0), weight_decay ", h.weight_decay, " (>= 0)"));
   }
   return absl::OkStatus();
 }

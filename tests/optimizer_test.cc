@@ -672,6 +672,7 @@ TEST_F(OptimizerTest, StateExportedAndLoadedElsewhereStepsOnWithEachGroupsHyperp
   ASSERT_TRUE(second->SetGroupHyperparameters(1, other).ok());
   EXPECT_TRUE(absl::IsInvalidArgument(
       second->SetGroupHyperparameters(0, {.beta2 = 1.0})));  // refused, nothing changed
+  EXPECT_TRUE(absl::IsInvalidArgument(second->SetGroupHyperparameters(0, {.eps = -1e-8})));
   EXPECT_TRUE(absl::IsOutOfRange(second->SetGroupHyperparameters(2, other)));
 
   grads = Gradients(2, 1.0f);

@@ -1,11 +1,12 @@
 """The C ABI (client/include/tierd/client.h) for ctypes: constants, structures, signatures, the
-library's loading and its errors (TierdError).
+library's loading, and its refusals raised as TierdError (_errors.py).
 
 Nothing here is compiled against Python, so the package works with any Python >= 3.9.
 """
 import ctypes
-import enum
 import os
+
+from ._errors import MissingDependency, Status, TierdError  # noqa: F401 (the ABI's)
 
 LIBRARY = "libtierd_client.so.0"
 
@@ -13,46 +14,10 @@ TIER_HOST, TIER_NVME, TIER_DEVICE = 1, 2, 3
 ACCESS_READ, ACCESS_WRITE, ACCESS_OVERWRITE = 1, 2, 3
 VERSION_BITS = 4096  # TIERD_VERSION_BITS: the version bits a schedule's pairs may name
 
-
-class Status(enum.IntEnum):
-    """tierd_status: the gRPC status codes."""
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
-
-
 OK, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION = (
     Status.OK, Status.INVALID_ARGUMENT, Status.NOT_FOUND, Status.RESOURCE_EXHAUSTED,
     Status.FAILED_PRECONDITION)
 PENDING = 100  # TIERD_PENDING: tierd_poll's "not yet", not an error
-
-
-class TierdError(Exception):
-    """A refused call: `code` is the gRPC status code (an int), `code_name` its name
-    ("RESOURCE_EXHAUSTED"), `message` the daemon's (or the client library's) words."""
-
-    def __init__(self, code: int, message: str):
-        self.code = int(code)
-        try:
-            self.code_name = Status(code).name
-        except ValueError:
-            self.code_name = str(code)
-        self.message = message
-        super().__init__(f"{self.code_name}: {message}")
 
 
 class BaseCreate(ctypes.Structure):
@@ -199,9 +164,9 @@ def load_library():
     lib.tierd_abi_version.restype = ctypes.c_int
     found = lib.tierd_abi_version()
     if found != ABI_VERSION:
-        raise ImportError(f"{path} implements the tierd C ABI version {found}; this package "
-                          f"needs version {ABI_VERSION}: install the library and the package of "
-                          "one release")
+        raise MissingDependency(f"{path} implements the tierd C ABI version {found}; this package "
+                                f"needs version {ABI_VERSION}: install the library and the package "
+                                "of one release")
     p = ctypes.c_void_p
     u64p = ctypes.POINTER(ctypes.c_uint64)
     lib.tierd_last_error.restype = ctypes.c_char_p

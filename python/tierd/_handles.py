@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Union
 
+from ._errors import ViewConsumed
 from . import _abi
 from ._abi import TierdError, check, library
 
@@ -151,7 +152,7 @@ class DLPackView:
     def __dlpack__(self, stream=None):
         """The capsule; a view is consumed once."""
         if self._capsule is None:
-            raise BufferError("this DLPack view was already consumed")
+            raise ViewConsumed("this DLPack view was already consumed")
         capsule, self._capsule = self._capsule, None
         return capsule
 

@@ -304,6 +304,23 @@ def test_parameters_without_elements_are_accepted(daemon):  # noqa: F811
     assert exported["state"][1]["exp_avg"].shape == (0,)
 
 
+def test_eps_zero_is_accepted_and_stepped_as_torch_does(daemon):  # noqa: F811
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(64))
+    ref_weight = nn.Parameter(weight.detach().clone())
+    ref_opt = torch.optim.AdamW([ref_weight], **dict(HYPER, eps=0.0))
+    opt = offloaded([weight], daemon, eps=0.0)
+    try:
+        for o, w in ((ref_opt, ref_weight), (opt, weight)):
+            for step in range(3):
+                o.zero_grad()
+                (w * torch.linspace(1, 2, 64) * (step + 1)).sum().backward()
+                o.step()
+    finally:
+        opt.close()
+    torch.testing.assert_close(weight.detach(), ref_weight.detach(), rtol=1e-5, atol=1e-7)
+
+
 def test_weights_changed_between_steps_are_stepped_from(daemon):  # noqa: F811
     """A clamp after each step (a weight constraint), weights loaded into the model after the
     optimizer was made, and a tensor swapped in by `.data =`: torch steps from the weights as they

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .._errors import FailedPrecondition
+
 
 def all_succeeded(group, who: str, doing: str, error: Optional[BaseException]) -> None:
     """Gathers every rank's outcome of `doing` over `group` (a gloo group of every rank) and
@@ -22,4 +24,4 @@ def all_succeeded(group, who: str, doing: str, error: Optional[BaseException]) -
         if hasattr(error, "add_note"):  # Python 3.11
             error.add_note(summary)
         raise error
-    raise RuntimeError(summary)
+    raise FailedPrecondition(summary)

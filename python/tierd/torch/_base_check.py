@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._errors import InvalidArgument
+
 # What the base's units are given, in the maker's order: a tensor, or (numel, dtype, reader) for
 # a checkpoint's tensor that reader(out) reads into `out`.
 Value = Union[torch.Tensor, Tuple[int, torch.dtype, Callable[[torch.Tensor], None]]]
@@ -98,7 +100,7 @@ class BaseCheck:
         self._thread.join()
         self.waited_s += time.monotonic() - start
         if self._refusal is not None:
-            raise ValueError(self._refusal)
+            raise InvalidArgument(self._refusal)
         self._passed = True
         self._remove_gates()
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .._errors import InvalidType
 from .. import _abi
 from ..client import Access
 from ._storage import STEPPED_DTYPES, end_to_end
@@ -305,8 +306,8 @@ def write_back(stepped: List[Bucket], active: List[Bucket], comm) -> Optional[An
 
 def check_dtype(p: torch.Tensor) -> None:
     if p.dtype not in STEPPED_DTYPES:
-        raise TypeError(f"OffloadedAdamW: a parameter of dtype {p.dtype}; float32, bfloat16 and "
-                        "float16 are supported")
+        raise InvalidType(f"OffloadedAdamW: a parameter of dtype {p.dtype}; float32, bfloat16 and "
+                          "float16 are supported")
 
 
 class StreamBucket(Bucket):

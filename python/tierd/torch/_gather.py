@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .._errors import FailedPrecondition
 from . import _safetensors
 from ._hf_keys import KeyNames
 from ._progress import bar
@@ -38,8 +39,8 @@ class Gathered:
         if self.base is not None:
             self.base.checked()
         if self.hooks.busy():
-            raise RuntimeError("stream_parameters: gathered() during a forward or backward, or "
-                               "inside another gathered()")
+            raise FailedPrecondition("stream_parameters: gathered() during a forward or backward, "
+                                     "or inside another gathered()")
         for u in self.units:
             self.window.evict(u)
             weights = self.units.weights(u)
@@ -58,17 +59,17 @@ class Gathered:
             for p, w in weights:
                 now = p.detach().reshape(-1)
                 if now.dtype != w.dtype or now.numel() != w.numel():
-                    raise RuntimeError("stream_parameters: a streamed parameter's dtype or "
-                                       "shape changed inside gathered()")
+                    raise FailedPrecondition("stream_parameters: a streamed parameter's dtype or "
+                                             "shape changed inside gathered()")
                 if not torch.equal(now, w):
                     changed[id(p)] = now.clone()
             try:
                 units.write_weights(u, changed)
             except ValueError:
-                raise RuntimeError(f"stream_parameters: a parameter of unit {u.name!r} was "
-                                   "changed inside gathered(), but it is in the shared base "
-                                   f"{self.base.name!r}, which is read-only; its weights stay "
-                                   "as they were") from None
+                raise FailedPrecondition(f"stream_parameters: a parameter of unit {u.name!r} was "
+                                         "changed inside gathered(), but it is in the shared base "
+                                         f"{self.base.name!r}, which is read-only; its weights "
+                                         "stay as they were") from None
             finally:
                 units.point(u)
         self.before = []

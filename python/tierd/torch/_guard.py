@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
+from .._errors import FailedPrecondition
+
 T = torch.Tensor
 
 # Read nothing of the elements: metadata, hooks, the storage handle, and what sets them.
@@ -118,7 +120,7 @@ class _Guarded:
                         f"size={tuple(t.shape)}, dtype={t.dtype})")
         t = out[0]
         name = getattr(func, "__name__", None) or str(func)
-        raise RuntimeError(
+        raise FailedPrecondition(
             f"tierd.torch: {name}() on a streamed parameter of shape {tuple(t.shape)} and "
             f"{t.dtype} outside the device window: its weights are in the daemon, not in "
             "this tensor. Read or change them inside stream.gathered(), save them with "

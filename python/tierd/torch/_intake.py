@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from .._errors import FailedPrecondition
 from ._buckets import Bucket, StreamBucket
 from ._layout import BucketLayout
 from ._storage import grad_accumulator
@@ -78,7 +79,7 @@ class GradientIntake:
         count = self._counts[key]
         if count > self.accumulation_steps:
             # Its bucket may be stepped already: this gradient would be lost without a word.
-            raise RuntimeError(
+            raise FailedPrecondition(
                 f"OffloadedAdamW: a parameter of shape {tuple(b.params[i].shape)} got its "
                 f"gradient {count} times before step(), but accumulation_steps is "
                 f"{self.accumulation_steps}: with overlap_backward its bucket is stepped after "

@@ -11,6 +11,7 @@ steps, 0.5 until both lanes have stepped. Placement changes between the library'
 """
 from typing import List, Union
 
+from .._errors import InvalidArgument
 from .. import _abi
 from ..client import TierdError
 from ._buckets import Bucket
@@ -23,8 +24,8 @@ def check(setting: Setting) -> None:
         return
     if isinstance(setting, bool) or not isinstance(setting, (int, float)) or \
             not 0.0 <= setting <= 1.0:
-        raise ValueError(f"device_share must be None, 'auto' or a number in [0, 1], not "
-                         f"{setting!r}")
+        raise InvalidArgument(f"device_share must be None, 'auto' or a number in [0, 1], not "
+                              f"{setting!r}")
 
 
 class DeviceLanes:

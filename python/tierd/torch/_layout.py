@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ._buckets import Bucket, check_dtype, plan
 from ._shard import Comm
 from ._state import OptimizerState
@@ -47,7 +48,7 @@ class BucketLayout:
         for gi, g in enumerate(self._groups()):
             for p in g["params"]:
                 if id(p) in seen:
-                    raise ValueError("some parameters appear in more than one parameter group")
+                    raise InvalidArgument("some parameters appear in more than one parameter group")
                 seen.add(id(p))
                 check_dtype(p)
                 if p.requires_grad or id(p) in placed:
@@ -113,22 +114,23 @@ class BucketLayout:
             if b is not None and b.param(i) is not p:
                 b = None  # an id reused by another tensor
             if b is not None and b.sizes[i] != p.numel():
-                raise ValueError(f"OffloadedAdamW: a parameter of {b.sizes[i]} elements now has "
-                                 f"{p.numel()}; its state cannot follow a change of shape")
+                raise InvalidArgument(f"OffloadedAdamW: a parameter of {b.sizes[i]} elements now "
+                                      f"has {p.numel()}; its state cannot follow a change of shape")
             if b is not None and b.group is g and b.dtype == p.dtype and b.device == p.device:
                 keep.append((b, i))
             else:
                 moves.append((gi, g, p, b, i))
         if any(parts_of(m[2]) is not None for m in moves):
-            raise ValueError("OffloadedAdamW: a streamed parameter (stream_parameters) joined "
-                             "(added, or unfrozen: a frozen one is given no state) or moved "
-                             "between parameter groups after the optimizer was made: give the "
-                             "constructor every streamed parameter to train, in its final group")
+            raise InvalidArgument("OffloadedAdamW: a streamed parameter (stream_parameters) "
+                                  "joined (added, or unfrozen: a frozen one is given no state) or "
+                                  "moved between parameter groups after the optimizer was made: "
+                                  "give the constructor every streamed parameter to train, in its "
+                                  "final group")
         carried = [m for m in moves if m[3] is not None]
         if carried and self._comm is not None:
-            raise RuntimeError("OffloadedAdamW: sharded over ranks, a parameter with state "
-                               "cannot move to another parameter group, dtype or device (its "
-                               "state would change owner); add new parameters only")
+            raise FailedPrecondition("OffloadedAdamW: sharded over ranks, a parameter with state "
+                                     "cannot move to another parameter group, dtype or device (its "
+                                     "state would change owner); add new parameters only")
         moved, read = {}, {}
         for _, _, p, b, i in carried:  # read before anything changes
             moved[id(p)] = state.state_of(b, i, read)

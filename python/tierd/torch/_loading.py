@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from .._errors import FailedPrecondition
 from ._units import Unit, Units
 from ._window import Window
 
@@ -49,8 +50,8 @@ class StateDictLoading:
         if not named:
             return
         if self._busy():
-            raise RuntimeError("stream_parameters: load_state_dict() during a forward or "
-                               "backward, or inside gathered()")
+            raise FailedPrecondition("stream_parameters: load_state_dict() during a forward or "
+                                     "backward, or inside gathered()")
         changed, base = {}, {}
         for key, p in named:
             value = state_dict.pop(key)
@@ -76,8 +77,8 @@ class StateDictLoading:
         if changed:
             with self.window.lock:
                 if self.window.in_use(u):
-                    raise RuntimeError("stream_parameters: load_state_dict() while a unit is "
-                                       "in use")
+                    raise FailedPrecondition("stream_parameters: load_state_dict() while a unit is "
+                                             "in use")
                 self.window.evict(u)  # a copy left in the window is stale now
                 self.units.write_weights(u, {pid: flat for pid, (_, flat) in changed.items()})
                 self.units.point(u)

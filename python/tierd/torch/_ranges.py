@@ -17,6 +17,7 @@ from typing import (Any, Callable, Dict, Iterator, List, NamedTuple, Optional, S
 
 import torch
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ..client import Access, Acquisition, Tier
 from ._figures import StreamFigures
 from ._storage import range_view
@@ -108,11 +109,11 @@ class StreamRange:
 
     def _check(self) -> Range:
         if self._parts.closed:
-            raise RuntimeError("OffloadedAdamW: the parameter stream of these parameters was "
-                               "closed (close the optimizer first)")
+            raise FailedPrecondition("OffloadedAdamW: the parameter stream of these parameters was "
+                                     "closed (close the optimizer first)")
         if self._range.retired:
-            raise RuntimeError("stream_parameters: these parameters were laid out anew for "
-                               "another optimizer")
+            raise FailedPrecondition("stream_parameters: these parameters were laid out anew for "
+                                     "another optimizer")
         return self._range
 
     @contextlib.contextmanager
@@ -230,10 +231,10 @@ def stream_ranges(keyed: List[Tuple[Any, torch.Tensor]]
         u = parts.units.unit_of(p)
         if u.in_base(p):  # read-only: never stepped, never given state
             if p.requires_grad:
-                raise ValueError(f"OffloadedAdamW: a parameter of shape {tuple(p.shape)} is in "
-                                 f"the shared base {parts.shared_base!r}, which is read-only: "
-                                 "keep it frozen (requires_grad=False) and train adapters "
-                                 "beside it")
+                raise InvalidArgument(f"OffloadedAdamW: a parameter of shape {tuple(p.shape)} is "
+                                      f"in the shared base {parts.shared_base!r}, which is "
+                                      "read-only: keep it frozen (requires_grad=False) and train "
+                                      "adapters beside it")
             continue
         lent[id(parts)] = parts
         layouts.setdefault(id(parts), {}).setdefault(u.index, {}).setdefault(

@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from .._errors import InvalidArgument
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._agree import all_succeeded
@@ -56,8 +57,8 @@ class Nodes:
         members = [[r for r, n in enumerate(node_of) if n == node] for node in order]
         if len({len(m) for m in members}) != 1:
             counts = ", ".join(f"{len(m)} on {n[0]}:{n[1]}" for m, n in zip(members, order))
-            raise ValueError("stream_parameters: share_ranks on several nodes needs as many "
-                             f"ranks on every node (here {counts})")
+            raise InvalidArgument("stream_parameters: share_ranks on several nodes needs as many "
+                                  f"ranks on every node (here {counts})")
         self.count = len(members)
         self.per_node = len(members[0])
         self.local = members[order.index(node_of[rank])]  # this node's ranks
@@ -85,8 +86,8 @@ class RankWeights:
 
     def __init__(self, client: Client, name: str, units: Units, names: Dict[int, List[str]]):
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("stream_parameters: share_ranks=True needs torch.distributed "
-                             "initialised on every rank")
+            raise InvalidArgument("stream_parameters: share_ranks=True needs torch.distributed "
+                                  "initialised on every rank")
         self.client = client
         self.name = "ranks/" + re.sub(r"[^A-Za-z0-9._\-@:]", "_", name)
         self.units = units
@@ -122,18 +123,18 @@ class RankWeights:
             opened = self.base.make(sizes, homes, self.descriptor.encode(), job_writable=True)
         except TierdError as e:
             if e.code == Status.INVALID_ARGUMENT and "job" in str(e):
-                raise ValueError("stream_parameters: share_ranks=True needs the ranks' sessions "
-                                 "to declare their job: set TIERD_JOB, the same on every rank "
-                                 f"({e})") from None
+                raise InvalidArgument("stream_parameters: share_ranks=True needs the ranks' "
+                                      "sessions to declare their job: set TIERD_JOB, the same on "
+                                      f"every rank ({e})") from None
             if e.code == Status.ALREADY_EXISTS:
-                raise ValueError(f"stream_parameters: a base named {self.name!r} is in use on "
-                                 "this node (another job, or a run of this one with another "
-                                 "model or number of ranks): give the stream another name=")
+                raise InvalidArgument(f"stream_parameters: a base named {self.name!r} is in use on "
+                                      "this node (another job, or a run of this one with another "
+                                      "model or number of ranks): give the stream another name=")
             raise
         if not opened.created:
-            raise ValueError(f"stream_parameters: the ranks' base {self.name!r} exists already "
-                             "(a job of this name runs on this node): give the stream another "
-                             "name=")
+            raise InvalidArgument(f"stream_parameters: the ranks' base {self.name!r} exists "
+                                  "already (a job of this name runs on this node): give the "
+                                  "stream another name=")
         self._take(opened)
 
     def seal(self) -> None:
@@ -147,8 +148,8 @@ class RankWeights:
             theirs = json.loads(opened.descriptor.decode())
             what = (f"{theirs.get('world')} ranks, here {self.world}"
                     if theirs.get("world") != self.world else "another model's layout")
-            raise ValueError(f"stream_parameters: the ranks' base {self.name!r} was made for "
-                             f"{what}: every rank of the job streams the same model")
+            raise InvalidArgument(f"stream_parameters: the ranks' base {self.name!r} was made for "
+                                  f"{what}: every rank of the job streams the same model")
         self._take(opened)
 
     def _take(self, opened) -> None:

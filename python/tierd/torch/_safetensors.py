@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .._errors import InvalidArgument, MissingDependency, NotFound
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -49,9 +51,9 @@ def _regular(path: str, what: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        raise ValueError(f"{path}: {what} cannot be read ({e})") from None
+        raise InvalidArgument(f"{path}: {what} cannot be read ({e})") from None
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{path}: {what} is {_kind(mode)}, not a regular file")
+        raise InvalidArgument(f"{path}: {what} is {_kind(mode)}, not a regular file")
     return True
 
 
@@ -62,7 +64,7 @@ def _open_regular(path: str) -> int:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise ValueError(f"{path}: a checkpoint file is {_kind(mode)}, not a regular file")
+        raise InvalidArgument(f"{path}: a checkpoint file is {_kind(mode)}, not a regular file")
     return fd
 
 
@@ -71,8 +73,8 @@ def _safetensors():
         import safetensors
         import safetensors.torch  # noqa: F401 (safe_open's torch framework)
     except ImportError as e:  # pragma: no cover (requirements.txt has it)
-        raise ImportError("checkpoints in the Hugging Face layout need the safetensors package "
-                          "(pip install safetensors)") from e
+        raise MissingDependency("checkpoints in the Hugging Face layout need the safetensors "
+                                "package (pip install safetensors)") from e
     return safetensors
 
 
@@ -117,11 +119,11 @@ class Checkpoint:
             elif _regular(single, "the checkpoint's file"):
                 files = {single: None}
             else:
-                raise FileNotFoundError(f"{path}: no {SINGLE} and no {INDEX} in the directory")
+                raise NotFound(f"{path}: no {SINGLE} and no {INDEX} in the directory")
         elif _regular(path, "the checkpoint"):
             files = {path: None}
         else:
-            raise FileNotFoundError(f"{path}: no such file or directory")
+            raise NotFound(f"{path}: no such file or directory")
         self.entries: Dict[str, Entry] = {}
         self._open: Dict[str, int] = {}  # file -> descriptor
         self._seen: Dict[str, Tuple[int, int]] = {}  # file -> (size, mtime_ns) when scanned
@@ -137,20 +139,20 @@ class Checkpoint:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+            raise InvalidArgument(f"{index}: not a safetensors index ({e})") from None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: weight_map is not a mapping of keys to shards")
+            raise InvalidArgument(f"{index}: weight_map is not a mapping of keys to shards")
         directory = os.path.dirname(index)
         files: Dict[str, List[str]] = {}
         for key, shard in weight_map.items():
             if not isinstance(shard, str) or os.path.basename(shard) != shard or \
                     shard in ("", ".", ".."):
-                raise ValueError(f"{index}: key {key!r} names the shard {shard!r}, which is not "
-                                 "a file in the index's directory")
+                raise InvalidArgument(f"{index}: key {key!r} names the shard {shard!r}, which is "
+                                      "not a file in the index's directory")
             file = os.path.join(directory, shard)
             if not _regular(file, f"the shard of key {key!r}"):
-                raise FileNotFoundError(f"{index}: key {key!r} is in the shard {shard!r}, which "
-                                        "is missing")
+                raise NotFound(f"{index}: key {key!r} is in the shard {shard!r}, which "
+                               "is missing")
             files.setdefault(file, []).append(key)
         return files
 
@@ -166,25 +168,25 @@ class Checkpoint:
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             header = json.loads(os.pread(fd, n, 8))
         except st.SafetensorError as e:
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+            raise InvalidArgument(f"{file}: not a readable safetensors file ({e})") from None
         except (OSError, ValueError) as e:
-            raise ValueError(f"{file}: cannot be read ({e})") from None
+            raise InvalidArgument(f"{file}: cannot be read ({e})") from None
         for key in keys:
             info = header[key]
             dtype = _DTYPES.get(info["dtype"])
             if dtype is None:
-                raise ValueError(f"{file}: key {key!r} is of dtype {info['dtype']}, which tierd "
-                                 "does not read")
+                raise InvalidArgument(f"{file}: key {key!r} is of dtype {info['dtype']}, which "
+                                      "tierd does not read")
             if key in self.entries:
-                raise ValueError(f"{file}: key {key!r} is also in {self.entries[key].file}")
+                raise InvalidArgument(f"{file}: key {key!r} is also in {self.entries[key].file}")
             start, end = info["data_offsets"]
             self.entries[key] = Entry(file, tuple(info["shape"]), dtype, 8 + n + start,
                                       8 + n + end)
         if wanted is not None:
             missing = sorted(set(wanted) - set(keys))
             if missing:
-                raise ValueError(f"{file}: the index puts {missing[0]!r} in this shard, which "
-                                 f"does not hold it ({len(missing)} such keys)")
+                raise InvalidArgument(f"{file}: the index puts {missing[0]!r} in this shard, which "
+                                      f"does not hold it ({len(missing)} such keys)")
 
     SAMPLE = 4096  # bytes of each end of every tensor that digest() reads
 
@@ -235,13 +237,13 @@ class Checkpoint:
         fd = self._fd(e.file)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         if len(view) != e.end - e.start:
-            raise ValueError(f"{e.file}: key {key!r} holds {e.end - e.start} bytes, not "
-                             f"{len(view)}")
+            raise InvalidArgument(f"{e.file}: key {key!r} holds {e.end - e.start} bytes, not "
+                                  f"{len(view)}")
         done = 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], e.start + done)
             if n <= 0:  # the file is shorter than its header says: it changed under us
-                raise ValueError(f"{e.file}: key {key!r} ends past the end of the file")
+                raise InvalidArgument(f"{e.file}: key {key!r} ends past the end of the file")
             done += n
 
     def duplicate(self) -> "Checkpoint":
@@ -273,7 +275,7 @@ def parse_size(size) -> int:
     """A shard size: bytes, or a string such as "5GB", "500MB", "2GiB" (as transformers takes)."""
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"max_shard_size must be > 0, not {size}")
+            raise InvalidArgument(f"max_shard_size must be > 0, not {size}")
         return size
     text = str(size).strip().upper()
     units = [("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10**9),
@@ -287,7 +289,7 @@ def parse_size(size) -> int:
             if value > 0:
                 return int(value)
             break
-    raise ValueError(f"max_shard_size: {size!r} is not a size such as 5GB or 500MB")
+    raise InvalidArgument(f"max_shard_size: {size!r} is not a size such as 5GB or 500MB")
 
 
 def write(directory: str, tensors: List[Tuple[str, Tuple[int, ...], torch.dtype]],

@@ -29,6 +29,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ._agree import all_succeeded
 
 
@@ -55,8 +56,8 @@ class Comm:
                 return None
             process_group = dist.group.WORLD
         if dist.get_world_size(process_group) != dist.get_world_size():
-            raise ValueError("OffloadedAdamW: process_group must span every rank (each rank "
-                             "owns a share of the state and all take part in every step)")
+            raise InvalidArgument("OffloadedAdamW: process_group must span every rank (each rank "
+                                  "owns a share of the state and all take part in every step)")
         if dist.get_world_size() == 1:
             return None
         return Comm(process_group)
@@ -81,8 +82,8 @@ class Comm:
         on every rank) and the owned ones' slots in the order given (b.slot: 0, 1, ... here, the
         caller moves them after its own; None for others' buckets)."""
         if not existing and len(buckets) < self.world:
-            raise ValueError(f"OffloadedAdamW: {len(buckets)} buckets cannot be shared by "
-                             f"{self.world} ranks: lower bucket_params")
+            raise InvalidArgument(f"OffloadedAdamW: {len(buckets)} buckets cannot be shared by "
+                                  f"{self.world} ranks: lower bucket_params")
         load = [0] * self.world
         for b in existing:
             load[b.owner] += b.numel
@@ -113,9 +114,9 @@ class Comm:
         mine = torch.tensor([value, -value], dtype=torch.int64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
         if int(mine[0]) != -int(mine[1]):
-            raise RuntimeError(f"OffloadedAdamW: the ranks' shards disagree on {what} (from "
-                               f"{-int(mine[1])} to {int(mine[0])}): resume every rank's state "
-                               "from the same run, with the same number of ranks")
+            raise FailedPrecondition(f"OffloadedAdamW: the ranks' shards disagree on {what} (from "
+                                     f"{-int(mine[1])} to {int(mine[0])}): resume every rank's "
+                                     "state from the same run, with the same number of ranks")
 
     # ---- gradients ----
 

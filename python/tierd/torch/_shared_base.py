@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
+from .._errors import InvalidArgument, PermissionDenied
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
@@ -120,10 +121,10 @@ class SharedBase:
         it (_base_check.py)."""
         identity = source.identity()
         if identity["kind"] == "init":
-            raise ValueError(f"stream_parameters: shared_base={self.name!r} with a model on the "
-                             "meta device needs checkpoint=: the base holds the streamed units, "
-                             "and the weights outside them (embeddings, head, norms) come from "
-                             "the checkpoint")
+            raise InvalidArgument(f"stream_parameters: shared_base={self.name!r} with a model on "
+                                  "the meta device needs checkpoint=: the base holds the streamed "
+                                  "units, and the weights outside them (embeddings, head, norms) "
+                                  "come from the checkpoint")
         order = sorted(self.plan)
         # Waits while another job loads it; made here when there is none (None: another job
         # made it meanwhile, and it is opened).
@@ -136,8 +137,8 @@ class SharedBase:
                 if self.check is not None:
                     self.check.gate([u.module for u in self.units])
             if len(opened.ids) != len(order):
-                raise ValueError(f"shared base {self.name!r} has {len(opened.ids)} chunks; this "
-                                 f"model's frozen units need {len(order)}")
+                raise InvalidArgument(f"shared base {self.name!r} has {len(opened.ids)} chunks; "
+                                      f"this model's frozen units need {len(order)}")
             for index, chunk_id, size, home in zip(order, opened.ids, opened.sizes, opened.homes):
                 u = self.units[index]
                 u.base = BaseChunk(chunk_id, size, home)
@@ -210,20 +211,21 @@ class SharedBase:
         except ValueError:
             theirs = {}
         if theirs.get("format") != FORMAT:
-            raise ValueError(f"shared base {self.name!r} was not made by a tierd stream of this "
-                             "version")
+            raise InvalidArgument(f"shared base {self.name!r} was not made by a tierd stream of "
+                                  "this version")
         if theirs["layout"] != self.layout:
-            raise ValueError(f"shared base {self.name!r} holds another model's layout: "
-                             f"{_first_difference(theirs['layout'], self.layout)}; open it with "
-                             "the model it was made from, with the same parameters frozen")
+            raise InvalidArgument(f"shared base {self.name!r} holds another model's layout: "
+                                  f"{_first_difference(theirs['layout'], self.layout)}; open it "
+                                  "with the model it was made from, with the same parameters "
+                                  "frozen")
         if theirs.get("contents") is None:
-            raise ValueError(f"shared base {self.name!r} was sealed without a record of its "
-                             "contents")
+            raise InvalidArgument(f"shared base {self.name!r} was sealed without a record of its "
+                                  "contents")
         if identity["kind"] == "checkpoint":
             if theirs["source"] != identity:
-                raise ValueError(f"shared base {self.name!r} was made from "
-                                 f"{_source_text(theirs['source'])}, not from this checkpoint "
-                                 f"(layout digest {identity['digest'][:16]}...)")
+                raise InvalidArgument(f"shared base {self.name!r} was made from "
+                                      f"{_source_text(theirs['source'])}, not from this checkpoint "
+                                      f"(layout digest {identity['digest'][:16]}...)")
             twin = source.duplicate()  # read by the check while the job's own is closed
             try:
                 values = self._values(twin)
@@ -232,9 +234,9 @@ class SharedBase:
                 raise
             self.check = BaseCheck(self.name, theirs["contents"], values, twin.close)
         elif contents(self._values(source)) != theirs["contents"]:
-            raise ValueError(f"shared base {self.name!r} holds other weights than this model's "
-                             "frozen parameters (another checkpoint or fine-tune under the same "
-                             "name): give the base another name")
+            raise InvalidArgument(f"shared base {self.name!r} holds other weights than this "
+                                  "model's frozen parameters (another checkpoint or fine-tune "
+                                  "under the same name): give the base another name")
 
     def _values(self, source) -> List[Value]:
         """What the source gives the base, in the order its maker hashed what it wrote."""
@@ -261,10 +263,10 @@ class SharedBase:
             who = f"{pwd.getpwuid(creator_uid).pw_name} (uid {creator_uid})"
         except KeyError:
             who = f"uid {creator_uid}"
-        raise PermissionError(f"shared base {self.name!r} was made by {who}, whom this job does "
-                              "not trust: its descriptor is that user's word for what it holds. "
-                              "Give trust_base_makers=[...] naming that user to open it, or "
-                              "another base name to make your own")
+        raise PermissionDenied(f"shared base {self.name!r} was made by {who}, whom this job does "
+                               "not trust: its descriptor is that user's word for what it holds. "
+                               "Give trust_base_makers=[...] naming that user to open it, or "
+                               "another base name to make your own")
 
     def release(self) -> None:
         """Lets the base go (the daemon frees it with its last holder, unless it is pinned)."""
@@ -283,7 +285,7 @@ def _uid(who: Union[int, str]) -> int:
     try:
         return pwd.getpwnam(who).pw_uid
     except KeyError:
-        raise ValueError(f"trust_base_makers: no user {who!r} on this machine") from None
+        raise InvalidArgument(f"trust_base_makers: no user {who!r} on this machine") from None
 
 
 def _first_difference(theirs: list, ours: list) -> str:

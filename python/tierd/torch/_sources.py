@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from .._errors import InvalidArgument
 from ._hf_keys import KeyNames
 from ._safetensors import Checkpoint, convertible
 
@@ -146,10 +147,10 @@ class Source:
             name = self.names.of[id(t)][0]
             m = self.names.owner[name]
             if not has_init and not hasattr(m, "reset_parameters"):
-                raise ValueError(f"stream_parameters: buffer {name!r} is not saved in a "
-                                 "checkpoint and the meta build left it without data; its "
-                                 f"module ({type(m).__name__}) has no reset_parameters() to "
-                                 "compute it: build that module off the meta device")
+                raise InvalidArgument(f"stream_parameters: buffer {name!r} is not saved in a "
+                                      "checkpoint and the meta build left it without data; its "
+                                      f"module ({type(m).__name__}) has no reset_parameters() to "
+                                      "compute it: build that module off the meta device")
             owners[id(m)] = m
         for m in owners.values():
             replaced = []
@@ -163,11 +164,11 @@ class Source:
             for n, old in replaced:
                 b = m._buffers[n]  # as the init left it (it may assign anew)
                 if b.is_floating_point() and bool(torch.isnan(b).any()):
-                    raise ValueError(f"stream_parameters: buffer {self._name(m, n)!r} is not "
-                                     "saved in a checkpoint and the meta build left it without "
-                                     "data; the model's own initialisation does not compute "
-                                     f"it: build its module ({type(m).__name__}) off the meta "
-                                     "device")
+                    raise InvalidArgument(f"stream_parameters: buffer {self._name(m, n)!r} is not "
+                                          "saved in a checkpoint and the meta build left it "
+                                          "without data; the model's own initialisation does not "
+                                          f"compute it: build its module ({type(m).__name__}) off "
+                                          "the meta device")
                 made[old] = b
 
     def _name(self, m: nn.Module, local: str) -> str:
@@ -238,23 +239,24 @@ class FromCheckpoint(Source):
                 near = next(iter(converted), None)
                 why = f"; key {near!r} needs transformers' conversion {converted[near]!r}, " \
                     "which tierd does not stream" if near is not None else ""
-                raise ValueError(f"{self.checkpoint.path}: no key {names[0]!r} (the model's "
-                                 f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'}"
-                                 f" of shape {tuple(t.shape)}){why}")
+                raise InvalidArgument(f"{self.checkpoint.path}: no key {names[0]!r} (the model's "
+                                      f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'}"
+                                      f" of shape {tuple(t.shape)}){why}")
             e = entries[key]
             if e.shape != tuple(t.shape):
-                raise ValueError(f"{e.file}: key {key!r} has shape {e.shape}; the model's is "
-                                 f"{tuple(t.shape)}")
+                raise InvalidArgument(f"{e.file}: key {key!r} has shape {e.shape}; the model's is "
+                                      f"{tuple(t.shape)}")
             if not convertible(e.dtype, t.dtype):
-                raise ValueError(f"{e.file}: key {key!r} is {e.dtype}; the model's is {t.dtype}")
+                raise InvalidArgument(f"{e.file}: key {key!r} is {e.dtype}; the model's is "
+                                      f"{t.dtype}")
             self._key[id(t)] = key
             used.update(by_name[n] for n in names if n in by_name)
         unused = set(entries) - used
         unexpected = sorted(unused - keys.ignored(unused))
         if unexpected:
-            raise ValueError(f"{entries[unexpected[0]].file}: key {unexpected[0]!r} is not a "
-                             f"parameter or saved buffer of the model ({len(unexpected)} such "
-                             "keys)")
+            raise InvalidArgument(f"{entries[unexpected[0]].file}: key {unexpected[0]!r} is not a "
+                                  f"parameter or saved buffer of the model ({len(unexpected)} such "
+                                  "keys)")
 
     def identity(self) -> Dict[str, str]:
         return {"kind": "checkpoint", "digest": self.checkpoint.digest()}
@@ -345,9 +347,9 @@ class FromInit(Source):
             for name, m in self.model.named_modules():
                 on_meta_here = any(p.is_meta for p in m.parameters(recurse=False))
                 if on_meta_here and not hasattr(m, "reset_parameters"):
-                    raise ValueError(f"stream_parameters: module {name!r} "
-                                     f"({type(m).__name__}) has parameters on meta and no "
-                                     "reset_parameters(): give init= to initialise them")
+                    raise InvalidArgument(f"stream_parameters: module {name!r} "
+                                          f"({type(m).__name__}) has parameters on meta and no "
+                                          "reset_parameters(): give init= to initialise them")
 
     def unit_values(self, module, params):
         local = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
@@ -384,11 +386,11 @@ def source_for(model: nn.Module, checkpoint: Optional[str], init: Optional[Init]
     model's own tensors."""
     if checkpoint is not None:
         if init is not None:
-            raise ValueError("stream_parameters: give checkpoint= or init=, not both")
+            raise InvalidArgument("stream_parameters: give checkpoint= or init=, not both")
         return FromCheckpoint(model, checkpoint)
     if on_meta(model):
         return FromInit(model, init)
     if init is not None:
-        raise ValueError("stream_parameters: init= initialises a model built on the meta "
-                         "device; this one has its weights")
+        raise InvalidArgument("stream_parameters: init= initialises a model built on the meta "
+                              "device; this one has its weights")
     return FromModel(model)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .._errors import InvalidArgument
 from .. import _abi, _adam
 from ..client import Tier, TierdError, connect
 from ._buckets import Bucket
@@ -227,10 +228,11 @@ class OptimizerState:
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(param_groups) or any(
                 len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, param_groups)):
-            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
+            raise InvalidArgument("loaded state dict's parameter groups do not match the "
+                                  "optimizer's")
         if any(s.get("amsgrad") for s in saved_groups):
-            raise ValueError("loaded state dict is of an amsgrad AdamW, which this optimizer "
-                             "does not implement")
+            raise InvalidArgument("loaded state dict is of an amsgrad AdamW, which this optimizer "
+                                  "does not implement")
         by_param = {}
         for s, g in zip(saved_groups, param_groups):
             for saved_id, p in zip(s["params"], g["params"]):
@@ -239,7 +241,7 @@ class OptimizerState:
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 value = entry.get(key)
                 if value is not None and not torch.is_tensor(value):
-                    raise ValueError(f"state {key} is not a tensor")
+                    raise InvalidArgument(f"state {key} is not a tensor")
         # Everything is read and checked before anything is written.
         plans = [self._plan_load(b, by_param) for b in owned if b.active]
         dormant = [(b, self.tensor_steps(b)) for b in owned if not b.active]
@@ -280,12 +282,12 @@ class OptimizerState:
                 if value is None:
                     value = torch.zeros_like(p, dtype=torch.float32)
                 if value.shape != p.shape:
-                    raise ValueError(f"state {key} of shape {tuple(value.shape)} for a "
-                                     f"parameter of shape {tuple(p.shape)}")
+                    raise InvalidArgument(f"state {key} of shape {tuple(value.shape)} for a "
+                                          f"parameter of shape {tuple(p.shape)}")
                 parts[key].append(value.reshape(-1).to("cpu", torch.float32))
             steps.append(int(torch.as_tensor(entry.get("step", 0)).item()))
             if steps[-1] < 0:
-                raise ValueError(f"state step {steps[-1]} < 0")
+                raise InvalidArgument(f"state step {steps[-1]} < 0")
         return b, parts, steps
 
     # ---- a step, as the library runs it ----

@@ -44,6 +44,8 @@ from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
+from .._errors import InvalidArgument, NotFound, UnsafePickle
+
 FORMAT = 1
 _NAME = re.compile(r"optimizer\.rank(\d+)of(\d+)\.pt$")
 _PREFIX = "optimizer."
@@ -81,11 +83,11 @@ def save(directory: str, rank: int, world: int, state_name: str, state_dict: Dic
     for one rank)."""
     format = format or ("dcp" if _dcp() is not None else "torch")
     if format not in ("dcp", "torch"):
-        raise ValueError(f"checkpoint format {format!r}: 'dcp' or 'torch'")
+        raise InvalidArgument(f"checkpoint format {format!r}: 'dcp' or 'torch'")
     if format not in formats():
-        raise ValueError(f"checkpoint format 'dcp' needs torch.distributed.checkpoint's save and "
-                         f"load (torch 2.2 or newer); this is torch {torch.__version__}: use "
-                         "format='torch'")
+        raise InvalidArgument("checkpoint format 'dcp' needs torch.distributed.checkpoint's save "
+                              f"and load (torch 2.2 or newer); this is torch {torch.__version__}: "
+                              "use format='torch'")
     os.makedirs(directory, exist_ok=True)
     if format == "torch":
         _save_files(directory, rank, world, state_name, state_dict)
@@ -100,16 +102,17 @@ def load(directory: str, owned: Dict[int, Tuple[int, ...]], group=None) -> Dict[
     is_dcp = os.path.exists(os.path.join(directory, _DCP_METADATA))
     files = _shard_files(directory)
     if is_dcp and files:
-        raise ValueError(f"{directory} holds a checkpoint in both formats (a DCP .metadata and "
-                         "optimizer.rank<r>of<n>.pt files): keep the files of one save only")
+        raise InvalidArgument(f"{directory} holds a checkpoint in both formats (a DCP .metadata "
+                              "and optimizer.rank<r>of<n>.pt files): keep the files of one save "
+                              "only")
     if is_dcp:
         if _dcp() is None:
-            raise ValueError(f"{directory} is a torch.distributed.checkpoint (DCP) checkpoint, "
-                             f"which torch {torch.__version__} cannot read: load it with torch "
-                             "2.2 or newer, or save with format='torch'")
+            raise InvalidArgument(f"{directory} is a torch.distributed.checkpoint (DCP) "
+                                  f"checkpoint, which torch {torch.__version__} cannot read: load "
+                                  "it with torch 2.2 or newer, or save with format='torch'")
         return _load_dcp(directory, owned, group)
     if not files:
-        raise FileNotFoundError(
+        raise NotFound(
             f"no optimizer checkpoint in {directory}: save_checkpoint writes a DCP checkpoint "
             "(.metadata and its .distcp files) or optimizer.rank<r>of<n>.pt, one file per rank")
     return _load_files(directory, files, owned)
@@ -149,12 +152,12 @@ def _load_files(directory: str, files: Dict[tuple, str],
                 owned: Dict[int, Tuple[int, ...]]) -> Dict[str, Any]:
     worlds = sorted({w for _, w in files})
     if len(worlds) > 1:
-        raise ValueError(f"{directory} holds the shards of jobs of {worlds} ranks: keep the files "
-                         "of one save only")
+        raise InvalidArgument(f"{directory} holds the shards of jobs of {worlds} ranks: keep the "
+                              "files of one save only")
     world = worlds[0]
     missing = sorted(set(range(world)) - {r for r, _ in files})
     if missing:
-        raise FileNotFoundError(
+        raise NotFound(
             f"{directory} is a checkpoint of {world} ranks, but the files of rank(s) "
             f"{', '.join(map(str, missing))} are not there: copy every rank's file "
             f"(optimizer.rank<r>of{world}.pt) from the nodes that saved them")
@@ -164,17 +167,17 @@ def _load_files(directory: str, files: Dict[tuple, str],
     for rank in range(world):
         data = torch.load(files[(rank, world)], map_location="cpu", weights_only=True)
         if data.get("format") != FORMAT or data.get("rank") != rank or data.get("world") != world:
-            raise ValueError(f"{files[(rank, world)]} is not rank {rank} of {world}'s shard of an "
-                             f"optimizer checkpoint (format {FORMAT})")
+            raise InvalidArgument(f"{files[(rank, world)]} is not rank {rank} of {world}'s shard "
+                                  f"of an optimizer checkpoint (format {FORMAT})")
         saved_groups = json.loads(data["param_groups"])
         if groups is None:
             groups = saved_groups
         elif groups != saved_groups:
-            raise ValueError(f"the shards in {directory} disagree on the parameter groups: they "
-                             "are not from one save of one job")
+            raise InvalidArgument(f"the shards in {directory} disagree on the parameter groups: "
+                                  "they are not from one save of one job")
         for index, entry in data["state"].items():
             if index in seen:
-                raise ValueError(f"parameter {index}'s state is in two shards in {directory}")
+                raise InvalidArgument(f"parameter {index}'s state is in two shards in {directory}")
             seen.add(index)
             if index in owned:
                 state[index] = entry
@@ -194,7 +197,7 @@ def _from_json_tensor(directory: str, key: str, t: torch.Tensor) -> Any:
     try:
         return json.loads(bytes(t.tolist()).decode())
     except ValueError as e:
-        raise ValueError(f"{directory}: entry {key} is not a JSON text ({e})") from None
+        raise InvalidArgument(f"{directory}: entry {key} is not a JSON text ({e})") from None
 
 
 def _save_dcp(directory: str, world: int, state_name: str, state_dict: Dict[str, Any],
@@ -226,8 +229,8 @@ def _load_dcp(directory: str, owned: Dict[int, Tuple[int, ...]], group) -> Dict[
     reader = _checked_reader(dcp.FileSystemReader, directory)
     entries = reader.read_metadata().state_dict_metadata
     if _PREFIX + "meta" not in entries or _PREFIX + "param_groups" not in entries:
-        raise ValueError(f"{directory} is a DCP checkpoint, but not of an OffloadedAdamW "
-                         "(no optimizer.meta or optimizer.param_groups in it)")
+        raise InvalidArgument(f"{directory} is a DCP checkpoint, but not of an OffloadedAdamW "
+                              "(no optimizer.meta or optimizer.param_groups in it)")
     # What a rank reads, each entry checked against what it can be before its room is made.
     wanted = {_PREFIX + "meta": None, _PREFIX + "param_groups": None}
     for key in entries:
@@ -241,30 +244,30 @@ def _load_dcp(directory: str, owned: Dict[int, Tuple[int, ...]], group) -> Dict[
         md = entries[key]
         # Anything but a tensor, DCP would unpickle without restriction.
         if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(f"{directory}: entry {key} is not a tensor in the checkpoint")
+            raise InvalidArgument(f"{directory}: entry {key} is not a tensor in the checkpoint")
         size = tuple(md.size)
         if shape is None and (len(size) != 1 or size[0] > _MAX_JSON
                               or md.properties.dtype != torch.uint8):
-            raise ValueError(f"{directory}: entry {key} of shape {size} is not a JSON text")
+            raise InvalidArgument(f"{directory}: entry {key} of shape {size} is not a JSON text")
         if shape == () and size not in ((), (1,)):
-            raise ValueError(f"{directory}: entry {key} of shape {size} is not a step count")
+            raise InvalidArgument(f"{directory}: entry {key} of shape {size} is not a step count")
         if shape and size != shape:
-            raise ValueError(f"{directory}: entry {key} of shape {size} for a parameter of "
-                             f"shape {shape}")
+            raise InvalidArgument(f"{directory}: entry {key} of shape {size} for a parameter of "
+                                  f"shape {shape}")
         if shape is not None and not (md.properties.dtype.is_floating_point or shape == ()):
-            raise ValueError(f"{directory}: entry {key} is of {md.properties.dtype}, not a "
-                             "floating point type")
+            raise InvalidArgument(f"{directory}: entry {key} is of {md.properties.dtype}, not a "
+                                  "floating point type")
         template[key] = torch.empty(size, dtype=md.properties.dtype)
     with _one_process_meant():
         dcp.load(template, storage_reader=reader, process_group=group)
     meta = _from_json_tensor(directory, _PREFIX + "meta", template.pop(_PREFIX + "meta"))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{directory} is a DCP checkpoint of an OffloadedAdamW of another "
-                         f"format ({meta!r}, this one reads {FORMAT})")
+        raise InvalidArgument(f"{directory} is a DCP checkpoint of an OffloadedAdamW of another "
+                              f"format ({meta!r}, this one reads {FORMAT})")
     groups = _from_json_tensor(directory, _PREFIX + "param_groups",
                                template.pop(_PREFIX + "param_groups"))
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise ValueError(f"{directory}: entry {_PREFIX}param_groups is not a list of groups")
+        raise InvalidArgument(f"{directory}: entry {_PREFIX}param_groups is not a list of groups")
     state: Dict[int, Dict[str, Any]] = {}
     for key, value in template.items():
         m = _ENTRY.match(key)
@@ -301,14 +304,14 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         elif (module, name) == ("builtins", "getattr"):  # how Python 3.11+ pickles an enum member
             return _enum_member
-        raise pickle.UnpicklingError(f"a checkpoint's metadata may not name {module}.{name}")
+        raise UnsafePickle(f"a checkpoint's metadata may not name {module}.{name}")
 
 
 def _enum_member(cls, name):
     """getattr as an enum member's pickle uses it, and for nothing else."""
     if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
             and name in cls.__members__):
-        raise pickle.UnpicklingError(f"a checkpoint's metadata may not take {name!r} of {cls!r}")
+        raise UnsafePickle(f"a checkpoint's metadata may not take {name!r} of {cls!r}")
     return cls.__members__[name]
 
 

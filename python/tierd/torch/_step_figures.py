@@ -29,6 +29,7 @@ can be reached (on the optimizer's socket_dir).
 """
 from typing import Dict, Optional
 
+from .._errors import InvalidType
 from ..client import Client, Tier, TierdError, connect
 from .optimizer import OffloadedAdamW
 from .streaming import ParameterStream, stream_of
@@ -47,8 +48,8 @@ class StepFigures:
 
     def __init__(self, optimizer: OffloadedAdamW, stream: Optional[ParameterStream] = None):
         if not isinstance(optimizer, OffloadedAdamW):
-            raise TypeError(f"StepFigures: figures of an OffloadedAdamW, not "
-                            f"{type(optimizer).__name__}")
+            raise InvalidType(f"StepFigures: figures of an OffloadedAdamW, not "
+                              f"{type(optimizer).__name__}")
         self.optimizer = optimizer
         self.stream = stream if stream is not None else stream_of_params(
             p for group in optimizer.param_groups for p in group["params"])

@@ -13,6 +13,7 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ._buckets import Bucket, write_back
 from ._intake import GradientIntake
 from ._layout import BucketLayout
@@ -73,7 +74,7 @@ class Stepper:
         """Refuses `what` during a step; takes in the groups as they are now."""
         self.settle()
         if self.phase is StepPhase.STEPPING:
-            raise RuntimeError(f"{what} during a step")
+            raise FailedPrecondition(f"{what} during a step")
         self._layout.sync(self._state)
 
     def close(self) -> None:
@@ -185,23 +186,25 @@ class Stepper:
     def _refuse_late_changes(self, grad_scale: float) -> None:
         """Refuses (abandoning what backward stepped) what step() cannot honour exactly."""
         if not grad_scale > 0 or math.isinf(grad_scale):
-            raise ValueError(f"grad_scale must be finite and > 0, not {grad_scale}")
+            raise InvalidArgument(f"grad_scale must be finite and > 0, not {grad_scale}")
         if grad_scale != 1.0 and self._overlap() and not self._verdict.speculate:
             self.abandon()
-            raise RuntimeError("OffloadedAdamW: buckets were stepped during backward, unscaled; "
-                               "loss scaling with overlap_backward needs skip_nonfinite=True")
+            raise FailedPrecondition("OffloadedAdamW: buckets were stepped during backward, "
+                                     "unscaled; loss scaling with overlap_backward needs "
+                                     "skip_nonfinite=True")
         if self.phase is not StepPhase.STEPPING:
             return
         if self._layout.changed():
             self.abandon()
-            raise RuntimeError("OffloadedAdamW: the parameter groups changed between backward "
-                               "and step(), while buckets were being stepped during backward: "
-                               "change them between step() and the next backward")
+            raise FailedPrecondition("OffloadedAdamW: the parameter groups changed between "
+                                     "backward and step(), while buckets were being stepped "
+                                     "during backward: change them between step() and the next "
+                                     "backward")
         if any(b.written_since_flagged() for b in self._stepped()):
             self.abandon()
-            raise RuntimeError("OffloadedAdamW: weights changed between backward and step(), "
-                               "after they were stepped during backward (overlap_backward): "
-                               "change them between step() and the next backward")
+            raise FailedPrecondition("OffloadedAdamW: weights changed between backward and step(), "
+                                     "after they were stepped during backward (overlap_backward): "
+                                     "change them between step() and the next backward")
 
     def _stepped(self) -> List[Bucket]:
         """The buckets given to the optimizer this step."""

@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .._errors import FailedPrecondition, InvalidArgument, InvalidType
 from ..client import Access, Acquisition, Client, Completion, Tier
 from ._grad_chunks import GradChunks
 from ._progress import bar
@@ -122,32 +123,32 @@ def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[U
             if n > best_params:
                 best, best_params = m, n
         if best is None:
-            raise ValueError("stream_parameters: the model has no nn.ModuleList of like "
-                             "blocks with parameters: name the units (units=[...])")
+            raise InvalidArgument("stream_parameters: the model has no nn.ModuleList of like "
+                                  "blocks with parameters: name the units (units=[...])")
         given = list(best)
     modules = list(given)
     if not modules:
-        raise ValueError("stream_parameters: no units")
+        raise InvalidArgument("stream_parameters: no units")
     for m in modules:
         if id(m) not in names:
-            raise ValueError(f"stream_parameters: a unit ({type(m).__name__}) is not a "
-                             "module of the model")
+            raise InvalidArgument(f"stream_parameters: a unit ({type(m).__name__}) is not a "
+                                  "module of the model")
     ids = {id(m) for m in modules}
     for m in modules:
         for sub in m.modules():
             if sub is not m and id(sub) in ids:
-                raise ValueError(f"stream_parameters: unit {names[id(sub)]!r} is inside "
-                                 f"unit {names[id(m)]!r}")
+                raise InvalidArgument(f"stream_parameters: unit {names[id(sub)]!r} is inside "
+                                      f"unit {names[id(m)]!r}")
     owner: Dict[int, str] = {}
     units = []
     for i, m in enumerate(modules):
         params = []
         for p in m.parameters():  # each once, shared within the unit or not
             if id(p) in owner:
-                raise ValueError(f"stream_parameters: a parameter of shape {tuple(p.shape)} "
-                                 f"is in two units ({owner[id(p)]!r} and "
-                                 f"{names[id(m)]!r}): make it one unit, or keep it out "
-                                 "of the units")
+                raise InvalidArgument(f"stream_parameters: a parameter of shape {tuple(p.shape)} "
+                                      f"is in two units ({owner[id(p)]!r} and "
+                                      f"{names[id(m)]!r}): make it one unit, or keep it out "
+                                      "of the units")
             owner[id(p)] = names[id(m)]
             params.append(p)
         units.append(Unit(i, names[id(m)], m, params))
@@ -164,9 +165,9 @@ def find_units(model: nn.Module, given: Optional[Sequence[nn.Module]]) -> List[U
         u.params = [p for p in u.params if id(p) not in outside]
         for p in u.params:
             if p.dtype not in STEPPED_DTYPES:
-                raise TypeError(f"stream_parameters: parameter of unit {u.name!r} is "
-                                f"{p.dtype}; OffloadedAdamW steps float32, bfloat16 and "
-                                "float16")
+                raise InvalidType(f"stream_parameters: parameter of unit {u.name!r} is "
+                                  f"{p.dtype}; OffloadedAdamW steps float32, bfloat16 and "
+                                  "float16")
     return [u for u in units if u.params]
 
 
@@ -220,7 +221,7 @@ class Units:
             for r in u.base_ranges:
                 for p in r.params:
                     if p.grad is not None:
-                        raise RuntimeError(
+                        raise FailedPrecondition(
                             f"stream_parameters: a parameter of unit {u.name!r} (shape "
                             f"{tuple(p.shape)}) has a gradient, but it is in a shared base, "
                             "which is read-only: keep it frozen (train adapters beside it), or "
@@ -306,7 +307,8 @@ class Units:
         next step). A parameter in a shared base is refused: the base is read-only."""
         for r in u.ranges:
             if r.in_base and any(id(p) in changed for p in r.params):
-                raise ValueError(f"unit {u.name!r}: a parameter in the shared base is read-only")
+                raise InvalidArgument(f"unit {u.name!r}: a parameter in the shared base is "
+                                      "read-only")
         for r in u.ranges:
             if not any(id(p) in changed for p in r.params):
                 continue
@@ -337,8 +339,8 @@ class Units:
             r.device_offset = device_offsets.get(r.dtype, 0)
             device_offsets[r.dtype] = r.device_offset + r.numel
         if offset > u.chunk_bytes:
-            raise ValueError(f"stream_parameters: unit {u.name!r} needs {offset} bytes of chunk "
-                             f"for this layout, it has {u.chunk_bytes}")
+            raise InvalidArgument(f"stream_parameters: unit {u.name!r} needs {offset} bytes of "
+                                  f"chunk for this layout, it has {u.chunk_bytes}")
         self.grads.free_unit(u)
         for r in u.ranges:
             r.retired = not r.in_base

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.utils.dlpack
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ..client import Access, Client, Tier, TierdError, connect
 
 __all__ = ["ActivationOffload", "ActivationStats", "offload_activations"]
@@ -136,8 +137,8 @@ class ActivationOffload:
                  min_bytes: int = 1 << 16, host_budget_bytes: int = 256 << 20,
                  slab_bytes: int = 4 << 20, read_ahead: int = 2):
         if min_bytes < 1 or slab_bytes < _ALIGN or read_ahead < 0 or host_budget_bytes < 0:
-            raise ValueError("min_bytes and slab_bytes must be positive, read_ahead and "
-                             "host_budget_bytes not negative")
+            raise InvalidArgument("min_bytes and slab_bytes must be positive, read_ahead and "
+                                  "host_budget_bytes not negative")
         self._own_client = client is None
         self._client = client if client is not None else connect(socket_dir, "activations")
         self.min_bytes = int(min_bytes)
@@ -158,9 +159,9 @@ class ActivationOffload:
     # ---- the context: one forward ----
     def __enter__(self) -> "ActivationOffload":
         if self._forward is not None:
-            raise RuntimeError("offload_activations: already inside a forward")
+            raise FailedPrecondition("offload_activations: already inside a forward")
         if self._client is None:
-            raise RuntimeError("offload_activations: closed")
+            raise FailedPrecondition("offload_activations: closed")
         self._forward = _Forward()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -183,8 +184,8 @@ class ActivationOffload:
         offload made its own session, closes it."""
         with self._lock:
             if any(s.live for s in self._slabs):
-                raise RuntimeError("offload_activations: a graph still holds saved tensors; run "
-                                   "or drop its backward first")
+                raise FailedPrecondition("offload_activations: a graph still holds saved tensors; "
+                                         "run or drop its backward first")
             for slab in self._slabs:
                 self._let_go(slab, keep=False)
                 self._settle(slab)

@@ -42,6 +42,7 @@ from typing import Dict, Optional
 import torch
 import transformers
 
+from .._errors import InvalidArgument, InvalidType
 from ._ddp import DDPIgnored
 from ._step_figures import StepFigures, stream_of_params
 from .optimizer import OffloadedAdamW
@@ -141,7 +142,7 @@ def _refuse(args, streamed: bool, who: str) -> None:
         why = ("load_best_model_at_end: not tested with a streamed model yet (its weights "
                "load through the stream, as resume_from_checkpoint's do)")
     if why is not None:
-        raise ValueError(f"{who}: TrainingArguments.{why}")
+        raise InvalidArgument(f"{who}: TrainingArguments.{why}")
 
 
 class _Offloaded:
@@ -155,12 +156,12 @@ class _Offloaded:
         cls_and_kwargs = kwargs.get("optimizer_cls_and_kwargs")
         if optimizer is not None and not isinstance(optimizer, OffloadedAdamW) or \
                 cls_and_kwargs is not None and not issubclass(cls_and_kwargs[0], OffloadedAdamW):
-            raise TypeError(f"{self._who}: give optimizers=(OffloadedAdamW(...), scheduler), or "
-                            "no optimizer (one is made from the TrainingArguments); another "
-                            "optimizer would not see streamed gradients")
+            raise InvalidType(f"{self._who}: give optimizers=(OffloadedAdamW(...), scheduler), or "
+                              "no optimizer (one is made from the TrainingArguments); another "
+                              "optimizer would not see streamed gradients")
         if (optimizer is not None or cls_and_kwargs is not None) and optimizer_options:
-            raise ValueError(f"{self._who}: optimizer_options are for the optimizer made from "
-                             "the TrainingArguments; give them to the OffloadedAdamW you made")
+            raise InvalidArgument(f"{self._who}: optimizer_options are for the optimizer made from "
+                                  "the TrainingArguments; give them to the OffloadedAdamW you made")
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
         model = kwargs.get("model", args[0] if args else None)
         if given is not None:  # before Trainer changes anything (the model's checkpointing)
@@ -189,8 +190,8 @@ class _Offloaded:
         cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         if cls is not torch.optim.AdamW:
             optim = getattr(self.args.optim, "value", self.args.optim)
-            raise ValueError(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
-                             "AdamW (adamw_torch, adamw_torch_fused)")
+            raise InvalidArgument(f"{self._who}: TrainingArguments.optim={optim!r}: tierd steps "
+                                  "AdamW (adamw_torch, adamw_torch_fused)")
         self.optimizer_cls_and_kwargs = (OffloadedAdamW, {**kwargs, **options})
 
     def create_optimizer(self, model=None):
@@ -209,16 +210,16 @@ class _Offloaded:
             if optimizer.max_grad_norm is None:
                 optimizer.max_grad_norm = wanted
             elif optimizer.max_grad_norm != wanted:
-                raise ValueError(f"{self._who}: args.max_grad_norm ({wanted}) and the "
-                                 f"optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
-                                 "differ: set one")
+                raise InvalidArgument(f"{self._who}: args.max_grad_norm ({wanted}) and the "
+                                      f"optimizer's max_grad_norm ({optimizer.max_grad_norm}) "
+                                      "differ: set one")
         accumulate = self.args.gradient_accumulation_steps
         if optimizer.accumulation_steps == 1:
             optimizer.accumulation_steps = accumulate
         elif optimizer.accumulation_steps != accumulate:
-            raise ValueError(f"{self._who}: args.gradient_accumulation_steps ({accumulate}) and "
-                             f"the optimizer's accumulation_steps "
-                             f"({optimizer.accumulation_steps}) differ: set one")
+            raise InvalidArgument(f"{self._who}: args.gradient_accumulation_steps ({accumulate}) "
+                                  "and the optimizer's accumulation_steps "
+                                  f"({optimizer.accumulation_steps}) differ: set one")
 
     def _stream(self):
         return _stream_of_model(self.accelerator.unwrap_model(self.model,
@@ -266,8 +267,8 @@ def offloaded(trainer_class: type) -> type:
     with OffloadedAdamW as Trainer here does: the same arguments and optimizer_options. The same
     class for the same argument."""
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
-        raise TypeError(f"tierd.torch.hf.offloaded: {trainer_class!r} is not a subclass of "
-                        "transformers.Trainer")
+        raise InvalidType(f"tierd.torch.hf.offloaded: {trainer_class!r} is not a subclass of "
+                          "transformers.Trainer")
     if issubclass(trainer_class, _Offloaded):
         return trainer_class
     if trainer_class not in _MADE:

@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .._errors import InvalidArgument
 from ..client import TierdError
 from . import _state_files, _lanes
 from ._layout import BucketLayout
@@ -24,31 +25,38 @@ _DEFAULT_BUCKET_PARAMS = 4 << 20
 def _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
                      differentiable, max_grad_norm, accumulation_steps, bucket_params, home,
                      state_dtype, name, resume, reset) -> None:
-    if amsgrad:
-        raise ValueError("OffloadedAdamW does not implement amsgrad (its fused kernels keep "
-                         "exp_avg and exp_avg_sq only): use torch.optim.AdamW for amsgrad")
-    if maximize or capturable or differentiable:
-        raise ValueError("OffloadedAdamW does not support maximize, capturable or "
-                         "differentiable")
+    if any(isinstance(v, torch.Tensor) for v in (lr, *betas[:2])):
+        raise InvalidArgument("OffloadedAdamW takes lr and betas as floats, not Tensors (its "
+                              "kernels read them as numbers, not from a device)")
+    # Then torch.optim.AdamW's checks, in its order and words.
     if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 < eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-        raise ValueError(f"Invalid betas: {betas}")
+        raise InvalidArgument(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise InvalidArgument(f"Invalid epsilon value: {eps}")
+    for k in (0, 1):
+        if not 0.0 <= betas[k] < 1.0:
+            raise InvalidArgument(f"Invalid beta parameter at index {k}: {betas[k]}")
     if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        raise InvalidArgument(f"Invalid weight_decay value: {weight_decay}")
+    if not all(isinstance(b, float) for b in betas[:2]):
+        raise InvalidArgument("betas must be either both floats or both Tensors")
+    if amsgrad:
+        raise InvalidArgument("OffloadedAdamW does not implement amsgrad (its fused kernels keep "
+                              "exp_avg and exp_avg_sq only): use torch.optim.AdamW for amsgrad")
+    if maximize or capturable or differentiable:
+        raise InvalidArgument("OffloadedAdamW does not support maximize, capturable or "
+                              "differentiable")
     if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0, not {max_grad_norm}")
+        raise InvalidArgument(f"max_grad_norm must be > 0, not {max_grad_norm}")
     if accumulation_steps < 1 or bucket_params < 1:
-        raise ValueError("accumulation_steps and bucket_params must be >= 1")
+        raise InvalidArgument("accumulation_steps and bucket_params must be >= 1")
     if home not in (None, "host", "nvme"):
-        raise ValueError(f"home must be 'host', 'nvme' or None, not {home!r}")
+        raise InvalidArgument(f"home must be 'host', 'nvme' or None, not {home!r}")
     if state_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, not "
-                         f"{state_dtype}")
+        raise InvalidArgument(f"state_dtype must be torch.float32 or torch.bfloat16, not "
+                              f"{state_dtype}")
     if name is None and (resume or reset):
-        raise ValueError("resume and reset need a name")
+        raise InvalidArgument("resume and reset need a name")
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -176,7 +184,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     @accumulation_steps.setter
     def accumulation_steps(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"accumulation_steps must be an int >= 1, not {value!r}")
+            raise InvalidArgument(f"accumulation_steps must be an int >= 1, not {value!r}")
         self._between_steps("setting accumulation_steps")
         self._stepper.intake.accumulation_steps = value
 

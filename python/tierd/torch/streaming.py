@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .._errors import FailedPrecondition, InvalidArgument
 from ..client import Client, Tier, TierdError, connect
 from ._ddp import DDPIgnored
 from ._stream_hooks import StreamHooks
@@ -67,9 +68,9 @@ class ParameterStream:
         self._parts: Optional[StreamParts] = None  # lent to the seam once set up: close() reads it
         device = torch.device(device if device is not None else "cuda")
         if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, not {prefetch}")
+            raise InvalidArgument(f"prefetch must be >= 0, not {prefetch}")
         if host_budget_bytes is not None and host_budget_bytes < 0:
-            raise ValueError(f"host_budget_bytes must be >= 0, not {host_budget_bytes}")
+            raise InvalidArgument(f"host_budget_bytes must be >= 0, not {host_budget_bytes}")
         self.model = model
         self.device = device
         self.device_budget_bytes = int(device_budget_bytes)
@@ -82,8 +83,8 @@ class ParameterStream:
         self._base = None
         self._ranks = None
         if share_ranks and shared_base is not None:
-            raise ValueError("stream_parameters: shared_base (a frozen base, read-only) and "
-                             "share_ranks (the ranks' weights, trained) do not go together")
+            raise InvalidArgument("stream_parameters: shared_base (a frozen base, read-only) and "
+                                  "share_ranks (the ranks' weights, trained) do not go together")
         found = find_units(model, units)
         streamed = {id(p) for u in found for p in u.params}
         self._resident = _resident_tensors(model, streamed)
@@ -196,14 +197,14 @@ class ParameterStream:
         self.resident_bytes = resident
         self.largest_unit_bytes = largest
         if self.device_budget_bytes < need:
-            raise ValueError(
+            raise InvalidArgument(
                 f"stream_parameters: a device budget of {self.device_budget_bytes:,} bytes is "
                 f"below the {need:,} needed: {resident:,} resident + ({self.prefetch} prefetch + "
                 f"2) x {largest:,} (the largest unit) + {largest:,} (its gradients)")
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("stream_parameters: the stream was closed")
+            raise FailedPrecondition("stream_parameters: the stream was closed")
 
     # ---- the user's ----
 
@@ -264,8 +265,8 @@ class ParameterStream:
         stream_parameters' (default: the stream's own setting)."""
         self._check_open()
         if self._hooks.busy():
-            raise RuntimeError("stream_parameters: save_pretrained() during a forward or "
-                               "backward, or inside gathered()")
+            raise FailedPrecondition("stream_parameters: save_pretrained() during a forward or "
+                                     "backward, or inside gathered()")
         if self._base is not None:
             self._base.checked()
         return save_pretrained(self.model, self._units, self._window, directory, max_shard_size,
@@ -363,8 +364,8 @@ class _Seam:
             for index, groups in layout.items():
                 u = self.units[index]
                 if self.window.in_use(u):
-                    raise RuntimeError("stream_parameters: units are rearranged between steps, "
-                                       "not during a forward or backward")
+                    raise FailedPrecondition("stream_parameters: units are rearranged between "
+                                             "steps, not during a forward or backward")
                 self.window.evict(u)  # a copy left in the window by an evaluation
                 taken = {id(p) for g in groups for p in g}
                 own = u.own_params()
