@@ -13,6 +13,7 @@ Every call that the daemon refuses raises TierdError, carrying the gRPC status c
 daemon's message; nothing is returned half done.
 """
 import ctypes
+import logging
 import os
 from typing import Optional, Sequence, Tuple
 
@@ -23,6 +24,8 @@ from ._handles import (Access, Acquisition, ChunkSet, Completion, DLPackView, Op
 
 __all__ = ["Access", "Acquisition", "ChunkSet", "Client", "Completion", "DLPackView",
            "OpenedBase", "SessionStats", "Tier", "TierUsage", "TierdError", "connect"]
+
+log = logging.getLogger(__name__)
 
 
 class Client:
@@ -37,6 +40,8 @@ class Client:
         self._handle = ctypes.c_void_p()
         check(library().tierd_connect(socket_dir.encode() if socket_dir else None,
                                         name.encode(), ctypes.byref(self._handle)))
+        log.debug("session %d (%s) with the daemon at %s", self.session_id, name,
+                  self.socket_dir)
 
     @property
     def session_id(self) -> int:

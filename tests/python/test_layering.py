@@ -38,8 +38,9 @@ TOWERS = {
     "stream": [
         ["_trace", "_shared_base"],  # the recorded order, the daemon's schedule; a shared base
         ["_window", "_ranks"],       # the device window; the ranks' one set of weights
-        ["_stream_hooks", "_loading", "_ddp"],  # the hooks and the training state;
-                                                # load_state_dict; DDP leaving it alone
+        ["_stream_hooks", "_loading", "_ddp", "_seam"],  # the hooks and the training
+                                                # state; load_state_dict; DDP leaving it
+                                                # alone; the optimizer's calls up
         ["_gather"],                 # gathered() and save_pretrained()
         ["streaming"],               # ParameterStream, stream_parameters
     ],

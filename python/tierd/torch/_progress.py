@@ -5,13 +5,19 @@ bytes with their rate.
 `progress`: True shows the bar at once; False never; None (the default) shows it when standard
 error is a terminal and the work lasts more than a moment (DELAY_S), unless TIERD_PROGRESS=0 is in
 the environment. Without tqdm (a dependency of transformers) there is no bar.
+
+Bar or not, the work's bytes, time and rate go to the `tierd` logger (INFO) once it is done.
 """
 import contextlib
+import logging
 import os
 import sys
+import time
 from typing import Callable, Iterator, Optional
 
 DELAY_S = 1.0  # what "more than a moment" is, when the bar is not asked for
+
+log = logging.getLogger(__name__)
 
 
 def wanted(progress: Optional[bool]) -> bool:
@@ -27,8 +33,25 @@ def wanted(progress: Optional[bool]) -> bool:
 @contextlib.contextmanager
 def bar(what: str, total: int, progress: Optional[bool]) -> Iterator[Callable[[int], None]]:
     """Yields a function that counts bytes done towards `total`, shown as a bar named `what`
-    where `progress` says so; closed, finished or not, when the block ends."""
-    if total <= 0 or not wanted(progress):
+    where `progress` says so; closed, finished or not, when the block ends, and logged when it
+    finishes."""
+    if total <= 0:
+        yield lambda n: None
+        return
+    start, counted = time.monotonic(), [0]
+    with _shown(what, total, progress) as show:
+        def done(n: int) -> None:
+            counted[0] += n
+            show(n)
+        yield done
+    seconds = time.monotonic() - start
+    log.info("%s: %s in %.2f s (%s/s)", what, size_text(counted[0]), seconds,
+             size_text(counted[0] / max(seconds, 1e-9)))
+
+
+@contextlib.contextmanager
+def _shown(what: str, total: int, progress: Optional[bool]) -> Iterator[Callable[[int], None]]:
+    if not wanted(progress):
         yield lambda n: None
         return
     try:
@@ -39,3 +62,11 @@ def bar(what: str, total: int, progress: Optional[bool]) -> Iterator[Callable[[i
     with tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024,
               file=sys.stderr, delay=0 if progress else DELAY_S) as shown:
         yield shown.update
+
+
+def size_text(n: float) -> str:
+    """Bytes as people read them: "1.50 GiB", "512 B"."""
+    units, k = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while n >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.2f} {units[k]}"

@@ -26,6 +26,7 @@ job's own, on its device, and come from there.
 """
 import hashlib
 import json
+import logging
 import os
 import pwd
 from typing import Dict, List, Optional, Sequence, Union
@@ -37,11 +38,13 @@ from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
 from ._base_check import BaseCheck, Value, contents
 from ._held_base import HeldBase
-from ._progress import bar
+from ._progress import bar, size_text
 from ._storage import as_tensor, range_view
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 
 FORMAT = "tierd.base/1"
+
+log = logging.getLogger(__name__)
 
 
 def canonical(name: str) -> str:
@@ -136,6 +139,8 @@ class SharedBase:
                 self._check(opened.descriptor, source, identity)
                 if self.check is not None:
                     self.check.gate([u.module for u in self.units])
+                log.info("shared base %r opened: made by uid %d, %s", self.name,
+                         opened.creator_uid, size_text(sum(opened.sizes)))
             if len(opened.ids) != len(order):
                 raise InvalidArgument(f"shared base {self.name!r} has {len(opened.ids)} chunks; "
                                       f"this model's frozen units need {len(order)}")

@@ -36,6 +36,7 @@ What it changes of transformers.Trainer, and why:
 
 Imports transformers (the rest of tierd.torch does not).
 """
+import logging
 import os
 from typing import Dict, Optional
 
@@ -49,6 +50,8 @@ from .optimizer import OffloadedAdamW
 from .streaming import stream_of
 
 __all__ = ["Figures", "Trainer", "log_figures", "offloaded"]
+
+log = logging.getLogger(__name__)
 
 
 class _Norm(transformers.TrainerCallback):
@@ -198,6 +201,8 @@ class _Offloaded:
         made = self.optimizer is None
         optimizer = super().create_optimizer(model)
         if made:
+            log.info("%s: OffloadedAdamW made from the TrainingArguments with %s", self._who,
+                     dict(self.optimizer_cls_and_kwargs[1]))
             self._adopt(optimizer)
         return optimizer
 

@@ -6,6 +6,8 @@ _stepping.py (when each part of a step happens, from the first gradient to the n
 _verdict.py (unscale, skip, clip, and whether speculation holds), _shard.py (the collectives over
 ranks), _lanes.py (which buckets the device steps), _state_files.py (files).
 """
+import logging
+import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -20,6 +22,8 @@ from ._stepping import StepPhase, Stepper
 from ._verdict import Verdict
 
 _DEFAULT_BUCKET_PARAMS = 4 << 20
+
+log = logging.getLogger(__name__)
 
 
 def _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
@@ -157,6 +161,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self._stepper = Stepper(lambda: self.param_groups, lambda: self.overlap_backward,
                                 self._layout, self._state, self._verdict, self._comm,
                                 accumulation_steps)
+        log.info("%s%s", repr(self), f", rank {self._comm.rank} of {self._comm.world}'s share"
+                 if self._comm else "")
 
     # ---- what the user reads and sets ----
 
@@ -281,10 +287,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
         "torch", a torch.save file per rank (any torch); by default dcp where torch has it."""
         rank, world = (self._comm.rank, self._comm.world) if self._comm else (0, 1)
         group = self._comm.group if self._comm else None
+        start = time.monotonic()
         _state_files.save(directory, rank, world, self.state_name, self.state_dict(), format,
                          group)
         if self._comm is not None:
             self._comm.barrier()
+        log.info("OffloadedAdamW: state saved to %s in %.2f s", directory, time.monotonic() - start)
 
     def load_checkpoint(self, directory: str) -> None:
         """Loads a checkpoint that save_checkpoint wrote, in either format, whatever number of
@@ -292,7 +300,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         resharded). Call it on every rank, after loading the model's weights, on an optimizer
         made afresh (reset=True) under the job's name."""
         group = self._comm.group if self._comm else None
+        start = time.monotonic()
         self.load_state_dict(_state_files.load(directory, self._layout.owned_shapes(), group))
+        log.info("OffloadedAdamW: state loaded from %s in %.2f s", directory,
+                 time.monotonic() - start)
 
     # ---- lifetime ----
 

@@ -19,9 +19,10 @@ weights fetched for it.
 OffloadedAdamW steps streamed parameters through one seam, _ranges.py, where the stream lends
 its parts (_ranges.StreamParts): gradients leave the device into each range's gradient chunk, the
 kernel writes the new weights into the range's next version, and StreamRange.commit makes it
-current (the stream flips it: _Seam.flipped); a step rolled back or skipped leaves the current
+current (the stream flips it: _seam.Seam.flipped); a step rolled back or skipped leaves the current
 version as it was.
 """
+import logging
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -39,12 +40,16 @@ from ._guard import guard, unguard
 from ._loading import StateDictLoading
 from ._ranges import StreamParts, parts_of, register
 from ._figures import StreamFigures
+from ._progress import size_text
 from ._ranks import RankWeights
+from ._seam import Seam
 from ._trace import Trace
-from ._units import Range, Unit, Units, by_dtype, find_units
+from ._units import Unit, Units, find_units
 from ._window import Window
 
 __all__ = ["ParameterStream", "stream_of", "stream_parameters"]
+
+log = logging.getLogger(__name__)
 
 
 def stream_of(p: torch.Tensor) -> Optional["ParameterStream"]:
@@ -145,7 +150,7 @@ class ParameterStream:
             if self._base is not None:
                 self._base.attach(source, {u.index: u.home for u in self._units})
             self._window.add_resident(sum(t.numel() * t.element_size() for t in self._resident))
-            seam = _Seam(self._units, self._window, self._trace, self._ranks)
+            seam = Seam(self._units, self._window, self._trace, self._ranks)
             self._parts = StreamParts(self._units, self._figures,
                                       self._ranks.nodes if self._ranks is not None else None,
                                       self.shared_base, seam.lay_out, seam.flipped, self)
@@ -163,6 +168,12 @@ class ParameterStream:
         except BaseException:
             self.close()
             raise
+        on_nvme = sum(u.home == Tier.NVME for u in self._units)
+        log.info("stream %r: %d units (the largest %s) through a window of %d on %s, %s "
+                 "resident; %d units at home in the host tier, %d on NVMe%s", self.name,
+                 len(self._units), size_text(self.largest_unit_bytes), self.window_units, device,
+                 size_text(self.resident_bytes), len(self._units) - on_nvme, on_nvme,
+                 f", frozen in the shared base {self.shared_base!r}" if self._base else "")
 
     def _lay_out_all(self, source, write: bool) -> None:
         what = "Loading weights" if isinstance(source, FromCheckpoint) else "Making weights"
@@ -344,54 +355,6 @@ def _resident_tensors(model: nn.Module, streamed) -> List[torch.Tensor]:
     kept = {id(t): t for t in list(model.parameters()) + list(model.buffers())
             if id(t) not in streamed}  # each tensor once, where it first comes
     return list(kept.values())
-
-
-class _Seam:
-    """The stream's side of the seam (_ranges.StreamParts): the two calls a range or
-    stream_ranges() makes up into the stream."""
-
-    def __init__(self, units: Units, window: Window, trace: Trace, ranks):
-        self.units = units
-        self.window = window
-        self.trace = trace
-        self.ranks = ranks
-
-    def lay_out(self, layout: Dict[int, List[List[torch.Tensor]]]) -> Dict[int, List[Range]]:
-        """Lays each unit (index -> lists of its parameters) out anew as one range per list, the
-        rest of its parameters after them by dtype, moving the current weights. Between steps."""
-        out, written = {}, []
-        with self.window.lock:
-            for index, groups in layout.items():
-                u = self.units[index]
-                if self.window.in_use(u):
-                    raise FailedPrecondition("stream_parameters: units are rearranged between "
-                                             "steps, not during a forward or backward")
-                self.window.evict(u)  # a copy left in the window by an evaluation
-                taken = {id(p) for g in groups for p in g}
-                own = u.own_params()
-                rest = by_dtype([p for p in own if id(p) not in taken])
-                write = self.ranks is None or self.ranks.leader
-                mine = {id(p) for p in own}
-                values = {id(p): w for p, w in self.units.weights(u) if id(p) in mine} \
-                    if write else {}
-                self.units.lay_out(u, groups + rest, 1, values, write=write)
-                if write:
-                    written.append(self.units.write_down(u))
-                out[index] = u.ranges[:len(groups)]  # gradient chunks made as gradients come
-            self.trace.laid_out()
-        for w in written:
-            if w is not None:
-                w.wait()
-        if self.ranks is not None:  # the node's first rank has moved the weights
-            self.ranks.barrier()
-        return out
-
-    def flipped(self, u: Unit, r: Range) -> None:
-        """Range r of u has new weights: a copy of the old ones in the window goes."""
-        with self.window.lock:
-            self.trace.flipped(r)
-            if not self.window.in_use(u):
-                self.window.evict(u)
 
 
 def stream_parameters(model: nn.Module, units: Optional[Sequence[nn.Module]] = None,
