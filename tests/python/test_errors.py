@@ -25,23 +25,28 @@ BUILTIN_ERRORS = {n for n, v in vars(builtins).items()
                   if isinstance(v, type) and issubclass(v, BaseException)}
 
 
-def builtin_raises(package: str):
-    """(file, line, name) of each `raise X(...)` in the package whose X is a builtin exception
-    or one of a module's (pickle.UnpicklingError) rather than tierd's."""
-    found = []
+def nodes(package: str):
+    """(file relative to the package, node) of every node of the package's source."""
     for root, _, files in os.walk(package):
         for file in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(root, file)
             with open(path) as f:
                 tree = ast.parse(f.read(), path)
             for node in ast.walk(tree):
-                if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
-                    continue
-                func = node.exc.func
-                if isinstance(func, ast.Name) and func.id in BUILTIN_ERRORS or \
-                        isinstance(func, ast.Attribute):
-                    found.append((os.path.relpath(path, package), node.lineno,
-                                  ast.unparse(func)))
+                yield os.path.relpath(path, package), node
+
+
+def builtin_raises(package: str):
+    """(file, line, name) of each `raise X(...)` in the package whose X is a builtin exception
+    or one of a module's (pickle.UnpicklingError) rather than tierd's."""
+    found = []
+    for file, node in nodes(package):
+        if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
+            continue
+        func = node.exc.func
+        if isinstance(func, ast.Name) and func.id in BUILTIN_ERRORS or \
+                isinstance(func, ast.Attribute):
+            found.append((file, node.lineno, ast.unparse(func)))
     return found
 
 

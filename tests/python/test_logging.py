@@ -10,25 +10,16 @@ import os
 import re
 
 from test_c_abi import daemon  # noqa: F401 (a fixture)
+from test_errors import PACKAGE, nodes
 from test_pretrained import HYPER, on_meta, saved, stream
 
 import tierd  # noqa: E402 (test_pretrained puts python/ on the path)
 import tierd.torch  # noqa: E402
 
-PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "tierd")
-
-
 def _calls(package: str):
     """(file, the called name, its arguments' source) of every call in the package."""
-    for root, _, files in os.walk(package):
-        for file in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(root, file)
-            with open(path) as f:
-                tree = ast.parse(f.read(), path)
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Call):
-                    yield (os.path.relpath(path, package), ast.unparse(node.func),
-                           [ast.unparse(a) for a in node.args])
+    return [(file, ast.unparse(node.func), [ast.unparse(a) for a in node.args])
+            for file, node in nodes(package) if isinstance(node, ast.Call)]
 
 
 def test_only_the_command_line_prints_and_every_logger_is_tierd_s():
