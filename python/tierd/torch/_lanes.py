@@ -11,9 +11,8 @@ steps, 0.5 until both lanes have stepped. Placement changes between the library'
 """
 from typing import List, Union
 
-from .._errors import InvalidArgument
+from .._errors import FailedPrecondition, InvalidArgument
 from .. import _abi
-from ..client import TierdError
 from ._buckets import Bucket
 
 Setting = Union[None, float, str]
@@ -45,9 +44,8 @@ class DeviceLanes:
         """Places the buckets for a new setting at once (between steps); where that is refused,
         the setting and the placement stay as they were."""
         if setting is not None and not device_tier:
-            raise TierdError(_abi.Status.FAILED_PRECONDITION,
-                             "device_share needs the daemon's device tier, and this daemon "
-                             "serves none")
+            raise FailedPrecondition("device_share needs the daemon's device tier, and this "
+                                     "daemon serves none")
         before = self.setting
         self.setting = setting
         try:
