@@ -326,7 +326,8 @@ def main():
     defaults = dict(layers=32, d_model=1280, heads=16, ctx=64, batch=1, prefetch=0) if scaled \
         else dict(layers=12, block=3)
     import argparse
-    extra = argparse.ArgumentParser(add_help=False)
+    # No abbreviations: --device (benchlib's) would be taken for --device-share.
+    extra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     extra.add_argument("--scale", action="store_true")
     extra.add_argument("--prefetch", type=int, default=0 if scaled else 1)
     extra.add_argument("--dtype", default="float32")
