@@ -2,7 +2,8 @@
 # The GPU kit end to end, without a GPU: packs BUILD_DIR's binaries with tests/gpu/make_kit.sh,
 # unpacks the archive somewhere else, and runs its tests/gpu/run.sh against the emulated device
 # with no build tree or library path to lean on. PYTHON (the project's Python environment) runs
-# the torch steps as far as a machine without a GPU lets them: torch imported, no GPU seen.
+# the torch steps as far as a machine without a GPU lets them: the equality cases and the TFLOPS
+# command on the CPU (the emulated device), the cuda-only steps skipped with no GPU seen.
 #
 #   tests/gpu/kit_test.sh SOURCE_DIR BUILD_DIR PYTHON
 set -euo pipefail
@@ -36,7 +37,8 @@ done
 
 # The run itself, from the unpacked kit, with a clean environment.
 env -i PATH=/usr/bin:/bin HOME="$work" "$kit/tests/gpu/run.sh" --device=emulated \
-  --python="$python" --out="$work/out" environment gpu-tests pcie torch torch-train \
+  --python="$python" --out="$work/out" --budget=500 environment torch-equality tflops gpu-tests \
+  pcie torch torch-train \
   >"$work/run.log" 2>&1 ||
   { cat "$work/run.log"; fail "run.sh failed"; }
 cat "$work/out/summary.json"
@@ -44,7 +46,13 @@ python3 - "$work/out" <<'PY'
 import json, sys
 out = sys.argv[1]
 steps = {s["step"]: s["result"] for s in json.load(open(f"{out}/summary.json"))}
-assert [steps.get(s) for s in ("environment", "gpu-tests", "pcie")] == ["passed"] * 3, steps
+assert [steps.get(s) for s in ("environment", "torch-equality", "tflops", "gpu-tests", "pcie")] \
+    == ["passed"] * 5, steps
+cases = [json.loads(l) for l in open(f"{out}/torch-equality.json")]
+assert [(c["case"], c["holds"]) for c in cases] == [
+    (c, True) for c in ("checkpoint", "lora", "bf16-moments", "device-lane")], cases
+tflops = open(f"{out}/tflops.log").read()
+assert tflops.count("step 2: loss") == 2 and "device share" in tflops, tflops
 # Skipped without a GPU, once torch was imported from the kit's run of the given Python.
 assert steps.get("torch") in ("skipped", "passed"), steps
 assert steps.get("torch-train") in ("skipped", "passed"), steps

@@ -25,7 +25,7 @@ done
 client=$(readlink -f "$build/client/libtierd_client.so.0")
 objcopy --strip-debug "$client" "$kit/client/libtierd_client.so.0"
 cp "$src/tests/gpu/run.sh" "$src/tests/gpu/torch_cuda.py" "$src/tests/gpu/torch_train.py" \
-  "$src/tests/gpu/torch_stream.py" "$kit/tests/gpu/"
+  "$src/tests/gpu/torch_stream.py" "$src/tests/gpu/torch_equality.py" "$kit/tests/gpu/"
 cp "$src/tests/python/tierd_abi.py" "$kit/tests/python/"
 mkdir -p "$kit/python/tierd/torch"
 cp "$src"/python/tierd/*.py "$kit/python/tierd/"

@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks: the GPU tests, the PCIe and GPU Adam benchmarks and the PyTorch check, each step
-# under its own time limit, each writing its log (and its figures, as JSON) to an output folder.
+# The GPU checks, ordered by what they are worth when GPU time is short: equality on the device
+# first, then the TFLOPS runs, then the rest; each step under its own time limit (and the run under
+# --budget), each writing its log (and its figures, as JSON, as it goes) to an output folder.
 #
 # Runs from an unpacked GPU kit (`make gpu-kit`: nothing to build, no -dev packages needed) or from
 # the source tree, where it uses (and, if missing, builds) a CUDA build folder.
 #
-#   tests/gpu/run.sh [--out=DIR] [--device=cuda|emulated] [--build=DIR] [--python=PY] [--list]
-#                    [STEP...]
+#   tests/gpu/run.sh [--out=DIR] [--device=cuda|emulated] [--build=DIR] [--python=PY]
+#                    [--budget=SECONDS] [--list] [STEP...]
 #
 #   --out=DIR    where logs and figures go (default: gpu-results-<date> in the current folder)
 #   --device=    the daemons' device backend (default cuda; emulated checks the kit without a GPU)
 #   --build=DIR  source tree only: the CUDA build folder (default build)
 #   --python=PY  the Python with torch that the torch steps run (default: $TIERD_PYTHON, else
 #                python3); a Python without torch skips those steps, saying so
+#   --budget=S   the whole run's time: a step is cut to what is left, and one that would get
+#                under 30 s is not run (`not-run` in summary.json)
 #   STEP...      run only these steps (default: all, in order); --list names them
 #
-# Exit status: 0 when every step passed or was skipped, 1 when one failed or ran out of time.
+# Exit status: 0 when every step passed, was skipped or was not run for the budget, 1 when one
+# failed or ran out of time.
 set -uo pipefail
 
 root=$(cd "$(dirname "$0")/../.." && pwd)
-steps_all=(environment doctor gpu-tests pcie gpu-adam torch torch-train torch-stream)
+steps_all=(environment torch-equality torch-stream tflops torch-train torch gpu-tests pcie gpu-adam
+           doctor)
 out="gpu-results-$(date +%Y%m%d-%H%M%S)"
 build=""
 device=cuda
 python=${TIERD_PYTHON:-python3}
+budget=0
 steps=()
 for arg in "$@"; do
   case "$arg" in
@@ -31,8 +37,9 @@ for arg in "$@"; do
     --build=*) build=${arg#--build=} ;;
     --device=cuda|--device=emulated) device=${arg#--device=} ;;
     --python=*) python=${arg#--python=} ;;
+    --budget=*) budget=${arg#--budget=} ;;
     --list) printf '%s\n' "${steps_all[@]}"; exit 0 ;;
-    -h|--help) sed -n 2,18p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n 2,23p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
     *)
       if [[ " ${steps_all[*]} " != *" $arg "* ]]; then
@@ -135,16 +142,68 @@ run_torch-stream() {
   "$python" "$root/tests/gpu/torch_stream.py" --build="$bin" --json="$out/torch-stream.json"
 }
 
-declare -A limit=([environment]=90 [doctor]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240 [torch]=150 [torch-train]=540 [torch-stream]=540)
+# Streamed models trained as in the device's memory, case by case (on the emulated device: the
+# CPU).
+run_torch-equality() {
+  with_torch || return
+  local on=cpu
+  [[ $device == cuda ]] && on=cuda
+  "$python" "$root/tests/gpu/torch_equality.py" --build="$bin" --device="$on" \
+    --json="$out/torch-equality.json"
+}
+
+# The example GPT at 6.4 B parameters (32 blocks of d 4096), bf16, through a device budget of
+# about a quarter of its weights at 8 K tokens a step, the optimizer split between the lanes by
+# measured rates, then all on the CPU; its fp32 state (72 GiB) in a 96 GiB host tier and its
+# weights' two versions (24 GiB) on NVMe (a 128 GiB machine whose 64 GiB disk cannot hold the
+# state). Each step's TFLOPS is printed as it comes. On the emulated device, the same command on
+# a model of 2 small blocks.
+run_tflops() {
+  with_torch || return
+  local size=(--layers 32 --d-model 4096 --heads 32 --ctx 8192 --prefetch 5
+              --state-home host --host-capacity 96GiB --nvme-region 40GiB --steps 3)
+  local on=cuda
+  if [[ $device != cuda ]]; then
+    on=cpu
+    size=(--layers 2 --d-model 64 --heads 4 --ctx 64 --host-capacity 256MiB --nvme-region 1GiB
+          --steps 2)
+  elif ! "$python" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+    echo "skipped: torch sees no GPU"
+    return 77
+  fi
+  local lanes
+  for lanes in "--device-share auto" ""; do  # split by measured rates, then all on the CPU
+    # shellcheck disable=SC2086 # lanes: none or two words
+    PYTHONUNBUFFERED=1 "$python" "$root/bench/param_stream.py" --scale --build "$bin" \
+      --device "$on" --dtype bfloat16 --batch 1 "${size[@]}" $lanes || return
+  done
+}
+
+declare -A limit=([environment]=60 [torch-equality]=150 [torch-stream]=300 [tflops]=420
+                  [torch-train]=300 [torch]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240
+                  [doctor]=120)
+began=$(date +%s)
 failed=0
 summary="$out/summary.json"
 echo "[" >"$summary"
 first=1
 for step in "${steps[@]}"; do
-  echo "== $step (limit ${limit[$step]} s)"
+  step_limit=${limit[$step]}
+  if [[ $budget -gt 0 ]]; then
+    left=$(( budget - ($(date +%s) - began) ))
+    (( left < step_limit )) && step_limit=$left
+  fi
+  [[ $first -eq 1 ]] || echo "," >>"$summary"
+  first=0
+  if (( step_limit < 30 )); then
+    echo "== $step: not-run (the budget has $step_limit s left)"
+    printf '{"step":"%s","result":"not-run","exit":0,"seconds":0}' "$step" >>"$summary"
+    continue
+  fi
+  echo "== $step (limit $step_limit s)"
   start=$(date +%s%N)
   # Each step in its own process group, killed whole at its limit.
-  timeout -k 10 "${limit[$step]}" bash -c "set -o pipefail; $(declare -f "run_$step" with_torch); $(declare -p bin out root scratch device python); run_$step" \
+  timeout -k 10 "$step_limit" bash -c "set -o pipefail; $(declare -f "run_$step" with_torch); $(declare -p bin out root scratch device python); run_$step" \
     >"$out/$step.log" 2>&1
   rc=$?
   took=$(( ($(date +%s%N) - start) / 1000000000 ))
@@ -156,8 +215,6 @@ for step in "${steps[@]}"; do
     *) result=failed; failed=1 ;;
   esac
   echo "== $step: $result (exit $rc, ${took} s)"
-  [[ $first -eq 1 ]] || echo "," >>"$summary"
-  first=0
   printf '{"step":"%s","result":"%s","exit":%d,"seconds":%s}' "$step" "$result" "$rc" "${took:-0}" >>"$summary"
 done
 echo "]" >>"$summary"
