@@ -50,7 +50,7 @@ assert [steps.get(s) for s in ("environment", "torch-equality", "tflops", "gpu-t
     == ["passed"] * 5, steps
 cases = [json.loads(l) for l in open(f"{out}/torch-equality.json")]
 assert [(c["case"], c["holds"]) for c in cases] == [
-    (c, True) for c in ("checkpoint", "lora", "bf16-moments", "device-lane")], cases
+    (c, True) for c in ("checkpoint", "lora", "shared-base", "bf16-moments", "device-lane")], cases
 tflops = open(f"{out}/tflops.log").read()
 assert tflops.count("step 2: loss") == 2 and "device share" in tflops, tflops
 # Skipped without a GPU, once torch was imported from the kit's run of the given Python.

@@ -3,8 +3,11 @@ model in that device's memory, case by case, each case's verdict written as it i
 cut short keeps the cases it finished):
 
 - checkpoint: a Llama built on meta, streamed from its safetensors checkpoint, against
-  from_pretrained in memory: the same logits before training, losses and weights after 4 steps;
+  from_pretrained in memory: the same logits before training, losses and weights after 4 steps
+  (and the streamed model moved to its own device, as accelerate does, is left as it is);
 - lora: peft's LoRA on the streamed frozen base against the same peft model in memory;
+- shared-base: the same LoRA in two jobs that share one read-only copy of the base (the first
+  makes it, the second opens it while the first holds it), both against in memory;
 - bf16-moments: OffloadedAdamW with bf16 moments, streamed against in memory, within their
   rounding (stochastic, its random bits drawn by bucket and tensor: the stream's buckets are
   its units', so the two round differently);
@@ -30,7 +33,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..", "..")
-CASES = ["checkpoint", "lora", "bf16-moments", "device-lane"]
+CASES = ["checkpoint", "lora", "shared-base", "bf16-moments", "device-lane"]
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, home="host", threads=2,
              overlap_backward=True, host_budget_bytes=1 << 20)
 STEPS = 4
@@ -61,15 +64,23 @@ class Equality:
         return self.transformers.AutoModelForCausalLM.from_pretrained(
             self.ckpt, attn_implementation="eager").to(self.device)
 
-    def streamed(self):
+    def streamed(self, **options):
         import tierd.torch
         with self.torch.device("meta"):
             model = self.transformers.AutoModelForCausalLM.from_config(self.config)
         block = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
         stream = tierd.torch.stream_parameters(
             model, device=self.device, checkpoint=self.ckpt, socket_dir=self.root,
-            device_budget_bytes=(8 << 20) + 5 * block, host_budget_bytes=0)
+            device_budget_bytes=(8 << 20) + 5 * block, host_budget_bytes=0, **options)
         return model, stream
+
+    def lora_run(self, base, stream=None):
+        """Losses and adapters of peft's LoRA on `base` (streamed by `stream`, or in memory)."""
+        import peft
+        self.torch.manual_seed(7)
+        model = peft.get_peft_model(base, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        return self.train(model), self.weights(model, stream, only=lambda k: "lora" in k)
 
     def train(self, model, params=None, **options):
         """Losses of STEPS steps of OffloadedAdamW, and the weights after them (on the CPU)."""
@@ -107,6 +118,8 @@ class Equality:
         reference = self.in_memory()
         model, stream = self.streamed()
         try:
+            model.to(self.device)  # accelerate's prepare() does; the stream's device: left alone
+            model.to(self.device.type)
             with torch.no_grad():
                 x = self.tokens(99)
                 logits = torch.equal(model(input_ids=x).logits, reference(input_ids=x).logits)
@@ -120,28 +133,30 @@ class Equality:
                                                      memory_losses=want, weights_equal=same)
 
     def lora(self):
-        import peft
-        torch = self.torch
-        lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        runs = {}
-        for streamed in (True, False):
-            stream = None
-            if streamed:
-                base, stream = self.streamed()
-            else:
-                base = self.in_memory()
-            torch.manual_seed(7)
-            model = peft.get_peft_model(base, peft.LoraConfig(**lora))
-            try:
-                losses = self.train(model)
-                adapters = self.weights(model, stream, only=lambda k: "lora" in k)
-            finally:
-                if stream is not None:
-                    stream.close(keep_weights=False)
-            runs[streamed] = losses, adapters
-        (got, got_adapters), (want, want_adapters) = runs[True], runs[False]
+        base, stream = self.streamed()
+        try:
+            got, got_adapters = self.lora_run(base, stream)
+        finally:
+            stream.close(keep_weights=False)
+        want, want_adapters = self.lora_run(self.in_memory())
         same = bool(got_adapters) and _same(got_adapters, want_adapters)
         return got == want and same, dict(losses=got, memory_losses=want, adapters_equal=same)
+
+    def shared_base(self):
+        want, want_adapters = self.lora_run(self.in_memory())
+        found, holds, streams = {}, True, []
+        try:
+            for job in ("made", "opened"):
+                base, stream = self.streamed(shared_base="torch-equality")
+                streams.append(stream)  # the first holds the base while the second opens it
+                got, adapters = self.lora_run(base, stream)
+                same = bool(adapters) and _same(adapters, want_adapters)
+                found[job] = dict(losses=got, adapters_equal=same)
+                holds = holds and got == want and same
+        finally:
+            for stream in reversed(streams):
+                stream.close(keep_weights=False)
+        return holds, dict(memory_losses=want, **found)
 
     def bf16_moments(self):
         torch = self.torch
@@ -205,7 +220,7 @@ def main():
     device = torch.device(args.device)
     failed = []
     out = open(args.json, "w") if args.json else None
-    with benchlib.daemon(args.build, host_capacity="256MiB", device=args.device,
+    with benchlib.daemon(args.build, host_capacity="1GiB", device=args.device,
                          emulated="256MiB") as root, \
             tempfile.TemporaryDirectory(prefix="tierd-equality-") as workdir:
         cases = Equality(root, device, workdir)
