@@ -256,6 +256,33 @@ TEST_F(DaemonTest, TierFullIsResourceExhaustedAndTheDaemonKeepsServing) {
   EXPECT_TRUE(c->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}}).ok());
 }
 
+// An Acquire waiting for room that does not come gives up before its caller's deadline, so the
+// caller learns why (RESOURCE_EXHAUSTED naming the tier) rather than only that time ran out.
+TEST_F(DaemonTest, AnAcquireThatFindsNoRoomInTimeSaysWhyBeforeTheCallersDeadline) {
+  auto waits = Client::Connect({.socket_dir = daemon_->socket_dir(),
+                                .client_name = "waits",
+                                .rpc_timeout = absl::Seconds(5)});
+  ASSERT_TRUE(waits.ok()) << waits.status();
+  auto away = (*waits)->AllocateIds(std::vector<ChunkSpec>{{.size = 1 << 20}});
+  ASSERT_TRUE(away.ok()) << away.status();
+  auto down = (*waits)->EvictIds(*away, Tier::kNvme);
+  ASSERT_TRUE(down.ok()) << down.status();
+  ASSERT_TRUE((*waits)->Wait(*down).ok());
+  auto fills = Connect("fills");
+  auto fill = fills->AllocateIds(std::vector<ChunkSpec>(4, ChunkSpec{.size = kSegment}));
+  ASSERT_TRUE(fill.ok()) << fill.status();
+  auto held = fills->Acquire(*fill, Tier::kHost, AccessMode::kRead);  // every byte pinned
+  ASSERT_TRUE(held.ok()) << held.status();
+  auto refused = (*waits)->Acquire(*away, Tier::kHost, AccessMode::kRead);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("no room in the host tier came free within"),
+            std::string::npos)
+      << refused.status();
+  ASSERT_TRUE(held->Release().ok());
+  auto now_there = (*waits)->Acquire(*away, Tier::kHost, AccessMode::kRead);
+  EXPECT_TRUE(now_there.ok()) << now_there.status();
+}
+
 TEST_F(DaemonTest, MalformedRequestsAreInvalidAndChangeNothing) {
   auto c = Connect();
   auto keep = c->AllocateIds(std::vector<ChunkSpec>{{.size = 4096}});

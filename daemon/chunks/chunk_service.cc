@@ -240,7 +240,11 @@ absl::StatusOr<AcquireResult> ChunkService::Acquire(const Session& session,
   const absl::Time arrived = clock_.Now();
   // Real time: a condition wait.
   const absl::Time started = absl::Now();
-  const absl::Time give_up = std::min(deadline, started + absl::Minutes(1));
+  // It gives up a tenth of the time left before the caller's deadline (at most a second), so
+  // that the refusal saying why reaches the caller, and after a minute at most.
+  const absl::Duration left = std::max(deadline - started, absl::ZeroDuration());
+  const absl::Time give_up =
+      std::min(deadline - std::min(absl::Seconds(1), left / 10), started + absl::Minutes(1));
   absl::StatusOr<std::vector<ChunkMeta*>> chunks;
   bool all_ready;
   bool waited_for_room = false;

@@ -89,9 +89,11 @@ class ChunkService : private Mover::Listener {
   // Pins the chunks in `tier`. Chunks not there yet are brought in (or, on their way, waited
   // for): the locations are final at once, and `ready` completes when the last one has arrived.
   // Where the tier has no room now but will (write-downs under way, or copies other sessions
-  // hold pinned and will release), it waits, the lock released, until `deadline` (at most a
-  // minute; the caller's RPC deadline), counted as a stall; what cannot fit beside the session's
-  // own pins is refused at once. At most kMaxWaitingAcquires of a session wait at a time.
+  // hold pinned and will release), it waits, the lock released, counted as a stall, until a
+  // tenth of the time to `deadline` (the caller's RPC deadline; at most a second) before it, so
+  // that the refusal saying why reaches the caller, and at most a minute; what cannot fit beside
+  // the session's own pins is refused at once. At most kMaxWaitingAcquires of a session wait at a
+  // time.
   absl::StatusOr<AcquireResult> Acquire(const Session& session, std::span<const ChunkId> ids,
                                         TierKind tier, Access access,
                                         absl::Time deadline = absl::InfiniteFuture());

@@ -289,8 +289,9 @@ TEST_F(ChunkServiceNvmeTest, AcquireWaitsForRoomAnotherSessionHoldsAndGetsItOnRe
   service_->CloseSession(*other);
 }
 
-// The wait is bounded by the caller's deadline (its RPC's): past it, RESOURCE_EXHAUSTED naming
-// the tier, nothing pinned, and the chunk acquirable once the room is there.
+// The wait is bounded by the caller's deadline (its RPC's): a tenth of the time before it,
+// RESOURCE_EXHAUSTED naming the tier, nothing pinned, and the chunk acquirable once the room is
+// there.
 TEST_F(ChunkServiceNvmeTest, AcquireWaitingForAnotherSessionsPinsGivesUpAtItsDeadline) {
   std::shared_ptr<Session> other = *sessions_.Open({1000, 1000, 2}, "other");
   MapPage(*other);
@@ -302,7 +303,7 @@ TEST_F(ChunkServiceNvmeTest, AcquireWaitingForAnotherSessionsPinsGivesUpAtItsDea
   auto a = service_->Acquire(*session_, away, TierKind::kHost, Access::kRead,
                              asked + absl::Milliseconds(150));
   EXPECT_TRUE(absl::IsResourceExhausted(a.status())) << a.status();
-  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(150));
+  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(135));
   EXPECT_NE(a.status().message().find("host tier came free within"), std::string::npos)
       << a.status();
   EXPECT_EQ(service_->Stat(*session_, away)->at(0).pins, 0u);
