@@ -179,8 +179,8 @@ run_tflops() {
   done
 }
 
-declare -A limit=([environment]=60 [torch-equality]=150 [torch-stream]=300 [tflops]=420
-                  [torch-train]=300 [torch]=120 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240
+declare -A limit=([environment]=90 [torch-equality]=150 [torch-stream]=540 [tflops]=420
+                  [torch-train]=540 [torch]=150 [gpu-tests]=300 [pcie]=240 [gpu-adam]=240
                   [doctor]=120)
 began=$(date +%s)
 failed=0
