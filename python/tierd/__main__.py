@@ -3,13 +3,7 @@ import argparse
 import sys
 
 from . import Tier, TierdError, connect
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
+from ._sizes import size_text
 
 
 def main(argv=None) -> int:
@@ -24,7 +18,7 @@ def main(argv=None) -> int:
             try:
                 device = client.device()
                 print(f"device  {device['uuid']}{' (emulated)' if device['emulated'] else ''}, "
-                      f"{_size(device['memory_bytes'])}")
+                      f"{size_text(device['memory_bytes'])}")
             except TierdError as e:
                 if e.code_name != "NOT_FOUND":
                     raise
@@ -34,8 +28,9 @@ def main(argv=None) -> int:
                 if not u.configured:
                     print(f"{tier.name.lower():7} not configured")
                     continue
-                print(f"{tier.name.lower():7} {_size(u.used_bytes)} of {_size(u.capacity_bytes)} "
-                      f"used, largest free {_size(u.largest_free_bytes)}")
+                print(f"{tier.name.lower():7} {size_text(u.used_bytes)} of "
+                      f"{size_text(u.capacity_bytes)} used, largest free "
+                      f"{size_text(u.largest_free_bytes)}")
     except TierdError as e:
         print(f"tierd: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Callable, Iterator, Optional
 
+from .._sizes import size_text
+
 DELAY_S = 1.0  # what "more than a moment" is, when the bar is not asked for
 
 log = logging.getLogger(__name__)
@@ -63,10 +65,3 @@ def _shown(what: str, total: int, progress: Optional[bool]) -> Iterator[Callable
               file=sys.stderr, delay=0 if progress else DELAY_S) as shown:
         yield shown.update
 
-
-def size_text(n: float) -> str:
-    """Bytes as people read them: "1.50 GiB", "512 B"."""
-    units, k = ("B", "KiB", "MiB", "GiB", "TiB"), 0
-    while n >= 1024 and k < len(units) - 1:
-        n, k = n / 1024, k + 1
-    return f"{n:.0f} B" if k == 0 else f"{n:.2f} {units[k]}"

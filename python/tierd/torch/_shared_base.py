@@ -36,9 +36,10 @@ import torch
 from .._errors import InvalidArgument, PermissionDenied
 from .._abi import Status
 from ..client import Access, Client, Tier, TierdError
+from .._sizes import size_text
 from ._base_check import BaseCheck, Value, contents
 from ._held_base import HeldBase
-from ._progress import bar, size_text
+from ._progress import bar
 from ._storage import as_tensor, range_view
 from ._units import ALIGN, BASE, Range, Units, align, by_dtype, fill
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .._errors import FailedPrecondition, InvalidArgument
 from ..client import Client, Tier, TierdError, connect
+from .._sizes import size_text
 from ._ddp import DDPIgnored
 from ._stream_hooks import StreamHooks
 from ._sources import FromCheckpoint, Init, placeholder, source_for, swap
@@ -40,7 +41,6 @@ from ._guard import guard, unguard
 from ._loading import StateDictLoading
 from ._ranges import StreamParts, parts_of, register
 from ._figures import StreamFigures
-from ._progress import size_text
 from ._ranks import RankWeights
 from ._seam import Seam
 from ._trace import Trace
