@@ -44,7 +44,8 @@ void tierd_adam_options_init(tierd_adam_options* options) {
                                 .hyper = tierd::ToC(d.hyper),
                                 .open_mode = static_cast<int32_t>(d.open),
                                 .state_dtype = static_cast<int32_t>(d.state_type),
-                                .speculative = d.speculative ? 1 : 0};
+                                .speculative = d.speculative ? 1 : 0,
+                                .device_budget_bytes = d.device_budget_bytes};
 }
 
 }  // extern "C"
@@ -80,6 +81,7 @@ absl::StatusOr<tierd::OffloadedAdamOptions> AdamOptionsFrom(const tierd_adam_opt
   o.shard_params = options->shard_params;
   o.state_type = static_cast<tierd::ScalarType>(options->state_dtype);
   o.speculative = options->speculative != 0;
+  o.device_budget_bytes = options->device_budget_bytes;
   o.hyper = tierd::FromC(options->hyper);
   return o;
 }
@@ -330,7 +332,8 @@ tierd_status tierd_adam_finish_step(tierd_adam* adam, tierd_adam_step_stats* out
                    .host_ns = static_cast<uint64_t>(Nanos(s->host_busy)),
                    .device_params = s->device_params,
                    .device_ns = static_cast<uint64_t>(Nanos(s->device_busy)),
-                   .share = adam->adam->DeviceShare()};
+                   .share = adam->adam->DeviceShare(),
+                   .device_kept_bytes = s->device_kept_bytes};
     return TIERD_OK;
   });
 }

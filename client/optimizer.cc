@@ -66,6 +66,12 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
         "state_type must be float32 or bfloat16 (float16 moments underflow: v is a square)");
   }
 
+  if (options.persistent && options.device_budget_bytes > 0) {
+    return absl::InvalidArgumentError(
+        "device_budget_bytes keeps scratch state on the device between steps: persistent state "
+        "goes home after every step");
+  }
+
   auto impl = std::make_unique<Impl>();
   impl->state.options = options;
   impl->lr = h.lr;

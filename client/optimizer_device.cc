@@ -3,7 +3,9 @@
 // it up from its home through the host while the one before is stepped), stepped by the device
 // kernels over the device's gradients, released, and sent home with its device copy dropped, so
 // that the device tier holds at most two shards of the lane's at a time (four when speculative)
-// and the state is at home, as after a host step, once the step settles.
+// and the state is at home, as after a host step, once the step settles — but for the shards
+// that stay on the device (Shard::stays_on_device, within device_budget_bytes): those are
+// released there, and the next step finds them in the device tier.
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -88,15 +90,15 @@ absl::Status DeviceLane::Step(const Work& w, const ExpectedShards&, OptimizerSte
     }
   };
   // Releases a stepped shard's chunks and sends them home (the version a speculative step read is
-  // clean: its device copy is only dropped).
-  auto send_home = [&](OnDevice& on) -> absl::Status {
+  // clean: its device copy is only dropped), or leaves them in the device tier where it `stays`.
+  auto put_away = [&](OnDevice& on, bool stays) -> absl::Status {
     absl::Status first;
     for (std::optional<Acquired>* a : {&on.state, &on.other}) {
       if (!a->has_value()) continue;
       const ChunkId id = (*a)->chunks[0].id;
       a->reset();
       absl::Status s = client.Release({&id, 1});
-      if (s.ok()) {
+      if (s.ok() && !stays) {
         absl::StatusOr<CompletionToken> t = client.EvictIds({&id, 1}, state_.options.home);
         if (t.ok()) homeward_.push_back(*t);
         s = t.status();
@@ -159,7 +161,8 @@ absl::Status DeviceLane::Step(const Work& w, const ExpectedShards&, OptimizerSte
     }
     if (!s.ok()) {
       give_up(next);
-      (void)send_home(on);  // what the device wrote goes home: the step's error reports it
+      // What the device wrote goes home, staying shard or not: the step's error reports it.
+      (void)put_away(on, false);
       return failed(k, s);
     }
     shard.written = true;
@@ -167,7 +170,8 @@ absl::Status DeviceLane::Step(const Work& w, const ExpectedShards&, OptimizerSte
     delta->state_wait += t1 - t0;
     delta->compute += t2 - t1;
     delta->state_bytes += shard.bytes();
-    if (s = send_home(on); !s.ok()) {
+    if (shard.stays_on_device) delta->device_kept_bytes += shard.bytes();
+    if (s = put_away(on, shard.stays_on_device); !s.ok()) {
       give_up(next);
       return failed(k, s);
     }

@@ -28,6 +28,7 @@ absl::Status OffloadedAdam::SetGroupPlace(size_t group, StepPlace place) {
   Group& g = d.state.groups[group];
   if ((place == StepPlace::kDevice) == g.on_device) return absl::OkStatus();
   if (place == StepPlace::kHost) {
+    if (absl::Status s = d.SendHomeFromDevice(g); !s.ok()) return s;
     g.on_device = false;
     d.Resize();  // its shards may be resident again
     return absl::OkStatus();

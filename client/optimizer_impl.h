@@ -61,6 +61,7 @@ struct OffloadedAdam::Impl {
       largest = internal::ShardOf(0, state.shard_params, state.options.state_type).bytes();
     const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
     window.set_slots(slots - PlanResidency(slots, largest));
+    PlanDeviceStay();
     worker->Resize();
     if (device_lane != nullptr) device_lane->Resize();
   }
@@ -82,15 +83,7 @@ struct OffloadedAdam::Impl {
     const uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
                               ? (slots - window) / per_shard * largest
                               : 0;
-    // The order the groups are stepped in: the expected one, then any it does not name yet.
-    std::vector<size_t> order;
-    std::vector<bool> listed(state.groups.size(), false);
-    for (size_t g : worker->expected_order) {
-      if (g < listed.size() && !listed[g]) order.push_back(g), listed[g] = true;
-    }
-    for (size_t g = 0; g < listed.size(); ++g) {
-      if (!listed[g]) order.push_back(g);
-    }
+    const std::vector<size_t> order = ExpectedOrder();
     uint64_t resident = 0;  // bytes
     for (auto g = order.rbegin(); g != order.rend(); ++g) {
       internal::Group& group = state.groups[*g];
@@ -100,6 +93,53 @@ struct OffloadedAdam::Impl {
       }
     }
     return (resident + largest - 1) / largest * per_shard;
+  }
+
+  // Scratch state on the device lane keeps what device_budget_bytes holds in the device tier from
+  // one step to the next: the shards stepped last (from the end of the expected order), so that
+  // the step's tail after backward moves none of them over the link.
+  void PlanDeviceStay() {
+    const uint64_t per_shard = state.options.speculative ? 2 : 1;
+    uint64_t kept = 0;  // bytes
+    const std::vector<size_t> order = ExpectedOrder();
+    for (auto g = order.rbegin(); g != order.rend(); ++g) {
+      internal::Group& group = state.groups[*g];
+      for (auto sh = group.shards.rbegin(); sh != group.shards.rend(); ++sh) {
+        const uint64_t bytes = per_shard * sh->bytes();
+        sh->stays_on_device = group.on_device && !state.options.persistent &&
+                              kept + bytes <= state.options.device_budget_bytes;
+        kept += sh->stays_on_device ? bytes : 0;
+      }
+    }
+  }
+
+  // Sends home the shards of `group` that stay in the device tier (the group leaves the device
+  // lane): now, rather than when the device tier needs their room.
+  absl::Status SendHomeFromDevice(const internal::Group& group) {
+    std::vector<ChunkId> ids;
+    for (const internal::Shard& sh : group.shards) {
+      if (!sh.stays_on_device) continue;
+      for (ChunkId id : {sh.id, sh.other}) {
+        if (id != 0) ids.push_back(id);
+      }
+    }
+    if (ids.empty()) return absl::OkStatus();
+    absl::StatusOr<CompletionToken> t = client->EvictIds(ids, state.options.home);
+    if (!t.ok()) return t.status();
+    return client->Wait(*t);
+  }
+
+  // The order the groups are stepped in: the expected one, then any it does not name yet.
+  std::vector<size_t> ExpectedOrder() const {
+    std::vector<size_t> order;
+    std::vector<bool> listed(state.groups.size(), false);
+    for (size_t g : worker->expected_order) {
+      if (g < listed.size() && !listed[g]) order.push_back(g), listed[g] = true;
+    }
+    for (size_t g = 0; g < listed.size(); ++g) {
+      if (!listed[g]) order.push_back(g);
+    }
+    return order;
   }
 
   // The lane that steps group g.

@@ -44,6 +44,10 @@ struct Shard {
   // (in the budget, pinned during its step only) instead of streaming through the window. Set
   // between steps only.
   bool resident = false;
+  // Stepped on the device, the shard stays in the device tier from one step to the next
+  // (OffloadedAdamOptions::device_budget_bytes) instead of going home after its step. Set
+  // between steps only.
+  bool stays_on_device = false;
   uint64_t bytes() const { return p_region + 2 * mv_region; }
   uint64_t offset(OffloadedAdam::Part part) const {
     return part == OffloadedAdam::Part::kParams ? 0

@@ -64,6 +64,7 @@ void AddStepStats(const OptimizerStepStats& from, OptimizerStepStats* into) {
   into->host_busy += from.host_busy;
   into->device_params += from.device_params;
   into->device_busy += from.device_busy;
+  into->device_kept_bytes += from.device_kept_bytes;
 }
 
 std::vector<kernels::AdamTensor> SteppedGradients(const Group& group, const GroupStep& step) {

@@ -78,13 +78,16 @@ std::unique_ptr<OffloadedAdam> Create(const OffloadedAdamOptions& o) {
 }
 
 // A step of every group with this step's gradients; `out` receives the bf16 weights. The second
-// group's second tensor has no gradient in odd steps (it is left as it is, as torch leaves it).
+// group's second tensor has no gradient in odd steps (it is left as it is, as torch leaves it),
+// unless `every_tensor`.
 absl::StatusOr<OptimizerStepStats> Step(OffloadedAdam& opt, int step,
-                                        std::vector<std::vector<uint16_t>>& out) {
+                                        std::vector<std::vector<uint16_t>>& out,
+                                        bool every_tensor = false) {
   if (absl::Status s = opt.BeginStep(4.0f); !s.ok()) return s;
   std::vector<std::vector<uint16_t>> grads;
   out.assign(kGroups.size(), {});
-  const std::vector<uint8_t> some = {kTensorStep, static_cast<uint8_t>(step % 2 == 0 ? 1 : 0)};
+  const std::vector<uint8_t> some = {kTensorStep,
+                                     static_cast<uint8_t>(every_tensor || step % 2 == 0 ? 1 : 0)};
   for (size_t g = 0; g < kGroups.size(); ++g) grads.push_back(Gradient(kGroups[g], step, g));
   for (size_t g = 0; g < kGroups.size(); ++g) {
     out[g].assign(kGroups[g].params, 0);
@@ -177,6 +180,146 @@ INSTANTIATE_TEST_SUITE_P(Homes, DeviceLaneTest, ::testing::Values(Tier::kNvme, T
                            return info.param == Tier::kNvme ? std::string("Nvme")
                                                             : std::string("Host");
                          });
+
+// State kept in the device tier between steps (device_budget_bytes): what stays is not moved over
+// the link again, the steps still end where the host's end, and reading the state (after even
+// steps here) or placing the groups back on the host brings it home. In place and speculative (a
+// step abandoned between).
+class KeptStateTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(KeptStateTest, KeptStateCrossesTheLinkOnceAndStepsAsTheHostDoes) {
+  const bool speculative = GetParam();
+  auto daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  OffloadedAdamOptions o = Options(*daemon, "kept/adam", Tier::kNvme);
+  o.speculative = speculative;
+  o.device_budget_bytes = 64 << 20;  // all of it
+  auto kept = Create(o);
+  OffloadedAdamOptions half = o;
+  half.name = "half/adam";
+  half.device_budget_bytes = (speculative ? 2 : 1) * 150000 * 12;  // about layer0's (stepped last)
+  auto some = Create(half);
+  auto host = Create(Options(*daemon, "host/adam", Tier::kNvme));
+  ASSERT_NE(kept, nullptr);
+  ASSERT_NE(some, nullptr);
+  ASSERT_NE(host, nullptr);
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    ASSERT_TRUE(kept->SetGroupPlace(g, StepPlace::kDevice).ok());
+    ASSERT_TRUE(some->SetGroupPlace(g, StepPlace::kDevice).ok());
+  }
+  for (int step = 1; step <= 4; ++step) {
+    if (speculative && step == 4) {  // begun, partly stepped on the device, and abandoned
+      ASSERT_TRUE(kept->BeginStep().ok());
+      const std::vector<uint16_t> grad = Gradient(kGroups[0], 9, 0);
+      ASSERT_TRUE(kept->StepGroup(0, grad.data(), ScalarType::kBFloat16).ok());
+      ASSERT_TRUE(kept->AbandonStep().ok());
+    }
+    std::vector<std::vector<uint16_t>> out_host, out_kept, out_some;
+    auto a = Step(*host, step, out_host, true);
+    ASSERT_TRUE(a.ok()) << a.status();
+    for (OffloadedAdam* opt : {kept.get(), some.get()}) {
+      const uint64_t up = PathBytes(*opt, "host_to_device");
+      const uint64_t down = PathBytes(*opt, "device_to_host");
+      auto b = Step(*opt, step, opt == kept.get() ? out_kept : out_some, true);
+      ASSERT_TRUE(b.ok()) << b.status();
+      const uint64_t moved_up = PathBytes(*opt, "host_to_device") - up;
+      const uint64_t moved_down = PathBytes(*opt, "device_to_host") - down;
+      const std::string what =
+          absl::StrCat(opt == kept.get() ? "all kept" : "some kept", ", step ", step);
+      EXPECT_EQ(b->device_params, a->host_params) << what;
+      if (opt == kept.get()) {
+        EXPECT_EQ(b->device_kept_bytes, b->state_bytes) << what;
+      } else {
+        EXPECT_GT(b->device_kept_bytes, 0u) << what;
+        EXPECT_LT(b->device_kept_bytes, b->state_bytes) << what;
+      }
+      // What stays crossed the link in the first step, and again after it was read; the rest
+      // goes up and down each step (the version a speculative step overwrites is never brought
+      // up).
+      const bool read_before = step % 2 == 1;
+      EXPECT_EQ(moved_up, b->state_bytes - (read_before ? 0 : b->device_kept_bytes)) << what;
+      EXPECT_EQ(moved_down, b->state_bytes - b->device_kept_bytes) << what;
+    }
+    EXPECT_EQ(out_host, out_kept) << "step " << step;
+    EXPECT_EQ(out_host, out_some) << "step " << step;
+    if (step % 2 == 1) {
+      EXPECT_GT(DeviceUsed(*kept), 0u) << "step " << step;
+      continue;
+    }
+    // Read between steps, the state is the host's.
+    ASSERT_NO_FATAL_FAILURE(ExpectSameState(*host, *kept, absl::StrCat("step ", step)));
+    ASSERT_NO_FATAL_FAILURE(ExpectSameState(*host, *some, absl::StrCat("step ", step)));
+  }
+  std::vector<std::vector<uint16_t>> out_host, out_kept;
+  ASSERT_TRUE(Step(*host, 5, out_host).ok());
+  ASSERT_TRUE(Step(*kept, 5, out_kept).ok());
+  ASSERT_TRUE(Step(*some, 5, out_kept).ok());
+  EXPECT_GT(DeviceUsed(*kept), 0u);
+  // Back on the host, the groups' state goes home and the device tier is left empty.
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    ASSERT_TRUE(kept->SetGroupPlace(g, StepPlace::kHost).ok());
+    ASSERT_TRUE(some->SetGroupPlace(g, StepPlace::kHost).ok());
+  }
+  EXPECT_EQ(DeviceUsed(*kept), 0u);
+  ASSERT_TRUE(Step(*host, 6, out_host).ok());
+  ASSERT_TRUE(Step(*kept, 6, out_kept).ok());
+  EXPECT_EQ(out_host, out_kept);
+  ASSERT_NO_FATAL_FAILURE(ExpectSameState(*host, *kept, "on the host again"));
+}
+
+INSTANTIATE_TEST_SUITE_P(InPlaceAndSpeculative, KeptStateTest, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? std::string("Speculative") : std::string("InPlace");
+                         });
+
+TEST(DeviceLane, KeptStateOutgrowingTheDeviceTierIsWrittenHomeForRoom) {
+  // A 2 MiB device tier under a budget for all 4 MiB of state: the daemon writes
+  // kept shards home to make room for the next, and every step still ends as the host's.
+  auto daemon = StartDaemon({"--device_capacity=2MiB", "--device_segment_size=2MiB"});
+  ASSERT_NE(daemon, nullptr);
+  OffloadedAdamOptions o = Options(*daemon, "over/adam", Tier::kNvme);
+  o.device_budget_bytes = 64 << 20;
+  auto kept = Create(o);
+  auto host = Create(Options(*daemon, "host/adam", Tier::kNvme));
+  ASSERT_NE(kept, nullptr);
+  ASSERT_NE(host, nullptr);
+  for (size_t g = 0; g < kGroups.size(); ++g) {
+    ASSERT_TRUE(kept->SetGroupPlace(g, StepPlace::kDevice).ok());
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<std::vector<uint16_t>> out_host, out_kept;
+    ASSERT_TRUE(Step(*host, step, out_host).ok());
+    auto b = Step(*kept, step, out_kept);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(out_host, out_kept) << "step " << step;
+    ASSERT_NO_FATAL_FAILURE(ExpectSameState(*host, *kept, absl::StrCat("step ", step)));
+  }
+}
+
+TEST(DeviceLane, KeptStateIsFreedWithItsOptimizerAndRefusedForPersistentState) {
+  auto daemon = StartDaemon();
+  ASSERT_NE(daemon, nullptr);
+  OffloadedAdamOptions o = Options(*daemon, "gone/adam", Tier::kHost);
+  o.device_budget_bytes = 64 << 20;
+  auto kept = Create(o);
+  auto other = Create(Options(*daemon, "other/adam", Tier::kHost));
+  ASSERT_NE(kept, nullptr);
+  ASSERT_NE(other, nullptr);
+  ASSERT_TRUE(kept->SetGroupPlace(0, StepPlace::kDevice).ok());
+  std::vector<std::vector<uint16_t>> out;
+  ASSERT_TRUE(Step(*kept, 1, out).ok());
+  EXPECT_GT(DeviceUsed(*other), 0u);
+  kept.reset();  // its session ends: the scratch state, wherever it is, is freed
+  EXPECT_EQ(DeviceUsed(*other), 0u);
+
+  OffloadedAdamOptions persistent = Options(*daemon, "durable/adam", Tier::kNvme);
+  persistent.persistent = true;
+  persistent.device_budget_bytes = 1 << 20;
+  auto refused = OffloadedAdam::Create(kGroups, persistent);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("persistent"), std::string::npos);
+}
 
 TEST(DeviceLane, AGroupKeepsItsPlaceWhenOthersAreRemovedOrAdded) {
   auto daemon = StartDaemon();

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu_adam.h"
 #include "kernels/gpu_adam.h"
@@ -201,9 +203,21 @@ TEST_F(GpuTest, KernelsEnqueuedAfterAStreamWaitSeeThePrefetchedData) {
 // step and is stepped there by GPU Adam, its gradients in device memory or pinned host memory
 // (read in place over the link), ends within the kernels' documented difference of the same group
 // stepped on the host.
+// Bytes the daemon has moved over path `name` ("host_to_device", ...).
+uint64_t PathBytes(OffloadedAdam& opt, const char* name) {
+  auto info = opt.client().GetNodeInfo();
+  EXPECT_TRUE(info.ok()) << info.status();
+  const PathStatus* p = info.ok() ? info->path(name) : nullptr;
+  return p == nullptr ? 0 : p->bytes;
+}
+
 TEST_F(GpuTest, OptimizerGroupsSteppedOnTheGpuMatchTheHostLane) {
-  for (bool pinned : {false, true}) {
-    SCOPED_TRACE(pinned ? "gradients in pinned host memory" : "gradients in device memory");
+  // Gradients in device memory, in pinned host memory, and in device memory with the state kept
+  // on the GPU between steps (device_budget_bytes: after the first step none crosses the link).
+  for (auto [pinned, kept] : {std::pair{false, false}, {true, false}, {false, true}}) {
+    SCOPED_TRACE(
+        absl::StrCat(pinned ? "gradients in pinned host memory" : "gradients in device memory",
+                     kept ? ", state kept on the GPU" : ""));
     constexpr uint64_t kParams = 3 * 1000003;
     const std::vector<ParamGroup> groups = {{"g", kParams, {}}};
     auto options = [&](const char* name) {
@@ -216,7 +230,9 @@ TEST_F(GpuTest, OptimizerGroupsSteppedOnTheGpuMatchTheHostLane) {
       return o;
     };
     auto host = OffloadedAdam::Create(groups, options("host/adam"));
-    auto gpu = OffloadedAdam::Create(groups, options("gpu/adam"));
+    OffloadedAdamOptions on_gpu_options = options("gpu/adam");
+    if (kept) on_gpu_options.device_budget_bytes = 256 << 20;
+    auto gpu = OffloadedAdam::Create(groups, on_gpu_options);
     ASSERT_TRUE(host.ok()) << host.status();
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     std::mt19937 rng(5);
@@ -242,6 +258,7 @@ TEST_F(GpuTest, OptimizerGroupsSteppedOnTheGpuMatchTheHostLane) {
       for (uint16_t& x : g) x = kernels::ToBF16(normal(rng));
       ASSERT_EQ(cudaMemcpy(grad, g.data(), kParams * 2, cudaMemcpyDefault), cudaSuccess);
       for (OffloadedAdam* opt : {host->get(), gpu->get()}) {
+        const uint64_t up = PathBytes(*opt, "host_to_device");
         ASSERT_TRUE(opt->BeginStep(4.0f).ok());
         const bool on_gpu = opt == gpu->get();
         absl::Status s = opt->StepGroup(0, on_gpu ? grad : g.data(), ScalarType::kBFloat16,
@@ -250,6 +267,10 @@ TEST_F(GpuTest, OptimizerGroupsSteppedOnTheGpuMatchTheHostLane) {
         auto stats = opt->FinishStep();
         ASSERT_TRUE(stats.ok()) << stats.status();
         EXPECT_EQ(stats->device_params, on_gpu ? kParams : 0u);
+        if (!on_gpu) continue;
+        EXPECT_EQ(stats->device_kept_bytes, kept ? stats->state_bytes : 0u);
+        const uint64_t moved = PathBytes(*opt, "host_to_device") - up;
+        EXPECT_EQ(moved, kept && step > 1 ? 0u : stats->state_bytes) << "step " << step;
       }
     }
     ASSERT_EQ(cudaMemcpy(out_gpu.data(), out, kParams * 2, cudaMemcpyDefault), cudaSuccess);

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 12
+#define TIERD_C_ABI_VERSION 13
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -28,7 +28,9 @@ extern "C" {
  * 10: groups stepped on the device (tierd_adam_set_group_place, _group_place, _lanes_get);
  *     tierd_allocate_transient
  * 11: tierd_adam_group.master (a group whose master weights are its out)
- * 12: tierd_import (the daemon reads byte ranges of a file into a chunk) */
+ * 12: tierd_import (the daemon reads byte ranges of a file into a chunk)
+ * 13: tierd_adam_options.device_budget_bytes, tierd_adam_lanes.device_kept_bytes (state kept in
+ *     the device tier between steps) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -331,6 +333,8 @@ typedef struct tierd_adam_options {
   int32_t open_mode;   /* persistent state: TIERD_ADAM_CREATE_OR_OPEN, _CREATE or _OPEN */
   int32_t state_dtype; /* m and v: TIERD_FLOAT32, or TIERD_BFLOAT16 (rounded stochastically) */
   int32_t speculative; /* two versions of the state: a step can be abandoned */
+  /* scratch state the device lane keeps in the device tier between steps (0: none) */
+  uint64_t device_budget_bytes;
 } tierd_adam_options;
 #define TIERD_ADAM_CREATE_OR_OPEN 0
 #define TIERD_ADAM_CREATE 1 /* ALREADY_EXISTS when state of this name exists */
@@ -440,13 +444,15 @@ tierd_status tierd_adam_set_group_place(tierd_adam* adam, size_t group, int plac
 int tierd_adam_group_place(const tierd_adam* adam, size_t group);
 /* The last finished step's two lanes: parameters each stepped and the time each was busy with
  * them; share: the device share that would balance them, from the rates of the last steps (-1
- * until both lanes have stepped). */
+ * until both lanes have stepped); device_kept_bytes: the device lane's state the step left in
+ * the device tier (tierd_adam_options.device_budget_bytes). */
 typedef struct tierd_adam_lanes {
   uint64_t host_params;
   uint64_t host_ns;
   uint64_t device_params;
   uint64_t device_ns;
   double share;
+  uint64_t device_kept_bytes;
 } tierd_adam_lanes;
 tierd_status tierd_adam_lanes_get(const tierd_adam* adam, tierd_adam_lanes* out);
 /* Speculative optimizers: discards the step begun, leaving the state as it was at begin_step. */

@@ -128,6 +128,13 @@ struct OffloadedAdamOptions {
   // is left as it was and reported in the step's stats (the caller lowers its loss scale).
   bool check_finite = true;
   AdamHyperparameters hyper;
+  // Device-tier bytes of state that the device lane (SetGroupPlace) keeps there from one step to
+  // the next instead of sending it home after each step and bringing it up again: the shards it
+  // steps last, as far as their bytes fit (both versions when speculative). Between steps the
+  // daemon keeps them as it keeps any chunk, and writes one home only when the device tier needs
+  // the room; reading the state (GetState, GetParams) or placing the group on the host brings it
+  // down. Scratch state only: what FinishStep acknowledges of persistent state is at home.
+  uint64_t device_budget_bytes = 0;
 };
 
 struct OptimizerStepStats {
@@ -144,6 +151,9 @@ struct OptimizerStepStats {
   absl::Duration host_busy;
   uint64_t device_params = 0;
   absl::Duration device_busy;
+  // The state the device lane's step left in the device tier (device_budget_bytes; when
+  // speculative, its other version stays there too).
+  uint64_t device_kept_bytes = 0;
 };
 
 // Where a group is stepped (OffloadedAdam::SetGroupPlace).
@@ -151,10 +161,10 @@ enum class StepPlace : int {
   // By the CPU kernels, its state streamed through the host budget (or kept in the host tier).
   kHost = 0,
   // By the device's kernels: each step brings the group's state up into the daemon's device tier
-  // (through the host), steps it there and sends it home again. Its gradients and `out` are
-  // memory the device reaches: device memory, or pinned host memory the kernels read and write in
-  // place over the link (any host memory on an emulated device); the weights it takes are host
-  // memory.
+  // (through the host), steps it there and sends it home again (or keeps it there, within
+  // device_budget_bytes). Its gradients and `out` are memory the device reaches: device memory,
+  // or pinned host memory the kernels read and write in place over the link (any host memory on
+  // an emulated device); the weights it takes are host memory.
   kDevice = 1,
 };
 
