@@ -74,7 +74,7 @@ class AdamOptions(ctypes.Structure):
                 ("check_finite", ctypes.c_int32), ("host_budget_bytes", ctypes.c_uint64),
                 ("shard_params", ctypes.c_uint64), ("hyper", AdamHyper),
                 ("open_mode", ctypes.c_int32), ("state_dtype", ctypes.c_int32),
-                ("speculative", ctypes.c_int32)]
+                ("speculative", ctypes.c_int32), ("device_budget_bytes", ctypes.c_uint64)]
 
 
 ADAM_CREATE_OR_OPEN, ADAM_CREATE, ADAM_OPEN = 0, 1, 2
@@ -105,7 +105,7 @@ class AdamLanes(ctypes.Structure):
     """tierd_adam_lanes: the last step's host and device lanes."""
     _fields_ = [("host_params", ctypes.c_uint64), ("host_ns", ctypes.c_uint64),
                 ("device_params", ctypes.c_uint64), ("device_ns", ctypes.c_uint64),
-                ("share", ctypes.c_double)]
+                ("share", ctypes.c_double), ("device_kept_bytes", ctypes.c_uint64)]
 
 
 class DLDevice(ctypes.Structure):
@@ -155,7 +155,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 
 def load_library():

@@ -70,7 +70,7 @@ def client(lib, daemon):
 
 
 def test_abi_version(lib):
-    assert lib.tierd_abi_version() == 12
+    assert lib.tierd_abi_version() == 13
 
 
 def test_write_through_mapping_and_read_back(lib, client):

@@ -2,8 +2,8 @@
 emulated one, which runs the CPU kernels on its memory) beside the CPU lane. Against the same
 optimizer with every bucket on the CPU, trained on the same model, seed and data: the same losses
 and weights bit for bit, with state on NVMe and in the host tier, with gradients taken during
-backward, with speculative clipping that rolls back, and through a state_dict; the auto share; and
-the refusals."""
+backward, with speculative clipping that rolls back, and through a state_dict; the auto share; state
+kept on the device between steps; and the refusals."""
 import os
 import sys
 import tempfile
@@ -181,6 +181,53 @@ def test_the_share_set_between_steps_is_placed_at_once(daemon):  # noqa: F811
     assert_bit_equal(cpu, (losses, m))
     assert on_device[:3] == [0.0] * 3 and all(n > 0 for n in on_device[3:6])
     assert on_device[6:9] == [0.0] * 3 and all(n > 0 for n in on_device[9:])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_state_kept_on_the_device_crosses_the_link_once_and_trains_as_on_the_cpu(
+        daemon, clip):  # noqa: F811
+    # Every bucket on the device, all their state kept there between steps (both versions when
+    # clipping steps speculatively; at 0.05 some steps roll back and are stepped again).
+    kwargs = dict(home="nvme", overlap_backward=True, max_grad_norm=clip)
+    cpu = run(daemon, None, **kwargs)
+    up = {}
+    for budget in (0, 64 << 20):
+        with tierd.connect(daemon, "meter") as meter:
+            before = meter.path_bytes("host_to_device")
+            got = run(daemon, 1.0, device_budget_bytes=budget, **kwargs)
+            up[budget] = meter.path_bytes("host_to_device") - before
+        assert_bit_equal(cpu, got)
+        stats = got[2]
+        if budget:
+            assert all(s["device_kept_bytes"] == s["state_bytes"] > 0 for s in stats), stats
+        else:
+            assert all(s["device_kept_bytes"] == 0 for s in stats), stats
+    if clip is not None:
+        assert any(s["rolled_back"] for s in cpu[2]), "no step rolled back: clip lower"
+    # Kept: the state went up once, in the first step. Sent home after each step: every step.
+    state = stats[0]["state_bytes"]
+    assert up[64 << 20] == state, up
+    assert up[0] >= STEPS * state, up
+
+
+def test_device_budget_bytes_is_refused_clearly_where_it_cannot_be(daemon):  # noqa: F811
+    m = model()
+    for bad in (-1, 1.5, "1GiB", True):
+        with pytest.raises(ValueError, match="device_budget_bytes"):
+            tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=daemon, device_share=0.5,
+                                       device_budget_bytes=bad)
+    with pytest.raises(ValueError, match="persistent"):
+        tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=daemon, device_share=0.5,
+                                   name="kept", device_budget_bytes=1 << 20)
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+        proc = start_daemon(root, "--device=none", "--probe_bytes=0")
+        try:
+            with pytest.raises(RuntimeError, match="device tier") as refused:
+                tierd.torch.OffloadedAdamW(m.parameters(), socket_dir=root,
+                                           device_budget_bytes=1 << 20)
+            assert isinstance(refused.value, tierd.FailedPrecondition)
+        finally:
+            stop_daemon(proc, root)
 
 
 def test_device_share_is_refused_clearly_where_it_cannot_be(daemon):  # noqa: F811

@@ -27,6 +27,19 @@ def check(setting: Setting) -> None:
                               f"{setting!r}")
 
 
+def check_budget(device_budget_bytes: int, name) -> None:
+    """device_budget_bytes: the device lane's scratch state kept in the device tier between
+    steps (the library's OffloadedAdamOptions::device_budget_bytes)."""
+    if isinstance(device_budget_bytes, bool) or not isinstance(device_budget_bytes, int) or \
+            device_budget_bytes < 0:
+        raise InvalidArgument(f"device_budget_bytes must be an int >= 0, not "
+                              f"{device_budget_bytes!r}")
+    if device_budget_bytes > 0 and name is not None:
+        raise InvalidArgument("device_budget_bytes keeps scratch state on the device between "
+                              f"steps; state named {name!r} is persistent and goes home after "
+                              "every step")
+
+
 class DeviceLanes:
     def __init__(self, setting: Setting):
         check(setting)

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .._errors import InvalidArgument
+from .._errors import FailedPrecondition, InvalidArgument
 from .. import _abi, _adam
 from ..client import Tier, TierdError, connect
 from ._buckets import Bucket
@@ -64,7 +64,7 @@ class OptimizerState:
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
              socket_dir, home: Optional[str], host_budget_bytes: int, threads: int, resume,
              reset: bool, state_dtype: torch.dtype, speculative: bool, masters_in_out: bool,
-             defaults: Dict[str, Any]) -> "OptimizerState":
+             defaults: Dict[str, Any], device_budget_bytes: int = 0) -> "OptimizerState":
         """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
         the state (twice that when speculative) outgrows host_budget_bytes and the daemon has
         NVMe, else host. A persistent name is the job's, `rank_suffix` added per rank; scratch
@@ -74,6 +74,9 @@ class OptimizerState:
         with connect(socket_dir, "optimizer-probe") as c:
             has_nvme = c.tier_usage(Tier.NVME).configured
             device_tier = c.tier_usage(Tier.DEVICE).configured
+        if device_budget_bytes > 0 and not device_tier:
+            raise FailedPrecondition("device_budget_bytes needs the daemon's device tier, and "
+                                     "this daemon serves none")
         OptimizerState.masters(owned, masters_in_out, device_tier)
         moments = 4 if state_dtype == torch.bfloat16 else 8
         state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
@@ -101,6 +104,7 @@ class OptimizerState:
         options.host_budget_bytes = host_budget_bytes
         options.state_dtype = STEPPED_DTYPES[state_dtype]
         options.speculative = 1 if speculative else 0
+        options.device_budget_bytes = device_budget_bytes
         options.hyper = hyper(defaults)
         try:
             adam = _adam.Adam(owned, options)
@@ -333,7 +337,8 @@ class OptimizerState:
                             "host_params": float(lanes.host_params),
                             "host_busy_s": lanes.host_ns / 1e9,
                             "device_params": float(lanes.device_params),
-                            "device_busy_s": lanes.device_ns / 1e9})
+                            "device_busy_s": lanes.device_ns / 1e9,
+                            "device_kept_bytes": float(lanes.device_kept_bytes)})
         return figures
 
     def give_up(self, speculative: bool) -> None:

@@ -102,6 +102,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         lanes from their measured rates. The same results as the CPU's (bit for bit on an
         emulated device; see docs/optimizer/pytorch.md). Needs the daemon's device tier and
         fp32 moments.
+    device_budget_bytes: device-tier bytes of the device share's state kept there from one step
+        to the next rather than sent home and brought up again each step (the buckets stepped
+        last, as far as they fit; twice their state when clipping or skipping steps
+        speculatively). Reading the state (state_dict) brings it home. Scratch state only.
     process_group: data-parallel ranks to shard the state over, ZeRO-1 style: each rank keeps
         and steps its share of the buckets, gradients are averaged over the ranks (as DDP does;
         the model need not be wrapped in DDP) and the new weights are broadcast. None: torch's
@@ -127,8 +131,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  skip_nonfinite: bool = False, overlap_backward: bool = False,
                  accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
                  socket_dir: Optional[str] = None, threads: int = 0, process_group=None,
-                 device_share: _lanes.Setting = None):
+                 device_share: _lanes.Setting = None, device_budget_bytes: int = 0):
         _lanes.check(device_share)
+        _lanes.check_budget(device_budget_bytes, name)
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
                          differentiable, max_grad_norm, accumulation_steps, bucket_params, home,
                          state_dtype, name, resume, reset)
@@ -150,7 +155,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
             self._layout.owned, self._comm, name=name, scratch_id=id(self), socket_dir=socket_dir,
             home=home, host_budget_bytes=host_budget_bytes, threads=threads, resume=resume,
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
-            masters_in_out=self._comm is None and device_share is None, defaults=self.defaults)
+            masters_in_out=self._comm is None and device_share is None, defaults=self.defaults,
+            device_budget_bytes=device_budget_bytes)
         self._state.lanes = _lanes.DeviceLanes(device_share)
         self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
