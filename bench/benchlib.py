@@ -40,12 +40,14 @@ def arguments(doc: str, steps: int, **defaults) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme: str = "1GiB",
-           emulated: str = ""):
+           emulated: str = "", device_capacity: str = ""):
     """Yields the socket directory once the daemon listens. With a CUDA `device` the daemon has
-    its GPU tier, and clients can register its host memory with CUDA for DMA; on the CPU,
-    `emulated` (a capacity) gives it an emulated device tier."""
+    its GPU tier (of `device_capacity`, or the daemon's default), and clients can register its
+    host memory with CUDA for DMA; on the CPU, `emulated` (a capacity) gives it an emulated
+    device tier."""
     backend = "cuda" if str(device).startswith("cuda") else "emulated" if emulated else "none"
-    extra = [f"--device_capacity={emulated}"] if backend == "emulated" else []
+    capacity = emulated if backend == "emulated" else device_capacity if backend == "cuda" else ""
+    extra = [f"--device_capacity={capacity}"] if capacity else []
     root = tempfile.mkdtemp(prefix="tierd-bench-")
     log = open(os.path.join(root, "daemon.log"), "w")
     proc = subprocess.Popen(

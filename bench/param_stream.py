@@ -21,6 +21,7 @@ larger than; a few steps, with the process's and the daemon's peak memory.
     bench/param_stream.py [--build build] [--steps 12] [--layers 12 --d-model 192 ...]
                           [--variants memory,stream-host] [--host-capacity 1GiB]
     bench/param_stream.py --scale [--layers 32 --d-model 1280 --steps 3]
+                          [--device-share auto --device-budget BYTES --device-capacity 56GiB]
 """
 import json
 import os
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
+from tierd._sizes import size_text  # noqa: E402
 
 VARIANTS = ("memory", "stream-host", "stream-nvme")
 
@@ -71,8 +73,18 @@ def setup(args, root, variant, device):
         model.parameters(), lr=args.lr, weight_decay=0.1, home=args.state_home,
         host_budget_bytes=args.state_host_budget, overlap_backward=True,
         bucket_params=max(params // 16, 1 << 16), socket_dir=root, name=None,
-        device_share=args.device_share)
+        device_share=args.device_share, device_budget_bytes=args.device_budget)
     return model, opt, stream
+
+
+def node(args):
+    """The daemon a run trains with: on the CPU an emulated device tier where the optimizer has
+    a device share (its capacity --device-capacity, 1 GiB unless given); on a GPU its device tier
+    of --device-capacity (the daemon's default unless given)."""
+    emulated = (args.device_capacity or "1GiB") if args.device_share is not None else ""
+    return benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
+                           emulated=emulated, device_capacity=args.device_capacity,
+                           nvme=args.nvme_region)
 
 
 def probe(root: str, device) -> dict:
@@ -117,9 +129,7 @@ def compare(args):
     class Shape:
         seed, ctx, batch = 1, args.ctx, args.batch
 
-    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
-                         emulated="1GiB" if args.device_share is not None else "",
-                         nvme=args.nvme_region) as root:
+    with node(args) as root:
         bw = probe(root, device)
         runs = {}
         for v in args.variants:
@@ -196,7 +206,9 @@ def compare(args):
                          f"{lanes[-1]['device_share']:.2f}, host busy "
                          f"{statistics.median(x['host_busy_s'] for x in lanes) * 1e3:.1f} ms, "
                          f"device busy "
-                         f"{statistics.median(x['device_busy_s'] for x in lanes) * 1e3:.1f} ms")
+                         f"{statistics.median(x['device_busy_s'] for x in lanes) * 1e3:.1f} ms, "
+                         f"state kept on the device "
+                         f"{size_text(lanes[-1]['device_kept_bytes'])}")
             print(line)
         for r in runs.values():
             r["opt"].close()
@@ -223,9 +235,7 @@ def memory_of(args, variant):
     class Shape:
         seed, ctx, batch = 1, args.ctx, args.batch
 
-    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
-                         emulated="1GiB" if args.device_share is not None else "",
-                         nvme=args.nvme_region) as root:
+    with node(args) as root:
         model, opt, stream = setup(args, root, variant, device)
         reset_peak()
         for step in range(3):
@@ -253,9 +263,7 @@ def scale(args):
     class Shape:
         seed, ctx, batch = 1, args.ctx, args.batch
 
-    with benchlib.daemon(args.build, host_capacity=args.host_capacity, device=args.device,
-                         emulated="1GiB" if args.device_share is not None else "",
-                         nvme=args.nvme_region) as root:
+    with node(args) as root:
         t0 = time.perf_counter()
         model, opt, stream = setup(args, root, "stream-nvme", device)
         setup_s = time.perf_counter() - t0
@@ -296,7 +304,8 @@ def scale(args):
                   f"{st['device_peak_bytes'] / 2**20:.0f} MiB; compute waited "
                   f"{st['wait_s']:.1f} s in all"
                   + (f"; optimizer lanes: device share {lanes['device_share']:.2f}, host busy "
-                     f"{lanes['host_busy_s']:.2f} s, device busy {lanes['device_busy_s']:.2f} s"
+                     f"{lanes['host_busy_s']:.2f} s, device busy {lanes['device_busy_s']:.2f} s, "
+                     f"state kept on the device {size_text(lanes['device_kept_bytes'])}"
                      if "device_params" in lanes else ""), flush=True)
         with tierd.connect(root, "probe") as c:
             host = c.tier_usage(tierd.Tier.HOST)
@@ -342,6 +351,12 @@ def main():
                        type=lambda s: s if s == "auto" else float(s),
                        help="OffloadedAdamW's device_share: the share of the parameters stepped "
                             "on the device (a number in [0, 1] or auto); default: all on the CPU")
+    extra.add_argument("--device-budget", type=int, default=0,
+                       help="OffloadedAdamW's device_budget_bytes: the device share's state kept "
+                            "in the device tier between steps")
+    extra.add_argument("--device-capacity", default="",
+                       help="the daemon's device tier (default: the daemon's on a GPU, 1GiB "
+                            "emulated)")
     extra.add_argument("--variants", default=",".join(VARIANTS),
                        help="which of memory, stream-host, stream-nvme to run; memory first")
     known, rest = extra.parse_known_args()

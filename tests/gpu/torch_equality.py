@@ -11,7 +11,8 @@ cut short keeps the cases it finished):
 - bf16-moments: OffloadedAdamW with bf16 moments, streamed against in memory, within their
   rounding (stochastic, its random bits drawn by bucket and tensor: the stream's buckets are
   its units', so the two round differently);
-- device-lane: half of the optimizer stepped on the device (device_share=0.5) against all on the
+- device-lane: half of the optimizer stepped on the device (device_share=0.5), its state sent home
+  each step and kept in the device tier between steps (device_budget_bytes), against all on the
   host, streamed both: bit for bit on the emulated device, within GPU Adam's rounding on a GPU.
 
 Streamed and in-memory runs use OffloadedAdamW both, so what is compared is the stream. On cuda
@@ -176,23 +177,34 @@ class Equality:
 
     def device_lane(self):
         torch = self.torch
-        runs = {}
-        for share in (None, 0.5):
+        runs, kept = {}, 0.0
+        # All on the host; half on the device, its state sent home each step; the same with its
+        # state kept in the device tier between steps.
+        for label, knobs in (("host", {}), ("split", dict(device_share=0.5)),
+                             ("kept", dict(device_share=0.5, device_budget_bytes=1 << 40))):
             model, stream = self.streamed()
             try:
-                runs[share] = self.train(model, device_share=share), self.weights(model, stream)
+                runs[label] = self.train(model, **knobs), self.weights(model, stream)
             finally:
                 stream.close(keep_weights=False)
-        on_device = self.last_stats.get("device_params", 0.0)  # the split run's last step
-        (host, host_weights), (split, split_weights) = runs[None], runs[0.5]
-        if self.device.type == "cpu":  # the emulated lane runs the host kernel: bit for bit
-            holds = split == host and _same(split_weights, host_weights)
-        else:  # GPU Adam fuses multiply-adds the CPU kernel may round twice
-            holds = all(torch.allclose(split_weights[k].float(), v.float(), rtol=1e-4, atol=1e-5)
-                        for k, v in host_weights.items()) and \
-                torch.allclose(torch.tensor(split), torch.tensor(host), rtol=1e-5)
-        return holds and on_device > 0, dict(losses=split, host_losses=host,
-                                             device_params=on_device)
+            if label == "split":
+                on_device = self.last_stats.get("device_params", 0.0)
+            if label == "kept":
+                kept = self.last_stats.get("device_kept_bytes", 0.0)
+        host, host_weights = runs["host"]
+
+        def same(losses, weights) -> bool:
+            if self.device.type == "cpu":  # the emulated lane runs the host kernel: bit for bit
+                return losses == host and _same(weights, host_weights)
+            # GPU Adam fuses multiply-adds the CPU kernel may round twice
+            return all(torch.allclose(weights[k].float(), v.float(), rtol=1e-4, atol=1e-5)
+                       for k, v in host_weights.items()) and \
+                torch.allclose(torch.tensor(losses), torch.tensor(host), rtol=1e-5)
+
+        holds = same(*runs["split"]) and same(*runs["kept"])
+        return holds and on_device > 0 and kept > 0, dict(
+            losses=runs["split"][0], kept_losses=runs["kept"][0], host_losses=host,
+            device_params=on_device, device_kept_bytes=kept)
 
 
 def _same(a, b) -> bool:
