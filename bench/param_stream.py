@@ -274,7 +274,8 @@ def scale(args):
         state = 12 * params
         print(f"param_stream --scale: {params / 1e9:.3f} B parameters: {weights / 2**30:.2f} GiB "
               f"of {args.dtype} weights ({stream.stats['units_on_nvme']} of {args.layers} blocks "
-              f"at home on NVMe), {state / 2**30:.2f} GiB of optimizer state on NVMe; device "
+              f"at home on NVMe), {state / 2**30:.2f} GiB of optimizer state at home on "
+              f"{'NVMe' if args.state_home == 'nvme' else 'the host'}; device "
               f"budget {stream.device_budget_bytes / 2**20:.0f} MiB "
               f"({weights / stream.device_budget_bytes:.0f}x smaller than the weights), "
               f"weights' host budget {args.weights_host_budget / 2**20:.0f} MiB and the "
