@@ -111,9 +111,9 @@ void SegmentPool::RemoveRemapObserver(int id) {
 
 absl::StatusOr<Placement> SegmentPool::Reserve(uint32_t tenant, uint64_t size) {
   if (size == 0 || size > segment_size_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host tier cannot hold a chunk of ", size, " bytes: chunks must be 1 byte to ",
-                     FormatSize(segment_size_), " (host.segment_size)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        TierName(kind_), " tier cannot hold a chunk of ", size, " bytes: chunks must be 1 byte to ",
+        FormatSize(segment_size_), " (", config_, ".segment_size)"));
   }
   absl::MutexLock lock(&mu_);
   // Prefer the fullest of the tenant's segments that fits, to keep whole segments free for other

@@ -161,8 +161,18 @@ TEST(SegmentPoolTest, FullPoolSaysHowFullAndWhatToDo) {
 
 TEST(SegmentPoolTest, ChunkLargerThanASegmentIsInvalid) {
   auto pool = MakePool(2);
-  EXPECT_TRUE(absl::IsInvalidArgument(pool->Reserve(1000, kSeg + 1).status()));
+  absl::Status s = pool->Reserve(1000, kSeg + 1).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("host tier cannot hold"), std::string::npos) << s;
   EXPECT_TRUE(absl::IsInvalidArgument(pool->Reserve(1000, 0).status()));
+  // A device pool names its own tier and setting, not the host's.
+  int live = 0, most = 0;
+  auto device = SegmentPool::Create(TierKind::kDevice, "device", 2 * kSeg, kSeg,
+                                    std::make_unique<CountingBacking>(&live, &most));
+  ASSERT_TRUE(device.ok()) << device.status();
+  s = (*device)->Reserve(1000, kSeg + 1).status();
+  EXPECT_NE(s.message().find("device tier cannot hold"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("(device.segment_size)"), std::string::npos) << s;
 }
 
 TEST(SegmentPoolTest, UsageTracksReservations) {
