@@ -172,6 +172,11 @@ class Acquisition:
         self._host = host
         self._released = False
 
+    @property
+    def host(self) -> bool:
+        """Whether the chunks are held in the host tier (else in the device tier)."""
+        return self._host
+
     def memoryview(self, i: int) -> memoryview:
         """Chunk i's bytes, without a copy (host memory only). Waits for them first."""
         if not self._host:

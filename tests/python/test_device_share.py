@@ -268,6 +268,87 @@ def test_streamed_units_step_on_the_device_as_on_the_cpu(daemon, case):  # noqa:
     assert_equal(got, want)
 
 
+@pytest.mark.parametrize("case", ["host", "nvme", "accumulation", "clipping rolls back"])
+def test_streamed_gradients_stay_in_the_device_tier_for_the_device_lane(daemon,  # noqa: F811
+                                                                        case):
+    # Every streamed bucket on the device: each range holds its gradients in the daemon's device
+    # tier, so none is counted off the device; the training is the CPU's, bit for bit (with
+    # gradients summed over two backward passes, and kept for a step taken again).
+    from test_streaming import CASES, assert_equal
+    from test_streaming import train as train_streamed
+    kwargs = dict(CASES[case])
+    want = train_streamed(daemon, True, **kwargs)
+    got = train_streamed(daemon, True, device_share=1.0, **kwargs)
+    assert_equal(got, want)
+    assert want[3]["stats"]["d2h_bytes"] > 0
+    assert got[3]["stats"]["d2h_bytes"] == 0
+    if case == "clipping rolls back":
+        assert got[3]["rolled_back"] > 0
+
+
+def test_gradients_without_room_in_the_device_tier_are_held_in_the_host():
+    # A 2 MiB device tier and blocks whose gradients take 3 MiB each: they are held in the host
+    # (counted off the device) and the training is the CPU's, bit for bit.
+    import test_streaming as ts
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+        proc = start_daemon(root, "--device=emulated", "--device_capacity=2MiB",
+                            "--device_segment_size=2MiB")
+        try:
+            runs = {}
+            for share in (None, 1.0):
+                torch.manual_seed(0)
+                model = ts.Variants(2, 256, 4, ts.CTX)
+                assert sum(p.numel() for p in model.blocks[0].parameters()) * 4 > 2 << 20
+                runs[share] = ts.train(root, True, steps=3, model=model, device_share=share)
+            ts.assert_equal(runs[1.0], runs[None])
+            assert runs[1.0][3]["stats"]["d2h_bytes"] == runs[None][3]["stats"]["d2h_bytes"] > 0
+        finally:
+            stop_daemon(proc, root)
+
+
+def test_gradients_held_on_the_device_follow_their_bucket_to_the_host(daemon):  # noqa: F811
+    # Two backward passes a step; between them every bucket leaves the device (and, a step
+    # later, comes back). Gradients the first pass left in the device tier are held again in the
+    # host for the CPU's kernels: the second pass brings them down (the emulated device's
+    # kernels could read them where they are; a GPU's host lane could not). The training is the
+    # CPU's, bit for bit.
+    import test_streaming as ts
+    results, down = {}, []
+    for moved in (False, True):
+        model = ts.make()
+        stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
+                                               device_budget_bytes=ts.budget(model),
+                                               socket_dir=daemon)
+        opt = tierd.torch.OffloadedAdamW(
+            model.parameters(), **ts.HYPER, socket_dir=daemon, overlap_backward=True, threads=2,
+            accumulation_steps=2, host_budget_bytes=1 << 20, home="host",
+            device_share=1.0 if moved else None)
+        losses = []
+        try:
+            with tierd.connect(daemon, "meter") as meter:
+                for step in range(4):
+                    for k in range(2):
+                        before = meter.path_bytes("device_to_host")
+                        x, y = ts.batch(step * 2 + k)
+                        loss = model(x, y)
+                        losses.append(loss.item())
+                        loss.backward()
+                        if moved and (step, k) == (1, 1):  # on the host since the first pass
+                            down.append(meter.path_bytes("device_to_host") - before)
+                        if moved and k == 0 and step in (1, 2):
+                            opt.device_share = None if step == 1 else 1.0
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            results[moved] = losses, ts.weights_of(model, stream)
+        finally:
+            opt.close()
+            stream.close()
+    assert len(down) == 1 and down[0] > 0, down
+    assert results[True][0] == results[False][0]
+    for k, v in results[False][1].items():
+        assert torch.equal(results[True][1][k], v), k
+
+
 def test_two_ranks_step_their_shares_on_the_device_as_on_the_cpu(daemon, tmp_path):  # noqa: F811
     # Sharded over two ranks (ZeRO-1): each rank places its own buckets; with all of them on the
     # device the training is the CPU's, bit for bit, on both ranks.

@@ -117,9 +117,11 @@ def budget(model, prefetch=1):
 
 
 def train(daemon, streamed, steps=6, kind="gpt", micro=1, scale=None, inf_step=None,  # noqa: F811
-          activations=False, stream_kwargs=None, model_kwargs=None, check=None, **opt_kwargs):
-    """Losses, final weights and the optimizer's state_dict of a short run."""
-    model = make(kind, **(model_kwargs or {}))
+          activations=False, stream_kwargs=None, model_kwargs=None, check=None, model=None,
+          **opt_kwargs):
+    """Losses, final weights and the optimizer's state_dict of a short run (of `model`, else the
+    test's of `kind`)."""
+    model = model if model is not None else make(kind, **(model_kwargs or {}))
     stream = None
     if streamed:
         options = dict(device=torch.device("cpu"), device_budget_bytes=budget(model),

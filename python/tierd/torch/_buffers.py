@@ -9,6 +9,10 @@ then the extras) with `out` its values. Two kinds of buffers give them, with the
 - RangeBuffers: a streamed range's gradient chunk and next version (_ranges.StreamRange), held
   while a step uses them; the views are None while not held.
 
+`grads_on_device` (DeviceLanes.place's, between steps): the bucket is stepped by the optimizer's
+device lane, so a range holds its gradients in the daemon's device tier (where the kernels read
+them without crossing the link); this process's buffers stay where they are.
+
 hold_grads() and hold_next() make the views writable (a range's chunks held); hold_kept_grads()
 holds again only gradients put aside and kept; put_aside() lets the step's holds go with their
 contents kept; end_step() lets whatever is held go, at a step's end; gradient_taken() follows
@@ -25,6 +29,7 @@ __all__ = ["Buffers", "HostBuffers", "RangeBuffers"]
 
 class HostBuffers:
     pages = False  # nothing to give back early: the buffers are this process's
+    grads_on_device = False  # not followed: the buffers are made once
 
     def __init__(self, numel: int, k: int, dtype: torch.dtype, pin: bool):
         self.grad_ext = torch.zeros(numel + k, dtype=dtype, pin_memory=pin)
@@ -61,18 +66,27 @@ class RangeBuffers:
     def __init__(self, rng: StreamRange):
         self._range = rng
         self._numel = sum(p.numel() for p in rng.info.params)
+        self.grads_on_device = False
         self.pages = rng.info.pages
         self.grad_ext = self.grad = None
         self.out_ext = self.out = None
 
     def hold_grads(self) -> None:
+        self._placed_elsewhere()
         if self.grad is None:
-            self._grads(self._range.grads())
+            self._grads(self._range.grads(on_device=self.grads_on_device))
 
     def hold_kept_grads(self) -> Optional[torch.Tensor]:
+        self._placed_elsewhere()
         if self.grad is None:
-            self._grads(self._range.grads(kept_only=True))
+            self._grads(self._range.grads(kept_only=True, on_device=self.grads_on_device))
         return self.grad
+
+    def _placed_elsewhere(self) -> None:
+        """Gradients held in the device tier for a bucket placed on the host lane since: their
+        views go, and the range holds them again in the host."""
+        if self.grad is not None and not self.grads_on_device and self._range.grads_on_device:
+            self.grad_ext = self.grad = None
 
     def _grads(self, ext: Optional[torch.Tensor]) -> None:
         self.grad_ext = ext

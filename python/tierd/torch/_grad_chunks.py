@@ -38,18 +38,35 @@ class GradChunks:
                 raise
             r.grad_chunk = self.client.allocate(size, Tier.NVME, transient=True)
 
-    def hold(self, u, r, keep: bool = False):
-        """(a view of range r's gradients in host memory, its acquisition to release when
-        done). keep: what the chunk holds is wanted (gradients held again), else overwritten.
-        With the ranks' gradient chunks, its range of this rank's (held for writing: the other
-        ranges of the chunk keep what they hold)."""
+    def hold(self, u, r, keep: bool = False, tier: Tier = Tier.HOST):
+        """(a view of range r's gradients, its acquisition to release when done, whose `host`
+        says where it is held). keep: what the chunk holds is wanted (gradients held again),
+        else overwritten. `tier`: the host, or the device for a range stepped by the optimizer's
+        device lane (its gradients then never cross the link: copied there on the device, read
+        there by the kernels); the host where the device tier cannot hold it now. With the
+        ranks' gradient chunks, its range of this rank's (held for writing, in the host: the
+        other ranges of the chunk keep what they hold)."""
         if u.grad_slabs is not None:
             held = self.client.acquire([u.grad_slabs[u.slab]], Tier.HOST, Access.WRITE)
             view = as_tensor(held, 0, torch.uint8, [u.chunk_bytes])
             return range_view(view, r), held
         self.make(u, r)
-        held = self.client.acquire(r.grad_chunk, Tier.HOST, Access.WRITE if keep
-                                   else Access.OVERWRITE)
+        access = Access.WRITE if keep else Access.OVERWRITE
+        held = None
+        if tier == Tier.DEVICE:
+            try:
+                held = self.client.acquire(r.grad_chunk, Tier.DEVICE, access)
+                held.ready.wait()
+            except TierdError as e:
+                # No room now, or a chunk larger than the device tier's segments: the host's
+                # acquire below says what is wrong where it cannot hold it either.
+                if e.code not in (Status.RESOURCE_EXHAUSTED, Status.INVALID_ARGUMENT):
+                    raise
+                if held is not None:  # room that did not come in time
+                    held.release_deferred()
+                held = None
+        if held is None:
+            held = self.client.acquire(r.grad_chunk, Tier.HOST, access)
         return as_tensor(held, 0, r.dtype, [r.numel + r.extra]), held
 
     def sum_ranks(self, u, r, mine: torch.Tensor) -> None:

@@ -179,7 +179,7 @@ class GradientIntake:
         if add:
             if b.this_step.event is not None:
                 b.this_step.event.synchronize()
-            dst.add_(g.to("cpu"))
+            dst.add_(g.to(dst.device))
         elif p.grad.is_cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(p.device)

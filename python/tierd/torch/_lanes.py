@@ -1,13 +1,16 @@
 """OffloadedAdamW's two lanes: which buckets the client library steps on the device.
 
 With `device_share` set, a share of this rank's buckets is stepped by the device's kernels: each
-step their state comes up into the daemon's device tier and goes home again, while the CPU steps
-the rest (docs/optimizer/library.md, "Stepping on the device"). The buckets given to the device
-are those whose gradients come last in backward (the last step's launch order; before any step,
-the order the buckets were laid out in, which is backward's): the CPU lane's tail after backward
-is then shortest.
+step their state comes up into the daemon's device tier and goes home again (or stays there,
+within device_budget_bytes), and a streamed bucket's gradients are held there as backward makes
+them, while the CPU steps the rest (docs/optimizer/library.md, "Stepping on the device"). The
+buckets given to the device are those whose gradients come last in backward (the last step's
+launch order; before any step, the order the buckets were laid out in, which is backward's): the
+CPU lane's tail after backward is then shortest.
 "auto" takes the share that balances the lanes' rates as the library measured them over the last
-steps, 0.5 until both lanes have stepped. Placement changes between the library's steps only.
+steps, 0.5 until both lanes have stepped. Placement changes between steps only: when the optimizer
+is made, when the setting changes, and as each step finishes, for the next (before its backward
+holds a gradient).
 """
 from typing import List, Union
 
@@ -41,9 +44,12 @@ def check_budget(device_budget_bytes: int, name) -> None:
 
 
 class DeviceLanes:
-    def __init__(self, setting: Setting):
+    def __init__(self, setting: Setting, device_grads: bool = True):
         check(setting)
         self.setting = setting
+        # The device's buckets hold their gradients in the device tier (_buffers.py): not when
+        # sharded over ranks, whose gradients are reduced where the process group reads them.
+        self.device_grads = device_grads
         self.share = 0.0  # the share of the parameters placed on the device, as placed
         self._placed = False  # some bucket may be on the device
         self.measured = -1.0  # the library's balanced share, as last measured (-1: not yet)
@@ -109,5 +115,6 @@ class DeviceLanes:
         for b in owned:
             if b.slot is not None:
                 adam.set_group_place(b.slot, b.serial in on_device)
+            b.buffers.grads_on_device = self.device_grads and b.serial in on_device
         self._placed = self.enabled
         self._order = []

@@ -103,6 +103,10 @@ class StreamRange:
         self.info = RangeInfo(r.params, parts.nodes, unit.home == Tier.NVME, unit.edited)
         self._next = None   # the next version, held from next() to commit/put_aside/end_step
         self._grads = None  # the gradient chunk, held from grads() to put_aside/end_step
+        # Where the step's gradients are held: the host, or the device for a range stepped by the
+        # optimizer's device lane (grads(on_device=True)); kept until the step's end, so that
+        # gradients put aside are held again where they lie.
+        self._grads_tier: Optional[Tier] = None
         # Put aside: written this step but not held; held again with their contents kept.
         self._next_aside = False
         self._grads_aside = False
@@ -134,16 +138,31 @@ class StreamRange:
             self._next = (range_view(view, r), held)
         return self._next[0]
 
-    def grads(self, kept_only: bool = False) -> Optional[torch.Tensor]:
+    def grads(self, kept_only: bool = False, on_device: bool = False) -> Optional[torch.Tensor]:
         """A view of the gradient chunk (values, then extras), held until put_aside() or
-        end_step(); gradients put aside and kept are held again as they are. `kept_only`: only
-        those (None when none was put aside and kept)."""
+        end_step(); gradients put aside and kept are held again as they are, where they are.
+        `kept_only`: only those (None when none was put aside and kept). `on_device`: the step's
+        first hold takes the chunk in the device tier where there is room (CUDA memory on a
+        GPU), else in the host."""
+        if self._grads is not None and self._grads_tier == Tier.DEVICE and not on_device:
+            # Placed on the host lane since they were held (device_share set between the
+            # backward passes of one step): held again in the host, where its kernels read them.
+            self._grads = _let_go(self._grads)
+            self._grads_aside, self._grads_tier = True, Tier.HOST
         if self._grads is None:
             if kept_only and not self._grads_aside:
                 return None
-            self._grads = self._parts.units.grads.hold(self._unit, self._check(),
-                                                         keep=self._grads_aside)
+            if self._grads_tier is None:
+                self._grads_tier = Tier.DEVICE if on_device else Tier.HOST
+            self._grads = self._parts.units.grads.hold(
+                self._unit, self._check(), keep=self._grads_aside, tier=self._grads_tier)
+            self._grads_tier = Tier.HOST if self._grads[1].host else Tier.DEVICE
         return self._grads[0]
+
+    @property
+    def grads_on_device(self) -> bool:
+        """Whether this step's gradients are held in the device tier."""
+        return self._grads_tier == Tier.DEVICE
 
     def sum_node_grads(self) -> None:
         """share_ranks' node owner: the gradients of the node's ranks of the range (each left in
@@ -166,6 +185,7 @@ class StreamRange:
         self._grads = _let_go(self._grads)
         if free:
             self._parts.units.grads.free(self._range)
+            self._grads_tier = None
         self._grads_aside = not free
 
     def commit(self, stepped: Optional[Sequence[bool]], flip: bool = True) -> None:
@@ -197,11 +217,14 @@ class StreamRange:
         self._next_aside = False
         self._grads = _let_go(self._grads)
         self._grads_aside = False
+        self._grads_tier = None
 
     def gradient_sent(self, i: int) -> None:
-        """Parameter i's gradient was taken off the device (and is dropped there)."""
+        """Parameter i's gradient was taken into the gradient chunk (off the device, unless the
+        chunk is held there) and is dropped from the parameter."""
         p = self.info.params[i]
-        self._parts.figures.d2h_bytes += p.numel() * p.element_size()
+        if self._grads_tier != Tier.DEVICE:
+            self._parts.figures.d2h_bytes += p.numel() * p.element_size()
         p.grad = None
 
 

@@ -297,8 +297,8 @@ class OptimizerState:
     # ---- a step, as the library runs it ----
 
     def begin(self, owned: List[Bucket], grad_scale: float) -> None:
-        """Begins the library's step, each group with its parameter group's hyperparameters."""
-        self.lanes.place(self.adam, owned)
+        """Begins the library's step, each group with its parameter group's hyperparameters (in
+        the lanes placed when the last step finished: backward has held gradients by now)."""
         for b in owned:
             self.adam.set_group_hyper(b.slot, hyper(b.group))
         self.adam.begin_step(grad_scale)
@@ -322,8 +322,9 @@ class OptimizerState:
                 return False
             raise
 
-    def finish(self) -> Dict[str, float]:
-        """Waits for the step's groups; the library's figures of it."""
+    def finish(self, owned: List[Bucket]) -> Dict[str, float]:
+        """Waits for the step's groups; the library's figures of it. Then places the `owned`
+        buckets for the next step, before its backward holds their gradients."""
         stats = _abi.AdamStepStats()
         self.adam.finish_step(stats)
         figures = {"step": float(stats.step), "wall_s": stats.wall_ns / 1e9,
@@ -339,6 +340,7 @@ class OptimizerState:
                             "device_params": float(lanes.device_params),
                             "device_busy_s": lanes.device_ns / 1e9,
                             "device_kept_bytes": float(lanes.device_kept_bytes)})
+        self.lanes.place(self.adam, owned)
         return figures
 
     def give_up(self, speculative: bool) -> None:

@@ -237,7 +237,7 @@ class Stepper:
         early = self._early
         reduces_early = self._comm.early if self._comm is not None else 0
         try:
-            stats = self._state.finish()
+            stats = self._state.finish(self._layout.owned)
         except BaseException:
             self._end_step()
             raise

@@ -71,8 +71,10 @@ class Verdict:
         for b in buckets:
             if not any(b.this_step.has):
                 continue
+            # On the CPU whatever the gradients' place (a device bucket's may be in device
+            # memory), so that the norms stack.
             keyed += [(order.get(id(b.params[i]), len(order)),
-                       torch.norm(values if inv is None else values * inv, 2.0))
+                       torch.norm(values if inv is None else values * inv, 2.0).to("cpu"))
                       for i, values in b.slices(b.buffers.hold_kept_grads()) if b.this_step.has[i]]
             b.grads_aside()  # one bucket's gradients in memory at a time
         if self._comm is not None:  # every rank's norms, then the same sum as below

@@ -157,7 +157,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
             masters_in_out=self._comm is None and device_share is None, defaults=self.defaults,
             device_budget_bytes=device_budget_bytes)
-        self._state.lanes = _lanes.DeviceLanes(device_share)
+        self._state.lanes = _lanes.DeviceLanes(device_share, device_grads=self._comm is None)
         self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
             self._comm.share_params(self._layout.buckets)
