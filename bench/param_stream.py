@@ -22,6 +22,7 @@ larger than; a few steps, with the process's and the daemon's peak memory.
                           [--variants memory,stream-host] [--host-capacity 1GiB]
     bench/param_stream.py --scale [--layers 32 --d-model 1280 --steps 3]
                           [--device-share auto --device-budget BYTES --device-capacity 56GiB]
+                          [--in-memory]
 """
 import json
 import os
@@ -265,23 +266,28 @@ def scale(args):
 
     with node(args) as root:
         t0 = time.perf_counter()
-        model, opt, stream = setup(args, root, "stream-nvme", device)
+        model, opt, stream = setup(args, root, "memory" if args.in_memory else "stream-nvme",
+                                   device)
         setup_s = time.perf_counter() - t0
         built = benchlib.proc_status()["VmHWM"]
         reset_peak()
         params = sum(p.numel() for p in model.parameters())
         weights = params * torch.finfo(getattr(torch, args.dtype)).bits // 8
         state = 12 * params
+        where = "in the device's memory" if stream is None else (
+            f"({stream.stats['units_on_nvme']} of {args.layers} blocks at home on NVMe)")
         print(f"param_stream --scale: {params / 1e9:.3f} B parameters: {weights / 2**30:.2f} GiB "
-              f"of {args.dtype} weights ({stream.stats['units_on_nvme']} of {args.layers} blocks "
-              f"at home on NVMe), {state / 2**30:.2f} GiB of optimizer state at home on "
-              f"{'NVMe' if args.state_home == 'nvme' else 'the host'}; device "
-              f"budget {stream.device_budget_bytes / 2**20:.0f} MiB "
-              f"({weights / stream.device_budget_bytes:.0f}x smaller than the weights), "
-              f"weights' host budget {args.weights_host_budget / 2**20:.0f} MiB and the "
-              f"optimizer's {args.state_host_budget / 2**20:.0f} MiB "
-              f"({(weights + state) / (args.weights_host_budget + args.state_host_budget):.0f}x "
-              f"smaller than weights and state); set up in {setup_s:.0f} s")
+              f"of {args.dtype} weights {where}, {state / 2**30:.2f} GiB of optimizer state at "
+              f"home on {'NVMe' if args.state_home == 'nvme' else 'the host'}; "
+              + (f"the optimizer's host budget {args.state_host_budget / 2**20:.0f} MiB"
+                 if stream is None else
+                 f"device budget {stream.device_budget_bytes / 2**20:.0f} MiB "
+                 f"({weights / stream.device_budget_bytes:.0f}x smaller than the weights), "
+                 f"weights' host budget {args.weights_host_budget / 2**20:.0f} MiB and the "
+                 f"optimizer's {args.state_host_budget / 2**20:.0f} MiB "
+                 f"({(weights + state) / (args.weights_host_budget + args.state_host_budget):.0f}"
+                 f"x smaller than weights and state)")
+              + f"; set up in {setup_s:.0f} s")
         anon = 0  # the process's own memory (not the daemon's mapped in), after each phase
         for step in range(args.steps):
             x, y = train_gpt.batch(data, step, Shape, device)
@@ -296,14 +302,14 @@ def scale(args):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             took = time.perf_counter() - t0
-            st = stream.stats
             tflops = benchlib.model_tflops(params, args.layers, args.d_model, args.ctx,
                                            args.batch * args.ctx, took)
             lanes = opt.last_stats
             print(f"  step {step + 1}: loss {loss.item():.4f}, {took:.2f} s, {tflops:.1f} TFLOPS"
-                  f"{benchlib.peak_share(tflops, device)}; device peak "
-                  f"{st['device_peak_bytes'] / 2**20:.0f} MiB; compute waited "
-                  f"{st['wait_s']:.1f} s in all"
+                  f"{benchlib.peak_share(tflops, device)}"
+                  + ("" if stream is None else
+                     f"; device peak {stream.stats['device_peak_bytes'] / 2**20:.0f} MiB; "
+                     f"compute waited {stream.stats['wait_s']:.1f} s in all")
                   + (f"; optimizer lanes: device share {lanes['device_share']:.2f}, host busy "
                      f"{lanes['host_busy_s']:.2f} s, device busy {lanes['device_busy_s']:.2f} s, "
                      f"state kept on the device {size_text(lanes['device_kept_bytes'])}"
@@ -319,7 +325,8 @@ def scale(args):
               f"{benchlib.daemon_peak_rss(root) / 2**30:.2f} GiB, its host tier "
               f"{host.used_bytes / 2**30:.2f} GiB in use of {host.capacity_bytes / 2**30:.2f}")
         opt.close()
-        stream.close()
+        if stream is not None:
+            stream.close()
 
 
 ARGV = sys.argv[1:]
@@ -358,6 +365,9 @@ def main():
     extra.add_argument("--device-capacity", default="",
                        help="the daemon's device tier (default: the daemon's on a GPU, 1GiB "
                             "emulated)")
+    extra.add_argument("--in-memory", action="store_true",
+                       help="--scale: the model in the device's memory instead, beside the "
+                            "streamed run of the same size")
     extra.add_argument("--variants", default=",".join(VARIANTS),
                        help="which of memory, stream-host, stream-nvme to run; memory first")
     known, rest = extra.parse_known_args()

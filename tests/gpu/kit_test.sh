@@ -52,7 +52,8 @@ cases = [json.loads(l) for l in open(f"{out}/torch-equality.json")]
 assert [(c["case"], c["holds"]) for c in cases] == [
     (c, True) for c in ("checkpoint", "lora", "shared-base", "bf16-moments", "device-lane")], cases
 tflops = open(f"{out}/tflops.log").read()
-assert tflops.count("step 2: loss") == 3 and "device share" in tflops, tflops
+assert tflops.count("step 2: loss") == 4 and "device share" in tflops, tflops
+assert "weights in the device's memory" in tflops, tflops
 kept = [l for l in tflops.splitlines() if "step 2: loss" in l][0]  # the first run keeps its state
 assert "state kept on the device 0 B" not in kept and "state kept on the device" in kept, kept
 # Skipped without a GPU, once torch was imported from the kit's run of the given Python.
