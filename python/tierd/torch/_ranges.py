@@ -144,11 +144,13 @@ class StreamRange:
         `kept_only`: only those (None when none was put aside and kept). `on_device`: the step's
         first hold takes the chunk in the device tier where there is room (CUDA memory on a
         GPU), else in the host."""
-        if self._grads is not None and self._grads_tier == Tier.DEVICE and not on_device:
+        if self._grads_tier == Tier.DEVICE and not on_device:
             # Placed on the host lane since they were held (device_share set between the
             # backward passes of one step): held again in the host, where its kernels read them.
-            self._grads = _let_go(self._grads)
-            self._grads_aside, self._grads_tier = True, Tier.HOST
+            if self._grads is not None:
+                self._grads = _let_go(self._grads)
+                self._grads_aside = True
+            self._grads_tier = Tier.HOST
         if self._grads is None:
             if kept_only and not self._grads_aside:
                 return None
