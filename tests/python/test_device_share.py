@@ -306,19 +306,21 @@ def test_gradients_without_room_in_the_device_tier_are_held_in_the_host():
             stop_daemon(proc, root)
 
 
-def test_gradients_held_on_the_device_follow_their_bucket_to_the_host(daemon):  # noqa: F811
+@pytest.mark.parametrize("units", ["host", "nvme"])
+def test_gradients_held_on_the_device_follow_their_bucket_to_the_host(daemon,  # noqa: F811
+                                                                      units):
     # Two backward passes a step; between them every bucket leaves the device (and, a step
     # later, comes back). Gradients the first pass left in the device tier are held again in the
-    # host for the CPU's kernels: the second pass brings them down (the emulated device's
-    # kernels could read them where they are; a GPU's host lane could not). The training is the
-    # CPU's, bit for bit.
+    # host for the CPU's kernels: the second pass brings them down (the emulated device's kernels
+    # could read them where they are; a GPU's host lane could not). Units at home on the host and
+    # on NVMe (whose buckets page their gradients); the training is the CPU's, bit for bit.
     import test_streaming as ts
     results, down = {}, []
     for moved in (False, True):
         model = ts.make()
-        stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
-                                               device_budget_bytes=ts.budget(model),
-                                               socket_dir=daemon)
+        stream = tierd.torch.stream_parameters(
+            model, device=torch.device("cpu"), device_budget_bytes=ts.budget(model),
+            socket_dir=daemon, **(dict(host_budget_bytes=0) if units == "nvme" else {}))
         opt = tierd.torch.OffloadedAdamW(
             model.parameters(), **ts.HYPER, socket_dir=daemon, overlap_backward=True, threads=2,
             accumulation_steps=2, host_budget_bytes=1 << 20, home="host",
