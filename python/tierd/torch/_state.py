@@ -14,8 +14,8 @@ import torch
 
 from .._errors import FailedPrecondition, InvalidArgument
 from .. import _abi, _adam
-from ..client import Tier, TierdError, connect
-from ._buckets import Bucket
+from ..client import Tier, TierdError, TierUsage, connect
+from ._buckets import Bucket, StreamBucket
 from ._lanes import DeviceLanes
 from ._storage import STEPPED_DTYPES
 
@@ -28,6 +28,20 @@ def hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
+def host_budget(setting, host: TierUsage, streamed: bool) -> int:
+    """host_budget_bytes as given, or for "auto" the host tier's share of this job's rank on the
+    node (LOCAL_WORLD_SIZE, as torchrun sets it): where the parameters are streamed, half of it,
+    their weights and gradients passing through the rest; else as much of it as is free now (an
+    eighth of it at the least: other jobs' scratch copies go down for room), so that state that
+    fits stays there and moves nothing."""
+    if setting != "auto":
+        return setting
+    share = host.capacity_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    if streamed:
+        return share // 2
+    return max(min(share, host.free_bytes), share // 8)
+
+
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -36,11 +50,12 @@ class OptimizerState:
     """The open state of one optimizer (one rank's share when sharded)."""
 
     def __init__(self, adam: _adam.Adam, name: str, persistent: bool, home: str,
-                 masters_in_out: bool, device_tier: bool):
+                 host_budget_bytes: int, masters_in_out: bool, device_tier: bool):
         self.adam = adam
         self.name = name
         self.persistent = persistent
         self.home = home
+        self.host_budget_bytes = host_budget_bytes  # "auto" resolved
         self.masters_in_out = masters_in_out
         self.device_tier = device_tier  # the daemon serves one (device_share can be set)
         self.lanes = DeviceLanes(None)  # where the buckets are stepped (OffloadedAdamW sets it)
@@ -62,18 +77,21 @@ class OptimizerState:
 
     @staticmethod
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
-             socket_dir, home: Optional[str], host_budget_bytes: int, threads: int, resume,
+             socket_dir, home: Optional[str], host_budget_bytes, threads: int, resume,
              reset: bool, state_dtype: torch.dtype, speculative: bool, masters_in_out: bool,
              defaults: Dict[str, Any], device_budget_bytes: int = 0) -> "OptimizerState":
         """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
-        the state (twice that when speculative) outgrows host_budget_bytes and the daemon has
-        NVMe, else host. A persistent name is the job's, `rank_suffix` added per rank; scratch
-        state is named by the process and `scratch_id`. `masters_in_out`: the buckets that can
-        keep their master weights in their `out` do, if the state is scratch (masters())."""
+        the state (twice that when speculative) outgrows host_budget_bytes (an int, or "auto":
+        host_budget()) or the room the host tier has for it ("auto"'s share, and what is free
+        now: other jobs' state may be at home there), and the daemon has NVMe; else host. A
+        persistent name is the job's, `rank_suffix` added per rank; scratch state is named by
+        the process and `scratch_id`. `masters_in_out`: the buckets that can keep their master
+        weights in their `out` do, if the state is scratch (masters())."""
         masters_in_out = masters_in_out and name is None
         with connect(socket_dir, "optimizer-probe") as c:
             has_nvme = c.tier_usage(Tier.NVME).configured
             device_tier = c.tier_usage(Tier.DEVICE).configured
+            host = c.tier_usage(Tier.HOST)
         if device_budget_bytes > 0 and not device_tier:
             raise FailedPrecondition("device_budget_bytes needs the daemon's device tier, and "
                                      "this daemon serves none")
@@ -81,9 +99,15 @@ class OptimizerState:
         moments = 4 if state_dtype == torch.bfloat16 else 8
         state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
                           for b in owned)
+        streamed = any(isinstance(b, StreamBucket) for b in owned)
+        budget = host_budget(host_budget_bytes, host, streamed)
         if home is None:
+            # Within the budget and the room the tier has for it: state at home in the host tier
+            # stays there, and beyond that room it would starve the stream's blocks (which then
+            # wait for room that never frees) or other jobs.
             held = state_bytes * (2 if speculative else 1)
-            home = "nvme" if held > host_budget_bytes and has_nvme else "host"
+            room = min(budget, host.free_bytes, host_budget("auto", host, streamed))
+            home = "host" if held <= room or not has_nvme else "nvme"
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
                           "NVMe tier: it lives in host memory only and is lost when the daemon "
@@ -101,7 +125,7 @@ class OptimizerState:
         options.home_tier = _abi.TIER_NVME if home == "nvme" else _abi.TIER_HOST
         options.check_finite = 0  # the whole step is checked in Python, before any group steps
         options.threads = threads
-        options.host_budget_bytes = host_budget_bytes
+        options.host_budget_bytes = budget
         options.state_dtype = STEPPED_DTYPES[state_dtype]
         options.speculative = 1 if speculative else 0
         options.device_budget_bytes = device_budget_bytes
@@ -117,7 +141,7 @@ class OptimizerState:
                 "(<name>.rank<r>of<n>); a job that moved to other nodes, or runs on another "
                 "number of ranks, resumes from its checkpoint instead: make the optimizer with "
                 "reset=True and call load_checkpoint(directory) on every rank")) from None
-        return OptimizerState(adam, full, persistent, home, masters_in_out, device_tier)
+        return OptimizerState(adam, full, persistent, home, budget, masters_in_out, device_tier)
 
     @property
     def resumed(self) -> bool:

@@ -8,7 +8,7 @@ ranks), _lanes.py (which buckets the device steps), _state_files.py (files).
 """
 import logging
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
                      differentiable, max_grad_norm, accumulation_steps, bucket_params, home,
-                     state_dtype, name, resume, reset) -> None:
+                     state_dtype, name, resume, reset, host_budget_bytes) -> None:
     if any(isinstance(v, torch.Tensor) for v in (lr, *betas[:2])):
         raise InvalidArgument("OffloadedAdamW takes lr and betas as floats, not Tensors (its "
                               "kernels read them as numbers, not from a device)")
@@ -56,6 +56,10 @@ def _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable
         raise InvalidArgument("accumulation_steps and bucket_params must be >= 1")
     if home not in (None, "host", "nvme"):
         raise InvalidArgument(f"home must be 'host', 'nvme' or None, not {home!r}")
+    if host_budget_bytes != "auto" and (isinstance(host_budget_bytes, bool) or not isinstance(
+            host_budget_bytes, int) or host_budget_bytes < 0):
+        raise InvalidArgument(f"host_budget_bytes must be 'auto' or an int >= 0, not "
+                              f"{host_budget_bytes!r}")
     if state_dtype not in (torch.float32, torch.bfloat16):
         raise InvalidArgument(f"state_dtype must be torch.float32 or torch.bfloat16, not "
                               f"{state_dtype}")
@@ -78,9 +82,14 @@ class OffloadedAdamW(torch.optim.Optimizer):
         state of that name exists), None does either.
     reset: with a name, discards state of that name and starts afresh.
     home: "nvme" or "host" for the state's home tier; None: NVMe when the state is larger than
-        host_budget_bytes and the daemon has NVMe, else host.
+        host_budget_bytes or the room the host tier has for it ("auto"'s share, and what is free)
+        and the daemon has NVMe, else host.
     host_budget_bytes: host-tier bytes the state streams through (scratch state at home on
-        NVMe keeps what the budget holds beyond a window on the host between steps).
+        NVMe keeps what the budget holds beyond a window on the host between steps). "auto": the
+        daemon's host tier split among the job's ranks on the node (LOCAL_WORLD_SIZE); half of
+        that where the parameters are streamed (their weights and gradients pass through the
+        rest), else what of it is free when the optimizer is made. The bytes chosen are in
+        `host_budget_bytes` once made.
     state_dtype: torch.float32, or torch.bfloat16 for exp_avg and exp_avg_sq kept in bf16 (8 bytes
         of state per parameter instead of 12: a third less to store and move each step). The
         kernels round them stochastically, so they stay right on average where rounding to
@@ -126,8 +135,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
                  differentiable: bool = False, fused: Optional[bool] = None,
                  name: Optional[str] = None, resume: Optional[bool] = None,
                  reset: bool = False, home: Optional[str] = None,
-                 host_budget_bytes: int = 1 << 30, state_dtype: torch.dtype = torch.float32,
-                 max_grad_norm: Optional[float] = None,
+                 host_budget_bytes: Union[int, str] = "auto",
+                 state_dtype: torch.dtype = torch.float32, max_grad_norm: Optional[float] = None,
                  skip_nonfinite: bool = False, overlap_backward: bool = False,
                  accumulation_steps: int = 1, bucket_params: int = _DEFAULT_BUCKET_PARAMS,
                  socket_dir: Optional[str] = None, threads: int = 0, process_group=None,
@@ -136,7 +145,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         _lanes.check_budget(device_budget_bytes, name)
         _check_arguments(lr, betas, eps, weight_decay, amsgrad, maximize, capturable,
                          differentiable, max_grad_norm, accumulation_steps, bucket_params, home,
-                         state_dtype, name, resume, reset)
+                         state_dtype, name, resume, reset, host_budget_bytes)
         self.state_dtype = state_dtype
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=False, foreach=foreach, capturable=False,
@@ -180,6 +189,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
     grad_norm_order = property(lambda self: self._verdict.order,
                                lambda self, v: setattr(self._verdict, "order", v and list(v)))
     home = property(lambda self: self._state.home)
+    host_budget_bytes = property(lambda self: self._state.host_budget_bytes)  # "auto" resolved
     # The step's figures and phase (_stepping.Stepper's).
     phase = property(lambda self: self._stepper.phase if self._stepper else StepPhase.IDLE)
     last_grad_norm = property(lambda self: self._stepper.last_grad_norm)
