@@ -108,6 +108,25 @@ def test_state_larger_than_the_budget_or_the_free_room_is_at_home_on_nvme(daemon
             o.close()
 
 
+def test_persistent_state_resumes_with_the_home_and_budget_it_was_made_with(daemon):  # noqa: F811
+    # 1300² parameters, 20 MiB of state with its master weights: at home in the 32 MiB tier,
+    # where it stays between runs, leaving less free than it holds when the next run resumes it.
+    made = tierd.torch.OffloadedAdamW(linear(1300).parameters(), socket_dir=daemon,
+                                      name="budget-resume", reset=True)
+    assert (made.home, made.host_budget_bytes) == ("host", TIER)
+    made.close()
+    assert free(daemon) < 20 << 20
+    resumed = tierd.torch.OffloadedAdamW(linear(1300).parameters(), socket_dir=daemon,
+                                         name="budget-resume", resume=True)
+    try:
+        assert resumed.resumed
+        assert (resumed.home, resumed.host_budget_bytes) == ("host", TIER)
+    finally:
+        resumed.close()
+        tierd.torch.OffloadedAdamW(linear(1300).parameters(), socket_dir=daemon,
+                                   name="budget-resume", reset=True, home="nvme").close()
+
+
 @pytest.mark.parametrize("bad", ["big", -1, True, 1.5, None])
 def test_a_budget_that_is_not_auto_or_a_byte_count_is_refused(daemon, bad):  # noqa: F811
     with pytest.raises(ValueError, match="host_budget_bytes must be 'auto' or an int >= 0"):

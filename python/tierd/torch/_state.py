@@ -28,18 +28,19 @@ def hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
-def host_budget(setting, host: TierUsage, streamed: bool) -> int:
+def host_budget(setting, host: TierUsage, streamed: bool, scratch: bool) -> int:
     """host_budget_bytes as given, or for "auto" the host tier's share of this job's rank on the
     node (LOCAL_WORLD_SIZE, as torchrun sets it): where the parameters are streamed, half of it,
-    their weights and gradients passing through the rest; else as much of it as is free now (an
-    eighth of it at the least: other jobs' scratch copies go down for room), so that state that
-    fits stays there and moves nothing."""
+    their weights and gradients passing through the rest; else, for scratch state, as much of it
+    as is free now (an eighth of it at the least: other jobs' scratch copies go down for room),
+    so that state that fits stays there and moves nothing; for persistent state all of it, so
+    that a resumed run plans as the first did whatever the tier holds then."""
     if setting != "auto":
         return setting
     share = host.capacity_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     if streamed:
         return share // 2
-    return max(min(share, host.free_bytes), share // 8)
+    return max(min(share, host.free_bytes), share // 8) if scratch else share
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -82,11 +83,11 @@ class OptimizerState:
              defaults: Dict[str, Any], device_budget_bytes: int = 0) -> "OptimizerState":
         """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
         the state (twice that when speculative) outgrows host_budget_bytes (an int, or "auto":
-        host_budget()) or the room the host tier has for it ("auto"'s share, and what is free
-        now: other jobs' state may be at home there), and the daemon has NVMe; else host. A
-        persistent name is the job's, `rank_suffix` added per rank; scratch state is named by
-        the process and `scratch_id`. `masters_in_out`: the buckets that can keep their master
-        weights in their `out` do, if the state is scratch (masters())."""
+        host_budget()) or the room the host tier has for it ("auto"'s share, and for scratch
+        state what is free now: other jobs' state may be at home there), and the daemon has NVMe;
+        else host. A persistent name is the job's, `rank_suffix` added per rank; scratch state is
+        named by the process and `scratch_id`. `masters_in_out`: the buckets that can keep their
+        master weights in their `out` do, if the state is scratch (masters())."""
         masters_in_out = masters_in_out and name is None
         with connect(socket_dir, "optimizer-probe") as c:
             has_nvme = c.tier_usage(Tier.NVME).configured
@@ -99,14 +100,16 @@ class OptimizerState:
         moments = 4 if state_dtype == torch.bfloat16 else 8
         state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
                           for b in owned)
-        streamed = any(isinstance(b, StreamBucket) for b in owned)
-        budget = host_budget(host_budget_bytes, host, streamed)
+        streamed, scratch = any(isinstance(b, StreamBucket) for b in owned), name is None
+        budget = host_budget(host_budget_bytes, host, streamed, scratch)
         if home is None:
             # Within the budget and the room the tier has for it: state at home in the host tier
             # stays there, and beyond that room it would starve the stream's blocks (which then
-            # wait for room that never frees) or other jobs.
+            # wait for room that never frees) or other jobs. Persistent state is planned by the
+            # tier's size alone, as it was when first made.
             held = state_bytes * (2 if speculative else 1)
-            room = min(budget, host.free_bytes, host_budget("auto", host, streamed))
+            room = min(budget, host_budget("auto", host, streamed, scratch),
+                       host.free_bytes if scratch else budget)
             home = "host" if held <= room or not has_nvme else "nvme"
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "

@@ -88,8 +88,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         NVMe keeps what the budget holds beyond a window on the host between steps). "auto": the
         daemon's host tier split among the job's ranks on the node (LOCAL_WORLD_SIZE); half of
         that where the parameters are streamed (their weights and gradients pass through the
-        rest), else what of it is free when the optimizer is made. The bytes chosen are in
-        `host_budget_bytes` once made.
+        rest), else for scratch state what of it is free when the optimizer is made, for
+        persistent state all of it. The bytes chosen are in `host_budget_bytes` once made.
     state_dtype: torch.float32, or torch.bfloat16 for exp_avg and exp_avg_sq kept in bf16 (8 bytes
         of state per parameter instead of 12: a third less to store and move each step). The
         kernels round them stochastically, so they stay right on average where rounding to
