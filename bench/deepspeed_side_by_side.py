@@ -9,8 +9,10 @@ hyperparameters trained by
   ds-infinity-cached
                the same with offload_param's default max_in_cpu (1e9 elements): for these sizes
                every weight stays in RAM, and only the optimizer state goes to NVMe
-  tierd-state  tierd's OffloadedAdamW, its state at home on NVMe (the weights in memory)
-  tierd-stream tierd streaming the weights (at home on NVMe) and OffloadedAdamW's state on NVMe
+  tierd-state  tierd's OffloadedAdamW as made by default (the weights in memory): its state at
+               home in the host tier where it fits the tier, else on NVMe
+  tierd-stream tierd streaming the weights (at home on NVMe) and OffloadedAdamW's state as made
+               by default: on NVMe where it outgrows half the host tier
   tierd-state-split, tierd-stream-split (not run unless named)
                the same with --device-share of the optimizer stepped on the device (on the
                CPU, the daemon's emulated one)
@@ -226,7 +228,7 @@ def child(args) -> None:
     mode = args.child
     device = torch.device(args.device)
     data = batches(args, 1 + args.steps)
-    daemon_pid = probe = None
+    daemon_pid = probe = opt = None
     cleanup = []
     HYPER["lr"] = args.lr
     if mode.startswith("ds-"):
@@ -257,14 +259,11 @@ def child(args) -> None:
             model.to(device)
         # Scratch state, as a fine-tune makes it by default (DeepSpeed's is scratch too): a
         # streamed fp32 model's weights are then their own master, and what the optimizer's
-        # budget holds stays on the host between steps. The budget is the host tier's share
-        # the weights leave: half of it when they stream through it too, else three quarters.
-        from tierd.torch import _safetensors
-        tier = _safetensors.parse_size(args.host_capacity)
-        budget = tier // 2 if mode.startswith("tierd-stream") else tier * 3 // 4
+        # budget holds stays on the host between steps. Its home and budget as a user gets
+        # them by default (host_budget_bytes "auto": half the host tier when the weights stream
+        # through it too, else the tier's free room; at home there when the state fits).
         os.environ["TIERD_JOB"] = "bench-optimizer"
-        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, home="nvme",
-                                         host_budget_bytes=budget, overlap_backward=True,
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), **HYPER, overlap_backward=True,
                                          socket_dir=args.socket_dir,
                                          device_share=args.device_share if mode in SPLIT else None)
         del os.environ["TIERD_JOB"]
@@ -306,6 +305,8 @@ def child(args) -> None:
            "tier_in_rss": min(shared, default=0),
            "read_bytes": moved[0] / args.steps, "written_bytes": moved[1] / args.steps,
            "host_tier_peak": host, "by_role": by_role}
+    if opt is not None:  # tierd's: where the optimizer's state is at home, and its budget
+        out["state"] = {"home": opt.home, "host_budget_bytes": opt.host_budget_bytes}
     for close in cleanup:
         close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -443,6 +444,10 @@ def report(args, runs, reference) -> None:
         by_role = "".join(
             f", {role} read {v.get('nvme_to_host', 0) / mib:.0f} / written "
             f"{v.get('host_to_nvme', 0) / mib:.0f} MiB" for role, v in sorted(roles.items()))
+        state = ok[m][0].get("state")
+        if state:
+            by_role += (f", state at home on {state['home']} (host budget "
+                        f"{state['host_budget_bytes'] / mib:.0f} MiB)")
         print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   RAM {ram / mib:6.0f} MiB"
               f"{ram_ratio}: peak RSS {rss / mib:6.0f} MiB"
               + (f" (of it the tier's pages it maps {in_rss / mib:.0f} MiB)"
