@@ -7,6 +7,7 @@ goes to NVMe when it outgrows the budget or the room other jobs' state leaves fr
 import os
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -30,6 +31,14 @@ def linear(features):
 def free(socket_dir):
     with tierd.connect(socket_dir, "probe") as c:
         return c.tier_usage(tierd.Tier.HOST).free_bytes
+
+
+def emptied(socket_dir):
+    """Waits until the chunks of the sessions closed before are freed: the tier is all free."""
+    deadline = time.monotonic() + 30
+    while free(socket_dir) < TIER:
+        assert time.monotonic() < deadline, "the tier was not emptied"
+        time.sleep(0.05)
 
 
 def test_auto_is_the_host_tiers_free_room_split_among_the_nodes_ranks(
@@ -92,6 +101,7 @@ def test_state_larger_than_the_budget_or_the_free_room_is_at_home_on_nvme(daemon
     # 8 bytes of moments a parameter (fp32 weights are their own master without a device tier,
     # and with one the state also holds 4 bytes of master weights): 2048² parameters need at
     # least 32 MiB, more than the tier.
+    emptied(daemon)
     big = tierd.torch.OffloadedAdamW(linear(2048).parameters(), socket_dir=daemon)
     assert big.home == "nvme"
     big.close()
