@@ -108,8 +108,9 @@ class OptimizerState:
             # wait for room that never frees) or other jobs. Persistent state is planned by the
             # tier's size alone, as it was when first made.
             held = state_bytes * (2 if speculative else 1)
-            room = min(budget, host_budget("auto", host, streamed, scratch),
-                       host.free_bytes if scratch else budget)
+            room = min(budget, host_budget("auto", host, streamed, scratch))
+            if scratch:
+                room = min(room, host.free_bytes)
             home = "host" if held <= room or not has_nvme else "nvme"
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
