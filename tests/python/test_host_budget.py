@@ -2,8 +2,9 @@
 number, so that the optimizer neither asks for more of the tier than there is (and drops and reads
 its own state again each step) nor leaves a large tier unused. For parameters in memory, the room
 free in the tier: state that fits stays at home there; for streamed parameters half the tier, their
-weights and gradients passing through the rest; split among a job's ranks on the node. The state
-goes to NVMe when it outgrows the budget or the room other jobs' state leaves free."""
+weights and gradients passing through the rest, or less where their weights need more of it to
+stay there; split among a job's ranks on the node. The state goes to NVMe when it outgrows the
+budget or the room other jobs' state leaves free."""
 import os
 import sys
 import tempfile
@@ -72,6 +73,38 @@ def test_auto_is_half_the_host_tier_for_streamed_parameters(daemon):  # noqa: F8
     finally:
         opt.close()
         stream.close()
+
+
+def test_auto_leaves_streamed_weights_larger_than_half_the_tier_their_room():
+    # 4.9 M fp32 parameters in the blocks, 19.7 MiB of streamed weights at home on NVMe: with an
+    # eighth of the tier to pass through, more than half of it, so the optimizer gets what is
+    # left beyond them. (Two versions of the weights, their gradients and the moments take more
+    # NVMe than the shared daemon's.)
+    torch.manual_seed(0)
+    model = GPT(4, 320, 4, 16)
+    weights = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
+    with tempfile.TemporaryDirectory(prefix="tierd-py-") as root:
+        proc = start_daemon(root, f"--nvme_regions={root}/nvme.region:256MiB")
+        try:
+            stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"),
+                                                   socket_dir=root, host_budget_bytes=0)
+            opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=root,
+                                             overlap_backward=True)
+            try:
+                assert opt.host_budget_bytes == TIER - weights - TIER // 8
+                assert TIER // 8 < opt.host_budget_bytes < TIER // 2
+                assert opt.home == "nvme"
+                for _ in range(2):
+                    x = torch.randint(0, 256, (2, 17))
+                    model(x[:, :-1], x[:, 1:]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                assert opt.steps_taken == 2
+            finally:
+                opt.close()
+                stream.close()
+        finally:
+            stop_daemon(proc, root)
 
 
 def test_state_beside_streamed_weights_goes_to_nvme_rather_than_starve_them(daemon):  # noqa: F811

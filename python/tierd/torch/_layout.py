@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._errors import FailedPrecondition, InvalidArgument
-from ._buckets import Bucket, check_dtype, plan
+from ._buckets import Bucket, StreamBucket, check_dtype, plan
 from ._shard import Comm
 from ._state import OptimizerState
 from ._ranges import parts_of
@@ -60,6 +60,12 @@ class BucketLayout:
         out: their weights are the stream's)."""
         return [p for g in self._groups() for p in g["params"]
                 if id(p) not in self.where and not p.requires_grad and parts_of(p) is None]
+
+    def streamed_bytes(self) -> int:
+        """The weights of the streamed parameters placed, every rank's: a rank's stream holds
+        them all."""
+        return sum(b.numel * b.dtype.itemsize for b in self.buckets
+                   if isinstance(b, StreamBucket))
 
     def signature(self):
         """The groups as the buckets follow them: each parameter, and whether it is frozen."""

@@ -15,7 +15,7 @@ import torch
 from .._errors import FailedPrecondition, InvalidArgument
 from .. import _abi, _adam
 from ..client import Tier, TierdError, TierUsage, connect
-from ._buckets import Bucket, StreamBucket
+from ._buckets import Bucket
 from ._lanes import DeviceLanes
 from ._storage import STEPPED_DTYPES
 
@@ -28,18 +28,22 @@ def hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
-def host_budget(setting, host: TierUsage, streamed: bool, scratch: bool) -> int:
+def host_budget(setting, host: TierUsage, streamed_bytes: int, scratch: bool) -> int:
     """host_budget_bytes as given, or for "auto" the host tier's share of this job's rank on the
-    node (LOCAL_WORLD_SIZE, as torchrun sets it): where the parameters are streamed, half of it,
-    their weights and gradients passing through the rest; else, for scratch state, as much of it
-    as is free now (an eighth of it at the least: other jobs' scratch copies go down for room),
-    so that state that fits stays there and moves nothing; for persistent state all of it, so
-    that a resumed run plans as the first did whatever the tier holds then."""
+    node (LOCAL_WORLD_SIZE, as torchrun sets it). Where parameters are streamed (`streamed_bytes`
+    of their weights), half of it, or less where those weights and an eighth of the share for
+    what passes through would not fit in the other half: the rest of the share beyond them, and
+    an eighth of it at the least. The weights then stay in the tier from one step to the next;
+    with a larger budget the daemon drops them and the optimizer's kept shards both, for each
+    other's room, and reads them all again. Else, for scratch state, as much of the share as is
+    free now (an eighth of it at the least: other jobs' scratch copies go down for room), so
+    that state that fits stays there and moves nothing; for persistent state all of it, so that
+    a resumed run plans as the first did whatever the tier holds then."""
     if setting != "auto":
         return setting
     share = host.capacity_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-    if streamed:
-        return share // 2
+    if streamed_bytes:
+        return max(share // 8, min(share // 2, share - streamed_bytes - share // 8))
     return max(min(share, host.free_bytes), share // 8) if scratch else share
 
 
@@ -80,14 +84,16 @@ class OptimizerState:
     def open(owned: List[Bucket], *, name: Optional[str], scratch_id: int, rank_suffix: str = "",
              socket_dir, home: Optional[str], host_budget_bytes, threads: int, resume,
              reset: bool, state_dtype: torch.dtype, speculative: bool, masters_in_out: bool,
-             defaults: Dict[str, Any], device_budget_bytes: int = 0) -> "OptimizerState":
+             defaults: Dict[str, Any], device_budget_bytes: int = 0,
+             streamed_bytes: int = 0) -> "OptimizerState":
         """Opens (creates or resumes) the state of the `owned` buckets. `home` None: NVMe when
         the state (twice that when speculative) outgrows host_budget_bytes (an int, or "auto":
         host_budget()) or the room the host tier has for it ("auto"'s share, and for scratch
         state what is free now: other jobs' state may be at home there), and the daemon has NVMe;
         else host. A persistent name is the job's, `rank_suffix` added per rank; scratch state is
         named by the process and `scratch_id`. `masters_in_out`: the buckets that can keep their
-        master weights in their `out` do, if the state is scratch (masters())."""
+        master weights in their `out` do, if the state is scratch (masters()).
+        `streamed_bytes`: the weights of the streamed parameters, which "auto" leaves room for."""
         masters_in_out = masters_in_out and name is None
         with connect(socket_dir, "optimizer-probe") as c:
             has_nvme = c.tier_usage(Tier.NVME).configured
@@ -100,15 +106,15 @@ class OptimizerState:
         moments = 4 if state_dtype == torch.bfloat16 else 8
         state_bytes = sum((moments + (b.master == _abi.ADAM_MASTER_IN_STATE) * 4) * b.numel
                           for b in owned)
-        streamed, scratch = any(isinstance(b, StreamBucket) for b in owned), name is None
-        budget = host_budget(host_budget_bytes, host, streamed, scratch)
+        scratch = name is None
+        budget = host_budget(host_budget_bytes, host, streamed_bytes, scratch)
         if home is None:
             # Within the budget and the room the tier has for it: state at home in the host tier
             # stays there, and beyond that room it would starve the stream's blocks (which then
             # wait for room that never frees) or other jobs. Persistent state is planned by the
             # tier's size alone, as it was when first made.
             held = state_bytes * (2 if speculative else 1)
-            room = min(budget, host_budget("auto", host, streamed, scratch))
+            room = min(budget, host_budget("auto", host, streamed_bytes, scratch))
             if scratch:
                 room = min(room, host.free_bytes)
             home = "host" if held <= room or not has_nvme else "nvme"

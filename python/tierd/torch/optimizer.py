@@ -86,9 +86,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
         and the daemon has NVMe, else host.
     host_budget_bytes: host-tier bytes the state streams through (scratch state at home on
         NVMe keeps what the budget holds beyond a window on the host between steps). "auto": the
-        daemon's host tier split among the job's ranks on the node (LOCAL_WORLD_SIZE); half of
-        that where the parameters are streamed (their weights and gradients pass through the
-        rest), else for scratch state what of it is free when the optimizer is made, for
+        daemon's host tier split among the job's ranks on the node (LOCAL_WORLD_SIZE); where
+        the parameters are streamed, half of that, less where their weights need more room to
+        stay in the tier (what is left beyond them and an eighth of the share, an eighth at the
+        least); else for scratch state what of it is free when the optimizer is made, for
         persistent state all of it. The bytes chosen are in `host_budget_bytes` once made.
     state_dtype: torch.float32, or torch.bfloat16 for exp_avg and exp_avg_sq kept in bf16 (8 bytes
         of state per parameter instead of 12: a third less to store and move each step). The
@@ -165,7 +166,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
             home=home, host_budget_bytes=host_budget_bytes, threads=threads, resume=resume,
             reset=reset, state_dtype=state_dtype, speculative=self._verdict.speculate,
             masters_in_out=self._comm is None and device_share is None, defaults=self.defaults,
-            device_budget_bytes=device_budget_bytes)
+            device_budget_bytes=device_budget_bytes, streamed_bytes=self._layout.streamed_bytes())
         self._state.lanes = _lanes.DeviceLanes(device_share, device_grads=self._comm is None)
         self._state.lanes.place(self._state.adam, self._layout.owned)  # refused here
         if self._comm is not None:
