@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -117,8 +118,9 @@ def test_state_beside_streamed_weights_goes_to_nvme_rather_than_starve_them(daem
     model = GPT(4, 224, 4, 16)
     stream = tierd.torch.stream_parameters(model, device=torch.device("cpu"), socket_dir=daemon,
                                            host_budget_bytes=0)
-    opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon,
-                                     host_budget_bytes=1 << 30)
+    with pytest.warns(RuntimeWarning, match="more than this rank's share"):
+        opt = tierd.torch.OffloadedAdamW(model.parameters(), socket_dir=daemon,
+                                         host_budget_bytes=1 << 30)
     try:
         assert opt.home == "nvme"
         train(model, opt, 2)
@@ -146,6 +148,21 @@ def test_state_larger_than_the_budget_or_the_free_room_is_at_home_on_nvme(daemon
     finally:
         for o in (first, second, third):
             o.close()
+
+
+def test_a_budget_beyond_the_ranks_share_of_the_tier_warns(daemon, monkeypatch):  # noqa: F811
+    # 32 MiB of moments: at home on NVMe, streamed through the budget.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tierd.torch.OffloadedAdamW(linear(2048).parameters(), socket_dir=daemon,
+                                   host_budget_bytes=TIER // 4).close()
+    with pytest.warns(RuntimeWarning, match=f"host_budget_bytes {TIER // 2} is more than this "
+                      f"rank's share of the daemon's host tier \\({TIER // 4} bytes\\)"):
+        opt = tierd.torch.OffloadedAdamW(linear(2048).parameters(), socket_dir=daemon,
+                                         host_budget_bytes=TIER // 2)
+    assert (opt.home, opt.host_budget_bytes) == ("nvme", TIER // 2)  # taken as it is
+    opt.close()
 
 
 def test_persistent_state_resumes_with_the_home_and_budget_it_was_made_with(daemon):  # noqa: F811

@@ -28,9 +28,15 @@ def hyper(group: Dict[str, Any]) -> _abi.AdamHyper:
                           group["weight_decay"], 1)
 
 
+def rank_share(host: TierUsage) -> int:
+    """The host tier's share of this job's rank on the node (LOCAL_WORLD_SIZE, as torchrun sets
+    it)."""
+    return host.capacity_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+
+
 def host_budget(setting, host: TierUsage, streamed_bytes: int, scratch: bool) -> int:
-    """host_budget_bytes as given, or for "auto" the host tier's share of this job's rank on the
-    node (LOCAL_WORLD_SIZE, as torchrun sets it). Where parameters are streamed (`streamed_bytes`
+    """host_budget_bytes as given, or for "auto" from the host tier's share of this rank
+    (rank_share()). Where parameters are streamed (`streamed_bytes`
     of their weights), half of it, or less where those weights and an eighth of the share for
     what passes through would not fit in the other half: the rest of the share beyond them, and
     an eighth of it at the least. The weights then stay in the tier from one step to the next;
@@ -41,7 +47,7 @@ def host_budget(setting, host: TierUsage, streamed_bytes: int, scratch: bool) ->
     a resumed run plans as the first did whatever the tier holds then."""
     if setting != "auto":
         return setting
-    share = host.capacity_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    share = rank_share(host)
     if streamed_bytes:
         return max(share // 8, min(share // 2, share - streamed_bytes - share // 8))
     return max(min(share, host.free_bytes), share // 8) if scratch else share
@@ -118,6 +124,11 @@ class OptimizerState:
             if scratch:
                 room = min(room, host.free_bytes)
             home = "host" if held <= room or not has_nvme else "nvme"
+        if home == "nvme" and budget > rank_share(host):
+            warnings.warn(f"OffloadedAdamW: host_budget_bytes {budget} is more than this rank's "
+                          f"share of the daemon's host tier ({rank_share(host)} bytes): the "
+                          "state it keeps there is dropped for room and read again each step; "
+                          "\"auto\" sizes it from the tier", RuntimeWarning, stacklevel=4)
         if name is not None and not has_nvme:
             warnings.warn(f"OffloadedAdamW: state {name!r} is persistent, but the daemon has no "
                           "NVMe tier: it lives in host memory only and is lost when the daemon "

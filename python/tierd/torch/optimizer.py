@@ -90,7 +90,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         the parameters are streamed, half of that, less where their weights need more room to
         stay in the tier (what is left beyond them and an eighth of the share, an eighth at the
         least); else for scratch state what of it is free when the optimizer is made, for
-        persistent state all of it. The bytes chosen are in `host_budget_bytes` once made.
+        persistent state all of it. The bytes chosen are in `host_budget_bytes` once made. A
+        number beyond the rank's share of the tier, for state at home on NVMe, warns.
     state_dtype: torch.float32, or torch.bfloat16 for exp_avg and exp_avg_sq kept in bf16 (8 bytes
         of state per parameter instead of 12: a third less to store and move each step). The
         kernels round them stochastically, so they stay right on average where rounding to
