@@ -82,6 +82,9 @@ def main():
         opt.optimizer.close()
     if stream is not None:
         stream.close()
+    # As a script must: a process that exits with its gloo group alive may abort in
+    # teardown ("terminate called without an active exception", pytorch/pytorch#190489).
+    accelerator.end_training()
     json.dump({"ok": True}, sys.stdout)
 
 
@@ -123,6 +126,7 @@ def sft(args):
     if stream is not None:
         trainer.optimizer.optimizer.close()
         stream.close()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":
