@@ -36,15 +36,15 @@ def rank_share(host: TierUsage) -> int:
 
 def host_budget(setting, host: TierUsage, streamed_bytes: int, scratch: bool) -> int:
     """host_budget_bytes as given, or for "auto" from the host tier's share of this rank
-    (rank_share()). Where parameters are streamed (`streamed_bytes`
-    of their weights), half of it, or less where those weights and an eighth of the share for
-    what passes through would not fit in the other half: the rest of the share beyond them, and
-    an eighth of it at the least. The weights then stay in the tier from one step to the next;
-    with a larger budget the daemon drops them and the optimizer's kept shards both, for each
-    other's room, and reads them all again. Else, for scratch state, as much of the share as is
-    free now (an eighth of it at the least: other jobs' scratch copies go down for room), so
-    that state that fits stays there and moves nothing; for persistent state all of it, so that
-    a resumed run plans as the first did whatever the tier holds then."""
+    (rank_share()). Where parameters are streamed (`streamed_bytes` of their weights), half of
+    it, or less where those weights and an eighth of the share for what passes through would not
+    fit in the other half: the rest of the share beyond them, and an eighth of it at the least.
+    The weights then stay in the tier from one step to the next; with a larger budget the daemon
+    drops them and the optimizer's kept shards both, for each other's room, and reads them all
+    again. Else, for scratch state, as much of the share as is free now (an eighth of it at the
+    least: other jobs' scratch copies go down for room), so that state that fits stays there and
+    moves nothing; for persistent state all of it, so that a resumed run plans as the first did
+    whatever the tier holds then."""
     if setting != "auto":
         return setting
     share = rank_share(host)
@@ -124,9 +124,10 @@ class OptimizerState:
             if scratch:
                 room = min(room, host.free_bytes)
             home = "host" if held <= room or not has_nvme else "nvme"
-        if home == "nvme" and budget > rank_share(host):
+        share = rank_share(host)
+        if home == "nvme" and budget > share:
             warnings.warn(f"OffloadedAdamW: host_budget_bytes {budget} is more than this rank's "
-                          f"share of the daemon's host tier ({rank_share(host)} bytes): the "
+                          f"share of the daemon's host tier ({share} bytes): the "
                           "state it keeps there is dropped for room and read again each step; "
                           "\"auto\" sizes it from the tier", RuntimeWarning, stacklevel=4)
         if name is not None and not has_nvme:
