@@ -22,6 +22,7 @@ set(level_node_report 2)
 set(level_room_maker 2)
 set(level_plan_round 3)
 set(level_chunk_service 4)
+set(level_chunk_service_restart 5)  # the service's restart half, over its header
 set(level_plan_loop 5)
 set(level_chunk_service_nvme_fixture 5)  # the NVMe tests' fixture, over the service
 
