@@ -434,6 +434,16 @@ tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id
   });
 }
 
+tierd_status tierd_discard(tierd_client* client, size_t n, const tierd_chunk_id* ids) {
+  if (client == nullptr || (n > 0 && ids == nullptr)) {
+    return Invalid("tierd_discard: NULL argument");
+  }
+  return Guard([&] {
+    if (absl::Status s = client->client->Discard(Ids(n, ids)); !s.ok()) return Fail(s);
+    return TIERD_OK;
+  });
+}
+
 tierd_status tierd_evict(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                          int keep_source, tierd_completion* out) {
   if (client == nullptr || (n > 0 && ids == nullptr) || out == nullptr) {

@@ -158,6 +158,13 @@ absl::Status Client::Free(std::span<const ChunkId> ids) {
   return impl_->Call(&pb::Tierd::Stub::Free, req, &resp, "Free");
 }
 
+absl::Status Client::Discard(std::span<const ChunkId> ids) {
+  pb::DiscardRequest req;
+  AddIds(req.mutable_chunk_ids(), ids);
+  pb::DiscardResponse resp;
+  return impl_->Call(&pb::Tierd::Stub::Discard, req, &resp, "Discard");
+}
+
 absl::StatusOr<Acquired> Client::AcquireIds(std::span<const ChunkId> ids, Tier tier,
                                             AccessMode mode) {
   pb::AcquireRequest req;

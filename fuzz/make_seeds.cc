@@ -26,7 +26,8 @@ enum Method {
   kSetSchedule,
   kGetSessionStats,
   kSetBandwidthWeight,
-  kDrain
+  kDrain,
+  kDiscard
 };
 
 struct Seed {
@@ -73,6 +74,7 @@ int main(int argc, char** argv) {
     acquire.set_mode(pb::ACCESS_MODE_WRITE);
     s.Add(kAcquire, acquire);
     s.Add(kRelease, Ids<pb::ReleaseRequest>({0, 1}));
+    s.Add(kDiscard, Ids<pb::DiscardRequest>({1}));  // goes down unwritten
     auto evict = Ids<pb::EvictRequest>({0, 1, 2, 3});
     evict.set_tier(pb::TIER_NVME);
     s.Add(kEvict, evict);

@@ -88,7 +88,7 @@ Daemon& TheDaemon() {
 constexpr const char* kMethods[] = {
     "Allocate", "Free",       "Prefetch",    "Evict",       "Acquire",         "Release",
     "Stat",     "ListChunks", "GetNodeInfo", "SetSchedule", "GetSessionStats", "SetBandwidthWeight",
-    "Drain"};
+    "Drain",    "Discard"};
 constexpr int kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 
 // Ids below 64 name the input's own chunks, in the order they were allocated.
@@ -138,6 +138,9 @@ std::string Prepare(int method, const std::string& bytes, const std::vector<uint
       break;
     case 12:
       ok = RemapIds<pb::DrainRequest>(bytes, mine, &out);
+      break;
+    case 13:
+      ok = RemapIds<pb::DiscardRequest>(bytes, mine, &out);
       break;
     default:
       break;

@@ -26,7 +26,7 @@ namespace pb = ::tierd::v1;
 constexpr const char* kMethods[] = {
     "Allocate", "Free",       "Prefetch",    "Evict",       "Acquire",         "Release",
     "Stat",     "ListChunks", "GetNodeInfo", "SetSchedule", "GetSessionStats", "SetBandwidthWeight",
-    "Drain"};
+    "Drain",    "Discard"};
 constexpr int kMethodCount = sizeof(kMethods) / sizeof(kMethods[0]);
 constexpr const char* kKinds[] = {"structured", "mutated", "random", "oversized", "forged"};
 
@@ -213,6 +213,12 @@ class Generator {
         pb::DrainRequest r;
         r.set_tier(static_cast<pb::Tier>(Tier()));
         if (Coin()) ids(&r);
+        r.SerializeToString(&out);
+        break;
+      }
+      case 13: {
+        pb::DiscardRequest r;
+        ids(&r);
         r.SerializeToString(&out);
         break;
       }

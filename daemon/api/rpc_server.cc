@@ -136,6 +136,13 @@ class TierdService final : public pb::Tierd::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Discard(grpc::ServerContext* ctx, const pb::DiscardRequest* req,
+                       pb::DiscardResponse*) override {
+    auto session = Authenticate(ctx);
+    if (!session.ok()) return ToGrpc(session.status());
+    return ToGrpc(deps_.chunks->Discard(**session, Span(req->chunk_ids())));
+  }
+
   grpc::Status Acquire(grpc::ServerContext* ctx, const pb::AcquireRequest* req,
                        pb::AcquireResponse* resp) override {
     auto session = Authenticate(ctx);

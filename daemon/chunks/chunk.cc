@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -87,6 +88,22 @@ void FinishMove(ChunkMeta& chunk, bool ok) {
     chunk.resident.insert(chunk.moving_to);
     if (chunk.moving_to == chunk.home) chunk.dirty = TierSet();
   }
+}
+
+TierKind DiscardContents(ChunkMeta& chunk) {
+  assert(chunk.state == ChunkState::kReady && chunk.writers == 0);
+  TierKind floor = TierKind::kDevice;
+  for (std::optional<TierKind> t = TierKind::kDevice; t; t = Below(*t)) {
+    if (chunk.allocated.contains(*t)) floor = *t;
+  }
+  chunk.resident.insert(floor);
+  chunk.dirty = TierSet();
+  if (floor == TierKind::kNvme) {
+    chunk.written = false;
+    chunk.checksum = 0;
+  }
+  Unwant(chunk);
+  return floor;
 }
 
 absl::Status Retired(const ChunkMeta& chunk) {

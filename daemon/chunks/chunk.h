@@ -113,6 +113,11 @@ void Unwant(ChunkMeta& chunk);
 // When the chunk's copy in `tier` is wanted, as of `now`; InfiniteFuture when it is not (or the
 // tier holds no copy).
 absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now);
+// Discard: the caller says the chunk's contents are dead until it next writes them (a buffer
+// about to be overwritten). Every copy the chunk has becomes clean: the lowest tier it has space
+// in counts as holding it (NVMe's reads zeros, as if never written), so the copies above it go
+// for room without a write. Returns that tier. REQUIRES: ready, not acquired for write.
+TierKind DiscardContents(ChunkMeta& chunk);
 // Finishes the transfer BeginMove started: on success `to` holds a valid, clean-with-respect-to-
 // its-source copy; on failure the chunk is as it was before.
 void FinishMove(ChunkMeta& chunk, bool ok);

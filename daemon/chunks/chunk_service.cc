@@ -475,6 +475,33 @@ void ChunkService::EvictOne(ChunkMeta& chunk, TierKind tier, bool keep_source,
   EvictSettled(chunk, tier, keep_source, batch);
 }
 
+absl::Status ChunkService::Discard(const Session& session, std::span<const ChunkId> ids) {
+  if (absl::Status s = CheckBatch(ids.size(), "Discard"); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  if (session.ended) return Ended(session);
+  absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
+  if (!chunks.ok()) return chunks.status();
+  for (const ChunkMeta* chunk : *chunks) {
+    const char* why = chunk->base != 0 ? " belongs to a shared base, which is read-only"
+                      : chunk->persistent
+                          ? " is persistent: its contents are kept until it is freed"
+                      : chunk->writers > 0 ? " is acquired for write; release it first"
+                                           : nullptr;
+    if (why != nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("Discard: chunk ", chunk->id, why, "; nothing was discarded"));
+    }
+  }
+  for (ChunkMeta* chunk : *chunks) {
+    if (chunk->state == ChunkState::kMoving) continue;  // the move settles as it would
+    const TierKind floor = DiscardContents(*chunk);
+    if (chunk->pins == 0) mover_.DropAbove(*chunk, floor);
+  }
+  room_.RetryQueuedFetches();
+  room_freed_.SignalAll();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<ChunkMeta>> ChunkService::Stat(const Session& session,
                                                           std::span<const ChunkId> ids) {
   if (absl::Status s = CheckBatch(ids.size(), "Stat"); !s.ok()) return s;

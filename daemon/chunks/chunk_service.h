@@ -106,6 +106,12 @@ class ChunkService : private Mover::Listener {
                                      TierKind tier, int priority);
   absl::StatusOr<SlotToken> Evict(const Session& session, std::span<const ChunkId> ids,
                                   TierKind tier, bool keep_source = false);
+  // The caller's word that the chunks' contents are dead until it next writes them (a buffer
+  // about to be overwritten): their copies go without being written (DiscardContents), at once
+  // where nobody has them acquired, else when their tier needs the room. A chunk on its way
+  // somewhere is left as it is. Refused, and nothing discarded, for a chunk acquired for write, a
+  // persistent one (kept until freed, across sessions) or a shared base's (read-only).
+  absl::Status Discard(const Session& session, std::span<const ChunkId> ids);
   absl::StatusOr<std::vector<ChunkMeta>> Stat(const Session& session, std::span<const ChunkId> ids);
   // The session's chunks and its tenant's persistent chunks with id >= page_token, by id.
   ChunkPage List(const Session& session, ChunkId page_token, uint32_t page_size) const;

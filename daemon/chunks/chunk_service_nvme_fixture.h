@@ -1,7 +1,8 @@
 // The chunk service over a host pool and a real NVMe tier (io_uring on O_DIRECT region files in a
 // scratch directory), with faults injected at the I/O engine's seam: the fixture the service's
-// NVMe tests share (chunk_service_nvme_test.cc: requests and moves; _faults_test.cc: the drive
-// failing; _recovery_test.cc: stops, crashes and the index; _quota_test.cc: limits and quotas).
+// NVMe tests share (chunk_service_nvme_test.cc: requests and moves; _discard_test.cc: contents
+// declared dead; _faults_test.cc: the drive failing; _recovery_test.cc: stops, crashes and the
+// index; _quota_test.cc: limits and quotas).
 #pragma once
 
 #include <sys/mman.h>

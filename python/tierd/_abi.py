@@ -155,7 +155,7 @@ def library_path():
 
 # The C ABI these declarations describe (TIERD_C_ABI_VERSION): an older library lays out
 # structures such as AdamOptions differently, so it is refused rather than misread.
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 
 def load_library():
@@ -188,6 +188,7 @@ def load_library():
                                    ctypes.POINTER(Completion)]
     lib.tierd_evict.argtypes = [p, ctypes.c_size_t, u64p, ctypes.c_int, ctypes.c_int,
                                 ctypes.POINTER(Completion)]
+    lib.tierd_discard.argtypes = [p, ctypes.c_size_t, u64p]
     lib.tierd_poll.argtypes = [p, Completion]
     lib.tierd_wait.argtypes = [p, Completion, ctypes.c_int64]
     lib.tierd_tier_usage_get.argtypes = [p, ctypes.c_int, ctypes.POINTER(TierUsage)]

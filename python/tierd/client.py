@@ -132,6 +132,15 @@ class Client:
     def evict(self, chunks, tier: Tier) -> Completion:
         return self._move(library().tierd_evict, chunks, tier)
 
+    def discard(self, chunks) -> None:
+        """The chunks' contents are dead until this session next writes them (a buffer about to
+        be overwritten): the daemon drops their copies without writing them, at once where they
+        are not acquired, else when it needs the room; read before then, they hold undefined
+        bytes. FailedPrecondition, and nothing discarded, for a chunk acquired for write, a
+        persistent one or a shared base's."""
+        n, ids = _ids(chunks)
+        check(library().tierd_discard(self._handle, n, ids))
+
     def _move(self, fn, chunks, tier: Tier) -> Completion:
         n, ids = _ids(chunks)
         token = _abi.Completion()

@@ -70,7 +70,7 @@ def client(lib, daemon):
 
 
 def test_abi_version(lib):
-    assert lib.tierd_abi_version() == 13
+    assert lib.tierd_abi_version() == 14
 
 
 def test_write_through_mapping_and_read_back(lib, client):
@@ -207,6 +207,34 @@ def test_evict_to_nvme_and_prefetch_back(lib, client):
         assert ctypes.string_at(ptrs[i], sizes[i]) == bytes([0x61 + i]) * sizes[i]
     assert lib.tierd_release(client, 2, ids) == OK
     assert lib.tierd_free(client, 2, ids) == OK
+
+
+def test_discard_drops_a_copy_unwritten_and_refuses_one_being_written(lib, client):
+    sizes = (ctypes.c_uint64 * 1)(1 << 20)
+    ids = (ctypes.c_uint64 * 1)()
+    assert lib.tierd_allocate(client, 1, sizes, TIER_HOST, ids) == OK
+    write_and_evict(lib, client, ids, sizes, [0x31])  # it has space on NVMe
+    ptrs = (ctypes.c_void_p * 1)()
+    ready = Completion()
+    assert lib.tierd_acquire(client, 1, ids, TIER_HOST, ACCESS_OVERWRITE, ptrs, None,
+                             ctypes.byref(ready)) == OK, lib.tierd_last_error()
+    ctypes.memset(ptrs[0], 0x32, sizes[0])
+    # Acquired for write: its writer may be writing now, so it is refused, and nothing changes.
+    assert lib.tierd_discard(client, 1, ids) == FAILED_PRECONDITION
+    assert b"acquired for write" in lib.tierd_last_error()
+    assert lib.tierd_release(client, 1, ids) == OK
+    written = ctypes.c_uint64()
+    assert lib.tierd_path_bytes(client, b"host_to_nvme", ctypes.byref(written)) == OK
+    # Its new contents declared dead: sent down, nothing is written.
+    assert lib.tierd_discard(client, 1, ids) == OK, lib.tierd_last_error()
+    done = Completion()
+    assert lib.tierd_evict(client, 1, ids, TIER_NVME, 0, ctypes.byref(done)) == OK
+    assert lib.tierd_wait(client, done, 10_000_000_000) == OK
+    after = ctypes.c_uint64()
+    assert lib.tierd_path_bytes(client, b"host_to_nvme", ctypes.byref(after)) == OK
+    assert after.value == written.value
+    assert lib.tierd_discard(client, 1, None) == INVALID_ARGUMENT
+    assert lib.tierd_free(client, 1, ids) == OK
 
 
 def test_overwrite_fetches_nothing_and_bad_modes_are_refused(lib, client):

@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-#define TIERD_C_ABI_VERSION 13
+#define TIERD_C_ABI_VERSION 14
 /* 2: the optimizer (tierd_adam_*, tierd_cpu_adam_step)
  * 3: its state as a checkpoint (tierd_adam_get_state/set_state/set_steps), per-group
  *    hyperparameters (tierd_adam_set_group_hyper), open_mode; tierd_path_bytes
@@ -30,7 +30,8 @@ extern "C" {
  * 11: tierd_adam_group.master (a group whose master weights are its out)
  * 12: tierd_import (the daemon reads byte ranges of a file into a chunk)
  * 13: tierd_adam_options.device_budget_bytes, tierd_adam_lanes.device_kept_bytes (state kept in
- *     the device tier between steps) */
+ *     the device tier between steps)
+ * 14: tierd_discard (a chunk's copies dropped unwritten, its contents dead) */
 
 typedef struct tierd_client tierd_client;
 typedef uint64_t tierd_chunk_id;
@@ -168,6 +169,9 @@ tierd_status tierd_prefetch(tierd_client* client, size_t n, const tierd_chunk_id
 /* Moves chunks down to tier (durably), dropping the copies above it unless keep_source. */
 tierd_status tierd_evict(tierd_client* client, size_t n, const tierd_chunk_id* ids, int tier,
                          int keep_source, tierd_completion* out);
+/* The chunks' contents are dead until this session next writes them: their copies are dropped
+ * without being written (tierd::Client::Discard). */
+tierd_status tierd_discard(tierd_client* client, size_t n, const tierd_chunk_id* ids);
 
 /* TIERD_OK when the request completed successfully, TIERD_PENDING while in flight, otherwise the
  * request's error. Reads shared memory only. */

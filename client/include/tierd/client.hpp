@@ -380,6 +380,12 @@ class Client {
   // it, unless keep_source.
   absl::StatusOr<CompletionToken> EvictIds(std::span<const ChunkId> ids, Tier tier,
                                            bool keep_source = false);
+  // The chunks' contents are dead until this session next writes them (a buffer about to be
+  // overwritten): the daemon drops their copies without writing them, at once where they are not
+  // acquired, else when it needs the room. A chunk read before it is written again holds undefined
+  // bytes. FAILED_PRECONDITION, nothing discarded, for one acquired for write, a persistent one or
+  // a shared base's.
+  absl::Status Discard(std::span<const ChunkId> ids);
   absl::StatusOr<std::vector<ChunkInfo>> Stat(std::span<const ChunkId> ids);
   // Every chunk this session can see (its own and its user's persistent ones), by id.
   // This session's chunks and its user's persistent ones; with all_sessions, every chunk on the
