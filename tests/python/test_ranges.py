@@ -3,7 +3,7 @@
 A range reads and sets the current weights (what gathered() shows); a step's new weights go into
 the next version, which commit() makes whole and current; a step ended without a commit leaves
 the weights as they were; what a step puts aside is held again as it was, and gradients freed
-are not; `info` names what the range never sets; a closed stream's ranges refuse every verb.
+are not; a version no range reads or writes any more is never written down; `info` names what the range never sets; a closed stream's ranges refuse every verb.
 """
 import os
 import sys
@@ -140,6 +140,51 @@ def test_what_is_put_aside_is_held_again_as_it_was(ranges):
     expect[0] = -5.0
     with rng.current() as now:
         assert torch.equal(now, expect)
+
+
+def step(rng, value):
+    """One step of the range: every parameter's new weights `value`, made current."""
+    n = sum(p.numel() for p in rng.info.params)
+    rng.next()[:n].fill_(value)
+    rng.commit([True] * len(rng.info.params))
+    rng.end_step()
+
+
+def test_a_units_old_version_once_flipped_from_is_never_written_down(ranges):
+    model, stream, rngs = ranges
+    rng = by_block(model, rngs)[3]  # at home on NVMe
+    unit = stream._units[3]
+    step(rng, 1.0)  # version 1 current
+    step(rng, 2.0)  # version 0 current: version 1 holds weights nobody reads again
+    client = stream._client
+    client.evict([unit.chunk_id(0)], Tier.NVME).wait()  # the current weights, written down
+    written = client.path_bytes("host_to_nvme")
+    client.evict([unit.chunk_id(1)], Tier.NVME).wait()
+    assert client.path_bytes("host_to_nvme") == written  # dropped unwritten
+    with rng.current() as now:
+        assert torch.equal(now, torch.full_like(now, 2.0))
+
+
+def test_a_version_another_range_is_writing_into_is_not_discarded(ranges):
+    model, stream, rngs = ranges
+    # Two ranges per unit: the weights (group 0) and the biases (group 1).
+    keyed, _ = stream_ranges([(int(p.dim() == 1), p) for p in model.parameters()])
+    unit = stream._units[3]
+    mine = {id(p) for p in unit.params}
+    w, b = [rng for _, rng in keyed if id(rng.info.params[0]) in mine]
+    step(w, 1.0)  # the weights' current version is 1, the biases' still 0
+    # The biases' next version (1) is written and put aside; the weights then flip away from
+    # 1, which another range is still writing into.
+    b.next()[:b.info.params[0].numel()].fill_(5.0)
+    b.put_aside(free=False)
+    step(w, 2.0)
+    stream._client.evict([unit.chunk_id(0), unit.chunk_id(1)], Tier.NVME).wait()
+    b.commit([True])
+    b.end_step()
+    with b.current() as now:
+        assert torch.equal(now, torch.full_like(now, 5.0))
+    with w.current() as now:
+        assert torch.equal(now, torch.full_like(now, 2.0))
 
 
 def test_gradients_put_aside_and_freed_are_not_held_again(ranges):

@@ -136,6 +136,7 @@ class StreamRange:
             access = Access.WRITE if self._next_aside else Access.OVERWRITE
             view, held = self._parts.units.hold(self._unit, 1 - r.current, access)
             self._next = (range_view(view, r), held)
+            r.writing = True
         return self._next[0]
 
     def grads(self, kept_only: bool = False, on_device: bool = False) -> Optional[torch.Tensor]:
@@ -206,6 +207,7 @@ class StreamRange:
         if not flip:
             return
         r.current = 1 - r.current
+        r.writing = False
         self._next = _let_go(self._next)
         self._next_aside = False
         self._parts.flipped(self._unit, r)

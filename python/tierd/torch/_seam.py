@@ -52,8 +52,12 @@ class Seam:
         return out
 
     def flipped(self, u: Unit, r: Range) -> None:
-        """Range r of u has new weights: a copy of the old ones in the window goes."""
+        """Range r of u has new weights: a copy of the old ones in the window goes, and the old
+        version's chunk, once dead, its copies in the daemon too (the node's ranks share theirs,
+        which one rank cannot tell dead)."""
         with self.window.lock:
             self.trace.flipped(r)
             if not self.window.in_use(u):
                 self.window.evict(u)
+            if self.ranks is None:
+                self.units.discard_dead(u, 1 - r.current)

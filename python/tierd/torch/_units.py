@@ -46,6 +46,9 @@ class Range:
         self.offset = 0         # bytes, in each version's chunk
         self.device_offset = 0  # elements, in the unit's device storage of its dtype
         self.current = 0        # the version holding the weights
+        # The other version has been written since the last flip (by a step, perhaps abandoned):
+        # it may hold new weights that are yet to become current.
+        self.writing = False
         self.version_bit = None  # the daemon's bit for its pair, while the schedule has one
         self.grad_chunk = None  # the optimizer's gradients: a scratch chunk (_grad_chunks.py)
         self.retired = False    # the unit was laid out anew: this range is no more
@@ -276,6 +279,18 @@ class Units:
         costs a read, never wrong data. Nothing once the stream's session is closed."""
         if r.version_bit is not None and not self.client.closed:
             self.client.set_version(r.version_bit, version)
+
+    def discard_dead(self, u: Unit, version: int) -> None:
+        """Version `version` of u's chunk, which a range has just flipped away from, is dead once
+        no range of u's own has it current or is writing a step's new weights into it: nothing
+        reads it before the next step overwrites it, so the daemon drops its copies without
+        writing them down. For a unit at home on NVMe (a host unit's chunks stay held) whose
+        chunks are this rank's own; nothing once the stream's session is closed."""
+        if u.home != Tier.NVME or self.client.closed:
+            return
+        if any(r.current == version or r.writing for r in u.ranges if not r.in_base):
+            return
+        self.client.discard([u.chunks.ids[version]])
 
     @contextlib.contextmanager
     def holding(self, u: Unit, version: int, access: Access):
