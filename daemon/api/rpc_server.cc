@@ -1,19 +1,14 @@
 #include "daemon/api/rpc_server.h"
 
-#include <unistd.h>
-
 #include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/fmt_absl.h"
-#include "common/version.h"
 #include "common/wire.h"
 #include "daemon/api/health_service.h"
+#include "daemon/api/node_info.h"
 #include "daemon/api/request_interceptor.h"
-#ifdef TIERD_HAVE_CUDA
-#include <cuda.h>
-#endif
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "spdlog/spdlog.h"
@@ -34,8 +29,6 @@ absl::StatusOr<TierKind> FromProto(pb::Tier tier, bool allow_unspecified = true)
   if (std::optional<TierKind> t = TierFromWire(tier)) return *t;
   return absl::InvalidArgumentError(absl::StrCat("unknown tier ", static_cast<int>(tier)));
 }
-
-pb::Tier ToProto(TierKind tier) { return static_cast<pb::Tier>(WireValue(tier)); }
 
 void ToProto(const ChunkMeta& c, pb::ChunkInfo* out) {
   out->set_chunk_id(c.id);
@@ -403,140 +396,11 @@ class TierdService final : public pb::Tierd::Service {
                            pb::GetNodeInfoResponse* resp) override {
     auto session = Authenticate(ctx);
     if (!session.ok()) return ToGrpc(session.status());
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    resp->set_hostname(host);
-    pb::BuildInfo* build = resp->mutable_build();
-    build->set_version(TIERD_VERSION);
-    build->set_build_type(TIERD_BUILD_TYPE);
-#ifdef TIERD_HAVE_CUDA
-    build->set_cuda(true);
-#endif
-#ifdef TIERD_HAVE_CUDA
-    build->set_cuda_version(absl::StrCat(CUDA_VERSION / 1000, ".", (CUDA_VERSION % 1000) / 10));
-#endif
-    build->set_sanitizer(TIERD_SANITIZER);
-    build->set_compiler(TIERD_COMPILER);
-    for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
-      pb::TierInfo* info = resp->add_tiers();
-      info->set_tier(ToProto(kind));
-      Tier* tier = deps_.chunks->tier(kind);
-      info->set_configured(tier != nullptr);
-      if (tier == nullptr) continue;
-      TierUsage usage = tier->Usage();
-      info->set_capacity_bytes(usage.capacity_bytes);
-      info->set_used_bytes(usage.used_bytes);
-      info->set_free_bytes(usage.capacity_bytes - usage.used_bytes);
-      info->set_largest_free_bytes(usage.largest_free_bytes);
-      info->set_detail(tier->Describe());
-      if (kind == TierKind::kNvme && deps_.nvme != nullptr) {
-        info->set_io_backend(IoBackendName(deps_.nvme->io_backend()));
-        info->set_persistent_granule_bytes(deps_.nvme->persistent_granule());
-        for (const RegionStatus& r : deps_.nvme->Regions()) {
-          pb::RegionInfo* region = info->add_regions();
-          region->set_path(r.path);
-          region->set_capacity_bytes(r.capacity_bytes);
-          region->set_used_bytes(r.used_bytes);
-          region->set_free_bytes(r.capacity_bytes - r.used_bytes);
-          region->set_block_size(r.block_size);
-        }
-      }
-    }
-    for (const PathStatus& path : deps_.chunks->path_status()) {
-      pb::PathInfo* info = resp->add_paths();
-      info->set_name(PathName(path.path));
-      info->set_bytes_total(path.bytes);
-      info->set_moves_total(path.moves);
-      info->set_bytes_per_second(path.bytes_per_second);
-      info->set_measured(path.measured);
-      info->set_probed_bytes_per_second(path.probed_bytes_per_second);
-    }
-    for (const DeviceDescription& d : deps_.devices.devices) {
-      pb::DeviceInfo* dev = resp->add_devices();
-      dev->set_uuid(d.uuid);
-      dev->set_name(d.name);
-      dev->set_memory_bytes(d.memory_bytes);
-      dev->set_emulated(d.emulated);
-    }
-    resp->set_device_status(deps_.devices.status);
-    if (deps_.fallbacks != nullptr) {
-      for (const auto& [what, why] : deps_.fallbacks->List()) {
-        pb::Fallback* f = resp->add_fallbacks();
-        f->set_what(what);
-        f->set_why(why);
-      }
-    }
-    resp->set_sessions(static_cast<uint32_t>(deps_.sessions->size()));
-    if (req->list_sessions() && IsOperator(**session)) {
-      const std::map<SessionId, SessionHoldings> holdings = deps_.chunks->Holdings();
-      for (const std::shared_ptr<Session>& s : deps_.sessions->All()) {
-        pb::SessionInfo* info = resp->add_session_list();
-        info->set_id(s->id);
-        info->set_client_name(s->client_name);
-        info->set_job(s->job);
-        info->set_uid(s->peer.uid);
-        info->set_pid(static_cast<uint32_t>(s->peer.pid));
-        info->set_opened_unix_seconds(absl::ToUnixSeconds(s->opened));
-        if (auto h = holdings.find(s->id); h != holdings.end()) {
-          info->set_chunks(h->second.chunks);
-          info->set_bytes(h->second.bytes);
-          info->set_pinned_chunks(h->second.pinned);
-          info->set_moved_bytes(h->second.moved_bytes);
-        }
-      }
-    }
-    AddTenants(**session, resp);
-    resp->set_chunks(deps_.chunks->chunk_count());
-    resp->set_uptime_seconds(absl::ToInt64Seconds(absl::Now() - started_));
+    ReportNode(deps_, **session, req->list_sessions(), started_, resp);
     return grpc::Status::OK;
   }
 
  private:
-  // The caller's own user, or every user holding anything for an operator.
-  void AddTenants(const Session& session, pb::GetNodeInfoResponse* resp) const {
-    const Limits limits = deps_.chunks->limits();
-    const Quotas quotas = deps_.chunks->quotas();
-    pb::LimitsInfo* l = resp->mutable_limits();
-    l->set_connections_per_uid(limits.connections_per_uid);
-    l->set_sessions_per_uid(limits.sessions_per_uid);
-    l->set_chunks_per_session(limits.chunks_per_session);
-    l->set_chunks_per_uid(limits.chunks_per_uid);
-    l->set_schedule_accesses_per_session(limits.schedule_accesses_per_session);
-    l->set_schedule_accesses_per_uid(limits.schedule_accesses_per_uid);
-    l->set_trace_steps(limits.trace_steps);
-    std::map<uint32_t, TenantUsage> usage;
-    if (IsOperator(session)) {
-      usage = deps_.chunks->tenant_usage();
-    } else {
-      usage[session.peer.uid] = deps_.chunks->tenant_usage(session.peer.uid);
-    }
-    const absl::flat_hash_map<uint32_t, uint32_t> sessions = deps_.sessions->CountByUid();
-    for (const auto& [uid, n] : sessions) {
-      if (IsOperator(session) || uid == session.peer.uid) usage.try_emplace(uid);
-    }
-    for (const auto& [uid, u] : usage) {
-      pb::TenantInfo* t = resp->add_tenants();
-      t->set_uid(uid);
-      if (auto name = quotas.names.find(uid); name != quotas.names.end()) t->set_user(name->second);
-      if (auto n = sessions.find(uid); n != sessions.end()) t->set_sessions(n->second);
-      t->set_chunks(u.chunks);
-      t->set_schedule_accesses(u.schedule_accesses);
-      for (TierKind kind : {TierKind::kDevice, TierKind::kHost, TierKind::kNvme}) {
-        if (deps_.chunks->tier(kind) == nullptr) continue;
-        pb::TenantTier* tier = t->add_tiers();
-        tier->set_tier(ToProto(kind));
-        tier->set_used_bytes(u.bytes[kind]);
-        tier->set_quota_bytes(quotas.For(uid)[kind]);
-      }
-      for (int k = 0; k < kLimitKinds; ++k) {
-        if (u.refusals[k] == 0) continue;
-        pb::LimitRefusals* r = t->add_refusals();
-        r->set_limit(LimitName(static_cast<LimitKind>(k)));
-        r->set_count(u.refusals[k]);
-      }
-    }
-  }
-
   absl::StatusOr<std::shared_ptr<Session>> Authenticate(grpc::ServerContext* ctx) const {
     const auto& metadata = ctx->client_metadata();
     auto it = metadata.find(kSessionMetadataKey);

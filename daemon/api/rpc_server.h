@@ -1,4 +1,5 @@
-// The gRPC server on the daemon's Unix socket. The generated API code stays inside rpc_server.cc.
+// The gRPC server on the daemon's Unix socket. The generated API code stays inside rpc_server.cc
+// and node_info.cc (GetNodeInfo's answer).
 #pragma once
 
 #include <functional>

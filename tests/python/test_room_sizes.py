@@ -23,9 +23,6 @@ LARGER = {
     "daemon/chunks/chunk_service.cc": (963, "the coordinator, one lock and one file in sections; "
                                             "next out: the operators' requests over every "
                                             "session's chunks"),
-    "daemon/api/rpc_server.cc": (607, "two concerns: the API's requests, each a thin method that "
-                                      "authenticates and converts, and the node's report "
-                                      "(GetNodeInfo), next out"),
     "tools/doctor.cc": (735, "one concern: the doctor's checks, each a function of its own, "
                              "side by side in the order they run"),
     "bench/soak.cc": (1059, "a benchmark program: its load, its faults and its report, run as "
