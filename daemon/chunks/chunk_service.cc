@@ -482,14 +482,17 @@ absl::Status ChunkService::Discard(const Session& session, std::span<const Chunk
   absl::StatusOr<std::vector<ChunkMeta*>> chunks = Resolve(session, ids);
   if (!chunks.ok()) return chunks.status();
   for (const ChunkMeta* chunk : *chunks) {
-    const char* why = chunk->base != 0 ? " belongs to a shared base, which is read-only"
-                      : chunk->persistent
-                          ? " is persistent: its contents are kept until it is freed"
-                      : chunk->writers > 0 ? " is acquired for write; release it first"
-                                           : nullptr;
-    if (why != nullptr) {
+    absl::string_view why;
+    if (chunk->base != 0) {
+      why = "belongs to a shared base, which is read-only";
+    } else if (chunk->persistent) {
+      why = "is persistent: its contents are kept until it is freed";
+    } else if (chunk->writers > 0) {
+      why = "is acquired for write; release it first";
+    }
+    if (!why.empty()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("Discard: chunk ", chunk->id, why, "; nothing was discarded"));
+          absl::StrCat("Discard: chunk ", chunk->id, " ", why, "; nothing was discarded"));
     }
   }
   for (ChunkMeta* chunk : *chunks) {
