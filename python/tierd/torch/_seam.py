@@ -54,10 +54,11 @@ class Seam:
     def flipped(self, u: Unit, r: Range) -> None:
         """Range r of u has new weights: a copy of the old ones in the window goes, and the old
         version's chunk, once dead, its copies in the daemon too (the node's ranks share theirs,
-        which one rank cannot tell dead)."""
+        which one rank cannot tell dead), told outside the window's lock, which backward's hooks
+        take."""
         with self.window.lock:
             self.trace.flipped(r)
             if not self.window.in_use(u):
                 self.window.evict(u)
-            if self.ranks is None:
-                self.units.discard_dead(u, 1 - r.current)
+        if self.ranks is None:
+            self.units.discard_dead(u, 1 - r.current)

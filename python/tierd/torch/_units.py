@@ -288,7 +288,7 @@ class Units:
         chunks are this rank's own; nothing once the stream's session is closed."""
         if u.home != Tier.NVME or self.client.closed:
             return
-        if any(r.current == version or r.writing for r in u.ranges if not r.in_base):
+        if any(r.current == version or r.writing for r in u.ranges):  # a base's are never
             return
         self.client.discard([u.chunks.ids[version]])
 
