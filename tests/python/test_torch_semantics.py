@@ -461,3 +461,98 @@ def test_groups_added_later_resume_when_added_again(daemon):  # noqa: F811
         offloaded(m.upper.parameters(), daemon, name="pytest/unfreeze", reset=True).close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     close_weights(m, ref)
+
+
+def _backward_that_raises(m, step):
+    """A backward that raises partway (an out-of-memory error in the lower part, say), after the
+    upper part's gradients were taken."""
+    def oom(grad):
+        raise RuntimeError("out of memory")
+    h = m.lower.register_forward_hook(lambda mod, a, out: out.register_hook(oom) and None)
+    try:
+        x = tokens(step, seed=4)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            nn.functional.cross_entropy(m(x), x[:, 5]).backward()
+    finally:
+        h.remove()
+
+
+def test_a_batch_whose_backward_raised_is_dropped_by_zero_grad_as_torch_drops_it(daemon):  # noqa: F811,E501
+    """The out-of-memory loop: a batch whose backward raises is dropped (zero_grad) and training
+    goes on. The upper part was stepped during that backward (overlap_backward); the step being
+    speculative (max_grad_norm), it is taken back, and the training is torch's."""
+    ref, m = TwoPart(), TwoPart()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = offloaded(m.parameters(), daemon, overlap_backward=True, max_grad_norm=1e6,
+                    bucket_params=2200)  # never clips; the upper and lower parts apart
+    ref_losses, losses = [], []
+    try:
+        for step in range(6):
+            for model, o, out in ((ref, ref_opt, ref_losses), (m, opt, losses)):
+                if step == 2:
+                    _backward_that_raises(model, 100)
+                    if o is opt:
+                        opt._stepper.settle()
+                        assert opt._stepper._stepped(), "nothing was stepped during it"
+                out.append(two_part_step(model, o, step))  # its zero_grad() drops the batch
+        assert opt.steps_taken == 6
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    close_weights(m, ref)
+
+
+def test_a_step_begun_in_a_backward_that_raised_is_kept_by_zero_grad_and_applied_by_step(daemon):  # noqa: F811,E501
+    """Without speculation, what backward stepped cannot be taken back: zero_grad() says so and
+    changes nothing, and step() applies the step with the gradients that backward gave, as
+    torch's step() does after it (the lower part, which got none, is not stepped)."""
+    ref, m = TwoPart(), TwoPart()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = offloaded(m.parameters(), daemon, overlap_backward=True, bucket_params=2200)
+    try:
+        ref_losses = [two_part_step(ref, ref_opt, 0)]
+        losses = [two_part_step(m, opt, 0)]
+        _backward_that_raises(ref, 1)
+        ref_opt.step()
+        _backward_that_raises(m, 1)
+        with pytest.raises(RuntimeError, match="cannot be taken back"):
+            opt.zero_grad()
+        opt.step()
+        assert opt.steps_taken == 2
+        for step in range(2, 5):
+            ref_losses.append(two_part_step(ref, ref_opt, step))
+            losses.append(two_part_step(m, opt, step))
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    close_weights(m, ref)
+
+
+def test_zero_grad_between_backward_passes_drops_a_micro_batch_as_torch_does(daemon):  # noqa: F811
+    """Gradient accumulation (two backward passes a step) where a first micro-batch is dropped by
+    zero_grad() before the two that count: the step sums those two, as torch's does. Dropping by
+    zeroing (set_to_none=False) cannot be done once the gradients left the parameters: refused."""
+    ref, m = TwoPart(), TwoPart()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = offloaded(m.parameters(), daemon, overlap_backward=True, accumulation_steps=2,
+                    bucket_params=2200)
+
+    def loss(model, k):
+        x = tokens(k, seed=5)
+        return nn.functional.cross_entropy(model(x), x[:, 5])
+    try:
+        for model, o in ((ref, ref_opt), (m, opt)):
+            for step in range(3):
+                o.zero_grad()
+                loss(model, 10 * step).backward()
+                if o is opt and step == 0:
+                    with pytest.raises(RuntimeError, match="set_to_none=False"):
+                        o.zero_grad(set_to_none=False)
+                o.zero_grad()  # the first micro-batch dropped
+                loss(model, 10 * step + 1).backward()
+                loss(model, 10 * step + 2).backward()
+                o.step()
+        assert opt.steps_taken == 3
+    finally:
+        opt.close()
+    close_weights(m, ref)

@@ -84,7 +84,8 @@ class GradientIntake:
                 f"gradient {count} times before step(), but accumulation_steps is "
                 f"{self.accumulation_steps}: with overlap_backward its bucket is stepped after "
                 "that many backward passes. Set accumulation_steps to the backward passes of "
-                "a step (gradient accumulation), or call step() after each")
+                "a step (gradient accumulation), or call step() after each (after a backward "
+                "that raised, zero_grad() or step() first)")
         now = b.this_step
         if isinstance(b, StreamBucket):
             # Each pass's gradient leaves the device at once, summed into the bucket's.
@@ -196,6 +197,8 @@ class GradientIntake:
 
     def end_step(self) -> None:
         self._counts.clear()
+        # A backward that raised never ran its end callback: the next one queues its own.
+        self._settle_queued = False
 
     def close(self) -> None:
         """Removes the hooks and ends the hand-over thread (settle first)."""

@@ -87,6 +87,34 @@ class Stepper:
                 self._release = None
             self.intake.close()
 
+    def drop_gradients(self, set_to_none: bool) -> None:
+        """zero_grad() between a backward that gave gradients (overlap_backward) and step():
+        torch drops them, so that step() applies none. The gradients taken so far are dropped,
+        and buckets stepped during backward are taken back when their step is speculative (the
+        state as it was). A step that cannot be taken back is refused, nothing changed: step()
+        then applies it (after a backward that raised, with the gradients it gave, as torch's
+        step() would)."""
+        if self.phase is StepPhase.IDLE:
+            return
+        what = "OffloadedAdamW: zero_grad() between backward and step()"
+        if not set_to_none:
+            raise FailedPrecondition(
+                f"{what} with set_to_none=False: with overlap_backward the gradients have left "
+                "the parameters, so they cannot be zeroed and stepped as torch would; use "
+                "set_to_none=True (torch's default), or call step() first")
+        if self._comm is not None:
+            raise FailedPrecondition(f"{what}: the gradients taken are being summed over the "
+                                     "ranks already; call step() first")
+        if self.phase is StepPhase.STEPPING and not self._verdict.speculate:
+            raise FailedPrecondition(
+                f"{what}: {len(self._stepped())} bucket(s) were stepped during backward "
+                "(overlap_backward), which cannot be taken back unless the step is speculative "
+                "(max_grad_norm or skip_nonfinite); call step() to apply the step")
+        if self.phase is StepPhase.STEPPING:
+            self.abandon()
+        else:
+            self._end_step()
+
     # ---- gradients during backward (the intake's events) ----
 
     def _prepare(self) -> None:

@@ -249,8 +249,11 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """torch's zero_grad; params lists edited since the last step are taken in first (their
-        state made, or resumed, before the forward pass that uses them)."""
+        state made, or resumed, before the forward pass that uses them). Between a backward that
+        gave gradients (overlap_backward) and step(), the step's gradients are dropped, as
+        torch's are (Stepper.drop_gradients)."""
         self._stepper.settle()
+        self._stepper.drop_gradients(set_to_none is not False)
         if self.phase is not StepPhase.STEPPING:
             self._layout.sync(self._state)
             self._stepper.install_hooks()
