@@ -401,8 +401,10 @@ def test_changes_while_buckets_are_stepped_during_backward_are_refused(daemon): 
         nn.functional.cross_entropy(m(tokens(3)), tokens(3)[:, 0]).backward()
         with torch.no_grad():
             m.upper[2].weight.mul_(0.5)
+        halved = m.upper[2].weight.detach().clone()
         with pytest.raises(RuntimeError, match="weights changed between backward and step"):
             opt.step()
+        assert torch.equal(m.upper[2].weight, halved)  # the caller's change stands
         two_part_step(m, opt, 4)
     finally:
         opt.close()
@@ -555,4 +557,35 @@ def test_zero_grad_between_backward_passes_drops_a_micro_batch_as_torch_does(dae
         assert opt.steps_taken == 3
     finally:
         opt.close()
+    close_weights(m, ref)
+
+
+def test_a_step_refused_after_backward_stepped_its_buckets_is_finished_whole(daemon):  # noqa: F811,E501
+    """A step refused after overlap_backward stepped its buckets (the groups changed in between)
+    is finished, not half applied: the weights move with the state, as torch's step() moves
+    them, and training goes on as torch's."""
+    ref, m = TwoPart(), TwoPart()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    opt = offloaded(m.parameters(), daemon, overlap_backward=True, bucket_params=2200)
+    try:
+        ref_losses = [two_part_step(ref, ref_opt, 0)]
+        losses = [two_part_step(m, opt, 0)]
+        for model, o in ((ref, ref_opt), (m, opt)):
+            o.zero_grad()
+            x = tokens(1, seed=4)
+            nn.functional.cross_entropy(model(x), x[:, 5]).backward()
+            o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            if o is opt:
+                with pytest.raises(RuntimeError, match="parameter groups changed"):
+                    o.step()
+            else:
+                o.step()
+        assert opt.steps_taken == 2
+        close_weights(m, ref, "the refused step: ")
+        for step in range(2, 5):
+            ref_losses.append(two_part_step(ref, ref_opt, step))
+            losses.append(two_part_step(m, opt, step))
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     close_weights(m, ref)

@@ -78,9 +78,10 @@ class Stepper:
         self._layout.sync(self._state)
 
     def close(self) -> None:
-        """Ends a step under way (abandoned) and stops the threads."""
+        """Ends a step under way (abandoned, its weights left as they are: the stream may be
+        closed already) and stops the threads."""
         try:
-            self.abandon()
+            self.abandon(put_in_model=False)
         finally:
             if self._release is not None:
                 self._release.close()
@@ -229,7 +230,7 @@ class Stepper:
                                      "during backward: change them between step() and the next "
                                      "backward")
         if any(b.written_since_flagged() for b in self._stepped()):
-            self.abandon()
+            self.abandon(put_in_model=False)  # the caller's weights stand
             raise FailedPrecondition("OffloadedAdamW: weights changed between backward and step(), "
                                      "after they were stepped during backward (overlap_backward): "
                                      "change them between step() and the next backward")
@@ -269,6 +270,17 @@ class Stepper:
         except BaseException:
             self._end_step()
             raise
+        self._put_in_model()
+        stats.update({"buckets": float(len([b for b in self._layout.owned if b.active])),
+                      "buckets_during_backward": float(early),
+                      "reduces_during_backward": float(reduces_early),
+                      "rolled_back": float(rolled_back), "dist_bytes": self._dist_bytes(),
+                      "tail_s": time.perf_counter() - start})
+        self.last_stats = stats
+
+    def _put_in_model(self) -> None:
+        """The step's end: the new weights of the buckets stepped go into the model (a
+        streamed range's next version made current), and the step's holds go."""
         self._drain()
         written = self._stepped()
         self._end_step(unbind=False)
@@ -277,12 +289,6 @@ class Stepper:
         finally:
             for b in self._layout.buckets:
                 b.unbind()
-        stats.update({"buckets": float(len([b for b in self._layout.owned if b.active])),
-                      "buckets_during_backward": float(early),
-                      "reduces_during_backward": float(reduces_early),
-                      "rolled_back": float(rolled_back), "dist_bytes": self._dist_bytes(),
-                      "tail_s": time.perf_counter() - start})
-        self.last_stats = stats
 
     def _dist_bytes(self) -> float:
         return float(self._comm.take_moved()) if self._comm is not None else 0.0
@@ -306,15 +312,24 @@ class Stepper:
         self.intake.end_step()
         self.install_hooks()  # parameters that now require a gradient
 
-    def abandon(self) -> None:
+    def abandon(self, put_in_model: bool = True) -> None:
         """Ends a step begun during backward without applying more (after an error): abandoned
-        when speculative, else finished with what it applied."""
+        when speculative, else finished with what it applied, the weights with the state (with
+        `put_in_model`). Sharded, where every rank broadcasts the new weights alike and this one
+        may be alone in ending the step, the weights are left as they were."""
         try:
             self.settle()
         except BaseException:  # noqa: B036 (the step is being given up already)
             pass
-        if self.phase is StepPhase.STEPPING:
-            try:
-                self._state.give_up(self._verdict.speculate)
-            finally:
-                self._end_step()
+        if self.phase is not StepPhase.STEPPING:
+            return
+        speculative = self._verdict.speculate
+        try:
+            self._state.give_up(speculative)
+        except BaseException:
+            self._end_step()
+            raise
+        if speculative or self._comm is not None or not put_in_model:
+            self._end_step()
+        else:
+            self._put_in_model()
