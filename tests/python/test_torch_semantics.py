@@ -465,6 +465,11 @@ def test_groups_added_later_resume_when_added_again(daemon):  # noqa: F811
     close_weights(m, ref)
 
 
+def trained_as_torch(losses, ref_losses, m, ref):
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    close_weights(m, ref)
+
+
 def _backward_that_raises(m, step):
     """A backward that raises partway (an out-of-memory error in the lower part, say), after the
     upper part's gradients were taken."""
@@ -500,34 +505,42 @@ def test_a_batch_whose_backward_raised_is_dropped_by_zero_grad_as_torch_drops_it
         assert opt.steps_taken == 6
     finally:
         opt.close()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    close_weights(m, ref)
+    trained_as_torch(losses, ref_losses, m, ref)
 
 
-def test_a_step_begun_in_a_backward_that_raised_is_kept_by_zero_grad_and_applied_by_step(daemon):  # noqa: F811,E501
-    """Without speculation, what backward stepped cannot be taken back: zero_grad() says so and
-    changes nothing, and step() applies the step with the gradients that backward gave, as
-    torch's step() does after it (the lower part, which got none, is not stepped)."""
+def disturbed_beside_torch(daemon, disturb):  # noqa: F811
+    """One step of TwoPart beside torch's, then step 1 as `disturb(model, optimizer, is_torch)`
+    takes it, then three more: the training is torch's. Overlapped, not speculative, the upper
+    and lower parts in buckets of their own."""
     ref, m = TwoPart(), TwoPart()
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     opt = offloaded(m.parameters(), daemon, overlap_backward=True, bucket_params=2200)
     try:
         ref_losses = [two_part_step(ref, ref_opt, 0)]
         losses = [two_part_step(m, opt, 0)]
-        _backward_that_raises(ref, 1)
-        ref_opt.step()
-        _backward_that_raises(m, 1)
-        with pytest.raises(RuntimeError, match="cannot be taken back"):
-            opt.zero_grad()
-        opt.step()
+        disturb(ref, ref_opt, True)
+        disturb(m, opt, False)
         assert opt.steps_taken == 2
+        close_weights(m, ref, "step 1: ")
         for step in range(2, 5):
             ref_losses.append(two_part_step(ref, ref_opt, step))
             losses.append(two_part_step(m, opt, step))
     finally:
         opt.close()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    close_weights(m, ref)
+    trained_as_torch(losses, ref_losses, m, ref)
+
+
+def test_a_step_begun_in_a_backward_that_raised_is_kept_by_zero_grad_and_applied_by_step(daemon):  # noqa: F811,E501
+    """Without speculation, what backward stepped cannot be taken back: zero_grad() says so and
+    changes nothing, and step() applies the step with the gradients that backward gave, as
+    torch's step() does after it (the lower part, which got none, is not stepped)."""
+    def disturb(model, o, is_torch):
+        _backward_that_raises(model, 1)
+        if not is_torch:
+            with pytest.raises(RuntimeError, match="cannot be taken back"):
+                o.zero_grad()
+        o.step()
+    disturbed_beside_torch(daemon, disturb)
 
 
 def test_zero_grad_between_backward_passes_drops_a_micro_batch_as_torch_does(daemon):  # noqa: F811
@@ -564,28 +577,14 @@ def test_a_step_refused_after_backward_stepped_its_buckets_is_finished_whole(dae
     """A step refused after overlap_backward stepped its buckets (the groups changed in between)
     is finished, not half applied: the weights move with the state, as torch's step() moves
     them, and training goes on as torch's."""
-    ref, m = TwoPart(), TwoPart()
-    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    opt = offloaded(m.parameters(), daemon, overlap_backward=True, bucket_params=2200)
-    try:
-        ref_losses = [two_part_step(ref, ref_opt, 0)]
-        losses = [two_part_step(m, opt, 0)]
-        for model, o in ((ref, ref_opt), (m, opt)):
-            o.zero_grad()
-            x = tokens(1, seed=4)
-            nn.functional.cross_entropy(model(x), x[:, 5]).backward()
-            o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
-            if o is opt:
-                with pytest.raises(RuntimeError, match="parameter groups changed"):
-                    o.step()
-            else:
-                o.step()
-        assert opt.steps_taken == 2
-        close_weights(m, ref, "the refused step: ")
-        for step in range(2, 5):
-            ref_losses.append(two_part_step(ref, ref_opt, step))
-            losses.append(two_part_step(m, opt, step))
-    finally:
-        opt.close()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    close_weights(m, ref)
+    def disturb(model, o, is_torch):
+        o.zero_grad()
+        x = tokens(1, seed=4)
+        nn.functional.cross_entropy(model(x), x[:, 5]).backward()
+        o.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        if is_torch:
+            o.step()
+            return
+        with pytest.raises(RuntimeError, match="parameter groups changed"):
+            o.step()
+    disturbed_beside_torch(daemon, disturb)
