@@ -3,7 +3,7 @@
 //
 //   tierd-bench control [--json] [--socket_dir=DIR] [--chunks=10000] [--samples=2000]
 //   tierd-bench nvme [--json] [--dir=DIR] [--total=512MiB] [--io_size=1MiB] [--queue_depth=32]
-//                    [--huge_pages=auto|never|require] [--tune]
+//                    [--huge_pages=auto|never|require] [--tune] (bench/nvme.cc)
 //   tierd-bench pcie [--json] [--device=emulated|cuda] [--total=256MiB] [--dir=DIR]
 //   tierd-bench replay [--json] [--policies=on_demand,hints,trace] ... (bench/replay.cc)
 //   tierd-bench adam [--json] [--params=1e7,1e8,1e9] [--threads=1,2] ... (bench/adam.cc)
@@ -28,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "bench/bench_util.h"
+#include "bench/nvme.h"
 #include "common/sizes.h"
 #include "testing/daemon_process.h"
 #include "tierd/client.hpp"
@@ -59,214 +60,6 @@ struct Options {
   std::string huge_pages = "auto";  // nvme: the host tier's pages (the daemon's host.huge_pages)
   std::string device = "emulated";  // pcie: cuda or emulated
 };
-
-// --- nvme -----------------------------------------------------------------------------------
-
-struct Throughput {
-  double evict_gbps = 0;
-  double prefetch_gbps = 0;
-};
-
-// `total` bytes in chunks of `chunk`, allocated once; each Round evicts them all to NVMe (after a
-// write acquisition, so each evict writes) and prefetches them back.
-class NvmeCase {
- public:
-  NvmeCase(tierd::Client& c, uint64_t chunk, uint64_t total) : c_(c), chunk_(chunk) {
-    const size_t n = std::max<uint64_t>(1, total / chunk);
-    std::vector<tierd::ChunkSpec> specs(n, tierd::ChunkSpec{.size = chunk});
-    auto ids = c.AllocateIds(specs);
-    if (!ids.ok()) Die(ids.status(), "Allocate");
-    ids_ = std::move(*ids);
-    auto w = c.AcquireIds(ids_, tierd::Tier::kHost, tierd::AccessMode::kWrite);
-    if (!w.ok()) Die(w.status(), "Acquire");
-    for (const auto& a : w->chunks) std::memset(a.data, 0x5A, a.size);
-    c.Abandon(w->ready);
-    if (absl::Status s = c.Release(ids_); !s.ok()) Die(s, "Release");
-  }
-  ~NvmeCase() { (void)c_.Free(ids_); }
-
-  Throughput Round() {
-    // Acquiring for write makes the host copies the only valid ones, so the evict writes them.
-    auto w = c_.AcquireIds(ids_, tierd::Tier::kHost, tierd::AccessMode::kWrite);
-    if (!w.ok()) Die(w.status(), "Acquire");
-    c_.Abandon(w->ready);
-    if (absl::Status s = c_.Release(ids_); !s.ok()) Die(s, "Release");
-    absl::Status st;
-    const double evict_ms = TimeMs([&] {
-      auto t = c_.EvictIds(ids_, tierd::Tier::kNvme);
-      st = t.ok() ? c_.Wait(*t) : t.status();
-    });
-    if (!st.ok()) Die(st, "Evict");
-    const double prefetch_ms = TimeMs([&] {
-      auto t = c_.PrefetchIds(ids_, tierd::Tier::kHost);
-      st = t.ok() ? c_.Wait(*t) : t.status();
-    });
-    if (!st.ok()) Die(st, "Prefetch");
-    const double bytes = static_cast<double>(ids_.size() * chunk_);
-    return {bytes / evict_ms / 1e6, bytes / prefetch_ms / 1e6};
-  }
-
- private:
-  tierd::Client& c_;
-  uint64_t chunk_;
-  std::vector<tierd::ChunkId> ids_;
-};
-
-Throughput MoveThroughNvme(tierd::Client& c, uint64_t chunk, uint64_t total) {
-  NvmeCase run(c, chunk, total);
-  Throughput best;
-  for (int round = 0; round < 3; ++round) {
-    Throughput t = run.Round();
-    best.evict_gbps = std::max(best.evict_gbps, t.evict_gbps);
-    best.prefetch_gbps = std::max(best.prefetch_gbps, t.prefetch_gbps);
-  }
-  return best;
-}
-
-double FioOnce(const Options& o, const char* rw, const char* iomem);
-
-// fio on the same file system, same I/O size and depth, O_DIRECT, io_uring with registered buffers
-// and files as tierd uses them; its buffers in `iomem` (fio's --iomem: malloc, its default, or
-// the kind of memory the host tier has); bytes per second of one run.
-double FioOnce(const Options& o, const char* rw, const char* iomem) {
-  const std::string file = o.dir + "/fio.dat";
-  std::string out;
-  int rc = tierd::testing::RunProcess(
-      {"/usr/bin/fio", "--name=bench", "--filename=" + file, absl::StrCat("--size=", o.total),
-       absl::StrCat("--bs=", o.io_size), absl::StrCat("--iodepth=", o.queue_depth),
-       "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1", "--direct=1",
-       absl::StrCat("--iomem=", iomem), absl::StrCat("--rw=", rw), "--end_fsync=1",
-       "--output-format=json"},
-      &out);
-  if (rc != 0) Die(absl::InternalError(out), "fio (is the fio package installed?)");
-  const std::string section =
-      std::string("\"") + (std::string(rw) == "write" ? "write" : "read") + "\" : {";
-  size_t at = out.find(section);
-  if (at == std::string::npos) Die(absl::InternalError(out), "parsing fio's output");
-  at = out.find("\"bw_bytes\"", at);
-  if (at == std::string::npos) Die(absl::InternalError(out), "parsing fio's output");
-  at = out.find(':', at);
-  return std::strtod(out.c_str() + at + 1, nullptr);
-}
-
-std::vector<std::string> NvmeDaemonArgs(const Options& o, uint64_t io_size, uint32_t depth) {
-  const uint64_t stripe = std::max<uint64_t>(io_size, 1 << 20);
-  return {absl::StrCat("--host_capacity=", tierd::AlignUp((o.total >> 20) + 256, 256), "MiB"),
-          absl::StrCat("--nvme_regions=", o.dir, "/region0:", (o.total >> 20) * 2 + 512, "MiB"),
-          absl::StrCat("--nvme_io_size=", io_size),
-          absl::StrCat("--nvme_stripe_unit=", stripe),
-          absl::StrCat("--nvme_queue_depth=", depth),
-          absl::StrCat("--huge_pages=", o.huge_pages),
-          "--nvme_reformat",
-          "--log_level=warn"};
-}
-
-int Nvme(const Options& o) {
-  Reporter out(o.mode, o.json);
-  tierd::bench::RegionFile region(o.dir + "/region0");
-  std::error_code ec;
-  std::filesystem::create_directories(o.dir, ec);
-  if (o.tune) {
-    struct Point {
-      uint64_t io_size;
-      uint32_t depth;
-      double gbps;
-    };
-    std::vector<Point> points;
-    for (uint64_t io : {128ull << 10, 256ull << 10, 512ull << 10, 1ull << 20}) {
-      for (uint32_t depth : {4u, 8u, 16u, 32u, 64u}) {
-        auto daemon = StartDaemon(NvmeDaemonArgs(o, io, depth));
-        auto c = ConnectTo(daemon->socket_dir());
-        Throughput t = MoveThroughNvme(*c, 16 << 20, o.total);
-        c.reset();
-        daemon->Stop();
-        const double both = std::min(t.evict_gbps, t.prefetch_gbps);
-        points.push_back({io, depth, both});
-        out.Add({"gbps", both, "GB/s",
-                 absl::StrFormat(",\"op\":\"tune\",\"io_bytes\":%d,\"queue_depth\":%d", io, depth),
-                 absl::StrFormat("io_size %s, queue depth %d (slower of evict and prefetch)",
-                                 tierd::FormatSize(io), depth)});
-      }
-    }
-    // The smallest depth and I/O size within 3 % of the best: as fast, with less in flight.
-    double best = 0;
-    for (const Point& p : points) best = std::max(best, p.gbps);
-    const Point* pick = nullptr;
-    for (const Point& p : points) {
-      if (p.gbps >= 0.97 * best &&
-          (pick == nullptr || p.depth * p.io_size < pick->depth * pick->io_size)) {
-        pick = &p;
-      }
-    }
-    std::printf(
-        "\n# best settings for %s (%.2f GB/s); add to the tierd config:\n[nvme]\n"
-        "io_size = \"%s\"\nqueue_depth = %u\n",
-        o.dir.c_str(), pick->gbps, tierd::FormatSize(pick->io_size).c_str(), pick->depth);
-    return 0;
-  }
-
-  auto daemon = StartDaemon(NvmeDaemonArgs(o, o.io_size, o.queue_depth));
-  auto c = ConnectTo(daemon->socket_dir());
-  // fio runs twice: into its own buffers (what the drive gives) and into the kind of memory the
-  // host tier has, shared 4 KiB pages or shared 2 MiB huge pages (where the tier's pages cost).
-  auto info = c->GetNodeInfo();
-  if (!info.ok()) Die(info.status(), "GetNodeInfo");
-  const tierd::TierStatus* host = info->tier(tierd::Tier::kHost);
-  const bool huge = host != nullptr && host->detail.find("huge pages") != std::string::npos;
-  const char* like = huge ? "shmhuge" : "mmapshared";
-  if (!o.json) {
-    std::printf(
-        "tierd-bench nvme: %s moved per case, io_size %s, queue depth %u, in %s; host tier: %s\n",
-        tierd::FormatSize(o.total).c_str(), tierd::FormatSize(o.io_size).c_str(), o.queue_depth,
-        o.dir.c_str(), host != nullptr ? host->detail.c_str() : "none");
-  }
-  const std::string io =
-      absl::StrFormat(",\"io_bytes\":%d,\"queue_depth\":%d", o.io_size, o.queue_depth);
-  // fio and tierd take turns, five rounds each per chunk size, and the medians are compared: a
-  // virtual or shared disk drifts by tens of percent from one run to the next, and taking turns
-  // exposes both sides to the same drift.
-  constexpr int kRounds = 5;
-  for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {
-    NvmeCase run(*c, chunk, o.total);
-    (void)run.Round();  // warm-up: the first write of fresh extents
-    std::vector<double> fio_w, fio_r, like_w, like_r, evict, prefetch;
-    for (int i = 0; i < kRounds; ++i) {
-      fio_w.push_back(FioOnce(o, "write", "malloc") / 1e9);
-      fio_r.push_back(FioOnce(o, "read", "malloc") / 1e9);
-      like_w.push_back(FioOnce(o, "write", like) / 1e9);
-      like_r.push_back(FioOnce(o, "read", like) / 1e9);
-      Throughput t = run.Round();
-      evict.push_back(t.evict_gbps);
-      prefetch.push_back(t.prefetch_gbps);
-    }
-    const double fw = Median(fio_w), fr = Median(fio_r), lw = Median(like_w), lr = Median(like_r),
-                 ev = Median(evict), pf = Median(prefetch);
-    const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
-    auto spread = [](const std::vector<double>& v) {
-      return absl::StrFormat("%.2f-%.2f", *std::min_element(v.begin(), v.end()),
-                             *std::max_element(v.begin(), v.end()));
-    };
-    out.Add({"gbps", fw, "GB/s", ",\"op\":\"fio_write\"" + params,
-             "fio write, median of 5 (range " + spread(fio_w) + ")"});
-    out.Add({"gbps", lw, "GB/s", absl::StrCat(",\"op\":\"fio_write_", like, "\"", params),
-             absl::StrCat("fio write from ", like, " memory, median of 5 (range ", spread(like_w),
-                          ")")});
-    out.Add({"gbps", ev, "GB/s", ",\"op\":\"evict\"" + params,
-             absl::StrFormat("evict %s chunks: %.2f x fio, %.2f x fio from %s (range %s)",
-                             tierd::FormatSize(chunk), ev / fw, ev / lw, like, spread(evict))});
-    out.Add({"gbps", fr, "GB/s", ",\"op\":\"fio_read\"" + params,
-             "fio read, median of 5 (range " + spread(fio_r) + ")"});
-    out.Add({"gbps", lr, "GB/s", absl::StrCat(",\"op\":\"fio_read_", like, "\"", params),
-             absl::StrCat("fio read into ", like, " memory, median of 5 (range ", spread(like_r),
-                          ")")});
-    out.Add({"gbps", pf, "GB/s", ",\"op\":\"prefetch\"" + params,
-             absl::StrFormat("prefetch %s chunks: %.2f x fio, %.2f x fio into %s (range %s)",
-                             tierd::FormatSize(chunk), pf / fr, pf / lr, like, spread(prefetch))});
-  }
-  c.reset();
-  std::filesystem::remove(o.dir + "/fio.dat", ec);
-  return daemon->Stop() == 0 ? 0 : 1;
-}
 
 // --- pcie -----------------------------------------------------------------------------------
 
@@ -590,7 +383,15 @@ int main(int argc, char** argv) {
                  "       tierd-bench soak [--minutes=30] [--json] (--help)\n");
     return 2;
   }
-  if (o.mode == "nvme") return Nvme(o);
+  if (o.mode == "nvme") {
+    return tierd::bench::Nvme({.json = o.json,
+                               .dir = o.dir,
+                               .total = o.total,
+                               .io_size = o.io_size,
+                               .queue_depth = o.queue_depth,
+                               .huge_pages = o.huge_pages,
+                               .tune = o.tune});
+  }
   if (o.mode == "pcie") {
     std::error_code ec;
     std::filesystem::create_directories(o.dir, ec);

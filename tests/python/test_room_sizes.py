@@ -25,8 +25,6 @@ LARGER = {
                                             "session's chunks"),
     "tools/doctor.cc": (735, "one concern: the doctor's checks, each a function of its own, "
                              "side by side in the order they run"),
-    "bench/tierd_bench.cc": (621, "a benchmark program: one scenario per function, selected "
-                                  "by its command line; no product code includes it"),
 }
 
 
