@@ -275,64 +275,60 @@ int Nvme(const NvmeOptions& o) {
   constexpr int kRounds = 5;
   // Each case's requests as the drive saw them, summed over its rounds, beside fio's.
   const Disk disk(o.dir);
-  if (!o.json) {
-    std::printf("  the requests as %s saw them: mean size, in flight while busy, time each\n",
-                disk.name().empty() ? "no block device (none found under the directory)"
-                                    : ("/dev/" + disk.name()).c_str());
+  if (!o.json && disk.name().empty()) {
+    std::printf("  no block device under %s: the drive's requests are not counted\n",
+                o.dir.c_str());
+  } else if (!o.json) {
+    std::printf("  the requests as /dev/%s saw them: mean size, in flight while busy, time each\n",
+                disk.name().c_str());
   }
-  auto seen_by_disk = [&](const char* op, uint64_t chunk, const DiskCounts& tierd,
-                          const DiskCounts& fio, const DiskCounts& like_fio, const char* from) {
+  // One direction of a case: GB/s of each round, and what the drive saw over them all.
+  struct Side {
+    std::vector<double> fio, like, tierd;
+    DiskCounts fio_seen, like_seen, tierd_seen;
+  };
+  auto spread = [](const std::vector<double>& v) {
+    return absl::StrFormat("%.2f-%.2f", *std::min_element(v.begin(), v.end()),
+                           *std::max_element(v.begin(), v.end()));
+  };
+  // op: evict or prefetch; rw: fio's write or read; from: "from" or "into" the memory.
+  auto report = [&](uint64_t chunk, const char* op, const char* rw, const char* from,
+                    const Side& s) {
+    const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
+    const double f = Median(s.fio), l = Median(s.like), t = Median(s.tierd);
+    out.Add({"gbps", f, "GB/s", absl::StrCat(",\"op\":\"fio_", rw, "\"", params),
+             absl::StrCat("fio ", rw, ", median of 5 (range ", spread(s.fio), ")")});
+    out.Add({"gbps", l, "GB/s", absl::StrCat(",\"op\":\"fio_", rw, "_", like, "\"", params),
+             absl::StrCat("fio ", rw, " ", from, " ", like, " memory, median of 5 (range ",
+                          spread(s.like), ")")});
+    out.Add({"gbps", t, "GB/s", absl::StrCat(",\"op\":\"", op, "\"", params),
+             absl::StrFormat("%s %s chunks: %.2f x fio, %.2f x fio %s %s (range %s)", op,
+                             tierd::FormatSize(chunk), t / f, t / l, from, like, spread(s.tierd))});
     if (disk.name().empty()) return;
-    out.Add({"request_kib", tierd.request_kib(), "KiB",
-             absl::StrFormat(",\"op\":\"%s_requests\",\"chunk_bytes\":%d", op, chunk) + io +
-                 tierd.Json("") + fio.Json("fio_") + like_fio.Json("fio_like_"),
-             absl::StrCat(op, " ", tierd::FormatSize(chunk), " chunks: ", tierd.Describe(),
-                          "; fio: ", fio.Describe(), "; fio ", from, " ", like, ": ",
-                          like_fio.Describe())});
+    out.Add({"request_kib", s.tierd_seen.request_kib(), "KiB",
+             absl::StrCat(",\"op\":\"", op, "_requests\"", params, s.tierd_seen.Json(""),
+                          s.fio_seen.Json("fio_"), s.like_seen.Json("fio_like_")),
+             absl::StrCat(op, " ", tierd::FormatSize(chunk), " chunks: ", s.tierd_seen.Describe(),
+                          "; fio: ", s.fio_seen.Describe(), "; fio ", from, " ", like, ": ",
+                          s.like_seen.Describe())});
   };
   for (uint64_t chunk : {1ull << 20, 4ull << 20, 16ull << 20, 64ull << 20}) {
     NvmeCase run(*c, chunk, o.total);
     (void)run.Round();  // warm-up: the first write of fresh extents
-    std::vector<double> fio_w, fio_r, like_w, like_r, evict, prefetch;
-    struct {
-      DiskCounts fio_w, fio_r, like_w, like_r, evict, prefetch;
-    } seen;
+    Side write, read;
     auto fio = [&](const char* rw, const char* iomem, DiskCounts* counts) {
       return disk.Count(rw[0] == 'w', counts, [&] { return FioOnce(o, rw, iomem) / 1e9; });
     };
     for (int i = 0; i < kRounds; ++i) {
-      fio_w.push_back(fio("write", "malloc", &seen.fio_w));
-      fio_r.push_back(fio("read", "malloc", &seen.fio_r));
-      like_w.push_back(fio("write", like, &seen.like_w));
-      like_r.push_back(fio("read", like, &seen.like_r));
-      evict.push_back(disk.Count(true, &seen.evict, [&] { return run.Evict(); }));
-      prefetch.push_back(disk.Count(false, &seen.prefetch, [&] { return run.Prefetch(); }));
+      write.fio.push_back(fio("write", "malloc", &write.fio_seen));
+      read.fio.push_back(fio("read", "malloc", &read.fio_seen));
+      write.like.push_back(fio("write", like, &write.like_seen));
+      read.like.push_back(fio("read", like, &read.like_seen));
+      write.tierd.push_back(disk.Count(true, &write.tierd_seen, [&] { return run.Evict(); }));
+      read.tierd.push_back(disk.Count(false, &read.tierd_seen, [&] { return run.Prefetch(); }));
     }
-    const double fw = Median(fio_w), fr = Median(fio_r), lw = Median(like_w), lr = Median(like_r),
-                 ev = Median(evict), pf = Median(prefetch);
-    const std::string params = absl::StrFormat(",\"chunk_bytes\":%d", chunk) + io;
-    auto spread = [](const std::vector<double>& v) {
-      return absl::StrFormat("%.2f-%.2f", *std::min_element(v.begin(), v.end()),
-                             *std::max_element(v.begin(), v.end()));
-    };
-    out.Add({"gbps", fw, "GB/s", ",\"op\":\"fio_write\"" + params,
-             "fio write, median of 5 (range " + spread(fio_w) + ")"});
-    out.Add({"gbps", lw, "GB/s", absl::StrCat(",\"op\":\"fio_write_", like, "\"", params),
-             absl::StrCat("fio write from ", like, " memory, median of 5 (range ", spread(like_w),
-                          ")")});
-    out.Add({"gbps", ev, "GB/s", ",\"op\":\"evict\"" + params,
-             absl::StrFormat("evict %s chunks: %.2f x fio, %.2f x fio from %s (range %s)",
-                             tierd::FormatSize(chunk), ev / fw, ev / lw, like, spread(evict))});
-    seen_by_disk("evict", chunk, seen.evict, seen.fio_w, seen.like_w, "from");
-    out.Add({"gbps", fr, "GB/s", ",\"op\":\"fio_read\"" + params,
-             "fio read, median of 5 (range " + spread(fio_r) + ")"});
-    out.Add({"gbps", lr, "GB/s", absl::StrCat(",\"op\":\"fio_read_", like, "\"", params),
-             absl::StrCat("fio read into ", like, " memory, median of 5 (range ", spread(like_r),
-                          ")")});
-    out.Add({"gbps", pf, "GB/s", ",\"op\":\"prefetch\"" + params,
-             absl::StrFormat("prefetch %s chunks: %.2f x fio, %.2f x fio into %s (range %s)",
-                             tierd::FormatSize(chunk), pf / fr, pf / lr, like, spread(prefetch))});
-    seen_by_disk("prefetch", chunk, seen.prefetch, seen.fio_r, seen.like_r, "into");
+    report(chunk, "evict", "write", "from", write);
+    report(chunk, "prefetch", "read", "into", read);
   }
   c.reset();
   std::filesystem::remove(o.dir + "/fio.dat", ec);
