@@ -52,12 +52,9 @@ struct Options {
   uint64_t chunks = 10000;
   uint64_t samples = 2000;
   uint64_t chunk_size = 4096;
-  std::string dir = "var/bench";  // nvme: where the regions and fio's file go
-  uint64_t total = 512ull << 20;  // nvme: bytes moved per measurement
-  bool tune = false;              // nvme: sweep I/O size x queue depth
-  uint64_t io_size = 1 << 20;
-  uint32_t queue_depth = 32;
-  std::string huge_pages = "auto";  // nvme: the host tier's pages (the daemon's host.huge_pages)
+  std::string dir = "var/bench";    // nvme, pcie: where the regions (and fio's file) go
+  uint64_t total = 512ull << 20;    // nvme, pcie: bytes moved per measurement
+  tierd::bench::NvmeOptions nvme;   // nvme: the rest of its flags (bench/nvme.h)
   std::string device = "emulated";  // pcie: cuda or emulated
 };
 
@@ -321,7 +318,7 @@ bool Parse(int argc, char** argv, Options* o) {
       o->device = std::string(a.substr(9));
       if (o->device != "cuda" && o->device != "emulated") return false;
     } else if (a == "--tune") {
-      o->tune = true;
+      o->nvme.tune = true;
     } else if (a.substr(0, 8) == "--total=") {
       auto v = tierd::ParseSize(std::string(a.substr(8)));
       if (!v.ok()) return false;
@@ -329,14 +326,15 @@ bool Parse(int argc, char** argv, Options* o) {
     } else if (a.substr(0, 10) == "--io_size=") {
       auto v = tierd::ParseSize(std::string(a.substr(10)));
       if (!v.ok()) return false;
-      o->io_size = *v;
+      o->nvme.io_size = *v;
     } else if (a.substr(0, 13) == "--huge_pages=") {
-      o->huge_pages = std::string(a.substr(13));
-      if (o->huge_pages != "auto" && o->huge_pages != "never" && o->huge_pages != "require") {
+      o->nvme.huge_pages = std::string(a.substr(13));
+      if (o->nvme.huge_pages != "auto" && o->nvme.huge_pages != "never" &&
+          o->nvme.huge_pages != "require") {
         return false;
       }
     } else if (a.substr(0, 14) == "--queue_depth=") {
-      if (!absl::SimpleAtoi(std::string(a.substr(14)), &o->queue_depth)) return false;
+      if (!absl::SimpleAtoi(std::string(a.substr(14)), &o->nvme.queue_depth)) return false;
     } else if (!value("--chunks=", &o->chunks) && !value("--samples=", &o->samples) &&
                !value("--chunk_size=", &o->chunk_size)) {
       std::fprintf(stderr, "tierd-bench: unknown or malformed option '%s'\n", argv[i]);
@@ -384,13 +382,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (o.mode == "nvme") {
-    return tierd::bench::Nvme({.json = o.json,
-                               .dir = o.dir,
-                               .total = o.total,
-                               .io_size = o.io_size,
-                               .queue_depth = o.queue_depth,
-                               .huge_pages = o.huge_pages,
-                               .tune = o.tune});
+    o.nvme.json = o.json;  // the flags nvme shares with the other modes
+    o.nvme.dir = o.dir;
+    o.nvme.total = o.total;
+    return tierd::bench::Nvme(o.nvme);
   }
   if (o.mode == "pcie") {
     std::error_code ec;
