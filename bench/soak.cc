@@ -76,15 +76,16 @@ size_t OpenFds(pid_t pid) {
   return n;
 }
 
-// Whether the other user (nobody) can run `binary`: not where a directory above it is closed
-// to others (a checkout in a home directory of mode 700).
+// In a forked child as root: drops to the other user (nobody), groups and all.
+bool BecomeNobody() {
+  return setgroups(0, nullptr) == 0 && setgid(kNobody) == 0 && setuid(kNobody) == 0;
+}
+
+// Whether the other user can run `binary`: not where a directory above it is closed to others
+// (a checkout in a home directory of mode 700).
 bool OtherUserCanRun(const std::string& binary) {
   const pid_t pid = fork();
-  if (pid == 0) {
-    const bool can = setgroups(0, nullptr) == 0 && setgid(kNobody) == 0 && setuid(kNobody) == 0 &&
-                     access(binary.c_str(), X_OK) == 0;
-    _exit(can ? 0 : 1);
-  }
+  if (pid == 0) _exit(BecomeNobody() && access(binary.c_str(), X_OK) == 0 ? 0 : 1);
   int status = 0;
   return pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
          WEXITSTATUS(status) == 0;
@@ -197,10 +198,7 @@ class SoakRun {
     const pid_t pid = fork();
     if (pid == 0) {
       dup2(pipe_fds[1], 1);
-      if (as_other &&
-          (setgroups(0, nullptr) != 0 || setgid(kNobody) != 0 || setuid(kNobody) != 0)) {
-        _exit(126);
-      }
+      if (as_other && !BecomeNobody()) _exit(126);
       execv(args[0], args.data());
       _exit(127);
     }
