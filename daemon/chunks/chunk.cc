@@ -55,6 +55,13 @@ absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now) {
   return now > when + kWantedGrace ? absl::InfiniteFuture() : when;
 }
 
+RoomOrder RoomOrderOf(const ChunkMeta& chunk, TierKind tier, absl::Time now) {
+  if (const absl::Time when = WantedAt(chunk, tier, now); when != absl::InfiniteFuture()) {
+    return {RoomOrder::kWanted, when};
+  }
+  return {chunk.unread_version ? RoomOrder::kUnreadVersion : RoomOrder::kUnwanted};
+}
+
 void Unpin(ChunkMeta& chunk) {
   assert(chunk.pins > 0);
   chunk.pins -= 1;

@@ -113,6 +113,20 @@ void Unwant(ChunkMeta& chunk);
 // When the chunk's copy in `tier` is wanted, as of `now`; InfiniteFuture when it is not (or the
 // tier holds no copy).
 absl::Time WantedAt(const ChunkMeta& chunk, TierKind tier, absl::Time now);
+// How soon room made outside a plan takes the chunk's copy in `tier` (Space drops clean copies,
+// the RoomMaker writes dirty ones down): a pair's version no schedule reads first, then a copy
+// nobody wants, then a wanted one, the one wanted last first. Copies that compare equal go least
+// recently used first.
+struct RoomOrder {
+  enum Group { kUnreadVersion, kUnwanted, kWanted };
+  Group group = kUnwanted;
+  absl::Time wanted = absl::InfiniteFuture();  // WantedAt, for kWanted
+
+  friend bool operator<(const RoomOrder& a, const RoomOrder& b) {
+    return a.group != b.group ? a.group < b.group : a.wanted > b.wanted;
+  }
+};
+RoomOrder RoomOrderOf(const ChunkMeta& chunk, TierKind tier, absl::Time now);
 // Discard: the caller says the chunk's contents are dead until it next writes them (a buffer
 // about to be overwritten). Every copy the chunk has becomes clean: the lowest tier it has space
 // in counts as holding it (NVMe's reads zeros, as if never written), so the copies above it go

@@ -1,6 +1,7 @@
 #include "daemon/chunks/room_maker.h"
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -119,18 +120,22 @@ bool RoomMaker::MakeRoomIn(TierKind t, uint64_t bytes, uint32_t tenant) {
   // Dirty copies go down a tier: the device's to the host, the host's to NVMe.
   const bool can_write_down = Below(t) && tiers_.hop[PathDown(t)] != nullptr;
   if (!can_write_down) return coming > 0 || (!own && mover_.in_flight() > 0);
-  // Least recently used first, from the tier's own copies.
-  std::vector<ChunkMeta*> dirty;
+  // In RoomOrder, as Space drops clean copies: a pair's version no schedule reads goes down
+  // before a copy that stays (optimizer state kept between steps), whatever was used last.
+  std::vector<std::pair<RoomOrder, ChunkMeta*>> dirty;
+  const absl::Time now = clock_.Now();
   chunks_.VisitOldestIn(t, [&](ChunkMeta& c) {
     if (c.state == ChunkState::kReady && c.pins == 0 && !c.doomed && !CleanIn(c.resident, t) &&
         (!own || c.tenant == tenant)) {
-      dirty.push_back(&c);
+      dirty.emplace_back(RoomOrderOf(c, t, now), &c);
     }
     return true;
   });
+  std::stable_sort(dirty.begin(), dirty.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
   bool started = false;  // at least one, in case the free bytes are there but not in one piece
   bool below = false;    // room is being made in the tier below for these to go to
-  for (ChunkMeta* c : dirty) {
+  for (const auto& [order, c] : dirty) {
     if (started && free + coming >= bytes) break;
     // Whoever needs the room waits for it (a queued fetch, an Acquire on the service's
     // room_freed_); one that cannot start leaves them to other room.

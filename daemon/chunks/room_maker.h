@@ -1,7 +1,7 @@
 // Room made in a full tier for the fetches that need it, when dropping clean copies (Space) is not
-// enough: the least recently used copies that exist nowhere else are written one tier down
-// (device to host, host to NVMe) by the Mover, and the fetches that need the room are queued
-// until it is free. Above the Mover and Space; it serves the WaitList's requests.
+// enough: copies that exist nowhere else are written one tier down (device to host, host to NVMe)
+// by the Mover, in RoomOrder as Space drops clean ones, and the fetches that need the room are
+// queued until it is free. Above the Mover and Space; it serves the WaitList's requests.
 //
 // Not thread-safe: the chunk service keeps it under its lock (ABSL_GUARDED_BY), and every call
 // runs with that lock held.
@@ -43,9 +43,9 @@ class RoomMaker {
   RoomMaker& operator=(const RoomMaker&) = delete;
 
   // Starts fetching a chunk that requests wait on, its NVMe I/O due by `deadline`; when the tiers
-  // it needs room in are full of copies that exist nowhere else, starts writing the least
-  // recently used of them down and queues the fetch until their room is free (OK). Fails only
-  // when no room is coming.
+  // it needs room in are full of copies that exist nowhere else, starts writing the first of
+  // them in RoomOrder down and queues the fetch until their room is free (OK). Fails only when
+  // no room is coming.
   absl::Status FetchOrQueue(ChunkMeta& chunk, TierKind tier, absl::Time deadline);
   // Reserves the space an Acquire's chunks will land in, so that the locations it hands back are
   // final. False when room is being made (write-downs, or moves in flight that will leave copies

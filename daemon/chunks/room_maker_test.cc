@@ -126,6 +126,36 @@ TEST_F(RoomMakerTest, ATierFullOfDirtyCopiesWritesTheOldestDownAndQueuesTheFetch
   EXPECT_TRUE(wanted->resident.contains(TierKind::kHost));
 }
 
+TEST_F(RoomMakerTest, APairsUnreadVersionGoesDownBeforeOlderCopiesThatStay) {
+  RoomMaker& room = Make(/*with_nvme=*/true);
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& kept = DirtyHostChunk(1);  // state kept between steps, untouched since
+  DirtyHostChunk(2);
+  DirtyHostChunk(3);
+  ChunkMeta& old_version = DirtyHostChunk(4);  // read by this step's forward, dead after it
+  old_version.unread_version = true;
+  ChunkMeta& fetch = NvmeChunk();
+  Await(fetch);
+  ASSERT_TRUE(room.FetchOrQueue(fetch, TierKind::kHost, absl::Now()).ok());
+  EXPECT_EQ(old_version.state, ChunkState::kMoving);
+  EXPECT_EQ(kept.state, ChunkState::kReady);
+}
+
+TEST_F(RoomMakerTest, ACopyAPrefetchWantsGoesDownAfterThoseNobodyWants) {
+  RoomMaker& room = Make(/*with_nvme=*/true);
+  absl::MutexLock lock(&mu_);
+  ChunkMeta& wanted = DirtyHostChunk(1);  // the oldest, but wanted in a second
+  Want(wanted, TierKind::kHost, absl::Now() + absl::Seconds(1), /*by_plan=*/false);
+  ChunkMeta& unwanted = DirtyHostChunk(2);
+  DirtyHostChunk(3);
+  DirtyHostChunk(4);
+  ChunkMeta& fetch = NvmeChunk();
+  Await(fetch);
+  ASSERT_TRUE(room.FetchOrQueue(fetch, TierKind::kHost, absl::Now()).ok());
+  EXPECT_EQ(unwanted.state, ChunkState::kMoving);
+  EXPECT_EQ(wanted.state, ChunkState::kReady);
+}
+
 TEST_F(RoomMakerTest, AQueuedFetchNoOneWaitsForAnyMoreIsDropped) {
   RoomMaker& room = Make(/*with_nvme=*/true);
   ChunkMeta* wanted;

@@ -46,12 +46,9 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
         quota_full ? absl::ResourceExhaustedError("over quota") : Reserve(tier, owner, size);
     if (p.ok() || !absl::IsResourceExhausted(p.status()) || planning_) return p;
     // Full: drop a copy there that a lower tier also holds (a clean copy costs nothing to drop):
-    // of the oldest kWantedLooked, a pair's version no schedule reads, else the least recently
-    // used of those nobody wants, else the one wanted last (WantedAt).
+    // of the oldest kWantedLooked, the first in RoomOrder.
     ChunkMeta* victim = nullptr;
-    ChunkMeta* unread = nullptr;
-    ChunkMeta* wanted = nullptr;
-    absl::Time wanted_at = absl::InfinitePast();
+    RoomOrder first;
     size_t looked = 0;
     const absl::Time now = clock_.Now();
     chunks_.VisitOldestIn(tier, [&](ChunkMeta& c) {
@@ -59,22 +56,13 @@ absl::StatusOr<Placement> Space::ReserveIn(TierKind tier, SpaceOwner owner, uint
           (quota_full && c.tenant != tenant)) {
         return true;
       }
-      if (const absl::Time when = WantedAt(c, tier, now); when != absl::InfiniteFuture()) {
-        if (when > wanted_at) {
-          wanted = &c;
-          wanted_at = when;
-        }
-        return ++looked < kWantedLooked;
+      const RoomOrder order = RoomOrderOf(c, tier, now);
+      if (victim == nullptr || order < first) {
+        victim = &c;
+        first = order;
       }
-      if (c.unread_version) {
-        unread = &c;
-        return false;
-      }
-      if (victim == nullptr) victim = &c;
-      return ++looked < kWantedLooked;
+      return first.group != RoomOrder::kUnreadVersion && ++looked < kWantedLooked;
     });
-    if (unread != nullptr) victim = unread;
-    if (victim == nullptr) victim = wanted;
     if (victim == nullptr) return quota_full ? ledger_.CheckBytes(tenant, tier, needed) : p;
     DropCopy(*victim, tier);
   }
