@@ -50,8 +50,11 @@ def daemon(build: str, host_capacity: str = "512MiB", device: str = "cpu", nvme:
     extra = [f"--device_capacity={capacity}"] if capacity else []
     root = tempfile.mkdtemp(prefix="tierd-bench-")
     log = open(os.path.join(root, "daemon.log"), "w")
+    # SIGTERM when the bench's process dies, killed or not, so that no daemon outlives it
+    # (util-linux's setpriv sets the signal and execs the daemon, which keeps its pid).
+    dies_with_bench = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
     proc = subprocess.Popen(
-        [os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
+        [*dies_with_bench, os.path.join(build, "daemon", "tierd"), f"--socket_dir={root}",
          f"--state_dir={root}/state", f"--host_capacity={host_capacity}", "--lock_memory=false",
          f"--nvme_regions={root}/nvme.region:{nvme}", f"--device={backend}",
          "--metrics_listen=127.0.0.1:0", *extra], stdout=log, stderr=log)

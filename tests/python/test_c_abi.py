@@ -4,6 +4,7 @@ Run by CTest with TIERD_BIN (the daemon) and TIERD_CLIENT_LIB (libtierd_client.s
 """
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -21,13 +22,19 @@ def ids_array(values):
     return (ctypes.c_uint64 * len(values))(*values)
 
 
+# What a test starts (a daemon, a Prometheus) ends with the test's process: it gets SIGTERM when
+# the process dies, so that a test killed at its timeout leaves nothing running (util-linux's
+# setpriv sets the signal and execs the command, which keeps its pid).
+DIES_WITH_TEST = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
+
+
 def start_daemon(root, *flags):
     """A daemon with its sockets, state and a 96 MiB NVMe region file in `root` (its log there,
     appended to across restarts), once its socket is there. Its metrics on a port of its own: the
     default port may be a running tierd's."""
     log = open(os.path.join(root, "daemon.log"), "a")
     proc = subprocess.Popen(
-        [os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
+        [*DIES_WITH_TEST, os.environ["TIERD_BIN"], f"--socket_dir={root}", "--host_capacity=32MiB",
          "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={root}/state",
          f"--nvme_regions={root}/nvme.region:96MiB", "--nvme_stripe_unit=1MiB",
          "--metrics_listen=127.0.0.1:0", *flags],

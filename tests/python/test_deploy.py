@@ -12,6 +12,8 @@ import time
 
 import yaml
 
+from test_c_abi import DIES_WITH_TEST
+
 MANIFEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy",
                         "kubernetes", "tierd.yaml")
 
@@ -32,7 +34,8 @@ def test_the_configmap_is_a_config_the_daemon_runs_with():
         log_path = os.path.join(d, "daemon.log")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [os.environ["TIERD_BIN"], f"--config={path}", f"--socket_dir={d}/run",
+                [*DIES_WITH_TEST, os.environ["TIERD_BIN"], f"--config={path}",
+                 f"--socket_dir={d}/run",
                  f"--state_dir={d}/state", "--host_capacity=64MiB",
                  "--host_segment_size=16MiB", "--lock_memory=false",
                  f"--nvme_regions={d}/r0:128MiB", "--device=none", "--probe_bytes=0",

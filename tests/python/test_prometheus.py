@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from test_c_abi import (ACCESS_OVERWRITE, ACCESS_READ, ACCESS_WRITE, NOT_FOUND, OK, TIER_DEVICE, TIER_HOST,
-                        TIER_NVME, Completion, ids_array, load_library)
+from test_c_abi import (ACCESS_OVERWRITE, ACCESS_READ, ACCESS_WRITE, DIES_WITH_TEST, NOT_FOUND, OK,
+                        TIER_DEVICE, TIER_HOST, TIER_NVME, Completion, ids_array, load_library)
 
 SOURCE = os.environ.get("TIERD_SOURCE_DIR",
                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -62,7 +62,8 @@ def daemon():
         log_path = os.path.join(d, "daemon.log")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [os.environ["TIERD_BIN"], f"--socket_dir={d}", "--host_capacity=64MiB",
+                [*DIES_WITH_TEST, os.environ["TIERD_BIN"], f"--socket_dir={d}",
+                 "--host_capacity=64MiB",
                  "--host_segment_size=16MiB", "--lock_memory=false", f"--state_dir={d}/state",
                  f"--nvme_regions={d}/nvme.region:128MiB", "--nvme_stripe_unit=1MiB",
                  "--device=emulated", "--device_capacity=32MiB", "--device_segment_size=16MiB",
@@ -98,7 +99,7 @@ def prometheus(daemon):
         log_path = os.path.join(d, "prometheus.log")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                ["prometheus", f"--config.file={config_path}", f"--storage.tsdb.path={d}/data",
+                [*DIES_WITH_TEST, "prometheus", f"--config.file={config_path}", f"--storage.tsdb.path={d}/data",
                  f"--web.listen-address=127.0.0.1:{port}"],
                 stdout=log, stderr=log)
         url = f"http://127.0.0.1:{port}"

@@ -9,8 +9,8 @@ import subprocess
 
 from tierd_abi import BaseCreate, BaseInfo
 
-from test_c_abi import (ACCESS_READ, ACCESS_WRITE, OK, TIER_HOST, Completion, client, daemon,  # noqa: F401
-                        lib, load_library)
+from test_c_abi import (ACCESS_READ, ACCESS_WRITE, DIES_WITH_TEST, OK, TIER_HOST,  # noqa: F401
+                        Completion, client, daemon, lib, load_library)
 
 WAIT_NS = 10_000_000_000
 
@@ -142,7 +142,7 @@ def test_quotas_are_enforced_and_reported_by_status_and_metrics(lib, tmp_path):
     run = tmp_path / "run"
     log = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen(
-        [os.environ["TIERD_BIN"], f"--config={config}", f"--socket_dir={run}",
+        [*DIES_WITH_TEST, os.environ["TIERD_BIN"], f"--config={config}", f"--socket_dir={run}",
          f"--state_dir={tmp_path}/state", "--nvme_regions=none", "--host_capacity=32MiB",
          "--host_segment_size=16MiB", "--lock_memory=false", "--device=none",
          "--metrics_listen=127.0.0.1:0"], stdout=log, stderr=log)
