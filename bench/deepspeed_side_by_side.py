@@ -36,8 +36,9 @@ a step must move where its weights and state are at home with --host-capacity of
 them in (benchlib.step_minimum_bytes; every
 mode is measured against that memory; not for the -split modes, whose state is partly on the
 device), tierd's bytes by role (the stream's weights and gradients, the optimizer's state: each
-role's sessions are a job of their own, counted by the daemon's tierd_job_moved_bytes_total), and
-the losses' largest difference from the first mode's.
+role's sessions are a job of their own, counted by the daemon's tierd_job_moved_bytes_total), what
+tierd's optimizer waited a step for its state and its step's tail after backward (medians of its
+last_stats), and the losses' largest difference from the first mode's.
 
     python3 bench/deepspeed_side_by_side.py [--hidden 512 --layers 4 --seq 256 --batch 4]
         [--modes ds-offload,ds-infinity,tierd-state,tierd-stream] [--dtype fp32|bf16]
@@ -279,6 +280,7 @@ def child(args) -> None:
     io = None
     host = 0  # the daemon's host tier in use, the most after a step
     shared = []  # the daemon's memory mapped into this process (RssShmem), after each step
+    waits = []  # tierd's optimizer: what each timed step waited for its state, and its tail
     for k, x in enumerate(data):
         if k == 1:  # after the warm-up step
             io = [_io("self")] + ([_io(daemon_pid)] if daemon_pid else [])
@@ -290,6 +292,8 @@ def child(args) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach().float()))
+        if opt is not None and k > 0 and opt.last_stats:
+            waits.append((opt.last_stats["state_wait_s"], opt.last_stats["tail_s"]))
         if probe is not None:
             host = max(host, probe.tier_usage(tierd.Tier.HOST).used_bytes)
             shared.append(benchlib.proc_status()["RssShmem"])
@@ -307,6 +311,9 @@ def child(args) -> None:
            "host_tier_peak": host, "by_role": by_role}
     if opt is not None:  # tierd's: where the optimizer's state is at home, and its budget
         out["state"] = {"home": opt.home, "host_budget_bytes": opt.host_budget_bytes}
+        if waits:
+            out["state"].update(wait_s=statistics.median(w for w, _ in waits),
+                                tail_s=statistics.median(t for _, t in waits))
     for close in cleanup:
         close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -448,6 +455,12 @@ def report(args, runs, reference) -> None:
         if state:
             by_role += (f", state at home on {state['home']} (host budget "
                         f"{state['host_budget_bytes'] / mib:.0f} MiB)")
+            waited = [r["state"] for r in ok[m] if "wait_s" in r.get("state", {})]
+            if waited:
+                by_role += (f", optimizer waited "
+                            f"{statistics.median(s['wait_s'] for s in waited) * 1e3:.0f} ms a "
+                            f"step for its state, its tail after backward "
+                            f"{statistics.median(s['tail_s'] for s in waited) * 1e3:.0f} ms")
         print(f"  {m:18s} step {step * 1e3:7.0f} ms  {ratio}   RAM {ram / mib:6.0f} MiB"
               f"{ram_ratio}: peak RSS {rss / mib:6.0f} MiB"
               + (f" (of it the tier's pages it maps {in_rss / mib:.0f} MiB)"
