@@ -71,18 +71,26 @@ std::vector<char*> Pointers(const std::vector<std::string>& strings) {
   return pointers;
 }
 
+// `dies_with_parent`: the child gets SIGTERM when the thread that spawned it ends, so that a test
+// killed at its timeout leaves no daemon running.
 pid_t Spawn(const std::vector<std::string>& argv, const std::string& output_path,
-            bool without_io_uring = false, const std::vector<std::string>& env_overrides = {}) {
+            bool without_io_uring = false, const std::vector<std::string>& env_overrides = {},
+            bool dies_with_parent = false) {
   const std::vector<std::string> env_strings = Environment(env_overrides);
   std::vector<char*> env = Pointers(env_strings);
   std::vector<char*> args = Pointers(argv);
-  if (without_io_uring) {
+  if (without_io_uring || dies_with_parent) {
+    const pid_t parent = getpid();
     const pid_t pid = fork();
     if (pid != 0) return pid;
+    // Only system calls from here to the exec: the parent has other threads.
+    if (dies_with_parent && (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent)) {
+      _exit(125);
+    }
     const int out = open(output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(out, 1);
     dup2(out, 2);
-    if (!BlockIoUring()) _exit(126);
+    if (without_io_uring && !BlockIoUring()) _exit(126);
     execve(args[0], args.data(), env.data());
     _exit(127);
   }
@@ -168,7 +176,7 @@ absl::StatusOr<std::unique_ptr<DaemonProcess>> DaemonProcess::Start(const Daemon
 }
 
 absl::Status DaemonProcess::Launch() {
-  pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_, env_);
+  pid_ = Spawn(argv_, dir_ + "/daemon.log", without_io_uring_, env_, /*dies_with_parent=*/true);
   if (pid_ < 0) return absl::InternalError("cannot spawn " + argv_[0]);
   const absl::Time deadline = absl::Now() + start_timeout_;
   while (absl::Now() < deadline) {

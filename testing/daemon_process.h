@@ -30,6 +30,8 @@ struct DaemonOptions {
   std::vector<std::string> env;
 };
 
+// The daemon gets SIGTERM when the thread that started (or restarted) it ends, as when the test's
+// process is killed at its timeout: start it from a thread that outlives it, the test's own.
 class DaemonProcess {
  public:
   // Makes a temporary directory (mode 0711, so other users can reach the sockets), starts the

@@ -99,8 +99,8 @@ def prometheus(daemon):
         log_path = os.path.join(d, "prometheus.log")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [*DIES_WITH_TEST, "prometheus", f"--config.file={config_path}", f"--storage.tsdb.path={d}/data",
-                 f"--web.listen-address=127.0.0.1:{port}"],
+                [*DIES_WITH_TEST, "prometheus", f"--config.file={config_path}",
+                 f"--storage.tsdb.path={d}/data", f"--web.listen-address=127.0.0.1:{port}"],
                 stdout=log, stderr=log)
         url = f"http://127.0.0.1:{port}"
 
