@@ -36,6 +36,10 @@ inline absl::Status ValidateHyperparameters(const AdamHyperparameters& h) {
   return absl::OkStatus();
 }
 
+// The most shards the read-ahead window of scratch state takes from a budget that holds more
+// (Impl::PlanResidency).
+constexpr uint64_t kMaxWindowShards = 8;
+
 }  // namespace internal
 
 struct OffloadedAdam::Impl {
@@ -78,8 +82,14 @@ struct OffloadedAdam::Impl {
   uint64_t PlanResidency(uint64_t slots, uint64_t largest) {
     const uint64_t per_shard = state.options.speculative ? 2 : 1;
     // The window the streamed shards need: the shards in hand, one read ahead and one written
-    // back at the least; a quarter of the budget when that is more.
-    const uint64_t window = std::max<uint64_t>(per_shard + 2, slots / 4);
+    // back at the least; a quarter of the budget when that is more, but no more than
+    // kMaxWindowShards. Depth is counted in shards: the read-ahead needs a few of them in flight
+    // (with 24 in the budget, a window of 3 doubled the optimizer's waits, 6 did not), while
+    // every shard of the window is read and written once more a step than the tier needs. A
+    // quarter of a large budget is hundreds of shards (50 GiB of a 200 GiB budget), all moved
+    // for nothing.
+    const uint64_t window = std::max<uint64_t>(
+        per_shard + 2, std::min<uint64_t>(slots / 4, internal::kMaxWindowShards));
     const uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
                               ? (slots - window) / per_shard * largest
                               : 0;

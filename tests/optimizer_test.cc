@@ -175,23 +175,36 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
 
 // Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
 // stays on the host between steps, and only the rest goes down to NVMe and up again.
+// The shards a budget of `slots` keeps on the host: all but the window the rest streams through,
+// a quarter of the budget, at most eight shards and at least the shards in hand and two.
+uint64_t ResidentShards(uint64_t slots, bool speculative) {
+  const uint64_t per_shard = speculative ? 2 : 1;
+  const uint64_t window = std::max<uint64_t>(per_shard + 2, std::min<uint64_t>(slots / 4, 8));
+  return (slots - window) / per_shard;
+}
+
 TEST_F(OptimizerTest, ScratchStateKeepsWhatTheBudgetHoldsOnTheHostBetweenSteps) {
-  for (bool speculative : {false, true}) {
-    SCOPED_TRACE(speculative ? "speculative" : "in place");
+  // The optimizer's own shard size (the budget holds 24) and small shards (it holds 64: a
+  // quarter would be 16, the window takes 8).
+  for (auto [speculative, shard_params] : std::vector<std::pair<bool, uint64_t>>{
+           {false, 0}, {true, 0}, {false, 16 * 1024}, {true, 16 * 1024}}) {
+    SCOPED_TRACE(
+        absl::StrCat(speculative ? "speculative" : "in place", ", shard_params ", shard_params));
     params_.clear(), m_.clear(), v_.clear();
     SetUpState();
-    OffloadedAdamOptions o = Options(speculative ? "model/scratch-spec" : "model/scratch");
+    OffloadedAdamOptions o =
+        Options(absl::StrCat(speculative ? "model/scratch-spec-" : "model/scratch-", shard_params));
     o.persistent = false;
     o.speculative = speculative;
     o.host_budget_bytes = 3 * kBudget;
+    o.shard_params = shard_params;
     auto opt = Create(o);
     ASSERT_NE(opt, nullptr);
     ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
     const uint64_t shard_bytes = 12 * opt->shard_params();
     const uint64_t slots = o.host_budget_bytes / shard_bytes;
-    const uint64_t per_shard = speculative ? 2 : 1;
-    // A quarter of the budget (at least the shards in hand and two) streams the rest.
-    const uint64_t resident = (slots - std::max<uint64_t>(per_shard + 2, slots / 4)) / per_shard;
+    ASSERT_EQ(slots, shard_params == 0 ? 24u : 64u);
+    const uint64_t resident = ResidentShards(slots, speculative);
     ASSERT_GT(resident * shard_bytes, opt->state_bytes() / 4);
     ASSERT_LT(resident * shard_bytes, opt->state_bytes());
     for (int step = 1; step <= 5; ++step) {
