@@ -43,6 +43,7 @@ absl::StatusOr<NodeInfo> Client::GetNodeInfo(bool list_sessions) {
     }
     status.io_backend = t.io_backend();
     status.persistent_granule_bytes = t.persistent_granule_bytes();
+    status.segment_bytes = t.segment_bytes();
     info.tiers.push_back(std::move(status));
   }
   for (const pb::DeviceInfo& d : resp.devices()) {

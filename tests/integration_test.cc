@@ -90,6 +90,7 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   EXPECT_EQ(host->capacity_bytes, kCapacity);
   EXPECT_EQ(host->used_bytes, 0u);
   EXPECT_EQ(host->largest_free_bytes, kSegment);
+  EXPECT_EQ(host->segment_bytes, kSegment);
   EXPECT_NE(host->detail.find("4 segments of 16 MiB (64 MiB), memfd"), std::string::npos)
       << host->detail;
   const TierStatus* nvme = info->tier(Tier::kNvme);
@@ -100,6 +101,7 @@ TEST_F(DaemonTest, NodeInfoDescribesTheHostTier) {
   // in whole stripe units.
   EXPECT_EQ(nvme->capacity_bytes, 247u << 20);
   EXPECT_EQ(nvme->regions[0].used_bytes, 0u);
+  EXPECT_EQ(nvme->segment_bytes, 0u);  // regions, not segments
   EXPECT_FALSE(info->tier(Tier::kDevice)->configured);
   EXPECT_FALSE(info->version.empty());
   EXPECT_EQ(info->sessions, 1u);

@@ -89,6 +89,7 @@ void ReportNode(const RpcServerDeps& deps, const Session& session, bool list_ses
     info->set_free_bytes(usage.capacity_bytes - usage.used_bytes);
     info->set_largest_free_bytes(usage.largest_free_bytes);
     info->set_detail(tier->Describe());
+    if (kind != TierKind::kNvme) info->set_segment_bytes(tier->max_reservation());
     if (kind == TierKind::kNvme && deps.nvme != nullptr) {
       info->set_io_backend(IoBackendName(deps.nvme->io_backend()));
       info->set_persistent_granule_bytes(deps.nvme->persistent_granule());

@@ -105,6 +105,9 @@ struct TierStatus {
   std::vector<RegionStatus> regions;      // NVMe tier
   std::string io_backend;                 // NVMe tier: io_uring, or threads (pread/pwrite)
   uint64_t persistent_granule_bytes = 0;  // NVMe tier: the least a persistent chunk takes
+  // Host and device tiers: the size of each segment, also the largest chunk; a chunk never spans
+  // two (0 from a daemon that does not say).
+  uint64_t segment_bytes = 0;
 };
 
 // A way chunk bytes move between tiers, since the daemon started.
