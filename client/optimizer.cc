@@ -43,6 +43,21 @@ constexpr uint64_t kAutoShards = 24;
 constexpr uint64_t kMaxAutoShardParams = 4ull << 20;
 constexpr uint64_t kMinShardParams = 16 * 1024;
 
+// The shard size the optimizer picks for `budget`: a 24th of it, at most 4 Mi parameters, and at
+// most the largest size of which a whole number fills the host tier's segments (`segment`, 0 when
+// the daemon does not say): a chunk never spans two, so 48 MiB shards leave 16 MiB of each
+// 256 MiB segment empty, and a budget that counts those bytes holds fewer shards than it plans.
+uint64_t AutoShardParams(uint64_t budget, ScalarType type, uint64_t segment) {
+  uint64_t params =
+      std::clamp<uint64_t>(budget / kAutoShards / StateBytesPerParam(type) / 1024 * 1024,
+                           kMinShardParams, kMaxAutoShardParams);
+  if (segment == 0) return params;
+  const uint64_t largest = ShardOf(0, kMaxAutoShardParams, type).bytes();
+  const uint64_t fits = segment / ((segment + largest - 1) / largest);
+  while (params > kMinShardParams && ShardOf(0, params, type).bytes() > fits) params -= 1024;
+  return params;
+}
+
 }  // namespace
 OffloadedAdam::OffloadedAdam(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 OffloadedAdam::~OffloadedAdam() = default;
@@ -75,14 +90,29 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   auto impl = std::make_unique<Impl>();
   impl->state.options = options;
   impl->lr = h.lr;
+  ClientOptions client_options = options.client;
+  if (client_options.client_name.empty()) client_options.client_name = "optimizer " + options.name;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(client_options);
+  if (!client.ok()) return client.status();
+  impl->client = std::move(*client);
+  impl->state.client = impl->client.get();
+  absl::StatusOr<NodeInfo> node = impl->client->GetNodeInfo();
+  if (!node.ok()) return node.status();
+  const TierStatus* host = node->tier(Tier::kHost);
+  impl->host_segment_bytes = host != nullptr ? host->segment_bytes : 0;
   uint64_t shard_params = options.shard_params;
   if (shard_params == 0) {
-    shard_params = std::clamp<uint64_t>(options.host_budget_bytes / kAutoShards /
-                                            StateBytesPerParam(options.state_type) / 1024 * 1024,
-                                        kMinShardParams, kMaxAutoShardParams);
+    shard_params =
+        AutoShardParams(options.host_budget_bytes, options.state_type, impl->host_segment_bytes);
   }
   impl->state.shard_params = shard_params;
   const uint64_t shard_bytes = ShardOf(0, shard_params, options.state_type).bytes();
+  if (impl->host_segment_bytes > 0 && shard_bytes > impl->host_segment_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard_params ", shard_params, " makes shards of ", shard_bytes,
+                     " bytes, more than the host tier's segments hold (", impl->host_segment_bytes,
+                     "): lower shard_params"));
+  }
   // The shards in hand (two for a speculative step), one read ahead and one written back.
   const uint64_t min_shards = options.speculative ? 4 : 3;
   if (options.home == Tier::kNvme && options.host_budget_bytes < min_shards * shard_bytes) {
@@ -94,12 +124,6 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   for (ParamGroup& g : groups) impl->state.groups.push_back({.spec = std::move(g)});
   impl->hyper.assign(impl->state.groups.size(), h);
 
-  ClientOptions client_options = options.client;
-  if (client_options.client_name.empty()) client_options.client_name = "optimizer " + options.name;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(client_options);
-  if (!client.ok()) return client.status();
-  impl->client = std::move(*client);
-  impl->state.client = impl->client.get();
   impl->window.Bind(impl->client.get(), options.home == Tier::kNvme);
   if (absl::Status s = impl->state.Open(); !s.ok()) return s;
   impl->worker = std::make_unique<internal::StepWorker>(

@@ -50,8 +50,9 @@ struct OffloadedAdam::Impl {
     (void)window.WaitWrites(0);
   }
 
-  // The budget is counted in shards of the largest size: the one in hand, those read ahead and
-  // those being written back share it. Also the worker's bookkeeping sized by the groups.
+  // The budget is counted in shards of the largest size, as many as the host tier's segments hold:
+  // the one in hand, those read ahead and those being written back share it. Also the worker's
+  // bookkeeping sized by the groups.
   void Resize() {
     uint64_t largest = 0;
     state.state_bytes = 0;
@@ -63,8 +64,9 @@ struct OffloadedAdam::Impl {
     }
     if (largest == 0)
       largest = internal::ShardOf(0, state.shard_params, state.options.state_type).bytes();
-    const uint64_t slots = std::max<uint64_t>(1, state.options.host_budget_bytes / largest);
-    window.set_slots(slots - PlanResidency(slots, largest));
+    const uint64_t slots = std::max<uint64_t>(
+        1, internal::HostSlots(state.options.host_budget_bytes, host_segment_bytes, largest));
+    window.set_slots(PlanResidency(slots, largest));
     PlanDeviceStay();
     worker->Resize();
     if (device_lane != nullptr) device_lane->Resize();
@@ -78,9 +80,14 @@ struct OffloadedAdam::Impl {
   // writes one down only when another needs its room. Persistent state streams whole: what
   // FinishStep acknowledged is on NVMe. The room is bytes: many groups' small last shards stay
   // as far as their bytes fit, not as many as the slots of the largest. Returns the slots (of
-  // `largest` bytes) the resident shards take.
+  // `largest` bytes) left to the window.
   uint64_t PlanResidency(uint64_t slots, uint64_t largest) {
     const uint64_t per_shard = state.options.speculative ? 2 : 1;
+    const bool keeps = state.nvme_home() && !state.options.persistent;
+    // A budget the kept shards fill to its last slot leaves the tier no room to turn a chunk
+    // around in: with all 48 slots planned in a 2 GiB tier, the read-ahead waited for room and
+    // the step read 1.5 times what it wrote; with one left free it read what its plan says.
+    if (keeps && slots > per_shard + 3) --slots;
     // The window the streamed shards need: the shards in hand, one read ahead and one written
     // back at the least; a quarter of the budget when that is more, but no more than
     // kMaxWindowShards. Depth is counted in shards: the read-ahead needs a few of them in flight
@@ -90,9 +97,7 @@ struct OffloadedAdam::Impl {
     // for nothing.
     const uint64_t window = std::max<uint64_t>(
         per_shard + 2, std::min<uint64_t>(slots / 4, internal::kMaxWindowShards));
-    const uint64_t room = state.nvme_home() && !state.options.persistent && slots > window
-                              ? (slots - window) / per_shard * largest
-                              : 0;
+    const uint64_t room = keeps && slots > window ? (slots - window) / per_shard * largest : 0;
     const std::vector<size_t> order = ExpectedOrder();
     uint64_t resident = 0;  // bytes
     for (auto g = order.rbegin(); g != order.rend(); ++g) {
@@ -102,7 +107,7 @@ struct OffloadedAdam::Impl {
         resident += sh->resident ? sh->bytes() : 0;
       }
     }
-    return (resident + largest - 1) / largest * per_shard;
+    return slots - (resident + largest - 1) / largest * per_shard;
   }
 
   // Scratch state on the device lane keeps what device_budget_bytes holds in the device tier from
@@ -200,6 +205,7 @@ struct OffloadedAdam::Impl {
   double device_rate = 0;
   double lr = 0;
   std::vector<AdamHyperparameters> hyper;  // each group's
+  uint64_t host_segment_bytes = 0;         // the host tier's segments (0: the daemon did not say)
 
   // The end of a step: both lanes settled; the longer wait for write-backs, or the first error.
   absl::StatusOr<absl::Duration> Settle() {

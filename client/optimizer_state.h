@@ -60,6 +60,13 @@ struct Shard {
 Shard ShardOf(uint64_t first, uint64_t n, ScalarType state_type,
               ParamGroup::Master master = ParamGroup::Master::kState);
 
+// How many shards of `shard` bytes `budget` bytes of the host tier hold, its segments of `segment`
+// bytes (0: not known) each holding as many whole ones as fit: a chunk never spans two.
+inline uint64_t HostSlots(uint64_t budget, uint64_t segment, uint64_t shard) {
+  if (segment < shard) return budget / shard;
+  return budget / segment * (segment / shard) + budget % segment / shard;
+}
+
 struct Group {
   ParamGroup spec;                     // spec.tensors always lists the tensors
   std::vector<uint64_t> tensor_first;  // where each tensor starts in the group

@@ -27,6 +27,17 @@ TEST(ShardOfTest, EachRegionIsPageAlignedAndTheMomentsFollowTheWeights) {
   EXPECT_EQ(s.bytes() % kPage, 0u);
 }
 
+TEST(HostSlotsTest, ASegmentHoldsOnlyWholeShards) {
+  constexpr uint64_t kMiB = 1 << 20;
+  // Five 48 MiB shards fill 240 MiB of a 256 MiB segment: 2 GiB holds 40, not 42.
+  EXPECT_EQ(HostSlots(2048 * kMiB, 256 * kMiB, 48 * kMiB), 40u);
+  EXPECT_EQ(HostSlots(2048 * kMiB, 0, 48 * kMiB), 42u);  // segments not known: bytes
+  // A budget's part segment holds what fits in it.
+  EXPECT_EQ(HostSlots(600 * kMiB, 256 * kMiB, 48 * kMiB), 10u + 1u);
+  // Shards that divide the segment lose nothing.
+  EXPECT_EQ(HostSlots(2048 * kMiB, 256 * kMiB, 32 * kMiB), 64u);
+}
+
 TEST(ShardOfTest, BFloat16MomentsTakeHalfTheBytesAndAMasterInOutTakesNone) {
   const Shard fp32 = ShardOf(0, 4096, ScalarType::kFloat32);
   const Shard bf16 = ShardOf(0, 4096, ScalarType::kBFloat16);

@@ -25,6 +25,7 @@ std::string DaemonBinary() { return testing::ExecutableDir() + "/../daemon/tierd
 // Two groups, 1.2 M parameters: 14 MiB of state against a 4 MiB host budget.
 const std::vector<ParamGroup> kGroups = {{"embed", 700001}, {"layer0", 500000}};
 constexpr uint64_t kBudget = 4 << 20;
+constexpr uint64_t kSegment = 16 << 20;  // the host tier's segments
 
 class OptimizerTest : public ::testing::Test {
  protected:
@@ -175,12 +176,14 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
 
 // Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
 // stays on the host between steps, and only the rest goes down to NVMe and up again.
-// The shards a budget of `slots` keeps on the host: all but the window the rest streams through,
-// a quarter of the budget, at most eight shards and at least the shards in hand and two.
+// The shards a budget of `slots` keeps on the host: all but one slot left free and the window the
+// rest streams through, a quarter of what is planned, at most eight shards and at least the
+// shards in hand and two.
 uint64_t ResidentShards(uint64_t slots, bool speculative) {
   const uint64_t per_shard = speculative ? 2 : 1;
-  const uint64_t window = std::max<uint64_t>(per_shard + 2, std::min<uint64_t>(slots / 4, 8));
-  return (slots - window) / per_shard;
+  const uint64_t planned = slots - 1;
+  const uint64_t window = std::max<uint64_t>(per_shard + 2, std::min<uint64_t>(planned / 4, 8));
+  return (planned - window) / per_shard;
 }
 
 TEST_F(OptimizerTest, ScratchStateKeepsWhatTheBudgetHoldsOnTheHostBetweenSteps) {
@@ -259,8 +262,9 @@ TEST_F(OptimizerTest, ScratchStateKeepsSmallShardsAsFarAsTheirBytesFit) {
   OffloadedAdamOptions o = Options("model/small-shards");
   o.persistent = false;
   o.shard_params = 256 * 1024;  // 3 MiB of state a shard
-  // 8 slots of 3 MiB: a window of 3, and 15 MiB for the 11 shards' 5.4 MiB to stay in. Counted
-  // in slots, only 5 of the 11 would stay.
+  // 24 MiB in the tier's 16 MiB segments holds 7 slots of 3 MiB (5 in a segment): one left free
+  // and a window of 3 leave 9 MiB for the 11 shards' 5.4 MiB to stay in. Counted in slots, only 3
+  // of the 11 would stay.
   o.host_budget_bytes = 8 * 12 * o.shard_params;
   auto created = OffloadedAdam::Create(groups, o);
   ASSERT_TRUE(created.ok()) << created.status();
@@ -283,6 +287,28 @@ TEST_F(OptimizerTest, ScratchStateKeepsSmallShardsAsFarAsTheirBytesFit) {
     if (step == 1) continue;  // the state came up
     EXPECT_EQ(PathBytes(opt.client(), "nvme_to_host") - read_before, 0u) << "step " << step;
   }
+}
+
+// A chunk never spans two segments of the host tier: the optimizer's own shard size is at most the
+// largest of which whole ones fill a segment, so that its budget holds the shards it counts.
+TEST_F(OptimizerTest, ItsOwnShardsFillTheHostTiersSegmentsWithWholeShards) {
+  OffloadedAdamOptions o = Options("model/segment-shards");
+  o.persistent = false;
+  o.host_budget_bytes = 1ull << 30;  // a 24th is 42.7 MiB, more than the 16 MiB segments
+  auto opt = Create(o);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_LE(12 * opt->shard_params(), kSegment);
+  EXPECT_GT(12 * (opt->shard_params() + 1024), kSegment);
+  ASSERT_NO_FATAL_FAILURE(SetAll(*opt));
+  auto grads = Gradients(1, 1.0f);
+  ASSERT_TRUE(opt->BeginStep().ok());
+  for (size_t g : {1, 0}) {
+    ASSERT_TRUE(opt->StepGroup(g, grads[g].data(), ScalarType::kBFloat16).ok());
+  }
+  auto stats = opt->FinishStep();
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ReferenceStep(grads, 1, 1.0f, {0, 1});
+  ExpectParams(*opt, "after a step");
 }
 
 TEST_F(OptimizerTest, HostHomeStateIsPinnedOnceAndStepsWithoutDaemonCalls) {
@@ -1178,6 +1204,14 @@ TEST_F(OptimizerTest, BadCallsFailClearlyAndChangeNothing) {
   auto refused = OffloadedAdam::Create(kGroups, small);
   ASSERT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
   EXPECT_NE(refused.status().message().find("fewer than 3 shards"), std::string::npos);
+  // A shard is one chunk, and a chunk never spans two of the host tier's segments.
+  OffloadedAdamOptions too_large = Options();
+  too_large.shard_params = 2 << 20;  // 24 MiB of state, in 16 MiB segments
+  refused = OffloadedAdam::Create(kGroups, too_large);
+  ASSERT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("more than the host tier's segments hold"),
+            std::string::npos)
+      << refused.status();
   for (const std::vector<ParamGroup>& bad :
        {std::vector<ParamGroup>{}, std::vector<ParamGroup>{{"a/b", 10}},
         std::vector<ParamGroup>{{"a", 10}, {"a", 20}}, std::vector<ParamGroup>{{"a", 10, {4, 5}}},

@@ -110,7 +110,8 @@ struct OffloadedAdamOptions {
   // Host-tier bytes the state may occupy at once (its read-ahead and write-back included).
   uint64_t host_budget_bytes = 1ull << 30;
   // Parameters per state chunk (12 bytes each, 8 with bf16 moments). 0: chosen so that the budget
-  // holds 24 chunks, at most 4 Mi parameters.
+  // holds 24 chunks, at most 4 Mi parameters and at most the largest chunk of which whole ones
+  // fill the host tier's segments. INVALID_ARGUMENT when a chunk would not fit in one segment.
   uint64_t shard_params = 0;
   // The moments m and v: kFloat32, or kBFloat16 (a third less state to store and move each step;
   // rounded stochastically, see kernels/adam_types.h). The master weights stay fp32. Persistent
