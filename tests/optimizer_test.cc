@@ -174,8 +174,6 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
   ExpectParams(*opt, "after 3 steps");
 }
 
-// Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
-// stays on the host between steps, and only the rest goes down to NVMe and up again.
 // The shards a budget of `slots` keeps on the host: all but one slot left free and the window the
 // rest streams through, a quarter of what is planned, at most eight shards and at least the
 // shards in hand and two.
@@ -186,6 +184,8 @@ uint64_t ResidentShards(uint64_t slots, bool speculative) {
   return (planned - window) / per_shard;
 }
 
+// Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
+// stays on the host between steps, and only the rest goes down to NVMe and up again.
 TEST_F(OptimizerTest, ScratchStateKeepsWhatTheBudgetHoldsOnTheHostBetweenSteps) {
   // The optimizer's own shard size (the budget holds 24) and small shards (it holds 64: a
   // quarter would be 16, the window takes 8).
