@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<OffloadedAdam>> OffloadedAdam::Create(
   if (!node.ok()) return node.status();
   const TierStatus* host = node->tier(Tier::kHost);
   impl->host_segment_bytes = host != nullptr ? host->segment_bytes : 0;
+  impl->host_free_bytes = host != nullptr ? host->free_bytes : 0;
   uint64_t shard_params = options.shard_params;
   if (shard_params == 0) {
     shard_params =

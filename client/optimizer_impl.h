@@ -84,10 +84,14 @@ struct OffloadedAdam::Impl {
   uint64_t PlanResidency(uint64_t slots, uint64_t largest) {
     const uint64_t per_shard = state.options.speculative ? 2 : 1;
     const bool keeps = state.nvme_home() && !state.options.persistent;
-    // A budget the kept shards fill to its last slot leaves the tier no room to turn a chunk
-    // around in: with all 48 slots planned in a 2 GiB tier, the read-ahead waited for room and
-    // the step read 1.5 times what it wrote; with one left free it read what its plan says.
-    if (keeps && slots > per_shard + 3) --slots;
+    // A budget that is all the room the tier had, filled to its last slot, leaves the tier no
+    // room to turn a chunk around in: with all 48 slots planned in a 2 GiB tier, the read-ahead
+    // waited for room and the step read 1.5 times what it wrote; with one left free it read what
+    // its plan says. A budget the tier has room beside (a streamed model's optimizer, given half
+    // of it) keeps its whole window: one shard less of it doubled the optimizer's waits at B.
+    const bool fills_tier =
+        internal::HostSlots(host_free_bytes, host_segment_bytes, largest) <= slots;
+    if (keeps && fills_tier && slots > per_shard + 3) --slots;
     // The window the streamed shards need: the shards in hand, one read ahead and one written
     // back at the least; a quarter of the budget when that is more, but no more than
     // kMaxWindowShards. Depth is counted in shards: the read-ahead needs a few of them in flight
@@ -206,6 +210,7 @@ struct OffloadedAdam::Impl {
   double lr = 0;
   std::vector<AdamHyperparameters> hyper;  // each group's
   uint64_t host_segment_bytes = 0;         // the host tier's segments (0: the daemon did not say)
+  uint64_t host_free_bytes = 0;            // the host tier's free room when the optimizer was made
 
   // The end of a step: both lanes settled; the longer wait for write-backs, or the first error.
   absl::StatusOr<absl::Duration> Settle() {

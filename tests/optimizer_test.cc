@@ -174,14 +174,13 @@ TEST_F(OptimizerTest, StreamsStateThroughTheHostBudgetAndMatchesAdamInMemory) {
   ExpectParams(*opt, "after 3 steps");
 }
 
-// The shards a budget of `slots` keeps on the host: all but one slot left free and the window the
-// rest streams through, a quarter of what is planned, at most eight shards and at least the
+// The shards a budget of `slots` keeps on the host, the tier having room beside it: all but the
+// window the rest streams through, a quarter of the budget, at most eight shards and at least the
 // shards in hand and two.
 uint64_t ResidentShards(uint64_t slots, bool speculative) {
   const uint64_t per_shard = speculative ? 2 : 1;
-  const uint64_t planned = slots - 1;
-  const uint64_t window = std::max<uint64_t>(per_shard + 2, std::min<uint64_t>(planned / 4, 8));
-  return (planned - window) / per_shard;
+  const uint64_t window = std::max<uint64_t>(per_shard + 2, std::min<uint64_t>(slots / 4, 8));
+  return (slots - window) / per_shard;
 }
 
 // Scratch state has nothing to keep durable: what its budget holds beyond a window for the rest
@@ -262,9 +261,9 @@ TEST_F(OptimizerTest, ScratchStateKeepsSmallShardsAsFarAsTheirBytesFit) {
   OffloadedAdamOptions o = Options("model/small-shards");
   o.persistent = false;
   o.shard_params = 256 * 1024;  // 3 MiB of state a shard
-  // 24 MiB in the tier's 16 MiB segments holds 7 slots of 3 MiB (5 in a segment): one left free
-  // and a window of 3 leave 9 MiB for the 11 shards' 5.4 MiB to stay in. Counted in slots, only 3
-  // of the 11 would stay.
+  // 24 MiB in the tier's 16 MiB segments holds 7 slots of 3 MiB (5 in a segment): a window of 3
+  // leaves 12 MiB for the 11 shards' 5.4 MiB to stay in. Counted in slots, only 4 of the 11 would
+  // stay.
   o.host_budget_bytes = 8 * 12 * o.shard_params;
   auto created = OffloadedAdam::Create(groups, o);
   ASSERT_TRUE(created.ok()) << created.status();
